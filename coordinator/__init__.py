@@ -1,0 +1,1 @@
+"""Coordinator: planning, the local launcher and the job driver (control plane)."""

@@ -1,0 +1,207 @@
+"""Drives one job over gRPC: assign stages, load w0, start, watch progress and failures, collect."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from hetpipe import data as datasets
+from hetpipe import rpc, wire
+from hetpipe.config import JobConfig
+from hetpipe.reference import initial_model
+from hetpipe.v1 import stage_pb2, stage_pb2_grpc, wire_pb2
+from hetpipe.zoo import layer_keys
+from coordinator.plan import Plan, StagePlan, resolved_job
+
+State = stage_pb2.StageStatus.State
+
+
+class JobFailed(Exception):
+    """The job cannot finish; the message names the process, the stage and the minibatch."""
+
+
+@dataclass
+class StageHandle:
+    plan: StagePlan
+    address: str
+    channel: grpc.Channel
+    stub: stage_pb2_grpc.StageStub
+    last: stage_pb2.StageStatus = field(default_factory=stage_pb2.StageStatus)
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.plan.stage} of vw {self.plan.vw}"
+
+    def progress(self) -> str:
+        s = self.last
+        return f"it had finished {s.forwards_done} forwards and {s.backwards_done} backwards"
+
+
+@dataclass
+class Progress:
+    samples: int
+    total: int
+    loss: float
+    samples_per_second: float
+
+
+class JobDriver:
+    """Runs a planned job on stage workers (and shards) that are already serving."""
+
+    def __init__(
+        self, job: JobConfig, plan: Plan, stage_addresses: list[str], *,
+        ps_addresses: list[str] | None = None,
+        check_processes: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.job = resolved_job(job, plan)
+        self.plan = plan
+        self.ps_addresses = ps_addresses or []
+        self._check_processes = check_processes
+        self.stages = []
+        for sp, address in zip(plan.stages, stage_addresses):
+            ch = rpc.channel(address)
+            self.stages.append(StageHandle(sp, address, ch, stage_pb2_grpc.StageStub(ch)))
+        self.out_dir = Path(job.resolve(job.output.dir))
+
+    def close(self) -> None:
+        for s in self.stages:
+            s.channel.close()
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def _assignment(self, h: StageHandle, x: torch.Tensor, y: torch.Tensor) -> stage_pb2.StageAssignment:
+        sp, k = h.plan, self.plan.stages_per_vw
+        vw_handles = [s for s in self.stages if s.plan.vw == sp.vw]
+        trace = ""
+        if self.job.output.trace:
+            trace = str(self.out_dir / "trace" / f"vw{sp.vw}_stage{sp.stage}.jsonl")
+        return stage_pb2.StageAssignment(
+            vw=sp.vw, stage=sp.stage, num_stages=k, layer_begin=sp.layer_begin, layer_end=sp.layer_end,
+            job_json=self.job.to_json(),
+            prev_address=vw_handles[sp.stage - 1].address if sp.stage > 0 else "",
+            next_address=vw_handles[sp.stage + 1].address if sp.stage < k - 1 else "",
+            ps_addresses=self.ps_addresses, trace_path=trace,
+            forward_seconds=sp.forward_seconds, backward_seconds=sp.backward_seconds,
+            device=sp.device, device_label=sp.label,
+            input_shape=list(x.shape), input_dtype=wire.wire_dtype(x.dtype),
+            target_shape=list(y.shape), target_dtype=wire.wire_dtype(y.dtype),
+        )
+
+    def setup(self) -> None:
+        """Assigns every stage, loads w0 into it and starts it."""
+        if self.job.output.trace:
+            (self.out_dir / "trace").mkdir(parents=True, exist_ok=True)
+        model = initial_model(self.job)
+        self.w0 = model.state_dict()
+        dataset = datasets.load_dataset(self.job)
+        x, y = datasets.minibatch(dataset, 1, 0, self.job)
+        for h in self.stages:
+            self._call(h, "Assign", self._assignment(h, x, y))
+            keys = layer_keys(model, h.plan.layer_begin, h.plan.layer_end)
+            self._call(h, "LoadWeights", wire.encode([(key, self.w0[key]) for key in keys]), deadline=rpc.DATA_DEADLINE_S)
+        for h in self.stages:
+            self._call(h, "Start", wire_pb2.Empty())
+
+    def _call(self, h: StageHandle, method: str, request: Any, *, deadline: float = rpc.CONTROL_DEADLINE_S) -> Any:
+        try:
+            return getattr(h.stub, method)(request, timeout=deadline)
+        except grpc.RpcError as exc:
+            self._check_processes()
+            raise JobFailed(f"{h.name} at {h.address}: {method} failed: {exc.code().name}: {exc.details()}") from None
+
+    # ---- running ---------------------------------------------------------------------------
+
+    def poll(self) -> bool:
+        """Refreshes every stage's status; True once all are done. Raises JobFailed."""
+        self._check_processes()
+        for h in self.stages:
+            h.last = self._call(h, "Status", wire_pb2.Empty())
+            if h.last.state == State.FAILED:
+                raise JobFailed(f"{h.last.error} ({h.progress()})")
+        return all(h.last.state == State.DONE for h in self.stages)
+
+    def run(self, on_progress: Callable[[Progress], None] = lambda p: None, interval: float = 0.1) -> float:
+        """Polls until done; returns the training wall time in seconds."""
+        start = time.monotonic()
+        total = self.job.train.steps * self.plan.virtual_workers * self.job.data.batch_size
+        while not self.poll():
+            on_progress(self._progress(start, total))
+            time.sleep(interval)
+        wall = time.monotonic() - start
+        on_progress(self._progress(start, total))
+        return wall
+
+    def _last_stages(self) -> list[StageHandle]:
+        return [h for h in self.stages if h.plan.stage == self.plan.stages_per_vw - 1]
+
+    def _progress(self, start: float, total: int) -> Progress:
+        samples = sum(h.last.backwards_done for h in self._last_stages()) * self.job.data.batch_size
+        losses = [h.last.recent_loss for h in self._last_stages() if not math.isnan(h.last.recent_loss)]
+        elapsed = max(time.monotonic() - start, 1e-9)
+        return Progress(samples, total, sum(losses) / len(losses) if losses else float("nan"), samples / elapsed)
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def fetch_weights(self) -> OrderedDict[str, torch.Tensor]:
+        """The final model: the stages' local weights of VW 0, in layer order (lone VW)."""
+        merged: dict[str, torch.Tensor] = {}
+        for h in self.stages:
+            if h.plan.vw != 0:
+                continue
+            try:
+                bundle = wire.decode(h.stub.GetWeights(wire_pb2.Empty(), timeout=rpc.DATA_DEADLINE_S))
+            except grpc.RpcError as exc:
+                raise JobFailed(f"{h.name}: GetWeights failed: {exc.code().name}: {exc.details()}") from None
+            merged.update(bundle.named())
+        return OrderedDict((key, merged[key]) for key in self.w0)
+
+    def write_outputs(self, weights: OrderedDict[str, torch.Tensor], wall: float) -> dict[str, Any]:
+        """model.pt and summary.json per DESIGN §8."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(weights, self.out_dir / "model.pt")
+        job, plan = self.job, self.plan
+        model = initial_model(job)
+        model.load_state_dict(weights)
+        dataset = datasets.load_dataset(job)
+        samples = job.train.steps * plan.virtual_workers * job.data.batch_size
+        losses = [h.last.recent_loss for h in self._last_stages()]
+        summary: dict[str, Any] = {
+            "steps": job.train.steps,
+            "samples_per_second": samples / wall if wall > 0 else 0.0,
+            "wall_seconds": wall,
+            "final_loss": sum(losses) / len(losses),
+            "virtual_workers": plan.virtual_workers,
+            "stages_per_vw": plan.stages_per_vw,
+            "nm": plan.nm,
+            "D": plan.D,
+            "emulated": plan.emulated,
+            "wait_seconds": sum(h.last.wait_seconds for h in self.stages),
+            "idle_seconds": sum(h.last.idle_seconds for h in self.stages),
+            "plan": plan.describe(),
+            "mode": job.parallel.mode,
+        }
+        if dataset.classification:
+            summary["accuracy"] = accuracy(model, dataset)
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, dataset: datasets.Dataset, batch: int = 1024) -> float:
+    """Fraction of rows (or tokens) whose argmax prediction matches the label."""
+    correct = total = 0
+    for i in range(0, dataset.rows, batch):
+        pred = model(dataset.x[i : i + batch]).argmax(dim=-1)
+        target = dataset.y[i : i + batch]
+        correct += int((pred == target).sum())
+        total += target.numel()
+    return correct / total

@@ -1,0 +1,101 @@
+"""Starts service processes on this machine and guarantees that none outlives the launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+
+@dataclass(slots=True)
+class Process:
+    name: str                 # e.g. "stage 1 of vw 0"
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    ready_file: Path
+    address: str = ""
+    metrics_port: int = 0
+
+    def exit_description(self) -> str:
+        code = self.popen.returncode
+        if code is None:
+            return "running"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalProcesses:
+    """A set of service processes (python -m MODULE) on loopback, each with its own log file."""
+
+    log_dir: Path
+    host: str = "127.0.0.1"
+    processes: list[Process] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._tmp = tempfile.TemporaryDirectory(prefix="hetpipe-")
+
+    def spawn(self, module: str, name: str, extra: list[str] | None = None) -> Process:
+        slug = name.replace(" ", "_")
+        ready = Path(self._tmp.name) / f"{slug}.ready"
+        log_path = self.log_dir / f"{slug}.log"
+        args = [sys.executable, "-m", module, "--host", self.host, "--port", "0", "--metrics-port", "0",
+                "--ready-file", str(ready), "--exit-with-parent", *(extra or [])]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = Process(name, popen, log_path, ready)
+        self.processes.append(proc)
+        return proc
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Waits until every spawned process has published its address."""
+        deadline = time.monotonic() + timeout
+        for proc in self.processes:
+            while not proc.ready_file.exists():
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(
+                        f"{proc.name} {proc.exit_description()} before serving; log {proc.log_path}:\n{proc.log_tail()}"
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{proc.name} did not start serving within {timeout:.0f}s; log {proc.log_path}")
+                time.sleep(0.02)
+            address, metrics = proc.ready_file.read_text().split()
+            proc.address, proc.metrics_port = address, int(metrics)
+
+    def dead(self) -> list[Process]:
+        return [p for p in self.processes if p.popen.poll() is not None]
+
+    def stop_all(self, grace: float = 3.0) -> None:
+        """SIGTERM, then SIGKILL whatever is still alive after grace seconds."""
+        alive = [p for p in self.processes if p.popen.poll() is None]
+        for p in alive:
+            p.popen.terminate()
+        deadline = time.monotonic() + grace
+        for p in alive:
+            try:
+                p.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> LocalProcesses:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop_all()

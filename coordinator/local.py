@@ -1,0 +1,62 @@
+"""`hetpipe run`: the embedded default, every process on this machine over loopback."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from hetpipe.config import JobConfig
+from coordinator.driver import JobDriver, JobFailed, Progress
+from coordinator.launcher import LocalProcesses, Process
+from coordinator.plan import make_plan
+
+
+def _dead_check(procs: LocalProcesses, drivers: list[JobDriver]) -> None:
+    dead = procs.dead()
+    if not dead:
+        return
+    p: Process = dead[0]
+    detail = ""
+    for d in drivers:
+        for h in d.stages:
+            if h.address == p.address:
+                detail = f"; {h.progress()}"
+    raise JobFailed(f"{p.name} (pid {p.popen.pid}, {p.address}) {p.exit_description()}{detail}")
+
+
+def run_local(job: JobConfig, *, quiet: bool = False) -> dict[str, Any]:
+    """Plans the job, starts its processes, trains, writes outputs; stops every process it started."""
+    plan = make_plan(job)
+    out_dir = Path(job.resolve(job.output.dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with LocalProcesses(out_dir / "logs") as procs:
+        stage_procs = [procs.spawn("stage_worker", f"stage {s.stage} of vw {s.vw}") for s in plan.stages]
+        drivers: list[JobDriver] = []
+        procs.wait_ready()
+        driver = JobDriver(job, plan, [p.address for p in stage_procs],
+                           check_processes=lambda: _dead_check(procs, drivers))
+        drivers.append(driver)
+        bar = tqdm(total=job.train.steps * plan.virtual_workers * job.data.batch_size, unit="sample",
+                   disable=quiet, file=sys.stderr, dynamic_ncols=True,
+                   desc="emulated" if plan.emulated else "train")
+
+        def show(p: Progress) -> None:
+            bar.n = p.samples
+            bar.set_postfix(loss=f"{p.loss:.4f}", samples_s=f"{p.samples_per_second:.0f}", refresh=False)
+            bar.refresh()
+
+        try:
+            driver.setup()
+            bar.reset()
+            wall = driver.run(show)
+            bar.close()
+            weights = driver.fetch_weights()
+            return driver.write_outputs(weights, wall)
+        except JobFailed:
+            bar.close()
+            raise
+        finally:
+            driver.close()

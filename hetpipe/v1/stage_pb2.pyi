@@ -1,0 +1,105 @@
+from hetpipe.v1 import wire_pb2 as _wire_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StageAssignment(_message.Message):
+    __slots__ = ("vw", "stage", "num_stages", "layer_begin", "layer_end", "job_json", "prev_address", "next_address", "ps_addresses", "key_shards", "trace_path", "forward_seconds", "backward_seconds", "device", "device_label", "input_shape", "input_dtype", "target_shape", "target_dtype")
+    VW_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    JOB_JSON_FIELD_NUMBER: _ClassVar[int]
+    PREV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PS_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    KEY_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_PATH_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_LABEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    vw: int
+    stage: int
+    num_stages: int
+    layer_begin: int
+    layer_end: int
+    job_json: str
+    prev_address: str
+    next_address: str
+    ps_addresses: _containers.RepeatedScalarFieldContainer[str]
+    key_shards: _containers.RepeatedScalarFieldContainer[int]
+    trace_path: str
+    forward_seconds: float
+    backward_seconds: float
+    device: str
+    device_label: str
+    input_shape: _containers.RepeatedScalarFieldContainer[int]
+    input_dtype: _wire_pb2.DType
+    target_shape: _containers.RepeatedScalarFieldContainer[int]
+    target_dtype: _wire_pb2.DType
+    def __init__(self, vw: _Optional[int] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., job_json: _Optional[str] = ..., prev_address: _Optional[str] = ..., next_address: _Optional[str] = ..., ps_addresses: _Optional[_Iterable[str]] = ..., key_shards: _Optional[_Iterable[int]] = ..., trace_path: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., device: _Optional[str] = ..., device_label: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., target_shape: _Optional[_Iterable[int]] = ..., target_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ...) -> None: ...
+
+class StageStatus(_message.Message):
+    __slots__ = ("state", "vw", "stage", "forwards_done", "backwards_done", "local_version", "in_flight", "received", "last_loss", "recent_loss", "error", "wait_seconds", "idle_seconds", "compute_seconds", "clock", "min_clock", "weights_digest", "device")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[StageStatus.State]
+        IDLE: _ClassVar[StageStatus.State]
+        ASSIGNED: _ClassVar[StageStatus.State]
+        RUNNING: _ClassVar[StageStatus.State]
+        DONE: _ClassVar[StageStatus.State]
+        FAILED: _ClassVar[StageStatus.State]
+    STATE_UNSPECIFIED: StageStatus.State
+    IDLE: StageStatus.State
+    ASSIGNED: StageStatus.State
+    RUNNING: StageStatus.State
+    DONE: StageStatus.State
+    FAILED: StageStatus.State
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VW_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    BACKWARDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_LOSS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    state: StageStatus.State
+    vw: int
+    stage: int
+    forwards_done: int
+    backwards_done: int
+    local_version: int
+    in_flight: int
+    received: int
+    last_loss: float
+    recent_loss: float
+    error: str
+    wait_seconds: float
+    idle_seconds: float
+    compute_seconds: float
+    clock: int
+    min_clock: int
+    weights_digest: str
+    device: str
+    def __init__(self, state: _Optional[_Union[StageStatus.State, str]] = ..., vw: _Optional[int] = ..., stage: _Optional[int] = ..., forwards_done: _Optional[int] = ..., backwards_done: _Optional[int] = ..., local_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., received: _Optional[int] = ..., last_loss: _Optional[float] = ..., recent_loss: _Optional[float] = ..., error: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., clock: _Optional[int] = ..., min_clock: _Optional[int] = ..., weights_digest: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,81 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT64: DType
+FLOAT16: DType
+BFLOAT16: DType
+INT64: DType
+INT32: DType
+UINT8: DType
+BOOL: DType
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MinibatchTag(_message.Message):
+    __slots__ = ("vw", "minibatch", "weight_version", "stage")
+    VW_FIELD_NUMBER: _ClassVar[int]
+    MINIBATCH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    vw: int
+    minibatch: int
+    weight_version: int
+    stage: int
+    def __init__(self, vw: _Optional[int] = ..., minibatch: _Optional[int] = ..., weight_version: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class PushTag(_message.Message):
+    __slots__ = ("vw", "clock")
+    VW_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    vw: int
+    clock: int
+    def __init__(self, vw: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+
+class TensorFrame(_message.Message):
+    __slots__ = ("minibatch", "push", "tensors", "data")
+    MINIBATCH_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    minibatch: MinibatchTag
+    push: PushTag
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    data: bytes
+    def __init__(self, minibatch: _Optional[_Union[MinibatchTag, _Mapping]] = ..., push: _Optional[_Union[PushTag, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

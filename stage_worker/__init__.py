@@ -1,0 +1,1 @@
+"""Stage worker service: one pipeline stage of one virtual worker on one device."""

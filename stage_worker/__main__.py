@@ -1,0 +1,48 @@
+"""Entry point: flags -> StageWorkerConfig -> serve(cfg)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+from hetpipe import metrics, rpc
+from hetpipe.v1 import stage_pb2_grpc
+from stage_worker.config import StageWorkerConfig, parse_args
+from stage_worker.runtime import StageRuntime
+from stage_worker.servicer import StageServicer
+
+
+def serve(cfg: StageWorkerConfig) -> None:
+    # One process per stage: oversubscribing the cores with intra-op threads only slows them all.
+    torch.set_num_threads(max(1, int(os.environ.get("HETPIPE_THREADS", "1"))))
+    runtime = StageRuntime()
+    server = rpc.Server(cfg.host, cfg.port)
+
+    def shutdown() -> None:
+        runtime.stop()
+        server.stop()
+
+    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(runtime, shutdown), server.grpc)
+    metrics_port = metrics.serve(cfg.metrics_port)
+    server.start()
+    server.stop_on_signals()
+    if cfg.exit_with_parent:
+        rpc.exit_with_parent(os.getppid(), shutdown)
+    logging.info("stage worker serving on %s (metrics :%d)", server.address, metrics_port)
+    if cfg.ready_file:
+        rpc.write_ready_file(cfg.ready_file, f"{server.address} {metrics_port}")
+    server.wait()
+    runtime.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

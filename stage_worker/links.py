@@ -1,0 +1,90 @@
+"""Ordered, retrying senders from one stage to a neighbour stage."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from hetpipe import rpc, wire
+from hetpipe.v1 import stage_pb2_grpc, wire_pb2
+
+log = logging.getLogger(__name__)
+
+# Codes after which the same send may succeed later: the peer is starting or briefly overloaded.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    tag: wire_pb2.MinibatchTag
+    tensors: list[tuple[str, torch.Tensor]]
+
+
+class Link:
+    """Sends bundles to one peer in submission order, on its own thread.
+
+    A send that keeps failing for longer than give_up_s calls on_failure with a message naming
+    the peer and the minibatch, so a dead neighbour fails the stage fast instead of hanging it.
+    """
+
+    def __init__(
+        self, *, address: str, method: str, peer: str, on_failure: Callable[[str], None],
+        give_up_s: float = 10.0,
+    ) -> None:
+        self.address, self.method, self.peer = address, method, peer
+        self._on_failure = on_failure
+        self._give_up_s = give_up_s
+        self._channel = rpc.channel(address)
+        stub = stage_pb2_grpc.StageStub(self._channel)
+        self._call = getattr(stub, method)
+        self._queue: queue.Queue[Outgoing | None] = queue.Queue()
+        self.bytes_sent = 0
+        self._thread = threading.Thread(target=self._run, name=f"link-{method}", daemon=True)
+        self._thread.start()
+
+    def send(self, item: Outgoing) -> None:
+        self._queue.put(item)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self._channel.close()
+
+    @property
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if not self._deliver(item):
+                return
+
+    def _deliver(self, item: Outgoing) -> bool:
+        what = "activation" if self.method == "Forward" else "gradient"
+        deadline = time.monotonic() + self._give_up_s
+        delay = 0.02
+        while True:
+            try:
+                self._call(wire.encode(item.tensors, minibatch=item.tag), timeout=rpc.DATA_DEADLINE_S,
+                           wait_for_ready=False)
+                self.bytes_sent += sum(t.numel() * t.element_size() for _, t in item.tensors)
+                return True
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.ALREADY_EXISTS:  # an earlier attempt landed
+                    return True
+                if code not in _RETRYABLE or time.monotonic() > deadline:
+                    self._on_failure(
+                        f"could not send the {what} of minibatch {item.tag.minibatch} to {self.peer} at "
+                        f"{self.address}: {code.name}: {exc.details()}"
+                    )
+                    return False
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)

@@ -1,0 +1,142 @@
+"""One stage's layers, local weights, stashed weight versions and optimizer (L2, L3)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from hetpipe.config import OptimizerConfig
+
+
+def make_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    # foreach=False: the per-tensor loop matches single-process training bit for bit.
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                weight_decay=cfg.weight_decay, foreach=False)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                           weight_decay=cfg.weight_decay, foreach=False)
+
+
+def compute_loss(kind: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if kind == "mse":
+        return nn.functional.mse_loss(output, target)
+    # Sequence models: (B, T, V) logits against (B, T) tokens.
+    return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+@dataclass(slots=True)
+class _Stashed:
+    version: int
+    leaves: dict[str, torch.Tensor]
+    x: torch.Tensor
+    out: torch.Tensor
+
+
+class StageCompute:
+    """Runs forward/backward for one stage with weight stashing; counts own updates as versions."""
+
+    def __init__(
+        self, layers: nn.Sequential, optimizer: OptimizerConfig, *, loss: str, device: str, track_updates: bool
+    ) -> None:
+        self.module = layers.to(device)
+        self.track_updates = track_updates  # WSP needs u_p = w_after - w_before; a lone VW does not
+        self.device = device
+        self.loss_kind = loss
+        self.names = [n for n, _ in self.module.named_parameters()]
+        self.params = [p for _, p in self.module.named_parameters()]
+        # A stage may hold only parameter-free layers (a ReLU); it still counts versions.
+        self.optimizer = make_optimizer(self.params, optimizer) if self.params else None
+        self.version = 0  # own minibatch updates applied so far
+        self._stash: dict[int, _Stashed] = {}
+        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def _current_leaves(self) -> dict[str, torch.Tensor]:
+        # Minibatches forwarded between two updates share one stashed copy of the weights.
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            leaves = {n: p.detach().clone().requires_grad_(True) for n, p in zip(self.names, self.params)}
+            self._snapshot = (self.version, leaves)
+        return self._snapshot[1]
+
+    def forward(self, p: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """L2: runs p on the latest local weights and stashes them for p's backward."""
+        leaves = self._current_leaves()
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        out = functional_call(self.module, leaves, (x,))
+        self._stash[p] = _Stashed(self.version, leaves, x, out)
+        return out.detach(), self.version
+
+    def backward(self, p: int, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, int, list[torch.Tensor]]:
+        """Backward of p on its stashed weights, then the local optimizer step (L3)."""
+        stashed = self._stash.pop(p)
+        grad_in, grads = self._grads(stashed, stashed.out, grad_out)
+        return grad_in, stashed.version, self._step(grads)
+
+    def forward_backward(
+        self, p: int, x: torch.Tensor, target: torch.Tensor
+    ) -> tuple[float, torch.Tensor | None, int, list[torch.Tensor], float]:
+        """The last stage's single task: forward, loss, backward, step. Returns the split time too."""
+        leaves = self._current_leaves()
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        out = functional_call(self.module, leaves, (x,))
+        loss = compute_loss(self.loss_kind, out, target)
+        forward_end = time.time()
+        stashed = _Stashed(self.version, leaves, x, loss)
+        grad_in, grads = self._grads(stashed, loss, None)
+        return float(loss.detach()), grad_in, stashed.version, self._step(grads), forward_end
+
+    def _grads(
+        self, stashed: _Stashed, out: torch.Tensor, grad_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        wants_x = stashed.x.requires_grad
+        inputs = list(stashed.leaves.values()) + ([stashed.x] if wants_x else [])
+        if not inputs or not out.requires_grad:
+            return None, [None] * len(self.params)
+        got = torch.autograd.grad(out, inputs, grad_outputs=grad_out, allow_unused=True)
+        grads = list(got[: len(self.params)])
+        grad_in = got[-1] if wants_x else None
+        return grad_in, grads
+
+    @torch.no_grad()
+    def _step(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        before = [p.detach().clone() for p in self.params] if self.track_updates else []
+        for param, grad in zip(self.params, grads):
+            param.grad = torch.zeros_like(param) if grad is None else grad
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return [p.detach() - b for p, b in zip(self.params, before)]
+
+    @torch.no_grad()
+    def add_to_weights(self, deltas: list[torch.Tensor]) -> None:
+        """Adds deltas (one per parameter, in order) to the local weights; not a new version."""
+        for param, delta in zip(self.params, deltas):
+            param.add_(delta.to(param.device, param.dtype))
+        self._snapshot = None
+
+    @torch.no_grad()
+    def set_weights(self, values: list[torch.Tensor]) -> None:
+        for param, value in zip(self.params, values):
+            param.copy_(value)
+        self._snapshot = None
+
+    def state(self) -> list[tuple[str, torch.Tensor]]:
+        return [(k, v.detach().cpu()) for k, v in self.module.state_dict().items()]
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for name, tensor in self.state():
+            h.update(name.encode())
+            h.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    @property
+    def stashed_versions(self) -> int:
+        return len({s.version for s in self._stash.values()})

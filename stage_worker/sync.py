@@ -1,0 +1,89 @@
+"""How a stage's local weights meet the other virtual workers' (the lone-VW case lives here too)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from stage_worker.stage import StageCompute
+
+
+class Sync(Protocol):
+    """Called by the stage's compute thread only, so implementations need no lock of their own
+    for the state they share with it; background RPCs hand results over via apply_pending."""
+
+    def forward_allowed(self, p: int) -> bool:
+        """G2: whether the weights are fresh enough for the forward of p (may start a pull)."""
+        ...
+
+    def after_update(self, p: int, update: list[torch.Tensor]) -> None:
+        """L3/G1: u_p was applied locally; fold it into the current wave's sum."""
+        ...
+
+    def on_wave_end(self, wave: int) -> None:
+        """G1: the stage finished wave c (or the final partial wave): push its sum."""
+        ...
+
+    def apply_pending(self, compute: StageCompute) -> None:
+        """G3: merge a completed pull into the local weights."""
+        ...
+
+    @property
+    def min_clock(self) -> int:
+        """The c_global the local weights are known to include."""
+        ...
+
+    @property
+    def clock(self) -> int:
+        """Waves this stage has completed."""
+        ...
+
+    @property
+    def wait_seconds(self) -> float:
+        ...
+
+    def finished(self) -> bool:
+        """All pushes acknowledged."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class LocalSync:
+    """One VW and no parameter server: the local weights hold every update there is."""
+
+    def __init__(self) -> None:
+        self._clock = 0
+
+    def forward_allowed(self, p: int) -> bool:
+        return True
+
+    def after_update(self, p: int, update: list[torch.Tensor]) -> None:
+        pass
+
+    def on_wave_end(self, wave: int) -> None:
+        self._clock = wave + 1
+
+    def apply_pending(self, compute: StageCompute) -> None:
+        pass
+
+    @property
+    def min_clock(self) -> int:
+        # With one VW, c_global is this VW's own clock, and its updates are all local.
+        return self._clock
+
+    @property
+    def clock(self) -> int:
+        return self._clock
+
+    @property
+    def wait_seconds(self) -> float:
+        return 0.0
+
+    def finished(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,70 @@
+"""Shared fixtures: fixed seeds, job files in tmp dirs, and no process left behind."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import torch
+import yaml
+
+from hetpipe.config import JobConfig, load_job
+
+
+@pytest.fixture(autouse=True)
+def _seeds() -> None:
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_orphans() -> Iterator[None]:
+    """Every test must stop the processes it started."""
+    me = psutil.Process()
+    before = {c.pid for c in me.children(recursive=True)}
+    yield
+    leftover = []
+    for child in me.children(recursive=True):
+        if child.pid in before:
+            continue
+        try:
+            child.wait(timeout=5)
+        except psutil.TimeoutExpired:
+            leftover.append(child)
+            child.kill()
+    assert not leftover, f"test left processes behind: {[c.cmdline() for c in leftover]}"
+
+
+def deep_update(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = deep_update(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+BASE_JOB: dict[str, Any] = {
+    "model": {"name": "mlp", "args": {"in_features": 64, "hidden": [32, 32, 32], "num_classes": 10}},
+    "data": {"name": "digits", "batch_size": 16},
+    "train": {"steps": 30, "loss": "cross_entropy", "optimizer": {"name": "sgd", "lr": 0.05}, "seed": 0},
+    "parallel": {"virtual_workers": 1, "stages_per_vw": 2, "nm": 1, "D": 0},
+    "output": {"dir": "out", "trace": True},
+}
+
+
+@pytest.fixture
+def make_job(tmp_path: Path):
+    """make_job(**overrides) writes a job file under tmp_path and returns the parsed JobConfig."""
+
+    def make(overrides: dict[str, Any] | None = None, name: str = "job.yaml") -> JobConfig:
+        raw = deep_update(BASE_JOB, overrides or {})
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(raw))
+        return load_job(path)
+
+    return make
