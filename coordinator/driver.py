@@ -6,6 +6,7 @@ import json
 import math
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,10 +105,15 @@ class JobDriver:
         self.w0 = model.state_dict()
         dataset = datasets.load_dataset(self.job)
         x, y = datasets.minibatch(dataset, 1, 0, self.job)
-        for h in self.stages:
+
+        def prepare(h: StageHandle) -> None:
             self._call(h, "Assign", self._assignment(h, x, y))
             keys = layer_keys(model, h.plan.layer_begin, h.plan.layer_end)
             self._call(h, "LoadWeights", wire.encode([(key, self.w0[key]) for key in keys]), deadline=rpc.DATA_DEADLINE_S)
+
+        # Stages set up concurrently: each builds its model slice, which takes a moment.
+        with ThreadPoolExecutor(max_workers=len(self.stages)) as pool:
+            list(pool.map(prepare, self.stages))
         for h in self.stages:
             self._call(h, "Start", wire_pb2.Empty())
 

@@ -29,11 +29,13 @@ def _dead_check(procs: LocalProcesses, drivers: list[JobDriver]) -> None:
 
 def run_local(job: JobConfig, *, quiet: bool = False) -> dict[str, Any]:
     """Plans the job, starts its processes, trains, writes outputs; stops every process it started."""
-    plan = make_plan(job)
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     with LocalProcesses(out_dir / "logs") as procs:
-        stage_procs = [procs.spawn("stage_worker", f"stage {s.stage} of vw {s.vw}") for s in plan.stages]
+        par = job.parallel
+        names = [f"stage {q} of vw {v}" for v in range(par.virtual_workers) for q in range(par.stages_per_vw)]
+        stage_procs = [procs.spawn("stage_worker", name) for name in names]
+        plan = make_plan(job)  # while the processes start
         drivers: list[JobDriver] = []
         procs.wait_ready()
         driver = JobDriver(job, plan, [p.address for p in stage_procs],

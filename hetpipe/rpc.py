@@ -81,7 +81,7 @@ class Server:
         self.grpc.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
-    def stop(self, grace: float = 2.0) -> None:
+    def stop(self, grace: float = 0.5) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -91,12 +91,12 @@ class Server:
     def wait(self) -> None:
         self._stopped.wait()
 
-    def stop_on_signals(self) -> None:
-        """Graceful shutdown on SIGTERM and SIGINT."""
+    def stop_on_signals(self, shutdown: Callable[[], None] | None = None) -> None:
+        """Graceful shutdown on SIGTERM and SIGINT, through shutdown if given (it must stop us)."""
 
         def on_signal(signum: int, _frame: Any) -> None:
             log.info("signal %d: shutting down", signum)
-            threading.Thread(target=self.stop, daemon=True).start()
+            threading.Thread(target=shutdown or self.stop, daemon=True).start()
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)

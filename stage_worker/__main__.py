@@ -7,6 +7,7 @@ import os
 import sys
 
 import torch
+import torch._dynamo  # noqa: F401  torch imports it lazily on first use: seconds, better paid before serving
 
 from hetpipe import metrics, rpc
 from hetpipe.v1 import stage_pb2_grpc
@@ -28,7 +29,7 @@ def serve(cfg: StageWorkerConfig) -> None:
     stage_pb2_grpc.add_StageServicer_to_server(StageServicer(runtime, shutdown), server.grpc)
     metrics_port = metrics.serve(cfg.metrics_port)
     server.start()
-    server.stop_on_signals()
+    server.stop_on_signals(shutdown)
     if cfg.exit_with_parent:
         rpc.exit_with_parent(os.getppid(), shutdown)
     logging.info("stage worker serving on %s (metrics :%d)", server.address, metrics_port)
@@ -41,7 +42,9 @@ def serve(cfg: StageWorkerConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(parse_args(argv))
-    return 0
+    logging.shutdown()
+    # Everything is flushed and closed; interpreter teardown of torch and gRPC only adds seconds.
+    os._exit(0)
 
 
 if __name__ == "__main__":
