@@ -19,7 +19,7 @@ from hetpipe import data as datasets
 from hetpipe import rpc, wire
 from hetpipe.config import JobConfig
 from hetpipe.reference import initial_model
-from hetpipe.v1 import stage_pb2, stage_pb2_grpc, wire_pb2
+from hetpipe.v1 import ps_pb2, ps_pb2_grpc, stage_pb2, stage_pb2_grpc, wire_pb2
 from hetpipe.zoo import layer_keys
 from coordinator.plan import Plan, StagePlan, resolved_job
 
@@ -72,15 +72,21 @@ class JobDriver:
             ch = rpc.channel(address)
             self.stages.append(StageHandle(sp, address, ch, stage_pb2_grpc.StageStub(ch)))
         self.out_dir = Path(job.resolve(job.output.dir))
+        self._ps_channels = [rpc.channel(a) for a in self.ps_addresses]
+        self.shards = [ps_pb2_grpc.ParameterServerStub(ch) for ch in self._ps_channels]
 
     def close(self) -> None:
-        for s in self.stages:
-            s.channel.close()
+        for ch in [s.channel for s in self.stages] + self._ps_channels:
+            ch.close()
+
+    def _shard_keys(self, shard: int) -> list[str]:
+        return [k for k, s in self.plan.key_shard.items() if s == shard and k in self.param_keys]
 
     # ---- setup ---------------------------------------------------------------------------
 
     def _assignment(self, h: StageHandle, x: torch.Tensor, y: torch.Tensor) -> stage_pb2.StageAssignment:
         sp, k = h.plan, self.plan.stages_per_vw
+        keys = [key for key in layer_keys(self.model, sp.layer_begin, sp.layer_end) if key in self.param_keys]
         vw_handles = [s for s in self.stages if s.plan.vw == sp.vw]
         trace = ""
         if self.job.output.trace:
@@ -91,6 +97,7 @@ class JobDriver:
             prev_address=vw_handles[sp.stage - 1].address if sp.stage > 0 else "",
             next_address=vw_handles[sp.stage + 1].address if sp.stage < k - 1 else "",
             ps_addresses=self.ps_addresses, trace_path=trace,
+            key_shards=[self.plan.key_shard[key] for key in keys] if self.ps_addresses else [],
             forward_seconds=sp.forward_seconds, backward_seconds=sp.backward_seconds,
             device=sp.device, device_label=sp.label,
             input_shape=list(x.shape), input_dtype=wire.wire_dtype(x.dtype),
@@ -101,8 +108,21 @@ class JobDriver:
         """Assigns every stage, loads w0 into it and starts it."""
         if self.job.output.trace:
             (self.out_dir / "trace").mkdir(parents=True, exist_ok=True)
-        model = initial_model(self.job)
+        model = self.model = initial_model(self.job)
         self.w0 = model.state_dict()
+        self.param_keys = {name for name, _ in model.named_parameters()}
+        for i, stub in enumerate(self.shards):
+            # w_global starts at w0; the shards own the parameters, placed by the plan.
+            tensors = [(key, self.w0[key]) for key in self._shard_keys(i)]
+            if not tensors:
+                continue  # more shards than parameter layers: this one idles
+            try:
+                stub.Init(wire.encode(tensors, init=wire_pb2.InitTag(virtual_workers=self.plan.virtual_workers)),
+                          timeout=rpc.DATA_DEADLINE_S)
+            except grpc.RpcError as exc:
+                self._check_processes()
+                raise JobFailed(f"ps shard {i} at {self.ps_addresses[i]}: Init failed: {exc.code().name}: "
+                                f"{exc.details()}") from None
         dataset = datasets.load_dataset(self.job)
         x, y = datasets.minibatch(dataset, 1, 0, self.job)
 
@@ -158,7 +178,8 @@ class JobDriver:
     # ---- results ---------------------------------------------------------------------------
 
     def fetch_weights(self) -> OrderedDict[str, torch.Tensor]:
-        """The final model: the stages' local weights of VW 0, in layer order (lone VW)."""
+        """The final model in layer order: w_global after every VW's last push (with shards),
+        else the lone VW's local weights."""
         merged: dict[str, torch.Tensor] = {}
         for h in self.stages:
             if h.plan.vw != 0:
@@ -168,7 +189,19 @@ class JobDriver:
             except grpc.RpcError as exc:
                 raise JobFailed(f"{h.name}: GetWeights failed: {exc.code().name}: {exc.details()}") from None
             merged.update(bundle.named())
+        final_clock = math.ceil(self.job.train.steps / self.plan.nm)
+        for i, stub in enumerate(self.shards):
+            if not self._shard_keys(i):
+                continue
+            request = ps_pb2.PullRequest(vw=0, keys=self._shard_keys(i), min_clock=final_clock)
+            try:
+                merged.update(wire.decode(stub.Pull(request, timeout=rpc.DATA_DEADLINE_S)).named())
+            except grpc.RpcError as exc:
+                raise JobFailed(f"ps shard {i}: final Pull failed: {exc.code().name}: {exc.details()}") from None
         return OrderedDict((key, merged[key]) for key in self.w0)
+
+    def shard_status(self) -> list[ps_pb2.ShardStatus]:
+        return [stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S) for stub in self.shards]
 
     def write_outputs(self, weights: OrderedDict[str, torch.Tensor], wall: float) -> dict[str, Any]:
         """model.pt and summary.json per DESIGN §8."""
@@ -191,10 +224,16 @@ class JobDriver:
             "D": plan.D,
             "emulated": plan.emulated,
             "wait_seconds": sum(h.last.wait_seconds for h in self.stages),
+            "wait_idle_seconds": sum(h.last.wait_idle_seconds for h in self.stages),
             "idle_seconds": sum(h.last.idle_seconds for h in self.stages),
             "plan": plan.describe(),
             "mode": job.parallel.mode,
+            "ps_shards": len(self.shards),
         }
+        if self.shards:
+            statuses = self.shard_status()
+            summary["max_clock_distance"] = max(st.max_clock_distance for st in statuses)
+            summary["pushes_applied"] = sum(st.pushes_applied for st in statuses)
         if dataset.classification:
             summary["accuracy"] = accuracy(model, dataset)
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

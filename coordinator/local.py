@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,14 +32,22 @@ def run_local(job: JobConfig, *, quiet: bool = False) -> dict[str, Any]:
     """Plans the job, starts its processes, trains, writes outputs; stops every process it started."""
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out_dir / "ps", ignore_errors=True)  # a fresh job must not restore an old one's shards
     with LocalProcesses(out_dir / "logs") as procs:
         par = job.parallel
         names = [f"stage {q} of vw {v}" for v in range(par.virtual_workers) for q in range(par.stages_per_vw)]
         stage_procs = [procs.spawn("stage_worker", name) for name in names]
+        # A lone VW needs no parameter server: its local weights are w_global.
+        shards = par.ps_shards if par.virtual_workers > 1 else 0
+        shard_procs = [
+            procs.spawn("ps_server", f"ps shard {i}", ["--checkpoint-dir", str(out_dir / "ps" / f"shard{i}")])
+            for i in range(shards)
+        ]
         plan = make_plan(job)  # while the processes start
         drivers: list[JobDriver] = []
         procs.wait_ready()
         driver = JobDriver(job, plan, [p.address for p in stage_procs],
+                           ps_addresses=[p.address for p in shard_procs],
                            check_processes=lambda: _dead_check(procs, drivers))
         drivers.append(driver)
         bar = tqdm(total=job.train.steps * plan.virtual_workers * job.data.batch_size, unit="sample",

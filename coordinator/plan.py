@@ -122,14 +122,19 @@ def make_plan(job: JobConfig) -> Plan:
                     fwd, bwd = seconds, 2 * seconds  # backward costs about twice the forward
             stages.append(StagePlan(v, q, b, e, node, gpu, device, emulated, fwd, bwd))
     nm = par.nm if isinstance(par.nm, int) else k
-    keys = list(model.state_dict())
-    layer_of = {key: int(key.split(".", 1)[0]) for key in keys}
-    if par.placement == "local":
-        stage_of = {key: next(q for q, (b, e) in enumerate(ranges) if b <= layer_of[key] < e) for key in keys}
-        key_shard = {key: stage_of[key] % par.ps_shards for key in keys}
-    else:
-        key_shard = {key: layer_of[key] % par.ps_shards for key in keys}
+    key_shard = place_keys(model, ranges, par.ps_shards, par.placement)
     return Plan(n, k, nm, par.D, par.ps_shards, tuple(stages), key_shard)
+
+
+def place_keys(model: torch.nn.Sequential, ranges: list[tuple[int, int]], shards: int, placement: str) -> dict[str, int]:
+    """Owning shard of every parameter. `default`: layers with parameters round-robin over the
+    shards; `local`: stage q's layers on shard q (mod S), the shard co-located with that stage."""
+    keys = [name for name, _ in model.named_parameters()]
+    layer_of = {key: int(key.split(".", 1)[0]) for key in keys}
+    if placement == "local":
+        return {key: next(q for q, (b, e) in enumerate(ranges) if b <= layer_of[key] < e) % shards for key in keys}
+    layers = sorted(set(layer_of.values()))
+    return {key: layers.index(layer_of[key]) % shards for key in keys}
 
 
 def resolved_job(job: JobConfig, plan: Plan) -> JobConfig:

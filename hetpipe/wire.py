@@ -61,6 +61,8 @@ def encode(
     *,
     minibatch: wire_pb2.MinibatchTag | None = None,
     push: wire_pb2.PushTag | None = None,
+    init: wire_pb2.InitTag | None = None,
+    pull: wire_pb2.PullTag | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> Iterator[wire_pb2.TensorFrame]:
     """Yields the frames of one tensor bundle; the first frame carries header and metas."""
@@ -73,6 +75,10 @@ def encode(
         first.minibatch.CopyFrom(minibatch)
     if push is not None:
         first.push.CopyFrom(push)
+    if init is not None:
+        first.init.CopyFrom(init)
+    if pull is not None:
+        first.pull.CopyFrom(pull)
     pending: wire_pb2.TensorFrame | None = first
     for _, tensor in tensors:
         raw = _raw_bytes(tensor)

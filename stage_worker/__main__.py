@@ -14,12 +14,13 @@ from hetpipe.v1 import stage_pb2_grpc
 from stage_worker.config import StageWorkerConfig, parse_args
 from stage_worker.runtime import StageRuntime
 from stage_worker.servicer import StageServicer
+from stage_worker.wsp_sync import WspSync
 
 
 def serve(cfg: StageWorkerConfig) -> None:
     # One process per stage: oversubscribing the cores with intra-op threads only slows them all.
     torch.set_num_threads(max(1, int(os.environ.get("HETPIPE_THREADS", "1"))))
-    runtime = StageRuntime()
+    runtime = StageRuntime(make_sync=WspSync)
     server = rpc.Server(cfg.host, cfg.port)
 
     def shutdown() -> None:

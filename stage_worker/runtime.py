@@ -118,7 +118,7 @@ class StageRuntime:
             self._losses: deque[float] = deque(maxlen=10)
             self.last_loss = float("nan")
             self.received = 0
-            self.idle_seconds = self.compute_seconds = 0.0
+            self.idle_seconds = self.compute_seconds = self.wait_idle_seconds = 0.0
             slow = job.faults.slow_factor if job.faults.slow_vw == a.vw else 1.0
             self._pad_forward, self._pad_backward = a.forward_seconds * slow, a.backward_seconds * slow
             self._jitter = random.Random(hash((job.train.seed, a.vw, a.stage)))
@@ -267,8 +267,12 @@ class StageRuntime:
                     return None
                 self.sync.apply_pending(self.compute)
                 task = self.schedule.next_task(self.sync.forward_allowed)
+                now = time.monotonic()
+                if self.sync.waiting:  # idle *because of* the clock bound: the part of a wait that costs
+                    self.wait_idle_seconds += now - idle_since
+                self.idle_seconds += now - idle_since
+                idle_since = now
                 if task is not None:
-                    self.idle_seconds += time.monotonic() - idle_since
                     return task
                 if self.schedule.done:
                     if self.sync.finished():
@@ -385,6 +389,7 @@ class StageRuntime:
             s.last_loss = self.last_loss
             s.recent_loss = sum(self._losses) / len(self._losses) if self._losses else float("nan")
             s.wait_seconds = self.sync.wait_seconds
+            s.wait_idle_seconds = self.wait_idle_seconds
             s.idle_seconds = self.idle_seconds
             s.compute_seconds = self.compute_seconds
             s.clock = self.sync.clock

@@ -43,6 +43,11 @@ class Sync(Protocol):
     def wait_seconds(self) -> float:
         ...
 
+    @property
+    def waiting(self) -> bool:
+        """A forward is blocked on a pull right now."""
+        ...
+
     def finished(self) -> bool:
         """All pushes acknowledged."""
         ...
@@ -81,6 +86,10 @@ class LocalSync:
     @property
     def wait_seconds(self) -> float:
         return 0.0
+
+    @property
+    def waiting(self) -> bool:
+        return False
 
     def finished(self) -> bool:
         return True

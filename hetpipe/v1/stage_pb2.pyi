@@ -51,7 +51,7 @@ class StageAssignment(_message.Message):
     def __init__(self, vw: _Optional[int] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., job_json: _Optional[str] = ..., prev_address: _Optional[str] = ..., next_address: _Optional[str] = ..., ps_addresses: _Optional[_Iterable[str]] = ..., key_shards: _Optional[_Iterable[int]] = ..., trace_path: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., device: _Optional[str] = ..., device_label: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., target_shape: _Optional[_Iterable[int]] = ..., target_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("state", "vw", "stage", "forwards_done", "backwards_done", "local_version", "in_flight", "received", "last_loss", "recent_loss", "error", "wait_seconds", "idle_seconds", "compute_seconds", "clock", "min_clock", "weights_digest", "device")
+    __slots__ = ("state", "vw", "stage", "forwards_done", "backwards_done", "local_version", "in_flight", "received", "last_loss", "recent_loss", "error", "wait_seconds", "idle_seconds", "compute_seconds", "clock", "min_clock", "weights_digest", "device", "wait_idle_seconds")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[StageStatus.State]
@@ -84,6 +84,7 @@ class StageStatus(_message.Message):
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     state: StageStatus.State
     vw: int
     stage: int
@@ -102,4 +103,5 @@ class StageStatus(_message.Message):
     min_clock: int
     weights_digest: str
     device: str
-    def __init__(self, state: _Optional[_Union[StageStatus.State, str]] = ..., vw: _Optional[int] = ..., stage: _Optional[int] = ..., forwards_done: _Optional[int] = ..., backwards_done: _Optional[int] = ..., local_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., received: _Optional[int] = ..., last_loss: _Optional[float] = ..., recent_loss: _Optional[float] = ..., error: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., clock: _Optional[int] = ..., min_clock: _Optional[int] = ..., weights_digest: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    wait_idle_seconds: float
+    def __init__(self, state: _Optional[_Union[StageStatus.State, str]] = ..., vw: _Optional[int] = ..., stage: _Optional[int] = ..., forwards_done: _Optional[int] = ..., backwards_done: _Optional[int] = ..., local_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., received: _Optional[int] = ..., last_loss: _Optional[float] = ..., recent_loss: _Optional[float] = ..., error: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., clock: _Optional[int] = ..., min_clock: _Optional[int] = ..., weights_digest: _Optional[str] = ..., device: _Optional[str] = ..., wait_idle_seconds: _Optional[float] = ...) -> None: ...

@@ -58,17 +58,37 @@ class PushTag(_message.Message):
     clock: int
     def __init__(self, vw: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
 
+class InitTag(_message.Message):
+    __slots__ = ("virtual_workers",)
+    VIRTUAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    virtual_workers: int
+    def __init__(self, virtual_workers: _Optional[int] = ...) -> None: ...
+
+class PullTag(_message.Message):
+    __slots__ = ("c_global", "own_clock", "vw_clocks")
+    C_GLOBAL_FIELD_NUMBER: _ClassVar[int]
+    OWN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    VW_CLOCKS_FIELD_NUMBER: _ClassVar[int]
+    c_global: int
+    own_clock: _containers.RepeatedScalarFieldContainer[int]
+    vw_clocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, c_global: _Optional[int] = ..., own_clock: _Optional[_Iterable[int]] = ..., vw_clocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class TensorFrame(_message.Message):
-    __slots__ = ("minibatch", "push", "tensors", "data")
+    __slots__ = ("minibatch", "push", "init", "pull", "tensors", "data")
     MINIBATCH_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     minibatch: MinibatchTag
     push: PushTag
+    init: InitTag
+    pull: PullTag
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     data: bytes
-    def __init__(self, minibatch: _Optional[_Union[MinibatchTag, _Mapping]] = ..., push: _Optional[_Union[PushTag, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, minibatch: _Optional[_Union[MinibatchTag, _Mapping]] = ..., push: _Optional[_Union[PushTag, _Mapping]] = ..., init: _Optional[_Union[InitTag, _Mapping]] = ..., pull: _Optional[_Union[PullTag, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("message",)

@@ -1,0 +1,1 @@
+"""Parameter-server shard service: global weights, per-VW clocks, WSP push/pull."""

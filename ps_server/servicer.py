@@ -1,0 +1,127 @@
+"""gRPC handlers of the ParameterServer service: protobuf <-> Shard, with pulls that wait."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from hetpipe import wire
+from hetpipe.rpc import Rejected, handler
+from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
+from ps_server.durability import Durability
+from ps_server.shard import Shard, ShardError
+
+_CODES = {
+    ShardError.Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ShardError.Kind.NOT_OWNED: grpc.StatusCode.NOT_FOUND,
+    ShardError.Kind.CLOCK: grpc.StatusCode.FAILED_PRECONDITION,
+    ShardError.Kind.NOT_READY: grpc.StatusCode.FAILED_PRECONDITION,
+    ShardError.Kind.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+def _rejected(exc: ShardError) -> Rejected:
+    return Rejected(_CODES[exc.kind], str(exc))
+
+
+class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
+    def __init__(self, shard: Shard, durability: Durability | None, *, max_pull_wait_s: float = 600.0) -> None:
+        self.shard = shard
+        self.durability = durability
+        self.max_pull_wait_s = max_pull_wait_s
+        self.restored_pushes = 0
+        self._cv = threading.Condition()
+        self.pull_wait_seconds = 0.0
+
+    def restore(self) -> None:
+        if self.durability is not None:
+            with self._cv:
+                self.restored_pushes = self.durability.restore(self.shard)
+
+    def checkpoint(self) -> None:
+        if self.durability is not None:
+            with self._cv:
+                self.durability.checkpoint(self.shard)
+
+    @handler
+    def Init(self, request_iterator: Iterator[wire_pb2.TensorFrame], context: grpc.ServicerContext) -> wire_pb2.Ack:
+        bundle = wire.decode(request_iterator)
+        if bundle.header.WhichOneof("header") != "init":
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Init: first frame lacks the init tag")
+        with self._cv:
+            try:
+                fresh = self.shard.init(bundle.header.init.virtual_workers, bundle.tensors)
+            except ShardError as exc:
+                raise _rejected(exc) from None
+            if fresh and self.durability is not None:
+                self.durability.checkpoint(self.shard)
+        return wire_pb2.Ack(message="initialised" if fresh else "already initialised")
+
+    @handler
+    def Push(self, request_iterator: Iterator[wire_pb2.TensorFrame], context: grpc.ServicerContext) -> ps_pb2.PushReply:
+        bundle = wire.decode(request_iterator)
+        if bundle.header.WhichOneof("header") != "push":
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Push: first frame lacks the push tag")
+        tag = bundle.header.push
+        with self._cv:
+            try:
+                applied = self.shard.push(tag.vw, tag.clock, bundle.tensors)
+            except ShardError as exc:
+                raise _rejected(exc) from None
+            if applied and self.durability is not None:
+                # Logged before the answer: an acknowledged push survives a kill -9.
+                self.durability.log_push(tag.vw, tag.clock, bundle.tensors)
+                self.durability.maybe_checkpoint(self.shard)
+            self._cv.notify_all()
+            return ps_pb2.PushReply(duplicate=not applied, c_global=self.shard.c_global())
+
+    @handler
+    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[wire_pb2.TensorFrame]:
+        keys = list(request.keys)
+        remaining = context.time_remaining()
+        budget = self.max_pull_wait_s if remaining is None else min(remaining, self.max_pull_wait_s)
+        deadline = time.monotonic() + budget
+        started = time.monotonic()
+        with self._cv:
+            try:
+                self.shard.check_pull(request.vw, keys)
+                while self.shard.c_global(keys) < request.min_clock:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not context.is_active():
+                        raise Rejected(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"pull of vw {request.vw}: c_global is {self.shard.c_global(keys)}, "
+                            f"min_clock {request.min_clock} not reached within {budget:.1f}s "
+                            f"(vw clocks {self.shard.vw_clocks(keys)})",
+                        )
+                    self._cv.wait(min(left, 0.5))
+                result = self.shard.pull(request.vw, keys)
+            except ShardError as exc:
+                raise _rejected(exc) from None
+            self.pull_wait_seconds += time.monotonic() - started
+        tag = wire_pb2.PullTag(c_global=result.c_global, own_clock=result.own_clock, vw_clocks=result.vw_clocks)
+        return wire.encode(result.values, pull=tag)
+
+    @handler
+    def Status(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> ps_pb2.ShardStatus:
+        return self.status()
+
+    def status(self) -> ps_pb2.ShardStatus:
+        with self._cv:
+            s = self.shard
+            status = ps_pb2.ShardStatus(
+                virtual_workers=s.virtual_workers, keys=len(s.values),
+                pushes_applied=s.pushes_applied, pushes_duplicate=s.pushes_duplicate,
+                max_clock_distance=s.max_clock_distance, restored_pushes=self.restored_pushes,
+            )
+            if s.ready:
+                status.c_global = s.c_global()
+                status.clock_distance = s.clock_distance()
+                status.values_digest = s.digest()
+                for vw in range(s.virtual_workers):
+                    per_key = [c[vw] for c in s.clocks.values()]
+                    status.clocks.add(vw=vw, min_clock=min(per_key), max_clock=max(per_key))
+            return status

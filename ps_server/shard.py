@@ -1,0 +1,187 @@
+"""One shard's global weights and per-(key, VW) clocks: the WSP push/pull rules, no I/O."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hetpipe.wsp import clock_distance
+
+
+class ShardError(Exception):
+    """A refused request; `kind` picks the gRPC status."""
+
+    class Kind(enum.Enum):
+        INVALID = "invalid"          # malformed: unknown key, wrong shape/dtype, unknown VW
+        NOT_OWNED = "not_owned"      # keys this shard does not hold
+        CLOCK = "clock"              # a clock that goes backwards or skips ahead
+        NOT_READY = "not_ready"      # used before Init
+        CONFLICT = "conflict"        # re-Init with different keys or values
+
+    def __init__(self, kind: Kind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    values: list[tuple[str, torch.Tensor]]
+    own_clock: list[int]     # per key: the puller's waves included
+    vw_clocks: list[int]     # per VW: min over the keys
+    c_global: int
+
+
+class Shard:
+    """w_global and clocks for the keys this shard owns.
+
+    A push of wave c by VW v for key k is applied iff clock[k][v] == c, which then becomes
+    c + 1. clock[k][v] == c + 1 means it was applied already: a retry, answered as a no-op.
+    Anything else is a clock that goes backwards or skips ahead, and is refused.
+    """
+
+    def __init__(self) -> None:
+        self.virtual_workers = 0
+        self.values: dict[str, torch.Tensor] = {}
+        self.clocks: dict[str, list[int]] = {}
+        self.pushes_applied = 0
+        self.pushes_duplicate = 0
+        self.max_clock_distance = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.virtual_workers > 0
+
+    def init(self, virtual_workers: int, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """Registers keys with initial values. Returns False if this exact Init was already done."""
+        if virtual_workers < 1:
+            raise ShardError(ShardError.Kind.INVALID, f"virtual_workers must be >= 1, got {virtual_workers}")
+        named = dict(tensors)
+        if len(named) != len(tensors) or not named:
+            raise ShardError(ShardError.Kind.INVALID, "Init needs at least one key, each named once")
+        if self.ready:
+            same = (virtual_workers == self.virtual_workers and named.keys() == self.values.keys()
+                    and all(self._same_tensor(self.values[k], v) for k, v in named.items()))
+            if not same:
+                raise ShardError(ShardError.Kind.CONFLICT, "shard already initialised with other keys or values")
+            return False
+        self.virtual_workers = virtual_workers
+        self.values = {k: v.clone() for k, v in named.items()}
+        self.clocks = {k: [0] * virtual_workers for k in named}
+        return True
+
+    @staticmethod
+    def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+    def _require_ready(self) -> None:
+        if not self.ready:
+            raise ShardError(ShardError.Kind.NOT_READY, "shard has no keys yet: Init first")
+
+    def _check_vw(self, vw: int) -> None:
+        if not 0 <= vw < self.virtual_workers:
+            raise ShardError(ShardError.Kind.INVALID, f"unknown vw {vw}: the job has vws 0..{self.virtual_workers - 1}")
+
+    def _check_keys(self, keys: Sequence[str]) -> None:
+        if not keys:
+            raise ShardError(ShardError.Kind.INVALID, "no keys given")
+        if len(set(keys)) != len(keys):
+            raise ShardError(ShardError.Kind.INVALID, "a key is named twice")
+        foreign = [k for k in keys if k not in self.values]
+        if foreign:
+            raise ShardError(ShardError.Kind.NOT_OWNED, f"keys not owned by this shard: {foreign[:5]}")
+
+    def push(self, vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """G1: adds VW vw's wave-`clock` update once. Returns False for a retried duplicate.
+
+        All-or-nothing: every key is validated before any is changed.
+        """
+        self._require_ready()
+        self._check_vw(vw)
+        keys = [k for k, _ in deltas]
+        self._check_keys(keys)
+        for key, delta in deltas:
+            want = self.values[key]
+            if delta.dtype != want.dtype or delta.shape != want.shape:
+                raise ShardError(
+                    ShardError.Kind.INVALID,
+                    f"{key}: delta is {delta.dtype} {list(delta.shape)}, the key is {want.dtype} {list(want.shape)}",
+                )
+        current = {self.clocks[k][vw] for k in keys}
+        if current == {clock + 1}:
+            self.pushes_duplicate += 1
+            return False
+        if current != {clock}:
+            have = sorted(current)
+            direction = "skips ahead" if clock > max(have) else "goes backwards"
+            raise ShardError(
+                ShardError.Kind.CLOCK,
+                f"push of vw {vw} for clock {clock} {direction}: its clock for these keys is {have}",
+            )
+        for key, delta in deltas:
+            self.values[key].add_(delta)
+            self.clocks[key][vw] = clock + 1
+        self.pushes_applied += 1
+        self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
+        return True
+
+    def c_global(self, keys: Sequence[str] | None = None) -> int:
+        """Min over keys and VWs of the pushed clock: waves < c_global of every VW are included."""
+        self._require_ready()
+        return min(min(self.clocks[k]) for k in (keys if keys is not None else self.clocks))
+
+    def vw_clocks(self, keys: Sequence[str] | None = None) -> list[int]:
+        ks = list(keys if keys is not None else self.clocks)
+        return [min(self.clocks[k][v] for k in ks) for v in range(self.virtual_workers)]
+
+    def clock_distance(self) -> int:
+        """G4: spread between the fastest and slowest VW (each VW's clock = min over keys)."""
+        return clock_distance(self.vw_clocks()) if self.ready else 0
+
+    def check_pull(self, vw: int, keys: Sequence[str]) -> None:
+        self._require_ready()
+        self._check_vw(vw)
+        self._check_keys(keys)
+
+    def pull(self, vw: int, keys: Sequence[str]) -> PullResult:
+        """G2/G3: current values with exactly what they include (call when c_global is enough)."""
+        self.check_pull(vw, keys)
+        return PullResult(
+            values=[(k, self.values[k].clone()) for k in keys],
+            own_clock=[self.clocks[k][vw] for k in keys],
+            vw_clocks=self.vw_clocks(keys),
+            c_global=self.c_global(keys),
+        )
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for key in sorted(self.values):
+            h.update(key.encode())
+            h.update(self.values[key].contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(str(self.clocks[key]).encode())
+        return h.hexdigest()
+
+    # ---- durability ------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, object]:
+        """Plain tensors and ints only, so it loads with torch.load(weights_only=True)."""
+        return {
+            "virtual_workers": self.virtual_workers,
+            "values": {k: v.clone() for k, v in self.values.items()},
+            "clocks": {k: torch.tensor(c, dtype=torch.int64) for k, c in self.clocks.items()},
+            "pushes_applied": self.pushes_applied,
+            "max_clock_distance": self.max_clock_distance,
+        }
+
+    def restore(self, snap: Mapping[str, object]) -> None:
+        values = snap["values"]
+        clocks = snap["clocks"]
+        assert isinstance(values, dict) and isinstance(clocks, dict)
+        self.virtual_workers = int(snap["virtual_workers"])  # type: ignore[call-overload]
+        self.values = {k: v.clone() for k, v in values.items()}
+        self.clocks = {k: [int(c) for c in t.tolist()] for k, t in clocks.items()}
+        self.pushes_applied = int(snap["pushes_applied"])  # type: ignore[call-overload]
+        self.max_clock_distance = int(snap["max_clock_distance"])  # type: ignore[call-overload]

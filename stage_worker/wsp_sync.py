@@ -1,0 +1,221 @@
+"""Wave Synchronous Parallel for one stage: push each wave's summed update, pull by G2, merge by G3."""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from hetpipe import rpc, wire
+from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
+from hetpipe.wsp import required_min_clock
+from stage_worker.stage import StageCompute
+
+if TYPE_CHECKING:
+    from stage_worker.runtime import StageRuntime
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+PUSH_GIVE_UP_S = 120.0   # long enough for a shard to be restarted from its checkpoint
+PULL_GIVE_UP_S = 600.0   # a pull may wait this long for the slowest VW
+PULL_CALL_S = 30.0       # one pull call's deadline; retried until PULL_GIVE_UP_S
+
+
+@dataclass(frozen=True, slots=True)
+class _Pulled:
+    values: dict[str, torch.Tensor]
+    own_clock: dict[str, int]
+    c_global: int
+
+
+class WspSync:
+    """The stage's side of WSP. The compute thread calls every public method; the pusher and
+    puller threads only talk gRPC and hand pull results over through `_pending`."""
+
+    def __init__(self, runtime: StageRuntime) -> None:
+        a, job = runtime.a, runtime.job
+        self.rt = runtime
+        self.vw, self.nm, self.D = a.vw, job.nm, job.parallel.D
+        self.keys = list(runtime.compute.names)
+        if len(a.key_shards) != len(self.keys) or any(s >= len(a.ps_addresses) for s in a.key_shards):
+            raise rpc.Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"key_shards: {len(a.key_shards)} entries for {len(self.keys)} parameters over "
+                f"{len(a.ps_addresses)} shards",
+            )
+        self.shard_of = dict(zip(self.keys, a.key_shards))
+        self.addresses = list(a.ps_addresses)
+        self._channels = [rpc.channel(addr) for addr in self.addresses]
+        self._stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in self._channels]
+        self.total_waves = math.ceil(job.train.steps / self.nm)
+        self._acc: dict[int, list[torch.Tensor]] = {}
+        self._clock = 0
+        self._have = 0             # c_global the local weights are known to include
+        self._lock = threading.Lock()
+        self._pending: _Pulled | None = None
+        self._pulling: int | None = None   # min_clock of the pull in flight
+        self._wait_started: float | None = None
+        self._wait_seconds = 0.0
+        self._acked_waves = 0
+        self._closed = threading.Event()
+        self._pushes: queue.Queue[tuple[int, list[torch.Tensor]] | None] = queue.Queue()
+        self._pusher = threading.Thread(target=self._push_loop, name="pusher", daemon=True)
+        self._pusher.start()
+
+    # ---- called by the compute thread -------------------------------------------------------
+
+    def forward_allowed(self, p: int) -> bool:
+        need = required_min_clock(p, self.nm, self.D)
+        if need <= self._have or not self.keys:
+            return True
+        with self._lock:
+            if self._wait_started is None:
+                self._wait_started = time.monotonic()
+            if self._pulling is None and self._pending is None:
+                self._pulling = need
+                threading.Thread(target=self._pull, args=(need,), name="puller", daemon=True).start()
+        return False
+
+    @property
+    def waiting(self) -> bool:
+        return self._wait_started is not None
+
+    def after_update(self, p: int, update: list[torch.Tensor]) -> None:
+        wave = (p - 1) // self.nm
+        acc = self._acc.get(wave)
+        if acc is None:
+            self._acc[wave] = [u.clone() for u in update]
+        else:
+            for total, u in zip(acc, update):
+                total.add_(u)
+
+    def on_wave_end(self, wave: int) -> None:
+        self._clock = wave + 1
+        if self.keys:
+            self._pushes.put((wave, [t.clone() for t in self._acc[wave]]))
+
+    def apply_pending(self, compute: StageCompute) -> None:
+        with self._lock:
+            pulled, self._pending = self._pending, None
+        if pulled is None:
+            return
+        # G3: w_global plus the own waves it does not include yet; nothing lost, nothing twice.
+        merged = []
+        for i, key in enumerate(self.keys):
+            value = pulled.values[key].to(compute.device)
+            for wave, acc in self._acc.items():
+                if wave >= pulled.own_clock[key]:
+                    value = value + acc[i]
+            merged.append(value)
+        compute.set_weights(merged)
+        self._have = max(self._have, pulled.c_global)
+        included = min(pulled.own_clock.values())
+        for wave in [w for w in self._acc if w < included]:
+            del self._acc[wave]
+        with self._lock:
+            self._pulling = None
+            if self._wait_started is not None and required_min_clock(self.rt.schedule.next_forward, self.nm, self.D) <= self._have:
+                self._wait_seconds += time.monotonic() - self._wait_started
+                self._wait_started = None
+
+    @property
+    def min_clock(self) -> int:
+        return self._have
+
+    @property
+    def clock(self) -> int:
+        return self._clock
+
+    @property
+    def wait_seconds(self) -> float:
+        with self._lock:
+            ongoing = time.monotonic() - self._wait_started if self._wait_started is not None else 0.0
+            return self._wait_seconds + ongoing
+
+    def finished(self) -> bool:
+        return not self.keys or self._acked_waves == self.total_waves
+
+    def close(self) -> None:
+        self._closed.set()
+        self._pushes.put(None)
+        self._pusher.join(timeout=5)
+        for ch in self._channels:
+            ch.close()
+
+    # ---- background threads -------------------------------------------------------------------
+
+    def _by_shard(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for i, key in enumerate(self.keys):
+            out.setdefault(self.shard_of[key], []).append(i)
+        return out
+
+    def _retrying(self, what: str, shard: int, give_up_s: float, call: Callable[[], object]) -> object:
+        """Runs call until it succeeds, retrying while the shard is down or slow, up to give_up_s."""
+        deadline = time.monotonic() + give_up_s
+        delay = 0.05
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code not in _RETRYABLE or time.monotonic() > deadline or self._closed.is_set():
+                    raise RuntimeError(
+                        f"{what} to ps shard {shard} at {self.addresses[shard]} failed: {code.name}: {exc.details()}"
+                    ) from None
+                log.warning("%s to shard %d: %s; retrying", what, shard, code.name)
+                time.sleep(delay)
+                delay = min(2 * delay, 1.0)
+
+    def _push_loop(self) -> None:
+        groups = self._by_shard()
+        while (item := self._pushes.get()) is not None:
+            wave, update = item
+            try:
+                for shard, idx in groups.items():
+                    tensors = [(self.keys[i], update[i].cpu()) for i in idx]
+                    tag = wire_pb2.PushTag(vw=self.vw, clock=wave)
+                    stub = self._stubs[shard]
+                    self._retrying(
+                        f"push of wave {wave}", shard, PUSH_GIVE_UP_S,
+                        lambda: stub.Push(wire.encode(tensors, push=tag), timeout=rpc.DATA_DEADLINE_S),
+                    )
+            except RuntimeError as exc:
+                self.rt.fail(str(exc))
+                return
+            self._acked_waves = wave + 1
+            self.rt.wake()
+
+    def _pull(self, min_clock: int) -> None:
+        values: dict[str, torch.Tensor] = {}
+        own: dict[str, int] = {}
+        c_global = None
+        try:
+            for shard, idx in self._by_shard().items():
+                request = ps_pb2.PullRequest(vw=self.vw, keys=[self.keys[i] for i in idx], min_clock=min_clock)
+                stub = self._stubs[shard]
+                bundle = self._retrying(
+                    f"pull for min_clock {min_clock}", shard, PULL_GIVE_UP_S,
+                    lambda: wire.decode(stub.Pull(request, timeout=PULL_CALL_S)),
+                )
+                assert isinstance(bundle, wire.Bundle)
+                tag = bundle.header.pull
+                for (key, value), clock in zip(bundle.tensors, tag.own_clock):
+                    values[key], own[key] = value, int(clock)
+                c_global = tag.c_global if c_global is None else min(c_global, tag.c_global)
+        except (RuntimeError, wire.WireError) as exc:
+            self.rt.fail(str(exc))
+            return
+        assert c_global is not None
+        with self._lock:
+            self._pending = _Pulled(values, own, int(c_global))
+        self.rt.wake()
