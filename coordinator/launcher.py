@@ -19,8 +19,10 @@ class Process:
     popen: subprocess.Popen[bytes]
     log_path: Path
     ready_file: Path
+    args: list[str]
     address: str = ""
     metrics_port: int = 0
+    restarts: int = 0
 
     def exit_description(self) -> str:
         code = self.popen.returncode
@@ -53,14 +55,29 @@ class LocalProcesses:
         slug = name.replace(" ", "_")
         ready = Path(self._tmp.name) / f"{slug}.ready"
         log_path = self.log_dir / f"{slug}.log"
-        args = [sys.executable, "-m", module, "--host", self.host, "--port", "0", "--metrics-port", "0",
+        args = [sys.executable, "-m", module, "--host", self.host, "--metrics-port", "0",
                 "--ready-file", str(ready), "--exit-with-parent", *(extra or [])]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        proc = Process(name, popen, log_path, ready)
+        proc = Process(name, self._popen([*args, "--port", "0"], log_path, "wb"), log_path, ready, args)
         self.processes.append(proc)
         return proc
+
+    @staticmethod
+    def _popen(args: list[str], log_path: Path, mode: str) -> subprocess.Popen[bytes]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log_path, mode) as log:
+            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def restart(self, proc: Process, timeout: float = 60.0) -> None:
+        """Starts a dead process again on the same port, so its peers reconnect to it."""
+        proc.ready_file.unlink(missing_ok=True)
+        port = proc.address.rsplit(":", 1)[1]
+        proc.popen = self._popen([*proc.args, "--port", port], proc.log_path, "ab")
+        proc.restarts += 1
+        deadline = time.monotonic() + timeout
+        while not proc.ready_file.exists():
+            if proc.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{proc.name} did not come back: {proc.exit_description()}; log {proc.log_path}")
+            time.sleep(0.02)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Waits until every spawned process has published its address."""

@@ -15,8 +15,16 @@ from coordinator.launcher import LocalProcesses, Process
 from coordinator.plan import make_plan
 
 
+MAX_SHARD_RESTARTS = 3
+
+
 def _dead_check(procs: LocalProcesses, drivers: list[JobDriver]) -> None:
+    """A dead stage fails the job; a dead shard is restarted from its checkpoint and push log."""
     dead = procs.dead()
+    for p in [d for d in dead if d.name.startswith("ps shard") and d.restarts < MAX_SHARD_RESTARTS]:
+        print(f"hetpipe: {p.name} {p.exit_description()}; restarting it from its checkpoint", file=sys.stderr)
+        procs.restart(p)
+        dead.remove(p)
     if not dead:
         return
     p: Process = dead[0]

@@ -160,6 +160,7 @@ class FaultConfig:
     task_delay: tuple[float, float] = (0.0, 0.0)  # uniform random extra seconds per task
     slow_vw: int = -1  # this VW's tasks are padded by slow_factor (straggler)
     slow_factor: float = 1.0
+    repeat_push: float = 0.0  # probability that a stage sends an acknowledged push again (a retry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,13 +309,14 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".") -> JobConfig:
     output = OutputConfig(dir=out.str("dir", "runs/job"), trace=out.bool("trace", False))
 
     f = _Section(top.get("faults"), "faults")
-    f.check_known(("task_delay", "slow_vw", "slow_factor"))
+    f.check_known(("task_delay", "slow_vw", "slow_factor", "repeat_push"))
     delay = f.get("task_delay", [0.0, 0.0])
     if not (isinstance(delay, (list, tuple)) and len(delay) == 2 and 0 <= delay[0] <= delay[1]):
         raise _fail("faults.task_delay", delay, "[low, high] seconds with 0 <= low <= high")
     faults = FaultConfig(
         task_delay=(float(delay[0]), float(delay[1])), slow_vw=f.int("slow_vw", -1, minimum=-1),
         slow_factor=f.float("slow_factor", 1.0, minimum=1.0),
+        repeat_push=f.float("repeat_push", 0.0),
     )
 
     return JobConfig(

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -68,6 +70,13 @@ class WspSync:
         self._acked_waves = 0
         self._closed = threading.Event()
         self._pushes: queue.Queue[tuple[int, list[torch.Tensor]] | None] = queue.Queue()
+        # Sum of every acknowledged push, written next to the trace: what O3 checks the shards against.
+        self._ledger = [torch.zeros_like(p, device="cpu") for p in runtime.compute.params]
+        self._ledger_path = ""
+        if a.trace_path:
+            self._ledger_path = str(Path(a.trace_path).with_name(f"acked_vw{a.vw}_stage{a.stage}.pt"))
+        self._repeat_push = job.faults.repeat_push
+        self._rng = random.Random(hash((job.train.seed, a.vw, a.stage, "push")))
         self._pusher = threading.Thread(target=self._push_loop, name="pusher", daemon=True)
         self._pusher.start()
 
@@ -182,18 +191,33 @@ class WspSync:
             wave, update = item
             try:
                 for shard, idx in groups.items():
-                    tensors = [(self.keys[i], update[i].cpu()) for i in idx]
-                    tag = wire_pb2.PushTag(vw=self.vw, clock=wave)
-                    stub = self._stubs[shard]
-                    self._retrying(
-                        f"push of wave {wave}", shard, PUSH_GIVE_UP_S,
-                        lambda: stub.Push(wire.encode(tensors, push=tag), timeout=rpc.DATA_DEADLINE_S),
-                    )
+                    self._push(shard, wave, [(self.keys[i], update[i].cpu()) for i in idx])
             except RuntimeError as exc:
                 self.rt.fail(str(exc))
                 return
+            for total, u in zip(self._ledger, update):
+                total.add_(u.cpu())
             self._acked_waves = wave + 1
+            if self._acked_waves == self.total_waves and self._ledger_path:
+                torch.save(dict(zip(self.keys, self._ledger)), self._ledger_path)
             self.rt.wake()
+
+    def _push(self, shard: int, wave: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """G1: one wave's update to one shard, retried until acknowledged."""
+        tag = wire_pb2.PushTag(vw=self.vw, clock=wave)
+        stub = self._stubs[shard]
+
+        def call() -> ps_pb2.PushReply:
+            reply: ps_pb2.PushReply = stub.Push(wire.encode(tensors, push=tag), timeout=rpc.DATA_DEADLINE_S)
+            return reply
+
+        self._retrying(f"push of wave {wave}", shard, PUSH_GIVE_UP_S, call)
+        if self._repeat_push and self._rng.random() < self._repeat_push:
+            # Fault injection: the retry a lost acknowledgement would cause must be a no-op.
+            reply = self._retrying(f"repeated push of wave {wave}", shard, PUSH_GIVE_UP_S, call)
+            assert isinstance(reply, ps_pb2.PushReply)
+            if not reply.duplicate:
+                raise RuntimeError(f"ps shard {shard} applied a repeated push of wave {wave} twice")
 
     def _pull(self, min_clock: int) -> None:
         values: dict[str, torch.Tensor] = {}
