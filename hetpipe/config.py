@@ -20,6 +20,10 @@ def _fail(key: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"{key}: expected {expected}, got {value!r}")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class _Section:
     """Reads one mapping of the job file, tracking which keys were used."""
 
@@ -27,7 +31,7 @@ class _Section:
         if raw is None:
             raw = {}
         if not isinstance(raw, Mapping):
-            raise _fail(key, raw, "a mapping")
+            raise _fail(key or "job file", raw, "a mapping")
         self.raw, self.key = dict(raw), key
 
     def _path(self, name: str) -> str:
@@ -36,13 +40,13 @@ class _Section:
     def get(self, name: str, default: Any = None) -> Any:
         return self.raw.get(name, default)
 
-    def int(self, name: str, default: int | None = None, *, minimum: int = 0) -> int:
+    def integer(self, name: str, default: int | None = None, *, minimum: int = 0) -> int:
         value = self.raw.get(name, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise _fail(self._path(name), value, f"an integer >= {minimum}")
         return value
 
-    def float(self, name: str, default: float | None = None, *, minimum: float = 0.0) -> float:
+    def number(self, name: str, default: float | None = None, *, minimum: float = 0.0) -> float:
         value = self.raw.get(name, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
             raise _fail(self._path(name), value, f"a number >= {minimum}")
@@ -54,13 +58,13 @@ class _Section:
             raise _fail(self._path(name), value, "one of " + ", ".join(choices))
         return str(value)
 
-    def str(self, name: str, default: str | None = None) -> str:
+    def text(self, name: str, default: str | None = None) -> str:
         value = self.raw.get(name, default)
         if not isinstance(value, str) or not value:
             raise _fail(self._path(name), value, "a non-empty string")
         return value
 
-    def bool(self, name: str, default: bool) -> bool:
+    def flag(self, name: str, default: bool) -> bool:
         value = self.raw.get(name, default)
         if not isinstance(value, bool):
             raise _fail(self._path(name), value, "true or false")
@@ -231,8 +235,8 @@ def _parse_cluster(raw: Any) -> ClusterConfig | None:
         for j, g_raw in enumerate(gpus_raw):
             g = _Section(g_raw, f"cluster.nodes[{i}].gpus[{j}]")
             g.check_known(("type", "count"))
-            gpus.append(GpuGroup(type=g.str("type"), count=g.int("count", 1, minimum=1)))
-        nodes.append(NodeConfig(name=node.str("name", f"n{i}"), gpus=tuple(gpus)))
+            gpus.append(GpuGroup(type=g.text("type"), count=g.integer("count", 1, minimum=1)))
+        nodes.append(NodeConfig(name=node.text("name", f"n{i}"), gpus=tuple(gpus)))
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise _fail("cluster.nodes[].name", names, "unique node names")
@@ -241,9 +245,9 @@ def _parse_cluster(raw: Any) -> ClusterConfig | None:
         em = _Section(sec.get("emulate"), "cluster.emulate")
         em.check_known(("time_scale", "forward_seconds", "backward_seconds"))
         emulate = EmulateConfig(
-            time_scale=em.float("time_scale", 1.0, minimum=1e-9),
-            forward_seconds=em.float("forward_seconds", 0.0),
-            backward_seconds=em.float("backward_seconds", 0.0),
+            time_scale=em.number("time_scale", 1.0, minimum=1e-9),
+            forward_seconds=em.number("forward_seconds", 0.0),
+            backward_seconds=em.number("backward_seconds", 0.0),
         )
     return ClusterConfig(nodes=tuple(nodes), emulate=emulate)
 
@@ -258,17 +262,17 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".") -> JobConfig:
     init = m.get("init")
     if init is not None and (not isinstance(init, str) or not init):
         raise _fail("model.init", init, "null or a path to a state_dict saved with torch.save")
-    model = ModelConfig(name=m.str("name"), args=m.mapping("args"), init=init)
+    model = ModelConfig(name=m.text("name"), args=m.mapping("args"), init=init)
 
     d = _Section(top.get("data"), "data")
     d.check_known(("name", "path", "batch_size", "shuffle", "args"))
     data_name = d.choice("name", "synthetic", ("synthetic", "npz", "digits"))
     path = d.get("path")
     if data_name == "npz":
-        path = d.str("path")
+        path = d.text("path")
     data = DataConfig(
-        name=data_name, path=path, batch_size=d.int("batch_size", 32, minimum=1),
-        shuffle=d.bool("shuffle", False), args=d.mapping("args"),
+        name=data_name, path=path, batch_size=d.integer("batch_size", 32, minimum=1),
+        shuffle=d.flag("shuffle", False), args=d.mapping("args"),
     )
 
     t = _Section(top.get("train"), "train")
@@ -276,28 +280,28 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".") -> JobConfig:
     o = _Section(t.get("optimizer"), "train.optimizer")
     o.check_known(("name", "lr", "momentum", "weight_decay", "betas", "eps"))
     betas = o.get("betas", [0.9, 0.999])
-    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas)):
         raise _fail("train.optimizer.betas", betas, "two numbers in [0, 1)")
     optimizer = OptimizerConfig(
-        name=o.choice("name", "sgd", OPTIMIZERS), lr=o.float("lr", 0.05),
-        momentum=o.float("momentum", 0.0), weight_decay=o.float("weight_decay", 0.0),
-        betas=(float(betas[0]), float(betas[1])), eps=o.float("eps", 1e-8),
+        name=o.choice("name", "sgd", OPTIMIZERS), lr=o.number("lr", 0.05),
+        momentum=o.number("momentum", 0.0), weight_decay=o.number("weight_decay", 0.0),
+        betas=(float(betas[0]), float(betas[1])), eps=o.number("eps", 1e-8),
     )
     train = TrainConfig(
-        steps=t.int("steps", 100, minimum=1), loss=t.choice("loss", "cross_entropy", LOSSES),
-        optimizer=optimizer, dtype=t.choice("dtype", "float32", DTYPES), seed=t.int("seed", 0),
+        steps=t.integer("steps", 100, minimum=1), loss=t.choice("loss", "cross_entropy", LOSSES),
+        optimizer=optimizer, dtype=t.choice("dtype", "float32", DTYPES), seed=t.integer("seed", 0),
     )
 
     p = _Section(top.get("parallel"), "parallel")
     p.check_known(("virtual_workers", "stages_per_vw", "policy", "nm", "D", "ps_shards",
                    "placement", "mode", "schedule", "sync"))
     nm_raw = p.get("nm", 2)
-    nm: int | str = "auto" if nm_raw == "auto" else p.int("nm", 2, minimum=1)
+    nm: int | str = "auto" if nm_raw == "auto" else p.integer("nm", 2, minimum=1)
     parallel = ParallelConfig(
-        virtual_workers=p.int("virtual_workers", 1, minimum=1),
-        stages_per_vw=p.int("stages_per_vw", 2, minimum=1),
-        policy=p.choice("policy", "ED", POLICIES), nm=nm, D=p.int("D", 0),
-        ps_shards=p.int("ps_shards", 1, minimum=1),
+        virtual_workers=p.integer("virtual_workers", 1, minimum=1),
+        stages_per_vw=p.integer("stages_per_vw", 2, minimum=1),
+        policy=p.choice("policy", "ED", POLICIES), nm=nm, D=p.integer("D", 0),
+        ps_shards=p.integer("ps_shards", 1, minimum=1),
         placement=p.choice("placement", "default", ("default", "local")),
         mode=p.choice("mode", "hetpipe", MODES),
         schedule=p.choice("schedule", "hetpipe", SCHEDULES),
@@ -306,17 +310,18 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".") -> JobConfig:
 
     out = _Section(top.get("output"), "output")
     out.check_known(("dir", "trace"))
-    output = OutputConfig(dir=out.str("dir", "runs/job"), trace=out.bool("trace", False))
+    output = OutputConfig(dir=out.text("dir", "runs/job"), trace=out.flag("trace", False))
 
     f = _Section(top.get("faults"), "faults")
     f.check_known(("task_delay", "slow_vw", "slow_factor", "repeat_push"))
     delay = f.get("task_delay", [0.0, 0.0])
-    if not (isinstance(delay, (list, tuple)) and len(delay) == 2 and 0 <= delay[0] <= delay[1]):
+    if not (isinstance(delay, (list, tuple)) and len(delay) == 2 and all(map(_is_number, delay))
+            and 0 <= delay[0] <= delay[1]):
         raise _fail("faults.task_delay", delay, "[low, high] seconds with 0 <= low <= high")
     faults = FaultConfig(
-        task_delay=(float(delay[0]), float(delay[1])), slow_vw=f.int("slow_vw", -1, minimum=-1),
-        slow_factor=f.float("slow_factor", 1.0, minimum=1.0),
-        repeat_push=f.float("repeat_push", 0.0),
+        task_delay=(float(delay[0]), float(delay[1])), slow_vw=f.integer("slow_vw", -1, minimum=-1),
+        slow_factor=f.number("slow_factor", 1.0, minimum=1.0),
+        repeat_push=f.number("repeat_push", 0.0),
     )
 
     return JobConfig(

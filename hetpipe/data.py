@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,8 +79,10 @@ def _npz(job: JobConfig) -> tuple[np.ndarray, np.ndarray]:
             x, y = f["x"], f["y"]
     except FileNotFoundError:
         raise ConfigError(f"data.path: {path} does not exist") from None
-    except ValueError as exc:
+    except (ValueError, OSError, zipfile.BadZipFile) as exc:
         raise ConfigError(f"data.path: {path} is not a readable npz of plain arrays ({exc})") from None
+    if x.ndim == 0 or y.ndim == 0:
+        raise ConfigError(f"data.path: x and y must have a row dimension, got shapes {x.shape} and {y.shape}")
     if len(x) != len(y) or len(x) == 0:
         raise ConfigError(f"data.path: x has {len(x)} rows and y has {len(y)}; expected equal and > 0")
     return x, y

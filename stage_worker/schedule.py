@@ -78,10 +78,11 @@ class StageSchedule:
         self._check_known(p, "activation")
         if p < self.next_forward or p in self._forward_ready:
             raise ScheduleError(Rejection.DUPLICATE, f"activation for minibatch {p} was already received")
-        if p >= self.next_forward + self.nm:
+        # p is only injected once p - nm has completed everywhere (L1), so its backward is done here.
+        if p >= self.next_backward + self.nm:
             raise ScheduleError(
                 Rejection.WINDOW,
-                f"activation for minibatch {p} while this stage's next forward is {self.next_forward}: "
+                f"activation for minibatch {p} while minibatch {self.next_backward} has not finished here: "
                 f"at most nm={self.nm} minibatches are in flight",
             )
         self._arrive(self._forward_ready, p)

@@ -1,0 +1,307 @@
+"""The job file schema (hetpipe/config.py): DESIGN §8's example, error messages, JSON round trip."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetpipe.config import (
+    ConfigError,
+    EmulateConfig,
+    GpuGroup,
+    JobConfig,
+    NodeConfig,
+    OptimizerConfig,
+    load_job,
+    parse_job,
+    with_overrides,
+)
+
+# DESIGN §8, verbatim: this is the public contract.
+DESIGN_EXAMPLE = """\
+cluster:
+  nodes:                                    # one entry per host
+    - {name: n0, gpus: [{type: titan-v, count: 2}]}
+    - {name: n1, gpus: [{type: rtx-2060, count: 2}]}
+  emulate: {time_scale: 0.05}               # omit to use real devices; present = emulated GPU types (DESIGN §5)
+model:
+  name: mlp                                 # zoo: mlp, a ResNet-style CNN, a GPT-style transformer, ...
+  args: {in_features: 64, hidden: [256, 256, 256], num_classes: 10}
+  init: null                                # optional path to a state_dict (torch.save) to start from
+data:
+  name: npz                                 # also: synthetic, and a dataset shipped inside a PyPI package
+  path: data.npz                            # arrays x (float) and y (int64 labels or float targets)
+  batch_size: 32
+  shuffle: false
+train:
+  steps: 300                                # minibatches per virtual worker
+  loss: cross_entropy                       # or mse
+  optimizer: {name: sgd, lr: 0.05, momentum: 0.0}   # also adam
+  dtype: float32                            # float64 allowed (the oracles use it)
+  seed: 0
+parallel:
+  virtual_workers: 2
+  stages_per_vw: 2
+  policy: ED                                # NP | ED | HD | auto
+  nm: 2                                     # or auto
+  D: 1
+  ps_shards: 2
+  placement: default                        # or local
+  mode: hetpipe                             # or ddp (Horovod-style allreduce baseline), torch-pipeline (torch.distributed.pipelining baseline)
+  schedule: hetpipe                         # later: gpipe, 1f1b, nf1b
+  sync: wsp                                 # later: quorum, elastic
+output:
+  dir: runs/quickstart
+  trace: true
+"""
+
+
+@pytest.fixture
+def design_job(tmp_path: Path) -> JobConfig:
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((100, 64)), y=rng.integers(0, 10, 100))
+    path = tmp_path / "job.yaml"
+    path.write_text(DESIGN_EXAMPLE)
+    return load_job(path)
+
+
+def test_design_example_parses(design_job: JobConfig, tmp_path: Path) -> None:
+    job = design_job
+    assert job.cluster is not None
+    assert job.cluster.nodes == (
+        NodeConfig("n0", (GpuGroup("titan-v", 2),)),
+        NodeConfig("n1", (GpuGroup("rtx-2060", 2),)),
+    )
+    assert job.cluster.emulate == EmulateConfig(time_scale=0.05)
+    assert job.model.name == "mlp"
+    assert dict(job.model.args) == {"in_features": 64, "hidden": [256, 256, 256], "num_classes": 10}
+    assert job.model.init is None
+    assert (job.data.name, job.data.path, job.data.batch_size, job.data.shuffle) == ("npz", "data.npz", 32, False)
+    assert job.resolve("data.npz") == tmp_path / "data.npz", "relative paths resolve next to the job file"
+    assert job.resolve("data.npz").exists()
+    t = job.train
+    assert (t.steps, t.loss, t.dtype, t.seed) == (300, "cross_entropy", "float32", 0)
+    assert (t.optimizer.name, t.optimizer.lr, t.optimizer.momentum) == ("sgd", 0.05, 0.0)
+    p = job.parallel
+    assert (p.virtual_workers, p.stages_per_vw, p.policy, p.nm, p.D, p.ps_shards) == (2, 2, "ED", 2, 1, 2)
+    assert (p.placement, p.mode, p.schedule, p.sync) == ("default", "hetpipe", "hetpipe", "wsp")
+    assert job.nm == 2
+    assert (job.output.dir, job.output.trace) == ("runs/quickstart", True)
+
+
+def test_omitted_cluster_and_defaults(tmp_path: Path) -> None:
+    job = parse_job({"model": {"name": "mlp"}})
+    assert job.cluster is None, "no cluster: this machine's own devices, not emulated"
+    assert job.data.name == "synthetic" and job.train.optimizer == OptimizerConfig()
+    assert job.parallel.nm == 2 and job.parallel.D == 0 and job.parallel.virtual_workers == 1
+    assert parse_job({"model": {"name": "mlp"}, "parallel": {"nm": "auto"}}).parallel.nm == "auto"
+
+
+def test_cluster_without_emulate_uses_real_devices() -> None:
+    job = parse_job({"model": {"name": "mlp"}, "cluster": {"nodes": [{"name": "a", "gpus": [{"type": "t4"}]}]}})
+    assert job.cluster is not None and job.cluster.emulate is None
+    assert job.cluster.nodes[0].gpus == (GpuGroup("t4", 1),)
+
+
+def base() -> dict[str, Any]:
+    return yaml.safe_load(DESIGN_EXAMPLE)
+
+
+def set_key(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    raw = copy.deepcopy(raw)
+    *parents, last = dotted.split(".")
+    node = raw
+    for name in parents:
+        node = node.setdefault(name, {})
+    node[last] = value
+    return raw
+
+
+# (key, bad value, words of what was expected)
+BAD_VALUES = [
+    ("parallel.nm", -1, "integer >= 1"),
+    ("parallel.nm", 0, "integer >= 1"),
+    ("parallel.nm", True, "integer >= 1"),
+    ("parallel.nm", 2.5, "integer >= 1"),
+    ("parallel.D", -1, "integer >= 0"),
+    ("parallel.virtual_workers", 0, "integer >= 1"),
+    ("parallel.stages_per_vw", "two", "integer >= 1"),
+    ("parallel.ps_shards", 0, "integer >= 1"),
+    ("parallel.policy", "XX", "one of NP, ED, HD, auto"),
+    ("parallel.placement", "remote", "one of default, local"),
+    ("parallel.mode", "horovod", "one of hetpipe, ddp, torch-pipeline"),
+    ("parallel.schedule", "gpipe", "one of hetpipe"),
+    ("parallel.sync", "quorum", "one of wsp"),
+    ("train.optimizer.name", "rmsprop", "one of sgd, adam"),
+    ("train.optimizer.lr", -0.1, "number >= 0"),
+    ("train.optimizer.momentum", "high", "number >= 0"),
+    ("train.optimizer.betas", [0.9], "two numbers in [0, 1)"),
+    ("train.optimizer.betas", [0.9, 1.0], "two numbers in [0, 1)"),
+    ("train.steps", 0, "integer >= 1"),
+    ("train.seed", -1, "integer >= 0"),
+    ("train.dtype", "float16", "one of float32, float64"),
+    ("train.loss", "hinge", "one of cross_entropy, mse"),
+    ("data.name", "imagenet", "one of synthetic, npz, digits"),
+    ("data.batch_size", 0, "integer >= 1"),
+    ("data.shuffle", "yes", "true or false"),
+    ("data.path", None, "a non-empty string"),
+    ("data.path", "", "a non-empty string"),
+    ("model.name", "", "a non-empty string"),
+    ("model.args", [1, 2], "a mapping"),
+    ("model.init", 5, "null or a path"),
+    ("output.trace", 1, "true or false"),
+    ("output.dir", "", "a non-empty string"),
+    ("cluster.nodes", [], "a non-empty list of nodes"),
+    ("cluster.nodes", None, "a non-empty list of nodes"),
+    ("cluster.emulate.time_scale", 0, "a number >= 1e-09"),
+    ("faults.task_delay", [2, 1], "[low, high] seconds with 0 <= low <= high"),
+    ("faults.task_delay", [-1, 1], "[low, high] seconds with 0 <= low <= high"),
+    ("faults.task_delay", 0.5, "[low, high] seconds with 0 <= low <= high"),
+    ("faults.slow_factor", 0.5, "a number >= 1.0"),
+    ("faults.slow_vw", -2, "integer >= -1"),
+    ("parallel", [1], "a mapping"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "expected"), BAD_VALUES, ids=[f"{k}={v!r}" for k, v, _ in BAD_VALUES])
+def test_bad_value_names_key_value_and_expectation(key: str, value: Any, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_job(set_key(base(), key, value))
+    message = str(err.value)
+    assert message.startswith(f"{key}:"), message
+    assert repr(value) in message, message
+    assert expected in message, message
+
+
+@pytest.mark.parametrize(
+    ("raw_path", "value"),
+    [
+        ("cluster.nodes", [{"name": "a", "gpus": []}]),
+        ("cluster.nodes", [{"name": "a", "gpus": [{"type": "t4", "count": 0}]}]),
+        ("cluster.nodes", [{"name": "a", "gpus": [{"type": "t4"}]}, {"name": "a", "gpus": [{"type": "t4"}]}]),
+    ],
+)
+def test_bad_nodes_name_the_node(raw_path: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^cluster\.nodes\["):
+        parse_job(set_key(base(), raw_path, value))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("faults.task_delay", ["a", "b"]), ("faults.task_delay", [None, 1]), ("train.optimizer.betas", ["a", 0.5])],
+)
+def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_job(set_key(base(), key, value))
+
+
+@pytest.mark.parametrize(
+    ("section", "unknown"), [("", "trainer"), ("parallel", "n_m"), ("train.optimizer", "nesterov"),
+                             ("cluster.emulate", "speed"), ("output", "path")],
+)
+def test_unknown_key_is_named_with_the_known_ones(section: str, unknown: str) -> None:
+    raw = set_key(base(), f"{section}.{unknown}" if section else unknown, 1)
+    full = f"{section}.{unknown}" if section else unknown
+    with pytest.raises(ConfigError) as err:
+        parse_job(raw)
+    message = str(err.value)
+    assert message.startswith(f"{full}: unknown key"), message
+    assert "known keys are" in message
+
+
+def test_load_job_errors_name_the_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="nope.yaml does not exist"):
+        load_job(missing)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: {name: mlp\n")
+    with pytest.raises(ConfigError, match="broken.yaml is not valid YAML"):
+        load_job(broken)
+
+
+def test_json_round_trip_of_design_example(design_job: JobConfig) -> None:
+    again = JobConfig.from_json(design_job.to_json())
+    assert again == design_job
+    assert again.resolve("data.npz") == design_job.resolve("data.npz"), "base_dir travels with the job"
+    assert again.to_json() == design_job.to_json()
+
+
+def test_from_json_rejects_garbage() -> None:
+    with pytest.raises(ConfigError, match="job_json"):
+        JobConfig.from_json("{not json")
+    with pytest.raises(ConfigError, match="job_json"):
+        JobConfig.from_json("[1, 2]")
+
+
+def test_with_overrides_replaces_only_named_fields(design_job: JobConfig) -> None:
+    job = with_overrides(design_job, parallel={"nm": 4}, train={"steps": 7})
+    assert job.parallel.nm == 4 and job.train.steps == 7
+    assert job.parallel.D == design_job.parallel.D and job.cluster == design_job.cluster
+    assert design_job.parallel.nm == 2, "the original is untouched (frozen)"
+
+
+names = st.text("abcdefghij-", min_size=1, max_size=8)
+valid_jobs = st.fixed_dictionaries(
+    {
+        "model": st.fixed_dictionaries(
+            {"name": st.sampled_from(["mlp", "cnn", "gpt"]),
+             "args": st.dictionaries(st.sampled_from(["hidden", "in_features", "vocab"]),
+                                     st.one_of(st.integers(1, 9), st.lists(st.integers(1, 9), max_size=3)))},
+            optional={"init": st.one_of(st.none(), names)},
+        ),
+        "data": st.fixed_dictionaries(
+            {"name": st.sampled_from(["synthetic", "npz", "digits"]), "path": names},
+            optional={"batch_size": st.integers(1, 512), "shuffle": st.booleans()},
+        ),
+        "train": st.fixed_dictionaries(
+            {},
+            optional={
+                "steps": st.integers(1, 10**6), "loss": st.sampled_from(["cross_entropy", "mse"]),
+                "dtype": st.sampled_from(["float32", "float64"]), "seed": st.integers(0, 2**31),
+                "optimizer": st.fixed_dictionaries(
+                    {"name": st.sampled_from(["sgd", "adam"])},
+                    optional={"lr": st.floats(0, 10), "momentum": st.floats(0, 1),
+                              "betas": st.tuples(st.floats(0, 0.99), st.floats(0, 0.99)).map(list)},
+                ),
+            },
+        ),
+        "parallel": st.fixed_dictionaries(
+            {},
+            optional={
+                "virtual_workers": st.integers(1, 8), "stages_per_vw": st.integers(1, 8),
+                "nm": st.one_of(st.integers(1, 8), st.just("auto")), "D": st.integers(0, 5),
+                "policy": st.sampled_from(["NP", "ED", "HD", "auto"]), "ps_shards": st.integers(1, 4),
+                "placement": st.sampled_from(["default", "local"]),
+                "mode": st.sampled_from(["hetpipe", "ddp", "torch-pipeline"]),
+            },
+        ),
+        "output": st.fixed_dictionaries({}, optional={"dir": names, "trace": st.booleans()}),
+    },
+    optional={
+        "cluster": st.fixed_dictionaries(
+            {"nodes": st.lists(names, min_size=1, max_size=3, unique=True).map(
+                lambda ns: [{"name": n, "gpus": [{"type": "t4", "count": len(n)}]} for n in ns])},
+            optional={"emulate": st.fixed_dictionaries({"time_scale": st.floats(0.001, 10)})},
+        ),
+        "faults": st.fixed_dictionaries(
+            {}, optional={"task_delay": st.floats(0, 1).map(lambda a: [a, a + 0.5]), "slow_vw": st.integers(-1, 3)},
+        ),
+    },
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(raw=valid_jobs)
+def test_json_round_trip_is_identity(raw: dict[str, Any]) -> None:
+    job = parse_job(raw, base_dir="/some/where")
+    again = JobConfig.from_json(job.to_json())
+    assert again == job
+    # YAML is only a carrier: dumping and re-reading the mapping gives the same job.
+    assert parse_job(yaml.safe_load(yaml.safe_dump(raw)), base_dir="/some/where") == job
