@@ -24,10 +24,15 @@ from hetpipe.zoo import layer_keys
 from coordinator.plan import Plan, StagePlan, resolved_job
 
 State = stage_pb2.StageStatus.State
+STATUS_DEADLINE_S = 2.0
 
 
 class JobFailed(Exception):
     """The job cannot finish; the message names the process, the stage and the minibatch."""
+
+
+class JobStopped(Exception):
+    """Someone asked the job to stop."""
 
 
 @dataclass
@@ -66,7 +71,7 @@ class JobDriver:
         self.job = resolved_job(job, plan)
         self.plan = plan
         self.ps_addresses = ps_addresses or []
-        self._check_processes = check_processes
+        self.check_processes = check_processes
         self.stages = []
         for sp, address in zip(plan.stages, stage_addresses):
             ch = rpc.channel(address)
@@ -120,7 +125,7 @@ class JobDriver:
                 stub.Init(wire.encode(tensors, init=wire_pb2.InitTag(virtual_workers=self.plan.virtual_workers)),
                           timeout=rpc.DATA_DEADLINE_S)
             except grpc.RpcError as exc:
-                self._check_processes()
+                self.check_processes()
                 raise JobFailed(f"ps shard {i} at {self.ps_addresses[i]}: Init failed: {exc.code().name}: "
                                 f"{exc.details()}") from None
         dataset = datasets.load_dataset(self.job)
@@ -141,16 +146,22 @@ class JobDriver:
         try:
             return getattr(h.stub, method)(request, timeout=deadline)
         except grpc.RpcError as exc:
-            self._check_processes()
-            raise JobFailed(f"{h.name} at {h.address}: {method} failed: {exc.code().name}: {exc.details()}") from None
+            self.check_processes()
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:  # a killed peer's socket closes just before it is reaped
+                time.sleep(0.2)
+                self.check_processes()
+            raise JobFailed(
+                f"{h.name} at {h.address}: {method} failed: {exc.code().name}: {exc.details()} ({h.progress()})"
+            ) from None
 
     # ---- running ---------------------------------------------------------------------------
 
     def poll(self) -> bool:
         """Refreshes every stage's status; True once all are done. Raises JobFailed."""
-        self._check_processes()
+        self.check_processes()
         for h in self.stages:
-            h.last = self._call(h, "Status", wire_pb2.Empty())
+            # Short: a frozen stage must not hold up the heartbeat check on the next poll.
+            h.last = self._call(h, "Status", wire_pb2.Empty(), deadline=STATUS_DEADLINE_S)
             if h.last.state == State.FAILED:
                 raise JobFailed(f"{h.last.error} ({h.progress()})")
         return all(h.last.state == State.DONE for h in self.stages)

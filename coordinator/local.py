@@ -1,81 +1,101 @@
-"""`hetpipe run`: the embedded default, every process on this machine over loopback."""
+"""`hetpipe run`: the embedded default. A coordinator in this process, every worker a local
+process that registers with it over gRPC, the job submitted as a compose cluster would."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from hetpipe import rpc
 from hetpipe.config import JobConfig
-from coordinator.driver import JobDriver, JobFailed, Progress
-from coordinator.launcher import LocalProcesses, Process
-from coordinator.plan import make_plan
-
+from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, wire_pb2
+from coordinator import state as st
+from coordinator.__main__ import build
+from coordinator.driver import JobFailed, JobStopped
+from coordinator.job import JobRunner
+from coordinator.launcher import LocalProcesses
 
 MAX_SHARD_RESTARTS = 3
+ADDRESS_FILE = "coordinator.address"  # where `hetpipe status/stop --job` find the coordinator
 
 
-def _dead_check(procs: LocalProcesses, drivers: list[JobDriver]) -> None:
-    """A dead stage fails the job; a dead shard is restarted from its checkpoint and push log."""
-    dead = procs.dead()
-    for p in [d for d in dead if d.name.startswith("ps shard") and d.restarts < MAX_SHARD_RESTARTS]:
-        print(f"hetpipe: {p.name} {p.exit_description()}; restarting it from its checkpoint", file=sys.stderr)
-        procs.restart(p)
-        dead.remove(p)
-    if not dead:
-        return
-    p: Process = dead[0]
-    detail = ""
-    for d in drivers:
-        for h in d.stages:
-            if h.address == p.address:
-                detail = f"; {h.progress()}"
-    raise JobFailed(f"{p.name} (pid {p.popen.pid}, {p.address}) {p.exit_description()}{detail}")
+def _watch_processes(procs: LocalProcesses, runner: JobRunner) -> None:
+    """A dead stage is reported at once (no waiting for heartbeats); a dead shard is restarted
+    from its checkpoint and push log, and re-registers at the same address."""
+    for p in procs.dead():
+        if p.name.startswith("ps shard") and p.restarts < MAX_SHARD_RESTARTS:
+            print(f"hetpipe: {p.name} {p.exit_description()}; restarting it from its checkpoint", file=sys.stderr)
+            runner.report_dead(p.address, "is restarting")
+            procs.restart(p)
+        else:
+            runner.report_dead(p.address, f"(pid {p.popen.pid}) {p.exit_description()}")
 
 
-def run_local(job: JobConfig, *, quiet: bool = False) -> dict[str, Any]:
-    """Plans the job, starts its processes, trains, writes outputs; stops every process it started."""
+def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: float = 1.0) -> dict[str, Any]:
+    """Trains job on this machine; returns the summary. Stops every process it started."""
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out_dir / "ps", ignore_errors=True)  # a fresh job must not restore an old one's shards
-    with LocalProcesses(out_dir / "logs") as procs:
-        par = job.parallel
-        names = [f"stage {q} of vw {v}" for v in range(par.virtual_workers) for q in range(par.stages_per_vw)]
-        stage_procs = [procs.spawn("stage_worker", name) for name in names]
-        # A lone VW needs no parameter server: its local weights are w_global.
-        shards = par.ps_shards if par.virtual_workers > 1 else 0
-        shard_procs = [
-            procs.spawn("ps_server", f"ps shard {i}", ["--checkpoint-dir", str(out_dir / "ps" / f"shard{i}")])
-            for i in range(shards)
-        ]
-        plan = make_plan(job)  # while the processes start
-        drivers: list[JobDriver] = []
-        procs.wait_ready()
-        driver = JobDriver(job, plan, [p.address for p in stage_procs],
-                           ps_addresses=[p.address for p in shard_procs],
-                           check_processes=lambda: _dead_check(procs, drivers))
-        drivers.append(driver)
-        bar = tqdm(total=job.train.steps * plan.virtual_workers * job.data.batch_size, unit="sample",
-                   disable=quiet, file=sys.stderr, dynamic_ncols=True,
-                   desc="emulated" if plan.emulated else "train")
+    server, servicer = build("127.0.0.1", 0, heartbeat_interval_s=heartbeat_interval_s)
+    server.start()
+    (out_dir / ADDRESS_FILE).write_text(server.address + "\n")
+    channel = rpc.channel(server.address)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    try:
+        with LocalProcesses(out_dir / "logs") as procs:
+            par = job.parallel
+            register = ["--coordinator", server.address, "--node", "local"]
+            for v in range(par.virtual_workers):
+                for q in range(par.stages_per_vw):
+                    procs.spawn("stage_worker", f"stage {q} of vw {v}", register)
+            # A lone VW needs no parameter server: its local weights are w_global.
+            for i in range(par.ps_shards if par.virtual_workers > 1 else 0):
+                procs.spawn("ps_server", f"ps shard {i}",
+                            [*register, "--checkpoint-dir", str(out_dir / "ps" / f"shard{i}")])
+            procs.wait_ready()
+            stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=rpc.CONTROL_DEADLINE_S)
+            try:
+                status = _follow(stub, procs, servicer.runner, quiet=quiet)
+            except KeyboardInterrupt:
+                servicer.runner.stop("interrupted (Ctrl-C)")
+                servicer.runner.machine.wait_terminal(5.0)
+                raise
+    finally:
+        channel.close()
+        server.stop()
+    if status.state == st.COMPLETED:
+        summary: dict[str, Any] = json.loads(status.summary_json)
+        return summary
+    if status.state == st.STOPPED:
+        raise JobStopped(status.reason)
+    raise JobFailed(status.reason)
 
-        def show(p: Progress) -> None:
-            bar.n = p.samples
-            bar.set_postfix(loss=f"{p.loss:.4f}", samples_s=f"{p.samples_per_second:.0f}", refresh=False)
-            bar.refresh()
 
-        try:
-            driver.setup()
-            bar.reset()
-            wall = driver.run(show)
+def _follow(stub: coordinator_pb2_grpc.CoordinatorStub, procs: LocalProcesses, runner: JobRunner, *,
+            quiet: bool) -> coordinator_pb2.JobStatus:
+    """Shows progress until the job ends; returns its final status."""
+    bar: tqdm[Any] | None = None
+    try:
+        while True:
+            status = stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            if status.state in st.TERMINAL:
+                return status
+            _watch_processes(procs, runner)
+            if status.state == st.RUNNING and bar is None:
+                bar = tqdm(total=status.total_samples, unit="sample", disable=quiet, file=sys.stderr,
+                           dynamic_ncols=True, desc="train (emulated GPUs)" if status.emulated else "train")
+            if bar is not None:
+                bar.n = status.samples
+                bar.set_postfix(loss=f"{status.loss:.4f}", samples_s=f"{status.samples_per_second:.0f}",
+                                refresh=False)
+                bar.refresh()
+            time.sleep(0.1)
+    finally:
+        if bar is not None:
             bar.close()
-            weights = driver.fetch_weights()
-            return driver.write_outputs(weights, wall)
-        except JobFailed:
-            bar.close()
-            raise
-        finally:
-            driver.close()

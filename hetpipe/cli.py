@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -12,11 +13,12 @@ from hetpipe.config import ConfigError, load_job
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE
 EXIT_INTERRUPTED = 130
 
 
 def _run(args: argparse.Namespace) -> int:
-    from coordinator.driver import JobFailed
+    from coordinator.driver import JobFailed, JobStopped
     from coordinator.local import run_local
 
     try:
@@ -28,6 +30,9 @@ def _run(args: argparse.Namespace) -> int:
     except JobFailed as exc:
         print(f"hetpipe: job failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except JobStopped as exc:
+        print(f"hetpipe: job stopped: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("hetpipe: interrupted; stopped every process", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -38,6 +43,61 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _coordinator_address(args: argparse.Namespace) -> str:
+    from coordinator.config import DEFAULT_PORT
+
+    if args.coordinator:
+        return str(args.coordinator)
+    if args.job:
+        job = load_job(args.job)
+        path = Path(job.resolve(job.output.dir)) / "coordinator.address"
+        if not path.exists():
+            raise ConfigError(f"no coordinator address at {path}: is `hetpipe run {args.job}` running?")
+        return path.read_text().strip()
+    return os.environ.get("HETPIPE_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}")
+
+
+def _status(args: argparse.Namespace) -> int:
+    """Prints the job and the workers; exits 0 unless the job failed or the coordinator is unreachable."""
+    import grpc
+
+    from hetpipe import rpc
+    from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, wire_pb2
+
+    try:
+        address = _coordinator_address(args)
+    except ConfigError as exc:
+        print(f"hetpipe: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    State = coordinator_pb2.JobStatus.State
+    with rpc.channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        try:
+            if args.command == "stop":
+                job = stub.StopJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            else:
+                job = stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            workers = stub.ListWorkers(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+        except grpc.RpcError as exc:
+            print(f"hetpipe: coordinator {address} unreachable: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps({"job": MessageToDict(job), "workers": MessageToDict(workers)}, indent=2))
+    else:
+        print(f"job: {State.Name(job.state)}" + (f" ({job.reason})" if job.reason else ""))
+        if job.total_samples:
+            print(f"progress: {job.samples}/{job.total_samples} samples, loss {job.loss:.4f}, "
+                  f"{job.samples_per_second:.0f} samples/s{' (emulated GPUs)' if job.emulated else ''}")
+        print(f"{'worker':<14}{'role':<14}{'address':<22}{'node':<10}{'alive':<7}assigned")
+        for w in workers.workers:
+            role = coordinator_pb2.WorkerInfo.Role.Name(w.info.role).lower()
+            print(f"{w.worker_id:<14}{role:<14}{w.info.address:<22}{w.info.node:<10}"
+                  f"{'yes' if w.alive else 'NO':<7}{w.assigned or '-'}")
+    return EXIT_FAILED if job.state == State.FAILED else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hetpipe", description="HetPipe: train large models on heterogeneous GPUs")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -45,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", help="job YAML file")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=_run)
+    for name, text in (("status", "show the job and the workers"), ("stop", "stop the running job")):
+        cmd = sub.add_parser(name, help=text)
+        where = cmd.add_mutually_exclusive_group()
+        where.add_argument("--coordinator", help="coordinator host:port (default $HETPIPE_COORDINATOR or :50050)")
+        where.add_argument("--job", help="the job file a local `hetpipe run` is running")
+        cmd.add_argument("--json", action="store_true", help="machine-readable output")
+        cmd.set_defaults(func=_status)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     code: int = args.func(args)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -124,10 +124,142 @@ def gpt(args: Mapping[str, Any]) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def _pos_number(args: Mapping[str, Any], key: str, default: float) -> float:
+    value = args.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"model.args.{key}: expected a positive number, got {value!r}")
+    return float(value)
+
+
+def _image_shape(args: Mapping[str, Any], min_side: int) -> tuple[int, int, int]:
+    in_shape = _int_list(args, "in_shape", [3, 224, 224])
+    if len(in_shape) != 3 or min(in_shape[1:]) < min_side:
+        raise ConfigError(f"model.args.in_shape: expected [channels, height, width] with height and width "
+                          f">= {min_side}, got {in_shape!r}")
+    return in_shape[0], in_shape[1], in_shape[2]
+
+
+def _scaled(channels: int, width: float) -> int:
+    return max(1, round(channels * width))
+
+
+def _kaiming(weight: torch.Tensor) -> None:
+    # Shape-only (meta) builds skip it: normal_ on meta tensors first imports torch._dynamo (seconds).
+    if not weight.is_meta:
+        nn.init.kaiming_normal_(weight, mode="fan_out", nonlinearity="relu")
+
+
+# VGG-19 (configuration E of Simonyan & Zisserman): 16 convolutions, "M" = 2x2 max-pool.
+VGG19_CONFIG: tuple[int | str, ...] = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M",
+                                       512, 512, 512, 512, "M", 512, 512, 512, 512, "M")
+
+
+def vgg19(args: Mapping[str, Any]) -> nn.Sequential:
+    """VGG-19 as torchvision builds it, without dropout (so that runs are deterministic).
+
+    One layer per conv+ReLU, per max-pool and per FC(+ReLU): cutting between a conv and its ReLU
+    never helps a pipeline (same activation size), and fewer layers keep the partitioner fast.
+    At width 1.0 and the defaults it has torchvision's 143,667,240 parameters; `width` scales
+    every channel count and the two hidden FC sizes, keeping the layer structure.
+    """
+    channels, height, width_px = _image_shape(args, 32)
+    width = _pos_number(args, "width", 1.0)
+    num_classes = _pos_int(args, "num_classes", 1000)
+    layers: list[nn.Module] = [nn.Unflatten(1, (channels, height, width_px))]
+    cin = channels
+    for item in VGG19_CONFIG:
+        if item == "M":
+            layers.append(nn.MaxPool2d(2, 2))
+            continue
+        cout = _scaled(int(item), width)
+        conv = nn.Conv2d(cin, cout, 3, padding=1)
+        _kaiming(conv.weight)
+        assert conv.bias is not None
+        nn.init.zeros_(conv.bias)
+        layers.append(nn.Sequential(conv, nn.ReLU()))
+        cin = cout
+    hidden = _scaled(4096, width)
+    fcs = [nn.Linear(cin * 7 * 7, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, num_classes)]
+    for fc in fcs:
+        if not fc.weight.is_meta:
+            nn.init.normal_(fc.weight, 0.0, 0.01)
+        nn.init.zeros_(fc.bias)
+    # The adaptive pool makes the classifier's input 7x7 whatever the image size, as torchvision does.
+    layers += [nn.AdaptiveAvgPool2d((7, 7)), nn.Flatten(),
+               nn.Sequential(fcs[0], nn.ReLU()), nn.Sequential(fcs[1], nn.ReLU()), fcs[2]]
+    return nn.Sequential(*layers)
+
+
+def _batch_norm(channels: int) -> nn.BatchNorm2d:
+    # No running statistics: a stage's whole state is its parameters, which the shards own
+    # (the parameter count is the same as torchvision's BatchNorm2d).
+    return nn.BatchNorm2d(channels, track_running_stats=False)
+
+
+class Bottleneck(nn.Module):
+    """ResNet v1.5 bottleneck: 1x1 reduce, 3x3 (carries the stride), 1x1 expand by 4."""
+
+    expansion = 4
+
+    def __init__(self, cin: int, planes: int, stride: int) -> None:
+        super().__init__()
+        cout = planes * self.expansion
+        self.conv1 = nn.Conv2d(cin, planes, 1, bias=False)
+        self.bn1 = _batch_norm(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.bn2 = _batch_norm(planes)
+        self.conv3 = nn.Conv2d(planes, cout, 1, bias=False)
+        self.bn3 = _batch_norm(cout)
+        self.downsample: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), _batch_norm(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        return torch.relu(self.bn3(self.conv3(out)) + self.downsample(x))
+
+
+RESNET152_BLOCKS = (3, 8, 36, 3)
+
+
+def resnet152(args: Mapping[str, Any]) -> nn.Sequential:
+    """ResNet-152 as torchvision builds it (v1.5 bottlenecks [3, 8, 36, 3], BatchNorm).
+
+    Layers: the 7x7 stem (conv+BN+ReLU), its max-pool, each of the 50 bottleneck blocks, then
+    avgpool, flatten and fc. At width 1.0 and the defaults it has torchvision's 60,192,808
+    parameters; `width` scales every channel count. BatchNorm keeps no running statistics, so it
+    normalises with the minibatch's statistics in eval mode too.
+    """
+    channels, height, width_px = _image_shape(args, 1)
+    width = _pos_number(args, "width", 1.0)
+    num_classes = _pos_int(args, "num_classes", 1000)
+    stem = _scaled(64, width)
+    layers: list[nn.Module] = [
+        nn.Unflatten(1, (channels, height, width_px)),
+        nn.Sequential(nn.Conv2d(channels, stem, 7, 2, 3, bias=False), _batch_norm(stem), nn.ReLU()),
+        nn.MaxPool2d(3, 2, 1),
+    ]
+    cin = stem
+    for i, blocks in enumerate(RESNET152_BLOCKS):
+        planes = _scaled(64 * 2**i, width)
+        for b in range(blocks):
+            layers.append(Bottleneck(cin, planes, 2 if (b == 0 and i > 0) else 1))
+            cin = planes * Bottleneck.expansion
+    for module in layers:
+        for m in module.modules():
+            if isinstance(m, nn.Conv2d):
+                _kaiming(m.weight)
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
+    return nn.Sequential(*layers)
+
+
 MODELS: dict[str, Callable[[Mapping[str, Any]], nn.Sequential]] = {
     "mlp": mlp,
     "resnet": resnet,
     "gpt": gpt,
+    "vgg19": vgg19,
+    "resnet152": resnet152,
 }
 
 
@@ -146,6 +278,11 @@ def build_model(name: str, args: Mapping[str, Any], *, seed: int, dtype: torch.d
 def takes_tokens(name: str) -> bool:
     """Whether the model's input is integer token ids rather than float features."""
     return name == "gpt"
+
+
+def stage_layers(model: nn.Sequential, begin: int, end: int) -> nn.Sequential:
+    """Layers [begin, end) as a Sequential that keeps the full model's state_dict key names."""
+    return cast(nn.Sequential, model[begin:end])
 
 
 def layer_keys(model: nn.Sequential, begin: int, end: int) -> list[str]:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import torch
 
-from hetpipe import metrics, rpc
-from hetpipe.v1 import ps_pb2_grpc
+from hetpipe import rpc
+from hetpipe.service import exit_now, run_server
+from hetpipe.v1 import coordinator_pb2, ps_pb2_grpc
 from ps_server import metrics as shard_metrics
 from ps_server.config import ShardConfig, parse_args
 from ps_server.durability import Durability
@@ -22,11 +22,11 @@ def serve(cfg: ShardConfig) -> None:
     durability = Durability(cfg.checkpoint_dir, cfg.checkpoint_every) if cfg.checkpoint_dir else None
     servicer = ShardServicer(Shard(), durability, max_pull_wait_s=cfg.max_pull_wait_s)
     servicer.restore()
-    if servicer.restored_pushes or servicer.shard.ready:
+    if servicer.shard.ready:
         logging.info("restored %d keys (+%d logged pushes) from %s", len(servicer.shard.values),
                      servicer.restored_pushes, cfg.checkpoint_dir)
     # Pulls block a thread each while they wait for slower VWs: size the pool for that.
-    server = rpc.Server(cfg.host, cfg.port, workers=128)
+    server = rpc.Server(cfg.service.host, cfg.service.port, workers=128)
 
     def shutdown() -> None:
         servicer.checkpoint()
@@ -34,22 +34,14 @@ def serve(cfg: ShardConfig) -> None:
 
     ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server.grpc)
     shard_metrics.bind(servicer)
-    metrics_port = metrics.serve(cfg.metrics_port)
-    server.start()
-    server.stop_on_signals(shutdown)
-    if cfg.exit_with_parent:
-        rpc.exit_with_parent(os.getppid(), shutdown)
-    logging.info("ps shard serving on %s (metrics :%d)", server.address, metrics_port)
-    if cfg.ready_file:
-        rpc.write_ready_file(cfg.ready_file, f"{server.address} {metrics_port}")
-    server.wait()
+    run_server(cfg.service, server, shutdown, role=coordinator_pb2.WorkerInfo.PS_SHARD)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(parse_args(argv))
-    logging.shutdown()
-    os._exit(0)  # state is checkpointed; skip the slow interpreter teardown
+    exit_now()  # state is checkpointed
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Entry point: flags -> StageWorkerConfig -> serve(cfg)."""
+"""Entry point: flags -> ServiceFlags -> serve(cfg)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import sys
 import torch
 import torch._dynamo  # noqa: F401  torch imports it lazily on first use: seconds, better paid before serving
 
-from hetpipe import metrics, rpc
-from hetpipe.v1 import stage_pb2_grpc
-from stage_worker.config import StageWorkerConfig, parse_args
+from hetpipe import rpc
+from hetpipe.service import ServiceFlags, exit_now, run_server
+from hetpipe.v1 import coordinator_pb2, stage_pb2_grpc
+from stage_worker.config import parse_args
 from stage_worker.runtime import StageRuntime
 from stage_worker.servicer import StageServicer
 from stage_worker.wsp_sync import WspSync
 
 
-def serve(cfg: StageWorkerConfig) -> None:
+def serve(cfg: ServiceFlags) -> None:
     # One process per stage: oversubscribing the cores with intra-op threads only slows them all.
     torch.set_num_threads(max(1, int(os.environ.get("HETPIPE_THREADS", "1"))))
     runtime = StageRuntime(make_sync=WspSync)
@@ -28,24 +29,18 @@ def serve(cfg: StageWorkerConfig) -> None:
         server.stop()
 
     stage_pb2_grpc.add_StageServicer_to_server(StageServicer(runtime, shutdown), server.grpc)
-    metrics_port = metrics.serve(cfg.metrics_port)
-    server.start()
-    server.stop_on_signals(shutdown)
-    if cfg.exit_with_parent:
-        rpc.exit_with_parent(os.getppid(), shutdown)
-    logging.info("stage worker serving on %s (metrics :%d)", server.address, metrics_port)
-    if cfg.ready_file:
-        rpc.write_ready_file(cfg.ready_file, f"{server.address} {metrics_port}")
-    server.wait()
+    cuda = torch.cuda.is_available()
+    run_server(cfg, server, shutdown, role=coordinator_pb2.WorkerInfo.STAGE_WORKER,
+               device="cuda:0" if cuda else "cpu",
+               memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else 0)
     runtime.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(parse_args(argv))
-    logging.shutdown()
-    # Everything is flushed and closed; interpreter teardown of torch and gRPC only adds seconds.
-    os._exit(0)
+    exit_now()
+    return 0
 
 
 if __name__ == "__main__":

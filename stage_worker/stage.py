@@ -99,7 +99,7 @@ class StageCompute:
         if not inputs or not out.requires_grad:
             return None, [None] * len(self.params)
         got = torch.autograd.grad(out, inputs, grad_outputs=grad_out, allow_unused=True)
-        grads = list(got[: len(self.params)])
+        grads: list[torch.Tensor | None] = list(got[: len(self.params)])
         grad_in = got[-1] if wants_x else None
         return grad_in, grads
 

@@ -1,0 +1,33 @@
+"""Coordinator process configuration (flags and environment)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from hetpipe.service import ServiceFlags, add_service_flags, service_flags
+
+DEFAULT_PORT = 50050
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorConfig:
+    service: ServiceFlags
+    heartbeat_interval_s: float = 1.0
+    claim_timeout_s: float = 120.0
+
+
+def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="python -m coordinator", description="HetPipe coordinator")
+    add_service_flags(ap, default_port=DEFAULT_PORT, worker=False)
+    ap.add_argument("--heartbeat-interval", type=float, default=float(env("HETPIPE_HEARTBEAT_INTERVAL", "1.0")),
+                    help="seconds between worker heartbeats; 3 missed = dead")
+    ap.add_argument("--claim-timeout", type=float, default=120.0,
+                    help="seconds to wait for enough workers to register")
+    ns = ap.parse_args(argv)
+    if ns.heartbeat_interval <= 0:
+        ap.error(f"--heartbeat-interval must be > 0, got {ns.heartbeat_interval}")
+    return CoordinatorConfig(service=service_flags(ns), heartbeat_interval_s=ns.heartbeat_interval,
+                             claim_timeout_s=ns.claim_timeout)

@@ -1,0 +1,145 @@
+"""Registry of stage workers and shards: registration checks, heartbeats, liveness, claiming."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from hetpipe.catalog import CATALOG
+from hetpipe.rpc import Rejected
+from hetpipe.v1 import coordinator_pb2
+
+Role = coordinator_pb2.WorkerInfo.Role
+MISSED_HEARTBEATS = 3  # a worker silent this many intervals is dead
+_ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
+_DEVICE = re.compile(r"^(cpu|cuda:\d{1,3})$")
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    info: coordinator_pb2.WorkerInfo
+    last_heartbeat: float
+    assigned: str = ""
+
+    @property
+    def label(self) -> str:
+        who = self.assigned or Role.Name(self.info.role).lower()
+        return f"{who} ({self.info.name or 'worker'} at {self.info.address} on {self.info.node})"
+
+
+def validate(info: coordinator_pb2.WorkerInfo) -> None:
+    """Refuses a registration that names no role, a bad address, device or GPU type."""
+    if info.role not in (Role.STAGE_WORKER, Role.PS_SHARD):
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"role {info.role}: expected STAGE_WORKER or PS_SHARD")
+    m = _ADDRESS.match(info.address)
+    if not m or not 0 < int(m.group(1)) < 65536:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"address {info.address!r}: expected host:port")
+    if not _DEVICE.match(info.device):
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"device {info.device!r}: expected 'cpu' or 'cuda:N'")
+    if info.gpu_type and info.gpu_type not in CATALOG:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"gpu_type {info.gpu_type!r}: expected one of {', '.join(CATALOG)} or empty")
+    if not info.node:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "node: expected the host name the worker runs on")
+
+
+class Registry:
+    def __init__(self, heartbeat_interval_s: float = 1.0) -> None:
+        self.interval = heartbeat_interval_s
+        self._workers: dict[str, Worker] = {}
+        self._lock = threading.Condition()
+
+    def register(self, info: coordinator_pb2.WorkerInfo) -> str:
+        validate(info)
+        with self._lock:
+            for w in list(self._workers.values()):
+                if w.info.address != info.address:
+                    continue
+                if w.info.node != info.node and self._alive(w):
+                    raise Rejected(
+                        grpc.StatusCode.ALREADY_EXISTS,
+                        f"address {info.address} is already registered by {w.label}",
+                    )
+                # Same address on the same node: the process restarted there (one port, one
+                # process), so the new registration takes over the old one's assignment.
+                del self._workers[w.worker_id]
+                worker = Worker(uuid.uuid4().hex[:12], info, time.monotonic(), w.assigned)
+                break
+            else:
+                worker = Worker(uuid.uuid4().hex[:12], info, time.monotonic())
+            self._workers[worker.worker_id] = worker
+            self._lock.notify_all()
+            return worker.worker_id
+
+    def heartbeat(self, worker_id: str) -> bool:
+        with self._lock:
+            w = self._workers.get(worker_id)
+            if w is None:
+                return False
+            w.last_heartbeat = time.monotonic()
+            return True
+
+    def _alive(self, w: Worker) -> bool:
+        return time.monotonic() - w.last_heartbeat <= MISSED_HEARTBEATS * self.interval
+
+    def workers(self) -> list[tuple[Worker, float, bool]]:
+        with self._lock:
+            now = time.monotonic()
+            return [(w, now - w.last_heartbeat, self._alive(w)) for w in self._workers.values()]
+
+    def silent(self, role: int, grace_s: float = 0.0) -> list[tuple[Worker, float]]:
+        """Assigned workers of role that missed MISSED_HEARTBEATS (plus grace_s), with silence."""
+        with self._lock:
+            now = time.monotonic()
+            limit = MISSED_HEARTBEATS * self.interval + grace_s
+            return [(w, now - w.last_heartbeat) for w in self._workers.values()
+                    if w.assigned and w.info.role == role and now - w.last_heartbeat > limit]
+
+    def claim(self, role: int, wanted: list[tuple[str, str, str]], timeout: float) -> list[Worker]:
+        """Claims one live worker per (label, node, gpu_type) wanted, waiting up to timeout.
+
+        A worker that registered with a node and GPU type serves only that (node, type); one
+        that registered without a type is generic (emulation, or this machine's own devices).
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                chosen = self._match(role, wanted)
+                if chosen is not None:
+                    for w, (label, _, _) in zip(chosen, wanted):
+                        w.assigned = label
+                    return chosen
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    have = sum(1 for w in self._workers.values()
+                               if w.info.role == role and not w.assigned and self._alive(w))
+                    raise TimeoutError(
+                        f"{len(wanted)} {Role.Name(role).lower()}s needed, {have} free and alive registered "
+                        f"within {timeout:.0f}s"
+                    )
+                self._lock.wait(min(left, 0.2))
+
+    def _match(self, role: int, wanted: list[tuple[str, str, str]]) -> list[Worker] | None:
+        free = sorted((w for w in self._workers.values() if w.info.role == role and not w.assigned
+                       and self._alive(w)), key=lambda w: w.info.address)
+        chosen: list[Worker] = []
+        for _, node, gpu in wanted:
+            exact = [w for w in free if w.info.gpu_type and w.info.node == node and w.info.gpu_type == gpu]
+            generic = [w for w in free if not w.info.gpu_type]
+            pick = (exact or generic or [None])[0]
+            if pick is None:
+                return None
+            free.remove(pick)
+            chosen.append(pick)
+        return chosen
+
+    def release(self) -> None:
+        with self._lock:
+            for w in self._workers.values():
+                w.assigned = ""

@@ -1,0 +1,85 @@
+"""What every service process shares: its common flags, and serving with registration."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hetpipe import metrics, rpc
+from hetpipe.registration import keep_registered
+from hetpipe.v1 import coordinator_pb2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServiceFlags:
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    ready_file: str = ""         # written with "host:port metrics_port" once serving
+    exit_with_parent: bool = False
+    coordinator: str = ""        # host:port to register with; empty = driven directly
+    advertise: str = ""          # address peers should use; default host:port
+    node: str = ""               # the host name the coordinator matches plans against
+    gpu_type: str = ""           # catalog type this worker stands for; empty = generic
+
+
+def add_service_flags(ap: argparse.ArgumentParser, *, default_port: int = 0, worker: bool = True) -> None:
+    """Flags of every service; `worker` adds those of processes that register with a coordinator."""
+    env = os.environ.get
+    ap.add_argument("--host", default=env("HETPIPE_HOST", "127.0.0.1"), help="address to bind")
+    ap.add_argument("--port", type=int, default=int(env("HETPIPE_PORT", str(default_port))),
+                    help="gRPC port (0 = any free port)")
+    ap.add_argument("--metrics-port", type=int, default=int(env("HETPIPE_METRICS_PORT", "0")),
+                    help="Prometheus port (0 = any free port)")
+    ap.add_argument("--ready-file", default=env("HETPIPE_READY_FILE", ""), help="write host:port here when serving")
+    ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
+    if not worker:
+        ap.set_defaults(coordinator="", advertise="", node="", gpu_type="")
+        return
+    ap.add_argument("--coordinator", default=env("HETPIPE_COORDINATOR", ""), help="coordinator host:port to register with")
+    ap.add_argument("--advertise", default=env("HETPIPE_ADVERTISE", ""), help="host:port peers reach us at")
+    ap.add_argument("--node", default=env("HETPIPE_NODE", socket.gethostname()), help="node name for planning")
+    ap.add_argument("--gpu-type", default=env("HETPIPE_GPU_TYPE", ""), help="catalog GPU type this worker is")
+
+
+def service_flags(ns: argparse.Namespace) -> ServiceFlags:
+    return ServiceFlags(host=ns.host, port=ns.port, metrics_port=ns.metrics_port, ready_file=ns.ready_file,
+                        exit_with_parent=ns.exit_with_parent, coordinator=ns.coordinator, advertise=ns.advertise,
+                        node=ns.node, gpu_type=ns.gpu_type)
+
+
+def run_server(
+    flags: ServiceFlags, server: rpc.Server, shutdown: Callable[[], None], *, role: int | None,
+    device: str = "cpu", memory_bytes: int = 0,
+) -> None:
+    """Starts server and metrics, handles signals and orphaning, registers, and blocks until stopped."""
+    metrics_port = metrics.serve(flags.metrics_port)
+    server.start()
+    server.stop_on_signals(shutdown)
+    if flags.exit_with_parent:
+        rpc.exit_with_parent(os.getppid(), shutdown)
+    address = flags.advertise or server.address
+    what = "coordinator" if role is None else coordinator_pb2.WorkerInfo.Role.Name(role).lower()
+    logging.info("%s serving on %s (metrics :%d)", what, address, metrics_port)
+    stopped = threading.Event()
+    if flags.coordinator and role is not None:
+        info = coordinator_pb2.WorkerInfo(
+            role=role, address=address, node=flags.node, device=device, gpu_type=flags.gpu_type,
+            memory_bytes=memory_bytes, metrics_port=metrics_port, name=f"pid {os.getpid()}",
+        )
+        keep_registered(flags.coordinator, info, stopped)
+    if flags.ready_file:
+        rpc.write_ready_file(flags.ready_file, f"{address} {metrics_port}")
+    server.wait()
+    stopped.set()
+
+
+def exit_now() -> None:
+    """Everything is flushed and closed; interpreter teardown of torch and gRPC only adds seconds."""
+    logging.shutdown()
+    os._exit(0)

@@ -1,0 +1,148 @@
+"""Coordinator service: registration checks, dead-worker detection by heartbeat, stop, CLI status."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from coordinator.__main__ import build
+from coordinator.launcher import LocalProcesses
+from coordinator.servicer import CoordinatorServicer
+from hetpipe import rpc
+from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, wire_pb2
+
+pytestmark = pytest.mark.timeout(120)
+Info = coordinator_pb2.WorkerInfo
+State = coordinator_pb2.JobStatus.State
+INTERVAL = 0.3
+
+
+@pytest.fixture
+def coordinator() -> Iterator[tuple[coordinator_pb2_grpc.CoordinatorStub, CoordinatorServicer, str]]:
+    server, servicer = build("127.0.0.1", 0, heartbeat_interval_s=INTERVAL, claim_timeout_s=30)
+    server.start()
+    channel = rpc.channel(server.address)
+    try:
+        yield coordinator_pb2_grpc.CoordinatorStub(channel), servicer, server.address
+    finally:
+        servicer.runner.stop()
+        channel.close()
+        server.stop()
+
+
+def _worker(address: str = "127.0.0.1:6001", node: str = "n0", **kw: object) -> Info:
+    return Info(role=kw.pop("role", Info.STAGE_WORKER), address=address, node=node,  # type: ignore[arg-type]
+                device=kw.pop("device", "cpu"), **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("info", "needle"), [
+    (_worker(device="gpu0"), "device 'gpu0'"),
+    (_worker(device="cuda:x"), "device 'cuda:x'"),
+    (_worker(gpu_type="gtx-9999"), "gpu_type 'gtx-9999'"),
+    (_worker(address="nohostport"), "address 'nohostport'"),
+    (_worker(address="h:70000"), "address 'h:70000'"),
+    (_worker(node=""), "node"),
+    (Info(address="127.0.0.1:1", node="n0", device="cpu"), "role"),
+])
+def test_bad_registration_is_refused_and_changes_nothing(coordinator, info: Info, needle: str) -> None:
+    stub, _, _ = coordinator
+    before = stub.ListWorkers(wire_pb2.Empty(), timeout=5)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Register(info, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.details()
+    assert stub.ListWorkers(wire_pb2.Empty(), timeout=5) == before
+
+
+def test_duplicate_address_from_another_node_is_refused_but_a_restart_takes_over(coordinator) -> None:
+    stub, _, _ = coordinator
+    first = stub.Register(_worker(gpu_type="titan-v"), timeout=5).worker_id
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Register(_worker(node="n1"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "127.0.0.1:6001" in err.value.details() and "n0" in err.value.details()
+    # The same node and port can only be the same process restarted: it replaces the old entry.
+    second = stub.Register(_worker(gpu_type="titan-v"), timeout=5).worker_id
+    listed = stub.ListWorkers(wire_pb2.Empty(), timeout=5).workers
+    assert [w.worker_id for w in listed] == [second] and second != first
+    assert not stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=first), timeout=5).known
+    assert stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=second), timeout=5).known
+
+
+def test_submit_refuses_bad_job_json(coordinator) -> None:
+    stub, _, _ = coordinator
+    for text, needle in (("{", "not valid JSON"), ('{"model": {"name": "mlp"}, "parallel": {"nm": -1}}', "parallel.nm")):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Submit(coordinator_pb2.SubmitRequest(job_json=text), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
+    assert stub.GetJob(wire_pb2.Empty(), timeout=5).state == State.NONE
+
+
+def _start_job(make_job, tmp_path: Path, address: str, stub) -> LocalProcesses:
+    job = make_job({
+        "train": {"steps": 2000},
+        "parallel": {"stages_per_vw": 2, "nm": 2},
+        "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "t4", "count": 2}]}],
+                    "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.01}},
+        "output": {"trace": False},
+    })
+    procs = LocalProcesses(tmp_path / "logs")
+    for q in range(2):
+        procs.spawn("stage_worker", f"stage {q} of vw 0", ["--coordinator", address, "--node", "n0"])
+    procs.wait_ready()
+    stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5)
+    deadline = time.monotonic() + 60
+    while stub.GetJob(wire_pb2.Empty(), timeout=5).state != State.RUNNING:
+        assert time.monotonic() < deadline, "job never started"
+        time.sleep(0.05)
+    return procs
+
+
+def test_frozen_worker_fails_the_job_within_three_heartbeats(coordinator, make_job, tmp_path: Path) -> None:
+    stub, _, address = coordinator
+    procs = _start_job(make_job, tmp_path, address, stub)
+    try:
+        workers = stub.ListWorkers(wire_pb2.Empty(), timeout=5).workers
+        address_of = {w.assigned: w.info.address for w in workers}
+        victim = next(p for p in procs.processes if p.address == address_of["stage 1 of vw 0"])
+        os.kill(victim.popen.pid, signal.SIGSTOP)  # alive but silent: only heartbeats can tell
+        frozen = time.monotonic()
+        while (job := stub.GetJob(wire_pb2.Empty(), timeout=5)).state == State.RUNNING:
+            time.sleep(0.05)
+        detected = time.monotonic() - frozen
+        os.kill(victim.popen.pid, signal.SIGCONT)
+    finally:
+        procs.stop_all()
+    assert job.state == State.FAILED
+    assert "stage 1 of vw 0" in job.reason and victim.address in job.reason, job.reason
+    # 3 missed intervals, plus one driver poll (0.1 s) and a Status deadline of slack.
+    assert detected < 3 * INTERVAL + 2.5, f"took {detected:.1f}s"
+    cli = subprocess.run([sys.executable, "-m", "hetpipe.cli", "status", "--coordinator", address],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 1 and "FAILED" in cli.stdout and "stage 1 of vw 0" in cli.stdout
+
+
+def test_stop_ends_a_running_job_and_its_stages(coordinator, make_job, tmp_path: Path) -> None:
+    stub, _, address = coordinator
+    procs = _start_job(make_job, tmp_path, address, stub)
+    try:
+        cli = subprocess.run([sys.executable, "-m", "hetpipe.cli", "stop", "--coordinator", address],
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        deadline = time.monotonic() + 15
+        while (job := stub.GetJob(wire_pb2.Empty(), timeout=5)).state == State.RUNNING:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert job.state == State.STOPPED, job.reason
+        for p in procs.processes:  # the coordinator told every stage to stop: they exit by themselves
+            p.popen.wait(timeout=15)
+    finally:
+        procs.stop_all()
