@@ -22,11 +22,16 @@ def may_inject(p: int, nm: int, completed: int) -> bool:
     return p - nm <= completed
 
 
-def required_min_clock(p: int, nm: int, D: int) -> int:
+def required_min_clock(p: int, nm: int, D: int, steps: int | None = None) -> int:
     """G2: the c_global a stage's weights must include before the forward of p.
 
-    floor(p/nm) - 1 - D: waves <= floor(p/nm) - D - 2 of every VW are then included.
+    floor(p/nm) - 1 - D: waves <= floor(p/nm) - D - 2 of every VW are then included. The last
+    minibatch of a run (steps) closes its wave even when the wave is partial, so it asks what
+    that wave's full last minibatch would: otherwise the final push could leave a VW D+2
+    clocks ahead of the slowest, past G4's bound.
     """
+    if steps is not None and p == steps:
+        p = (wave_of(p, nm) + 1) * nm
     return max(0, p // nm - 1 - D)
 
 

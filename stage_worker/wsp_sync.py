@@ -58,7 +58,8 @@ class WspSync:
         self.addresses = list(a.ps_addresses)
         self._channels = [rpc.channel(addr) for addr in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in self._channels]
-        self.total_waves = math.ceil(job.train.steps / self.nm)
+        self.steps = job.train.steps
+        self.total_waves = math.ceil(self.steps / self.nm)
         self._acc: dict[int, list[torch.Tensor]] = {}
         self._clock = 0
         self._have = 0             # c_global the local weights are known to include
@@ -83,7 +84,7 @@ class WspSync:
     # ---- called by the compute thread -------------------------------------------------------
 
     def forward_allowed(self, p: int) -> bool:
-        need = required_min_clock(p, self.nm, self.D)
+        need = required_min_clock(p, self.nm, self.D, self.steps)
         if need <= self._have or not self.keys:
             return True
         with self._lock:
@@ -132,7 +133,7 @@ class WspSync:
             del self._acc[wave]
         with self._lock:
             self._pulling = None
-            if self._wait_started is not None and required_min_clock(self.rt.schedule.next_forward, self.nm, self.D) <= self._have:
+            if self._wait_started is not None and required_min_clock(self.rt.schedule.next_forward, self.nm, self.D, self.steps) <= self._have:
                 self._wait_seconds += time.monotonic() - self._wait_started
                 self._wait_started = None
 

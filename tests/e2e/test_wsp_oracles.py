@@ -86,7 +86,7 @@ def test_o3_conservation_with_retries_and_shard_kill(make_job, tmp_path: Path) -
 
 @pytest.mark.parametrize("nm,D", [(2, 0), (2, 1), (2, 3), (4, 0), (4, 1), (4, 3)])
 def test_o4_staleness_bounds_with_straggler(make_job, tmp_path: Path, nm: int, D: int) -> None:
-    steps = 6 * nm
+    steps = 6 * nm + 1  # a final partial wave: G4 must hold through it too
     job = make_job({
         "train": {"steps": steps},
         "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": nm, "D": D, "ps_shards": 2},

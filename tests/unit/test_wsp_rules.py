@@ -176,3 +176,18 @@ def test_clock_distance() -> None:
     assert clock_distance([3]) == 0
     assert clock_distance([3, 5, 4]) == 2
     assert clock_distance(iter([7, 2, 9])) == 7
+
+
+@pytest.mark.parametrize("nm", range(1, 7))
+@pytest.mark.parametrize("D", range(0, 4))
+def test_final_partial_wave_asks_what_its_full_wave_would(nm: int, D: int) -> None:
+    """G4 at the end of a run: the last minibatch closes its (partial) wave, so its forward must
+    wait as the wave's full last minibatch would; the clock distance then stays <= D+1."""
+    for steps in range(1, 5 * nm + 1):
+        c = wave_of(steps, nm)
+        need = required_min_clock(steps, nm, D, steps)
+        assert need == max(0, c - D) == required_min_clock((c + 1) * nm, nm, D)
+        # finishing wave c puts this VW at clock c+1; the slowest is at >= need
+        assert (c + 1) - need <= D + 1
+        for p in range(1, steps):
+            assert required_min_clock(p, nm, D, steps) == required_min_clock(p, nm, D)
