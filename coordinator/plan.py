@@ -1,19 +1,34 @@
-"""Turns a job into a plan: which device, layers, emulated task times and shards each stage gets."""
+"""The planner (DESIGN §4): allocation policy, exact partition per VW, Nm, placement, prediction."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from hetpipe import data as datasets
 from hetpipe.catalog import gpu_type
 from hetpipe.config import ConfigError, JobConfig
-from hetpipe.zoo import build_model
-from coordinator.partition import partition
+from hetpipe.wsp import s_global
+from hetpipe.zoo import model_shape
+from coordinator.allocation import allocate
+from coordinator.partition import (
+    Gpu, Network, Partition, PlanError, max_nm, optimizer_kind, partition_vw, stage_memory,
+)
+from coordinator.profiler import profile_model
+from coordinator.simulator import SimStage, simulate
+
+NM_LIMIT = 16
+# Minibatches the simulator runs per VW to predict steady-state throughput.
+SIM_STEPS = 64
+# Loopback gRPC costs about this per stage-to-stage message in the emulated runtime (measured
+# by bench/transport.py at small sizes); the simulator charges it per send.
+LOOPBACK_SEND_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +41,11 @@ class StagePlan:
     gpu: str              # catalog type, or "cpu"/"cuda" for the machine's own devices
     device: str           # where it really computes: "cpu" or "cuda:N"
     emulated: bool
-    forward_seconds: float
+    forward_seconds: float   # emulated task times the stage pads to (0 = no padding)
     backward_seconds: float
+    memory_bytes: int = 0
+    capacity_bytes: int = 0
+    receive_seconds: float = 0.0
 
     @property
     def label(self) -> str:
@@ -42,7 +60,12 @@ class Plan:
     D: int
     shards: int
     stages: tuple[StagePlan, ...]
-    key_shard: dict[str, int]  # state_dict key -> owning shard
+    key_shard: dict[str, int]  # parameter name -> owning shard
+    policy: str = "ED"
+    predicted_samples_per_second: float = 0.0
+    predicted_wait_seconds: float = 0.0
+    max_m: tuple[int, ...] = ()          # per VW: the largest Nm that fits its memory
+    dp_only: dict[str, bool] = dataclasses.field(default_factory=dict)  # per GPU type: whole model fits?
 
     def vw_stages(self, vw: int) -> list[StagePlan]:
         return [s for s in self.stages if s.vw == vw]
@@ -51,79 +74,143 @@ class Plan:
     def emulated(self) -> bool:
         return any(s.emulated for s in self.stages)
 
+    @property
+    def s_global(self) -> int:
+        return s_global(self.nm, self.D)
+
     def describe(self) -> list[dict[str, Any]]:
         return [
             {"vw": s.vw, "stage": s.stage, "node": s.node, "gpu": s.label, "layers": [s.layer_begin, s.layer_end]}
             for s in self.stages
         ]
 
-
-def layer_flops(job: JobConfig, model: torch.nn.Sequential, sample: torch.Tensor) -> list[float]:
-    """Forward FLOPs of each layer at the job's batch size (elementwise layers cost their size)."""
-    flops: list[float] = []
-    x = sample
-    with torch.no_grad():
-        for layer in model:
-            with FlopCounterMode(display=False) as counter:
-                y = layer(x)
-            flops.append(float(counter.get_total_flops()) + float(y.numel()))
-            x = y
-    return flops
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy, "virtual_workers": self.virtual_workers, "stages_per_vw": self.stages_per_vw,
+            "nm": self.nm, "D": self.D, "s_global": self.s_global, "ps_shards": self.shards,
+            "emulated": self.emulated, "predicted_samples_per_second": self.predicted_samples_per_second,
+            "predicted_wait_seconds": self.predicted_wait_seconds, "max_m": list(self.max_m),
+            "dp_only": self.dp_only,
+            "stages": [{**dataclasses.asdict(s), "gpu": s.label} for s in self.stages],
+        }
 
 
-def probe_batch(job: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    dataset = datasets.load_dataset(job)
-    return datasets.minibatch(dataset, 1, 0, job)
-
-
-def _devices(job: JobConfig) -> list[tuple[str, str, bool]]:
-    """(node, gpu type, emulated) for every GPU in cluster order; the local machine if no cluster."""
+def cluster_gpus(job: JobConfig) -> list[Gpu]:
+    """Every GPU of the cluster spec in order; without one, this machine's own devices."""
     if job.cluster is None:
         need = job.parallel.virtual_workers * job.parallel.stages_per_vw
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-        return [("local", kind, False)] * need
-    emulated = job.cluster.emulate is not None
-    out = []
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            return [Gpu(f"local/{i}", "local", "cuda", torch.cuda.get_device_properties(i % n).total_memory)
+                    for i in range(need)]
+        return [Gpu(f"local/{i}", "local", "cpu", psutil.virtual_memory().total) for i in range(need)]
+    gpus = []
     for node in job.cluster.nodes:
+        index = 0
         for group in node.gpus:
-            gpu_type(group.type)
-            out += [(node.name, group.type, emulated)] * group.count
-    return out
+            for _ in range(group.count):
+                gpus.append(Gpu(f"{node.name}/{index}", node.name, group.type, gpu_type(group.type).memory_bytes))
+                index += 1
+    return gpus
 
 
-def make_plan(job: JobConfig) -> Plan:
+def _simulated(parts: Sequence[Partition], nm: int, job: JobConfig, scale: float) -> tuple[float, float]:
+    """Predicted samples/s and total wait (seconds over all VWs) for the runtime's padded times."""
+    vws = [[SimStage(c.forward_seconds * scale, c.backward_seconds * scale, LOOPBACK_SEND_S) for c in p.stages]
+           for p in parts]
+    steps = min(job.train.steps, SIM_STEPS)
+    sim = simulate(vws, nm=nm, D=job.parallel.D, steps=steps, push_seconds=LOOPBACK_SEND_S,
+                   pull_seconds=LOOPBACK_SEND_S)
+    return sim.minibatches_per_second * job.data.batch_size, sum(sim.wait_seconds)
+
+
+def _time_scale(job: JobConfig) -> float:
+    return job.cluster.emulate.time_scale if job.cluster and job.cluster.emulate else 1.0
+
+
+def default_cache_dir() -> str:
+    """Profiles are cached across runs: measuring a model's layers on this machine takes seconds."""
+    return os.environ.get("HETPIPE_CACHE", str(Path.home() / ".cache" / "hetpipe" / "profiles"))
+
+
+def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
+    """The best plan for the job: allocation policy (or each, for `auto`), then for each VW the
+    exact partition, Nm (`auto`: the smallest that reaches the best predicted throughput), and
+    the placement of parameters on shards. Raises ConfigError or PlanError with the reason."""
     par = job.parallel
     n, k = par.virtual_workers, par.stages_per_vw
-    model = build_model(job.model.name, job.model.args, seed=job.train.seed, dtype=getattr(torch, job.train.dtype))
-    if k > len(model):
-        raise ConfigError(f"parallel.stages_per_vw: {k} stages but model {job.model.name} has {len(model)} layers")
-    devices = _devices(job)
-    if len(devices) < n * k:
-        raise ConfigError(
-            f"parallel: {n} virtual workers x {k} stages need {n * k} GPUs, the cluster has {len(devices)}"
-        )
-    x, _ = probe_batch(job)
-    flops = layer_flops(job, model, x)
-    ranges = partition(flops, k)
-    emulate = job.cluster.emulate if job.cluster else None
-    cuda_count = torch.cuda.device_count()
+    gpus = cluster_gpus(job)
+    if len(gpus) < n * k:
+        raise ConfigError(f"parallel: {n} virtual workers x {k} stages need {n * k} GPUs, the cluster has {len(gpus)}")
+    types = sorted({g.type for g in gpus})
+    profile = profile_model(job.model.name, job.model.args, job.data.batch_size, job.train.dtype, types,
+                            cache_dir=cache_dir or default_cache_dir())
+    if k > len(profile.layers):
+        raise ConfigError(f"parallel.stages_per_vw: {k} stages but model {job.model.name} has "
+                          f"{len(profile.layers)} layers")
+    optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
+    network = Network()
+    emulated = job.cluster is not None and job.cluster.emulate is not None
+    scale = _time_scale(job)
+    if job.cluster is None:
+        policies = ["ED"]  # identical local devices: every policy is the same
+    else:
+        policies = ["NP", "ED", "HD"] if par.policy == "auto" else [par.policy]
+
+    best: tuple[float, int, str, list[Partition], list[list[Gpu]], list[int], float] | None = None
+    reasons: list[str] = []
+    for policy in policies:
+        try:
+            groups = allocate(policy, gpus, n, k)
+        except ConfigError as exc:
+            reasons.append(f"{policy}: {exc}")
+            continue
+        limits = [max_nm(profile, g, optimizer, network, limit=NM_LIMIT) for g in groups]
+        nms = [par.nm] if isinstance(par.nm, int) else list(range(1, min(limits) + 1))
+        if not nms:
+            worst = limits.index(0)
+            try:
+                partition_vw(profile, groups[worst], 1, optimizer, network)
+            except PlanError as exc:
+                reasons.append(f"{policy}: vw {worst}: {exc}")
+            continue
+        for nm in nms:
+            try:
+                parts = [partition_vw(profile, g, nm, optimizer, network) for g in groups]
+            except PlanError as exc:
+                reasons.append(f"{policy}, nm={nm}: {exc}")
+                continue
+            rate, wait = _simulated(parts, nm, job, scale if emulated else 1.0)
+            # nm auto: a larger nm must beat the best so far by 1% to be worth its memory and staleness.
+            if best is None or rate > best[0] * 1.01:
+                best = (rate, nm, policy, parts, groups, limits, wait)
+    if best is None:
+        raise PlanError("no plan fits: " + "; ".join(reasons[:4]))
+    rate, nm, policy, parts, groups, limits, wait = best
+
+    cuda = torch.cuda.device_count()
     stages = []
-    for v in range(n):
-        for q, (b, e) in enumerate(ranges):
-            node, gpu, emulated = devices[v * k + q]
-            index = v * k + q
-            device = f"cuda:{index % cuda_count}" if (gpu == "cuda" and cuda_count) else "cpu"
-            fwd = bwd = 0.0
-            if emulate is not None:
-                if emulate.forward_seconds or emulate.backward_seconds:
-                    fwd, bwd = emulate.forward_seconds, emulate.backward_seconds
-                else:
-                    seconds = sum(flops[b:e]) / (gpu_type(gpu).tflops * 1e12) * emulate.time_scale
-                    fwd, bwd = seconds, 2 * seconds  # backward costs about twice the forward
-            stages.append(StagePlan(v, q, b, e, node, gpu, device, emulated, fwd, bwd))
-    nm = par.nm if isinstance(par.nm, int) else k
-    key_shard = place_keys(model, ranges, par.ps_shards, par.placement)
-    return Plan(n, k, nm, par.D, par.ps_shards, tuple(stages), key_shard)
+    for v, part in enumerate(parts):
+        for q, cut in enumerate(part.stages):
+            local = cut.gpu.type in ("cpu", "cuda")
+            device = f"cuda:{(v * k + q) % cuda}" if (cut.gpu.type == "cuda" and cuda) else "cpu"
+            fwd, bwd = (cut.forward_seconds * scale, cut.backward_seconds * scale) if emulated else (0.0, 0.0)
+            if emulated and job.cluster and job.cluster.emulate and (
+                    job.cluster.emulate.forward_seconds or job.cluster.emulate.backward_seconds):
+                fwd, bwd = job.cluster.emulate.forward_seconds, job.cluster.emulate.backward_seconds
+            stages.append(StagePlan(
+                v, q, cut.layer_begin, cut.layer_end, cut.gpu.node, cut.gpu.type, device, emulated and not local,
+                fwd, bwd, cut.memory_bytes, cut.gpu.memory_bytes, cut.receive_seconds * scale,
+            ))
+    model = model_shape(job.model.name, job.model.args)
+    ranges = [(c.layer_begin, c.layer_end) for c in parts[0].stages]
+    whole = stage_memory(profile, 0, len(profile.layers), 0, 1, 1, optimizer)
+    return Plan(
+        virtual_workers=n, stages_per_vw=k, nm=nm, D=par.D, shards=par.ps_shards, stages=tuple(stages),
+        key_shard=place_keys(model, ranges, par.ps_shards, par.placement), policy=policy,
+        predicted_samples_per_second=rate, predicted_wait_seconds=wait, max_m=tuple(limits),
+        dp_only={t: whole <= next(g.memory_bytes for g in gpus if g.type == t) for t in types},
+    )
 
 
 def place_keys(model: torch.nn.Sequential, ranges: list[tuple[int, int]], shards: int, placement: str) -> dict[str, int]:

@@ -16,6 +16,15 @@ class GpuType:
     bandwidth_gbs: float   # device memory bandwidth, GB/s
     year: int
 
+    def seconds(self, flops: float, bytes_moved: float) -> float:
+        """The one device time model (roofline): compute-bound at EFFICIENCY of peak throughput,
+        or memory-bound at the full memory bandwidth, whichever takes longer."""
+        return max(flops / (self.tflops * 1e12 * EFFICIENCY), bytes_moved / (self.bandwidth_gbs * 1e9))
+
+
+# Fraction of the peak fp32 throughput that training kernels sustain (cuDNN convolutions and GEMMs
+# reach roughly 40-70% of peak at batch 32; Paleo uses the same kind of scaling-down constant).
+EFFICIENCY = 0.5
 
 GiB = 1 << 30
 

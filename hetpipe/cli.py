@@ -43,6 +43,48 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Prints the plan: VWs, GPUs, layer ranges, memory against capacity, predicted times."""
+    from coordinator.partition import PlanError
+    from coordinator.plan import make_plan
+
+    try:
+        job = load_job(args.config)
+        plan = make_plan(job)
+    except (ConfigError, PlanError) as exc:
+        print(f"hetpipe: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    measured = None
+    summary_path = Path(job.resolve(job.output.dir)) / "summary.json"
+    if summary_path.exists():
+        measured = json.loads(summary_path.read_text()).get("samples_per_second")
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "measured_samples_per_second": measured}, indent=2))
+        return 0
+    emulated = " (emulated GPUs)" if plan.emulated else ""
+    print(f"policy {plan.policy}, {plan.virtual_workers} virtual workers x {plan.stages_per_vw} stages, "
+          f"nm {plan.nm}, D {plan.D}, s_global {plan.s_global}, {plan.shards} ps shards{emulated}")
+    print(f"{'vw':>3} {'stage':>5}  {'node':<8}{'gpu':<26}{'layers':<10}{'memory GiB':>16}  {'fwd s':>8} {'bwd s':>8} {'recv s':>8}")
+    for s in plan.stages:
+        memory = f"{_gib(s.memory_bytes)}/{_gib(s.capacity_bytes)}"
+        print(f"{s.vw:>3} {s.stage:>5}  {s.node:<8}{s.label:<26}{f'[{s.layer_begin},{s.layer_end})':<10}"
+              f"{memory:>16}  {s.forward_seconds:>8.4f} {s.backward_seconds:>8.4f} {s.receive_seconds:>8.4f}")
+    print(f"max Nm per vw (memory): {list(plan.max_m)}")
+    for gpu, fits in sorted(plan.dp_only.items()):
+        if not fits:
+            print(f"{gpu}: the whole model does not fit on one GPU; data parallelism alone cannot use it")
+    line = f"predicted throughput: {plan.predicted_samples_per_second:.1f} samples/s"
+    if measured is not None:
+        ratio = plan.predicted_samples_per_second / measured if measured else float("nan")
+        line += f"; measured {measured:.1f} samples/s in {summary_path} (predicted/measured {ratio:.2f})"
+    print(line)
+    return 0
+
+
 def _coordinator_address(args: argparse.Namespace) -> str:
     from coordinator.config import DEFAULT_PORT
 
@@ -105,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", help="job YAML file")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=_run)
+    plan = sub.add_parser("plan", help="show the plan for a job file: VWs, GPUs, layers, memory, prediction")
+    plan.add_argument("config", help="job YAML file")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.set_defaults(func=_plan)
     for name, text in (("status", "show the job and the workers"), ("stop", "stop the running job")):
         cmd = sub.add_parser(name, help=text)
         where = cmd.add_mutually_exclusive_group()

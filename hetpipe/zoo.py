@@ -275,6 +275,16 @@ def build_model(name: str, args: Mapping[str, Any], *, seed: int, dtype: torch.d
     return model.to(dtype)
 
 
+def model_shape(name: str, args: Mapping[str, Any]) -> nn.Sequential:
+    """The model on the meta device: names and shapes only, no memory, no initialisation cost."""
+    try:
+        factory = MODELS[name]
+    except KeyError:
+        raise ConfigError(f"model.name: expected one of {', '.join(MODELS)}, got {name!r}") from None
+    with torch.device("meta"):
+        return factory(args)
+
+
 def takes_tokens(name: str) -> bool:
     """Whether the model's input is integer token ids rather than float features."""
     return name == "gpt"

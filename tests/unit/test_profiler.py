@@ -1,0 +1,128 @@
+"""coordinator/profiler.py: FLOPs, bytes and times per layer, on the meta device, and its cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from coordinator import profiler
+from coordinator.profiler import profile_model
+from hetpipe.catalog import CATALOG, EFFICIENCY
+
+MLP = {"in_features": 8, "hidden": [16], "num_classes": 4}
+
+
+def test_linear_flops_and_bytes_are_exact() -> None:
+    p = profile_model("mlp", MLP, 5, "float32", ["titan-v"])
+    linear, relu, head = p.layers
+    assert [layer.index for layer in p.layers] == [0, 1, 2]
+    assert p.input_bytes == 5 * 8 * 4
+    assert linear.forward_flops == 2 * 5 * 8 * 16
+    # Backward: grad input and grad weight (2 * B * in * out each) and the bias gradient (a sum
+    # over the output gradient's elements).
+    assert linear.backward_flops == 4 * 5 * 8 * 16 + 5 * 16
+    assert linear.param_bytes == (8 * 16 + 16) * 4
+    assert linear.output_bytes == 5 * 16 * 4
+    # Linear keeps its input (counted as the layer before's output) and its weight (a parameter):
+    # its own share is its output, which the ReLU keeps.
+    assert linear.saved_bytes == 5 * 16 * 4
+    assert relu.forward_flops == 5 * 16 and relu.param_bytes == 0
+    assert relu.saved_bytes == 5 * 16 * 4
+    assert head.forward_flops == 2 * 5 * 16 * 4 and head.output_bytes == 5 * 4 * 4
+    assert all(layer.workspace_bytes >= 0 for layer in p.layers)
+    doubled = profile_model("mlp", MLP, 5, "float64", ["titan-v"])
+    assert doubled.input_bytes == 2 * p.input_bytes
+    assert [d.param_bytes for d in doubled.layers] == [2 * s.param_bytes for s in p.layers]
+    assert [d.forward_flops for d in doubled.layers] == [s.forward_flops for s in p.layers]
+
+
+def test_gpu_type_seconds_is_a_roofline() -> None:
+    v = CATALOG["titan-v"]
+    assert v.seconds(1e12, 0) == pytest.approx(1e12 / (v.tflops * 1e12 * EFFICIENCY))
+    assert v.seconds(0, 1e9) == pytest.approx(1e9 / (v.bandwidth_gbs * 1e9))
+    assert v.seconds(1e12, 1e9) == max(v.seconds(1e12, 0), v.seconds(0, 1e9))
+
+
+def test_catalog_times_follow_tflops_on_a_compute_bound_layer() -> None:
+    args = {"in_features": 1024, "hidden": [1024], "num_classes": 4}
+    p = profile_model("mlp", args, 256, "float32", ["titan-v", "quadro-p4000", "rtx-2060"])
+    layer = p.layers[0]  # a 256 x 1024 x 1024 matmul: compute-bound on every type
+    v, q = layer.forward_seconds["titan-v"], layer.forward_seconds["quadro-p4000"]
+    assert 0 < v < layer.forward_seconds["rtx-2060"] < q
+    assert q / v == pytest.approx(CATALOG["titan-v"].tflops / CATALOG["quadro-p4000"].tflops)
+    assert layer.backward_seconds["titan-v"] == pytest.approx(2 * v, rel=0.03)
+    # The ReLU after it is memory-bound: bandwidth decides.
+    relu = p.layers[1]
+    ratio = relu.forward_seconds["quadro-p4000"] / relu.forward_seconds["titan-v"]
+    assert ratio == pytest.approx(CATALOG["titan-v"].bandwidth_gbs / CATALOG["quadro-p4000"].bandwidth_gbs)
+
+
+class _OnlyMeta(TorchDispatchMode):
+    """Fails on any operator that touches a tensor outside the meta device."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in profiler._tensors((args, kwargs, out)):
+            assert t.device.type == "meta", f"{func} ran on {t.device}"
+        return out
+
+
+def test_big_conv_model_is_profiled_on_meta_only() -> None:
+    # Full VGG-19 at 224 x 224, batch 32: 1.26 TFLOP forward and GBs of activations, which this
+    # CPU could not run in a unit test. Every operator must see meta tensors only.
+    with _OnlyMeta():
+        p = profile_model("vgg19", {"in_shape": [3, 224, 224], "num_classes": 1000}, 32, "float32",
+                          ["titan-v", "rtx-2060"])
+    assert sum(layer.param_bytes for layer in p.layers) == 143_667_240 * 4  # torchvision's count
+    forward = sum(layer.forward_flops for layer in p.layers)
+    assert forward == pytest.approx(32 * 2 * 19.6e9, rel=0.02)  # 19.6 GMAC per image
+    assert sum(layer.backward_flops for layer in p.layers) == pytest.approx(2 * forward, rel=0.02)
+    assert p.input_bytes == 32 * 3 * 224 * 224 * 4
+    assert p.layers[1].output_bytes == 32 * 64 * 224 * 224 * 4
+    assert all(layer.forward_seconds["titan-v"] < layer.forward_seconds["rtx-2060"]
+               for layer in p.layers if layer.forward_flops > 0)
+
+
+@pytest.mark.parametrize(("name", "args"), [
+    ("resnet", {"in_shape": [1, 8, 8], "widths": [8, 16], "blocks_per_stage": 2}),
+    ("gpt", {"vocab": 32, "context": 8, "dim": 16, "heads": 2, "layers": 2}),
+])
+def test_other_zoo_models(name: str, args: dict[str, Any]) -> None:
+    p = profile_model(name, args, 4, "float32", ["t4"])
+    model = profiler.zoo.build_model(name, args, seed=0, dtype=torch.float32)
+    assert len(p.layers) == len(model)
+    for layer, module in zip(p.layers, model):
+        assert layer.param_bytes == sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        assert layer.forward_seconds["t4"] >= 0 and layer.backward_seconds["t4"] >= 0
+    assert sum(layer.forward_flops for layer in p.layers) > 0
+
+
+def test_cache_hit_returns_the_same_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = profile_model("mlp", MLP, 4, "float32", ["titan-v", "cpu"], cache_dir=tmp_path)
+    assert first.layers[0].forward_seconds["cpu"] > 0
+    files = sorted(f.name for f in tmp_path.iterdir())
+    assert len(files) == 2 and any(f.endswith("-cpu.json") for f in files), files
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the cache should have answered")
+
+    monkeypatch.setattr(profiler, "_structure", fail)
+    monkeypatch.setattr(profiler, "_measure", fail)
+    again = profile_model("mlp", MLP, 4, "float32", ["titan-v", "cpu"], cache_dir=tmp_path)
+    assert again == first
+    # A catalog type not asked for before is derived from the cached FLOPs and bytes.
+    assert profile_model("mlp", MLP, 4, "float32", ["a100-40gb"], cache_dir=tmp_path).layers[0].forward_seconds
+    # Another batch size is another entry.
+    with pytest.raises(AssertionError, match="cache should have answered"):
+        profile_model("mlp", MLP, 8, "float32", ["titan-v"], cache_dir=tmp_path)
+
+
+def test_rejects_unknown_device_types_and_models() -> None:
+    with pytest.raises(ValueError, match="device type 'tpu'"):
+        profile_model("mlp", MLP, 4, "float32", ["tpu"])
+    with pytest.raises(ValueError, match="model 'alexnet'"):
+        profile_model("alexnet", {}, 4, "float32", ["t4"])
