@@ -51,9 +51,10 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         with LocalProcesses(out_dir / "logs") as procs:
             par = job.parallel
             register = ["--coordinator", server.address, "--node", "local"]
-            for v in range(par.virtual_workers):
-                for q in range(par.stages_per_vw):
-                    procs.spawn("stage_worker", f"stage {q} of vw {v}", register)
+            # Neutral names: the coordinator decides which worker serves which stage, and says so
+            # in the worker's log ("stage q of vw v assigned ...") and in every error.
+            for i in range(par.virtual_workers * par.stages_per_vw):
+                procs.spawn("stage_worker", f"stage worker {i}", register)
             # A lone VW needs no parameter server: its local weights are w_global.
             for i in range(par.ps_shards if par.virtual_workers > 1 else 0):
                 procs.spawn("ps_server", f"ps shard {i}",

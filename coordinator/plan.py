@@ -20,7 +20,7 @@ from coordinator.allocation import allocate
 from coordinator.partition import (
     Gpu, Network, Partition, PlanError, max_nm, optimizer_kind, partition_vw, stage_memory,
 )
-from coordinator.profiler import profile_model
+from coordinator.profiler import ModelProfile, profile_model
 from coordinator.simulator import SimStage, simulate
 
 NM_LIMIT = 16
@@ -114,6 +114,34 @@ def cluster_gpus(job: JobConfig) -> list[Gpu]:
     return gpus
 
 
+def _canonical(group: Sequence[Gpu]) -> tuple[tuple[tuple[tuple[str, int], ...], ...], list[Gpu]]:
+    """A VW's GPUs up to renaming: per node the sorted (type, memory) list, nodes sorted. Two VWs
+    with the same signature have the same best partition; the list maps position to GPU."""
+    nodes: dict[str, list[Gpu]] = {}
+    for g in group:
+        nodes.setdefault(g.node, []).append(g)
+    ordered = sorted((sorted(gs, key=lambda g: (g.type, g.memory_bytes, g.id)) for gs in nodes.values()),
+                     key=lambda gs: [(g.type, g.memory_bytes) for g in gs])
+    signature = tuple(tuple((g.type, g.memory_bytes) for g in gs) for gs in ordered)
+    return signature, [g for gs in ordered for g in gs]
+
+
+class _Partitions:
+    """partition_vw, once per distinct VW shape: ED's identical VWs cost one search, not N."""
+
+    def __init__(self, profile: ModelProfile, optimizer: str, network: Network) -> None:
+        self.profile, self.optimizer, self.network = profile, optimizer, network
+        self._memo: dict[tuple[object, int], tuple[Partition, list[Gpu]]] = {}
+
+    def __call__(self, group: Sequence[Gpu], nm: int) -> Partition:
+        signature, order = _canonical(group)
+        if (signature, nm) not in self._memo:
+            self._memo[signature, nm] = (partition_vw(self.profile, order, nm, self.optimizer, self.network), order)
+        part, first = self._memo[signature, nm]
+        rename = dict(zip(first, order))
+        return Partition(tuple(dataclasses.replace(c, gpu=rename[c.gpu]) for c in part.stages))
+
+
 def _simulated(parts: Sequence[Partition], nm: int, job: JobConfig, scale: float) -> tuple[float, float]:
     """Predicted samples/s and total wait (seconds over all VWs) for the runtime's padded times."""
     vws = [[SimStage(c.forward_seconds * scale, c.backward_seconds * scale, LOOPBACK_SEND_S) for c in p.stages]
@@ -150,6 +178,7 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
                           f"{len(profile.layers)} layers")
     optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
     network = Network()
+    partitions = _Partitions(profile, optimizer, network)
     emulated = job.cluster is not None and job.cluster.emulate is not None
     scale = _time_scale(job)
     if job.cluster is None:
@@ -165,7 +194,9 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
         except ConfigError as exc:
             reasons.append(f"{policy}: {exc}")
             continue
-        limits = [max_nm(profile, g, optimizer, network, limit=NM_LIMIT) for g in groups]
+        shapes = {_canonical(g)[0]: g for g in groups}
+        limit_of = {sig: max_nm(profile, g, optimizer, network, limit=NM_LIMIT) for sig, g in shapes.items()}
+        limits = [limit_of[_canonical(g)[0]] for g in groups]
         nms = [par.nm] if isinstance(par.nm, int) else list(range(1, min(limits) + 1))
         if not nms:
             worst = limits.index(0)
@@ -176,7 +207,7 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
             continue
         for nm in nms:
             try:
-                parts = [partition_vw(profile, g, nm, optimizer, network) for g in groups]
+                parts = [partitions(g, nm) for g in groups]
             except PlanError as exc:
                 reasons.append(f"{policy}, nm={nm}: {exc}")
                 continue

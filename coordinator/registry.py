@@ -132,9 +132,9 @@ class Registry:
         for _, node, gpu in wanted:
             exact = [w for w in free if w.info.gpu_type and w.info.node == node and w.info.gpu_type == gpu]
             generic = [w for w in free if not w.info.gpu_type]
-            pick = (exact or generic or [None])[0]
-            if pick is None:
+            if not (exact or generic):
                 return None
+            pick = (exact or generic)[0]
             free.remove(pick)
             chosen.append(pick)
         return chosen

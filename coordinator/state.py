@@ -18,7 +18,7 @@ COMPLETED = State.COMPLETED
 FAILED = State.FAILED
 STOPPED = State.STOPPED
 
-TRANSITIONS: dict[int, frozenset[int]] = {
+TRANSITIONS: dict[State, frozenset[State]] = {
     NONE: frozenset({PENDING}),
     PENDING: frozenset({PLANNED, FAILED, STOPPED}),   # planning
     PLANNED: frozenset({RUNNING, FAILED, STOPPED}),   # waiting for workers, assigning
@@ -38,12 +38,12 @@ class IllegalTransition(RuntimeError):
 class JobStateMachine:
     """Thread-safe holder of the job state; refuses edges that TRANSITIONS does not list."""
 
-    state: int = NONE
+    state: State = NONE
     reason: str = ""
-    history: list[tuple[float, int, str]] = field(default_factory=list)
+    history: list[tuple[float, State, str]] = field(default_factory=list)
     _lock: threading.Condition = field(default_factory=threading.Condition)
 
-    def to(self, new: int, reason: str = "") -> None:
+    def to(self, new: State, reason: str = "") -> None:
         with self._lock:
             if new not in TRANSITIONS[self.state]:
                 raise IllegalTransition(f"job cannot go from {State.Name(self.state)} to {State.Name(new)}")
@@ -51,7 +51,7 @@ class JobStateMachine:
             self.history.append((time.time(), new, reason))
             self._lock.notify_all()
 
-    def try_to(self, new: int, reason: str = "") -> bool:
+    def try_to(self, new: State, reason: str = "") -> bool:
         """Like to(), but False instead of raising (a stop racing with completion)."""
         try:
             self.to(new, reason)

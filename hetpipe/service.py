@@ -54,7 +54,8 @@ def service_flags(ns: argparse.Namespace) -> ServiceFlags:
 
 
 def run_server(
-    flags: ServiceFlags, server: rpc.Server, shutdown: Callable[[], None], *, role: int | None,
+    flags: ServiceFlags, server: rpc.Server, shutdown: Callable[[], None], *,
+    role: coordinator_pb2.WorkerInfo.Role | None,
     device: str = "cpu", memory_bytes: int = 0,
 ) -> None:
     """Starts server and metrics, handles signals and orphaning, registers, and blocks until stopped."""

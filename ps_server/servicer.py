@@ -66,15 +66,17 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         if bundle.header.WhichOneof("header") != "push":
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Push: first frame lacks the push tag")
         tag = bundle.header.push
+        durability = self.durability
+        # Logged once validated and before it is applied: an acknowledged push survives a kill -9,
+        # and a push whose log write failed is not applied (so its retry is no "duplicate").
+        journal = None if durability is None else (lambda: durability.log_push(tag.vw, tag.clock, bundle.tensors))
         with self._cv:
             try:
-                applied = self.shard.push(tag.vw, tag.clock, bundle.tensors)
+                applied = self.shard.push(tag.vw, tag.clock, bundle.tensors, journal=journal)
             except ShardError as exc:
                 raise _rejected(exc) from None
-            if applied and self.durability is not None:
-                # Logged before the answer: an acknowledged push survives a kill -9.
-                self.durability.log_push(tag.vw, tag.clock, bundle.tensors)
-                self.durability.maybe_checkpoint(self.shard)
+            if applied and durability is not None:
+                durability.maybe_checkpoint(self.shard)
             self._cv.notify_all()
             return ps_pb2.PushReply(duplicate=not applied, c_global=self.shard.c_global())
 
@@ -82,6 +84,10 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[wire_pb2.TensorFrame]:
         keys = list(request.keys)
         remaining = context.time_remaining()
+        if remaining is not None:
+            # Give up a little before the caller's deadline, so that it gets this shard's answer
+            # (naming c_global and min_clock) instead of racing its own bare "Deadline Exceeded".
+            remaining -= min(1.0, 0.2 * remaining)
         budget = self.max_pull_wait_s if remaining is None else min(remaining, self.max_pull_wait_s)
         deadline = time.monotonic() + budget
         started = time.monotonic()

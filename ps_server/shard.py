@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,10 +94,12 @@ class Shard:
         if foreign:
             raise ShardError(ShardError.Kind.NOT_OWNED, f"keys not owned by this shard: {foreign[:5]}")
 
-    def push(self, vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]]) -> bool:
+    def push(self, vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]],
+             journal: Callable[[], None] | None = None) -> bool:
         """G1: adds VW vw's wave-`clock` update once. Returns False for a retried duplicate.
 
-        All-or-nothing: every key is validated before any is changed.
+        All-or-nothing: every key is validated before any is changed. `journal` (the durable push
+        log) runs after validation, right before the update is applied; if it raises, nothing is.
         """
         self._require_ready()
         self._check_vw(vw)
@@ -121,6 +123,8 @@ class Shard:
                 ShardError.Kind.CLOCK,
                 f"push of vw {vw} for clock {clock} {direction}: its clock for these keys is {have}",
             )
+        if journal is not None:
+            journal()
         for key, delta in deltas:
             self.values[key].add_(delta)
             self.clocks[key][vw] = clock + 1

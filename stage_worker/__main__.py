@@ -11,10 +11,10 @@ import torch._dynamo  # noqa: F401  torch imports it lazily on first use: second
 
 from hetpipe import rpc
 from hetpipe.service import ServiceFlags, exit_now, run_server
-from hetpipe.v1 import coordinator_pb2, stage_pb2_grpc
+from hetpipe.v1 import coordinator_pb2
 from stage_worker.config import parse_args
 from stage_worker.runtime import StageRuntime
-from stage_worker.servicer import StageServicer
+from stage_worker.servicer import StageServicer, add_to_server
 from stage_worker.wsp_sync import WspSync
 
 
@@ -28,7 +28,7 @@ def serve(cfg: ServiceFlags) -> None:
         runtime.stop()
         server.stop()
 
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(runtime, shutdown), server.grpc)
+    add_to_server(StageServicer(runtime, shutdown), server.grpc)
     cuda = torch.cuda.is_available()
     run_server(cfg, server, shutdown, role=coordinator_pb2.WorkerInfo.STAGE_WORKER,
                device="cuda:0" if cuda else "cpu",

@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from hetpipe import rpc, wire
-from hetpipe.v1 import stage_pb2_grpc, wire_pb2
+from hetpipe.v1 import wire_pb2
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,13 @@ class Link:
         self._on_failure = on_failure
         self._give_up_s = give_up_s
         self._channel = rpc.channel(address)
-        stub = stage_pb2_grpc.StageStub(self._channel)
-        self._call = getattr(stub, method)
+        # Frames go out pre-serialized by wire.encode_raw (request_serializer=None), which copies
+        # each payload once; the generated stub would build and then serialize protobuf objects.
+        self._call = self._channel.stream_unary(
+            f"/hetpipe.v1.Stage/{method}", response_deserializer=wire_pb2.Ack.FromString, _registered_method=True
+        )
         self._queue: queue.Queue[Outgoing | None] = queue.Queue()
+        self._closing = threading.Event()
         self.bytes_sent = 0
         self._thread = threading.Thread(target=self._run, name=f"link-{method}", daemon=True)
         self._thread.start()
@@ -53,6 +57,7 @@ class Link:
         self._queue.put(item)
 
     def close(self) -> None:
+        self._closing.set()  # a send that is retrying gives up now: closing must not wait out give_up_s
         self._queue.put(None)
         self._thread.join(timeout=5)
         self._channel.close()
@@ -72,7 +77,7 @@ class Link:
         delay = 0.02
         while True:
             try:
-                self._call(wire.encode(item.tensors, minibatch=item.tag), timeout=rpc.DATA_DEADLINE_S,
+                self._call(wire.encode_raw(item.tensors, minibatch=item.tag), timeout=rpc.DATA_DEADLINE_S,
                            wait_for_ready=False)
                 self.bytes_sent += sum(t.numel() * t.element_size() for _, t in item.tensors)
                 return True
@@ -80,11 +85,13 @@ class Link:
                 code = exc.code()
                 if code == grpc.StatusCode.ALREADY_EXISTS:  # an earlier attempt landed
                     return True
+                if self._closing.is_set():
+                    return False
                 if code not in _RETRYABLE or time.monotonic() > deadline:
                     self._on_failure(
                         f"could not send the {what} of minibatch {item.tag.minibatch} to {self.peer} at "
                         f"{self.address}: {code.name}: {exc.details()}"
                     )
                     return False
-                time.sleep(delay)
+                self._closing.wait(delay)
                 delay = min(delay * 2, 0.5)

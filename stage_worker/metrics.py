@@ -47,6 +47,14 @@ class StageCollector(Collector):
             yield gauge("hetpipe_stage_loss", "Mean loss over the last 10 minibatches", s.recent_loss)
 
 
+_bound: StageCollector | None = None
+
+
 def bind(runtime: StageRuntime) -> None:
-    """Registers the runtime's collector once it is assigned."""
-    REGISTRY.register(StageCollector(runtime))
+    """Registers the runtime's collector once it is assigned, replacing an earlier runtime's (a
+    process serves one stage; in-process test servers create several runtimes one after another)."""
+    global _bound
+    if _bound is not None:
+        REGISTRY.unregister(_bound)
+    _bound = StageCollector(runtime)
+    REGISTRY.register(_bound)

@@ -21,7 +21,7 @@ from hetpipe.rpc import Rejected
 from hetpipe.v1 import stage_pb2, wire_pb2
 from hetpipe.wire import Bundle, torch_dtype
 from hetpipe.wsp import closes_wave, wave_of
-from hetpipe.zoo import build_model
+from hetpipe.zoo import build_model, stage_layers
 from stage_worker import metrics
 from stage_worker.links import Link, Outgoing
 from stage_worker.schedule import Rejection, ScheduleError, StageSchedule, Task, TaskKind
@@ -106,7 +106,7 @@ class StageRuntime:
             self._shape_specs(a, model)
             tracks = len(a.ps_addresses) > 0
             self.compute = StageCompute(
-                model[a.layer_begin : a.layer_end], job.train.optimizer, loss=job.train.loss,
+                stage_layers(model, a.layer_begin, a.layer_end), job.train.optimizer, loss=job.train.loss,
                 device=self.device, track_updates=tracks,
             )
             self.schedule = StageSchedule(stage=a.stage, num_stages=a.num_stages, nm=job.nm, steps=job.train.steps)
@@ -130,13 +130,18 @@ class StageRuntime:
     def _shape_specs(self, a: stage_pb2.StageAssignment, model: torch.nn.Sequential) -> None:
         """Infers the exact shape of every tensor this stage will receive, to validate inputs."""
         job = self.job
-        x = self._dummy_batch()
-        with torch.no_grad():
-            for layer in model[: a.layer_begin]:
-                x = layer(x)
-            self.in_spec = TensorSpec(x.dtype, tuple(x.shape))
-            for layer in model[a.layer_begin : a.layer_end]:
-                x = layer(x)
+        self._probe_cache = None  # this assignment's shapes, never those of an earlier refused one
+        try:
+            x = self._dummy_batch()
+            with torch.no_grad():
+                x = stage_layers(model, 0, a.layer_begin)(x)
+                self.in_spec = TensorSpec(x.dtype, tuple(x.shape))
+                x = stage_layers(model, a.layer_begin, a.layer_end)(x)
+        except RuntimeError as exc:  # e.g. an input_shape that the model's first layer cannot take
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"input_shape {list(a.input_shape)} does not fit model {job.model.name}: {exc}",
+            ) from None
         self.out_spec = TensorSpec(x.dtype, tuple(x.shape))
         if self.first:
             self.target_spec = None
@@ -211,6 +216,8 @@ class StageRuntime:
         """Validates an activation (+ targets) from the previous stage and queues it."""
         with self._cv:
             self._require_running()
+            if self.first:
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "stage 0 reads its own data and takes no activations")
             p = self._check_tag(bundle, self.stage - 1, "activation")
             if len(bundle.tensors) != 2:
                 raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"activation: expected 2 tensors (activation, target), got {len(bundle.tensors)}")
@@ -230,6 +237,8 @@ class StageRuntime:
         """Validates a gradient from the next stage and queues it."""
         with self._cv:
             self._require_running()
+            if self.last:
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the last stage computes the loss and takes no gradients")
             p = self._check_tag(bundle, self.stage + 1, "gradient")
             if len(bundle.tensors) != 1:
                 raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"gradient: expected 1 tensor, got {len(bundle.tensors)}")
@@ -262,16 +271,20 @@ class StageRuntime:
         """Blocks until a task is ready; None when the stage is finished, failed or stopping."""
         with self._cv:
             idle_since = time.monotonic()
+            waiting = self.sync.waiting
             while True:
                 if self._stopping or self.state != State.RUNNING:
                     return None
-                self.sync.apply_pending(self.compute)
-                task = self.schedule.next_task(self.sync.forward_allowed)
                 now = time.monotonic()
-                if self.sync.waiting:  # idle *because of* the clock bound: the part of a wait that costs
+                # Each idle interval is charged by the state it was spent in: idle while a forward
+                # was blocked on the clock bound is the part of a wait that costs throughput.
+                if waiting:
                     self.wait_idle_seconds += now - idle_since
                 self.idle_seconds += now - idle_since
                 idle_since = now
+                self.sync.apply_pending(self.compute)
+                task = self.schedule.next_task(self.sync.forward_allowed)
+                waiting = self.sync.waiting
                 if task is not None:
                     return task
                 if self.schedule.done:

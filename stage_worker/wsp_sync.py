@@ -84,16 +84,28 @@ class WspSync:
     # ---- called by the compute thread -------------------------------------------------------
 
     def forward_allowed(self, p: int) -> bool:
-        need = required_min_clock(p, self.nm, self.D, self.steps)
-        if need <= self._have or not self.keys:
+        if not self.keys:
             return True
+        need = required_min_clock(p, self.nm, self.D, self.steps)
+        if need > self._have:
+            with self._lock:
+                if self._wait_started is None:
+                    self._wait_started = time.monotonic()
+            self._request(need)
+            return False
+        # Prefetch: the next wave's forwards will need more; asking now hides the round trip,
+        # and a fresher w_global is always allowed (G2 is a lower bound).
+        ahead = required_min_clock(min(p + self.nm, self.steps), self.nm, self.D, self.steps)
+        if ahead > self._have:
+            self._request(ahead)
+        return True
+
+    def _request(self, min_clock: int) -> None:
+        """Starts a pull for min_clock unless one is under way or waiting to be merged."""
         with self._lock:
-            if self._wait_started is None:
-                self._wait_started = time.monotonic()
             if self._pulling is None and self._pending is None:
-                self._pulling = need
-                threading.Thread(target=self._pull, args=(need,), name="puller", daemon=True).start()
-        return False
+                self._pulling = min_clock
+                threading.Thread(target=self._pull, args=(min_clock,), name="puller", daemon=True).start()
 
     @property
     def waiting(self) -> bool:

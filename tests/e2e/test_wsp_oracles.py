@@ -38,7 +38,7 @@ def max_clock_distance(rows: list[Row], nm: int, steps: int, vws: int) -> int:
 
 def _kill_shard_when_busy(out: Path, done: threading.Event, killed: list[int]) -> None:
     """kill -9 ps shard 0 once it has acknowledged some pushes (its checkpoint has moved on)."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240  # process start-up alone can take a minute on a loaded machine
     while not done.is_set() and time.monotonic() < deadline:
         ckpt = out / "ps" / "shard0" / "checkpoint.pt"
         if ckpt.exists() and any((out / "trace").glob("*.jsonl")) and ckpt.stat().st_mtime_ns > 0:
@@ -52,6 +52,7 @@ def _kill_shard_when_busy(out: Path, done: threading.Event, killed: list[int]) -
         time.sleep(0.05)
 
 
+@pytest.mark.timeout(300)
 def test_o3_conservation_with_retries_and_shard_kill(make_job, tmp_path: Path) -> None:
     job = make_job({
         "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}, "steps": 60},

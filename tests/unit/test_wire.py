@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -32,7 +32,7 @@ def _serialized(frames: Iterator[wire_pb2.TensorFrame]) -> list[bytes]:
 
 # The three ways frames reach decode: protobuf objects (generated stubs), their serialized bytes
 # (a raw handler receiving a generated client), and encode_raw's bytes (the stage links).
-PATHS = {
+PATHS: dict[str, Callable[..., list[Any]]] = {
     "messages": lambda tensors, **kw: list(wire.encode(tensors, **kw)),
     "serialized": lambda tensors, **kw: _serialized(wire.encode(tensors, **kw)),
     "raw": lambda tensors, **kw: list(wire.encode_raw(tensors, **kw)),
@@ -83,6 +83,17 @@ def test_frames_respect_chunk_bytes_and_only_the_first_has_a_header() -> None:
     assert all(f.WhichOneof("header") is None and not f.tensors for f in frames[1:])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_tensors_decode_into_huge_page_mappings(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    monkeypatch.setattr(wire, "_HUGE_PAGES_FROM_BYTES", 64)  # the real bound is 32 MiB: too slow here
+    tensors = [("big", _sample(dtype, (40, 9))), ("small", _sample(dtype, (3,)))]
+    got = wire.decode(wire.encode_raw(tensors, chunk_bytes=100)).tensors
+    _assert_same(got, tensors)
+    big = got[0][1]
+    big.zero_()  # writable, and no longer tied to anything of the sender's
+    assert not big.any()
+
+
 def test_non_contiguous_tensors_travel_by_value() -> None:
     base = _sample(torch.float32, (6, 4))
     tensors = [("t", base.t()), ("s", base[:, 1])]
@@ -124,6 +135,23 @@ def test_raw_frames_are_byte_identical_to_protobuf_serialization() -> None:
         assert list(wire.encode_raw(tensors, **kw)) == _serialized(wire.encode(tensors, **kw))
 
 
+@pytest.mark.parametrize("chunk_bytes", [100, 1000, 70000])  # 1-, 2- and 3-byte length varints
+def test_raw_data_frames_skip_the_protobuf_parser(monkeypatch: pytest.MonkeyPatch, chunk_bytes: int) -> None:
+    parsed: list[object] = []
+    real = wire._parsed
+
+    def counting(frame: wire_pb2.TensorFrame | bytes) -> wire_pb2.TensorFrame:
+        parsed.append(frame)
+        return real(frame)
+
+    monkeypatch.setattr(wire, "_parsed", counting)
+    tensors = [("x", _sample(torch.float32, (50000,)))]
+    frames = list(wire.encode_raw(tensors, chunk_bytes=chunk_bytes))
+    _assert_same(wire.decode(frames).tensors, tensors)
+    assert len(frames) > 2
+    assert parsed == [frames[0]]  # the header frame only
+
+
 def test_data_frames_written_by_protobuf_in_other_field_layouts_still_decode() -> None:
     # A data frame that is not the canonical tag+length+payload (here the payload is given twice,
     # which protobuf resolves as last-one-wins) must fall back to the protobuf parser, not be misread.
@@ -155,7 +183,7 @@ def _header(*metas: wire_pb2.TensorMeta, data: bytes = b"") -> wire_pb2.TensorFr
     return wire_pb2.TensorFrame(minibatch=wire_pb2.MinibatchTag(vw=0, minibatch=1), tensors=list(metas), data=data)
 
 
-def _meta(dtype: int = wire_pb2.FLOAT32, shape: tuple[int, ...] = (2,), name: str = "x") -> wire_pb2.TensorMeta:
+def _meta(dtype: Any = wire_pb2.FLOAT32, shape: tuple[int, ...] = (2,), name: str = "x") -> wire_pb2.TensorMeta:
     return wire_pb2.TensorMeta(name=name, dtype=dtype, shape=list(shape))
 
 
@@ -168,7 +196,8 @@ def _reject(frames: list[wire_pb2.TensorFrame], match: str) -> None:
 
 
 def test_empty_stream_is_rejected() -> None:
-    for form in ([], iter(())):
+    forms: list[Iterable[wire_pb2.TensorFrame]] = [[], iter(())]
+    for form in forms:
         with pytest.raises(wire.WireError, match="empty tensor stream") as info:
             wire.decode(form)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,339 @@
+"""Loopback throughput of the stage-to-stage gRPC path against raw TCP and torch.distributed gloo."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import struct
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+# Run as `python bench/transport.py`: the repository root is not on sys.path then.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MIB = 1 << 20
+SIZES_MIB = (1, 16, 64)
+TRANSPORTS = ("grpc", "raw_tcp", "gloo")
+# Every receiver allocates a fresh tensor per message with wire.empty, as wire.decode must (the
+# stage keeps what it receives), and every sender sends from one tensor made once: the same
+# policy for all three transports.
+BUFFER_POLICY = "sender reuses one tensor; receiver allocates a fresh one per message with wire.empty"
+
+
+def _pattern(nbytes: int) -> Any:
+    import torch
+
+    # Exact in float32 up to 2**24 elements (64 MiB), so the receiver can check both ends.
+    return torch.arange(nbytes // 4, dtype=torch.float32)
+
+
+def _check(tensor: Any, nbytes: int) -> None:
+    n = nbytes // 4
+    if tensor.numel() != n or float(tensor[0]) != 0.0 or float(tensor[-1]) != float(n - 1):
+        raise RuntimeError(f"received a corrupt tensor of {tensor.numel()} elements (expected {n})")
+
+
+# --- gRPC: the production Stage service on one side, the production Link on the other ---------
+
+
+class _SinkRuntime:
+    """Stands in for StageRuntime behind the real StageServicer: checks and drops each activation."""
+
+    def offer_forward(self, bundle: Any) -> None:
+        (_, x), = bundle.tensors
+        _check(x, x.numel() * 4)
+
+
+def _grpc_receiver(conn: Connection) -> None:
+    import torch
+
+    from hetpipe import rpc
+    from stage_worker.servicer import StageServicer, add_to_server
+
+    torch.set_num_threads(1)
+    server = rpc.Server("127.0.0.1", 0)
+    add_to_server(StageServicer(_SinkRuntime(), lambda: None), server.grpc)  # type: ignore[arg-type]
+    server.start()
+    conn.send(server.address)
+    conn.recv()  # until told to stop
+    server.stop()
+
+
+def _grpc_sender(address: str) -> Callable[[Any], None]:
+    from hetpipe.v1 import wire_pb2
+    from stage_worker.links import Link, Outgoing
+
+    def fail(message: str) -> None:
+        raise RuntimeError(message)
+
+    link = Link(address=address, method="Forward", peer="bench receiver", on_failure=fail)
+    tag = wire_pb2.MinibatchTag(vw=0, minibatch=1, weight_version=0, stage=0)
+
+    def send(tensor: Any) -> None:
+        # Link._deliver is the exact production send: wire encoding, deadline, retry policy.
+        if not link._deliver(Outgoing(tag, [("activation", tensor)])):
+            raise RuntimeError("gRPC send failed")
+
+    return send
+
+
+# --- raw TCP: length prefix + sendall on one side, recv_into a fresh tensor on the other -------
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("raw TCP sender closed mid-message")
+        got += n
+
+
+def _tcp_receiver(conn: Connection) -> None:
+    import torch
+
+    from hetpipe import wire
+
+    torch.set_num_threads(1)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn.send(f"127.0.0.1:{listener.getsockname()[1]}")
+        sock, _ = listener.accept()
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        prefix = bytearray(8)
+        while True:
+            _recv_exact(sock, memoryview(prefix))
+            (nbytes,) = struct.unpack("<Q", prefix)
+            if nbytes == 0:
+                return
+            tensor = wire.empty((nbytes // 4,), torch.float32)
+            _recv_exact(sock, tensor.numpy().data.cast("B"))
+            _check(tensor, nbytes)
+            sock.sendall(b"\x01")
+
+
+def _tcp_sender(address: str) -> Callable[[Any], None]:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ack = bytearray(1)
+
+    def send(tensor: Any) -> None:
+        raw = tensor.numpy().data.cast("B")
+        sock.sendall(struct.pack("<Q", len(raw)))
+        if not raw:  # the zero length that tells the receiver to finish: no acknowledgement
+            sock.close()
+            return
+        sock.sendall(raw)
+        _recv_exact(sock, memoryview(ack))
+
+    return send
+
+
+# --- gloo: torch.distributed send/recv, world size 2 --------------------------------------------
+
+
+def _gloo_init(address: str, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=2)
+
+
+def _gloo_receiver(conn: Connection, address: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hetpipe import wire
+
+    _gloo_init(address, rank=1)
+    conn.send(address)
+    ack = torch.ones(1)
+    # The receiver learns each batch's size from the parent, so no size message rides on gloo.
+    while (command := conn.recv()) is not None:
+        nbytes, count = command
+        for _ in range(count):
+            tensor = wire.empty((nbytes // 4,), torch.float32)
+            dist.recv(tensor, src=0)
+            _check(tensor, nbytes)
+            dist.send(ack, dst=0)
+    dist.destroy_process_group()
+
+
+def _gloo_sender(address: str) -> Callable[[Any], None]:
+    import torch
+    import torch.distributed as dist
+
+    _gloo_init(address, rank=0)
+    ack = torch.empty(1)
+
+    def send(tensor: Any) -> None:
+        dist.send(tensor, dst=1)
+        dist.recv(ack, src=1)
+
+    return send
+
+
+# --- process plumbing ---------------------------------------------------------------------------
+
+
+def _sender_main(conn: Connection, transport: str, address: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    factory = {"grpc": _grpc_sender, "raw_tcp": _tcp_sender, "gloo": _gloo_sender}[transport]
+    send = factory(address)
+    tensors: dict[int, Any] = {}
+    conn.send("ready")
+    while (command := conn.recv()) is not None:
+        nbytes, count = command
+        if nbytes not in tensors:
+            tensors[nbytes] = _pattern(nbytes)
+        tensor = tensors[nbytes]
+        seconds = []
+        for _ in range(count):
+            start = time.perf_counter()
+            send(tensor)  # returns once the receiver has acknowledged the whole tensor
+            seconds.append(time.perf_counter() - start)
+        conn.send(seconds)
+    if transport == "raw_tcp":
+        send(torch.empty(0))
+    elif transport == "gloo":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Pair:
+    """One transport's receiver and sender processes, driven over pipes."""
+
+    def __init__(self, ctx: Any, transport: str) -> None:
+        self.transport = transport
+        self._recv_conn, child_recv = ctx.Pipe()
+        self._send_conn, child_send = ctx.Pipe()
+        if transport == "gloo":
+            # Rank 0 (the sender) hosts the store, so both must start before either one returns.
+            address = f"127.0.0.1:{_free_port()}"
+            receiver = ctx.Process(target=_gloo_receiver, args=(child_recv, address), daemon=True)
+        else:
+            target = _grpc_receiver if transport == "grpc" else _tcp_receiver
+            receiver = ctx.Process(target=target, args=(child_recv,), daemon=True)
+        self.procs = [receiver]
+        receiver.start()
+        if transport != "gloo":
+            address = self._recv_conn.recv()
+        sender = ctx.Process(target=_sender_main, args=(child_send, transport, address), daemon=True)
+        self.procs.append(sender)
+        sender.start()
+        if transport == "gloo":
+            self._recv_conn.recv()
+        if self._send_conn.recv() != "ready":
+            raise RuntimeError(f"{transport} sender did not start")
+
+    def cpu_seconds(self) -> tuple[float, float]:
+        """User + system seconds of the sender and of the receiver, every thread included."""
+        receiver, sender = (psutil.Process(proc.pid).cpu_times() for proc in self.procs)
+        return sender.user + sender.system, receiver.user + receiver.system
+
+    def run(self, nbytes: int, count: int) -> tuple[list[float], tuple[float, float]]:
+        """Wall seconds of each of count sends, and the CPU seconds the batch cost each side."""
+        before = self.cpu_seconds()
+        if self.transport == "gloo":
+            self._recv_conn.send((nbytes, count))
+        self._send_conn.send((nbytes, count))
+        seconds: list[float] = self._send_conn.recv()
+        after = self.cpu_seconds()
+        return seconds, (after[0] - before[0], after[1] - before[1])
+
+    def close(self) -> None:
+        for conn in (self._send_conn, self._recv_conn):
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a few seconds per transport)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_MIB), help="tensor sizes in MiB")
+    parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
+    args = parser.parse_args(argv)
+    # Loopback only; gloo otherwise resolves the hostname and may pick another interface.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    rounds = 3 if args.quick else 6
+    # Repetitions per round: about 64 MiB per round and size, at least 2.
+    reps = {mib: max(2, (16 if args.quick else 64) // mib) for mib in args.sizes}
+
+    ctx = mp.get_context("spawn")  # gRPC does not survive fork
+    pairs: list[Pair] = []
+    try:
+        for transport in args.transports:
+            pairs.append(Pair(ctx, transport))
+        for pair in pairs:  # warm-up: connections, first-touch of the sender's tensors
+            for mib in args.sizes:
+                pair.run(mib * MIB, 2)
+        samples: dict[tuple[str, int], list[float]] = {(p.transport, mib): [] for p in pairs for mib in args.sizes}
+        cpu: dict[tuple[str, int], list[float]] = {key: [0.0, 0.0] for key in samples}
+        # Interleave transports round by round, so a burst of load from elsewhere hits them alike.
+        for _ in range(rounds):
+            for mib in args.sizes:
+                for pair in pairs:
+                    seconds, (send_cpu, recv_cpu) = pair.run(mib * MIB, reps[mib])
+                    samples[(pair.transport, mib)] += seconds
+                    cpu[(pair.transport, mib)][0] += send_cpu
+                    cpu[(pair.transport, mib)][1] += recv_cpu
+    finally:
+        for pair in pairs:
+            pair.close()
+
+    gibs = {key: (key[1] / 1024) / statistics.median(secs) for key, secs in samples.items()}
+    print(f"one-directional loopback throughput, median GiB/s ({BUFFER_POLICY})")
+    names = [p.transport for p in pairs]
+    ratios = [r for r in ("raw_tcp", "gloo") if "grpc" in names and r in names]
+    header = f"{'size':>8}" + "".join(f"{n:>10}" for n in names) + "".join(f"{'grpc/' + r:>14}" for r in ratios)
+    print(header)
+    for mib in args.sizes:
+        row = f"{str(mib) + ' MiB':>8}" + "".join(f"{gibs[(n, mib)]:>10.2f}" for n in names)
+        row += "".join(f"{gibs[('grpc', mib)] / gibs[(r, mib)]:>14.2f}" for r in ratios)
+        print(row)
+    # Wall-clock figures swing with whatever else runs on the machine; CPU time per GiB much less.
+    print("CPU seconds per GiB moved, sender + receiver (every thread)")
+    print(f"{'size':>8}" + "".join(f"{n:>14}" for n in names))
+    for mib in args.sizes:
+        cells = []
+        for n in names:
+            gib = len(samples[(n, mib)]) * mib / 1024
+            send_cpu, recv_cpu = cpu[(n, mib)]
+            cells.append(f"{send_cpu / gib:.2f}+{recv_cpu / gib:.2f}")
+        print(f"{str(mib) + ' MiB':>8}" + "".join(f"{c:>14}" for c in cells))
+    counts = {mib: len(samples[(names[0], mib)]) for mib in args.sizes}
+    print("samples per cell: " + ", ".join(f"{mib} MiB: {n}" for mib, n in counts.items()))
+    load = os.getloadavg()
+    print(f"load average while measuring: {load[0]:.1f} {load[1]:.1f} on {os.cpu_count()} CPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

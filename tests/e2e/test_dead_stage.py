@@ -1,0 +1,171 @@
+"""`hetpipe run` fails fast and cleanly when a stage worker dies, and stops everything on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from hetpipe import rpc
+from hetpipe.v1 import stage_pb2, stage_pb2_grpc, wire_pb2
+
+pytestmark = pytest.mark.timeout(300)
+
+# Four emulated stages at 20/40 ms per task and far more steps than the test waits for: the
+# job is still training whenever the test interferes with it.
+LONG_JOB: dict[str, Any] = {
+    "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 4}]}],
+                "emulate": {"forward_seconds": 0.02, "backward_seconds": 0.04}},
+    "train": {"steps": 20000},
+    "parallel": {"stages_per_vw": 4, "nm": 2},
+    "output": {"trace": True},
+}
+EXIT_WITHIN_S = 10.0
+
+
+class Run:
+    """`hetpipe run job.yaml` as a subprocess in its own session (like a shell job)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.stderr_path = tmp_path / "stderr.txt"
+        self.trace = tmp_path / "out" / "trace"
+        with open(self.stderr_path, "wb") as err:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "hetpipe.cli", "run", "-q", str(tmp_path / "job.yaml")],
+                cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                start_new_session=True,
+            )
+        self.me = psutil.Process(self.popen.pid)
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def lines(self, stage: int) -> int:
+        try:
+            return len((self.trace / f"vw0_stage{stage}.jsonl").read_text().splitlines())
+        except FileNotFoundError:
+            return 0
+
+    def wait_training(self, stages: int = 4, minibatches: int = 5, timeout: float = 200.0) -> None:
+        """Until every stage has written trace lines for a few minibatches."""
+        deadline = time.monotonic() + timeout
+        while min(self.lines(q) for q in range(stages)) < minibatches:
+            assert self.popen.poll() is None, f"hetpipe exited early ({self.popen.returncode}):\n{self.stderr}"
+            assert time.monotonic() < deadline, "training did not get under way"
+            time.sleep(0.1)
+
+    def stage_workers(self) -> dict[str, psutil.Process]:
+        """The stage worker processes by the stage they serve ('stage 2 of vw 0').
+
+        Each one is asked over gRPC: the name in its --ready-file is only the launcher's label,
+        and which worker gets which stage is the coordinator's choice.
+        """
+        out = {}
+        for child in self.me.children(recursive=True):
+            cmd = child.cmdline()
+            if "stage_worker" not in cmd or "--ready-file" not in cmd:
+                continue
+            address = Path(cmd[cmd.index("--ready-file") + 1]).read_text().split()[0]
+            with rpc.channel(address) as channel:
+                s = stage_pb2_grpc.StageStub(channel).Status(wire_pb2.Empty(), timeout=10)
+            assert s.state == stage_pb2.StageStatus.RUNNING, s
+            out[f"stage {s.stage} of vw {s.vw}"] = child
+        return out
+
+    def wait_exit(self, since: float) -> int:
+        try:
+            code = self.popen.wait(timeout=EXIT_WITHIN_S + 5)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - since
+        assert code is not None and took <= EXIT_WITHIN_S, (
+            f"hetpipe still running {took:.1f}s after the fault (exit code {code}); stderr:\n{self.stderr}"
+        )
+        return code
+
+    def kill(self) -> None:
+        """Cleanup if a test failed halfway: the whole session, by its own group id."""
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+
+def assert_all_gone(procs: list[psutil.Process]) -> None:
+    _, alive = psutil.wait_procs(procs, timeout=1.0)
+    assert not alive, f"processes of the job left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+@pytest.fixture
+def run(make_job, tmp_path: Path):
+    make_job(LONG_JOB)
+    r = Run(tmp_path)
+    yield r
+    r.kill()
+
+
+def test_killed_stage_fails_the_job_fast_and_names_it(run: Run) -> None:
+    run.wait_training()
+    workers = run.stage_workers()
+    assert sorted(workers) == [f"stage {q} of vw 0" for q in range(4)], workers
+    everything = run.me.children(recursive=True)
+
+    victim = workers["stage 2 of vw 0"]
+    victim.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    code = run.wait_exit(killed_at)
+
+    err = run.stderr
+    assert code != 0, err
+    # The failure names the stage, its process, how it died, and how far it had got.
+    m = re.search(r"stage 2 of vw 0\b[^\n]*?\(pid (\d+)\)[^\n]*? killed by SIGKILL[^\n]*?"
+                  r"(\d+) forwards and (\d+) backwards", err)
+    assert m, f"stderr does not name the dead stage and its progress:\n{err}"
+    assert int(m[1]) == victim.pid
+    assert int(m[2]) >= 1 and int(m[3]) >= 1, "progress was polled while training"
+    assert "Traceback" not in err, err
+    assert_all_gone(everything)
+
+
+@pytest.mark.parametrize("target", ["hetpipe", "process-group"])
+def test_ctrl_c_stops_every_process(run: Run, target: str) -> None:
+    """SIGINT to hetpipe alone, and to its whole process group as a terminal's Ctrl-C does."""
+    run.wait_training()
+    everything = run.me.children(recursive=True)
+    assert len(everything) >= 4
+    if target == "hetpipe":
+        run.popen.send_signal(signal.SIGINT)
+    else:
+        os.killpg(run.popen.pid, signal.SIGINT)
+    code = run.wait_exit(time.monotonic())
+    err = run.stderr
+    assert code != 0, err
+    if target == "hetpipe":
+        assert code == 130 and "interrupted; stopped every process" in err, (code, err)
+    assert_all_gone(everything)
+
+
+def test_a_stage_whose_neighbour_died_still_stops_promptly() -> None:
+    """SIGTERM shutdown closes a stage's links. A link that is retrying a send to a dead
+    neighbour must give up at once, not wait out its retry window (10 s): otherwise the launcher,
+    after its 3 s grace, SIGKILLs the stages that outlived a dead one instead of stopping them."""
+    import torch
+
+    from stage_worker.links import Link, Outgoing
+
+    failures: list[str] = []
+    link = Link(address="127.0.0.1:1", method="Backward", peer="stage 0 of vw 0", on_failure=failures.append)
+    link.send(Outgoing(wire_pb2.MinibatchTag(vw=0, minibatch=1, stage=1), [("gradient", torch.zeros(4))]))
+    time.sleep(0.3)  # the first attempt fails (nothing listens there) and the link starts retrying
+    started = time.monotonic()
+    link.close()
+    assert time.monotonic() - started < 1.0
+    assert failures == [], "closing is not a send failure"

@@ -1,0 +1,499 @@
+"""A stage worker refuses bad input with the right gRPC status and a message naming the problem,
+keeps serving, and keeps its training state unchanged (DESIGN §2: explicit dtype + shape + bytes,
+every message tagged (vw, minibatch, version)).
+
+The stage under test is a real in-process Stage server (rpc.Server + StageServicer +
+StageRuntime): the middle stage of a 3-stage job, set up by coordinator.driver.JobDriver. Its two
+neighbours are fakes that accept every call and record what they receive, and never send anything
+themselves, so the stage only gets what the test sends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from coordinator.driver import JobDriver
+from coordinator.plan import make_plan
+from hetpipe import rpc, wire
+from hetpipe.config import JobConfig
+from hetpipe.v1 import stage_pb2, stage_pb2_grpc, wire_pb2
+from stage_worker import servicer as stage_servicer
+from stage_worker.runtime import StageRuntime
+from stage_worker.servicer import StageServicer
+
+pytestmark = pytest.mark.timeout(120)
+
+State = stage_pb2.StageStatus.State
+Code = grpc.StatusCode
+STEPS, NM = 6, 2
+# Counters and weights that a refused message must not touch.
+STATE_FIELDS = ("state", "error", "received", "forwards_done", "backwards_done", "local_version", "in_flight",
+                "weights_digest")
+
+
+# ---- fixtures: a real stage between two fake neighbours ------------------------------------------
+
+
+@dataclass
+class FakeNeighbour(stage_pb2_grpc.StageServicer):
+    """Accepts every call; records the tag and tensors of each Forward/Backward it gets."""
+
+    got: list[tuple[str, wire_pb2.MinibatchTag, list[tuple[str, torch.Tensor]]]] = field(default_factory=list)
+    cv: threading.Condition = field(default_factory=threading.Condition)
+
+    def Assign(self, request: Any, context: Any) -> wire_pb2.Ack:
+        return wire_pb2.Ack()
+
+    def LoadWeights(self, request_iterator: Iterator[Any], context: Any) -> wire_pb2.Ack:
+        wire.decode(request_iterator)
+        return wire_pb2.Ack()
+
+    def Start(self, request: Any, context: Any) -> wire_pb2.Ack:
+        return wire_pb2.Ack()
+
+    def _record(self, method: str, frames: Iterator[wire_pb2.TensorFrame]) -> wire_pb2.Ack:
+        bundle = wire.decode(frames)
+        with self.cv:
+            self.got.append((method, bundle.header.minibatch, bundle.tensors))
+            self.cv.notify_all()
+        return wire_pb2.Ack()
+
+    def Forward(self, request_iterator: Iterator[Any], context: Any) -> wire_pb2.Ack:
+        return self._record("Forward", request_iterator)
+
+    def Backward(self, request_iterator: Iterator[Any], context: Any) -> wire_pb2.Ack:
+        return self._record("Backward", request_iterator)
+
+    def wait_for(self, n: int, timeout: float = 10.0) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.got) >= n, timeout), f"got {len(self.got)} messages, want {n}"
+
+
+REGISTRATIONS = {"protobuf": stage_pb2_grpc.add_StageServicer_to_server}
+if hasattr(stage_servicer, "add_to_server"):  # TensorFrame streams handed to the handlers as raw bytes
+    REGISTRATIONS["raw-frames"] = stage_servicer.add_to_server
+
+
+@pytest.fixture(params=sorted(REGISTRATIONS))
+def registration(request: pytest.FixtureRequest) -> str:
+    """Each way the Stage service can be registered: the real stage is tested behind every one."""
+    return str(request.param)
+
+
+def serve(servicer: stage_pb2_grpc.StageServicer, registration: str = "protobuf") -> rpc.Server:
+    server = rpc.Server("127.0.0.1", 0, workers=8)
+    REGISTRATIONS[registration](servicer, server.grpc)
+    server.start()
+    return server
+
+
+@dataclass
+class Rig:
+    job: JobConfig
+    runtime: StageRuntime
+    stub: stage_pb2_grpc.StageStub
+    prev: FakeNeighbour
+    next: FakeNeighbour
+    address: str
+
+    @property
+    def in_spec(self) -> Any:
+        return self.runtime.in_spec
+
+    @property
+    def out_spec(self) -> Any:
+        return self.runtime.out_spec
+
+    def status(self) -> stage_pb2.StageStatus:
+        return self.stub.Status(wire_pb2.Empty(), timeout=5)
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.status()
+        return {f: getattr(s, f) for f in STATE_FIELDS}
+
+    def activation(self, p: int, **tag: Any) -> list[wire_pb2.TensorFrame]:
+        x = torch.randn(self.in_spec.shape, dtype=self.in_spec.dtype)
+        y = torch.randint(0, 10, self.runtime.target_spec.shape)
+        return frames([("activation", x), ("target", y)], p, **{"stage": 0, **tag})
+
+    def gradient(self, p: int, **tag: Any) -> list[wire_pb2.TensorFrame]:
+        g = torch.randn(self.out_spec.shape, dtype=self.out_spec.dtype)
+        return frames([("gradient", g)], p, **{"stage": 2, **tag})
+
+    def wait_until(self, what: str, value: int, timeout: float = 10.0) -> stage_pb2.StageStatus:
+        deadline = time.monotonic() + timeout
+        while (s := self.status()).state == State.RUNNING and getattr(s, what) < value:
+            assert time.monotonic() < deadline, f"{what} stayed at {getattr(s, what)}, want {value}"
+            time.sleep(0.01)
+        assert getattr(s, what) == value, f"{what} = {getattr(s, what)} in state {State.Name(s.state)}: {s.error}"
+        return s
+
+
+def frames(tensors: list[tuple[str, torch.Tensor]], p: int, *, vw: int = 0, stage: int, version: int = 0,
+           ) -> list[wire_pb2.TensorFrame]:
+    tag = wire_pb2.MinibatchTag(vw=vw, minibatch=p, weight_version=version, stage=stage)
+    return list(wire.encode(tensors, minibatch=tag))
+
+
+@pytest.fixture
+def unlimited_channel() -> Iterator[Any]:
+    """A client without gRPC's 4 MiB send limit, so that oversized messages reach the server."""
+    yield lambda address: grpc.insecure_channel(
+        address, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    )
+
+
+@pytest.fixture
+def rig(make_job, unlimited_channel, registration: str) -> Iterator[Rig]:
+    job = make_job({"train": {"steps": STEPS}, "parallel": {"stages_per_vw": 3, "nm": NM},
+                    "output": {"trace": False}})
+    runtime = StageRuntime()
+    prev, nxt = FakeNeighbour(), FakeNeighbour()
+    servers = [serve(prev), serve(StageServicer(runtime, on_stop=lambda: None), registration), serve(nxt)]
+    driver = JobDriver(job, make_plan(job), [s.address for s in servers])
+    channel = unlimited_channel(servers[1].address)
+    try:
+        driver.setup()  # Assign, LoadWeights and Start, as `hetpipe run` does
+        yield Rig(job, runtime, stage_pb2_grpc.StageStub(channel), prev, nxt, servers[1].address)
+    finally:
+        channel.close()
+        driver.close()
+        runtime.stop()
+        for s in servers:
+            s.stop(grace=0)
+
+
+def refused(call: Any, request: Any, code: grpc.StatusCode, match: str) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        call(request, timeout=10)
+    err: Any = info.value
+    assert err.code() == code, f"got {err.code().name}: {err.details()}, want {code.name}"
+    details: str = err.details()
+    assert re.search(match, details), f"{details!r} does not match {match!r}"
+    return details
+
+
+# ---- malformed or wrong activations, on a freshly started stage ----------------------------------------
+
+
+def _header_only(meta: list[wire_pb2.TensorMeta], p: int = 1, data: bytes = b"") -> list[wire_pb2.TensorFrame]:
+    tag = wire_pb2.MinibatchTag(vw=0, minibatch=p, stage=0)
+    return [wire_pb2.TensorFrame(minibatch=tag, tensors=meta, data=data)]
+
+
+def _bad_activations(rig: Rig) -> dict[str, tuple[Any, grpc.StatusCode, str]]:
+    """name -> (frames, code, regex the message must match)."""
+    xs, ys = list(rig.in_spec.shape), list(rig.runtime.target_spec.shape)
+    good = rig.activation(1)
+    x = torch.randn(xs)
+    y = torch.zeros(ys, dtype=torch.int64)
+    nbytes = x.numel() * 4 + y.numel() * 8
+
+    def edited(i: int, **kw: Any) -> list[wire_pb2.TensorFrame]:
+        """The good frames with tensor i's meta changed."""
+        out = [wire_pb2.TensorFrame() for _ in good]
+        for o, g in zip(out, good):
+            o.CopyFrom(g)
+        meta = out[0].tensors[i]
+        for k, v in kw.items():
+            if k == "shape":
+                del meta.shape[:]
+                meta.shape.extend(v)
+            else:
+                setattr(meta, k, v)
+        return out
+
+    ok_x = torch.randn(xs)
+    wider = torch.randn([xs[0], xs[1] + 1])
+    return {
+        "unknown dtype code": (edited(0, dtype=99), Code.INVALID_ARGUMENT, "unknown dtype code 99"),
+        "wrong dtype": (frames([("activation", ok_x.double()), ("target", y)], 1, stage=0),
+                        Code.INVALID_ARGUMENT, r"activation: dtype torch\.float64, expected torch\.float32"),
+        "too few bytes": (_header_only(good[0].tensors, data=bytes(nbytes - 4)), Code.INVALID_ARGUMENT,
+                          rf"byte length {nbytes - 4} does not match the shapes in the header \({nbytes} bytes\)"),
+        "too many bytes": (_header_only(good[0].tensors, data=bytes(nbytes + 8)), Code.INVALID_ARGUMENT,
+                           rf"byte length .* does not match the shapes in the header \({nbytes} bytes\)"),
+        "shape claims more than sent": (edited(0, shape=[xs[0], xs[1] * 1000]), Code.INVALID_ARGUMENT,
+                                        "byte length .* does not match the shapes in the header"),
+        "huge claimed shape": (edited(0, shape=[1 << 20, 1 << 20]), Code.INVALID_ARGUMENT,
+                               r"shape \[1048576, 1048576\] needs \d+ bytes, more than the \d+ allowed"),
+        "negative dimension": (edited(0, shape=[-1, xs[1]]), Code.INVALID_ARGUMENT,
+                               "negative dimension"),
+        "too many dims": (edited(0, shape=[1] * 9 + [xs[1]]), Code.INVALID_ARGUMENT,
+                          "10 dims, at most 8"),
+        "minibatch 0": (rig.activation(0), Code.INVALID_ARGUMENT,
+                        rf"minibatch 0: the job has minibatches 1\.\.{STEPS}"),
+        "minibatch steps+1": (rig.activation(STEPS + 1), Code.INVALID_ARGUMENT,
+                              rf"minibatch {STEPS + 1}: the job has minibatches 1\.\.{STEPS}"),
+        "another vw": (rig.activation(1, vw=1), Code.INVALID_ARGUMENT,
+                       "tagged for vw 1, but this is stage 1 of vw 0"),
+        "wrong sender stage": (rig.activation(1, stage=2), Code.INVALID_ARGUMENT, "sent by stage 2, expected stage 0"),
+        "no minibatch tag": ([wire_pb2.TensorFrame(tensors=good[0].tensors, data=good[0].data)] + good[1:],
+                             Code.INVALID_ARGUMENT, "lacks the minibatch tag"),
+        "wrong activation shape": (frames([("activation", wider), ("target", y)], 1, stage=0),
+                                   Code.INVALID_ARGUMENT,
+                                   rf"activation: shape \[{xs[0]}, {xs[1] + 1}\], expected \[{xs[0]}, {xs[1]}\]"),
+        "wrong target shape": (frames([("activation", ok_x), ("target", y[:-1])], 1, stage=0),
+                               Code.INVALID_ARGUMENT, rf"target: shape \[{ys[0] - 1}\], expected \[{ys[0]}\]"),
+        "wrong target dtype": (frames([("activation", ok_x), ("target", y.int())], 1, stage=0),
+                               Code.INVALID_ARGUMENT, r"target: dtype torch\.int32, expected torch\.int64"),
+        "one tensor only": (frames([("activation", ok_x)], 1, stage=0), Code.INVALID_ARGUMENT,
+                            r"expected 2 tensors \(activation, target\), got 1"),
+        "empty stream": ([], Code.INVALID_ARGUMENT, "empty tensor stream"),
+        "header repeated": (good + [wire_pb2.TensorFrame(minibatch=good[0].minibatch)], Code.INVALID_ARGUMENT,
+                            "header fields repeated after the first frame"),
+        "oversized frame": (_header_only(good[0].tensors, data=bytes(5 << 20)), Code.RESOURCE_EXHAUSTED,
+                            r"(?i)larger than max"),
+        "beyond the nm window": (rig.activation(NM + 1), Code.FAILED_PRECONDITION,
+                                 rf"activation for minibatch {NM + 1} .*at most nm={NM}"),
+    }
+
+
+def test_bad_activations_are_refused_and_change_nothing(rig: Rig) -> None:
+    before = rig.snapshot()
+    assert before["state"] == State.RUNNING and before["received"] == 0 and before["weights_digest"]
+    for name, (request, code, match) in _bad_activations(rig).items():
+        try:
+            refused(rig.stub.Forward, iter(request), code, match)
+            assert rig.snapshot() == before, "a refused message changed the stage's state"
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
+    assert not rig.next.got and not rig.prev.got, "a refused activation was passed on"
+
+    # The stage still takes a valid activation, runs it, and passes it on with its version.
+    rig.stub.Forward(iter(rig.activation(1)), timeout=10)
+    rig.wait_until("forwards_done", 1)
+    rig.next.wait_for(1)
+    method, tag, tensors = rig.next.got[0]
+    assert (method, tag.vw, tag.minibatch, tag.stage, tag.weight_version) == ("Forward", 0, 1, 1, 0)
+    assert [(n, list(t.shape)) for n, t in tensors] == [("activation", list(rig.out_spec.shape)),
+                                                       ("target", list(rig.runtime.target_spec.shape))]
+    after = rig.snapshot()
+    assert (after["received"], after["forwards_done"], after["in_flight"]) == (1, 1, 1)
+    assert after["weights_digest"] == before["weights_digest"]  # a forward does not update weights
+
+
+def test_duplicates_and_unexpected_gradients_are_refused(rig: Rig) -> None:
+    # A gradient for a minibatch this stage never forwarded.
+    before = rig.snapshot()
+    refused(rig.stub.Backward, iter(rig.gradient(1)), Code.FAILED_PRECONDITION,
+            "gradient for minibatch 1, which this stage has not forwarded")
+    assert rig.snapshot() == before
+
+    rig.stub.Forward(iter(rig.activation(1)), timeout=10)
+    rig.wait_until("forwards_done", 1)
+    before = rig.snapshot()
+    bad_gradients = {
+        "duplicate activation": (rig.stub.Forward, rig.activation(1), Code.ALREADY_EXISTS,
+                                 "activation for minibatch 1 was already received"),
+        "gradient never forwarded": (rig.stub.Backward, rig.gradient(2), Code.FAILED_PRECONDITION,
+                                     "gradient for minibatch 2, which this stage has not forwarded"),
+        "gradient minibatch 0": (rig.stub.Backward, rig.gradient(0), Code.INVALID_ARGUMENT,
+                                 rf"gradient for minibatch 0: the job has minibatches 1\.\.{STEPS}"),
+        "gradient another vw": (rig.stub.Backward, rig.gradient(1, vw=3), Code.INVALID_ARGUMENT,
+                                "gradient: tagged for vw 3, but this is stage 1 of vw 0"),
+        "gradient wrong sender": (rig.stub.Backward, rig.gradient(1, stage=0), Code.INVALID_ARGUMENT,
+                                  "gradient: sent by stage 0, expected stage 2"),
+        "gradient wrong shape": (rig.stub.Backward,
+                                 frames([("gradient", torch.randn(rig.out_spec.shape[0], 3))], 1, stage=2),
+                                 Code.INVALID_ARGUMENT, r"gradient: shape \[\d+, 3\], expected"),
+        "gradient wrong dtype": (rig.stub.Backward,
+                                 frames([("gradient", torch.randn(rig.out_spec.shape).double())], 1, stage=2),
+                                 Code.INVALID_ARGUMENT, r"gradient: dtype torch\.float64, expected torch\.float32"),
+        "gradient two tensors": (rig.stub.Backward,
+                                 frames([("gradient", torch.randn(rig.out_spec.shape))] * 2, 1, stage=2),
+                                 Code.INVALID_ARGUMENT, "gradient: expected 1 tensor, got 2"),
+    }
+    for name, (call, request, code, match) in bad_gradients.items():
+        try:
+            refused(call, iter(request), code, match)
+            assert rig.snapshot() == before, "a refused message changed the stage's state"
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
+
+    # The valid gradient is still accepted: one backward, one local update (L3), the gradient
+    # goes on to the previous stage tagged with the stashed version.
+    rig.stub.Backward(iter(rig.gradient(1)), timeout=10)
+    after = rig.wait_until("backwards_done", 1)
+    assert (after.local_version, after.in_flight, after.received) == (1, 0, 2)
+    assert after.weights_digest != before["weights_digest"]
+    rig.prev.wait_for(1)
+    method, tag, tensors = rig.prev.got[0]
+    assert (method, tag.minibatch, tag.stage, tag.weight_version) == ("Backward", 1, 1, 0)
+    assert [(n, list(t.shape)) for n, t in tensors] == [("gradient", list(rig.in_spec.shape))]
+
+    done = rig.snapshot()
+    refused(rig.stub.Backward, iter(rig.gradient(1)), Code.ALREADY_EXISTS, "gradient for minibatch 1 was already received")
+    refused(rig.stub.Forward, iter(rig.activation(1)), Code.ALREADY_EXISTS, "activation for minibatch 1 was already received")
+    assert rig.snapshot() == done
+
+
+def test_control_calls_out_of_turn_are_refused(rig: Rig) -> None:
+    before = rig.snapshot()
+    refused(rig.stub.Start, wire_pb2.Empty(), Code.FAILED_PRECONDITION, "cannot start in state RUNNING")
+    refused(rig.stub.Assign, stage_pb2.StageAssignment(job_json=rig.job.to_json()), Code.FAILED_PRECONDITION,
+            "stage already assigned")
+    weights = list(wire.encode(rig.runtime.weights()))
+    refused(rig.stub.LoadWeights, iter(weights), Code.FAILED_PRECONDITION,
+            "weights arrive after Assign and before Start, not in RUNNING")
+    assert rig.snapshot() == before
+
+
+# ---- Assign and LoadWeights on a fresh worker ---------------------------------------------------------
+
+
+@dataclass
+class Recorder(FakeNeighbour):
+    """A fake stage that keeps the assignment and the weights the driver sends it."""
+
+    assignment: stage_pb2.StageAssignment | None = None
+    weights: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+    def Assign(self, request: Any, context: Any) -> wire_pb2.Ack:
+        self.assignment = request
+        return wire_pb2.Ack()
+
+    def LoadWeights(self, request_iterator: Iterator[Any], context: Any) -> wire_pb2.Ack:
+        self.weights = wire.decode(request_iterator).tensors
+        return wire_pb2.Ack()
+
+
+@pytest.fixture
+def idle(make_job, registration: str) -> Iterator[tuple[Any, ...]]:
+    """What JobDriver.setup sends stage 1 of a 2-stage job; a fresh (IDLE) real stage's stub and
+    runtime; and the fake stage 0 that the assignment names as the previous stage."""
+    job = make_job({"train": {"steps": STEPS}, "parallel": {"stages_per_vw": 2, "nm": NM},
+                    "output": {"trace": False}})
+    fakes = [FakeNeighbour(), Recorder()]
+    servers = [serve(f) for f in fakes]
+    runtime = StageRuntime()
+    servers.append(serve(StageServicer(runtime, on_stop=lambda: None), registration))
+    driver = JobDriver(job, make_plan(job), [s.address for s in servers[:2]])
+    channel = rpc.channel(servers[2].address)
+    try:
+        driver.setup()
+        recorder = fakes[1]
+        assert recorder.assignment is not None and recorder.weights
+        yield recorder.assignment, recorder.weights, stage_pb2_grpc.StageStub(channel), runtime, fakes[0]
+    finally:
+        channel.close()
+        driver.close()
+        runtime.stop()
+        for server in servers:
+            server.stop(grace=0)
+
+
+def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> None:
+    good, w0, stub, runtime, stage0 = idle
+
+    def variant(**changes: Any) -> stage_pb2.StageAssignment:
+        a = stage_pb2.StageAssignment()
+        a.CopyFrom(good)
+        for key, value in changes.items():
+            if isinstance(value, list):
+                del getattr(a, key)[:]
+                getattr(a, key).extend(value)
+            else:
+                setattr(a, key, value)
+        return a
+
+    raw = json.loads(good.job_json)
+    raw["parallel"]["nm"] = "auto"
+    auto_nm = json.dumps(raw)
+    batch = list(good.input_shape)
+    bad = {
+        "garbage job_json": (variant(job_json="{not json"), "job_json: not valid JSON"),
+        "job_json not an object": (variant(job_json="[1, 2]"), "job_json: .*expected a JSON object"),
+        "job_json missing the model": (variant(job_json="{}"), "job_json: model.name"),
+        "unresolved nm": (variant(job_json=auto_nm), "parallel.nm must be resolved to an integer"),
+        "stage beyond num_stages": (variant(stage=2), r"stage 2 of 2 with layers"),
+        "empty layer range": (variant(layer_begin=3, layer_end=3), r"layers \[3, 3\)"),
+        "layers beyond the model": (variant(layer_end=99), r"layers \[\d+, 99\) but the model has \d+"),
+        "vw beyond the job": (variant(vw=5), "vw 5 but the job has 1"),
+        "unknown input dtype": (variant(input_dtype=99), "unknown dtype code 99"),
+        "input shape that does not fit the model": (variant(input_shape=[batch[0], batch[1] + 1]),
+                                                    rf"input_shape|\[{batch[0]}, {batch[1] + 1}\]"),
+    }
+    failures = []
+    for name, (request, match) in bad.items():
+        try:
+            refused(stub.Assign, request, Code.INVALID_ARGUMENT, match)
+            s = stub.Status(wire_pb2.Empty(), timeout=5)
+            assert s.state == State.IDLE, f"state {State.Name(s.state)} after a refused Assign"
+        except AssertionError as exc:
+            failures.append(f"{name}: {exc}")
+    assert not failures, "\n".join(failures)
+
+    # After all that, the driver's assignment is accepted...
+    stub.Assign(good, timeout=10)
+    s = stub.Status(wire_pb2.Empty(), timeout=5)
+    assert (s.state, s.vw, s.stage) == (State.ASSIGNED, 0, 1)
+
+    # ...and bad weights are refused without touching the stage's weights.
+    digest = s.weights_digest
+    names = [n for n, _ in w0]
+    first, t0 = w0[0]
+    weight_bad = {
+        "missing key": (w0[1:], rf"missing keys \['{re.escape(first)}'\]"),
+        "unexpected key": (w0 + [("bogus.weight", t0)], r"unexpected keys \['bogus\.weight'\]"),
+        "wrong shape": ([(first, t0[:1])] + w0[1:], rf"weights\[{re.escape(first)}\]: shape"),
+        "wrong dtype": ([(first, t0.double())] + w0[1:], rf"weights\[{re.escape(first)}\]: dtype torch\.float64"),
+    }
+    assert len(names) > 1
+    for name, (tensors, match) in weight_bad.items():
+        refused(stub.LoadWeights, wire.encode(tensors), Code.INVALID_ARGUMENT, match)
+        s = stub.Status(wire_pb2.Empty(), timeout=5)
+        assert (s.state, s.weights_digest) == (State.ASSIGNED, digest), name
+    stub.LoadWeights(wire.encode([(n, t + 1) for n, t in w0]), timeout=10)
+    assert stub.Status(wire_pb2.Empty(), timeout=5).weights_digest != digest
+    stub.LoadWeights(wire.encode(w0), timeout=10)
+    s = stub.Status(wire_pb2.Empty(), timeout=5)
+    assert (s.state, s.weights_digest) == (State.ASSIGNED, digest)
+
+    # The last stage computes the loss and takes no gradient, even a well-formed one.
+    before = {f: getattr(s, f) for f in STATE_FIELDS}
+    logits = torch.randn(runtime.out_spec.shape)
+    refused(stub.Backward, iter(frames([("gradient", logits)], 1, stage=2)), Code.FAILED_PRECONDITION,
+            "the last stage computes the loss and takes no gradients")
+    s = stub.Status(wire_pb2.Empty(), timeout=5)
+    assert {f: getattr(s, f) for f in STATE_FIELDS} == before
+
+    # An activation may arrive before Start: it waits, and runs (F+B) once the stage starts.
+    x = torch.randn(runtime.in_spec.shape)
+    y = torch.randint(0, 10, runtime.target_spec.shape)
+    stub.Forward(iter(frames([("activation", x), ("target", y)], 1, stage=0)), timeout=10)
+    stub.Start(wire_pb2.Empty(), timeout=10)
+    stage0.wait_for(1)
+    method, tag, tensors = stage0.got[0]
+    assert (method, tag.minibatch, tag.stage, tag.weight_version) == ("Backward", 1, 1, 0)
+    assert [(n, list(t.shape)) for n, t in tensors] == [("gradient", list(runtime.in_spec.shape))]
+    deadline = time.monotonic() + 10
+    while (s := stub.Status(wire_pb2.Empty(), timeout=5)).backwards_done < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (s.state, s.received, s.forwards_done, s.backwards_done, s.local_version) == (State.RUNNING, 1, 1, 1, 1)
+    assert s.last_loss > 0
+
+
+def test_bytes_that_are_not_a_frame_are_refused(rig: Rig, registration: str, unlimited_channel: Any) -> None:
+    before = rig.snapshot()
+    channel = unlimited_channel(rig.address)
+    try:
+        call = channel.stream_unary("/hetpipe.v1.Stage/Forward", request_serializer=None,
+                                    response_deserializer=wire_pb2.Ack.FromString)
+        if registration == "raw-frames":
+            refused(call, iter([b"\xff\xff\xff\xff"]), Code.INVALID_ARGUMENT, "malformed TensorFrame")
+        else:  # gRPC parses the frame itself and answers before the handler runs
+            refused(call, iter([b"\xff\xff\xff\xff"]), Code.INTERNAL, "(?i)deserializ")
+    finally:
+        channel.close()
+    assert rig.snapshot() == before

@@ -1,0 +1,195 @@
+"""Checks of DESIGN §3's rules against the per-minibatch trace (DESIGN §6, §8).
+
+Each check raises AssertionError naming the rule, the VW, the stage and the minibatch. Rows
+are the parsed JSON lines of `trace/vw{v}_stage{q}.jsonl`. The checks are pure functions of
+the rows so that tests can feed them hand-made traces that break one rule each.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+FIELDS = ("vw", "stage", "p", "wave", "local_version", "bwd_version", "min_clock",
+          "fwd_start", "fwd_end", "bwd_start", "bwd_end")
+
+
+def load_trace(trace_dir: Path) -> list[Row]:
+    """Every row of every trace file, each tagged with the file it came from."""
+    rows: list[Row] = []
+    for path in sorted(Path(trace_dir).glob("*.jsonl")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            row = json.loads(line)
+            row["_where"] = f"{path.name}:{n}"
+            rows.append(row)
+    return rows
+
+
+def by_stage(rows: Iterable[Row]) -> dict[tuple[int, int], list[Row]]:
+    """(vw, stage) -> rows sorted by p."""
+    out: dict[tuple[int, int], list[Row]] = defaultdict(list)
+    for r in rows:
+        out[(r["vw"], r["stage"])].append(r)
+    return {key: sorted(rs, key=lambda r: r["p"]) for key, rs in sorted(out.items())}
+
+
+def _at(r: Row) -> str:
+    return f"vw {r['vw']} stage {r['stage']} minibatch {r['p']}"
+
+
+# ---- completeness -------------------------------------------------------------------------------
+
+
+def check_complete(rows: list[Row], *, vws: int, stages: int, steps: int) -> None:
+    """Exactly one row per (vw, stage, p) for p = 1..steps, each with every §8 field."""
+    seen: dict[tuple[int, int, int], Row] = {}
+    for r in rows:
+        missing = [f for f in FIELDS if f not in r]
+        assert not missing, f"trace row {r.get('_where', r)} lacks fields {missing}"
+        key = (r["vw"], r["stage"], r["p"])
+        assert key not in seen, f"trace: two rows for {_at(r)} ({seen[key].get('_where')}, {r.get('_where')})"
+        seen[key] = r
+    want = {(v, q, p) for v in range(vws) for q in range(stages) for p in range(1, steps + 1)}
+    missing_keys, extra = sorted(want - set(seen)), sorted(set(seen) - want)
+    assert not missing_keys, f"trace: no row for (vw, stage, p) {missing_keys[:10]} ({len(missing_keys)} missing)"
+    assert not extra, f"trace: unexpected rows for (vw, stage, p) {extra[:10]}"
+
+
+# ---- L2: versions and weight stashing ---------------------------------------------------------------
+
+
+def check_versions(rows: list[Row], nm: int) -> None:
+    """L2 + L3 at every stage.
+
+    - the forward of p includes the updates of all minibatches <= p-nm: local_version >= p - nm;
+    - it includes no update of p itself or later: local_version <= p - 1;
+    - exactly: local_version = the number of this stage's backwards that ended before p's
+      forward started (each backward is one local update, L3);
+    - weight stashing: bwd_version == local_version;
+    - wave = (p-1) // nm.
+    """
+    for (v, q), rs in by_stage(rows).items():
+        bwd_ends = sorted(r["bwd_end"] for r in rs)
+        for r in rs:
+            p, lv = r["p"], r["local_version"]
+            assert r["wave"] == (p - 1) // nm, f"{_at(r)}: wave {r['wave']}, expected {(p - 1) // nm} with nm={nm}"
+            assert lv >= p - nm, (
+                f"L2 violated at {_at(r)}: forward used local_version {lv}, missing updates of minibatches "
+                f"<= p-nm = {p - nm} (nm={nm})"
+            )
+            assert lv <= p - 1, f"L2 violated at {_at(r)}: local_version {lv} includes minibatch {p} or later"
+            done = sum(1 for t in bwd_ends if t <= r["fwd_start"])
+            assert lv == done, (
+                f"L2/L3 violated at {_at(r)}: local_version {lv}, but {done} backwards had finished at this "
+                f"stage before the forward started"
+            )
+            assert r["bwd_version"] == lv, (
+                f"weight stashing violated at {_at(r)}: forward used version {lv}, backward used {r['bwd_version']}"
+            )
+
+
+# ---- L4: order ----------------------------------------------------------------------------------
+
+
+def check_order(rows: list[Row]) -> None:
+    """L4 at every stage: forwards start in p order, backwards start in p order, each task's
+    interval is well formed, and a stage runs one task at a time."""
+    stages = by_stage(rows)
+    last_stage = {v: max(s for (w, s) in stages if w == v) for (v, _) in stages}
+    for (v, q), rs in stages.items():
+        for r in rs:
+            assert r["fwd_start"] <= r["fwd_end"] <= r["bwd_start"] <= r["bwd_end"], (
+                f"{_at(r)}: times not in order fwd_start <= fwd_end <= bwd_start <= bwd_end: "
+                f"{[r['fwd_start'], r['fwd_end'], r['bwd_start'], r['bwd_end']]}"
+            )
+        for a, b in zip(rs, rs[1:]):
+            assert a["fwd_start"] < b["fwd_start"], (
+                f"L4 violated at vw {v} stage {q}: forward of {b['p']} started before forward of {a['p']}"
+            )
+            assert a["bwd_start"] < b["bwd_start"], (
+                f"L4 violated at vw {v} stage {q}: backward of {b['p']} started before backward of {a['p']}"
+            )
+        # One compute thread: the stage's task intervals never overlap. On the last stage F+B
+        # of a minibatch is one task.
+        last = q == last_stage[v]
+        tasks = ([(r["fwd_start"], r["bwd_end"], f"F+B {r['p']}") for r in rs] if last else
+                 [(r["fwd_start"], r["fwd_end"], f"F {r['p']}") for r in rs]
+                 + [(r["bwd_start"], r["bwd_end"], f"B {r['p']}") for r in rs])
+        tasks.sort()
+        for (s0, e0, n0), (s1, e1, n1) in zip(tasks, tasks[1:]):
+            assert e0 <= s1, f"vw {v} stage {q}: task {n1} started at {s1} while task {n0} ran until {e0}"
+
+
+def check_causality(rows: list[Row]) -> None:
+    """Between neighbour stages: stage q+1 forwards p only after stage q's forward of p ended,
+    and stage q's backward of p starts only after stage q+1's backward of p ended."""
+    stages = by_stage(rows)
+    for (v, q), rs in stages.items():
+        nxt = {r["p"]: r for r in stages.get((v, q + 1), [])}
+        for r in rs:
+            n = nxt.get(r["p"])
+            if n is None:
+                continue
+            assert n["fwd_start"] >= r["fwd_end"], (
+                f"{_at(n)}: forward started before stage {q} finished the forward that feeds it"
+            )
+            assert r["bwd_start"] >= n["bwd_end"], (
+                f"{_at(r)}: backward started before stage {q + 1} finished the backward that feeds it"
+            )
+
+
+# ---- L1: at most nm in flight ---------------------------------------------------------------------
+
+
+def max_in_flight(rs: list[Row]) -> int:
+    """Largest number of minibatches whose [fwd_start, bwd_end) intervals overlap at one instant."""
+    events = sorted([(r["fwd_start"], 1) for r in rs] + [(r["bwd_end"], -1) for r in rs])  # -1 sorts first
+    depth = best = 0
+    for _, delta in events:
+        depth += delta
+        best = max(best, depth)
+    return best
+
+
+def check_in_flight(rows: list[Row], nm: int) -> None:
+    """L1. At stage 0, when p's forward starts, fewer than nm earlier minibatches are unfinished
+    (so p-nm has completed). At every stage, at most nm [fwd_start, bwd_end) intervals overlap."""
+    for (v, q), rs in by_stage(rows).items():
+        if q == 0:
+            for r in rs:
+                t = r["fwd_start"]
+                open_ = [o["p"] for o in rs if o["p"] < r["p"] and o["bwd_end"] > t]
+                assert len(open_) < nm, (
+                    f"L1 violated at {_at(r)}: injected while minibatches {open_} were still in flight (nm={nm})"
+                )
+        depth = max_in_flight(rs)
+        assert depth <= nm, f"L1 violated at vw {v} stage {q}: {depth} minibatches in flight at once (nm={nm})"
+
+
+# ---- G2: global staleness (WSP) ---------------------------------------------------------------------
+
+
+def required_min_clock(p: int, nm: int, D: int) -> int:
+    """DESIGN §3 G2, written out independently of the production helper."""
+    return max(0, p // nm - 1 - D)
+
+
+def check_min_clock(rows: list[Row], nm: int, D: int) -> None:
+    """G2: the forward of p ran on weights known to include c_global >= floor(p/nm) - 1 - D."""
+    for r in rows:
+        need = required_min_clock(r["p"], nm, D)
+        assert r["min_clock"] >= need, (
+            f"G2 violated at {_at(r)}: min_clock {r['min_clock']} < {need} = floor(p/nm) - 1 - D (nm={nm}, D={D})"
+        )
+
+
+def check_local_rules(rows: list[Row], nm: int) -> None:
+    """Every within-VW rule that the trace can show (L1, L2, L3 versions, L4, causality)."""
+    check_order(rows)
+    check_causality(rows)
+    check_versions(rows, nm)
+    check_in_flight(rows, nm)
