@@ -8,11 +8,13 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
+from prometheus_client import start_http_server
 from tqdm import tqdm
 
-from hetpipe import rpc
+from hetpipe import metrics, rpc
 from hetpipe.config import JobConfig
 from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, wire_pb2
 from coordinator import state as st
@@ -23,9 +25,23 @@ from coordinator.launcher import LocalProcesses
 
 MAX_SHARD_RESTARTS = 3
 ADDRESS_FILE = "coordinator.address"  # where `hetpipe status/stop --job` find the coordinator
+TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
+ROLES = {"stage_worker": "stage_worker", "ps_server": "ps_shard"}  # module -> `role` label (docs/metrics.md)
 
 
-def _watch_processes(procs: LocalProcesses, runner: JobRunner) -> None:
+def write_targets(path: Path, coordinator_metrics_port: int, procs: LocalProcesses) -> None:
+    """Writes (atomically) one file_sd entry per process, labelled with its role, for a Prometheus
+    started with docker/prometheus/prometheus.yml's file_sd job pointed at this file."""
+    entries = [{"targets": [f"127.0.0.1:{coordinator_metrics_port}"], "labels": {"role": "coordinator"}}]
+    for p in procs.processes:
+        module = p.args[p.args.index("-m") + 1]
+        entries.append({"targets": [f"{procs.host}:{p.metrics_port}"], "labels": {"role": ROLES[module]}})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(entries, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _watch_processes(procs: LocalProcesses, runner: JobRunner, on_restart: Callable[[], None]) -> None:
     """A dead stage is reported at once (no waiting for heartbeats); a dead shard is restarted
     from its checkpoint and push log, and re-registers at the same address."""
     for p in procs.dead():
@@ -33,6 +49,7 @@ def _watch_processes(procs: LocalProcesses, runner: JobRunner) -> None:
             print(f"hetpipe: {p.name} {p.exit_description()}; restarting it from its checkpoint", file=sys.stderr)
             runner.report_dead(p.address, "is restarting")
             procs.restart(p)
+            on_restart()  # its metrics port is new
         else:
             runner.report_dead(p.address, f"(pid {p.popen.pid}) {p.exit_description()}")
 
@@ -42,9 +59,13 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out_dir / "ps", ignore_errors=True)  # a fresh job must not restore an old one's shards
+    (out_dir / TARGETS_FILE).unlink(missing_ok=True)  # an earlier job's endpoints are gone
     server, servicer = build("127.0.0.1", 0, heartbeat_interval_s=heartbeat_interval_s)
     server.start()
     (out_dir / ADDRESS_FILE).write_text(server.address + "\n")
+    # The embedded coordinator serves this process's registry, as `python -m coordinator` does.
+    metrics_server, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.REGISTRY)
+    metrics_port = int(metrics_server.server_address[1])
     channel = rpc.channel(server.address)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     try:
@@ -60,9 +81,12 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
                 procs.spawn("ps_server", f"ps shard {i}",
                             [*register, "--checkpoint-dir", str(out_dir / "ps" / f"shard{i}")])
             procs.wait_ready()
+            targets = out_dir / TARGETS_FILE
+            write_targets(targets, metrics_port, procs)
             stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=rpc.CONTROL_DEADLINE_S)
             try:
-                status = _follow(stub, procs, servicer.runner, quiet=quiet)
+                status = _follow(stub, procs, servicer.runner, quiet=quiet,
+                                 on_restart=lambda: write_targets(targets, metrics_port, procs))
             except KeyboardInterrupt:
                 servicer.runner.stop("interrupted (Ctrl-C)")
                 servicer.runner.machine.wait_terminal(5.0)
@@ -70,6 +94,8 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     finally:
         channel.close()
         server.stop()
+        metrics_server.shutdown()
+        metrics_server.server_close()
     if status.state == st.COMPLETED:
         summary: dict[str, Any] = json.loads(status.summary_json)
         return summary
@@ -79,7 +105,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
 
 
 def _follow(stub: coordinator_pb2_grpc.CoordinatorStub, procs: LocalProcesses, runner: JobRunner, *,
-            quiet: bool) -> coordinator_pb2.JobStatus:
+            quiet: bool, on_restart: Callable[[], None]) -> coordinator_pb2.JobStatus:
     """Shows progress until the job ends; returns its final status."""
     bar: tqdm[Any] | None = None
     try:
@@ -87,7 +113,7 @@ def _follow(stub: coordinator_pb2_grpc.CoordinatorStub, procs: LocalProcesses, r
             status = stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
             if status.state in st.TERMINAL:
                 return status
-            _watch_processes(procs, runner)
+            _watch_processes(procs, runner, on_restart)
             if status.state == st.RUNNING and bar is None:
                 bar = tqdm(total=status.total_samples, unit="sample", disable=quiet, file=sys.stderr,
                            dynamic_ncols=True, desc="train (emulated GPUs)" if status.emulated else "train")
