@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import sys
 
 from hetpipe import rpc
+from hetpipe.config import ConfigError, JobConfig, load_job, with_overrides
 from hetpipe.service import exit_now, run_server
 from hetpipe.v1 import coordinator_pb2_grpc
+from coordinator import metrics as coordinator_metrics
 from coordinator.config import CoordinatorConfig, parse_args
 from coordinator.job import JobRunner
 from coordinator.registry import Registry
@@ -19,14 +23,31 @@ def build(host: str, port: int, *, heartbeat_interval_s: float = 1.0,
     """The coordinator's gRPC server and servicer, not yet started (`hetpipe run` embeds it)."""
     registry = Registry(heartbeat_interval_s)
     servicer = CoordinatorServicer(registry, JobRunner(registry, claim_timeout_s=claim_timeout_s))
-    server = rpc.Server(host, port)
+    coordinator_metrics.bind(registry, servicer.runner)
+    server = rpc.Server(host, port, role="coordinator")
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.grpc)
     return server, servicer
 
 
+def startup_job(cfg: CoordinatorConfig) -> JobConfig:
+    """The --job file, with --output-dir applied, as a fresh job: like `hetpipe run`, it clears the
+    output's ps/ folder, where the shards of compose.yaml keep their checkpoints (they start after
+    the coordinator and would otherwise restore an earlier run's state). Raises ConfigError."""
+    job = load_job(cfg.job)
+    if cfg.output_dir:
+        job = with_overrides(job, output={"dir": os.path.abspath(cfg.output_dir)})
+    out = job.resolve(job.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "ps", ignore_errors=True)
+    return job
+
+
 def serve(cfg: CoordinatorConfig) -> None:
+    job = startup_job(cfg) if cfg.job else None
     server, servicer = build(cfg.service.host, cfg.service.port, heartbeat_interval_s=cfg.heartbeat_interval_s,
                              claim_timeout_s=cfg.claim_timeout_s)
+    if job is not None:
+        servicer.runner.submit(job)  # plans, then waits up to --claim-timeout for the workers
 
     def shutdown() -> None:
         servicer.runner.stop("coordinator shutting down")
@@ -37,7 +58,11 @@ def serve(cfg: CoordinatorConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(parse_args(argv))
+    try:
+        serve(parse_args(argv))
+    except ConfigError as exc:  # a bad --job file: refuse to start, saying why
+        print(f"coordinator: error: {exc}", file=sys.stderr)
+        return 2
     exit_now()
     return 0
 

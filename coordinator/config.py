@@ -16,6 +16,8 @@ class CoordinatorConfig:
     service: ServiceFlags
     heartbeat_interval_s: float = 1.0
     claim_timeout_s: float = 120.0
+    job: str = ""           # a job file to submit at start (compose); empty = wait for `Submit`
+    output_dir: str = ""    # with job: its outputs go here instead of the file's output.dir
 
 
 def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
@@ -26,8 +28,14 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                     help="seconds between worker heartbeats; 3 missed = dead")
     ap.add_argument("--claim-timeout", type=float, default=120.0,
                     help="seconds to wait for enough workers to register")
+    ap.add_argument("--job", default=env("HETPIPE_JOB", ""),
+                    help="job YAML file to submit at start, as `hetpipe run` would (compose.yaml uses it)")
+    ap.add_argument("--output-dir", default=env("HETPIPE_OUTPUT_DIR", ""),
+                    help="with --job: write the job's outputs here instead of its output.dir")
     ns = ap.parse_args(argv)
     if ns.heartbeat_interval <= 0:
         ap.error(f"--heartbeat-interval must be > 0, got {ns.heartbeat_interval}")
+    if ns.output_dir and not ns.job:
+        ap.error("--output-dir needs --job")
     return CoordinatorConfig(service=service_flags(ns), heartbeat_interval_s=ns.heartbeat_interval,
-                             claim_timeout_s=ns.claim_timeout)
+                             claim_timeout_s=ns.claim_timeout, job=ns.job, output_dir=ns.output_dir)

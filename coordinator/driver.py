@@ -107,6 +107,7 @@ class JobDriver:
             device=sp.device, device_label=sp.label,
             input_shape=list(x.shape), input_dtype=wire.wire_dtype(x.dtype),
             target_shape=list(y.shape), target_dtype=wire.wire_dtype(y.dtype),
+            memory_bytes=sp.memory_bytes, capacity_bytes=sp.capacity_bytes, gpu_type=sp.gpu, emulated=sp.emulated,
         )
 
     def setup(self) -> None:
@@ -122,8 +123,8 @@ class JobDriver:
             if not tensors:
                 continue  # more shards than parameter layers: this one idles
             try:
-                stub.Init(wire.encode(tensors, init=wire_pb2.InitTag(virtual_workers=self.plan.virtual_workers)),
-                          timeout=rpc.DATA_DEADLINE_S)
+                tag = wire_pb2.InitTag(virtual_workers=self.plan.virtual_workers, shard=i)
+                stub.Init(wire.encode(tensors, init=tag), timeout=rpc.DATA_DEADLINE_S)
             except grpc.RpcError as exc:
                 self.check_processes()
                 raise JobFailed(f"ps shard {i} at {self.ps_addresses[i]}: Init failed: {exc.code().name}: "

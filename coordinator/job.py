@@ -62,6 +62,11 @@ class JobRunner:
         with self._lock:
             self._dead[address] = why
 
+    @property
+    def progress(self) -> Progress | None:
+        """The running (or last) job's latest progress; None before it runs."""
+        return self._progress
+
     def status(self) -> coordinator_pb2.JobStatus:
         s = coordinator_pb2.JobStatus(state=self.machine.state, reason=self.machine.reason)
         if self._plan is not None:

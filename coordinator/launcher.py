@@ -78,6 +78,7 @@ class LocalProcesses:
             if proc.popen.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{proc.name} did not come back: {proc.exit_description()}; log {proc.log_path}")
             time.sleep(0.02)
+        proc.metrics_port = int(proc.ready_file.read_text().split()[1])  # a fresh one (--metrics-port 0)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Waits until every spawned process has published its address."""

@@ -7,15 +7,14 @@ import json
 import shutil
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from prometheus_client import start_http_server
 from tqdm import tqdm
 
 from hetpipe import metrics, rpc
-from hetpipe.config import JobConfig
+from hetpipe.config import ConfigError, JobConfig
 from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, wire_pb2
 from coordinator import state as st
 from coordinator.__main__ import build
@@ -56,6 +55,13 @@ def _watch_processes(procs: LocalProcesses, runner: JobRunner, on_restart: Calla
 
 def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: float = 1.0) -> dict[str, Any]:
     """Trains job on this machine; returns the summary. Stops every process it started."""
+    if job.parallel.mode != "hetpipe":  # the baselines (DESIGN §7): ddp, torch-pipeline
+        from baselines import run_baseline
+
+        return run_baseline(job, quiet=quiet)
+    if job.parallel.schedule != "hetpipe":
+        raise ConfigError(f"parallel.schedule: {job.parallel.schedule} runs with parallel.mode torch-pipeline; "
+                          "parallel.mode hetpipe has only schedule hetpipe")
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out_dir / "ps", ignore_errors=True)  # a fresh job must not restore an old one's shards
@@ -64,8 +70,8 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     server.start()
     (out_dir / ADDRESS_FILE).write_text(server.address + "\n")
     # The embedded coordinator serves this process's registry, as `python -m coordinator` does.
-    metrics_server, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.REGISTRY)
-    metrics_port = int(metrics_server.server_address[1])
+    metrics_server = metrics.start(0, "127.0.0.1")
+    metrics_port = metrics_server.port
     channel = rpc.channel(server.address)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     try:
@@ -94,8 +100,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     finally:
         channel.close()
         server.stop()
-        metrics_server.shutdown()
-        metrics_server.server_close()
+        metrics_server.close()
     if status.state == st.COMPLETED:
         summary: dict[str, Any] = json.loads(status.summary_json)
         return summary

@@ -49,7 +49,7 @@ class StagePlan:
 
     @property
     def label(self) -> str:
-        return f"{self.gpu} (emulated)" if self.emulated else self.device
+        return f"{self.gpu} (emulated)" if self.emulated else (self.device or self.gpu)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +224,12 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
     for v, part in enumerate(parts):
         for q, cut in enumerate(part.stages):
             local = cut.gpu.type in ("cpu", "cuda")
-            device = f"cuda:{(v * k + q) % cuda}" if (cut.gpu.type == "cuda" and cuda) else "cpu"
+            if cut.gpu.type == "cuda" and cuda:
+                device = f"cuda:{(v * k + q) % cuda}"
+            elif local or emulated:
+                device = "cpu"  # emulation really computes on the CPU (DESIGN §5)
+            else:
+                device = ""  # a real GPU of that type on its own node: the worker picks its cuda device
             fwd, bwd = (cut.forward_seconds * scale, cut.backward_seconds * scale) if emulated else (0.0, 0.0)
             if emulated and job.cluster and job.cluster.emulate and (
                     job.cluster.emulate.forward_seconds or job.cluster.emulate.backward_seconds):

@@ -85,6 +85,34 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compose(args: argparse.Namespace) -> int:
+    """Writes the docker compose file of the job's cluster spec and plan (coordinator/compose.py)."""
+    from coordinator.compose import render, repository_root
+    from coordinator.partition import PlanError
+    from coordinator.plan import make_plan
+
+    try:
+        job = load_job(args.config)
+        plan = make_plan(job)
+    except (ConfigError, PlanError) as exc:
+        print(f"hetpipe: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    out = Path(args.output) if args.output else None
+    text = render(job, plan, job_file=Path(args.config), compose_dir=out.parent if out else Path.cwd(),
+                  root=Path(args.context) if args.context else repository_root(),
+                  out_name=out.name if out else "compose.yaml")
+    if out is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        out.write_text(text)
+    except OSError as exc:
+        print(f"hetpipe: error: cannot write {out}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
 def _coordinator_address(args: argparse.Namespace) -> str:
     from coordinator.config import DEFAULT_PORT
 
@@ -151,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("config", help="job YAML file")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.set_defaults(func=_plan)
+    compose = sub.add_parser("compose", help="write the docker compose file for a job's cluster and plan")
+    compose.add_argument("config", help="job YAML file")
+    compose.add_argument("-o", "--output", help="write here (paths in it are relative to its folder); "
+                         "default: stdout, relative to the working folder")
+    compose.add_argument("--context", help="repository root with docker/ (default: this source tree)")
+    compose.set_defaults(func=_compose)
     for name, text in (("status", "show the job and the workers"), ("stop", "stop the running job")):
         cmd = sub.add_parser(name, help=text)
         where = cmd.add_mutually_exclusive_group()

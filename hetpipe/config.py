@@ -155,6 +155,7 @@ class ParallelConfig:
     mode: str = "hetpipe"
     schedule: str = "hetpipe"
     sync: str = "wsp"
+    microbatches: int = 1  # mode torch-pipeline: micro-batches per minibatch (GPipe, 1F1B)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +209,7 @@ class JobConfig:
 
 
 MODES = ("hetpipe", "ddp", "torch-pipeline")
-SCHEDULES = ("hetpipe",)
+SCHEDULES = ("hetpipe", "gpipe", "1f1b")  # gpipe, 1f1b: with mode torch-pipeline
 SYNCS = ("wsp",)
 POLICIES = ("NP", "ED", "HD", "auto")
 DTYPES = ("float32", "float64")
@@ -294,7 +295,7 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".") -> JobConfig:
 
     p = _Section(top.get("parallel"), "parallel")
     p.check_known(("virtual_workers", "stages_per_vw", "policy", "nm", "D", "ps_shards",
-                   "placement", "mode", "schedule", "sync"))
+                   "placement", "mode", "schedule", "sync", "microbatches"))
     nm_raw = p.get("nm", 2)
     nm: int | str = "auto" if nm_raw == "auto" else p.integer("nm", 2, minimum=1)
     parallel = ParallelConfig(
@@ -306,6 +307,7 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str = ".") -> JobConfig:
         mode=p.choice("mode", "hetpipe", MODES),
         schedule=p.choice("schedule", "hetpipe", SCHEDULES),
         sync=p.choice("sync", "wsp", SYNCS),
+        microbatches=p.integer("microbatches", 1, minimum=1),
     )
 
     out = _Section(top.get("output"), "output")

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from hetpipe.metrics import ServerMetricsInterceptor
+
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
@@ -65,10 +67,13 @@ def handler(fn: F) -> F:
 
 
 class Server:
-    """A gRPC server with the standard health service, bound to host:port (0 = any free port)."""
+    """A gRPC server with the standard health service and the gRPC metrics interceptor, bound to
+    host:port (0 = any free port)."""
 
-    def __init__(self, host: str, port: int, *, workers: int = 16) -> None:
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options())
+    def __init__(self, host: str, port: int, *, role: str = "unknown", workers: int = 16) -> None:
+        # role: the `role` label of this server's gRPC metrics (coordinator, stage_worker, ps_shard).
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options(),
+                                interceptors=[ServerMetricsInterceptor(role)])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self.port = self.grpc.add_insecure_port(f"{host}:{port}")

@@ -1,11 +1,13 @@
-"""Shard metrics (DESIGN §6), read from the shard at scrape time."""
+"""Shard metrics (docs/metrics.md), read from the shard at scrape time, labelled with the shard's
+index in the plan (known from Init, or after a restart from the checkpoint directory)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hetpipe.metrics import REGISTRY
@@ -14,26 +16,74 @@ if TYPE_CHECKING:
     from ps_server.servicer import ShardServicer
 
 
+@dataclass(frozen=True, slots=True)
+class ShardSnapshot:
+    """The shard's counters at one instant (ShardServicer.metrics_snapshot)."""
+
+    shard: int
+    pushes_applied: int
+    pushes_duplicate: int
+    received_bytes: int
+    sent_bytes: int
+    pull_wait_seconds: float
+    vw_clocks: list[int]      # per VW: min over this shard's keys
+    c_global: int
+    clock_distance: int
+
+
 class ShardCollector(Collector):
     def __init__(self, servicer: ShardServicer) -> None:
         self.servicer = servicer
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s = self.servicer.status()
-        pushes = CounterMetricFamily("hetpipe_ps_pushes", "Pushes by outcome", labels=["outcome"])
-        pushes.add_metric(["applied"], s.pushes_applied)
-        pushes.add_metric(["duplicate"], s.pushes_duplicate)
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.servicer.metrics_snapshot()
+        if s is None:  # not initialised: which shard this is is not known yet
+            return
+        shard = str(s.shard)
+
+        def family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str,
+                   value: float) -> Metric:
+            m = kind(name, doc, labels=["shard"])
+            m.add_metric([shard], value)
+            return m
+
+        pushes = CounterMetricFamily("hetpipe_ps_pushes", "Pushes by outcome", labels=["shard", "outcome"])
+        pushes.add_metric([shard, "applied"], s.pushes_applied)
+        pushes.add_metric([shard, "duplicate"], s.pushes_duplicate)
         yield pushes
+        yield family(CounterMetricFamily, "hetpipe_ps_received_bytes", "Push payload bytes received",
+                     s.received_bytes)
+        yield family(CounterMetricFamily, "hetpipe_ps_sent_bytes", "Pull payload bytes sent", s.sent_bytes)
         clocks = GaugeMetricFamily("hetpipe_ps_vw_clock", "Each VW's clock (min over this shard's keys)",
-                                   labels=["vw"])
-        for c in s.clocks:
-            clocks.add_metric([str(c.vw)], c.min_clock)
+                                   labels=["shard", "vw"])
+        for vw, clock in enumerate(s.vw_clocks):
+            clocks.add_metric([shard, str(vw)], clock)
         yield clocks
-        yield GaugeMetricFamily("hetpipe_ps_global_clock", "c_global over this shard's keys", value=s.c_global)
-        yield GaugeMetricFamily("hetpipe_ps_clock_distance", "Fastest minus slowest VW clock", value=s.clock_distance)
-        yield CounterMetricFamily("hetpipe_ps_pull_wait_seconds", "Seconds pulls waited for c_global",
-                                  value=self.servicer.pull_wait_seconds)
+        yield family(GaugeMetricFamily, "hetpipe_ps_global_clock", "c_global over this shard's keys", s.c_global)
+        yield family(GaugeMetricFamily, "hetpipe_ps_clock_distance", "Fastest minus slowest VW clock",
+                     s.clock_distance)
+        yield family(CounterMetricFamily, "hetpipe_ps_pull_wait_seconds", "Seconds pulls waited for c_global",
+                     s.pull_wait_seconds)
+
+
+_bound: ShardCollector | None = None
 
 
 def bind(servicer: ShardServicer) -> None:
-    REGISTRY.register(ShardCollector(servicer))
+    """Registers the servicer's collector, replacing an earlier one's (one shard per process)."""
+    global _bound
+    if _bound is not None:
+        REGISTRY.unregister(_bound)
+    _bound = ShardCollector(servicer)
+    REGISTRY.register(_bound)
+
+
+def unbind() -> None:
+    """Removes the bound collector (in-process tests that are done with their shard)."""
+    global _bound
+    if _bound is not None:
+        REGISTRY.unregister(_bound)
+        _bound = None

@@ -5,13 +5,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
+import torch
 
 from hetpipe import wire
 from hetpipe.rpc import Rejected, handler
 from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
 from ps_server.durability import Durability
+from ps_server.metrics import ShardSnapshot
 from ps_server.shard import Shard, ShardError
 
 _CODES = {
@@ -21,6 +24,10 @@ _CODES = {
     ShardError.Kind.NOT_READY: grpc.StatusCode.FAILED_PRECONDITION,
     ShardError.Kind.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
 }
+
+
+def _payload_bytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in tensors)
 
 
 def _rejected(exc: ShardError) -> Rejected:
@@ -35,11 +42,20 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         self.restored_pushes = 0
         self._cv = threading.Condition()
         self.pull_wait_seconds = 0.0
+        self.received_bytes = 0  # push payloads
+        self.sent_bytes = 0      # pull payloads
+        self.index: int | None = None  # this shard's place in the plan, from Init (the `shard` label)
+
+    def _index_path(self) -> Path | None:
+        return None if self.durability is None else self.durability.dir / "shard_index"
 
     def restore(self) -> None:
         if self.durability is not None:
             with self._cv:
                 self.restored_pushes = self.durability.restore(self.shard)
+                path = self._index_path()
+                if path is not None and path.exists():  # a restart: Init came before it
+                    self.index = int(path.read_text())
 
     def checkpoint(self) -> None:
         if self.durability is not None:
@@ -58,6 +74,10 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
                 raise _rejected(exc) from None
             if fresh and self.durability is not None:
                 self.durability.checkpoint(self.shard)
+            self.index = int(bundle.header.init.shard)
+            path = self._index_path()
+            if path is not None:
+                path.write_text(f"{self.index}\n")
         return wire_pb2.Ack(message="initialised" if fresh else "already initialised")
 
     @handler
@@ -77,6 +97,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
                 raise _rejected(exc) from None
             if applied and durability is not None:
                 durability.maybe_checkpoint(self.shard)
+            self.received_bytes += _payload_bytes(bundle.tensors)
             self._cv.notify_all()
             return ps_pb2.PushReply(duplicate=not applied, c_global=self.shard.c_global())
 
@@ -108,12 +129,27 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
             except ShardError as exc:
                 raise _rejected(exc) from None
             self.pull_wait_seconds += time.monotonic() - started
+            self.sent_bytes += _payload_bytes(result.values)
         tag = wire_pb2.PullTag(c_global=result.c_global, own_clock=result.own_clock, vw_clocks=result.vw_clocks)
         return wire.encode(result.values, pull=tag)
 
     @handler
     def Status(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> ps_pb2.ShardStatus:
         return self.status()
+
+    def metrics_snapshot(self) -> ShardSnapshot | None:
+        """What the metrics collector reads at scrape time: status() without the digest."""
+        with self._cv:
+            if self.index is None:
+                return None
+            s = self.shard
+            clocks = s.vw_clocks() if s.ready else []
+            return ShardSnapshot(
+                shard=self.index, pushes_applied=s.pushes_applied, pushes_duplicate=s.pushes_duplicate,
+                received_bytes=self.received_bytes, sent_bytes=self.sent_bytes,
+                pull_wait_seconds=self.pull_wait_seconds, vw_clocks=clocks,
+                c_global=s.c_global() if s.ready else 0, clock_distance=s.clock_distance() if s.ready else 0,
+            )
 
     def status(self) -> ps_pb2.ShardStatus:
         with self._cv:

@@ -22,7 +22,7 @@ def serve(cfg: ServiceFlags) -> None:
     # One process per stage: oversubscribing the cores with intra-op threads only slows them all.
     torch.set_num_threads(max(1, int(os.environ.get("HETPIPE_THREADS", "1"))))
     runtime = StageRuntime(make_sync=WspSync)
-    server = rpc.Server(cfg.host, cfg.port)
+    server = rpc.Server(cfg.host, cfg.port, role="stage_worker")
 
     def shutdown() -> None:
         runtime.stop()

@@ -1,28 +1,102 @@
-"""Stage-worker metrics (DESIGN §6), read from the runtime's state at scrape time."""
+"""Stage-worker metrics (docs/metrics.md): counters and gauges read from the runtime at scrape
+time, histograms observed by the runtime (per forward) and by WSP (per push and pull)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import torch
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hetpipe.metrics import REGISTRY
+from hetpipe.metrics import LATENCY_BUCKETS, REGISTRY
 
 if TYPE_CHECKING:
     from stage_worker.runtime import StageRuntime
+
+LABELS = ["vw", "stage"]
+
+PUSH_SECONDS = Histogram(
+    "hetpipe_stage_push_seconds", "Latency of one wave push to every shard owning this stage's keys",
+    LABELS, buckets=LATENCY_BUCKETS, registry=REGISTRY,
+)
+PULL_SECONDS = Histogram(
+    "hetpipe_stage_pull_seconds", "Latency of one pull from every shard, including the wait for c_global",
+    LABELS, buckets=LATENCY_BUCKETS, registry=REGISTRY,
+)
+STALENESS = Histogram(
+    "hetpipe_stage_staleness_minibatches",
+    "Per forward: own minibatch updates missing from the weights used (p - 1 - local version)",
+    LABELS, buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=REGISTRY,
+)
+GLOBAL_STALENESS = Histogram(
+    "hetpipe_stage_global_staleness_waves",
+    "Per forward: waves completed here minus the c_global the weights include",
+    LABELS, buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 16, 32), registry=REGISTRY,
+)
+_HISTOGRAMS = (PUSH_SECONDS, PULL_SECONDS, STALENESS, GLOBAL_STALENESS)
+
+
+class StageObservers:
+    """One stage's histogram children: the label lookup is paid once per assignment."""
+
+    def __init__(self, vw: int, stage: int) -> None:
+        labels = (str(vw), str(stage))
+        self.push = PUSH_SECONDS.labels(*labels)
+        self.pull = PULL_SECONDS.labels(*labels)
+        self._staleness = STALENESS.labels(*labels)
+        self._global = GLOBAL_STALENESS.labels(*labels)
+
+    def forward(self, p: int, local_version: int, clock: int, min_clock: int) -> None:
+        self._staleness.observe(p - 1 - local_version)
+        self._global.observe(clock - min_clock)
+
+
+def observers(vw: int, stage: int) -> StageObservers:
+    """Histogram children for a newly assigned stage. A process serves one stage; an earlier
+    runtime's series (in-process test servers assign several one after another) are dropped."""
+    for h in _HISTOGRAMS:
+        h.clear()
+    return StageObservers(vw, stage)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The runtime's counters at one instant (StageRuntime.metrics_snapshot): no digest, no copies."""
+
+    samples: int
+    forward_seconds: float
+    backward_seconds: float
+    idle_seconds: float
+    queue_depth: int
+    in_flight: int
+    sent_forward_bytes: int
+    sent_backward_bytes: int
+    pull_wait_seconds: float
+    pull_wait_idle_seconds: float
+    local_clock: int
+    min_clock: int
+    loss: float | None        # the last stage's mean over its last 10 minibatches; None elsewhere
 
 
 class StageCollector(Collector):
     def __init__(self, runtime: StageRuntime) -> None:
         self.runtime = runtime
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def describe(self) -> list[Metric]:
+        return []  # registering must not call collect(): assign() holds the runtime's lock then
+
+    def collect(self) -> Iterator[Metric]:
         rt = self.runtime
-        s = rt.status()
-        labels = {"vw": str(s.vw), "stage": str(s.stage)}
-        names, values = list(labels), list(labels.values())
+        s = rt.metrics_snapshot()
+        if s is None:  # not assigned yet: no vw or stage to label anything with
+            return
+        a = rt.a
+        names, values = LABELS, [str(a.vw), str(a.stage)]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=names)
@@ -34,17 +108,56 @@ class StageCollector(Collector):
             c.add_metric(values, value)
             return c
 
-        batch = rt.job.data.batch_size
-        yield counter("hetpipe_stage_samples", "Samples whose backward finished at this stage", s.backwards_done * batch)
-        yield counter("hetpipe_stage_compute_seconds", "Seconds spent running tasks", s.compute_seconds)
+        def by(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, label: str,
+               parts: dict[str, float]) -> Metric:
+            m = kind(name, doc, labels=[*names, label])
+            for part, value in parts.items():
+                m.add_metric([*values, part], value)
+            return m
+
+        yield counter("hetpipe_stage_samples", "Samples whose backward finished at this stage", s.samples)
+        yield by(CounterMetricFamily, "hetpipe_stage_compute_seconds", "Seconds spent running tasks, by phase",
+                 "phase", {"forward": s.forward_seconds, "backward": s.backward_seconds})
         yield counter("hetpipe_stage_idle_seconds", "Seconds with no runnable task (bubble)", s.idle_seconds)
-        yield counter("hetpipe_stage_pull_wait_seconds", "Seconds forwards waited for a pull", s.wait_seconds)
-        yield gauge("hetpipe_stage_in_flight_minibatches", "Minibatches forwarded here, backward pending", s.in_flight)
-        yield gauge("hetpipe_stage_local_clock", "Waves completed at this stage", s.clock)
+        yield gauge("hetpipe_stage_queue_depth", "Inputs received and waiting to run", s.queue_depth)
+        yield gauge("hetpipe_stage_in_flight_minibatches", "Minibatches forwarded here, backward pending",
+                    s.in_flight)
+        yield by(CounterMetricFamily, "hetpipe_stage_sent_bytes",
+                 "Tensor bytes sent: activations (forward) and gradients (backward)",
+                 "phase", {"forward": s.sent_forward_bytes, "backward": s.sent_backward_bytes})
+        yield counter("hetpipe_stage_pull_wait_seconds", "Seconds forwards were blocked on the clock bound (G2)",
+                      s.pull_wait_seconds)
+        yield counter("hetpipe_stage_pull_wait_idle_seconds",
+                      "The part of the pull wait with no other task to run", s.pull_wait_idle_seconds)
+        yield gauge("hetpipe_stage_local_clock", "Waves completed at this stage", s.local_clock)
         yield gauge("hetpipe_stage_min_clock", "c_global the local weights include", s.min_clock)
-        yield gauge("hetpipe_stage_local_version", "Own minibatch updates in the local weights", s.local_version)
-        if rt.last:
-            yield gauge("hetpipe_stage_loss", "Mean loss over the last 10 minibatches", s.recent_loss)
+        if s.loss is not None and not math.isnan(s.loss):
+            yield gauge("hetpipe_stage_loss", "Mean loss over the last 10 minibatches", s.loss)
+        used, capacity = _memory(rt)
+        yield by(GaugeMetricFamily, "hetpipe_device_memory_bytes",
+                 "Device memory of this stage (emulated or CPU: the plan's accounting)", "kind",
+                 {"used": used, "capacity": capacity})
+        info = GaugeMetricFamily("hetpipe_stage_info", "What this stage runs on (always 1)",
+                                 labels=[*names, "gpu", "device", "emulated"])
+        info.add_metric([*values, _gpu(rt), rt.device, "true" if _emulated(rt) else "false"], 1)
+        yield info
+
+
+def _emulated(rt: StageRuntime) -> bool:
+    return bool(rt.a.emulated) or rt.a.device_label.endswith("(emulated)")
+
+
+def _gpu(rt: StageRuntime) -> str:
+    return rt.a.gpu_type or ("cuda" if rt.device.startswith("cuda") else "cpu")
+
+
+def _memory(rt: StageRuntime) -> tuple[float, float]:
+    """(used, capacity): measured on a real CUDA device, else the plan's estimate and capacity."""
+    if rt.device.startswith("cuda") and not _emulated(rt) and torch.cuda.is_available():
+        device = torch.device(rt.device)
+        return (float(torch.cuda.memory_allocated(device)),
+                float(torch.cuda.get_device_properties(device).total_memory))
+    return float(rt.a.memory_bytes), float(rt.a.capacity_bytes)
 
 
 _bound: StageCollector | None = None

@@ -119,6 +119,10 @@ class StageRuntime:
             self.last_loss = float("nan")
             self.received = 0
             self.idle_seconds = self.compute_seconds = self.wait_idle_seconds = 0.0
+            self.phase_seconds = {"forward": 0.0, "backward": 0.0}  # compute_seconds by phase
+            self._busy = False            # a task is running (its input still counts as ready)
+            self._fb_forward_seconds = 0.0  # the forward part of the last FORWARD_BACKWARD task
+            self.observe = metrics.observers(a.vw, a.stage)
             slow = job.faults.slow_factor if job.faults.slow_vw == a.vw else 1.0
             self._pad_forward, self._pad_backward = a.forward_seconds * slow, a.backward_seconds * slow
             self._jitter = random.Random(hash((job.train.seed, a.vw, a.stage)))
@@ -286,6 +290,7 @@ class StageRuntime:
                 task = self.schedule.next_task(self.sync.forward_allowed)
                 waiting = self.sync.waiting
                 if task is not None:
+                    self._busy = True
                     return task
                 if self.schedule.done:
                     if self.sync.finished():
@@ -300,17 +305,29 @@ class StageRuntime:
             while (task := self._next_task()) is not None:
                 started = time.monotonic()
                 if task.kind == TaskKind.FORWARD:
-                    self._forward(task.p)
+                    outgoing = self._forward(task.p)
                 elif task.kind == TaskKind.BACKWARD:
-                    self._backward(task.p)
+                    outgoing = self._backward(task.p)
                 else:
-                    self._forward_backward(task.p)
+                    outgoing = self._forward_backward(task.p)
                 with self._cv:
-                    self.compute_seconds += time.monotonic() - started
+                    elapsed = time.monotonic() - started
+                    self.compute_seconds += elapsed
+                    if task.kind == TaskKind.FORWARD_BACKWARD:
+                        forward = min(self._fb_forward_seconds, elapsed)
+                    else:
+                        forward = elapsed if task.kind == TaskKind.FORWARD else 0.0
+                    self.phase_seconds["forward"] += forward
+                    self.phase_seconds["backward"] += elapsed - forward
+                    self._busy = False
                     self.schedule.complete(task)
                     if task.kind != TaskKind.FORWARD and closes_wave(task.p, self.job.nm, self.job.train.steps):
                         self.sync.on_wave_end(wave_of(task.p, self.job.nm))
                     self._cv.notify_all()
+                # Only now may results leave: a neighbour reacting to them (stage 0 injecting
+                # p + nm after this gradient) must find this task recorded as done.
+                for link, message in outgoing:
+                    link.send(message)
         except Exception as exc:  # any bug or device error fails the stage loudly, naming p
             log.exception("%s crashed", self.name)
             where = f" at minibatch {task.p}" if task is not None else ""
@@ -336,18 +353,19 @@ class StageRuntime:
     def _tag(self, p: int, version: int) -> wire_pb2.MinibatchTag:
         return wire_pb2.MinibatchTag(vw=self.vw, minibatch=p, weight_version=version, stage=self.stage)
 
-    def _forward(self, p: int) -> None:
+    def _forward(self, p: int) -> list[tuple[Link, Outgoing]]:
         x, y = self._inputs(p)
         start = time.time()
         min_clock = self.sync.min_clock
         out, version = self.compute.forward(p, x)
+        self.observe.forward(p, version, self.sync.clock, min_clock)
         self._pad(start, self._pad_forward)
         self._trace_rows[p] = {"local_version": version, "min_clock": min_clock,
                                "fwd_start": start, "fwd_end": time.time()}
         assert self._next is not None
-        self._next.send(Outgoing(self._tag(p, version), [("activation", out), ("target", y)]))
+        return [(self._next, Outgoing(self._tag(p, version), [("activation", out), ("target", y)]))]
 
-    def _backward(self, p: int) -> None:
+    def _backward(self, p: int) -> list[tuple[Link, Outgoing]]:
         with self._cv:
             grad = self._backward_inputs.pop(p)
         start = time.time()
@@ -356,28 +374,35 @@ class StageRuntime:
         self._pad(start, self._pad_backward)
         row = self._trace_rows.pop(p)
         row.update(bwd_version=version, bwd_start=start, bwd_end=time.time())
-        if self._prev is not None:
-            assert grad_in is not None
-            self._prev.send(Outgoing(self._tag(p, version), [("gradient", grad_in)]))
         self._write_trace(p, row)
+        return self._gradient(p, version, grad_in)
 
-    def _forward_backward(self, p: int) -> None:
+    def _gradient(self, p: int, version: int, grad_in: torch.Tensor | None) -> list[tuple[Link, Outgoing]]:
+        if self._prev is None:
+            return []
+        assert grad_in is not None
+        return [(self._prev, Outgoing(self._tag(p, version), [("gradient", grad_in)]))]
+
+    def _forward_backward(self, p: int) -> list[tuple[Link, Outgoing]]:
         x, y = self._inputs(p)
         start = time.time()
         min_clock = self.sync.min_clock
         loss, grad_in, version, update, forward_end = self.compute.forward_backward(p, x, y)
+        self.observe.forward(p, version, self.sync.clock, min_clock)
         self.sync.after_update(p, update)
         self._pad(start, self._pad_forward + self._pad_backward)
         end = time.time()
+        # The forward's share of the task: measured, or (emulated) the padded time split as planned.
+        padded = self._pad_forward + self._pad_backward
+        fwd = (end - start) * self._pad_forward / padded if padded > 0 else forward_end - start
+        self._fb_forward_seconds = fwd
         with self._cv:
             self.last_loss = loss
             self._losses.append(loss)
-        if self._prev is not None:
-            assert grad_in is not None
-            self._prev.send(Outgoing(self._tag(p, version), [("gradient", grad_in)]))
         self._write_trace(p, {"local_version": version, "min_clock": min_clock, "fwd_start": start,
                               "fwd_end": forward_end, "bwd_version": version, "bwd_start": forward_end,
                               "bwd_end": end, "loss": loss})
+        return self._gradient(p, version, grad_in)
 
     def _write_trace(self, p: int, row: dict[str, float | int]) -> None:
         if self._trace is None:
@@ -409,6 +434,27 @@ class StageRuntime:
             s.min_clock = self.sync.min_clock
             s.weights_digest = self.compute.digest()
             return s
+
+    def metrics_snapshot(self) -> metrics.Snapshot | None:
+        """What the metrics collector reads at scrape time: counters only, no digest and no copies."""
+        with self._cv:
+            if self.state == State.IDLE:
+                return None
+            sched = self.schedule
+            links = getattr(self, "_next", None), getattr(self, "_prev", None)
+            return metrics.Snapshot(
+                samples=sched.completed * self.job.data.batch_size,
+                forward_seconds=self.phase_seconds["forward"],
+                backward_seconds=self.phase_seconds["backward"],
+                idle_seconds=self.idle_seconds,
+                queue_depth=sched.ready - (1 if self._busy else 0),
+                in_flight=sched.in_flight,
+                sent_forward_bytes=links[0].bytes_sent if links[0] is not None else 0,
+                sent_backward_bytes=links[1].bytes_sent if links[1] is not None else 0,
+                pull_wait_seconds=self.sync.wait_seconds, pull_wait_idle_seconds=self.wait_idle_seconds,
+                local_clock=self.sync.clock, min_clock=self.sync.min_clock,
+                loss=sum(self._losses) / len(self._losses) if self.last and self._losses else None,
+            )
 
     def weights(self) -> list[tuple[str, torch.Tensor]]:
         with self._cv:

@@ -60,6 +60,11 @@ class StageSchedule:
         return self.next_backward - 1
 
     @property
+    def ready(self) -> int:
+        """Tasks whose input is here and that have not completed (the running one included)."""
+        return len(self._forward_ready) + len(self._backward_ready)
+
+    @property
     def in_flight(self) -> int:
         return self.next_forward - self.next_backward
 

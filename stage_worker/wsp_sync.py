@@ -46,6 +46,7 @@ class WspSync:
     def __init__(self, runtime: StageRuntime) -> None:
         a, job = runtime.a, runtime.job
         self.rt = runtime
+        self._observe = runtime.observe  # push/pull latency histograms
         self.vw, self.nm, self.D = a.vw, job.nm, job.parallel.D
         self.keys = list(runtime.compute.names)
         if len(a.key_shards) != len(self.keys) or any(s >= len(a.ps_addresses) for s in a.key_shards):
@@ -202,12 +203,14 @@ class WspSync:
         groups = self._by_shard()
         while (item := self._pushes.get()) is not None:
             wave, update = item
+            started = time.perf_counter()
             try:
                 for shard, idx in groups.items():
                     self._push(shard, wave, [(self.keys[i], update[i].cpu()) for i in idx])
             except RuntimeError as exc:
                 self.rt.fail(str(exc))
                 return
+            self._observe.push.observe(time.perf_counter() - started)
             for total, u in zip(self._ledger, update):
                 total.add_(u.cpu())
             self._acked_waves = wave + 1
@@ -236,6 +239,7 @@ class WspSync:
         values: dict[str, torch.Tensor] = {}
         own: dict[str, int] = {}
         c_global = None
+        started = time.perf_counter()
         try:
             for shard, idx in self._by_shard().items():
                 request = ps_pb2.PullRequest(vw=self.vw, keys=[self.keys[i] for i in idx], min_clock=min_clock)
@@ -253,6 +257,7 @@ class WspSync:
             self.rt.fail(str(exc))
             return
         assert c_global is not None
+        self._observe.pull.observe(time.perf_counter() - started)
         with self._lock:
             self._pending = _Pulled(values, own, int(c_global))
         self.rt.wake()

@@ -59,10 +59,12 @@ class PushTag(_message.Message):
     def __init__(self, vw: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
 
 class InitTag(_message.Message):
-    __slots__ = ("virtual_workers",)
+    __slots__ = ("virtual_workers", "shard")
     VIRTUAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     virtual_workers: int
-    def __init__(self, virtual_workers: _Optional[int] = ...) -> None: ...
+    shard: int
+    def __init__(self, virtual_workers: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class PullTag(_message.Message):
     __slots__ = ("c_global", "own_clock", "vw_clocks")

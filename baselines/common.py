@@ -1,0 +1,296 @@
+"""What both baselines share: the worker launcher (parent side), the worker's process group and
+progress files (worker side), emulated-time padding, and the outputs (model.pt, summary.json)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coordinator.driver import JobFailed
+from hetpipe.config import JobConfig
+
+# Hard limit (seconds) for the rendezvous and for every collective or point-to-point operation,
+# and for the launcher to see no progress at all; raised for long emulated steps.
+DEFAULT_TIMEOUT_S = float(os.environ.get("HETPIPE_BASELINE_TIMEOUT_S", "300"))
+STOP_GRACE_S = 3.0
+WORK_DIR = "baseline"  # under output.dir: spec, per-rank progress and results
+
+
+def timeout_for(step_seconds: float) -> float:
+    """The per-operation limit: the default, or 20 emulated steps if those are longer."""
+    return max(DEFAULT_TIMEOUT_S, 20.0 * step_seconds)
+
+
+# ---- parent side ------------------------------------------------------------------------------
+
+
+class BaselineFailed(JobFailed):
+    """A worker failed or stalled; the message names the rank, its device and its log."""
+
+
+@dataclass
+class _Worker:
+    rank: int
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def describe_exit(self) -> str:
+        code = self.popen.returncode
+        if code is None:
+            return "is running"
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def log_tail(self, lines: int = 12) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class WorkerGroup:
+    """One `python -m baselines` process per rank, rendezvous through a TCPStore this process
+    serves on 127.0.0.1 (a free port); every process is stopped when the group closes."""
+
+    mode: str
+    out_dir: Path
+    names: Sequence[str]            # per rank, e.g. "rank 1 (titan-v (emulated) on n0)"
+    spec: dict[str, Any]
+    timeout_s: float
+    workers: list[_Worker] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.work = self.out_dir / WORK_DIR
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir(parents=True)
+        (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        from torch.distributed import TCPStore
+
+        # The parent serves the store: the port is bound before any worker needs it (no race
+        # for a "free" port), and a worker that never comes times out on its own.
+        self._store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=self.timeout_s),
+                               wait_for_workers=False)
+        spec = {**self.spec, "mode": self.mode, "world_size": len(self.names), "store_port": self._store.port,
+                "timeout_s": self.timeout_s, "work_dir": str(self.work)}
+        spec_path = self.work / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # `python -m baselines` must resolve to this source tree whatever the working folder.
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, whatever the hostname resolves to
+        for rank, name in enumerate(self.names):
+            log_path = self.out_dir / "logs" / f"{self.mode}_rank{rank}.log"
+            with open(log_path, "wb") as log:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "baselines", "--spec", str(spec_path), "--rank", str(rank)],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                )
+            self.workers.append(_Worker(rank, name, popen, log_path))
+
+    def progress(self) -> list[int]:
+        """Minibatches (steps) each rank has finished, from its progress file."""
+        done = []
+        for w in self.workers:
+            try:
+                done.append(int((self.work / f"rank{w.rank}.progress").read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                done.append(0)
+        return done
+
+    def _failure(self) -> BaselineFailed | None:
+        dead = [w for w in self.workers if w.popen.poll() is not None and w.popen.returncode != 0]
+        if not dead:
+            return None
+        time.sleep(0.5)  # its peers fail right after it: collect them, then name the first cause
+        dead = [w for w in self.workers if w.popen.poll() is not None and w.popen.returncode != 0]
+        # A rank killed by a signal (or by the OS) is the cause; its peers only lost their connection.
+        dead.sort(key=lambda w: (w.popen.returncode >= 0, w.rank))
+        first = dead[0]
+        others = "; ".join(f"{w.name} {w.describe_exit()}" for w in dead[1:])
+        return BaselineFailed(
+            f"{self.mode}: {first.name} {first.describe_exit()} (log {first.log_path})"
+            + (f"; then {others}" if others else "") + f":\n{first.log_tail()}"
+        )
+
+    def wait(self, on_progress: Any = None, poll_s: float = 0.1) -> None:
+        """Returns when every rank exited 0; raises BaselineFailed on a failed or stalled rank."""
+        last_change, last_seen = time.monotonic(), None
+        while True:
+            failure = self._failure()
+            if failure is not None:
+                raise failure
+            if all(w.popen.poll() == 0 for w in self.workers):
+                return
+            done = self.progress()
+            if done != last_seen:
+                last_seen, last_change = done, time.monotonic()
+                if on_progress is not None:
+                    on_progress(done)
+            # Start-up (imports, rendezvous) and every step are bounded by timeout_s in the
+            # workers; this is the launcher's own bound, in case a worker hangs outside them.
+            if time.monotonic() - last_change > self.timeout_s + 60.0:
+                raise BaselineFailed(
+                    f"{self.mode}: no progress for {time.monotonic() - last_change:.0f}s; steps done per rank "
+                    f"{done}; logs in {self.out_dir / 'logs'}")
+            time.sleep(poll_s)
+
+    def stop(self) -> None:
+        """SIGTERM every live worker, SIGKILL what is still alive after a grace period."""
+        alive = [w for w in self.workers if w.popen.poll() is None]
+        for w in alive:
+            w.popen.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for w in alive:
+            try:
+                w.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.popen.kill()
+                w.popen.wait()
+        store = getattr(self, "_store", None)
+        if store is not None:
+            del self._store
+
+    def result(self, rank: int) -> dict[str, Any]:
+        return json.loads((self.work / f"rank{rank}.json").read_text())
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_group(group: WorkerGroup, *, total_steps: int, samples_per_step: int, quiet: bool,
+              emulated: bool) -> None:
+    """Starts the group and shows progress until every rank is done; stops all on any exit."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_steps * samples_per_step, unit="sample", disable=quiet, file=sys.stderr,
+               dynamic_ncols=True, desc=f"{group.mode}{' (emulated GPUs)' if emulated else ''}")
+
+    def show(done: list[int]) -> None:
+        bar.n = min(done) * samples_per_step
+        bar.refresh()
+
+    with group:
+        try:
+            group.start()
+            group.wait(show)
+            show(group.progress())
+        finally:
+            bar.close()
+
+
+def write_outputs(job: JobConfig, weights: OrderedDict[str, torch.Tensor], fields: dict[str, Any]) -> dict[str, Any]:
+    """model.pt (the state_dict in layer order) and summary.json per DESIGN §8."""
+    from coordinator.driver import accuracy
+    from hetpipe import data as datasets
+    from hetpipe.reference import initial_model
+
+    out_dir = Path(job.resolve(job.output.dir))
+    torch.save(weights, out_dir / "model.pt")
+    summary = dict(fields)
+    dataset = datasets.load_dataset(job)
+    if dataset.classification:
+        model = initial_model(job)
+        model.load_state_dict(weights)
+        summary["accuracy"] = accuracy(model, dataset)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def prepare_out_dir(job: JobConfig) -> Path:
+    out_dir = Path(job.resolve(job.output.dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("model.pt", "summary.json"):
+        (out_dir / stale).unlink(missing_ok=True)  # a failed run must not leave an old result behind
+    return out_dir
+
+
+# ---- worker side ------------------------------------------------------------------------------
+
+
+class Progress:
+    """Writes `steps loss` to the rank's progress file, at most every 0.25 s (and at the end)."""
+
+    def __init__(self, work_dir: str, rank: int) -> None:
+        self.path = Path(work_dir) / f"rank{rank}.progress"
+        self._last = 0.0
+        self.write(0, float("nan"), force=True)
+
+    def write(self, steps: int, loss: float, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < 0.25:
+            return
+        self._last = now
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(f"{steps} {loss}\n")
+        tmp.replace(self.path)
+
+
+def write_result(work_dir: str, rank: int, result: dict[str, Any]) -> None:
+    path = Path(work_dir) / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+
+
+class Padder:
+    """Emulated device time: holds the device until a task took its target seconds (DESIGN §5),
+    plus the job's injected jitter (faults.task_delay), like the HetPipe stage runtime."""
+
+    def __init__(self, job: JobConfig, rank: int) -> None:
+        self.low, self.high = job.faults.task_delay
+        self._jitter = random.Random(hash((job.train.seed, "baseline", rank)))
+
+    def pad(self, started: float, seconds: float) -> None:
+        target = seconds + (self._jitter.uniform(self.low, self.high) if self.high > 0 else 0.0)
+        remaining = started + target - time.time()
+        if remaining > 0:
+            time.sleep(remaining)
+
+
+def init_process_group(spec: dict[str, Any], rank: int) -> None:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=float(spec["timeout_s"]))
+    store = dist.TCPStore("127.0.0.1", int(spec["store_port"]), None, False, timeout)
+    dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=int(spec["world_size"]),
+                            timeout=timeout)
+
+
+def watch_parent() -> None:
+    """Exit at once if the launcher dies: a killed `hetpipe run` leaves no worker behind."""
+    from hetpipe import rpc
+
+    rpc.exit_with_parent(os.getppid(), lambda: os._exit(3))
+
+
+def set_threads() -> None:
+    # One process per device on a shared machine: oversubscribed intra-op threads only slow all.
+    torch.set_num_threads(max(1, int(os.environ.get("HETPIPE_THREADS", "1"))))
+
+
+def recent_mean(losses: Sequence[float]) -> float:
+    tail = list(losses)[-10:]
+    return sum(tail) / len(tail) if tail else float("nan")

@@ -1,0 +1,251 @@
+"""`parallel.mode: ddp`: Horovod-style synchronous allreduce data parallelism.
+
+One worker process per device, on the devices where the whole model fits (the planner's memory
+model, DESIGN §4: `stage_memory` of all layers as one stage with one minibatch in flight); the
+others are reported and left out, as the paper does with the RTX 2060 for ResNet-152. Rank r
+reads the minibatches of VW r of the §8 data order with N = the world size. Every step: forward
+and backward on the rank's minibatch, allreduce-average of the gradients, optimizer step. With
+emulated GPUs each step's computation is padded to the GPU type's time for the whole model, so
+the slowest device paces the allreduce as on real hardware.
+
+Since the gradients are averaged while HetPipe's shards sum the VWs' updates, ddp with learning
+rate N*lr equals HetPipe with N VWs, Nm=1, D=0 and lr (plain SGD).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from hetpipe.catalog import CATALOG
+from hetpipe.config import ConfigError, JobConfig, with_overrides
+from baselines import common
+
+
+@dataclass(frozen=True, slots=True)
+class DdpRank:
+    rank: int
+    node: str
+    gpu: str            # catalog type, or "cpu"/"cuda" for this machine's own devices
+    label: str          # "titan-v (emulated)" or the real device
+    device: str         # where it computes: "cpu" or "cuda:N"
+    step_seconds: float  # emulated forward+backward time of the whole model (0: no padding)
+    memory_bytes: int    # what the whole model needs (planner's memory model)
+    capacity_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DdpDevices:
+    ranks: tuple[DdpRank, ...]
+    left_out: tuple[str, ...]   # one line per GPU type that cannot hold the model
+    model_bytes: int
+    layers: int
+    emulated: bool
+
+    @property
+    def backend(self) -> str:
+        devices = [r.device for r in self.ranks]
+        # nccl needs one distinct GPU per rank; otherwise gloo (CUDA tensors go through the CPU).
+        if all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices):
+            return "nccl"
+        return "gloo"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def select_devices(job: JobConfig, *, cache_dir: str | None = None) -> DdpDevices:
+    """The devices ddp trains on (one rank each) and the ones it leaves out, with the reason.
+
+    With a cluster spec: every GPU of it, in order, where the whole model fits. Without one:
+    parallel.virtual_workers workers on this machine's devices (cuda:N round robin, else the CPU).
+    Raises ConfigError when no device can hold the model.
+    """
+    import psutil
+
+    from coordinator.partition import Gpu, optimizer_kind, stage_memory
+    from coordinator.plan import cluster_gpus, default_cache_dir
+    from coordinator.profiler import profile_model
+
+    emulate = job.cluster.emulate if job.cluster is not None else None
+    cuda = torch.cuda.device_count()
+    if job.cluster is None:
+        n = job.parallel.virtual_workers
+        if cuda:
+            gpus = [Gpu(f"local/{i}", "local", "cuda", torch.cuda.get_device_properties(i % cuda).total_memory)
+                    for i in range(n)]
+        else:
+            gpus = [Gpu(f"local/{i}", "local", "cpu", psutil.virtual_memory().total) for i in range(n)]
+    else:
+        gpus = cluster_gpus(job)
+    types = sorted({g.type for g in gpus})
+    # Emulated times are derived from the meta-device profile (cheap); without emulation only the
+    # memory structure is needed, so no type is timed.
+    timed = [t for t in types if t in CATALOG] if emulate is not None else []
+    profile = profile_model(job.model.name, job.model.args, job.data.batch_size, job.train.dtype, timed,
+                            cache_dir=cache_dir or default_cache_dir())
+    layers = len(profile.layers)
+    optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
+    need = stage_memory(profile, 0, layers, 0, 1, 1, optimizer)
+
+    step: dict[str, float] = {}
+    for t in types:
+        if emulate is None or t not in CATALOG:
+            step[t] = 0.0
+        elif emulate.forward_seconds or emulate.backward_seconds:
+            step[t] = emulate.forward_seconds + emulate.backward_seconds  # fixed task times (DESIGN §8)
+        else:
+            step[t] = sum(layer.forward_seconds[t] + layer.backward_seconds[t]
+                          for layer in profile.layers) * emulate.time_scale
+
+    ranks: list[DdpRank] = []
+    refused: dict[str, list[Gpu]] = {}
+    for g in gpus:
+        if need > g.memory_bytes:
+            refused.setdefault(g.type, []).append(g)
+            continue
+        r = len(ranks)
+        device = f"cuda:{r % cuda}" if (g.type == "cuda" and cuda) else "cpu"
+        emulated = emulate is not None and g.type in CATALOG
+        ranks.append(DdpRank(r, g.node, g.type, f"{g.type} (emulated)" if emulated else device, device,
+                             step[g.type], need, g.memory_bytes))
+    left_out = tuple(
+        f"{t} x{len(gs)}: the model needs {_gib(need)}, the GPU has {_gib(gs[0].memory_bytes)}: "
+        "left out, as the paper does"
+        for t, gs in refused.items()
+    )
+    if not ranks:
+        raise ConfigError(
+            f"parallel.mode ddp: no device can hold the whole {job.model.name} at batch {job.data.batch_size} "
+            f"({_gib(need)} with a {optimizer} optimizer): " + "; ".join(left_out)
+            + ". Data parallelism needs the whole model on every GPU; parallel.mode hetpipe splits it."
+        )
+    return DdpDevices(tuple(ranks), left_out, need, layers,
+                      emulated=any(r.label.endswith("(emulated)") for r in ranks))
+
+
+def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None) -> dict[str, Any]:
+    """Trains job with allreduce data parallelism; writes model.pt and summary.json."""
+    devices = select_devices(job, cache_dir=cache_dir)
+    for line in devices.left_out:
+        print(f"hetpipe: ddp: {line}", file=sys.stderr)
+    out_dir = common.prepare_out_dir(job)
+    n = len(devices.ranks)
+    slow = job.faults.slow_factor if 0 <= job.faults.slow_vw < n else 1.0
+    step = max(r.step_seconds for r in devices.ranks) * slow
+    names = [f"rank {r.rank} ({r.label} on {r.node})" for r in devices.ranks]
+    spec = {"job_json": job.to_json(), "backend": devices.backend, "ranks": [asdict(r) for r in devices.ranks]}
+    group = common.WorkerGroup("ddp", out_dir, names, spec, common.timeout_for(step))
+    common.run_group(group, total_steps=job.train.steps, samples_per_step=n * job.data.batch_size,
+                     quiet=quiet, emulated=devices.emulated)
+    results = [group.result(r) for r in range(n)]
+    weights = torch.load(group.work / "weights.pt", map_location="cpu", weights_only=True)
+    wall = results[0]["wall_seconds"]
+    samples = job.train.steps * n * job.data.batch_size
+    fields: dict[str, Any] = {
+        "steps": job.train.steps,
+        "samples_per_second": samples / wall if wall > 0 else 0.0,
+        "wall_seconds": wall,
+        "final_loss": results[0]["final_loss"],
+        "virtual_workers": n,
+        "stages_per_vw": 1,
+        "nm": 1,
+        "D": 0,
+        "emulated": devices.emulated,
+        "wait_seconds": sum(r["wait_seconds"] for r in results),   # time in allreduce, all ranks
+        "compute_seconds": sum(r["compute_seconds"] for r in results),
+        "plan": [{"vw": r.rank, "stage": 0, "rank": r.rank, "node": r.node, "gpu": r.label, "device": r.device,
+                  "layers": [0, devices.layers], "memory_bytes": r.memory_bytes,
+                  "capacity_bytes": r.capacity_bytes} for r in devices.ranks],
+        "left_out": list(devices.left_out),
+        "backend": devices.backend,
+        "mode": "ddp",
+    }
+    return common.write_outputs(job, weights, fields)
+
+
+# ---- worker -----------------------------------------------------------------------------------
+
+
+def worker(spec: dict[str, Any], rank: int) -> None:
+    import torch.distributed as dist
+
+    from hetpipe import data as datasets
+    from hetpipe.reference import initial_model
+    from stage_worker.stage import compute_loss, make_optimizer
+
+    job = JobConfig.from_json(spec["job_json"])
+    n = int(spec["world_size"])
+    order = with_overrides(job, parallel={"virtual_workers": n})  # rank r reads VW r's minibatches
+    me = spec["ranks"][rank]
+    device = torch.device(me["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = initial_model(job).to(device)
+    dataset = datasets.load_dataset(job)
+    params = list(model.parameters())
+    buffers = list(model.buffers())
+    optimizer = make_optimizer(params, job.train.optimizer)
+    through_cpu = spec["backend"] == "gloo" and device.type == "cuda"
+    pad_s = float(me["step_seconds"]) * (job.faults.slow_factor if job.faults.slow_vw == rank else 1.0)
+    padder = common.Padder(job, rank)
+    padding = pad_s > 0 or job.faults.task_delay[1] > 0
+
+    common.init_process_group(spec, rank)
+    progress = common.Progress(spec["work_dir"], rank)
+    losses: list[float] = []
+    wait = compute = 0.0
+    dist.barrier()
+    start = time.monotonic()
+    for p in range(1, job.train.steps + 1):
+        started = time.time()
+        for b in buffers:  # like torch DDP: every rank's forward uses rank 0's buffers (BatchNorm stats)
+            dist.broadcast(b, 0)
+        x, y = datasets.minibatch(dataset, p, rank, order)
+        loss = compute_loss(job.train.loss, model(x.to(device)), y.to(device))
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        flat = torch.cat([(torch.zeros_like(w) if g is None else g).reshape(-1) for w, g in zip(params, grads)])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        compute += time.time() - started
+        if padding:
+            padder.pad(started, pad_s)
+        waited = time.monotonic()
+        if through_cpu:
+            host = flat.cpu()
+            dist.all_reduce(host)
+            flat = host.to(device)
+        else:
+            dist.all_reduce(flat)
+        wait += time.monotonic() - waited
+        flat /= n  # the average, as Horovod does
+        offset = 0
+        for w in params:
+            w.grad = flat[offset : offset + w.numel()].view_as(w)
+            offset += w.numel()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        progress.write(p, losses[-1], force=p == job.train.steps)
+    dist.barrier()
+    wall = time.monotonic() - start
+    recent = torch.tensor([common.recent_mean(losses)], dtype=torch.float64)
+    dist.all_reduce(recent)
+    if rank == 0:
+        state = OrderedDict((k, v.detach().cpu()) for k, v in model.state_dict().items())
+        path = f"{spec['work_dir']}/weights.pt"
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    common.write_result(spec["work_dir"], rank, {
+        "wall_seconds": wall, "wait_seconds": wait, "compute_seconds": compute,
+        "final_loss": float(recent) / n, "steps": job.train.steps,
+    })
+    dist.barrier()  # rank 0's weights are on disk before any rank reports success
+    dist.destroy_process_group()

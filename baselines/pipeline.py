@@ -1,0 +1,222 @@
+"""`parallel.mode: torch-pipeline`: one pipeline of parallel.stages_per_vw stages run by
+torch.distributed.pipelining (PipelineStage with ScheduleGPipe, or Schedule1F1B with
+`parallel.schedule: 1f1b`), one process per stage.
+
+The layer split and the devices are the planner's for VW 0 (`make_plan(job)`), so the baseline
+runs the same partition HetPipe would. The one pipeline reads the whole §8 data stream (as one
+VW). Each minibatch is split into `parallel.microbatches` equal micro-batches; the loss of each is
+its mean and torch scales the gradients by 1/microbatches, so the update is the minibatch's. With
+emulated GPUs every micro-batch's forward and backward on a stage are padded to the stage's
+emulated time divided by the number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetpipe.config import ConfigError, JobConfig, with_overrides
+from baselines import common
+
+SCHEDULE_NAMES = {"hetpipe": "gpipe", "gpipe": "gpipe", "1f1b": "1f1b"}  # unset (hetpipe) means GPipe
+
+
+def pipeline_plan(job: JobConfig, *, cache_dir: str | None = None) -> tuple[str, list[Any]]:
+    """(schedule, VW 0's StagePlans); ConfigError for what torch's schedules cannot run."""
+    from coordinator.partition import PlanError
+    from coordinator.plan import make_plan
+
+    par = job.parallel
+    schedule = SCHEDULE_NAMES[par.schedule]
+    m, b, k = par.microbatches, job.data.batch_size, par.stages_per_vw
+    if b % m:
+        raise ConfigError(f"parallel.microbatches: {m} must divide data.batch_size {b} "
+                          "(equal micro-batches keep the update that of the whole minibatch)")
+    if schedule == "1f1b" and m < k:
+        raise ConfigError(f"parallel.microbatches: torch's Schedule1F1B needs at least one micro-batch per "
+                          f"stage, got {m} for {k} stages; use {k} or more, or parallel.schedule gpipe")
+    try:
+        plan = make_plan(job, cache_dir=cache_dir)
+    except PlanError as exc:
+        raise ConfigError(f"parallel: {exc}") from None
+    stages = plan.vw_stages(0)
+    devices = [s.device for s in stages]
+    if any(d.startswith("cuda") for d in devices) and len(set(devices)) != len(devices):
+        raise ConfigError(f"parallel.mode torch-pipeline: {k} stages need {k} distinct GPUs (nccl), "
+                          f"the plan has {devices}")
+    return schedule, stages
+
+
+def run_pipeline(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None) -> dict[str, Any]:
+    """Trains job as one torch.distributed.pipelining pipeline; writes model.pt and summary.json."""
+    schedule, stages = pipeline_plan(job, cache_dir=cache_dir)
+    out_dir = common.prepare_out_dir(job)
+    k = len(stages)
+    slow = job.faults.slow_factor if job.faults.slow_vw == 0 else 1.0
+    devices = [s.device for s in stages]
+    backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
+    ranks = [{"rank": q, "node": s.node, "gpu": s.gpu, "label": s.label, "device": s.device,
+              "layers": [s.layer_begin, s.layer_end], "forward_seconds": s.forward_seconds * slow,
+              "backward_seconds": s.backward_seconds * slow} for q, s in enumerate(stages)]
+    spec = {"job_json": job.to_json(), "backend": backend, "ranks": ranks, "schedule": schedule}
+    names = [f"rank {q} (stage {q}, layers [{s.layer_begin}, {s.layer_end}), {s.label} on {s.node})"
+             for q, s in enumerate(stages)]
+    step = sum(s.forward_seconds + s.backward_seconds for s in stages) * slow
+    group = common.WorkerGroup("torch-pipeline", out_dir, names, spec, common.timeout_for(step))
+    emulated = any(s.emulated for s in stages)
+    common.run_group(group, total_steps=job.train.steps, samples_per_step=job.data.batch_size, quiet=quiet,
+                     emulated=emulated)
+    results = [group.result(q) for q in range(k)]
+    weights: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for q in range(k):
+        weights.update(torch.load(group.work / f"stage{q}.pt", map_location="cpu", weights_only=True))
+    wall = results[0]["wall_seconds"]
+    fields: dict[str, Any] = {
+        "steps": job.train.steps,
+        "samples_per_second": job.train.steps * job.data.batch_size / wall if wall > 0 else 0.0,
+        "wall_seconds": wall,
+        "final_loss": results[-1]["final_loss"],
+        "virtual_workers": 1,
+        "stages_per_vw": k,
+        "nm": 1,
+        "D": 0,
+        "emulated": emulated,
+        "wait_seconds": 0.0,  # no parameter server: nothing is pulled
+        "idle_seconds": sum(max(0.0, r["wall_seconds"] - r["busy_seconds"]) for r in results),
+        "compute_seconds": sum(r["busy_seconds"] for r in results),
+        "plan": [{"vw": 0, "stage": q, "node": s.node, "gpu": s.label, "device": s.device,
+                  "layers": [s.layer_begin, s.layer_end]} for q, s in enumerate(stages)],
+        "schedule": schedule,
+        "microbatches": job.parallel.microbatches,
+        "backend": backend,
+        "mode": "torch-pipeline",
+    }
+    return common.write_outputs(job, weights, fields)
+
+
+# ---- worker -----------------------------------------------------------------------------------
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the stage's output; its backward marks when the stage's backward begins."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, owner: _Timed) -> torch.Tensor:  # type: ignore[override]
+        ctx.owner = owner
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        ctx.owner.backward_started()
+        return grad, None
+
+
+class _Timed(nn.Module):
+    """The stage's layers, timed per micro-batch and padded to emulated times (0: no padding).
+    The backward ends when every parameter of the stage has its gradient of this backward."""
+
+    def __init__(self, layers: nn.Sequential, forward_s: float, backward_s: float, padder: common.Padder) -> None:
+        super().__init__()
+        self.layers = layers
+        self.forward_s, self.backward_s, self.padder = forward_s, backward_s, padder
+        self.busy = 0.0
+        self._bwd_started = 0.0
+        self._params = list(layers.parameters())
+        self._padding = forward_s > 0 or backward_s > 0 or padder.high > 0
+        if self._params:
+            torch.autograd.graph.register_multi_grad_hook(self._params, self._backward_done, mode="all")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        started = time.time()
+        out = self.layers(x)
+        if self._padding:
+            self.padder.pad(started, self.forward_s)
+        self.busy += time.time() - started
+        return _BackwardStart.apply(out, self) if out.requires_grad else out
+
+    def backward_started(self) -> None:
+        self._bwd_started = time.time()
+        if not self._params:  # nothing marks the end: pad here
+            self._backward_done(())
+
+    def _backward_done(self, grads: Any) -> None:
+        if self._padding:
+            self.padder.pad(self._bwd_started, self.backward_s)
+        self.busy += time.time() - self._bwd_started
+
+
+def worker(spec: dict[str, Any], rank: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from hetpipe import data as datasets
+    from hetpipe.reference import initial_model
+    from hetpipe.zoo import stage_layers
+    from stage_worker.stage import compute_loss, make_optimizer
+
+    job = JobConfig.from_json(spec["job_json"])
+    k = int(spec["world_size"])
+    m = job.parallel.microbatches
+    me = spec["ranks"][rank]
+    device = torch.device(me["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    begin, end = me["layers"]
+    layers = stage_layers(initial_model(job), begin, end).to(device)
+    params = list(layers.parameters())
+    optimizer = make_optimizer(params, job.train.optimizer) if params else None
+    timed = _Timed(layers, float(me["forward_seconds"]) / m, float(me["backward_seconds"]) / m,
+                   common.Padder(job, rank))
+    first, last = rank == 0, rank == k - 1
+    order = with_overrides(job, parallel={"virtual_workers": 1})  # one pipeline reads the whole stream
+    dataset = datasets.load_dataset(job) if (first or last) else None
+
+    common.init_process_group(spec, rank)
+    stage = PipelineStage(timed, rank, k, device)
+    kind = job.train.loss
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return compute_loss(kind, output, target)
+
+    schedule_type = Schedule1F1B if spec["schedule"] == "1f1b" else ScheduleGPipe
+    schedule = schedule_type(stage, m, loss_fn=loss_fn, scale_grads=True)
+    progress = common.Progress(spec["work_dir"], rank)
+    step_losses: list[float] = []
+    dist.barrier()
+    start = time.monotonic()
+    for p in range(1, job.train.steps + 1):
+        x = y = None
+        if dataset is not None:
+            x, y = datasets.minibatch(dataset, p, 0, order)
+            x, y = x.to(device), y.to(device)
+        losses: list[torch.Tensor] = []
+        if first and last:
+            schedule.step(x, target=y, losses=losses)
+        elif first:
+            schedule.step(x)
+        elif last:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if last:
+            step_losses.append(sum(float(v.detach()) for v in losses) / len(losses))
+        progress.write(p, step_losses[-1] if step_losses else float("nan"), force=p == job.train.steps)
+    dist.barrier()
+    wall = time.monotonic() - start
+    path = f"{spec['work_dir']}/stage{rank}.pt"
+    torch.save(OrderedDict((key, v.detach().cpu()) for key, v in layers.state_dict().items()), path + ".tmp")
+    os.replace(path + ".tmp", path)
+    common.write_result(spec["work_dir"], rank, {
+        "wall_seconds": wall, "busy_seconds": timed.busy, "steps": job.train.steps,
+        "final_loss": common.recent_mean(step_losses) if last else float("nan"),
+    })
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,374 @@
+"""`hetpipe compose`: the docker compose file of a job's cluster spec and plan.
+
+One explicit service per planned stage and per parameter-server shard, plus the coordinator,
+Prometheus and Grafana, sharing their settings through YAML anchors. Every stage has two
+variants: `vwV-stageQ` under the `cpu` profile (emulated on the CPU, image hetpipe:cpu) and
+`vwV-stageQ-gpu` under the `gpu` profile (its own GPU of this host, image hetpipe:cuda), which
+answers to the same name on the network. The repository's `.env` makes `cpu` the default
+profile. The text is written line by line, not dumped, so that the output is the same bytes for
+the same job, plan and paths: the checked-in compose.yaml is this module's output for
+examples/compose-cluster.yaml (tests/unit/test_compose.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from hetpipe.catalog import CATALOG
+from hetpipe.config import JobConfig
+from coordinator.plan import Plan
+
+# Inside the containers (docker/Dockerfile): every service listens for gRPC on WORKER_PORT, the
+# coordinator on COORDINATOR_PORT, and serves metrics on METRICS_PORT, which
+# docker/prometheus/prometheus.yml scrapes on every service name.
+WORKER_PORT = 50051
+COORDINATOR_PORT = 50050   # published as is: `hetpipe status`'s default port
+METRICS_PORT = 9100
+# Host ports of the metrics, one per service in file order; 9100 itself is node_exporter's.
+HOST_METRICS_BASE = 19100
+PROMETHEUS_PORT = 9090
+GRAFANA_PORT = 3000
+HOST_IP = "127.0.0.1"      # published on loopback only: the gRPC services have no authentication
+JOB_MOUNT = "/etc/hetpipe/job.yaml"
+RUNS = "/runs"             # named volume: outputs and shard checkpoints
+CPU_PROFILE, GPU_PROFILE = "cpu", "gpu"
+CPU_IMAGE, GPU_IMAGE = "hetpipe:cpu", "hetpipe:cuda"
+PROMETHEUS_IMAGE = "prom/prometheus:v3.1.0"
+GRAFANA_IMAGE = "grafana/grafana:11.4.0"
+# Workers start after the coordinator is healthy, then import torch: give them time on a laptop.
+CLAIM_TIMEOUT_S = 600
+ENTRY_POINTS = ("coordinator", "ps_server", "stage_worker")
+
+
+@dataclass(frozen=True, slots=True)
+class StageService:
+    name: str        # vwV-stageQ; the GPU variant is named name-gpu and answers to name too
+    vw: int
+    stage: int
+    node: str
+    gpu: str         # catalog type; "" for a job without a cluster spec (generic workers)
+    device_id: int   # this host's GPU: the cluster's GPUs numbered in job-file order
+
+
+@dataclass(frozen=True, slots=True)
+class ShardService:
+    name: str
+    index: int
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class Mount:
+    source: str      # host path, relative to the compose file's folder
+    target: str      # container path
+
+
+def stage_services(job: JobConfig, plan: Plan) -> list[StageService]:
+    """A service per planned stage, with the host GPU it reserves under the `gpu` profile.
+
+    Compose runs on one host, so the cluster's nodes are groups of this host's GPUs, numbered in
+    the job file's order (n0's first). Which GPU of a (node, type) a stage gets does not matter.
+    """
+    free: dict[tuple[str, str], list[int]] = {}
+    index = 0
+    for node in job.cluster.nodes if job.cluster else ():
+        for group in node.gpus:
+            for _ in range(group.count):
+                free.setdefault((node.name, group.type), []).append(index)
+                index += 1
+    out = []
+    for i, s in enumerate(plan.stages):
+        if job.cluster is None:
+            gpu, device = "", i
+        else:
+            gpu, device = s.gpu, free[(s.node, s.gpu)].pop(0)
+        out.append(StageService(f"vw{s.vw}-stage{s.stage}", s.vw, s.stage, s.node, gpu, device))
+    return out
+
+
+def shard_services(job: JobConfig, plan: Plan) -> list[ShardService]:
+    """The shards the coordinator claims: none for a lone VW (its local weights are w_global).
+    One per node in turn, as in the paper; the node is only a label for shards."""
+    nodes = [n.name for n in job.cluster.nodes] if job.cluster else ["local"]
+    count = plan.shards if plan.virtual_workers > 1 else 0
+    return [ShardService(f"ps-{i}", i, nodes[i % len(nodes)]) for i in range(count)]
+
+
+def _relative(path: Path, start: Path) -> str:
+    """path from start, POSIX style, starting with ./ or ../ as compose's bind sources do."""
+    rel = Path(os.path.relpath(path.resolve(), start.resolve())).as_posix()
+    if rel == "." or rel == ".." or rel.startswith("../"):
+        return rel
+    return f"./{rel}"
+
+
+def job_file_mounts(job: JobConfig, compose_dir: Path) -> list[Mount]:
+    """Files the job names (data.path, model.init), mounted where the job, read from JOB_MOUNT,
+    resolves them: the coordinator and stage 0 read the data, the coordinator the init."""
+    mounts = []
+    for path in (job.data.path if job.data.name == "npz" else None, job.model.init):
+        if not path:
+            continue
+        target = path if posixpath.isabs(path) else posixpath.normpath(
+            posixpath.join(posixpath.dirname(JOB_MOUNT), path))
+        mounts.append(Mount(_relative(job.resolve(path), compose_dir), target))
+    return mounts
+
+
+def _scalar(value: object) -> str:
+    """A YAML scalar that reads back as exactly value: plain when that is safe, else quoted."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    text = str(value)
+    plain = text and all(c.isalnum() or c in "_./-" for c in text) and text[0] != "-"
+    if plain and yaml.safe_load(text) == text:
+        return text
+    return json.dumps(text)
+
+
+def _flow(items: list[str]) -> str:
+    """An exec-form list (command, healthcheck test): JSON, which is YAML."""
+    return json.dumps(items)
+
+
+class _Lines:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, indent: int, text: str = "") -> None:
+        self.lines.append(("  " * indent + text).rstrip())
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def _port(out: _Lines, indent: int, target: int, published: int) -> None:
+    out(indent, f"- {{target: {target}, published: {_scalar(str(published))}, host_ip: {HOST_IP}, protocol: tcp}}")
+
+
+def _bind(out: _Lines, indent: int, source: str, target: str) -> None:
+    out(indent, f"- {{type: bind, source: {_scalar(source)}, target: {_scalar(target)}, read_only: true}}")
+
+
+def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, root: Path,
+           out_name: str = "compose.yaml") -> str:
+    """The compose file for job and its plan, to be written in compose_dir.
+
+    job_file: the job YAML (mounted into the coordinator); root: the repository root, for the
+    build context and the Prometheus and Grafana files; out_name: the file's name, for the
+    regeneration command in the header. Paths in the file are relative to compose_dir.
+    """
+    stages = stage_services(job, plan)
+    shards = shard_services(job, plan)
+    mounts = job_file_mounts(job, compose_dir)
+    job_source = _relative(job_file, compose_dir)
+    context = _relative(root, compose_dir)
+    docker_dir = posixpath.join(context, "docker") if context != "." else "./docker"
+    output_name = posixpath.basename(posixpath.normpath(job.output.dir))
+    if output_name in ("", ".", "..", "/"):
+        output_name = "job"
+    output_dir = f"{RUNS}/{output_name}"
+    config_arg = job_source[2:] if job_source.startswith("./") else job_source
+
+    ports: dict[str, int] = {}
+    for name in ["coordinator", *(s.name for s in shards), *(s.name for s in stages),
+                 *(f"{s.name}-gpu" for s in stages)]:
+        ports[name] = HOST_METRICS_BASE + len(ports)
+
+    out = _Lines()
+    # ---- header -------------------------------------------------------------------------------
+    if job.cluster is not None:
+        described = ", ".join(
+            f"{n.name} ({' + '.join(f'{g.count}x {g.type}' for g in n.gpus)})" for n in job.cluster.nodes)
+        emulated = "emulated GPU types" if job.cluster.emulate else "real GPUs"
+    else:
+        described, emulated = "this machine's own devices (no cluster spec)", "generic workers"
+    for text in (
+        "HetPipe cluster for docker compose. GENERATED by `hetpipe compose` from the job file",
+        f"{job_source}: do not edit; change the job file and regenerate, in this folder:",
+        f"  hetpipe compose {config_arg} -o {out_name}",
+        "",
+        f"Cluster: {described}; {emulated}.",
+        f"Plan: policy {plan.policy}, {plan.virtual_workers} virtual workers x {plan.stages_per_vw} stages, "
+        f"{len(shards)} parameter-server shards.",
+        "",
+        "Profiles. Every planned stage has two services, and exactly one of them runs:",
+        "  docker compose up                   profile cpu (the default: .env sets COMPOSE_PROFILES=cpu;",
+        "                                      without that .env add --profile cpu): vwV-stageQ,",
+        "                                      image hetpipe:cpu, each stage emulates its GPU type on the CPU",
+        "  docker compose --profile gpu up     profile gpu (a --profile flag replaces COMPOSE_PROFILES):",
+        "                                      vwV-stageQ-gpu, image hetpipe:cuda, each stage reserves its",
+        "                                      own GPU of this host (NVIDIA Container Toolkit); for a job",
+        "                                      file that describes this host's GPUs, without cluster.emulate",
+        "  docker compose --profile \"*\" down   stop and remove either",
+        "The coordinator, the shards, Prometheus and Grafana have no profile: they always run. Never",
+        "enable both profiles: the two variants of a stage share its network name. Compose runs on one",
+        "host: the cluster's nodes are groups of its GPUs, numbered in the job file's order.",
+        "",
+        "The coordinator submits the job at start (--job) and waits for the workers, so `up` trains:",
+        f"  progress:  hetpipe status --coordinator {HOST_IP}:{COORDINATOR_PORT}",
+        f"  results:   docker compose cp coordinator:{output_dir} ./runs/   (volume `runs`)",
+        "  again:     docker compose down && docker compose up",
+        f"Host ports, on {HOST_IP} only: coordinator gRPC {COORDINATOR_PORT}, Prometheus {PROMETHEUS_PORT}, "
+        f"Grafana {GRAFANA_PORT}",
+        "(anonymous viewer; dashboards in the HetPipe folder), and metrics (container port "
+        f"{METRICS_PORT}) at:",
+        f"  {'coordinator':<16}{ports['coordinator']}",
+        *(f"  {s.name:<16}{ports[s.name]}   node {s.node}" for s in shards),
+        *(f"  {s.name:<16}{ports[s.name]}   {s.name}-gpu {ports[s.name + '-gpu']}   node {s.node}"
+          + (f", {s.gpu}" if s.gpu else "") + f", GPU {s.device_id}" for s in stages),
+    ):
+        out(0, f"# {text}".rstrip())
+    out(0, "name: hetpipe")
+    out(0)
+
+    # ---- shared settings ----------------------------------------------------------------------
+    out(0, "# Every HetPipe service: one image, the role chosen by the command (docker/Dockerfile).")
+    out(0, "x-hetpipe: &hetpipe")
+    out(1, f"image: {CPU_IMAGE}")
+    out(1, "build: &build")
+    out(2, f"context: {_scalar(context)}")
+    out(2, "dockerfile: docker/Dockerfile")
+    out(2, "args: {VARIANT: cpu}")
+    out(1, "init: true")
+    out(1, "stop_signal: SIGTERM")
+    out(1, "stop_grace_period: 30s")
+    out(1, "environment:")
+    out(2, "HETPIPE_HOST: 0.0.0.0")
+    out(2, f"HETPIPE_PORT: {_scalar(str(WORKER_PORT))}")
+    out(2, f"HETPIPE_METRICS_PORT: {_scalar(str(METRICS_PORT))}")
+    out(2, 'HETPIPE_THREADS: "1"')
+    out(1, "volumes:")
+    out(2, f"- &runs {{type: volume, source: runs, target: {RUNS}}}")
+    out(1, "healthcheck: &healthcheck")
+    out(2, f"test: {_flow(['CMD', 'hetpipe-healthcheck'])}")
+    out(2, "interval: 5s")
+    out(2, "timeout: 3s")
+    out(2, "retries: 3")
+    out(2, "start_period: 120s")
+    out(0)
+    out(0, "# Shards and stages register with the coordinator, so they start once it is healthy.")
+    out(0, "x-worker: &worker")
+    out(1, "<<: *hetpipe")
+    out(1, "depends_on:")
+    out(2, "coordinator: {condition: service_healthy}")
+    out(0)
+    out(0, "x-stage-cpu: &stage-cpu")
+    out(1, "<<: *worker")
+    out(1, f"profiles: [{CPU_PROFILE}]")
+    out(0)
+    out(0, "x-stage-gpu: &stage-gpu")
+    out(1, "<<: *worker")
+    out(1, f"profiles: [{GPU_PROFILE}]")
+    out(1, f"image: {GPU_IMAGE}")
+    out(1, "build:")
+    out(2, "<<: *build")
+    out(2, "args: {VARIANT: cuda}")
+    out(0)
+
+    # ---- services -----------------------------------------------------------------------------
+    out(0, "services:")
+    coordinator_address = f"coordinator:{COORDINATOR_PORT}"
+    command = ["coordinator", "--port", str(COORDINATOR_PORT), "--job", JOB_MOUNT, "--output-dir", output_dir,
+               "--claim-timeout", str(CLAIM_TIMEOUT_S)]
+    out(1, "coordinator:")
+    out(2, "<<: *hetpipe")
+    out(2, f"command: {_flow(command)}")
+    out(2, "volumes:")
+    out(3, "- *runs")
+    _bind(out, 3, job_source, JOB_MOUNT)
+    for m in mounts:
+        _bind(out, 3, m.source, m.target)
+    out(2, "ports:")
+    _port(out, 3, COORDINATOR_PORT, COORDINATOR_PORT)
+    _port(out, 3, METRICS_PORT, ports["coordinator"])
+    out(2, "healthcheck:")
+    out(3, "<<: *healthcheck")
+    out(3, f"test: {_flow(['CMD', 'hetpipe-healthcheck', f'127.0.0.1:{COORDINATOR_PORT}'])}")
+
+    for shard in shards:
+        out(0)
+        command = ["ps_server", "--coordinator", coordinator_address, "--advertise", f"{shard.name}:{WORKER_PORT}",
+                   "--node", shard.node, "--checkpoint-dir", f"{output_dir}/ps/shard{shard.index}"]
+        out(1, f"{shard.name}:")
+        out(2, "<<: *worker")
+        out(2, f"command: {_flow(command)}")
+        out(2, "restart: on-failure   # it restores its checkpoint; the job waits for it")
+        out(2, "ports:")
+        _port(out, 3, METRICS_PORT, ports[shard.name])
+
+    for gpu in (False, True):
+        for s in stages:
+            out(0)
+            command = ["stage_worker", "--coordinator", coordinator_address, "--advertise", f"{s.name}:{WORKER_PORT}",
+                       "--node", s.node, *(["--gpu-type", s.gpu] if s.gpu in CATALOG else [])]
+            name = f"{s.name}-gpu" if gpu else s.name
+            out(1, f"{name}:")
+            out(2, "<<: *stage-gpu" if gpu else "<<: *stage-cpu")
+            out(2, f"command: {_flow(command)}")
+            if mounts:
+                out(2, "volumes:")
+                out(3, "- *runs")
+                for m in mounts:
+                    _bind(out, 3, m.source, m.target)
+            out(2, "ports:")
+            _port(out, 3, METRICS_PORT, ports[name])
+            if gpu:
+                out(2, "networks:")
+                out(3, "default:")
+                out(4, f"aliases: [{s.name}]")
+                out(2, "deploy:")
+                out(3, "resources:")
+                out(4, "reservations:")
+                out(5, "devices:")
+                out(6, f"- {{driver: nvidia, device_ids: [{_scalar(str(s.device_id))}], capabilities: [gpu]}}")
+
+    out(0)
+    out(1, "prometheus:")
+    out(2, f"image: {PROMETHEUS_IMAGE}")
+    out(2, "volumes:")
+    _bind(out, 3, f"{docker_dir}/prometheus/prometheus.yml", "/etc/prometheus/prometheus.yml")
+    out(2, "ports:")
+    _port(out, 3, PROMETHEUS_PORT, PROMETHEUS_PORT)
+    out(2, "healthcheck:")
+    out(3, f"test: {_flow(['CMD', 'wget', '-q', '-O', '/dev/null', f'http://127.0.0.1:{PROMETHEUS_PORT}/-/ready'])}")
+    out(3, "interval: 5s")
+    out(3, "timeout: 3s")
+    out(3, "retries: 5")
+    out(3, "start_period: 30s")
+    out(0)
+    out(1, "grafana:")
+    out(2, f"image: {GRAFANA_IMAGE}")
+    out(2, "depends_on:")
+    out(3, "prometheus: {condition: service_healthy}")
+    out(2, "environment:")
+    out(3, 'GF_AUTH_ANONYMOUS_ENABLED: "true"')
+    out(3, "GF_AUTH_ANONYMOUS_ORG_ROLE: Viewer")
+    out(2, "volumes:")
+    _bind(out, 3, f"{docker_dir}/grafana/provisioning", "/etc/grafana/provisioning")
+    out(2, "ports:")
+    _port(out, 3, GRAFANA_PORT, GRAFANA_PORT)
+    out(2, "healthcheck:")
+    out(3, f"test: {_flow(['CMD', 'wget', '-q', '-O', '/dev/null', f'http://127.0.0.1:{GRAFANA_PORT}/api/health'])}")
+    out(3, "interval: 5s")
+    out(3, "timeout: 3s")
+    out(3, "retries: 5")
+    out(3, "start_period: 60s")
+    out(0)
+    out(0, "volumes:")
+    out(1, "runs: {}")
+    return out.text()
+
+
+def repository_root() -> Path:
+    """Where docker/Dockerfile is: the source tree this package runs from, else the working folder."""
+    here = Path(__file__).resolve().parent.parent
+    return here if (here / "docker" / "Dockerfile").exists() else Path.cwd()

@@ -1,0 +1,208 @@
+"""The baselines (DESIGN §7): Horovod-style allreduce data parallelism (`parallel.mode: ddp`) and
+one torch.distributed.pipelining pipeline (`parallel.mode: torch-pipeline`), on the same job file.
+
+- ddp with N ranks and learning rate N*lr equals HetPipe with N VWs, Nm=1, D=0, k=1 and lr:
+  allreduce averages the gradients while the shards sum the VWs' updates (float64, 1e-9).
+- The pipeline with one micro-batch equals plain single-process training (float64, 1e-9).
+- ddp leaves out the devices that cannot hold the model, and refuses when none can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from baselines.ddp import select_devices
+from coordinator.driver import JobFailed
+from coordinator.local import run_local
+from hetpipe import cli
+from hetpipe.config import ConfigError, parse_job, with_overrides
+from hetpipe.reference import initial_model, train_reference
+
+pytestmark = pytest.mark.timeout(180)
+
+SUMMARY_FIELDS = {"steps", "samples_per_second", "wall_seconds", "final_loss", "accuracy", "virtual_workers",
+                  "stages_per_vw", "nm", "D", "emulated", "wait_seconds", "plan", "mode"}
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w0: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want), "model.pt keys must follow layer order"
+    for key in want:
+        assert got[key].dtype == torch.float64
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+    moved = max(float((want[k] - w0[k]).abs().max()) for k in want)
+    assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
+
+
+def load_model(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def test_ddp_with_n_times_lr_equals_hetpipe_k1(make_job, tmp_path: Path) -> None:
+    n, lr, steps = 2, 0.05, 20
+    hetpipe = make_job({
+        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": lr}, "steps": steps},
+        "parallel": {"virtual_workers": n, "stages_per_vw": 1, "nm": 1, "D": 0, "ps_shards": 1},
+        "output": {"dir": "hetpipe", "trace": False},
+    }, name="hetpipe.yaml")
+    ddp = make_job({
+        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": n * lr}, "steps": steps},
+        "parallel": {"virtual_workers": n, "stages_per_vw": 1, "nm": 1, "D": 0, "mode": "ddp"},
+        "output": {"dir": "ddp", "trace": False},
+    }, name="ddp.yaml")
+    summary = run_local(ddp, quiet=True)
+    run_local(hetpipe, quiet=True)
+    w0 = initial_model(hetpipe).state_dict()
+    assert_same(load_model(tmp_path / "ddp"), load_model(tmp_path / "hetpipe"), w0)
+    assert_same(load_model(tmp_path / "ddp"), train_reference(hetpipe).state_dict(), w0)
+    assert SUMMARY_FIELDS <= set(summary)
+    assert summary["mode"] == "ddp" and summary["virtual_workers"] == n and summary["stages_per_vw"] == 1
+    assert (summary["nm"], summary["D"], summary["emulated"]) == (1, 0, False)
+    assert [p["rank"] for p in summary["plan"]] == list(range(n))
+    assert summary["steps"] == steps and summary["samples_per_second"] > 0
+
+
+def test_ddp_three_ranks_equal_summed_sync_dp(make_job, tmp_path: Path) -> None:
+    """N=3 against the summed-update reference, which O2 (test_oracle_o2) proves equal to HetPipe."""
+    n, lr = 3, 0.05
+    job = make_job({
+        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": n * lr}, "steps": 15},
+        "parallel": {"virtual_workers": n, "stages_per_vw": 1, "mode": "ddp"},
+        "output": {"trace": False},
+    })
+    summary = run_local(job, quiet=True)
+    reference = with_overrides(job, train={"optimizer": dataclasses.replace(job.train.optimizer, lr=lr)})
+    assert_same(load_model(tmp_path / "out"), train_reference(reference).state_dict(), initial_model(job).state_dict())
+    assert summary["virtual_workers"] == n
+
+
+OPTIMIZERS = {"sgd-momentum": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "adam": {"name": "adam", "lr": 0.01}}
+
+
+# 1F1B with one micro-batch is torch's Schedule1F1B only for one stage (it needs a micro-batch per
+# stage, see test_1f1b_needs_a_microbatch_per_stage); with k micro-batches of equal size the mean
+# losses and 1/k-scaled gradients still make the minibatch's update, so it is checked the same way.
+@pytest.mark.parametrize(("schedule", "k", "microbatches", "optimizer"), [
+    ("gpipe", 2, 1, "sgd-momentum"),
+    ("1f1b", 1, 1, "adam"),
+    ("1f1b", 2, 2, "adam"),
+])
+def test_pipeline_equals_plain_training(make_job, tmp_path: Path, schedule: str, k: int, microbatches: int,
+                                        optimizer: str) -> None:
+    job = make_job({
+        "train": {"dtype": "float64", "optimizer": OPTIMIZERS[optimizer], "steps": 20},
+        "parallel": {"virtual_workers": 1, "stages_per_vw": k, "nm": 1, "mode": "torch-pipeline",
+                     "schedule": schedule, "microbatches": microbatches},
+        "output": {"trace": False},
+    })
+    summary = run_local(job, quiet=True)
+    assert_same(load_model(tmp_path / "out"), train_reference(job).state_dict(), initial_model(job).state_dict())
+    assert SUMMARY_FIELDS <= set(summary)
+    assert summary["mode"] == "torch-pipeline" and summary["schedule"] == schedule
+    assert (summary["virtual_workers"], summary["stages_per_vw"], summary["microbatches"]) == (1, k, microbatches)
+    cuts = [p["layers"] for p in summary["plan"]]
+    assert cuts[0][0] == 0 and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:])) and len(cuts) == k
+
+
+def test_1f1b_needs_a_microbatch_per_stage(make_job) -> None:
+    job = make_job({"parallel": {"stages_per_vw": 2, "mode": "torch-pipeline", "schedule": "1f1b"}})
+    with pytest.raises(ConfigError, match="Schedule1F1B needs at least one micro-batch per stage"):
+        run_local(job, quiet=True)
+    job = make_job({"parallel": {"mode": "torch-pipeline", "microbatches": 3}})  # batch 16
+    with pytest.raises(ConfigError, match="must divide data.batch_size"):
+        run_local(job, quiet=True)
+    with pytest.raises(ConfigError, match="runs with parallel.mode torch-pipeline"):
+        run_local(make_job({"parallel": {"schedule": "gpipe"}}), quiet=True)
+
+
+def paper_cluster_job(types: list[str], out: str = "out") -> dict[str, Any]:
+    return {
+        "cluster": {"nodes": [{"name": f"n{i}", "gpus": [{"type": t, "count": 2}]} for i, t in enumerate(types)],
+                    "emulate": {"time_scale": 1.0}},
+        "model": {"name": "resnet152", "args": {}},
+        "data": {"name": "synthetic", "batch_size": 32},
+        "train": {"steps": 1, "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9}},
+        "parallel": {"virtual_workers": 1, "stages_per_vw": 1, "mode": "ddp"},
+        "output": {"dir": out},
+    }
+
+
+def test_ddp_leaves_out_gpus_that_cannot_hold_the_model() -> None:
+    """The paper's case: ResNet-152 at batch 32 fits a TITAN V (12 GiB), not an RTX 2060 (6 GiB)."""
+    devices = select_devices(parse_job(paper_cluster_job(["titan-v", "rtx-2060"])))
+    assert [r.gpu for r in devices.ranks] == ["titan-v", "titan-v"]
+    assert [r.node for r in devices.ranks] == ["n0", "n0"]
+    assert all(r.step_seconds > 0 and r.label == "titan-v (emulated)" for r in devices.ranks)
+    assert 6 * 2**30 < devices.model_bytes <= 12 * 2**30
+    (line,) = devices.left_out
+    assert line.startswith("rtx-2060 x2: the model needs ") and line.endswith(
+        "GiB, the GPU has 6.00 GiB: left out, as the paper does"), line
+
+
+def test_ddp_refuses_a_cluster_where_nothing_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(paper_cluster_job(["rtx-2060"])))
+    assert cli.main(["run", "-q", str(path)]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "parallel.mode ddp: no device can hold the whole resnet152 at batch 32" in err, err
+    assert "rtx-2060 x2: the model needs" in err and "left out" in err
+    assert not (tmp_path / "out" / "logs").exists(), "no worker may start"
+
+
+def emulated_job(make_job, steps: int, step_s: float, **parallel: Any):
+    return make_job({
+        "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 1}]},
+                              {"name": "n1", "gpus": [{"type": "rtx-2060", "count": 1}]}],
+                    "emulate": {"time_scale": 1.0, "forward_seconds": step_s / 2, "backward_seconds": step_s / 2}},
+        "train": {"steps": steps},
+        "parallel": {"mode": "ddp", "stages_per_vw": 1, **parallel},
+        "output": {"trace": False},
+    })
+
+
+def test_ddp_on_an_emulated_cluster_is_paced_by_its_devices(make_job) -> None:
+    steps, step_s = 10, 0.05
+    summary = run_local(emulated_job(make_job, steps, step_s), quiet=True)
+    assert summary["emulated"] is True and summary["virtual_workers"] == 2
+    assert [(p["node"], p["gpu"]) for p in summary["plan"]] == [("n0", "titan-v (emulated)"),
+                                                                 ("n1", "rtx-2060 (emulated)")]
+    assert summary["wall_seconds"] >= steps * step_s * 0.95
+    assert 0 <= summary["wait_seconds"] and 0 < summary["accuracy"] <= 1
+
+
+def test_ddp_names_the_failed_rank_and_stops_every_worker(make_job, tmp_path: Path) -> None:
+    job = emulated_job(make_job, steps=400, step_s=0.05)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_local(job, quiet=True)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    progress = tmp_path / "out" / "baseline" / "rank1.progress"
+    deadline = time.monotonic() + 120
+    victim = None
+    while victim is None and time.monotonic() < deadline and thread.is_alive():
+        steps = progress.read_text().split()[0] if progress.exists() else "0"
+        if int(steps) >= 2:
+            victim = next((p for p in psutil.Process().children(recursive=True)
+                           if "--rank" in p.cmdline() and p.cmdline()[-1] == "1"), None)
+        time.sleep(0.05)
+    assert victim is not None, "rank 1 never made progress"
+    victim.kill()
+    thread.join(60)
+    assert not thread.is_alive(), "the launcher must stop once a rank dies"
+    (exc,) = failure
+    assert isinstance(exc, JobFailed)
+    assert "rank 1 (rtx-2060 (emulated) on n1) was killed by SIGKILL" in str(exc), str(exc)

@@ -1,0 +1,327 @@
+"""compose.yaml, `hetpipe compose` and the image (issue 5, Must show).
+
+The checked-in compose.yaml validates offline against the compose-spec JSON schema and keeps
+the project's rules: healthchecks throughout, every depends_on target has one, host ports are
+unique, every command is a real entry point whose --help exits 0, the GPU services sit under the
+`gpu` profile; and it is byte for byte what `hetpipe compose examples/compose-cluster.yaml`
+prints. No Docker engine is needed: everything is checked statically, plus the health-check
+script against a real gRPC health service.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from hetpipe import cli
+from hetpipe.config import load_job
+from coordinator import compose
+from coordinator.plan import make_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose.yaml"
+EXAMPLE = ROOT / "examples" / "compose-cluster.yaml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+HEALTHCHECK = ROOT / "docker" / "healthcheck.py"
+CONFIG_MODULES = {"coordinator": "coordinator.config", "ps_server": "ps_server.config",
+                  "stage_worker": "stage_worker.config"}
+
+
+def _doc() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _services() -> dict[str, dict[str, Any]]:
+    return _doc()["services"]
+
+
+def _project(service: dict[str, Any]) -> bool:
+    """A service of this project's image (built from docker/Dockerfile), not a third-party one."""
+    return "build" in service
+
+
+@pytest.fixture(scope="module", autouse=True)
+def help_runs() -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """`python -m MODULE ARGS --help` for the first service of each entry point, started before the
+    first test so that they run alongside the others: the stage worker imports torch before it
+    parses its flags, which takes seconds."""
+    first: dict[str, list[str]] = {}
+    for service in _services().values():
+        if _project(service):
+            first.setdefault(service["command"][0], service["command"])
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = {module: subprocess.Popen([sys.executable, "-m", *command, "--help"], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for module, command in first.items()}
+    yield procs
+    for proc in procs.values():
+        proc.kill()
+        proc.communicate()
+
+
+# ---- the schema and the project's rules ---------------------------------------------------------
+
+
+def test_validates_against_the_compose_spec_schema_offline(tmp_path: Path) -> None:
+    """check-jsonschema's vendored compose-spec schema (no network). A copy with one broken field
+    rides along in the same run, to show that the check does look at the services."""
+    bad = tmp_path / "broken.yaml"
+    bad.write_text(COMPOSE.read_text().replace("capabilities: [gpu]", "capabilities: gpu"))
+    done = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
+                           str(COMPOSE), str(bad)], capture_output=True, text=True, timeout=60)
+    errors = [ln for ln in done.stdout.splitlines() if "::" in ln]
+    assert done.returncode == 1 and errors, (f"check-jsonschema (dev extra, pinned in constraints.txt; "
+                                             f"`make install`):\n{done.stdout}{done.stderr}")
+    assert all(ln.strip().startswith(f"{bad}::") and "capabilities" in ln for ln in errors), done.stdout
+
+
+def test_services_coordinator_shards_stages_prometheus_grafana() -> None:
+    services = _services()
+    job, plan = load_job(EXAMPLE), make_plan(load_job(EXAMPLE))
+    stages = [f"vw{s.vw}-stage{s.stage}" for s in plan.stages]
+    shards = [f"ps-{i}" for i in range(plan.shards)]
+    assert job.cluster is not None and len(stages) == 4 and len(shards) == 2
+    assert list(services) == ["coordinator", *shards, *stages, *(f"{s}-gpu" for s in stages), "prometheus", "grafana"]
+    assert services["prometheus"]["image"].startswith("prom/prometheus:")
+    assert services["grafana"]["image"].startswith("grafana/grafana:")
+
+
+def test_every_service_has_a_healthcheck_and_every_dependency_is_on_health() -> None:
+    services = _services()
+    for name, service in services.items():
+        assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+        assert not service["healthcheck"].get("disable"), name
+        for target, dep in service.get("depends_on", {}).items():
+            assert target in services, f"{name} depends on unknown {target}"
+            assert services[target].get("healthcheck", {}).get("test"), f"{name} -> {target}: no healthcheck"
+            assert dep == {"condition": "service_healthy"}, f"{name} -> {target}: {dep}"
+    for name, service in services.items():
+        if name != "coordinator" and _project(service):
+            assert "coordinator" in service["depends_on"], f"{name} registers with the coordinator"
+    assert "prometheus" in services["grafana"]["depends_on"]
+
+
+def test_project_healthchecks_call_the_grpc_health_script() -> None:
+    for name, service in _services().items():
+        if _project(service):
+            test = service["healthcheck"]["test"]
+            assert test[:2] == ["CMD", "hetpipe-healthcheck"], (name, test)
+    coordinator = _services()["coordinator"]
+    port = coordinator["command"][coordinator["command"].index("--port") + 1]
+    assert coordinator["healthcheck"]["test"][2] == f"127.0.0.1:{port}"
+
+
+def test_host_ports_are_unique() -> None:
+    published = []
+    for name, service in _services().items():
+        for p in service.get("ports", []):
+            assert isinstance(p, dict), f"{name}: long port syntax expected, got {p!r}"
+            published.append((p.get("host_ip", ""), int(p["published"]), p.get("protocol", "tcp"), name))
+    ports = [(ip, port, proto) for ip, port, proto, _ in published]
+    duplicates = {p for p in ports if ports.count(p) > 1}
+    assert not duplicates, [x for x in published if x[:3] in duplicates]
+    numbers = {port: name for _, port, _, name in published}
+    assert numbers[50050] == "coordinator" and numbers[9090] == "prometheus" and numbers[3000] == "grafana"
+    # Every project service publishes its metrics port, each on its own host port.
+    for name, service in _services().items():
+        if _project(service):
+            assert any(p["target"] == compose.METRICS_PORT for p in service["ports"]), name
+
+
+def test_every_command_is_an_entry_point_whose_help_exits_0(help_runs: dict[str, subprocess.Popen[str]]) -> None:
+    """Each project service's command parses with its module's own parser (so no flag is unknown or
+    malformed) and `python -m MODULE ARGS --help` exits 0; third-party images are skipped."""
+    modules = set()
+    for name, service in _services().items():
+        if not _project(service):
+            continue
+        module, *args = service["command"]
+        assert module in CONFIG_MODULES, f"{name}: {module} is not an entry point of this project"
+        assert importlib.util.find_spec(f"{module}.__main__") is not None, module
+        importlib.import_module(CONFIG_MODULES[module]).parse_args(args)  # SystemExit(2) on a bad flag
+        modules.add(module)
+    assert modules == set(CONFIG_MODULES)
+    for module, proc in help_runs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"python -m {module} ... --help: {err[-2000:]}"
+        assert "usage: python -m " + module in out
+
+
+def test_gpu_services_sit_under_the_gpu_profile() -> None:
+    services = _services()
+    gpu = {n for n, s in services.items() if s.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")}
+    assert gpu == {n for n in services if n.endswith("-gpu")} and len(gpu) == 4
+    device_ids = []
+    for name in gpu:
+        s = services[name]
+        assert s["profiles"] == ["gpu"], name
+        assert s["image"] == compose.GPU_IMAGE and s["build"]["args"] == {"VARIANT": "cuda"}
+        (dev,) = s["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"] and "count" not in dev
+        device_ids += dev["device_ids"]
+        twin = services[name.removesuffix("-gpu")]
+        assert twin["profiles"] == ["cpu"] and "deploy" not in twin and twin["image"] == compose.CPU_IMAGE
+        assert twin["command"] == s["command"]  # same plan, same flags
+        assert s["networks"]["default"]["aliases"] == [name.removesuffix("-gpu")]  # same address
+    assert sorted(device_ids) == ["0", "1", "2", "3"]
+    # Everything else always runs; .env makes `cpu` the default profile.
+    for name, s in services.items():
+        if name not in gpu and not re.fullmatch(r"vw\d+-stage\d+", name):
+            assert "profiles" not in s, name
+    assert re.search(r"^COMPOSE_PROFILES=cpu$", (ROOT / ".env").read_text(), re.M)
+
+
+def test_stage_services_follow_the_plan() -> None:
+    """Each stage service registers as its planned stage's (node, GPU type) and is reachable at its
+    own service name; the coordinator claims workers by (node, type)."""
+    services = _services()
+    plan = make_plan(load_job(EXAMPLE))
+    for s in plan.stages:
+        command = services[f"vw{s.vw}-stage{s.stage}"]["command"]
+        flags = dict(zip(command[1::2], command[2::2]))
+        assert flags == {"--coordinator": "coordinator:50050", "--advertise": f"vw{s.vw}-stage{s.stage}:50051",
+                         "--node": s.node, "--gpu-type": s.gpu}
+    coordinator = services["coordinator"]
+    assert "--job" in coordinator["command"]
+    job_mount = coordinator["command"][coordinator["command"].index("--job") + 1]
+    binds = {v["target"]: v["source"] for v in coordinator["volumes"] if isinstance(v, dict) and v["type"] == "bind"}
+    assert binds[job_mount] == "./examples/compose-cluster.yaml"
+
+
+def test_mounted_and_built_paths_exist() -> None:
+    for name, service in _services().items():
+        for v in service.get("volumes", []):
+            if v["type"] == "bind":
+                assert (ROOT / v["source"]).exists(), f"{name}: {v['source']}"
+        if _project(service):
+            assert (ROOT / service["build"]["context"] / service["build"]["dockerfile"]).resolve() == DOCKERFILE
+
+
+# ---- the checked-in file is the generated one ---------------------------------------------------
+
+
+def test_checked_in_file_is_the_generated_one(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["compose", "examples/compose-cluster.yaml"]) == 0
+    generated = capsys.readouterr().out
+    assert generated.encode() == COMPOSE.read_bytes(), (
+        "compose.yaml is stale: run `hetpipe compose examples/compose-cluster.yaml -o compose.yaml`")
+
+
+def test_output_file_paths_are_relative_to_its_folder(tmp_path: Path) -> None:
+    out = tmp_path / "deploy" / "compose.yaml"
+    out.parent.mkdir()
+    assert cli.main(["compose", str(EXAMPLE), "-o", str(out), "--context", str(ROOT)]) == 0
+    doc = yaml.safe_load(out.read_text())
+    for name, service in doc["services"].items():
+        for v in service.get("volumes", []):
+            if v["type"] == "bind":
+                assert (out.parent / v["source"]).resolve().exists(), (name, v)
+        if "build" in service:
+            assert (out.parent / service["build"]["context"]).resolve() == ROOT
+    # The same cluster, only the paths differ.
+    assert {n: s["command"] for n, s in doc["services"].items() if "command" in s} == \
+        {n: s["command"] for n, s in _services().items() if "command" in s}
+
+
+def test_generated_file_for_other_jobs(make_job: Any, tmp_path: Path) -> None:
+    """One VW: no shards (it needs none); no cluster spec: generic workers on node `local`; an npz
+    data file is mounted where the job, read from its mount point, resolves it."""
+    import numpy as np
+
+    np.savez(tmp_path / "data.npz", x=np.zeros((8, 64), np.float32), y=np.zeros(8, np.int64))
+    job = make_job({"data": {"name": "npz", "path": "data.npz"}})
+    plan = make_plan(job)
+    text = compose.render(job, plan, job_file=tmp_path / "job.yaml", compose_dir=tmp_path, root=ROOT)
+    assert text == compose.render(job, plan, job_file=tmp_path / "job.yaml", compose_dir=tmp_path, root=ROOT)
+    services = yaml.safe_load(text)["services"]
+    assert not [n for n in services if n.startswith("ps-")]
+    assert services["vw0-stage0"]["command"][-2:] == ["--node", "local"]  # no --gpu-type: generic
+    data = {"type": "bind", "source": "./data.npz", "target": "/etc/hetpipe/data.npz", "read_only": True}
+    assert data in services["coordinator"]["volumes"] and data in services["vw0-stage0"]["volumes"]
+    assert data in services["vw0-stage0-gpu"]["volumes"]
+
+
+def test_bad_job_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["compose", str(tmp_path / "missing.yaml")]) == cli.EXIT_USAGE
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ---- the image --------------------------------------------------------------------------------------
+
+
+def test_dockerfile_one_image_two_variants_non_root_grpc_healthcheck() -> None:
+    text = DOCKERFILE.read_text()
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert re.search(r"^ARG VARIANT=cpu$", text, re.M)
+    assert "cpu)" in text and "cuda)" in text and "download.pytorch.org/whl/cpu" in text
+    assert "-c constraints.txt" in text
+    users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    (check,) = [ln for ln in lines if ln.startswith("HEALTHCHECK ")]
+    assert "hetpipe-healthcheck" in check and "docker/healthcheck.py /usr/local/bin/hetpipe-healthcheck" in text
+    assert 'ENTRYPOINT ["python", "-m"]' in lines
+    # compose.yaml builds the image from this file with these variants.
+    for service in _services().values():
+        if _project(service):
+            assert service["build"]["args"]["VARIANT"] in ("cpu", "cuda")
+    # The build context sends only what the image copies.
+    ignore = (ROOT / "docker" / "Dockerfile.dockerignore").read_text().splitlines()
+    copied = {m.group(1) for m in re.finditer(r"^COPY (\S+) ", text, re.M)}
+    assert "*" in ignore and all(f"!{c}" in ignore or f"!{c}/" in ignore for c in copied), copied
+
+
+class _Health:
+    def __init__(self) -> None:
+        self.server = grpc.server(ThreadPoolExecutor(2))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+
+def _healthcheck_module() -> Any:
+    spec = importlib.util.spec_from_file_location("hetpipe_healthcheck", HEALTHCHECK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_healthcheck(*args: str) -> int:
+    return subprocess.run([sys.executable, str(HEALTHCHECK), *args], capture_output=True, text=True,
+                          timeout=30).returncode
+
+
+def test_healthcheck_script_exits_0_only_when_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    check = _healthcheck_module().main
+    h = _Health()
+    try:
+        address = f"127.0.0.1:{h.port}"
+        h.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert check([address]) == 1
+        h.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert _run_healthcheck(address) == 0  # as the image runs it: a program
+        monkeypatch.setenv("HETPIPE_PORT", str(h.port))
+        assert check([]) == 0  # the image's default address: 127.0.0.1:$HETPIPE_PORT
+        assert check([address, "no.such.Service"]) == 1
+        assert check(["--help"]) == 1
+        h.health.enter_graceful_shutdown()  # what a stopping HetPipe server says
+        assert check([address]) == 1
+    finally:
+        h.server.stop(0)
+    assert _run_healthcheck(address) == 1  # nothing listening
