@@ -13,7 +13,7 @@ from hetpipe.service import ServiceFlags, add_service_flags, service_flags
 class ShardConfig:
     service: ServiceFlags
     checkpoint_dir: str = ""        # empty: no durability (benchmarks)
-    checkpoint_every: int = 1       # clocks of c_global between checkpoints
+    checkpoint_every: int = 10      # clocks of c_global between checkpoints (the push log covers the rest)
     max_pull_wait_s: float = 600.0  # a pull with no deadline of its own waits at most this long
 
 
@@ -23,7 +23,7 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
     add_service_flags(ap)
     ap.add_argument("--checkpoint-dir", default=env("HETPIPE_CHECKPOINT_DIR", ""),
                     help="checkpoint + push log directory; restored from at start")
-    ap.add_argument("--checkpoint-every", type=int, default=int(env("HETPIPE_CHECKPOINT_EVERY", "1")),
+    ap.add_argument("--checkpoint-every", type=int, default=int(env("HETPIPE_CHECKPOINT_EVERY", "10")),
                     help="checkpoint every M clocks")
     ns = ap.parse_args(argv)
     if ns.checkpoint_every < 1:
