@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,24 +198,6 @@ def run_group(group: WorkerGroup, *, total_steps: int, samples_per_step: int, qu
             show(group.progress())
         finally:
             bar.close()
-
-
-def write_outputs(job: JobConfig, weights: OrderedDict[str, torch.Tensor], fields: dict[str, Any]) -> dict[str, Any]:
-    """model.pt (the state_dict in layer order) and summary.json per DESIGN §8."""
-    from coordinator.driver import accuracy
-    from hetpipe import data as datasets
-    from hetpipe.reference import initial_model
-
-    out_dir = Path(job.resolve(job.output.dir))
-    torch.save(weights, out_dir / "model.pt")
-    summary = dict(fields)
-    dataset = datasets.load_dataset(job)
-    if dataset.classification:
-        model = initial_model(job)
-        model.load_state_dict(weights)
-        summary["accuracy"] = accuracy(model, dataset)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def prepare_out_dir(job: JobConfig) -> Path:

@@ -25,6 +25,7 @@ import torch
 
 from hetpipe.catalog import CATALOG
 from hetpipe.config import ConfigError, JobConfig, with_overrides
+from hetpipe import outputs
 from baselines import common
 
 
@@ -168,7 +169,7 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
         "backend": devices.backend,
         "mode": "ddp",
     }
-    return common.write_outputs(job, weights, fields)
+    return outputs.write(job, weights, fields)
 
 
 # ---- worker -----------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
 
     from hetpipe import data as datasets
     from hetpipe.reference import initial_model
-    from stage_worker.stage import compute_loss, make_optimizer
+    from hetpipe.optim import compute_loss, make_optimizer
 
     job = JobConfig.from_json(spec["job_json"])
     n = int(spec["world_size"])

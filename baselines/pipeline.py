@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hetpipe.config import ConfigError, JobConfig, with_overrides
+from hetpipe import outputs
 from baselines import common
 
 SCHEDULE_NAMES = {"hetpipe": "gpipe", "gpipe": "gpipe", "1f1b": "1f1b"}  # unset (hetpipe) means GPipe
@@ -96,7 +97,7 @@ def run_pipeline(job: JobConfig, *, quiet: bool = False, cache_dir: str | None =
         "backend": backend,
         "mode": "torch-pipeline",
     }
-    return common.write_outputs(job, weights, fields)
+    return outputs.write(job, weights, fields)
 
 
 # ---- worker -----------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     from hetpipe import data as datasets
     from hetpipe.reference import initial_model
     from hetpipe.zoo import stage_layers
-    from stage_worker.stage import compute_loss, make_optimizer
+    from hetpipe.optim import compute_loss, make_optimizer
 
     job = JobConfig.from_json(spec["job_json"])
     k = int(spec["world_size"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import OrderedDict
@@ -16,7 +15,7 @@ import grpc
 import torch
 
 from hetpipe import data as datasets
-from hetpipe import rpc, wire
+from hetpipe import outputs, rpc, wire
 from hetpipe.config import JobConfig
 from hetpipe.reference import initial_model
 from hetpipe.v1 import ps_pb2, ps_pb2_grpc, stage_pb2, stage_pb2_grpc, wire_pb2
@@ -162,7 +161,7 @@ class JobDriver:
         self.check_processes()
         for h in self.stages:
             # Short: a frozen stage must not hold up the heartbeat check on the next poll.
-            h.last = self._call(h, "Status", wire_pb2.Empty(), deadline=STATUS_DEADLINE_S)
+            h.last = self._call(h, "Status", stage_pb2.StatusRequest(), deadline=STATUS_DEADLINE_S)
             if h.last.state == State.FAILED:
                 raise JobFailed(f"{h.last.error} ({h.progress()})")
         return all(h.last.state == State.DONE for h in self.stages)
@@ -217,15 +216,10 @@ class JobDriver:
 
     def write_outputs(self, weights: OrderedDict[str, torch.Tensor], wall: float) -> dict[str, Any]:
         """model.pt and summary.json per DESIGN §8."""
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(weights, self.out_dir / "model.pt")
         job, plan = self.job, self.plan
-        model = initial_model(job)
-        model.load_state_dict(weights)
-        dataset = datasets.load_dataset(job)
         samples = job.train.steps * plan.virtual_workers * job.data.batch_size
         losses = [h.last.recent_loss for h in self._last_stages()]
-        summary: dict[str, Any] = {
+        fields: dict[str, Any] = {
             "steps": job.train.steps,
             "samples_per_second": samples / wall if wall > 0 else 0.0,
             "wall_seconds": wall,
@@ -244,21 +238,6 @@ class JobDriver:
         }
         if self.shards:
             statuses = self.shard_status()
-            summary["max_clock_distance"] = max(st.max_clock_distance for st in statuses)
-            summary["pushes_applied"] = sum(st.pushes_applied for st in statuses)
-        if dataset.classification:
-            summary["accuracy"] = accuracy(model, dataset)
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        return summary
-
-
-@torch.no_grad()
-def accuracy(model: torch.nn.Module, dataset: datasets.Dataset, batch: int = 1024) -> float:
-    """Fraction of rows (or tokens) whose argmax prediction matches the label."""
-    correct = total = 0
-    for i in range(0, dataset.rows, batch):
-        pred = model(dataset.x[i : i + batch]).argmax(dim=-1)
-        target = dataset.y[i : i + batch]
-        correct += int((pred == target).sum())
-        total += target.numel()
-    return correct / total
+            fields["max_clock_distance"] = max(st.max_clock_distance for st in statuses)
+            fields["pushes_applied"] = sum(st.pushes_applied for st in statuses)
+        return outputs.write(job, weights, fields)

@@ -7,7 +7,7 @@ import torch
 from hetpipe import data as datasets
 from hetpipe.config import JobConfig
 from hetpipe.zoo import build_model
-from stage_worker.stage import compute_loss, make_optimizer
+from hetpipe.optim import compute_loss, make_optimizer
 
 
 def initial_model(job: JobConfig) -> torch.nn.Sequential:

@@ -132,11 +132,13 @@ class StageRuntime:
         log.info("%s assigned layers [%d, %d) on %s", self.name, a.layer_begin, a.layer_end, self.device)
 
     def _shape_specs(self, a: stage_pb2.StageAssignment, model: torch.nn.Sequential) -> None:
-        """Infers the exact shape of every tensor this stage will receive, to validate inputs."""
-        job = self.job
-        self._probe_cache = None  # this assignment's shapes, never those of an earlier refused one
+        """Infers the exact shape of every tensor this stage will receive, to validate inputs.
+
+        One minibatch's x and y come from the assignment: only stage 0 holds the data itself.
+        """
+        x = torch.zeros(list(a.input_shape), dtype=torch_dtype(a.input_dtype))
+        y = torch.zeros(list(a.target_shape), dtype=torch_dtype(a.target_dtype))
         try:
-            x = self._dummy_batch()
             with torch.no_grad():
                 x = stage_layers(model, 0, a.layer_begin)(x)
                 self.in_spec = TensorSpec(x.dtype, tuple(x.shape))
@@ -144,28 +146,10 @@ class StageRuntime:
         except RuntimeError as exc:  # e.g. an input_shape that the model's first layer cannot take
             raise Rejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"input_shape {list(a.input_shape)} does not fit model {job.model.name}: {exc}",
+                f"input_shape {list(a.input_shape)} does not fit model {self.job.model.name}: {exc}",
             ) from None
         self.out_spec = TensorSpec(x.dtype, tuple(x.shape))
-        if self.first:
-            self.target_spec = None
-        else:
-            probe = self._probe_data(job)
-            self.target_spec = TensorSpec(probe[1].dtype, tuple(probe[1].shape))
-
-    def _dummy_batch(self) -> torch.Tensor:
-        return self._probe_data(self.job)[0]
-
-    _probe_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def _probe_data(self, job: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        # Shapes of one minibatch, from the assignment (only stage 0 must hold the data itself).
-        if self._probe_cache is None:
-            a = self.a
-            x = torch.zeros(list(a.input_shape), dtype=torch_dtype(a.input_dtype))
-            y = torch.zeros(list(a.target_shape), dtype=torch_dtype(a.target_dtype))
-            self._probe_cache = (x, y)
-        return self._probe_cache
+        self.target_spec = None if self.first else TensorSpec(y.dtype, tuple(y.shape))
 
     def load_weights(self, bundle: Bundle) -> None:
         with self._cv:
@@ -413,7 +397,9 @@ class StageRuntime:
 
     # ---- queries and shutdown ----------------------------------------------------------------
 
-    def status(self) -> stage_pb2.StageStatus:
+    def status(self, *, weights_digest: bool = False) -> stage_pb2.StageStatus:
+        """The stage's progress; with weights_digest, also a hash of its weights (reads them all,
+        under the lock the compute thread needs: the job driver's frequent polls leave it out)."""
         with self._cv:
             s = stage_pb2.StageStatus(state=self.state, error=self.error)
             if self.state == State.IDLE:
@@ -432,7 +418,8 @@ class StageRuntime:
             s.compute_seconds = self.compute_seconds
             s.clock = self.sync.clock
             s.min_clock = self.sync.min_clock
-            s.weights_digest = self.compute.digest()
+            if weights_digest:
+                s.weights_digest = self.compute.digest()
             return s
 
     def metrics_snapshot(self) -> metrics.Snapshot | None:

@@ -45,8 +45,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return wire_pb2.Ack()
 
     @handler
-    def Status(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> stage_pb2.StageStatus:
-        return self.runtime.status()
+    def Status(self, request: stage_pb2.StatusRequest, context: grpc.ServicerContext) -> stage_pb2.StageStatus:
+        return self.runtime.status(weights_digest=request.weights_digest)
 
     @handler
     def GetWeights(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> Iterator[wire_pb2.TensorFrame]:

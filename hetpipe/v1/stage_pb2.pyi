@@ -113,3 +113,9 @@ class StageStatus(_message.Message):
     device: str
     wait_idle_seconds: float
     def __init__(self, state: _Optional[_Union[StageStatus.State, str]] = ..., vw: _Optional[int] = ..., stage: _Optional[int] = ..., forwards_done: _Optional[int] = ..., backwards_done: _Optional[int] = ..., local_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., received: _Optional[int] = ..., last_loss: _Optional[float] = ..., recent_loss: _Optional[float] = ..., error: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., clock: _Optional[int] = ..., min_clock: _Optional[int] = ..., weights_digest: _Optional[str] = ..., device: _Optional[str] = ..., wait_idle_seconds: _Optional[float] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("weights_digest",)
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    weights_digest: bool
+    def __init__(self, weights_digest: _Optional[bool] = ...) -> None: ...

@@ -62,7 +62,7 @@ class StageStub:
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/hetpipe.v1.Stage/Status',
-                request_serializer=hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+                request_serializer=hetpipe_dot_v1_dot_stage__pb2.StatusRequest.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_stage__pb2.StageStatus.FromString,
                 _registered_method=True)
         self.GetWeights = channel.unary_stream(
@@ -162,7 +162,7 @@ def add_StageServicer_to_server(servicer, server):
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.Empty.FromString,
+                    request_deserializer=hetpipe_dot_v1_dot_stage__pb2.StatusRequest.FromString,
                     response_serializer=hetpipe_dot_v1_dot_stage__pb2.StageStatus.SerializeToString,
             ),
             'GetWeights': grpc.unary_stream_rpc_method_handler(
@@ -336,7 +336,7 @@ class Stage:
             request,
             target,
             '/hetpipe.v1.Stage/Status',
-            hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+            hetpipe_dot_v1_dot_stage__pb2.StatusRequest.SerializeToString,
             hetpipe_dot_v1_dot_stage__pb2.StageStatus.FromString,
             options,
             channel_credentials,

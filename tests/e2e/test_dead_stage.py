@@ -76,7 +76,7 @@ class Run:
                 continue
             address = Path(cmd[cmd.index("--ready-file") + 1]).read_text().split()[0]
             with rpc.channel(address) as channel:
-                s = stage_pb2_grpc.StageStub(channel).Status(wire_pb2.Empty(), timeout=10)
+                s = stage_pb2_grpc.StageStub(channel).Status(stage_pb2.StatusRequest(), timeout=10)
             assert s.state == stage_pb2.StageStatus.RUNNING, s
             out[f"stage {s.stage} of vw {s.vw}"] = child
         return out

@@ -115,7 +115,7 @@ class Rig:
         return self.runtime.out_spec
 
     def status(self) -> stage_pb2.StageStatus:
-        return self.stub.Status(wire_pb2.Empty(), timeout=5)
+        return self.stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
 
     def snapshot(self) -> dict[str, Any]:
         s = self.status()
@@ -428,7 +428,7 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
     for name, (request, match) in bad.items():
         try:
             refused(stub.Assign, request, Code.INVALID_ARGUMENT, match)
-            s = stub.Status(wire_pb2.Empty(), timeout=5)
+            s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
             assert s.state == State.IDLE, f"state {State.Name(s.state)} after a refused Assign"
         except AssertionError as exc:
             failures.append(f"{name}: {exc}")
@@ -436,7 +436,7 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
 
     # After all that, the driver's assignment is accepted...
     stub.Assign(good, timeout=10)
-    s = stub.Status(wire_pb2.Empty(), timeout=5)
+    s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
     assert (s.state, s.vw, s.stage) == (State.ASSIGNED, 0, 1)
 
     # ...and bad weights are refused without touching the stage's weights.
@@ -452,12 +452,12 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
     assert len(names) > 1
     for name, (tensors, match) in weight_bad.items():
         refused(stub.LoadWeights, wire.encode(tensors), Code.INVALID_ARGUMENT, match)
-        s = stub.Status(wire_pb2.Empty(), timeout=5)
+        s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
         assert (s.state, s.weights_digest) == (State.ASSIGNED, digest), name
     stub.LoadWeights(wire.encode([(n, t + 1) for n, t in w0]), timeout=10)
-    assert stub.Status(wire_pb2.Empty(), timeout=5).weights_digest != digest
+    assert stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5).weights_digest != digest
     stub.LoadWeights(wire.encode(w0), timeout=10)
-    s = stub.Status(wire_pb2.Empty(), timeout=5)
+    s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
     assert (s.state, s.weights_digest) == (State.ASSIGNED, digest)
 
     # The last stage computes the loss and takes no gradient, even a well-formed one.
@@ -465,7 +465,7 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
     logits = torch.randn(runtime.out_spec.shape)
     refused(stub.Backward, iter(frames([("gradient", logits)], 1, stage=2)), Code.FAILED_PRECONDITION,
             "the last stage computes the loss and takes no gradients")
-    s = stub.Status(wire_pb2.Empty(), timeout=5)
+    s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
     assert {f: getattr(s, f) for f in STATE_FIELDS} == before
 
     # An activation may arrive before Start: it waits, and runs (F+B) once the stage starts.
@@ -478,7 +478,7 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
     assert (method, tag.minibatch, tag.stage, tag.weight_version) == ("Backward", 1, 1, 0)
     assert [(n, list(t.shape)) for n, t in tensors] == [("gradient", list(runtime.in_spec.shape))]
     deadline = time.monotonic() + 10
-    while (s := stub.Status(wire_pb2.Empty(), timeout=5)).backwards_done < 1 and time.monotonic() < deadline:
+    while (s := stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)).backwards_done < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert (s.state, s.received, s.forwards_done, s.backwards_done, s.local_version) == (State.RUNNING, 1, 1, 1, 1)
     assert s.last_loss > 0
