@@ -25,6 +25,7 @@ import torch
 
 from hetpipe.catalog import CATALOG
 from hetpipe.config import ConfigError, JobConfig, with_overrides
+from hetpipe.network import ring_allreduce_seconds
 from hetpipe import outputs
 from baselines import common
 
@@ -48,6 +49,7 @@ class DdpDevices:
     model_bytes: int
     layers: int
     emulated: bool
+    allreduce_seconds: float = 0.0  # emulated network: one gradient allreduce (0 = not emulated)
 
     @property
     def backend(self) -> str:
@@ -90,7 +92,7 @@ def select_devices(job: JobConfig, *, cache_dir: str | None = None) -> DdpDevice
     # Emulated times are derived from the meta-device profile (cheap); without emulation only the
     # memory structure is needed, so no type is timed.
     timed = [t for t in types if t in CATALOG] if emulate is not None else []
-    profile = profile_model(job.model.name, job.model.args, job.data.batch_size, job.train.dtype, timed,
+    profile = profile_model(job.model.name, job.emulated_model_args, job.data.batch_size, job.train.dtype, timed,
                             cache_dir=cache_dir or default_cache_dir())
     layers = len(profile.layers)
     optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
@@ -128,8 +130,15 @@ def select_devices(job: JobConfig, *, cache_dir: str | None = None) -> DdpDevice
             f"({_gib(need)} with a {optimizer} optimizer): " + "; ".join(left_out)
             + ". Data parallelism needs the whole model on every GPU; parallel.mode hetpipe splits it."
         )
+    allreduce = 0.0
+    if emulate is not None and emulate.network is not None:
+        # A ring over the ranks: its slowest hop is between nodes as soon as it spans two.
+        nodes = sorted({r.node for r in ranks})
+        link = emulate.network.link(nodes[0], nodes[-1], emulate.time_scale)
+        grad_bytes = sum(layer.param_bytes for layer in profile.layers)
+        allreduce = ring_allreduce_seconds(grad_bytes, len(ranks), link)
     return DdpDevices(tuple(ranks), left_out, need, layers,
-                      emulated=any(r.label.endswith("(emulated)") for r in ranks))
+                      emulated=any(r.label.endswith("(emulated)") for r in ranks), allreduce_seconds=allreduce)
 
 
 def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None) -> dict[str, Any]:
@@ -142,8 +151,9 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
     slow = job.faults.slow_factor if 0 <= job.faults.slow_vw < n else 1.0
     step = max(r.step_seconds for r in devices.ranks) * slow
     names = [f"rank {r.rank} ({r.label} on {r.node})" for r in devices.ranks]
-    spec = {"job_json": job.to_json(), "backend": devices.backend, "ranks": [asdict(r) for r in devices.ranks]}
-    group = common.WorkerGroup("ddp", out_dir, names, spec, common.timeout_for(step))
+    spec = {"job_json": job.to_json(), "backend": devices.backend, "ranks": [asdict(r) for r in devices.ranks],
+            "allreduce_seconds": devices.allreduce_seconds}
+    group = common.WorkerGroup("ddp", out_dir, names, spec, common.timeout_for(step + devices.allreduce_seconds))
     common.run_group(group, total_steps=job.train.steps, samples_per_step=n * job.data.batch_size,
                      quiet=quiet, emulated=devices.emulated)
     results = [group.result(r) for r in range(n)]
@@ -167,6 +177,7 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
                   "capacity_bytes": r.capacity_bytes} for r in devices.ranks],
         "left_out": list(devices.left_out),
         "backend": devices.backend,
+        "allreduce_seconds": devices.allreduce_seconds,
         "mode": "ddp",
     }
     return outputs.write(job, weights, fields)
@@ -198,6 +209,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     pad_s = float(me["step_seconds"]) * (job.faults.slow_factor if job.faults.slow_vw == rank else 1.0)
     padder = common.Padder(job, rank)
     padding = pad_s > 0 or job.faults.task_delay[1] > 0
+    allreduce_s = float(spec.get("allreduce_seconds", 0.0))
 
     common.init_process_group(spec, rank)
     progress = common.Progress(spec["work_dir"], rank)
@@ -225,6 +237,8 @@ def worker(spec: dict[str, Any], rank: int) -> None:
             flat = host.to(device)
         else:
             dist.all_reduce(flat)
+        if allreduce_s > 0:
+            time.sleep(allreduce_s)  # the emulated network's ring on top of loopback's
         wait += time.monotonic() - waited
         flat /= n  # the average, as Horovod does
         offset = 0

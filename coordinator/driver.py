@@ -107,6 +107,8 @@ class JobDriver:
             input_shape=list(x.shape), input_dtype=wire.wire_dtype(x.dtype),
             target_shape=list(y.shape), target_dtype=wire.wire_dtype(y.dtype),
             memory_bytes=sp.memory_bytes, capacity_bytes=sp.capacity_bytes, gpu_type=sp.gpu, emulated=sp.emulated,
+            next_send_seconds=sp.next_send_seconds, prev_send_seconds=sp.prev_send_seconds,
+            push_seconds=sp.push_seconds, pull_seconds=sp.pull_seconds,
         )
 
     def setup(self) -> None:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hetpipe.network import Network
+
 if TYPE_CHECKING:
     from coordinator.profiler import ModelProfile
 
@@ -59,20 +61,6 @@ class Gpu:
     node: str
     type: str      # catalog name, or "cpu"/"cuda"
     memory_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Network:
-    intra_node_gbs: float = 15.75 * 0.5   # PCIe 3 x16, scaled down as the paper does
-    inter_node_gbs: float = 7.0 * 0.8     # 56 Gb/s InfiniBand
-    latency_s: float = 20e-6
-
-    def seconds(self, nbytes: int, a: Gpu, b: Gpu) -> float:
-        """Time to move nbytes from a to b: PCIe within a node, InfiniBand between nodes."""
-        if nbytes <= 0:
-            return 0.0
-        gbs = self.intra_node_gbs if a.node == b.node else self.inter_node_gbs
-        return self.latency_s + nbytes / (gbs * 1e9)
 
 
 @dataclass(frozen=True, slots=True)

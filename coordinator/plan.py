@@ -14,11 +14,12 @@ import torch
 
 from hetpipe.catalog import gpu_type
 from hetpipe.config import ConfigError, JobConfig
+from hetpipe.network import Network, shard_node
 from hetpipe.wsp import s_global
-from hetpipe.zoo import model_shape
+from hetpipe.zoo import layer_keys, model_shape
 from coordinator.allocation import allocate
 from coordinator.partition import (
-    Gpu, Network, Partition, PlanError, max_nm, optimizer_kind, partition_vw, stage_memory,
+    Gpu, Partition, PlanError, StageCut, max_nm, optimizer_kind, partition_vw, stage_memory,
 )
 from coordinator.profiler import ModelProfile, profile_model
 from coordinator.simulator import SimStage, simulate
@@ -29,6 +30,12 @@ SIM_STEPS = 64
 # Loopback gRPC costs about this per stage-to-stage message in the emulated runtime (measured
 # by bench/transport.py at small sizes); the simulator charges it per send.
 LOOPBACK_SEND_S = 0.001
+# A push or pull on loopback: a round trip plus the bytes at what one shard path sustains
+# (codec, gRPC, and for pushes the fsync'd push log), measured by bench/ps_throughput.py and the
+# sync trace of bench/prediction.py on the 2-core development machine.
+LOOPBACK_PS_CALL_S = 0.003
+LOOPBACK_PUSH_BYTES_PER_S = 100 * 2**20
+LOOPBACK_PULL_BYTES_PER_S = 150 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,11 @@ class StagePlan:
     memory_bytes: int = 0
     capacity_bytes: int = 0
     receive_seconds: float = 0.0
+    # Emulated network (cluster.emulate.network): seconds each transfer is held (DESIGN §5).
+    next_send_seconds: float = 0.0
+    prev_send_seconds: float = 0.0
+    push_seconds: float = 0.0
+    pull_seconds: float = 0.0
 
     @property
     def label(self) -> str:
@@ -142,14 +154,103 @@ class _Partitions:
         return Partition(tuple(dataclasses.replace(c, gpu=rename[c.gpu]) for c in part.stages))
 
 
-def _simulated(parts: Sequence[Partition], nm: int, job: JobConfig, scale: float) -> tuple[float, float]:
+@dataclass(frozen=True, slots=True)
+class _Transfers:
+    """One stage's emulated network time per transfer (0 without an emulated network)."""
+
+    next_send: float = 0.0
+    prev_send: float = 0.0
+    push: float = 0.0
+    pull: float = 0.0
+
+
+class _SyncCosts:
+    """What moving data costs a stage: the emulated network's time (`transfers`, from the link
+    bandwidth and latency and the emulated model's bytes), and what the simulator charges on top
+    for loopback gRPC itself (the real model's bytes)."""
+
+    def __init__(self, job: JobConfig, profile: ModelProfile, model: torch.nn.Sequential,
+                 emulated_model: torch.nn.Sequential) -> None:
+        self.job, self.profile, self.model = job, profile, model
+        emulate = job.cluster.emulate if job.cluster else None
+        self.network = emulate.network if emulate else None
+        self.scale = emulate.time_scale if emulate else 1.0
+        self.nodes = [n.name for n in job.cluster.nodes] if job.cluster else []
+        itemsize = getattr(torch, job.train.dtype).itemsize
+        self.real_bytes = {name: p.numel() * itemsize for name, p in model.named_parameters()}
+        self.emulated_bytes = {name: p.numel() * itemsize for name, p in emulated_model.named_parameters()}
+
+    def _per_shard(self, cut: StageCut, key_shard: dict[str, int], sizes: dict[str, int]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for key in layer_keys(self.model, cut.layer_begin, cut.layer_end):
+            if key in key_shard:
+                out[key_shard[key]] = out.get(key_shard[key], 0) + sizes[key]
+        return out
+
+    def transfers(self, part: Partition, key_shard: dict[str, int]) -> list[_Transfers]:
+        """Per stage of a VW: the emulated network's time for each kind of transfer. A stage's
+        traffic to all shards shares its one network interface, so its per-shard times add up."""
+        net, cuts = self.network, part.stages
+        if net is None:
+            return [_Transfers()] * len(cuts)
+        shards = [shard_node(i, self.nodes) for i in range(self.job.parallel.ps_shards)]
+        layers = self.profile.layers
+        out = []
+        for q, cut in enumerate(cuts):
+            node = cut.gpu.node
+            nxt = net.link(node, cuts[q + 1].gpu.node, self.scale).seconds(layers[cut.layer_end - 1].output_bytes) \
+                if q + 1 < len(cuts) else 0.0
+            prv = net.link(node, cuts[q - 1].gpu.node, self.scale).seconds(layers[cut.layer_begin - 1].output_bytes) \
+                if q > 0 else 0.0
+            ps = sum(net.link(node, shards[i], self.scale).seconds(n)
+                     for i, n in self._per_shard(cut, key_shard, self.emulated_bytes).items())
+            synced = self.job.parallel.virtual_workers > 1  # a lone VW runs without shards
+            out.append(_Transfers(nxt, prv, ps if synced else 0.0, ps if synced else 0.0))
+        return out
+
+    def key_shard(self, parts: Sequence[Partition]) -> dict[str, int]:
+        # Shard s runs on node s (mod nodes), so `local` gives stage q the shard on stage q's node.
+        home = [self.nodes.index(c.gpu.node) if c.gpu.node in self.nodes else q for q, c in enumerate(parts[0].stages)]
+        return place_keys(self.model, [(c.layer_begin, c.layer_end) for c in parts[0].stages],
+                          self.job.parallel.ps_shards, self.job.parallel.placement, home)
+
+    def stages(self, parts: Sequence[Partition]) -> list[list[SimStage]]:
+        """The simulator's stages, times as the runtime pads them (scaled), transfers included."""
+        key_shard = self.key_shard(parts)
+        vws = []
+        for part in parts:
+            stages = []
+            for cut, emulated in zip(part.stages, self.transfers(part, key_shard)):
+                nbytes = sum(self._per_shard(cut, key_shard, self.real_bytes).values())
+                # The shards are asked in parallel: one round trip, the bytes on one path.
+                push = LOOPBACK_PS_CALL_S + nbytes / LOOPBACK_PUSH_BYTES_PER_S + emulated.push
+                pull = LOOPBACK_PS_CALL_S + nbytes / LOOPBACK_PULL_BYTES_PER_S + emulated.pull
+                stages.append(SimStage(cut.forward_seconds * self.scale, cut.backward_seconds * self.scale,
+                                       LOOPBACK_SEND_S + emulated.next_send, push_seconds=push, pull_seconds=pull))
+            vws.append(stages)
+        return vws
+
+
+def _simulated(parts: Sequence[Partition], nm: int, job: JobConfig, costs: _SyncCosts) -> tuple[float, float]:
     """Predicted samples/s and total wait (seconds over all VWs) for the runtime's padded times."""
-    vws = [[SimStage(c.forward_seconds * scale, c.backward_seconds * scale, LOOPBACK_SEND_S) for c in p.stages]
-           for p in parts]
     steps = min(job.train.steps, SIM_STEPS)
-    sim = simulate(vws, nm=nm, D=job.parallel.D, steps=steps, push_seconds=LOOPBACK_SEND_S,
-                   pull_seconds=LOOPBACK_SEND_S)
+    sim = simulate(costs.stages(parts), nm=nm, D=job.parallel.D, steps=steps)
     return sim.minibatches_per_second * job.data.batch_size, sum(sim.wait_seconds)
+
+
+def _emulated_model(job: JobConfig, model: torch.nn.Sequential) -> torch.nn.Sequential:
+    """The model the emulated costs are taken at; it may differ from the real one only in sizes."""
+    if job.emulated_model_args == dict(job.model.args):
+        return model
+    emulated = model_shape(job.model.name, job.emulated_model_args)
+    names = [n for n, _ in model.named_parameters()]
+    if len(emulated) != len(model) or [n for n, _ in emulated.named_parameters()] != names:
+        raise ConfigError(
+            f"cluster.emulate.model_args: {dict(job.cluster.emulate.model_args) if job.cluster and job.cluster.emulate else {}} "
+            f"gives {len(emulated)} layers and {len(list(emulated.parameters()))} parameters, the model "
+            f"{len(model)} and {len(names)}: the emulated model may differ only in sizes"
+        )
+    return emulated
 
 
 def _time_scale(job: JobConfig) -> float:
@@ -171,16 +272,18 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
     if len(gpus) < n * k:
         raise ConfigError(f"parallel: {n} virtual workers x {k} stages need {n * k} GPUs, the cluster has {len(gpus)}")
     types = sorted({g.type for g in gpus})
-    profile = profile_model(job.model.name, job.model.args, job.data.batch_size, job.train.dtype, types,
+    profile = profile_model(job.model.name, job.emulated_model_args, job.data.batch_size, job.train.dtype, types,
                             cache_dir=cache_dir or default_cache_dir())
     if k > len(profile.layers):
         raise ConfigError(f"parallel.stages_per_vw: {k} stages but model {job.model.name} has "
                           f"{len(profile.layers)} layers")
     optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
-    network = Network()
-    partitions = _Partitions(profile, optimizer, network)
     emulated = job.cluster is not None and job.cluster.emulate is not None
+    network = (job.cluster.emulate.network if job.cluster and job.cluster.emulate else None) or Network()
+    partitions = _Partitions(profile, optimizer, network)
     scale = _time_scale(job)
+    model = model_shape(job.model.name, job.model.args)
+    costs = _SyncCosts(job, profile, model, _emulated_model(job, model))
     if job.cluster is None:
         policies = ["ED"]  # identical local devices: every policy is the same
     else:
@@ -211,7 +314,7 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
             except PlanError as exc:
                 reasons.append(f"{policy}, nm={nm}: {exc}")
                 continue
-            rate, wait = _simulated(parts, nm, job, scale if emulated else 1.0)
+            rate, wait = _simulated(parts, nm, job, costs)
             # nm auto: a larger nm must beat the best so far by 1% to be worth its memory and staleness.
             if best is None or rate > best[0] * 1.01:
                 best = (rate, nm, policy, parts, groups, limits, wait)
@@ -221,7 +324,9 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
 
     cuda = torch.cuda.device_count()
     stages = []
+    key_shard = costs.key_shard(parts)
     for v, part in enumerate(parts):
+        transfers = costs.transfers(part, key_shard)
         for q, cut in enumerate(part.stages):
             local = cut.gpu.type in ("cpu", "cuda")
             if cut.gpu.type == "cuda" and cuda:
@@ -237,25 +342,28 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
             stages.append(StagePlan(
                 v, q, cut.layer_begin, cut.layer_end, cut.gpu.node, cut.gpu.type, device, emulated and not local,
                 fwd, bwd, cut.memory_bytes, cut.gpu.memory_bytes, cut.receive_seconds * scale,
+                transfers[q].next_send, transfers[q].prev_send, transfers[q].push, transfers[q].pull,
             ))
-    model = model_shape(job.model.name, job.model.args)
-    ranges = [(c.layer_begin, c.layer_end) for c in parts[0].stages]
     whole = stage_memory(profile, 0, len(profile.layers), 0, 1, 1, optimizer)
     return Plan(
         virtual_workers=n, stages_per_vw=k, nm=nm, D=par.D, shards=par.ps_shards, stages=tuple(stages),
-        key_shard=place_keys(model, ranges, par.ps_shards, par.placement), policy=policy,
+        key_shard=key_shard, policy=policy,
         predicted_samples_per_second=rate, predicted_wait_seconds=wait, max_m=tuple(limits),
         dp_only={t: whole <= next(g.memory_bytes for g in gpus if g.type == t) for t in types},
     )
 
 
-def place_keys(model: torch.nn.Sequential, ranges: list[tuple[int, int]], shards: int, placement: str) -> dict[str, int]:
+def place_keys(model: torch.nn.Sequential, ranges: list[tuple[int, int]], shards: int, placement: str,
+               home: Sequence[int] | None = None) -> dict[str, int]:
     """Owning shard of every parameter. `default`: layers with parameters round-robin over the
-    shards; `local`: stage q's layers on shard q (mod S), the shard co-located with that stage."""
+    shards; `local`: stage q's layers on shard home[q] (mod S), the shard on stage q's node, so
+    that with ED, where stage q of every VW sits on the same node, pushes stay inside nodes."""
     keys = [name for name, _ in model.named_parameters()]
     layer_of = {key: int(key.split(".", 1)[0]) for key in keys}
     if placement == "local":
-        return {key: next(q for q, (b, e) in enumerate(ranges) if b <= layer_of[key] < e) % shards for key in keys}
+        home = list(home) if home is not None else list(range(len(ranges)))
+        return {key: home[next(q for q, (b, e) in enumerate(ranges) if b <= layer_of[key] < e)] % shards
+                for key in keys}
     layers = sorted(set(layer_of.values()))
     return {key: layers.index(layer_of[key]) % shards for key in keys}
 

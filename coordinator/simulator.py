@@ -43,6 +43,8 @@ class SimStage:
     forward_seconds: float
     backward_seconds: float
     send_seconds: float = 0.0    # activation to the next stage (and the gradient back)
+    push_seconds: float | None = None   # this stage's push and pull reply; None = simulate()'s
+    pull_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +72,10 @@ def _check(vws: Sequence[Sequence[SimStage]], nm: int, D: int, steps: int, push:
         if not stages:
             raise ValueError(f"vws[{v}]: a virtual worker needs at least one stage")
         for q, stage in enumerate(stages):
-            for name in ("forward_seconds", "backward_seconds", "send_seconds"):
+            for name in ("forward_seconds", "backward_seconds", "send_seconds", "push_seconds", "pull_seconds"):
                 x = getattr(stage, name)
+                if x is None and name in ("push_seconds", "pull_seconds"):
+                    continue
                 if not (isinstance(x, (int, float)) and math.isfinite(x) and x >= 0):
                     raise ValueError(f"vws[{v}][{q}].{name} = {x!r}: expected a finite number >= 0")
     if not (isinstance(nm, int) and nm >= 1):
@@ -102,6 +106,8 @@ def simulate(vws: Sequence[Sequence[SimStage]], *, nm: int, D: int, steps: int,
     fwd_s: list[float] = []
     bwd_s: list[float] = []
     send_s: list[float] = []
+    push_s: list[float] = []
+    pull_s: list[float] = []
     for v, stages in enumerate(vws):
         offset.append(len(vw_of))
         for q, stage in enumerate(stages):
@@ -111,6 +117,8 @@ def simulate(vws: Sequence[Sequence[SimStage]], *, nm: int, D: int, steps: int,
             fwd_s.append(float(stage.forward_seconds))
             bwd_s.append(float(stage.backward_seconds))
             send_s.append(float(stage.send_seconds))
+            push_s.append(float(push_seconds if stage.push_seconds is None else stage.push_seconds))
+            pull_s.append(float(pull_seconds if stage.pull_seconds is None else stage.pull_seconds))
     S = len(vw_of)
     first = [q_of[s] == 0 for s in range(S)]
     last = [q_of[s] == k_of[s] - 1 for s in range(S)]
@@ -211,7 +219,7 @@ def simulate(vws: Sequence[Sequence[SimStage]], *, nm: int, D: int, steps: int,
                     local_clock[s] += 1
                     if sync:
                         t = push_free[s]
-                        t = (t if t > now else now) + push_seconds
+                        t = (t if t > now else now) + push_s[s]
                         push_free[s] = t
                         hpush(heap, (t, ev, _PUSH_DONE, s, (p - 1) // nm))
                         ev += 1
@@ -245,7 +253,7 @@ def simulate(vws: Sequence[Sequence[SimStage]], *, nm: int, D: int, steps: int,
                     for w in ws:
                         if pull_need[w] <= c:
                             pull_need[w] = -1
-                            hpush(heap, (now + pull_seconds, ev, _PULL_REPLY, w, c))
+                            hpush(heap, (now + pull_s[w], ev, _PULL_REPLY, w, c))
                             ev += 1
                         else:
                             keep.append(w)
@@ -280,7 +288,7 @@ def simulate(vws: Sequence[Sequence[SimStage]], *, nm: int, D: int, steps: int,
                     pulling[s] = True
                     g = grp[s]
                     if cg[g] >= need:
-                        hpush(heap, (now + pull_seconds, ev, _PULL_REPLY, s, cg[g]))
+                        hpush(heap, (now + pull_s[s], ev, _PULL_REPLY, s, cg[g]))
                         ev += 1
                     else:
                         pull_need[s] = need

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from hetpipe.network import Network
+
 
 class ConfigError(ValueError):
     """A bad job file value; the message names the key, the value and what was expected."""
@@ -100,6 +102,11 @@ class EmulateConfig:
     # Fixed per-task times override the catalog, e.g. for pipeline benchmarks with equal stages.
     forward_seconds: float = 0.0
     backward_seconds: float = 0.0
+    # Emulated links between stages, to the shards and in the allreduce baseline; None = loopback as is.
+    network: Network | None = None
+    # Model args the emulated costs are taken at (times, memory, bytes moved), over model.args: a
+    # small stand-in computes while every task and transfer is timed as the full-size model's.
+    model_args: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +210,12 @@ class JobConfig:
         return parse_job(raw, base_dir=str(raw.get("base_dir", ".")))
 
     @property
+    def emulated_model_args(self) -> dict[str, Any]:
+        """The model args the planner profiles at: model.args, with cluster.emulate.model_args over them."""
+        emulate = self.cluster.emulate if self.cluster else None
+        return {**self.model.args, **(emulate.model_args if emulate else {})}
+
+    @property
     def nm(self) -> int:
         assert isinstance(self.parallel.nm, int), "nm must be resolved before running"
         return self.parallel.nm
@@ -244,11 +257,23 @@ def _parse_cluster(raw: Any) -> ClusterConfig | None:
     emulate = None
     if sec.get("emulate") is not None:
         em = _Section(sec.get("emulate"), "cluster.emulate")
-        em.check_known(("time_scale", "forward_seconds", "backward_seconds"))
+        em.check_known(("time_scale", "forward_seconds", "backward_seconds", "network", "model_args"))
+        network = None
+        if em.get("network") is not None:
+            net = _Section(em.get("network"), "cluster.emulate.network")
+            net.check_known(("intra_node_gbs", "inter_node_gbs", "latency_s"))
+            paper = Network()
+            network = Network(
+                intra_node_gbs=net.number("intra_node_gbs", paper.intra_node_gbs, minimum=1e-6),
+                inter_node_gbs=net.number("inter_node_gbs", paper.inter_node_gbs, minimum=1e-6),
+                latency_s=net.number("latency_s", paper.latency_s),
+            )
         emulate = EmulateConfig(
             time_scale=em.number("time_scale", 1.0, minimum=1e-9),
             forward_seconds=em.number("forward_seconds", 0.0),
             backward_seconds=em.number("backward_seconds", 0.0),
+            network=network,
+            model_args=em.mapping("model_args"),
         )
     return ClusterConfig(nodes=tuple(nodes), emulate=emulate)
 

@@ -32,13 +32,16 @@ class Link:
 
     A send that keeps failing for longer than give_up_s calls on_failure with a message naming
     the peer and the minibatch, so a dead neighbour fails the stage fast instead of hanging it.
+    With hold_s (an emulated network), each bundle is held that long before it goes out; the one
+    sender thread makes bundles queue behind each other as on a real link.
     """
 
     def __init__(
         self, *, address: str, method: str, peer: str, on_failure: Callable[[str], None],
-        give_up_s: float = 10.0,
+        give_up_s: float = 10.0, hold_s: float = 0.0,
     ) -> None:
         self.address, self.method, self.peer = address, method, peer
+        self._hold_s = hold_s
         self._on_failure = on_failure
         self._give_up_s = give_up_s
         self._channel = rpc.channel(address)
@@ -68,6 +71,8 @@ class Link:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
+            if self._hold_s > 0 and self._closing.wait(self._hold_s):
+                return
             if not self._deliver(item):
                 return
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import threading
 import time
@@ -104,6 +105,10 @@ class StageRuntime:
                     grpc.StatusCode.INVALID_ARGUMENT, f"layers [{a.layer_begin}, {a.layer_end}) but the model has {len(model)}"
                 )
             self._shape_specs(a, model)
+            for field in ("next_send_seconds", "prev_send_seconds", "push_seconds", "pull_seconds"):
+                value = getattr(a, field)
+                if not (math.isfinite(value) and value >= 0):
+                    raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {value}: expected a finite number >= 0")
             tracks = len(a.ps_addresses) > 0
             self.compute = StageCompute(
                 stage_layers(model, a.layer_begin, a.layer_end), job.train.optimizer, loss=job.train.loss,
@@ -171,11 +176,11 @@ class StageRuntime:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"cannot start in state {State.Name(self.state)}")
             a = self.a
             self._next = (
-                None if self.last else Link(address=a.next_address, method="Forward",
+                None if self.last else Link(address=a.next_address, method="Forward", hold_s=a.next_send_seconds,
                                             peer=f"stage {self.stage + 1} of vw {self.vw}", on_failure=self.fail)
             )
             self._prev = (
-                None if self.first else Link(address=a.prev_address, method="Backward",
+                None if self.first else Link(address=a.prev_address, method="Backward", hold_s=a.prev_send_seconds,
                                              peer=f"stage {self.stage - 1} of vw {self.vw}", on_failure=self.fail)
             )
             self.state = State.RUNNING

@@ -9,9 +9,13 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import json
+from typing import IO
 
 import grpc
 import torch
@@ -37,6 +41,9 @@ class _Pulled:
     values: dict[str, torch.Tensor]
     own_clock: dict[str, int]
     c_global: int
+    min_clock: int
+    sent: float      # wall-clock times, for the sync trace
+    replied: float
 
 
 class WspSync:
@@ -59,6 +66,13 @@ class WspSync:
         self.addresses = list(a.ps_addresses)
         self._channels = [rpc.channel(addr) for addr in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in self._channels]
+        # An emulated network (DESIGN §5) holds each push, and each pull reply, this long.
+        self._hold_push_s, self._hold_pull_s = a.push_seconds, a.pull_seconds
+        # Pushes and pulls go to every shard at once: one round trip, not one per shard. Separate
+        # pools: a pull the shards hold back must never keep the push it waits for from going out.
+        workers = max(1, len(self.addresses))
+        self._push_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="push")
+        self._pull_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pull")
         self.steps = job.train.steps
         self.total_waves = math.ceil(self.steps / self.nm)
         self._acc: dict[int, list[torch.Tensor]] = {}
@@ -71,12 +85,19 @@ class WspSync:
         self._wait_seconds = 0.0
         self._acked_waves = 0
         self._closed = threading.Event()
-        self._pushes: queue.Queue[tuple[int, list[torch.Tensor]] | None] = queue.Queue()
+        self._pushes: queue.Queue[tuple[int, list[torch.Tensor], float] | None] = queue.Queue()
         # Sum of every acknowledged push, written next to the trace: what O3 checks the shards against.
         self._ledger = [torch.zeros_like(p, device="cpu") for p in runtime.compute.params]
         self._ledger_path = ""
+        # The sync trace (trace/sync/vwV_stageQ.jsonl): when each push and pull was queued, sent,
+        # answered and merged; what explains a wait that the minibatch trace only shows the end of.
+        self._sync_trace: IO[str] | None = None
+        self._trace_lock = threading.Lock()
         if a.trace_path:
-            self._ledger_path = str(Path(a.trace_path).with_name(f"acked_vw{a.vw}_stage{a.stage}.pt"))
+            trace = Path(a.trace_path)
+            self._ledger_path = str(trace.with_name(f"acked_vw{a.vw}_stage{a.stage}.pt"))
+            (trace.parent / "sync").mkdir(exist_ok=True)
+            self._sync_trace = open(trace.parent / "sync" / trace.name, "w")
         self._repeat_push = job.faults.repeat_push
         self._rng = random.Random(hash((job.train.seed, a.vw, a.stage, "push")))
         self._pusher = threading.Thread(target=self._push_loop, name="pusher", daemon=True)
@@ -124,7 +145,7 @@ class WspSync:
     def on_wave_end(self, wave: int) -> None:
         self._clock = wave + 1
         if self.keys:
-            self._pushes.put((wave, [t.clone() for t in self._acc[wave]]))
+            self._pushes.put((wave, [t.clone() for t in self._acc[wave]], time.time()))
 
     def apply_pending(self, compute: StageCompute) -> None:
         with self._lock:
@@ -141,6 +162,8 @@ class WspSync:
             merged.append(value)
         compute.set_weights(merged)
         self._have = max(self._have, pulled.c_global)
+        self._write_sync({"event": "pull", "min_clock": pulled.min_clock, "c_global": pulled.c_global,
+                          "sent": pulled.sent, "replied": pulled.replied, "merged": time.time()})
         included = min(pulled.own_clock.values())
         for wave in [w for w in self._acc if w < included]:
             del self._acc[wave]
@@ -171,8 +194,20 @@ class WspSync:
         self._closed.set()
         self._pushes.put(None)
         self._pusher.join(timeout=5)
+        self._push_pool.shutdown(wait=False, cancel_futures=True)
+        self._pull_pool.shutdown(wait=False, cancel_futures=True)
         for ch in self._channels:
             ch.close()
+        with self._trace_lock:
+            if self._sync_trace is not None:
+                self._sync_trace.close()
+                self._sync_trace = None
+
+    def _write_sync(self, row: dict[str, float | int | str]) -> None:
+        with self._trace_lock:
+            if self._sync_trace is not None:
+                self._sync_trace.write(json.dumps(row) + "\n")
+                self._sync_trace.flush()
 
     # ---- background threads -------------------------------------------------------------------
 
@@ -202,15 +237,20 @@ class WspSync:
     def _push_loop(self) -> None:
         groups = self._by_shard()
         while (item := self._pushes.get()) is not None:
-            wave, update = item
-            started = time.perf_counter()
+            wave, update, queued = item
+            started, start_wall = time.perf_counter(), time.time()
+            batches = {shard: [(self.keys[i], update[i].cpu()) for i in idx] for shard, idx in groups.items()}
+            if self._hold_push_s > 0 and self._closed.wait(self._hold_push_s):
+                return
             try:
-                for shard, idx in groups.items():
-                    self._push(shard, wave, [(self.keys[i], update[i].cpu()) for i in idx])
+                for _ in self._push_pool.map(lambda item: self._push(item[0], wave, item[1]), batches.items()):
+                    pass
             except RuntimeError as exc:
-                self.rt.fail(str(exc))
+                if not self._closed.is_set():  # closing cancels the pool: not a failure
+                    self.rt.fail(str(exc))
                 return
             self._observe.push.observe(time.perf_counter() - started)
+            self._write_sync({"event": "push", "wave": wave, "queued": queued, "start": start_wall, "end": time.time()})
             for total, u in zip(self._ledger, update):
                 total.add_(u.cpu())
             self._acked_waves = wave + 1
@@ -238,26 +278,32 @@ class WspSync:
     def _pull(self, min_clock: int) -> None:
         values: dict[str, torch.Tensor] = {}
         own: dict[str, int] = {}
-        c_global = None
-        started = time.perf_counter()
+        started, sent = time.perf_counter(), time.time()
+
+        def pull_one(shard: int, idx: list[int]) -> wire.Bundle:
+            request = ps_pb2.PullRequest(vw=self.vw, keys=[self.keys[i] for i in idx], min_clock=min_clock)
+            stub = self._stubs[shard]
+            bundle = self._retrying(
+                f"pull for min_clock {min_clock}", shard, PULL_GIVE_UP_S,
+                lambda: wire.decode(stub.Pull(request, timeout=PULL_CALL_S)),
+            )
+            assert isinstance(bundle, wire.Bundle)
+            return bundle
+
         try:
-            for shard, idx in self._by_shard().items():
-                request = ps_pb2.PullRequest(vw=self.vw, keys=[self.keys[i] for i in idx], min_clock=min_clock)
-                stub = self._stubs[shard]
-                bundle = self._retrying(
-                    f"pull for min_clock {min_clock}", shard, PULL_GIVE_UP_S,
-                    lambda: wire.decode(stub.Pull(request, timeout=PULL_CALL_S)),
-                )
-                assert isinstance(bundle, wire.Bundle)
-                tag = bundle.header.pull
-                for (key, value), clock in zip(bundle.tensors, tag.own_clock):
-                    values[key], own[key] = value, int(clock)
-                c_global = tag.c_global if c_global is None else min(c_global, tag.c_global)
+            groups = self._by_shard()
+            bundles = dict(zip(groups, self._pull_pool.map(lambda item: pull_one(*item), groups.items())))
         except (RuntimeError, wire.WireError) as exc:
-            self.rt.fail(str(exc))
+            if not self._closed.is_set():
+                self.rt.fail(str(exc))
             return
-        assert c_global is not None
+        c_global = min(b.header.pull.c_global for b in bundles.values())
+        for bundle in bundles.values():
+            for (key, value), clock in zip(bundle.tensors, bundle.header.pull.own_clock):
+                values[key], own[key] = value, int(clock)
+        if self._hold_pull_s > 0 and self._closed.wait(self._hold_pull_s):  # the reply crosses the network
+            return
         self._observe.pull.observe(time.perf_counter() - started)
         with self._lock:
-            self._pending = _Pulled(values, own, int(c_global))
+            self._pending = _Pulled(values, own, int(c_global), min_clock, sent, time.time())
         self.rt.wake()

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StageAssignment(_message.Message):
-    __slots__ = ("vw", "stage", "num_stages", "layer_begin", "layer_end", "job_json", "prev_address", "next_address", "ps_addresses", "key_shards", "trace_path", "forward_seconds", "backward_seconds", "device", "device_label", "input_shape", "input_dtype", "target_shape", "target_dtype", "memory_bytes", "capacity_bytes", "gpu_type", "emulated")
+    __slots__ = ("vw", "stage", "num_stages", "layer_begin", "layer_end", "job_json", "prev_address", "next_address", "ps_addresses", "key_shards", "trace_path", "forward_seconds", "backward_seconds", "device", "device_label", "input_shape", "input_dtype", "target_shape", "target_dtype", "memory_bytes", "capacity_bytes", "gpu_type", "emulated", "next_send_seconds", "prev_send_seconds", "push_seconds", "pull_seconds")
     VW_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,10 @@ class StageAssignment(_message.Message):
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_TYPE_FIELD_NUMBER: _ClassVar[int]
     EMULATED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREV_SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PULL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     vw: int
     stage: int
     num_stages: int
@@ -56,7 +60,11 @@ class StageAssignment(_message.Message):
     capacity_bytes: int
     gpu_type: str
     emulated: bool
-    def __init__(self, vw: _Optional[int] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., job_json: _Optional[str] = ..., prev_address: _Optional[str] = ..., next_address: _Optional[str] = ..., ps_addresses: _Optional[_Iterable[str]] = ..., key_shards: _Optional[_Iterable[int]] = ..., trace_path: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., device: _Optional[str] = ..., device_label: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., target_shape: _Optional[_Iterable[int]] = ..., target_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., memory_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., gpu_type: _Optional[str] = ..., emulated: _Optional[bool] = ...) -> None: ...
+    next_send_seconds: float
+    prev_send_seconds: float
+    push_seconds: float
+    pull_seconds: float
+    def __init__(self, vw: _Optional[int] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., job_json: _Optional[str] = ..., prev_address: _Optional[str] = ..., next_address: _Optional[str] = ..., ps_addresses: _Optional[_Iterable[str]] = ..., key_shards: _Optional[_Iterable[int]] = ..., trace_path: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., device: _Optional[str] = ..., device_label: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., target_shape: _Optional[_Iterable[int]] = ..., target_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., memory_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., gpu_type: _Optional[str] = ..., emulated: _Optional[bool] = ..., next_send_seconds: _Optional[float] = ..., prev_send_seconds: _Optional[float] = ..., push_seconds: _Optional[float] = ..., pull_seconds: _Optional[float] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("state", "vw", "stage", "forwards_done", "backwards_done", "local_version", "in_flight", "received", "last_loss", "recent_loss", "error", "wait_seconds", "idle_seconds", "compute_seconds", "clock", "min_clock", "weights_digest", "device", "wait_idle_seconds")

@@ -25,6 +25,7 @@ from coordinator.driver import JobFailed
 from coordinator.local import run_local
 from hetpipe import cli
 from hetpipe.config import ConfigError, parse_job, with_overrides
+from hetpipe.network import Network
 from hetpipe.reference import initial_model, train_reference
 
 pytestmark = pytest.mark.timeout(180)
@@ -176,6 +177,25 @@ def test_ddp_on_an_emulated_cluster_is_paced_by_its_devices(make_job) -> None:
                                                                  ("n1", "rtx-2060 (emulated)")]
     assert summary["wall_seconds"] >= steps * step_s * 0.95
     assert 0 <= summary["wait_seconds"] and 0 < summary["accuracy"] <= 1
+
+
+def test_ddp_allreduce_crosses_the_emulated_network(make_job) -> None:
+    steps, step_s = 8, 0.02
+    job = emulated_job(make_job, steps, step_s)
+    raw_net = {"inter_node_gbs": 0.0004, "intra_node_gbs": 1.0, "latency_s": 0.001}
+    assert job.cluster is not None and job.cluster.emulate is not None
+    job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, emulate=dataclasses.replace(
+        job.cluster.emulate, network=Network(**raw_net))))
+    devices = select_devices(job)
+    grads = sum(p.numel() * 4 for p in initial_model(job).parameters())
+    # Two ranks on two nodes: a ring over the inter-node link, 2 steps of half the gradients each.
+    expected = 2 * 0.001 + 2 * (grads / 2) / (0.0004e9)
+    assert devices.allreduce_seconds == pytest.approx(expected)
+    assert expected > 0.04
+    summary = run_local(job, quiet=True)
+    assert summary["allreduce_seconds"] == pytest.approx(expected)
+    assert summary["wall_seconds"] >= steps * (step_s + expected)
+    assert summary["wait_seconds"] >= 2 * steps * expected  # both ranks sat in every allreduce
 
 
 def test_ddp_names_the_failed_rank_and_stops_every_worker(make_job, tmp_path: Path) -> None:

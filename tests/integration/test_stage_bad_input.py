@@ -423,6 +423,9 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
         "unknown input dtype": (variant(input_dtype=99), "unknown dtype code 99"),
         "input shape that does not fit the model": (variant(input_shape=[batch[0], batch[1] + 1]),
                                                     rf"input_shape|\[{batch[0]}, {batch[1] + 1}\]"),
+        "negative link time": (variant(prev_send_seconds=-1.0), r"prev_send_seconds: -1.0: expected a finite number >= 0"),
+        "NaN push time": (variant(push_seconds=float("nan")), "push_seconds: nan: expected a finite number"),
+        "infinite pull time": (variant(pull_seconds=float("inf")), "pull_seconds: inf: expected a finite number"),
     }
     failures = []
     for name, (request, match) in bad.items():
