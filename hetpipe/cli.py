@@ -68,11 +68,17 @@ def _plan(args: argparse.Namespace) -> int:
     emulated = " (emulated GPUs)" if plan.emulated else ""
     print(f"policy {plan.policy}, {plan.virtual_workers} virtual workers x {plan.stages_per_vw} stages, "
           f"nm {plan.nm}, D {plan.D}, s_global {plan.s_global}, {plan.shards} ps shards{emulated}")
-    print(f"{'vw':>3} {'stage':>5}  {'node':<8}{'gpu':<26}{'layers':<10}{'memory GiB':>16}  {'fwd s':>8} {'bwd s':>8} {'recv s':>8}")
+    network = job.cluster.emulate.network if job.cluster and job.cluster.emulate else None
+    if network is not None:
+        print(f"emulated network: {network.intra_node_gbs:g} GB/s in a node, {network.inter_node_gbs:g} GB/s between "
+              f"nodes, {network.latency_s * 1e6:g} us latency; send s and push s are per transfer, time-scaled")
+    print(f"{'vw':>3} {'stage':>5}  {'node':<8}{'gpu':<26}{'layers':<10}{'memory GiB':>16}  {'fwd s':>8} {'bwd s':>8} {'recv s':>8}"
+          + (f" {'send s':>8} {'push s':>8}" if network else ""))
     for s in plan.stages:
         memory = f"{_gib(s.memory_bytes)}/{_gib(s.capacity_bytes)}"
         print(f"{s.vw:>3} {s.stage:>5}  {s.node:<8}{s.label:<26}{f'[{s.layer_begin},{s.layer_end})':<10}"
-              f"{memory:>16}  {s.forward_seconds:>8.4f} {s.backward_seconds:>8.4f} {s.receive_seconds:>8.4f}")
+              f"{memory:>16}  {s.forward_seconds:>8.4f} {s.backward_seconds:>8.4f} {s.receive_seconds:>8.4f}"
+              + (f" {s.next_send_seconds:>8.4f} {s.push_seconds:>8.4f}" if network else ""))
     print(f"max Nm per vw (memory): {list(plan.max_m)}")
     for gpu, fits in sorted(plan.dp_only.items()):
         if not fits:
