@@ -4,7 +4,9 @@ measured samples/s, on emulated heterogeneous clusters, side by side in one run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -14,9 +16,12 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from emulated import median_ms  # noqa: E402
+
 from coordinator.local import run_local  # noqa: E402
-from coordinator.plan import make_plan  # noqa: E402
-from hetpipe.config import load_job  # noqa: E402
+from coordinator.plan import Plan, loopback_sync_seconds, make_plan  # noqa: E402
+from hetpipe.config import JobConfig, load_job  # noqa: E402
+from hetpipe.zoo import model_shape  # noqa: E402
 
 MLP = {"name": "mlp", "args": {"in_features": 64, "hidden": [512, 512, 512, 512, 512], "num_classes": 10}}
 
@@ -43,12 +48,40 @@ def job_file(root: Path, name: str, extra: dict[str, Any], steps: int, time_scal
     raw = {
         "model": MLP, "data": {"name": "digits", "batch_size": 32},
         "train": {"steps": steps, "optimizer": {"name": "sgd", "lr": 0.01}},
-        "output": {"dir": str(root / name), "trace": False}, **extra,
+        "output": {"dir": str(root / name), "trace": True}, **extra,
     }
     raw["cluster"] = {**extra["cluster"], "emulate": {"time_scale": time_scale}}
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+def sync_costs(job: JobConfig, plan: Plan, out_dir: Path) -> str:
+    """Measured push and blocked-pull-reply medians (the sync trace) beside what the simulator charged."""
+    sync = out_dir / "trace" / "sync"
+    if not sync.exists():
+        return "one VW: no shards"
+    size = {name: p.numel() * 4 for name, p in model_shape(job.model.name, job.model.args).named_parameters()}
+    events = {(sp.vw, sp.stage): [json.loads(line) for line in (sync / f"vw{sp.vw}_stage{sp.stage}.jsonl").open()]
+              for sp in plan.stages}
+    push, reply, model_push, model_pull = [], [], [], []
+    for sp in plan.stages:
+        nbytes = sum(n for key, n in size.items() if sp.layer_begin <= int(key.split(".")[0]) < sp.layer_end)
+        mp, ml = loopback_sync_seconds(nbytes)
+        model_push.append(mp + sp.push_seconds)
+        model_pull.append(ml + sp.pull_seconds)
+        mine = events[(sp.vw, sp.stage)]
+        push += [e["end"] - e["start"] for e in mine if e["event"] == "push"]
+        for e in mine:
+            if e["event"] != "pull":
+                continue
+            # The pushes of wave min_clock-1 at this stage position: the last one unblocks the pull.
+            ends = [x["end"] for (v, q), evs in events.items() if q == sp.stage for x in evs
+                    if x["event"] == "push" and x["wave"] == e["min_clock"] - 1]
+            if len(ends) == plan.virtual_workers and max(ends) > e["sent"]:
+                reply.append(e["replied"] - max(ends))
+    return (f"push {median_ms(push):.0f} ms (model {1e3 * statistics.median(model_push):.0f}), pull reply after "
+            f"the unblocking push {median_ms(reply):.0f} ms (model {1e3 * statistics.median(model_pull):.0f})")
 
 
 def main() -> int:
@@ -70,6 +103,7 @@ def main() -> int:
             measured = run_local(job, quiet=True)["samples_per_second"]
             predicted = plan.predicted_samples_per_second
             print(f"{label:<52}{predicted:>11.1f}{measured:>11.1f}{predicted / measured:>11.3f}")
+            print(f"    medians: {sync_costs(job, plan, Path(tmp) / f'c{i}')}", flush=True)
     return 0
 
 

@@ -27,15 +27,23 @@ from coordinator.simulator import SimStage, simulate
 NM_LIMIT = 16
 # Minibatches the simulator runs per VW to predict steady-state throughput.
 SIM_STEPS = 64
-# Loopback gRPC costs about this per stage-to-stage message in the emulated runtime (measured
-# by bench/transport.py at small sizes); the simulator charges it per send.
-LOOPBACK_SEND_S = 0.001
-# A push or pull on loopback: a round trip plus the bytes at what one shard path sustains
-# (codec, gRPC, and for pushes the fsync'd push log), measured by bench/ps_throughput.py and the
-# sync trace of bench/prediction.py on the 2-core development machine.
+# Loopback gRPC costs about this per stage-to-stage message in the emulated runtime, wake-up of
+# the receiving compute thread included (bench/pipeline.py: 4.8 ms per hop); charged per send.
+LOOPBACK_SEND_S = 0.004
+# A push or pull on loopback: a round trip plus the bytes at what the shard path sustains (codec,
+# gRPC, and for pushes the fsync'd push log). bench/ps_throughput.py on the 2-core development
+# machine: a durable 5 MiB push takes 70 ms, a 5 MiB pull 30 ms; the sync traces of
+# bench/prediction.py agree (pushes of 2.2 MB: 25-59 ms, unblocked pulls: 18 ms).
 LOOPBACK_PS_CALL_S = 0.003
-LOOPBACK_PUSH_BYTES_PER_S = 100 * 2**20
-LOOPBACK_PULL_BYTES_PER_S = 150 * 2**20
+LOOPBACK_PUSH_BYTES_PER_S = 64 * 2**20
+LOOPBACK_PULL_BYTES_PER_S = 100 * 2**20
+
+
+def loopback_sync_seconds(nbytes: int) -> tuple[float, float]:
+    """(push, pull reply) seconds for a stage with nbytes of parameters, shards on loopback. The
+    shards are asked in parallel: one round trip, the bytes on one path."""
+    return (LOOPBACK_PS_CALL_S + nbytes / LOOPBACK_PUSH_BYTES_PER_S,
+            LOOPBACK_PS_CALL_S + nbytes / LOOPBACK_PULL_BYTES_PER_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,12 +229,10 @@ class _SyncCosts:
         for part in parts:
             stages = []
             for cut, emulated in zip(part.stages, self.transfers(part, key_shard)):
-                nbytes = sum(self._per_shard(cut, key_shard, self.real_bytes).values())
-                # The shards are asked in parallel: one round trip, the bytes on one path.
-                push = LOOPBACK_PS_CALL_S + nbytes / LOOPBACK_PUSH_BYTES_PER_S + emulated.push
-                pull = LOOPBACK_PS_CALL_S + nbytes / LOOPBACK_PULL_BYTES_PER_S + emulated.pull
+                push, pull = loopback_sync_seconds(sum(self._per_shard(cut, key_shard, self.real_bytes).values()))
                 stages.append(SimStage(cut.forward_seconds * self.scale, cut.backward_seconds * self.scale,
-                                       LOOPBACK_SEND_S + emulated.next_send, push_seconds=push, pull_seconds=pull))
+                                       LOOPBACK_SEND_S + emulated.next_send, push_seconds=push + emulated.push,
+                                       pull_seconds=pull + emulated.pull))
             vws.append(stages)
         return vws
 
