@@ -105,19 +105,24 @@ def _spread(shares: Mapping[str, int], need: int) -> dict[str, int]:
 def _equal_distribution(gpus: Sequence[Gpu], n: int, k: int) -> list[list[Gpu]]:
     """Every VW gets the same mix of GPU types, spread over as many nodes as possible.
 
-    Each node deals its GPUs out in equal shares, VW v taking the v-th consecutive block:
-    c // n GPUs per VW from a node with c GPUs. The k slots of a VW are filled one share unit at
+    Each node deals its GPUs of each type out in equal shares, VW v taking the v-th consecutive
+    block: c // n GPUs per VW from c GPUs of one type on one node. The k slots of a VW are filled one share unit at
     a time, visiting the nodes in turn, so that a VW spans the nodes evenly (on the paper's
     cluster: one V, R, G and Q each). Then every VW has the same GPUs of each node, which is
     what `local` placement relies on. If the node shares do not reach k, GPUs left on the nodes
     are pooled by type and dealt the same way, so that the type mix is still the same for all.
     """
     by_node = _by_key(gpus, "node")
-    node_take = _spread({node: len(m) // n for node, m in by_node.items()}, k)
+    # The units dealt are a node's GPUs of one type (a node may hold several types), visited
+    # round-robin over the nodes so that a VW spans as many nodes as possible.
+    groups = [{(node, t): m for t, m in _by_key(members, "type").items()} for node, members in by_node.items()]
+    order = [key for i in range(max(map(len, groups))) for g in groups for key in list(g)[i:i + 1]]
+    members_of = {key: m for g in groups for key, m in g.items()}
+    node_take = _spread({key: len(members_of[key]) // n for key in order}, k)
     vws: list[list[Gpu]] = [[] for _ in range(n)]
     leftover: list[Gpu] = []
-    for node, members in by_node.items():
-        take = node_take.get(node, 0)
+    for key in order:
+        members, take = members_of[key], node_take.get(key, 0)
         for v in range(n):
             vws[v] += members[v * take:(v + 1) * take]
         leftover += members[n * take:]

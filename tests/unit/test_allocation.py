@@ -108,6 +108,19 @@ def test_ed_with_spare_gpus_still_spreads_and_matches() -> None:
     assert [sorted(g.type for g in vw) for vw in vws] == [["t4", "titan-v"]] * 2
 
 
+@pytest.mark.parametrize("per_node", [["titan-v", "quadro-p4000"], ["titan-v", "titan-v", "quadro-p4000", "quadro-p4000"]])
+def test_ed_deals_mixed_nodes_by_type(per_node: list[str]) -> None:
+    """Nodes holding several types: dealing a node's GPUs in blocks would hand one VW all the fast
+    ones. Each VW must get the same mix, whatever the nodes hold."""
+    gpus = make([("a", per_node), ("b", per_node)])
+    vws = allocate("ED", gpus, 2, 2)
+    check_valid(vws, gpus, 2, 2)
+    mixes = [sorted(g.type for g in vw) for vw in vws]
+    assert mixes[0] == mixes[1], mixes
+    if len(per_node) == 2:  # one GPU of each type per VW is the only equal mix
+        assert mixes[0] == ["quadro-p4000", "titan-v"]
+
+
 def test_ed_pools_leftovers_by_type() -> None:
     """Four single-GPU nodes of one type: no node can serve every VW, the type mix is still equal."""
     gpus = make([(f"n{i}", ["t4"]) for i in range(4)])
