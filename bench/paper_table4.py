@@ -107,6 +107,16 @@ def main() -> int:
                       f"Nm {plan.nm}), horovod {rows['horovod'][-1]:.0f} on {result['virtual_workers']} ranks"
                       + (f"; left out: {'; '.join(result['left_out'])}" if result.get("left_out") else ""),
                       flush=True)
+                # Where the time went, in emulated seconds (measured / time_scale).
+                ranks, stages = result["virtual_workers"], len(plan.stages)
+                step = result["wall_seconds"] / args.ddp_steps / scale
+                in_allreduce = result["wait_seconds"] / ranks / args.ddp_steps / scale
+                print(f"    horovod: {step:.3f} s per step, of which {in_allreduce:.3f} in allreduce (the ring "
+                      f"alone: {result['allreduce_seconds'] / scale:.3f}; the rest waits for the slowest rank)")
+                print(f"    hetpipe: {summary['wall_seconds'] / scale:.2f} s for {args.waves} waves; per stage "
+                      f"{summary['idle_seconds'] / stages / scale:.2f} s idle, of which "
+                      f"{summary['wait_idle_seconds'] / stages / scale:.2f} s blocked on WSP (pull wait "
+                      f"{summary['wait_seconds'] / stages / scale:.2f} s)", flush=True)
             idx = [COLUMNS.index(c) for c in args.columns]
             print(f"\n{model}, batch 32: images/s (ours | paper)")
             print(f"{'':<22}" + "".join(f"{f'{len(c) * 4} GPUs {c}':>18}" for c in args.columns))
