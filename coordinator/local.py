@@ -94,8 +94,10 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
                 status = _follow(stub, procs, servicer.runner, quiet=quiet,
                                  on_restart=lambda: write_targets(targets, metrics_port, procs))
             except KeyboardInterrupt:
+                # Give the runner a moment to stop the stages cleanly; the processes are terminated
+                # right after anyway, and Ctrl-C must end the run within seconds even on a busy host.
                 servicer.runner.stop("interrupted (Ctrl-C)")
-                servicer.runner.machine.wait_terminal(5.0)
+                servicer.runner.machine.wait_terminal(2.0)
                 raise
     finally:
         channel.close()

@@ -9,10 +9,9 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import json
 from typing import IO
@@ -34,6 +33,33 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 PUSH_GIVE_UP_S = 120.0   # long enough for a shard to be restarted from its checkpoint
 PULL_GIVE_UP_S = 600.0   # a pull may wait this long for the slowest VW
 PULL_CALL_S = 30.0       # one pull call's deadline; retried until PULL_GIVE_UP_S
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _in_parallel(call: Callable[[T], R], items: list[T]) -> list[R]:
+    """call(item) for every item at once, results in order; raises the first error. Pushes and
+    pulls go to every shard at once: one round trip, not one per shard. Daemon threads, not an
+    executor: a pull the shards hold back must never delay the process's exit."""
+    if len(items) == 1:
+        return [call(items[0])]
+    results: list[R | None] = [None] * len(items)
+    errors: list[BaseException] = []
+
+    def run(i: int, item: T) -> None:
+        try:
+            results[i] = call(item)
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, item), daemon=True) for i, item in enumerate(items)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return cast(list[R], results)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +94,6 @@ class WspSync:
         self._stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in self._channels]
         # An emulated network (DESIGN §5) holds each push, and each pull reply, this long.
         self._hold_push_s, self._hold_pull_s = a.push_seconds, a.pull_seconds
-        # Pushes and pulls go to every shard at once: one round trip, not one per shard. Separate
-        # pools: a pull the shards hold back must never keep the push it waits for from going out.
-        workers = max(1, len(self.addresses))
-        self._push_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="push")
-        self._pull_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pull")
         self.steps = job.train.steps
         self.total_waves = math.ceil(self.steps / self.nm)
         self._acc: dict[int, list[torch.Tensor]] = {}
@@ -194,8 +215,6 @@ class WspSync:
         self._closed.set()
         self._pushes.put(None)
         self._pusher.join(timeout=5)
-        self._push_pool.shutdown(wait=False, cancel_futures=True)
-        self._pull_pool.shutdown(wait=False, cancel_futures=True)
         for ch in self._channels:
             ch.close()
         with self._trace_lock:
@@ -243,10 +262,9 @@ class WspSync:
             if self._hold_push_s > 0 and self._closed.wait(self._hold_push_s):
                 return
             try:
-                for _ in self._push_pool.map(lambda item: self._push(item[0], wave, item[1]), batches.items()):
-                    pass
+                _in_parallel(lambda item: self._push(item[0], wave, item[1]), list(batches.items()))
             except RuntimeError as exc:
-                if not self._closed.is_set():  # closing cancels the pool: not a failure
+                if not self._closed.is_set():  # a call cut short by closing is not a failure
                     self.rt.fail(str(exc))
                 return
             self._observe.push.observe(time.perf_counter() - started)
@@ -292,7 +310,7 @@ class WspSync:
 
         try:
             groups = self._by_shard()
-            bundles = dict(zip(groups, self._pull_pool.map(lambda item: pull_one(*item), groups.items())))
+            bundles = dict(zip(groups, _in_parallel(lambda item: pull_one(*item), list(groups.items()))))
         except (RuntimeError, wire.WireError) as exc:
             if not self._closed.is_set():
                 self.rt.fail(str(exc))
