@@ -42,6 +42,9 @@ class Run:
                 [sys.executable, "-m", "hetpipe.cli", "run", "-q", str(tmp_path / "job.yaml")],
                 cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                 start_new_session=True,
+                # As from a terminal: a suite launched in the background (`cmd &` in a script) has
+                # SIGINT ignored, and an ignored signal stays ignored across exec.
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
             )
         self.me = psutil.Process(self.popen.pid)
 
