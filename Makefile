@@ -22,7 +22,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy hetpipe stage_worker ps_server coordinator
+	$(BIN)/mypy hetpipe stage_worker ps_server coordinator baselines
 
 proto: $(STAMP)
 	$(BIN)/python -m hetpipe.protogen

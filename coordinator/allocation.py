@@ -9,7 +9,7 @@ policy here: the planner tries these three and keeps the best predicted one.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Hashable, TypeVar
 
 from hetpipe.catalog import CATALOG
 from hetpipe.config import ConfigError
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from coordinator.partition import Gpu
 
 POLICIES = ("NP", "ED", "HD")
+K = TypeVar("K", bound=Hashable)
 
 
 def allocate(
@@ -90,7 +91,7 @@ def _node_partition(gpus: Sequence[Gpu], n: int, k: int) -> list[list[Gpu]]:
 # ---- ED -------------------------------------------------------------------------------------
 
 
-def _spread(shares: Mapping[str, int], need: int) -> dict[str, int]:
+def _spread(shares: Mapping[K, int], need: int) -> dict[K, int]:
     """Takes up to `need` units from the groups' shares one group at a time, in turn."""
     left, take = dict(shares), dict.fromkeys(shares, 0)
     while need > 0 and any(left.values()):
