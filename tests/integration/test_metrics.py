@@ -89,7 +89,10 @@ class Endpoint:
 
     def scrape(self, provoked: bool) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
-            self.text = r.read().decode()
+            text = r.read().decode()
+        if not text:
+            return  # cut short by the process exiting at the end of the job: keep the last scrape
+        self.text = text
         self.scrapes += 1
         self.after_provoked += provoked
         if self.role == "coordinator" and 'hetpipe_job_state{state="RUNNING"} 1.0' in self.text:
