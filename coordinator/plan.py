@@ -16,7 +16,7 @@ from hetpipe.catalog import gpu_type
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.network import Network, shard_node
 from hetpipe.wsp import s_global
-from hetpipe.zoo import layer_keys, model_shape
+from hetpipe.zoo import model_shape
 from coordinator.allocation import allocate
 from coordinator.partition import (
     Gpu, Partition, PlanError, StageCut, max_nm, optimizer_kind, partition_vw, stage_memory,
@@ -182,16 +182,20 @@ class _SyncCosts:
         self.job, self.profile, self.model = job, profile, model
         emulate = job.cluster.emulate if job.cluster else None
         self.network = emulate.network if emulate else None
-        self.scale = emulate.time_scale if emulate else 1.0
+        self.scale = _time_scale(job)
         self.nodes = [n.name for n in job.cluster.nodes] if job.cluster else []
         itemsize = getattr(torch, job.train.dtype).itemsize
         self.real_bytes = {name: p.numel() * itemsize for name, p in model.named_parameters()}
         self.emulated_bytes = {name: p.numel() * itemsize for name, p in emulated_model.named_parameters()}
+        # Parameter names per layer, once: every candidate plan asks for every stage's bytes.
+        self.layer_params: list[list[str]] = [[] for _ in range(len(model))]
+        for name in self.real_bytes:
+            self.layer_params[int(name.split(".", 1)[0])].append(name)
 
     def _per_shard(self, cut: StageCut, key_shard: dict[str, int], sizes: dict[str, int]) -> dict[int, int]:
         out: dict[int, int] = {}
-        for key in layer_keys(self.model, cut.layer_begin, cut.layer_end):
-            if key in key_shard:
+        for layer in range(cut.layer_begin, cut.layer_end):
+            for key in self.layer_params[layer]:
                 out[key_shard[key]] = out.get(key_shard[key], 0) + sizes[key]
         return out
 
@@ -285,11 +289,12 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
                           f"{len(profile.layers)} layers")
     optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
     emulated = job.cluster is not None and job.cluster.emulate is not None
-    network = (job.cluster.emulate.network if job.cluster and job.cluster.emulate else None) or Network()
-    partitions = _Partitions(profile, optimizer, network)
     scale = _time_scale(job)
     model = model_shape(job.model.name, job.model.args)
     costs = _SyncCosts(job, profile, model, _emulated_model(job, model))
+    # The partitioner weighs activation transfers by the emulated network, else the paper's.
+    network = costs.network or Network()
+    partitions = _Partitions(profile, optimizer, network)
     if job.cluster is None:
         policies = ["ED"]  # identical local devices: every policy is the same
     else:

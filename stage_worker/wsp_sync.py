@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -11,10 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar, cast
-
-import json
-from typing import IO
+from typing import IO, TYPE_CHECKING, TypeVar, cast
 
 import grpc
 import torch
