@@ -25,6 +25,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from children import stop_children  # noqa: E402
+
 MIB = 1 << 20
 GIB = 1 << 30
 KEY_MIB = 5
@@ -146,16 +148,7 @@ class Clients:
             _expect(conn, "ready", START_TIMEOUT_S)
 
     def close(self) -> None:
-        for conn in self.conns:
-            try:
-                conn.send(("exit", None))
-            except (BrokenPipeError, OSError):
-                pass
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop_children(self.conns, ("exit", None), self.procs)
 
 
 def _expect(conn: Connection, kind: str, timeout: float) -> Any:
@@ -310,15 +303,7 @@ class TcpPair:
         return seconds, _cpu([p.pid for p in self.procs]) - before
 
     def close(self) -> None:
-        try:
-            self._send_conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop_children([self._send_conn], None, self.procs)
 
 
 def _cpu(pids: list[int]) -> float:

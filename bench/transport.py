@@ -20,6 +20,8 @@ import psutil
 # Run as `python bench/transport.py`: the repository root is not on sys.path then.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from children import stop_children  # noqa: E402
+
 MIB = 1 << 20
 SIZES_MIB = (1, 16, 64)
 TRANSPORTS = ("grpc", "raw_tcp", "gloo")
@@ -262,16 +264,7 @@ class Pair:
         return seconds, (after[0] - before[0], after[1] - before[1])
 
     def close(self) -> None:
-        for conn in (self._send_conn, self._recv_conn):
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop_children((self._send_conn, self._recv_conn), None, self.procs)
 
 
 def main(argv: list[str] | None = None) -> int:
