@@ -6,10 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import random
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -19,8 +16,10 @@ from typing import Any
 
 import torch
 
-from coordinator.driver import JobFailed
+from hetpipe import children
+from hetpipe.children import Child
 from hetpipe.config import JobConfig
+from hetpipe.errors import JobFailed
 
 # Hard limit (seconds) for the rendezvous and for every collective or point-to-point operation,
 # and for the launcher to see no progress at all; raised for long emulated steps.
@@ -42,25 +41,8 @@ class BaselineFailed(JobFailed):
 
 
 @dataclass
-class _Worker:
-    rank: int
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-
-    def describe_exit(self) -> str:
-        code = self.popen.returncode
-        if code is None:
-            return "is running"
-        if code < 0:
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"exited with code {code}"
-
-    def log_tail(self, lines: int = 12) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+class _Worker(Child):
+    rank: int = 0
 
 
 @dataclass
@@ -99,12 +81,9 @@ class WorkerGroup:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, whatever the hostname resolves to
         for rank, name in enumerate(self.names):
             log_path = self.out_dir / "logs" / f"{self.mode}_rank{rank}.log"
-            with open(log_path, "wb") as log:
-                popen = subprocess.Popen(
-                    [sys.executable, "-m", "baselines", "--spec", str(spec_path), "--rank", str(rank)],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                )
-            self.workers.append(_Worker(rank, name, popen, log_path))
+            popen = children.start([sys.executable, "-m", "baselines", "--spec", str(spec_path), "--rank", str(rank)],
+                                   log_path, env=env)
+            self.workers.append(_Worker(name, popen, log_path, rank))
 
     def progress(self) -> list[int]:
         """Minibatches (steps) each rank has finished, from its progress file."""
@@ -125,9 +104,9 @@ class WorkerGroup:
         # A rank killed by a signal (or by the OS) is the cause; its peers only lost their connection.
         dead.sort(key=lambda w: (w.popen.returncode >= 0, w.rank))
         first = dead[0]
-        others = "; ".join(f"{w.name} {w.describe_exit()}" for w in dead[1:])
+        others = "; ".join(f"{w.name} {w.exit_description()}" for w in dead[1:])
         return BaselineFailed(
-            f"{self.mode}: {first.name} {first.describe_exit()} (log {first.log_path})"
+            f"{self.mode}: {first.name} {first.exit_description()} (log {first.log_path})"
             + (f"; then {others}" if others else "") + f":\n{first.log_tail()}"
         )
 
@@ -155,16 +134,7 @@ class WorkerGroup:
 
     def stop(self) -> None:
         """SIGTERM every live worker, SIGKILL what is still alive after a grace period."""
-        alive = [w for w in self.workers if w.popen.poll() is None]
-        for w in alive:
-            w.popen.terminate()
-        deadline = time.monotonic() + STOP_GRACE_S
-        for w in alive:
-            try:
-                w.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                w.popen.kill()
-                w.popen.wait()
+        children.stop(self.workers, STOP_GRACE_S)
         store = getattr(self, "_store", None)
         if store is not None:
             del self._store
@@ -234,21 +204,6 @@ def write_result(work_dir: str, rank: int, result: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(path)
-
-
-class Padder:
-    """Emulated device time: holds the device until a task took its target seconds (DESIGN §5),
-    plus the job's injected jitter (faults.task_delay), like the HetPipe stage runtime."""
-
-    def __init__(self, job: JobConfig, rank: int) -> None:
-        self.low, self.high = job.faults.task_delay
-        self._jitter = random.Random(hash((job.train.seed, "baseline", rank)))
-
-    def pad(self, started: float, seconds: float) -> None:
-        target = seconds + (self._jitter.uniform(self.low, self.high) if self.high > 0 else 0.0)
-        remaining = started + target - time.time()
-        if remaining > 0:
-            time.sleep(remaining)
 
 
 def init_process_group(spec: dict[str, Any], rank: int) -> None:

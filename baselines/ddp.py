@@ -26,7 +26,8 @@ import torch
 from hetpipe.catalog import CATALOG
 from hetpipe.config import ConfigError, JobConfig, with_overrides
 from hetpipe.network import ring_allreduce_seconds
-from hetpipe import outputs
+from hetpipe import faults, outputs
+from hetpipe.units import format_bytes
 from baselines import common
 
 
@@ -60,10 +61,6 @@ class DdpDevices:
         return "gloo"
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def select_devices(job: JobConfig, *, cache_dir: str | None = None) -> DdpDevices:
     """The devices ddp trains on (one rank each) and the ones it leaves out, with the reason.
 
@@ -71,23 +68,14 @@ def select_devices(job: JobConfig, *, cache_dir: str | None = None) -> DdpDevice
     parallel.virtual_workers workers on this machine's devices (cuda:N round robin, else the CPU).
     Raises ConfigError when no device can hold the model.
     """
-    import psutil
+    from coordinator.planner import cluster_gpus, default_cache_dir
+    from coordinator.planner.cluster import Gpu
+    from coordinator.planner.memory import optimizer_kind, stage_memory
+    from coordinator.planner.profile import profile_model
 
-    from coordinator.partition import Gpu, optimizer_kind, stage_memory
-    from coordinator.plan import cluster_gpus, default_cache_dir
-    from coordinator.profiler import profile_model
-
-    emulate = job.cluster.emulate if job.cluster is not None else None
+    emulate = job.emulate
     cuda = torch.cuda.device_count()
-    if job.cluster is None:
-        n = job.parallel.virtual_workers
-        if cuda:
-            gpus = [Gpu(f"local/{i}", "local", "cuda", torch.cuda.get_device_properties(i % cuda).total_memory)
-                    for i in range(n)]
-        else:
-            gpus = [Gpu(f"local/{i}", "local", "cpu", psutil.virtual_memory().total) for i in range(n)]
-    else:
-        gpus = cluster_gpus(job)
+    gpus: list[Gpu] = cluster_gpus(job, job.parallel.virtual_workers)
     types = sorted({g.type for g in gpus})
     # Emulated times are derived from the meta-device profile (cheap); without emulation only the
     # memory structure is needed, so no type is timed.
@@ -102,7 +90,7 @@ def select_devices(job: JobConfig, *, cache_dir: str | None = None) -> DdpDevice
     for t in types:
         if emulate is None or t not in CATALOG:
             step[t] = 0.0
-        elif emulate.forward_seconds or emulate.backward_seconds:
+        elif emulate.fixed_times:
             step[t] = emulate.forward_seconds + emulate.backward_seconds  # fixed task times (DESIGN §8)
         else:
             step[t] = sum(layer.forward_seconds[t] + layer.backward_seconds[t]
@@ -120,14 +108,14 @@ def select_devices(job: JobConfig, *, cache_dir: str | None = None) -> DdpDevice
         ranks.append(DdpRank(r, g.node, g.type, f"{g.type} (emulated)" if emulated else device, device,
                              step[g.type], need, g.memory_bytes))
     left_out = tuple(
-        f"{t} x{len(gs)}: the model needs {_gib(need)}, the GPU has {_gib(gs[0].memory_bytes)}: "
+        f"{t} x{len(gs)}: the model needs {format_bytes(need)}, the GPU has {format_bytes(gs[0].memory_bytes)}: "
         "left out, as the paper does"
         for t, gs in refused.items()
     )
     if not ranks:
         raise ConfigError(
             f"parallel.mode ddp: no device can hold the whole {job.model.name} at batch {job.data.batch_size} "
-            f"({_gib(need)} with a {optimizer} optimizer): " + "; ".join(left_out)
+            f"({format_bytes(need)} with a {optimizer} optimizer): " + "; ".join(left_out)
             + ". Data parallelism needs the whole model on every GPU; parallel.mode hetpipe splits it."
         )
     allreduce = 0.0
@@ -148,8 +136,7 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
         print(f"hetpipe: ddp: {line}", file=sys.stderr)
     out_dir = common.prepare_out_dir(job)
     n = len(devices.ranks)
-    slow = job.faults.slow_factor if 0 <= job.faults.slow_vw < n else 1.0
-    step = max(r.step_seconds for r in devices.ranks) * slow
+    step = max(r.step_seconds * faults.from_env().slowdown(r.rank) for r in devices.ranks)
     names = [f"rank {r.rank} ({r.label} on {r.node})" for r in devices.ranks]
     spec = {"job_json": job.to_json(), "backend": devices.backend, "ranks": [asdict(r) for r in devices.ranks],
             "allreduce_seconds": devices.allreduce_seconds}
@@ -206,9 +193,9 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     buffers = list(model.buffers())
     optimizer = make_optimizer(params, job.train.optimizer)
     through_cpu = spec["backend"] == "gloo" and device.type == "cuda"
-    pad_s = float(me["step_seconds"]) * (job.faults.slow_factor if job.faults.slow_vw == rank else 1.0)
-    padder = common.Padder(job, rank)
-    padding = pad_s > 0 or job.faults.task_delay[1] > 0
+    pad_s = float(me["step_seconds"])
+    padder = faults.Padder(faults.from_env(), rank, (job.train.seed, "ddp"))
+    padding = pad_s > 0 or padder.high > 0
     allreduce_s = float(spec.get("allreduce_seconds", 0.0))
 
     common.init_process_group(spec, rank)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hetpipe.config import ConfigError, JobConfig, with_overrides
-from hetpipe import outputs
+from hetpipe import faults, outputs
 from baselines import common
 
 SCHEDULE_NAMES = {"hetpipe": "gpipe", "gpipe": "gpipe", "1f1b": "1f1b"}  # unset (hetpipe) means GPipe
@@ -29,18 +29,10 @@ SCHEDULE_NAMES = {"hetpipe": "gpipe", "gpipe": "gpipe", "1f1b": "1f1b"}  # unset
 
 def pipeline_plan(job: JobConfig, *, cache_dir: str | None = None) -> tuple[str, list[Any]]:
     """(schedule, VW 0's StagePlans); ConfigError for what torch's schedules cannot run."""
-    from coordinator.partition import PlanError
-    from coordinator.plan import make_plan
+    from coordinator.planner import PlanError, make_plan
 
-    par = job.parallel
-    schedule = SCHEDULE_NAMES[par.schedule]
-    m, b, k = par.microbatches, job.data.batch_size, par.stages_per_vw
-    if b % m:
-        raise ConfigError(f"parallel.microbatches: {m} must divide data.batch_size {b} "
-                          "(equal micro-batches keep the update that of the whole minibatch)")
-    if schedule == "1f1b" and m < k:
-        raise ConfigError(f"parallel.microbatches: torch's Schedule1F1B needs at least one micro-batch per "
-                          f"stage, got {m} for {k} stages; use {k} or more, or parallel.schedule gpipe")
+    schedule = SCHEDULE_NAMES[job.parallel.schedule]
+    k = job.parallel.stages_per_vw
     try:
         plan = make_plan(job, cache_dir=cache_dir)
     except PlanError as exc:
@@ -58,12 +50,12 @@ def run_pipeline(job: JobConfig, *, quiet: bool = False, cache_dir: str | None =
     schedule, stages = pipeline_plan(job, cache_dir=cache_dir)
     out_dir = common.prepare_out_dir(job)
     k = len(stages)
-    slow = job.faults.slow_factor if job.faults.slow_vw == 0 else 1.0
+    slow = faults.from_env().slowdown(0)  # one pipeline: VW 0
     devices = [s.device for s in stages]
     backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
     ranks = [{"rank": q, "node": s.node, "gpu": s.gpu, "label": s.label, "device": s.device,
-              "layers": [s.layer_begin, s.layer_end], "forward_seconds": s.forward_seconds * slow,
-              "backward_seconds": s.backward_seconds * slow} for q, s in enumerate(stages)]
+              "layers": [s.layer_begin, s.layer_end], "forward_seconds": s.forward_seconds,
+              "backward_seconds": s.backward_seconds} for q, s in enumerate(stages)]
     spec = {"job_json": job.to_json(), "backend": backend, "ranks": ranks, "schedule": schedule}
     names = [f"rank {q} (stage {q}, layers [{s.layer_begin}, {s.layer_end}), {s.label} on {s.node})"
              for q, s in enumerate(stages)]
@@ -121,7 +113,7 @@ class _Timed(nn.Module):
     """The stage's layers, timed per micro-batch and padded to emulated times (0: no padding).
     The backward ends when every parameter of the stage has its gradient of this backward."""
 
-    def __init__(self, layers: nn.Sequential, forward_s: float, backward_s: float, padder: common.Padder) -> None:
+    def __init__(self, layers: nn.Sequential, forward_s: float, backward_s: float, padder: faults.Padder) -> None:
         super().__init__()
         self.layers = layers
         self.forward_s, self.backward_s, self.padder = forward_s, backward_s, padder
@@ -172,7 +164,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     params = list(layers.parameters())
     optimizer = make_optimizer(params, job.train.optimizer) if params else None
     timed = _Timed(layers, float(me["forward_seconds"]) / m, float(me["backward_seconds"]) / m,
-                   common.Padder(job, rank))
+                   faults.Padder(faults.from_env(), 0, (job.train.seed, "torch-pipeline", rank)))
     first, last = rank == 0, rank == k - 1
     order = with_overrides(job, parallel={"virtual_workers": 1})  # one pipeline reads the whole stream
     dataset = datasets.load_dataset(job) if (first or last) else None

@@ -28,7 +28,7 @@ heterogeneous GPUs with a straggler, against the staleness WSP accepts for it. S
 both; the defaults (lr 0.02, momentum 0.5) were picked for HetPipe to train stably, not tuned
 per system (with momentum 0.9, lr 0.02 left HetPipe at 16% accuracy after 100 steps).
 
-Method: every point is one real run through coordinator.local.run_local, the entry point of
+Method: every point is one real run through launch.local.run_local, the entry point of
 `hetpipe run`, which sends parallel.mode ddp to the baseline: the same job dict, only mode, D,
 lr and the straggler's index differ. A configuration's job (same seed) runs at a ladder of
 train.steps, up or down by --factor, until two runs bracket the target, then --refine
@@ -70,10 +70,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baselines.ddp import select_devices  # noqa: E402
-from coordinator.local import run_local  # noqa: E402
-from coordinator.plan import make_plan  # noqa: E402
+from launch.local import run_local  # noqa: E402
+from coordinator.planner import make_plan  # noqa: E402
 from hetpipe import data as datasets  # noqa: E402
-from hetpipe import outputs  # noqa: E402
+from hetpipe import faults, outputs  # noqa: E402
 from hetpipe.config import JobConfig, parse_job  # noqa: E402
 from hetpipe.reference import initial_model  # noqa: E402
 
@@ -144,10 +144,6 @@ def job_dict(cfg: Config, *, steps: int, lr: float, args: argparse.Namespace, da
     emulate: dict[str, Any] = {"time_scale": args.time_scale}
     if args.network:
         emulate["network"] = {}
-    faults: dict[str, Any] = {"slow_vw": SLOW_VW if cfg.mode == "hetpipe" else slow_rank,
-                              "slow_factor": args.slow_factor}
-    if args.jitter_ms > 0:
-        faults["task_delay"] = [0.0, args.jitter_ms / 1e3]
     return {
         "cluster": {"nodes": nodes, "emulate": emulate},
         "model": MODEL,
@@ -156,7 +152,6 @@ def job_dict(cfg: Config, *, steps: int, lr: float, args: argparse.Namespace, da
                   "optimizer": {"name": "sgd", "lr": lr, "momentum": args.momentum}, "seed": args.seed},
         "parallel": {"virtual_workers": args.vws, "stages_per_vw": STAGES, "nm": args.nm, "D": cfg.D,
                      "ps_shards": 1, "policy": "ED", "mode": cfg.mode},
-        "faults": faults,
         "output": {"dir": str(out_dir), "trace": False},
     }
 
@@ -210,7 +205,10 @@ class Runner:
         raw = self._raw(cfg, steps, lr, self.slow_rank)
         out_dir = Path(raw["output"]["dir"])
         job = parse_job(raw, base_dir=str(out_dir))
-        summary = run_local(job, quiet=True)
+        straggler = faults.Faults(slow_vw=SLOW_VW if cfg.mode == "hetpipe" else self.slow_rank,
+                                  slow_factor=self.args.slow_factor, task_delay=(0.0, self.args.jitter_ms / 1e3))
+        with faults.injected(straggler):
+            summary = run_local(job, quiet=True)
         workers = int(summary["virtual_workers"])
         acc = held_out_accuracy(job, out_dir / "model.pt", self.test)
         point = Point(
@@ -341,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nm", type=int, default=2, help="minibatches in flight per VW (wave size)")
     ap.add_argument("--slow-factor", type=float, default=2.0, help="how much slower the straggler's GPUs are")
     ap.add_argument("--jitter-ms", type=float, default=0.0,
-                    help="faults.task_delay [0, this] ms on every task of both systems (transient stragglers)")
+                    help="HETPIPE_FAULTS task_delay [0, this] ms on every task of both systems (transient stragglers)")
     ap.add_argument("--time-scale", type=float, default=8000.0, help="cluster.emulate.time_scale")
     ap.add_argument("--network", action="store_true",
                     help="cluster.emulate.network: {} (the paper's links; needs a runtime that emulates them)")

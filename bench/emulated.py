@@ -14,14 +14,14 @@ from typing import Any
 # Run as `python bench/NAME.py`: the repository root is not on sys.path then.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.local import run_local  # noqa: E402
+from hetpipe import faults  # noqa: E402
 from hetpipe.config import parse_job  # noqa: E402
+from launch.local import run_local  # noqa: E402
 
 
 def job_dict(
     *, out_dir: Path, forward_s: float, backward_s: float, steps: int, nm: int,
     virtual_workers: int = 1, stages: int = 4, D: int = 0, ps_shards: int = 1,
-    faults: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A job whose every stage is padded to forward_s / backward_s, on a tiny MLP.
 
@@ -40,8 +40,6 @@ def job_dict(
                      "ps_shards": ps_shards},
         "output": {"dir": str(out_dir), "trace": True},
     }
-    if faults:
-        job["faults"] = faults
     return job
 
 
@@ -51,10 +49,12 @@ class Run:
     rows: dict[tuple[int, int, int], dict[str, Any]]  # (vw, stage, p) -> trace row
 
 
-def run_job(raw: dict[str, Any]) -> Run:
-    """Runs the job with every process on this machine; returns its summary and trace."""
+def run_job(raw: dict[str, Any], injected: faults.Faults = faults.Faults()) -> Run:
+    """Runs the job with every process on this machine, injecting faults (a straggler, jitter);
+    returns its summary and trace."""
     out_dir = Path(raw["output"]["dir"])
-    summary = run_local(parse_job(raw, base_dir=str(out_dir)), quiet=True)
+    with faults.injected(injected):
+        summary = run_local(parse_job(raw, base_dir=str(out_dir)), quiet=True)
     rows: dict[tuple[int, int, int], dict[str, Any]] = {}
     for path in sorted((out_dir / "trace").glob("vw*_stage*.jsonl")):
         for line in path.read_text().splitlines():

@@ -23,8 +23,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.local import run_local  # noqa: E402
-from coordinator.plan import make_plan  # noqa: E402
+from launch.local import run_local  # noqa: E402
+from coordinator.planner import make_plan  # noqa: E402
 from hetpipe.config import parse_job  # noqa: E402
 from hetpipe.network import Network  # noqa: E402
 from emulated import load_average  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.plan import make_plan  # noqa: E402
+from coordinator.planner import make_plan  # noqa: E402
 from hetpipe.config import parse_job  # noqa: E402
 
 TYPES = ["titan-v", "titan-rtx", "rtx-2060", "quadro-p4000"]

@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from emulated import median_ms  # noqa: E402
 
-from coordinator.local import run_local  # noqa: E402
-from coordinator.plan import Plan, loopback_sync_seconds, make_plan  # noqa: E402
+from launch.local import run_local  # noqa: E402
+from coordinator.planner import Plan, make_plan
+from coordinator.planner.costs import loopback_sync_seconds  # noqa: E402
 from hetpipe.config import JobConfig, load_job  # noqa: E402
 from hetpipe.zoo import model_shape  # noqa: E402
 

@@ -65,12 +65,12 @@ def _client_run(conn: Connection, cfg: dict[str, Any]) -> None:
     import torch
 
     from hetpipe import rpc, wire
-    from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
+    from hetpipe.v1 import ps_pb2, wire_pb2
     from stage_worker.wsp_sync import PULL_CALL_S
 
     vw: int = cfg["vw"]
     channels = [rpc.channel(address) for address in cfg["addresses"]]
-    stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in channels]
+    stubs = [rpc.Stub(ch, "ParameterServer") for ch in channels]
     groups: dict[int, list[str]] = {}
     for key, shard in cfg["placement"].items():
         groups.setdefault(shard, []).append(key)
@@ -351,7 +351,7 @@ def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: in
     import torch
 
     from hetpipe import rpc, wire
-    from hetpipe.v1 import ps_pb2_grpc, wire_pb2
+    from hetpipe.v1 import wire_pb2
 
     elems = KEY_MIB * MIB // 4
     place = placement(keys, s)
@@ -360,7 +360,7 @@ def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: in
     for i, address in enumerate(addresses):
         tensors = [(key, torch.zeros(elems)) for key in keys if place[key] == i]
         with rpc.channel(address) as ch:
-            ps_pb2_grpc.ParameterServerStub(ch).Init(
+            rpc.Stub(ch, "ParameterServer").Init(
                 wire.encode(tensors, init=wire_pb2.InitTag(virtual_workers=n)), timeout=rpc.DATA_DEADLINE_S)
     conns = clients.conns[:n]
     cfg = {"addresses": addresses, "placement": place, "elems": elems, "rounds": rounds}
@@ -383,7 +383,7 @@ def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: in
     # Every push applied exactly once, every wave complete: the bytes counted really went in.
     for address in addresses:
         with rpc.channel(address) as ch:
-            status = ps_pb2_grpc.ParameterServerStub(ch).Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            status = rpc.Stub(ch, "ParameterServer").Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
         if (status.pushes_applied, status.pushes_duplicate, status.c_global) != (n * (rounds + 1), 0, rounds + 1):
             raise RuntimeError(f"shard {address}: unexpected state after the run:\n{status}")
     tcp_after = tcp.move(moved - moved // 2)
@@ -417,17 +417,11 @@ def codec_costs(keys: list[str]) -> dict[str, float]:
     wave = 0
     state: dict[str, Any] = {}
 
-    def encode_push() -> None:
+    def encode_push() -> None:  # wire.encode writes the serialized frames (what gRPC sends)
         state["frames"] = list(wire.encode(tensors, push=wire_pb2.PushTag(vw=0, clock=wave)))
 
-    def serialize() -> None:  # grpc's request_serializer / response serializer
-        state["wire"] = [f.SerializeToString() for f in state["frames"]]
-
-    def parse() -> None:  # grpc's request_deserializer / response deserializer
-        state["parsed"] = [wire_pb2.TensorFrame.FromString(b) for b in state["wire"]]
-
-    def decode() -> None:
-        state["bundle"] = wire.decode(state["parsed"])
+    def decode() -> None:  # data frames are copied into the tensors without a protobuf parse
+        state["bundle"] = wire.decode(state["frames"])
 
     def add() -> None:
         nonlocal wave
@@ -451,30 +445,13 @@ def codec_costs(keys: list[str]) -> dict[str, float]:
     # The order is the byte's path: client push, shard push, shard pull, client pull.
     steps = [
         ("memcpy of the same bytes (reference)", memcpy),
-        ("client push: wire.encode (tobytes)", encode_push),
-        ("client push: SerializeToString", serialize),
-        ("shard push: FromString", parse),
+        ("client push: wire.encode", encode_push),
         ("shard push: wire.decode", decode),
         ("shard push: Shard.push (add_)", add),
         ("shard pull: Shard.pull (clone)", clone),
-        ("shard pull: wire.encode (tobytes)", encode_pull),
-        ("shard pull: SerializeToString", serialize),
-        ("client pull: FromString", parse),
+        ("shard pull: wire.encode", encode_pull),
         ("client pull: wire.decode", decode),
     ]
-    if hasattr(wire, "encode_raw"):
-        # Production codec paths the PS RPCs do not use yet (the stage links do): each payload is
-        # copied once into the serialized frame, and data-only frames are decoded without a parse.
-        def encode_raw() -> None:
-            state["raw"] = list(wire.encode_raw(tensors, push=wire_pb2.PushTag(vw=0, clock=0)))
-
-        def decode_raw() -> None:
-            state["bundle"] = wire.decode(state["raw"])
-
-        steps += [
-            ("unused: wire.encode_raw (= encode+Serialize)", encode_raw),
-            ("unused: wire.decode of bytes (= From+decode)", decode_raw),
-        ]
     best: dict[str, float] = {name: float("inf") for name, _ in steps}
     for _ in range(3):
         for name, fn in steps:

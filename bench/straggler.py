@@ -7,7 +7,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from emulated import Run, covered, job_dict, load_average, run_job, stage_tasks
+from emulated import Run, covered, faults, job_dict, load_average, run_job, stage_tasks
 
 K = 2
 SLOW_VW, SLOW_FACTOR = 1, 2.0
@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         root = args.out or Path(tmp)
         for D in ds:
             raw = job_dict(out_dir=root / f"D{D}", forward_s=f, backward_s=b, steps=steps, nm=args.nm,
-                           virtual_workers=2, stages=K, D=D,
-                           faults={"slow_vw": SLOW_VW, "slow_factor": SLOW_FACTOR})
-            results.append(analyse(run_job(raw), D, args.nm, steps, f, b))
+                           virtual_workers=2, stages=K, D=D)
+            straggler = faults.Faults(slow_vw=SLOW_VW, slow_factor=SLOW_FACTOR)
+            results.append(analyse(run_job(raw, straggler), D, args.nm, steps, f, b))
             r = results[-1]
             print(f"  D={D}: wait {r.wait:.2f} s, idle {r.wait_idle:.2f} s ({load_average()})", flush=True)
     print(f"end: {load_average()}")

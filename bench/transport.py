@@ -59,11 +59,11 @@ def _grpc_receiver(conn: Connection) -> None:
     import torch
 
     from hetpipe import rpc
-    from stage_worker.servicer import StageServicer, add_to_server
+    from stage_worker.servicer import StageServicer
 
     torch.set_num_threads(1)
     server = rpc.Server("127.0.0.1", 0)
-    add_to_server(StageServicer(_SinkRuntime(), lambda: None), server.grpc)  # type: ignore[arg-type]
+    rpc.add_service(server.grpc, "Stage", StageServicer(_SinkRuntime(), lambda: None))  # type: ignore[arg-type]
     server.start()
     conn.send(server.address)
     conn.recv()  # until told to stop

@@ -10,7 +10,6 @@ import sys
 from hetpipe import rpc
 from hetpipe.config import ConfigError, JobConfig, load_job, with_overrides
 from hetpipe.service import exit_now, run_server
-from hetpipe.v1 import coordinator_pb2_grpc
 from coordinator import metrics as coordinator_metrics
 from coordinator.config import CoordinatorConfig, parse_args
 from coordinator.job import JobRunner
@@ -23,9 +22,9 @@ def build(host: str, port: int, *, heartbeat_interval_s: float = 1.0,
     """The coordinator's gRPC server and servicer, not yet started (`hetpipe run` embeds it)."""
     registry = Registry(heartbeat_interval_s)
     servicer = CoordinatorServicer(registry, JobRunner(registry, claim_timeout_s=claim_timeout_s))
-    coordinator_metrics.bind(registry, servicer.runner)
+    coordinator_metrics.bind(servicer.metrics_snapshot)
     server = rpc.Server(host, port, role="coordinator")
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.grpc)
+    rpc.add_service(server.grpc, "Coordinator", servicer)
     return server, servicer
 
 

@@ -17,21 +17,14 @@ import torch
 from hetpipe import data as datasets
 from hetpipe import outputs, rpc, wire
 from hetpipe.config import JobConfig
+from hetpipe.errors import JobFailed
 from hetpipe.reference import initial_model
-from hetpipe.v1 import ps_pb2, ps_pb2_grpc, stage_pb2, stage_pb2_grpc, wire_pb2
+from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
 from hetpipe.zoo import layer_keys
-from coordinator.plan import Plan, StagePlan, resolved_job
+from coordinator.planner import Plan, StagePlan, resolved_job
 
 State = stage_pb2.StageStatus.State
 STATUS_DEADLINE_S = 2.0
-
-
-class JobFailed(Exception):
-    """The job cannot finish; the message names the process, the stage and the minibatch."""
-
-
-class JobStopped(Exception):
-    """Someone asked the job to stop."""
 
 
 @dataclass
@@ -39,7 +32,7 @@ class StageHandle:
     plan: StagePlan
     address: str
     channel: grpc.Channel
-    stub: stage_pb2_grpc.StageStub
+    stub: rpc.Stub
     last: stage_pb2.StageStatus = field(default_factory=stage_pb2.StageStatus)
 
     @property
@@ -74,10 +67,10 @@ class JobDriver:
         self.stages = []
         for sp, address in zip(plan.stages, stage_addresses):
             ch = rpc.channel(address)
-            self.stages.append(StageHandle(sp, address, ch, stage_pb2_grpc.StageStub(ch)))
+            self.stages.append(StageHandle(sp, address, ch, rpc.Stub(ch, "Stage")))
         self.out_dir = Path(job.resolve(job.output.dir))
         self._ps_channels = [rpc.channel(a) for a in self.ps_addresses]
-        self.shards = [ps_pb2_grpc.ParameterServerStub(ch) for ch in self._ps_channels]
+        self.shards = [rpc.Stub(ch, "ParameterServer") for ch in self._ps_channels]
 
     def close(self) -> None:
         for ch in [s.channel for s in self.stages] + self._ps_channels:

@@ -2,26 +2,39 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from hetpipe import rpc
 from hetpipe.config import ConfigError, JobConfig
-from hetpipe.v1 import coordinator_pb2, stage_pb2_grpc, wire_pb2
-from coordinator import state as st
-from coordinator.driver import JobDriver, JobFailed, JobStopped, Progress
-from coordinator.plan import Plan, make_plan
+from hetpipe.errors import JobFailed, JobStopped, Rejected
+from hetpipe.v1 import wire_pb2
+from coordinator.driver import JobDriver, Progress
+from coordinator.planner import Plan, PlanError, make_plan
 from coordinator.registry import Registry, Role
+from coordinator.state import JobState, JobStateMachine
 
 log = logging.getLogger(__name__)
 # A shard is durable: the launcher (or compose) restarts it and it restores its checkpoint, so
 # it may be silent this much longer than a stage before the job gives up on it.
 SHARD_RESTART_GRACE_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    state: JobState
+    reason: str
+    plan: list[dict[str, Any]] | None    # which GPU and layers each stage has, once planned
+    emulated: bool
+    samples: int
+    total_samples: int
+    samples_per_second: float
+    loss: float
+    summary: dict[str, Any] | None       # summary.json's content, once completed
 
 
 class JobRunner:
@@ -30,7 +43,7 @@ class JobRunner:
     def __init__(self, registry: Registry, *, claim_timeout_s: float = 120.0) -> None:
         self.registry = registry
         self.claim_timeout_s = claim_timeout_s
-        self.machine = st.JobStateMachine()
+        self.machine = JobStateMachine()
         self._progress: Progress | None = None
         self._plan: Plan | None = None
         self._summary: dict[str, Any] | None = None
@@ -41,11 +54,12 @@ class JobRunner:
 
     def submit(self, job: JobConfig) -> None:
         with self._lock:
-            if not self.machine.try_to(st.PENDING):
-                raise rpc.Rejected(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"a job is already {st.State.Name(self.machine.state)}; stop it first",
-                )
+            if self._thread is not None and self._thread.is_alive():
+                what = "is stopping" if self.machine.terminal else f"is {self.machine.state.name}"
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"a job {what}; stop it first or wait")
+            if not self.machine.try_to(JobState.PENDING):
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"a job is already {self.machine.state.name}; stop it first")
             self._stop.clear()
             self._dead.clear()
             self._progress, self._plan, self._summary = None, None, None
@@ -53,9 +67,11 @@ class JobRunner:
             self._thread.start()
 
     def stop(self, reason: str = "stopped by request") -> None:
+        """Stops the job in whatever state it is: before it runs at once, while it runs as soon as
+        the job thread sees it (within a poll). A job that already ended stays as it ended."""
         self._stop.set()
-        if self.machine.state in (st.PENDING, st.PLANNED):
-            self.machine.try_to(st.STOPPED, reason)
+        if self.machine.state in (JobState.NONE, JobState.PENDING, JobState.PLANNED):
+            self.machine.try_to(JobState.STOPPED, reason)
 
     def report_dead(self, address: str, why: str) -> None:
         """A launcher saw a worker process die: fail fast instead of waiting for heartbeats."""
@@ -67,18 +83,17 @@ class JobRunner:
         """The running (or last) job's latest progress; None before it runs."""
         return self._progress
 
-    def status(self) -> coordinator_pb2.JobStatus:
-        s = coordinator_pb2.JobStatus(state=self.machine.state, reason=self.machine.reason)
-        if self._plan is not None:
-            s.plan_json = json.dumps(self._plan.describe())
-            s.emulated = self._plan.emulated
-        if self._progress is not None:
-            p = self._progress
-            s.samples, s.total_samples, s.samples_per_second = p.samples, p.total, p.samples_per_second
-            s.loss = p.loss if not math.isnan(p.loss) else 0.0
-        if self._summary is not None:
-            s.summary_json = json.dumps(self._summary)
-        return s
+    def view(self) -> JobView:
+        """The job as the servicer and the metrics show it."""
+        p = self._progress
+        return JobView(
+            state=self.machine.state, reason=self.machine.reason,
+            plan=self._plan.describe() if self._plan is not None else None,
+            emulated=self._plan.emulated if self._plan is not None else False,
+            samples=p.samples if p else 0, total_samples=p.total if p else 0,
+            samples_per_second=p.samples_per_second if p else 0.0, loss=p.loss if p else math.nan,
+            summary=self._summary,
+        )
 
     # ---- the job thread -----------------------------------------------------------------------
 
@@ -98,33 +113,38 @@ class JobRunner:
         if self._stop.is_set():
             raise JobStopped("stopped by request")
 
+    def _advance(self, new: JobState) -> None:
+        """Moves the job on, unless it was stopped meanwhile (then JobStopped ends the thread)."""
+        if self._stop.is_set() or not self.machine.try_to(new):
+            raise JobStopped(self.machine.reason or "stopped by request")
+
     def _run(self, job: JobConfig) -> None:
         driver: JobDriver | None = None
         try:
             plan = self._plan = make_plan(job)
-            self.machine.to(st.PLANNED)
+            self._advance(JobState.PLANNED)
             stages = self.registry.claim(
                 Role.STAGE_WORKER, [(f"stage {s.stage} of vw {s.vw}", s.node, s.gpu) for s in plan.stages],
-                self.claim_timeout_s,
+                self.claim_timeout_s, cancel=self._stop,
             )
             shards = plan.shards if plan.virtual_workers > 1 else 0
             ps = self.registry.claim(Role.PS_SHARD, [(f"ps shard {i}", "", "") for i in range(shards)],
-                                     self.claim_timeout_s)
+                                     self.claim_timeout_s, cancel=self._stop)
             driver = JobDriver(job, plan, [w.info.address for w in stages],
                                ps_addresses=[w.info.address for w in ps])
             driver.check_processes = lambda: self._check_alive(driver)  # type: ignore[union-attr]
             driver.setup()
-            self.machine.to(st.RUNNING)
+            self._advance(JobState.RUNNING)
             wall = driver.run(self._on_progress)
             self._summary = driver.write_outputs(driver.fetch_weights(), wall)
-            self.machine.try_to(st.COMPLETED)
+            self.machine.try_to(JobState.COMPLETED)
         except JobStopped as exc:
-            self.machine.try_to(st.STOPPED, str(exc))
-        except (JobFailed, ConfigError, TimeoutError) as exc:
-            self.machine.try_to(st.FAILED, str(exc))
+            self.machine.try_to(JobState.STOPPED, str(exc))
+        except (JobFailed, ConfigError, PlanError, TimeoutError) as exc:
+            self.machine.try_to(JobState.FAILED, str(exc))
         except Exception as exc:  # a coordinator bug must still end the job visibly
             log.exception("job crashed")
-            self.machine.try_to(st.FAILED, f"coordinator error: {type(exc).__name__}: {exc}")
+            self.machine.try_to(JobState.FAILED, f"coordinator error: {type(exc).__name__}: {exc}")
         finally:
             if driver is not None:
                 self._stop_workers(driver)
@@ -139,6 +159,6 @@ class JobRunner:
         """Tells every stage to stop, so none keeps computing or waiting after the job ended."""
         for h in driver.stages:
             try:
-                stage_pb2_grpc.StageStub(h.channel).Stop(wire_pb2.Empty(), timeout=2.0)
+                h.stub.Stop(wire_pb2.Empty(), timeout=2.0)
             except grpc.RpcError:
                 pass  # already gone

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from hetpipe.catalog import CATALOG
-from hetpipe.rpc import Rejected
+from hetpipe.errors import JobStopped, Rejected
 from hetpipe.v1 import coordinator_pb2
 
 Role = coordinator_pb2.WorkerInfo.Role
@@ -101,8 +101,10 @@ class Registry:
             return [(w, now - w.last_heartbeat) for w in self._workers.values()
                     if w.assigned and w.info.role == role and now - w.last_heartbeat > limit]
 
-    def claim(self, role: int, wanted: list[tuple[str, str, str]], timeout: float) -> list[Worker]:
-        """Claims one live worker per (label, node, gpu_type) wanted, waiting up to timeout.
+    def claim(self, role: int, wanted: list[tuple[str, str, str]], timeout: float, *,
+              cancel: threading.Event | None = None) -> list[Worker]:
+        """Claims one live worker per (label, node, gpu_type) wanted, waiting up to timeout
+        (TimeoutError), or until cancel is set (JobStopped).
 
         A worker that registered with a node and GPU type serves only that (node, type); one
         that registered without a type is generic (emulation, or this machine's own devices).
@@ -115,6 +117,8 @@ class Registry:
                     for w, (label, _, _) in zip(chosen, wanted):
                         w.assigned = label
                     return chosen
+                if cancel is not None and cancel.is_set():
+                    raise JobStopped("stopped by request while waiting for workers")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     have = sum(1 for w in self._workers.values()

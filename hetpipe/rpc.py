@@ -13,13 +13,17 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from hetpipe.errors import Rejected
 from hetpipe.metrics import ServerMetricsInterceptor
+from hetpipe.v1 import coordinator_pb2, ps_pb2, stage_pb2, wire_pb2
+from hetpipe.wire import CHUNK_BYTES
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20
 # gRPC's per-message ceiling: one chunk plus header slack. Larger messages are refused by gRPC
 # itself with RESOURCE_EXHAUSTED before a handler runs.
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
@@ -28,13 +32,10 @@ CONTROL_DEADLINE_S = 10.0
 # Tensor calls move up to hundreds of MiB.
 DATA_DEADLINE_S = 120.0
 
-
-class Rejected(Exception):
-    """A request refused with a specific gRPC status; the servicer answers with it."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+# Codes after which the same call may succeed later: the peer is (re)starting, slow or briefly
+# overloaded. Every retry loop in the project uses this one rule.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 def options() -> list[tuple[str, Any]]:
@@ -109,6 +110,101 @@ class Server:
 
 def channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=options())
+
+
+# ---- services: TensorFrame streams travel as raw bytes both ways ---------------------------------
+
+SERVICES: dict[str, ServiceDescriptor] = {
+    "Stage": stage_pb2.DESCRIPTOR.services_by_name["Stage"],
+    "ParameterServer": ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"],
+    "Coordinator": coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"],
+}
+_FRAME = wire_pb2.TensorFrame.DESCRIPTOR
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+_CALL_KINDS = {
+    (False, False): "unary_unary", (True, False): "stream_unary",
+    (False, True): "unary_stream", (True, True): "stream_stream",
+}
+
+
+def add_service(server: grpc.Server, name: str, servicer: object) -> None:
+    """Registers servicer's methods for service `name` as the generated add_*_to_server would,
+    except that TensorFrame streams reach the handlers as serialized bytes (wire.decode copies
+    data frames straight into the tensors, no protobuf parse) and streamed TensorFrame replies
+    are wire.encode's bytes, sent as they are."""
+    service = SERVICES[name]
+    handlers = {}
+    for method in service.methods:
+        raw_in = method.client_streaming and method.input_type is _FRAME
+        raw_out = method.server_streaming and method.output_type is _FRAME
+        request = message_factory.GetMessageClass(method.input_type)
+        response = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)](
+            getattr(servicer, method.name),
+            request_deserializer=None if raw_in else request.FromString,
+            response_serializer=None if raw_out else response.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+class Stub:
+    """A client of service `name`: one callable per method, TensorFrame streams as raw bytes.
+
+    Requests of TensorFrame-stream methods are wire.encode's bytes; streamed TensorFrame replies
+    arrive as bytes for wire.decode. Every other message is the generated protobuf class.
+    """
+
+    def __init__(self, channel: grpc.Channel, name: str) -> None:
+        service = SERVICES[name]
+        for method in service.methods:
+            raw_in = method.client_streaming and method.input_type is _FRAME
+            raw_out = method.server_streaming and method.output_type is _FRAME
+            request = message_factory.GetMessageClass(method.input_type)
+            response = message_factory.GetMessageClass(method.output_type)
+            factory = getattr(channel, _CALL_KINDS[(method.client_streaming, method.server_streaming)])
+            setattr(self, method.name, factory(
+                f"/{service.full_name}/{method.name}",
+                request_serializer=None if raw_in else request.SerializeToString,
+                response_deserializer=None if raw_out else response.FromString,
+                _registered_method=True,
+            ))
+
+    def __getattr__(self, name: str) -> Any:  # for type checkers: the methods are set in __init__
+        raise AttributeError(name)
+
+
+R = TypeVar("R")
+
+
+def retrying(call: Callable[[], R], *, give_up_s: float, closing: threading.Event | None = None,
+             on_retry: Callable[[grpc.RpcError], None] | None = None) -> R:
+    """call() until it succeeds, retrying RETRYABLE codes with backoff for up to give_up_s.
+
+    Raises the last grpc.RpcError when the code is not retryable, the time is up, or closing
+    is set (a caller shutting down must not wait out give_up_s).
+    """
+    deadline = time.monotonic() + give_up_s
+    delay = 0.02
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            stop = closing is not None and closing.is_set()
+            if exc.code() not in RETRYABLE or time.monotonic() > deadline or stop:
+                raise
+            if on_retry is not None:
+                on_retry(exc)
+        if closing is not None:
+            closing.wait(delay)  # once set, the next failure is raised at once
+        else:
+            time.sleep(delay)
+        delay = min(2 * delay, 1.0)
 
 
 def wait_ready(address: str, timeout: float = CONTROL_DEADLINE_S) -> None:

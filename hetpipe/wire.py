@@ -13,12 +13,13 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from hetpipe.rpc import CHUNK_BYTES, Rejected
+from hetpipe.errors import Rejected
 from hetpipe.v1 import wire_pb2
 
 if sys.byteorder != "little":  # the wire format is little-endian and we copy raw memory
     raise ImportError("hetpipe's wire codec needs a little-endian host")
 
+CHUNK_BYTES = 1 << 20
 MAX_NDIM = 8
 # Larger than any single activation or shard slice we move; a header claiming more is bogus.
 MAX_BUNDLE_BYTES = 16 << 30
@@ -92,28 +93,6 @@ def _pieces(tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> It
             yield raw[start : start + chunk_bytes]
 
 
-def encode(
-    tensors: Sequence[tuple[str, torch.Tensor]],
-    *,
-    minibatch: wire_pb2.MinibatchTag | None = None,
-    push: wire_pb2.PushTag | None = None,
-    init: wire_pb2.InitTag | None = None,
-    pull: wire_pb2.PullTag | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
-) -> Iterator[wire_pb2.TensorFrame]:
-    """Yields the frames of one tensor bundle; the first frame carries header and metas."""
-    pending: wire_pb2.TensorFrame | None = _first_frame(tensors, minibatch, push, init, pull)
-    for piece in _pieces(tensors, chunk_bytes):
-        if pending is not None:
-            pending.data = piece.tobytes()
-            yield pending
-            pending = None
-        else:
-            yield wire_pb2.TensorFrame(data=piece.tobytes())
-    if pending is not None:  # bundle with no bytes at all (empty tensors, or none)
-        yield pending
-
-
 # A serialized TensorFrame holding only `data` is this tag byte (field 9, length-delimited), the
 # payload length as a varint, then the payload: cheap to write and to recognise by hand.
 _DATA_TAG = 0x4A
@@ -130,7 +109,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def encode_raw(
+def encode(
     tensors: Sequence[tuple[str, torch.Tensor]],
     *,
     minibatch: wire_pb2.MinibatchTag | None = None,
@@ -139,10 +118,12 @@ def encode_raw(
     pull: wire_pb2.PullTag | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> Iterator[bytes]:
-    """The frames of encode, already serialized, for calls made with request_serializer=None.
+    """The frames of one tensor bundle, serialized: the first carries the header and metas.
 
-    Byte for byte what encode's frames serialize to, but each payload is copied once, straight
-    from the tensor into the outgoing message, instead of through a protobuf object.
+    Byte for byte what the TensorFrame messages serialize to, but each payload is copied once,
+    straight from the tensor into the outgoing message, instead of through a protobuf object.
+    Calls and replies that carry them skip gRPC's serializer (hetpipe.rpc registers and calls
+    every TensorFrame stream that way).
     """
     # Field 9 is the highest-numbered field, so appending it keeps the canonical field order.
     head: bytes | None = _first_frame(tensors, minibatch, push, init, pull).SerializeToString()
@@ -184,7 +165,7 @@ def _checked_meta(index: int, meta: wire_pb2.TensorMeta) -> tuple[torch.dtype, l
 # A received tensor is fresh memory, and above glibc's largest mmap threshold (32 MiB) every
 # allocation maps new pages: faulting them in 4 KiB at a time can cost more than the copy into
 # them. Transparent huge pages (where the kernel offers them) take 512 times fewer faults.
-_HUGE_PAGES_FROM_BYTES = 32 << 20
+HUGE_PAGES_FROM_BYTES = 32 << 20
 _ANONYMOUS_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
@@ -195,7 +176,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     alive); their storage cannot be resized, which received tensors never need.
     """
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < _HUGE_PAGES_FROM_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < HUGE_PAGES_FROM_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(tuple(shape), dtype=dtype)
     mapping = mmap.mmap(-1, nbytes, flags=_ANONYMOUS_PRIVATE)
     mapping.madvise(mmap.MADV_HUGEPAGE)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
 
 
 def wave_of(p: int, nm: int) -> int:
@@ -33,6 +37,49 @@ def required_min_clock(p: int, nm: int, D: int, steps: int | None = None) -> int
     if steps is not None and p == steps:
         p = (wave_of(p, nm) + 1) * nm
     return max(0, p // nm - 1 - D)
+
+
+def total_waves(steps: int, nm: int) -> int:
+    """Waves in a run of `steps` minibatches per VW: the last one may be partial."""
+    return math.ceil(steps / nm)
+
+
+@dataclass(frozen=True, slots=True)
+class PullDecision:
+    """G2 at the forward of p: whether it may run on the weights at hand, and the min_clock to
+    pull for now (None: no pull needed). A pull for a later wave's forwards may go out early:
+    G2 is a lower bound, so fresher weights are always allowed, and asking now hides the trip."""
+
+    allowed: bool
+    pull: int | None
+
+
+def g2_decision(p: int, nm: int, D: int, steps: int, have: int) -> PullDecision:
+    """G2 for the forward of p when the local weights include c_global `have`."""
+    need = required_min_clock(p, nm, D, steps)
+    if need > have:
+        return PullDecision(False, need)
+    ahead = required_min_clock(min(p + nm, steps), nm, D, steps)
+    return PullDecision(True, ahead if ahead > have else None)
+
+
+def merge_pulled(pulled: Sequence[torch.Tensor], own_clock: Sequence[int],
+                 own_waves: Mapping[int, Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """G3: the local weights after a pull. Per parameter i: the pulled w_global, which holds this
+    VW's own waves < own_clock[i], plus this stage's own wave updates it does not hold yet
+    (waves >= own_clock[i]). Nothing lost, nothing counted twice."""
+    merged = []
+    for i, value in enumerate(pulled):
+        for wave in sorted(own_waves):
+            if wave >= own_clock[i]:
+                value = value + own_waves[wave][i]
+        merged.append(value)
+    return merged
+
+
+def waves_included(own_clock: Sequence[int]) -> int:
+    """Own waves below this are in w_global for every parameter: their local sums can go."""
+    return min(own_clock) if own_clock else 0
 
 
 def clock_distance(clocks: Iterable[int]) -> int:

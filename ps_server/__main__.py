@@ -9,7 +9,7 @@ import torch
 
 from hetpipe import rpc
 from hetpipe.service import exit_now, run_server
-from hetpipe.v1 import coordinator_pb2, ps_pb2_grpc
+from hetpipe.v1 import coordinator_pb2
 from ps_server import metrics as shard_metrics
 from ps_server.config import ShardConfig, parse_args
 from ps_server.durability import Durability
@@ -32,8 +32,8 @@ def serve(cfg: ShardConfig) -> None:
         servicer.checkpoint()
         server.stop()
 
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server.grpc)
-    shard_metrics.bind(servicer)
+    rpc.add_service(server.grpc, "ParameterServer", servicer)
+    shard_metrics.bind(servicer.metrics_snapshot)
     run_server(cfg.service, server, shutdown, role=coordinator_pb2.WorkerInfo.PS_SHARD)
 
 

@@ -3,17 +3,13 @@ index in the plan (known from Init, or after a restart from the checkpoint direc
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hetpipe.metrics import REGISTRY
-
-if TYPE_CHECKING:
-    from ps_server.servicer import ShardServicer
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +28,16 @@ class ShardSnapshot:
 
 
 class ShardCollector(Collector):
-    def __init__(self, servicer: ShardServicer) -> None:
-        self.servicer = servicer
+    """Reads the shard's counters at scrape time through `snapshot` (None before Init)."""
+
+    def __init__(self, snapshot: Callable[[], ShardSnapshot | None]) -> None:
+        self.snapshot = snapshot
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        s = self.servicer.metrics_snapshot()
+        s = self.snapshot()
         if s is None:  # not initialised: which shard this is is not known yet
             return
         shard = str(s.shard)
@@ -72,12 +70,12 @@ class ShardCollector(Collector):
 _bound: ShardCollector | None = None
 
 
-def bind(servicer: ShardServicer) -> None:
-    """Registers the servicer's collector, replacing an earlier one's (one shard per process)."""
+def bind(snapshot: Callable[[], ShardSnapshot | None]) -> None:
+    """Registers a collector of the shard's snapshots, replacing an earlier one's (one shard per process)."""
     global _bound
     if _bound is not None:
         REGISTRY.unregister(_bound)
-    _bound = ShardCollector(servicer)
+    _bound = ShardCollector(snapshot)
     REGISTRY.register(_bound)
 
 

@@ -11,8 +11,9 @@ import grpc
 import torch
 
 from hetpipe import wire
-from hetpipe.rpc import Rejected, handler
-from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
+from hetpipe.errors import Rejected
+from hetpipe.rpc import handler
+from hetpipe.v1 import ps_pb2, wire_pb2
 from ps_server.durability import Durability
 from ps_server.metrics import ShardSnapshot
 from ps_server.shard import Shard, ShardError
@@ -34,7 +35,7 @@ def _rejected(exc: ShardError) -> Rejected:
     return Rejected(_CODES[exc.kind], str(exc))
 
 
-class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
+class ShardServicer:
     def __init__(self, shard: Shard, durability: Durability | None, *, max_pull_wait_s: float = 600.0) -> None:
         self.shard = shard
         self.durability = durability
@@ -63,7 +64,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
                 self.durability.checkpoint(self.shard)
 
     @handler
-    def Init(self, request_iterator: Iterator[wire_pb2.TensorFrame], context: grpc.ServicerContext) -> wire_pb2.Ack:
+    def Init(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
         bundle = wire.decode(request_iterator)
         if bundle.header.WhichOneof("header") != "init":
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Init: first frame lacks the init tag")
@@ -81,7 +82,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
         return wire_pb2.Ack(message="initialised" if fresh else "already initialised")
 
     @handler
-    def Push(self, request_iterator: Iterator[wire_pb2.TensorFrame], context: grpc.ServicerContext) -> ps_pb2.PushReply:
+    def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushReply:
         bundle = wire.decode(request_iterator)
         if bundle.header.WhichOneof("header") != "push":
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Push: first frame lacks the push tag")
@@ -102,7 +103,7 @@ class ShardServicer(ps_pb2_grpc.ParameterServerServicer):
             return ps_pb2.PushReply(duplicate=not applied, c_global=self.shard.c_global())
 
     @handler
-    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[wire_pb2.TensorFrame]:
+    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         keys = list(request.keys)
         remaining = context.time_remaining()
         if remaining is not None:

@@ -9,30 +9,28 @@ import sys
 import torch
 import torch._dynamo  # noqa: F401  torch imports it lazily on first use: seconds, better paid before serving
 
-from hetpipe import rpc
+from hetpipe import devices, rpc
 from hetpipe.service import ServiceFlags, exit_now, run_server
 from hetpipe.v1 import coordinator_pb2
 from stage_worker.config import parse_args
 from stage_worker.runtime import StageRuntime
-from stage_worker.servicer import StageServicer, add_to_server
-from stage_worker.wsp_sync import WspSync
+from stage_worker.servicer import StageServicer
 
 
 def serve(cfg: ServiceFlags) -> None:
     # One process per stage: oversubscribing the cores with intra-op threads only slows them all.
     torch.set_num_threads(max(1, int(os.environ.get("HETPIPE_THREADS", "1"))))
-    runtime = StageRuntime(make_sync=WspSync)
+    runtime = StageRuntime()
     server = rpc.Server(cfg.host, cfg.port, role="stage_worker")
 
     def shutdown() -> None:
         runtime.stop()
         server.stop()
 
-    add_to_server(StageServicer(runtime, shutdown), server.grpc)
-    cuda = torch.cuda.is_available()
+    rpc.add_service(server.grpc, "Stage", StageServicer(runtime, shutdown))
+    device = devices.pick("")
     run_server(cfg, server, shutdown, role=coordinator_pb2.WorkerInfo.STAGE_WORKER,
-               device="cuda:0" if cuda else "cpu",
-               memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else 0)
+               device=device.name, memory_bytes=device.memory_bytes if device.kind == "cuda" else 0)
     runtime.stop()
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,11 +12,6 @@ import torch
 
 from hetpipe import rpc, wire
 from hetpipe.v1 import wire_pb2
-
-log = logging.getLogger(__name__)
-
-# Codes after which the same send may succeed later: the peer is starting or briefly overloaded.
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +38,7 @@ class Link:
         self._on_failure = on_failure
         self._give_up_s = give_up_s
         self._channel = rpc.channel(address)
-        # Frames go out pre-serialized by wire.encode_raw (request_serializer=None), which copies
-        # each payload once; the generated stub would build and then serialize protobuf objects.
-        self._call = self._channel.stream_unary(
-            f"/hetpipe.v1.Stage/{method}", response_deserializer=wire_pb2.Ack.FromString, _registered_method=True
-        )
+        self._call = getattr(rpc.Stub(self._channel, "Stage"), method)
         self._queue: queue.Queue[Outgoing | None] = queue.Queue()
         self._closing = threading.Event()
         self.bytes_sent = 0
@@ -78,25 +67,14 @@ class Link:
 
     def _deliver(self, item: Outgoing) -> bool:
         what = "activation" if self.method == "Forward" else "gradient"
-        deadline = time.monotonic() + self._give_up_s
-        delay = 0.02
-        while True:
-            try:
-                self._call(wire.encode_raw(item.tensors, minibatch=item.tag), timeout=rpc.DATA_DEADLINE_S,
-                           wait_for_ready=False)
-                self.bytes_sent += sum(t.numel() * t.element_size() for _, t in item.tensors)
-                return True
-            except grpc.RpcError as exc:
-                code = exc.code()
-                if code == grpc.StatusCode.ALREADY_EXISTS:  # an earlier attempt landed
-                    return True
-                if self._closing.is_set():
-                    return False
-                if code not in _RETRYABLE or time.monotonic() > deadline:
-                    self._on_failure(
-                        f"could not send the {what} of minibatch {item.tag.minibatch} to {self.peer} at "
-                        f"{self.address}: {code.name}: {exc.details()}"
-                    )
-                    return False
-                self._closing.wait(delay)
-                delay = min(delay * 2, 0.5)
+        try:
+            rpc.retrying(lambda: self._call(wire.encode(item.tensors, minibatch=item.tag), timeout=rpc.DATA_DEADLINE_S),
+                         give_up_s=self._give_up_s, closing=self._closing)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # else an earlier attempt landed
+                if not self._closing.is_set():
+                    self._on_failure(f"could not send the {what} of minibatch {item.tag.minibatch} to {self.peer} "
+                                     f"at {self.address}: {exc.code().name}: {exc.details()}")
+                return False
+        self.bytes_sent += sum(t.numel() * t.element_size() for _, t in item.tensors)
+        return True

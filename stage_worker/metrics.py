@@ -1,12 +1,10 @@
-"""Stage-worker metrics (docs/metrics.md): counters and gauges read from the runtime at scrape
-time, histograms observed by the runtime (per forward) and by WSP (per push and pull)."""
+"""Stage-worker metrics (docs/metrics.md): counters and gauges read from the stage's Progress at
+scrape time, histograms observed by the runtime (per forward) and by WSP (per push and pull)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import torch
 from prometheus_client import Histogram
@@ -14,9 +12,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hetpipe.metrics import LATENCY_BUCKETS, REGISTRY
-
-if TYPE_CHECKING:
-    from stage_worker.runtime import StageRuntime
+from stage_worker.assignment import Setup
+from stage_worker.lifecycle import StageState
+from stage_worker.progress import Progress
 
 LABELS = ["vw", "stage"]
 
@@ -64,39 +62,20 @@ def observers(vw: int, stage: int) -> StageObservers:
     return StageObservers(vw, stage)
 
 
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """The runtime's counters at one instant (StageRuntime.metrics_snapshot): no digest, no copies."""
-
-    samples: int
-    forward_seconds: float
-    backward_seconds: float
-    idle_seconds: float
-    queue_depth: int
-    in_flight: int
-    sent_forward_bytes: int
-    sent_backward_bytes: int
-    pull_wait_seconds: float
-    pull_wait_idle_seconds: float
-    local_clock: int
-    min_clock: int
-    loss: float | None        # the last stage's mean over its last 10 minibatches; None elsewhere
-
-
 class StageCollector(Collector):
-    def __init__(self, runtime: StageRuntime) -> None:
-        self.runtime = runtime
+    """Reads the stage's Progress at scrape time through `snapshot` (None before an assignment)."""
+
+    def __init__(self, snapshot: Callable[[], Progress]) -> None:
+        self.snapshot = snapshot
 
     def describe(self) -> list[Metric]:
         return []  # registering must not call collect(): assign() holds the runtime's lock then
 
     def collect(self) -> Iterator[Metric]:
-        rt = self.runtime
-        s = rt.metrics_snapshot()
-        if s is None:  # not assigned yet: no vw or stage to label anything with
+        s = self.snapshot()
+        if s.state == StageState.IDLE:  # not assigned yet: no vw or stage to label anything with
             return
-        a = rt.a
-        names, values = LABELS, [str(a.vw), str(a.stage)]
+        names, values = LABELS, [str(s.vw), str(s.stage)]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=names)
@@ -126,48 +105,39 @@ class StageCollector(Collector):
                  "Tensor bytes sent: activations (forward) and gradients (backward)",
                  "phase", {"forward": s.sent_forward_bytes, "backward": s.sent_backward_bytes})
         yield counter("hetpipe_stage_pull_wait_seconds", "Seconds forwards were blocked on the clock bound (G2)",
-                      s.pull_wait_seconds)
+                      s.wait_seconds)
         yield counter("hetpipe_stage_pull_wait_idle_seconds",
-                      "The part of the pull wait with no other task to run", s.pull_wait_idle_seconds)
-        yield gauge("hetpipe_stage_local_clock", "Waves completed at this stage", s.local_clock)
+                      "The part of the pull wait with no other task to run", s.wait_idle_seconds)
+        yield gauge("hetpipe_stage_local_clock", "Waves completed at this stage", s.clock)
         yield gauge("hetpipe_stage_min_clock", "c_global the local weights include", s.min_clock)
-        if s.loss is not None and not math.isnan(s.loss):
-            yield gauge("hetpipe_stage_loss", "Mean loss over the last 10 minibatches", s.loss)
-        used, capacity = _memory(rt)
+        if not math.isnan(s.recent_loss):
+            yield gauge("hetpipe_stage_loss", "Mean loss over the last 10 minibatches", s.recent_loss)
         yield by(GaugeMetricFamily, "hetpipe_device_memory_bytes",
                  "Device memory of this stage (emulated or CPU: the plan's accounting)", "kind",
-                 {"used": used, "capacity": capacity})
+                 {"used": s.memory_used_bytes, "capacity": s.memory_capacity_bytes})
         info = GaugeMetricFamily("hetpipe_stage_info", "What this stage runs on (always 1)",
                                  labels=[*names, "gpu", "device", "emulated"])
-        info.add_metric([*values, _gpu(rt), rt.device, "true" if _emulated(rt) else "false"], 1)
+        gpu = s.gpu_type or ("cuda" if s.device.startswith("cuda") else "cpu")
+        info.add_metric([*values, gpu, s.device, "true" if s.emulated else "false"], 1)
         yield info
 
 
-def _emulated(rt: StageRuntime) -> bool:
-    return bool(rt.a.emulated) or rt.a.device_label.endswith("(emulated)")
-
-
-def _gpu(rt: StageRuntime) -> str:
-    return rt.a.gpu_type or ("cuda" if rt.device.startswith("cuda") else "cpu")
-
-
-def _memory(rt: StageRuntime) -> tuple[float, float]:
+def device_memory(setup: Setup) -> tuple[float, float]:
     """(used, capacity): measured on a real CUDA device, else the plan's estimate and capacity."""
-    if rt.device.startswith("cuda") and not _emulated(rt) and torch.cuda.is_available():
-        device = torch.device(rt.device)
-        return (float(torch.cuda.memory_allocated(device)),
-                float(torch.cuda.get_device_properties(device).total_memory))
-    return float(rt.a.memory_bytes), float(rt.a.capacity_bytes)
+    if setup.device.kind == "cuda" and not setup.emulated:
+        device = torch.device(setup.device.name)
+        return float(torch.cuda.memory_allocated(device)), float(setup.device.memory_bytes)
+    return float(setup.memory_bytes), float(setup.capacity_bytes)
 
 
 _bound: StageCollector | None = None
 
 
-def bind(runtime: StageRuntime) -> None:
-    """Registers the runtime's collector once it is assigned, replacing an earlier runtime's (a
-    process serves one stage; in-process test servers create several runtimes one after another)."""
+def bind(snapshot: Callable[[], Progress]) -> None:
+    """Registers a collector of the stage's Progress once it is assigned, replacing an earlier
+    one's (a process serves one stage; in-process test servers assign several one after another)."""
     global _bound
     if _bound is not None:
         REGISTRY.unregister(_bound)
-    _bound = StageCollector(runtime)
+    _bound = StageCollector(snapshot)
     REGISTRY.register(_bound)

@@ -6,15 +6,40 @@ import threading
 from collections.abc import Callable, Iterator
 
 import grpc
-from google.protobuf import message_factory
 
 from hetpipe import wire
 from hetpipe.rpc import handler
-from hetpipe.v1 import stage_pb2, stage_pb2_grpc, wire_pb2
+from hetpipe.v1 import stage_pb2, wire_pb2
+from stage_worker.lifecycle import StageState
+from stage_worker.progress import Progress
 from stage_worker.runtime import StageRuntime
 
+ProtoState = stage_pb2.StageStatus.State
+PROTO_STATE = {
+    StageState.IDLE: ProtoState.IDLE,
+    StageState.ASSIGNED: ProtoState.ASSIGNED,
+    StageState.RUNNING: ProtoState.RUNNING,
+    StageState.DONE: ProtoState.DONE,
+    StageState.FAILED: ProtoState.FAILED,
+}
 
-class StageServicer(stage_pb2_grpc.StageServicer):
+
+def status_message(p: Progress) -> stage_pb2.StageStatus:
+    s = stage_pb2.StageStatus(state=PROTO_STATE[p.state], error=p.error)
+    if p.state == StageState.IDLE:
+        return s
+    s.vw, s.stage, s.device = p.vw, p.stage, p.label or p.device
+    s.forwards_done, s.backwards_done, s.local_version = p.forwards_done, p.backwards_done, p.local_version
+    s.in_flight, s.received = p.in_flight, p.received
+    s.last_loss, s.recent_loss = p.last_loss, p.recent_loss
+    s.wait_seconds, s.wait_idle_seconds, s.idle_seconds = p.wait_seconds, p.wait_idle_seconds, p.idle_seconds
+    s.compute_seconds = p.compute_seconds
+    s.clock, s.min_clock = p.clock, p.min_clock
+    s.weights_digest = p.weights_digest
+    return s
+
+
+class StageServicer:
     def __init__(self, runtime: StageRuntime, on_stop: Callable[[], None]) -> None:
         self.runtime = runtime
         self._on_stop = on_stop
@@ -25,7 +50,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return wire_pb2.Ack(message="assigned")
 
     @handler
-    def LoadWeights(self, request_iterator: Iterator[wire_pb2.TensorFrame], context: grpc.ServicerContext) -> wire_pb2.Ack:
+    def LoadWeights(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
         self.runtime.load_weights(wire.decode(request_iterator))
         return wire_pb2.Ack(message="weights loaded")
 
@@ -35,21 +60,21 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return wire_pb2.Ack(message="started")
 
     @handler
-    def Forward(self, request_iterator: Iterator[wire_pb2.TensorFrame], context: grpc.ServicerContext) -> wire_pb2.Ack:
+    def Forward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
         self.runtime.offer_forward(wire.decode(request_iterator))
         return wire_pb2.Ack()
 
     @handler
-    def Backward(self, request_iterator: Iterator[wire_pb2.TensorFrame], context: grpc.ServicerContext) -> wire_pb2.Ack:
+    def Backward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
         self.runtime.offer_backward(wire.decode(request_iterator))
         return wire_pb2.Ack()
 
     @handler
     def Status(self, request: stage_pb2.StatusRequest, context: grpc.ServicerContext) -> stage_pb2.StageStatus:
-        return self.runtime.status(weights_digest=request.weights_digest)
+        return status_message(self.runtime.progress(weights_digest=request.weights_digest))
 
     @handler
-    def GetWeights(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> Iterator[wire_pb2.TensorFrame]:
+    def GetWeights(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> Iterator[bytes]:
         return wire.encode(self.runtime.weights())  # weights() runs now, inside the handler
 
     @handler
@@ -57,31 +82,3 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         # Answer first, then stop: the caller should not see its own Stop cut off.
         threading.Timer(0.1, self._on_stop).start()
         return wire_pb2.Ack(message="stopping")
-
-
-_HANDLER_KINDS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
-def add_to_server(servicer: StageServicer, server: grpc.Server) -> None:
-    """Registers the Stage service as the generated add_StageServicer_to_server does, except that
-    TensorFrame streams reach the handlers as raw bytes: wire.decode then copies data frames
-    straight into the tensors instead of parsing each into a protobuf object first.
-    """
-    service = stage_pb2.DESCRIPTOR.services_by_name["Stage"]
-    handlers = {}
-    for method in service.methods:
-        raw = method.client_streaming and method.input_type is wire_pb2.TensorFrame.DESCRIPTOR
-        request = message_factory.GetMessageClass(method.input_type)
-        response = message_factory.GetMessageClass(method.output_type)
-        handlers[method.name] = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)](
-            getattr(servicer, method.name),
-            request_deserializer=None if raw else request.FromString,
-            response_serializer=response.SerializeToString,
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    server.add_registered_method_handlers(service.full_name, handlers)

@@ -6,7 +6,14 @@ from typing import Protocol
 
 import torch
 
-from stage_worker.stage import StageCompute
+
+class Weights(Protocol):
+    """What a sync may do to the stage's local weights (StageCompute)."""
+
+    @property
+    def device(self) -> str: ...
+
+    def set_weights(self, values: list[torch.Tensor]) -> None: ...
 
 
 class Sync(Protocol):
@@ -25,7 +32,7 @@ class Sync(Protocol):
         """G1: the stage finished wave c (or the final partial wave): push its sum."""
         ...
 
-    def apply_pending(self, compute: StageCompute) -> None:
+    def apply_pending(self, weights: Weights) -> None:
         """G3: merge a completed pull into the local weights."""
         ...
 
@@ -71,7 +78,7 @@ class LocalSync:
     def on_wave_end(self, wave: int) -> None:
         self._clock = wave + 1
 
-    def apply_pending(self, compute: StageCompute) -> None:
+    def apply_pending(self, weights: Weights) -> None:
         pass
 
     @property

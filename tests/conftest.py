@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from hetpipe import faults
 from hetpipe.config import JobConfig, load_job
 
 
@@ -68,3 +69,15 @@ def make_job(tmp_path: Path):
         return load_job(path)
 
     return make
+
+
+@pytest.fixture
+def inject_faults(monkeypatch: pytest.MonkeyPatch):
+    """inject_faults(task_delay=..., slow_vw=..., ...) makes every process this test starts inject
+    those faults (hetpipe/faults.py: HETPIPE_FAULTS, never the job file)."""
+
+    def inject(**values: Any) -> None:
+        for key, value in faults.to_env(faults.Faults(**values)).items():
+            monkeypatch.setenv(key, value)
+
+    return inject

@@ -39,7 +39,7 @@ class Run:
         self.trace = tmp_path / "out" / "trace"
         with open(self.stderr_path, "wb") as err:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "hetpipe.cli", "run", "-q", str(tmp_path / "job.yaml")],
+                [sys.executable, "-m", "launch.cli", "run", "-q", str(tmp_path / "job.yaml")],
                 cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                 start_new_session=True,
                 # As from a terminal: a suite launched in the background (`cmd &` in a script) has

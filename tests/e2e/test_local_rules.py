@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.local import run_local
+from launch.local import run_local
 from trace_rules import (
     Row,
     by_stage,
@@ -38,7 +38,7 @@ EMULATED = {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 4}]}]
 
 @pytest.mark.parametrize("delay", [None, [0.0, 0.01]], ids=["fixed", "random-delays"])
 @pytest.mark.parametrize(("nm", "k", "steps"), [(2, 3, 30), (4, 4, 32)], ids=["nm2-k3", "nm4-k4"])
-def test_trace_keeps_local_rules(make_job, tmp_path: Path, nm: int, k: int, steps: int, delay: Any) -> None:
+def test_trace_keeps_local_rules(make_job, inject_faults, tmp_path: Path, nm: int, k: int, steps: int, delay: Any) -> None:
     overrides: dict[str, Any] = {
         "cluster": EMULATED,
         "train": {"steps": steps},
@@ -46,7 +46,7 @@ def test_trace_keeps_local_rules(make_job, tmp_path: Path, nm: int, k: int, step
         "output": {"trace": True},
     }
     if delay is not None:
-        overrides["faults"] = {"task_delay": delay}
+        inject_faults(task_delay=tuple(delay))
     job = make_job(overrides)
     summary = run_local(job, quiet=True)
     assert summary["nm"] == nm and summary["stages_per_vw"] == k

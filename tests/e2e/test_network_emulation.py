@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.local import run_local
-from coordinator.plan import make_plan
+from launch.local import run_local
+from coordinator.planner import make_plan
 from hetpipe.config import ConfigError
 from hetpipe.network import Network
 from hetpipe.zoo import model_shape

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.local import run_local
+from launch.local import run_local
 from hetpipe.reference import train_reference
 from hetpipe.zoo import build_model
 

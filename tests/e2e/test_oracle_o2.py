@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.local import run_local
+from launch.local import run_local
 from hetpipe.reference import initial_model, train_reference
 
 pytestmark = pytest.mark.timeout(150)

@@ -18,8 +18,8 @@ import grpc
 import pytest
 import yaml
 
-from coordinator.driver import JobStopped
-from coordinator.local import ADDRESS_FILE, TARGETS_FILE, run_local
+from hetpipe.errors import JobStopped
+from launch.local import ADDRESS_FILE, TARGETS_FILE, run_local
 from hetpipe import rpc
 from hetpipe.v1 import coordinator_pb2_grpc, wire_pb2
 from tests.prometheus_tools import ensure_prometheus, ensure_promtool, promtool_check_metrics

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from coordinator.local import run_local
+from launch.local import run_local
 from hetpipe.reference import initial_model
 from tests.trace_rules import Row, by_stage, check_complete, check_local_rules, check_min_clock, load_trace
 
@@ -53,11 +53,11 @@ def _kill_shard_when_busy(out: Path, done: threading.Event, killed: list[int]) -
 
 
 @pytest.mark.timeout(300)
-def test_o3_conservation_with_retries_and_shard_kill(make_job, tmp_path: Path) -> None:
+def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tmp_path: Path) -> None:
+    inject_faults(task_delay=(0.0, 0.01), repeat_push=0.3)
     job = make_job({
         "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}, "steps": 60},
         "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": 2, "D": 1, "ps_shards": 2},
-        "faults": {"task_delay": [0.0, 0.01], "repeat_push": 0.3},
         "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 6}]}],
                     "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.01}},
     })
@@ -86,12 +86,12 @@ def test_o3_conservation_with_retries_and_shard_kill(make_job, tmp_path: Path) -
 
 
 @pytest.mark.parametrize("nm,D", [(2, 0), (2, 1), (2, 3), (4, 0), (4, 1), (4, 3)])
-def test_o4_staleness_bounds_with_straggler(make_job, tmp_path: Path, nm: int, D: int) -> None:
+def test_o4_staleness_bounds_with_straggler(make_job, inject_faults, tmp_path: Path, nm: int, D: int) -> None:
+    inject_faults(task_delay=(0.0, 0.004), slow_vw=2, slow_factor=3.0)
     steps = 6 * nm + 1  # a final partial wave: G4 must hold through it too
     job = make_job({
         "train": {"steps": steps},
         "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": nm, "D": D, "ps_shards": 2},
-        "faults": {"task_delay": [0.0, 0.004], "slow_vw": 2, "slow_factor": 3.0},
         "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "rtx-2060", "count": 6}]}],
                     "emulate": {"forward_seconds": 0.004, "backward_seconds": 0.004}},
     })

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from coordinator.__main__ import build
-from coordinator.launcher import LocalProcesses
+from launch.processes import LocalProcesses
 from coordinator.servicer import CoordinatorServicer
 from hetpipe import rpc
 from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, wire_pb2
@@ -125,7 +125,7 @@ def test_frozen_worker_fails_the_job_within_three_heartbeats(coordinator, make_j
     assert "stage 1 of vw 0" in job.reason and victim.address in job.reason, job.reason
     # 3 missed intervals, plus one driver poll (0.1 s) and a Status deadline of slack.
     assert detected < 3 * INTERVAL + 2.5, f"took {detected:.1f}s"
-    cli = subprocess.run([sys.executable, "-m", "hetpipe.cli", "status", "--coordinator", address],
+    cli = subprocess.run([sys.executable, "-m", "launch.cli", "status", "--coordinator", address],
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 1 and "FAILED" in cli.stdout and "stage 1 of vw 0" in cli.stdout
 
@@ -134,7 +134,7 @@ def test_stop_ends_a_running_job_and_its_stages(coordinator, make_job, tmp_path:
     stub, _, address = coordinator
     procs = _start_job(make_job, tmp_path, address, stub)
     try:
-        cli = subprocess.run([sys.executable, "-m", "hetpipe.cli", "stop", "--coordinator", address],
+        cli = subprocess.run([sys.executable, "-m", "launch.cli", "stop", "--coordinator", address],
                              capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0, cli.stderr
         deadline = time.monotonic() + 15

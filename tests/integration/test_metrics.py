@@ -21,11 +21,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator import state as st
-from coordinator.local import ADDRESS_FILE, TARGETS_FILE
+from launch.local import ADDRESS_FILE, TARGETS_FILE
 from hetpipe import rpc, wire
 from hetpipe.catalog import gpu_type
-from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, ps_pb2, ps_pb2_grpc, stage_pb2_grpc, wire_pb2
+from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, ps_pb2, wire_pb2
 from tests.prometheus_tools import ensure_promtool, promtool_check_metrics
 
 pytestmark = pytest.mark.timeout(240)
@@ -152,11 +151,11 @@ def _provoke_invalid_argument(coordinator: str, stage: str, shard: str) -> None:
         tag = wire_pb2.MinibatchTag(vw=99, minibatch=1, stage=0)
         frames = wire.encode([("activation", torch.zeros(2)), ("target", torch.zeros(2))], minibatch=tag)
         with pytest.raises(grpc.RpcError) as err:
-            stage_pb2_grpc.StageStub(ch).Forward(frames, timeout=5)
+            rpc.Stub(ch, "Stage").Forward(frames, timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     with rpc.channel(shard) as ch:  # a streaming-response handler refusing before its first frame
         with pytest.raises(grpc.RpcError) as err:
-            list(ps_pb2_grpc.ParameterServerStub(ch).Pull(ps_pb2.PullRequest(vw=99, keys=["x"]), timeout=5))
+            list(rpc.Stub(ch, "ParameterServer").Pull(ps_pb2.PullRequest(vw=99, keys=["x"]), timeout=5))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
 
 
@@ -172,7 +171,7 @@ def test_every_process_exports_the_documented_metrics(make_job) -> None:
     # only its own metrics, whatever in-process servers earlier tests in this process started.
     started = time.monotonic()
     log = Path(job.base_dir) / "run.log"  # a file, not a pipe: a full pipe would stall the run
-    proc = subprocess.Popen([sys.executable, "-m", "hetpipe.cli", "run", "--quiet", str(Path(job.base_dir) / "job.yaml")],
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--quiet", str(Path(job.base_dir) / "job.yaml")],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     endpoints: dict[str, Endpoint] = {}
     provoked = False
@@ -250,7 +249,8 @@ def _discover(out_dir: Path) -> dict[str, Endpoint]:
 def _running(out_dir: Path) -> bool:
     with rpc.channel((out_dir / ADDRESS_FILE).read_text().strip()) as ch:
         try:
-            return coordinator_pb2_grpc.CoordinatorStub(ch).GetJob(wire_pb2.Empty(), timeout=5).state == st.RUNNING
+            state = coordinator_pb2_grpc.CoordinatorStub(ch).GetJob(wire_pb2.Empty(), timeout=5).state
+            return bool(state == coordinator_pb2.JobStatus.RUNNING)
         except grpc.RpcError:  # the job ended and the coordinator with it
             return False
 
@@ -269,7 +269,7 @@ def _check_coordinator(s: Samples, e: Endpoint, docs: dict[str, list[Documented]
     assert s.one("hetpipe_workers", role="ps_shard", alive="true") == 2
     assert s.one("hetpipe_job_samples_per_second") > 0
     assert 0 < s.one("hetpipe_job_loss") < 10
-    for method in ("Register", "Heartbeat", "Submit", "GetJob", "ListWorkers"):
+    for method in ("Register", "Heartbeat", "GetJob", "ListWorkers"):  # the job came at start, as with --job
         assert _handled(s, method, "OK") >= 1, method
     # This process may have run other coordinators before (one registry per process): a delta.
     assert e.before, "no coordinator scrape before the provoked errors"
@@ -366,13 +366,13 @@ def test_interceptor_counts_every_kind_of_rpc_with_its_final_code(tmp_path: Path
 
     servicer = ShardServicer(Shard(), None, max_pull_wait_s=30.0)
     server = rpc.Server("127.0.0.1", 0, role=role, workers=8)
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server.grpc)
-    shard_metrics.bind(servicer)
+    rpc.add_service(server.grpc, "ParameterServer", servicer)
+    shard_metrics.bind(servicer.metrics_snapshot)
     server.start()
     w = [("w", torch.ones(3))]
     try:
         with rpc.channel(server.address) as ch:
-            stub = ps_pb2_grpc.ParameterServerStub(ch)
+            stub = rpc.Stub(ch, "ParameterServer")
             # stream request, unary response
             stub.Init(wire.encode(w, init=wire_pb2.InitTag(virtual_workers=2, shard=3)), timeout=5)
             stub.Push(wire.encode(w, push=wire_pb2.PushTag(vw=0, clock=0)), timeout=5)

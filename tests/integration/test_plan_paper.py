@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from coordinator.partition import PlanError
+from coordinator.planner import PlanError
 from hetpipe.network import Network
 from hetpipe.zoo import model_shape
-from coordinator.plan import Plan, make_plan
+from coordinator.planner import Plan, make_plan
 from hetpipe.config import parse_job
 
 pytestmark = pytest.mark.timeout(240)
@@ -83,13 +83,13 @@ def test_hetpipe_plan_prints_the_table_and_the_whimpy_gpu(tmp_path: Path) -> Non
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(paper_job("resnet152", "ED")))
-    out = subprocess.run([sys.executable, "-m", "hetpipe.cli", "plan", str(job)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "plan", str(job)], capture_output=True, text=True,
                          timeout=200)
     assert out.returncode == 0, out.stderr
     assert "policy ED, 4 virtual workers x 4 stages" in out.stdout and "s_global" in out.stdout
     assert "rtx-2060: the whole model does not fit on one GPU" in out.stdout
     assert out.stdout.count("(emulated)") == 16 and "predicted throughput" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "hetpipe.cli", "plan", str(tmp_path / "missing.yaml")],
+    bad = subprocess.run([sys.executable, "-m", "launch.cli", "plan", str(tmp_path / "missing.yaml")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
 

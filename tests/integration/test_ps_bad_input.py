@@ -28,6 +28,7 @@ import torch
 
 from hetpipe import rpc, wire
 from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
+from messages import messages
 from ps_server.durability import Durability
 from ps_server.servicer import ShardServicer
 from ps_server.shard import Shard
@@ -39,6 +40,10 @@ REPO = Path(__file__).resolve().parents[2]
 SHAPES = {"l0.weight": (2, 3), "l0.bias": (3,)}
 KEYS = list(SHAPES)
 CALL_S = 10.0  # generous: the test host may be heavily loaded
+
+
+def _frames(tensors: list[tuple[str, torch.Tensor]], **tags: Any) -> list[wire_pb2.TensorFrame]:
+    return messages(wire.encode(tensors, **tags))
 
 
 def w0() -> list[tuple[str, torch.Tensor]]:
@@ -57,11 +62,11 @@ class Client:
     stub: ps_pb2_grpc.ParameterServerStub
 
     def init(self, tensors: list[tuple[str, torch.Tensor]], vws: int = 2, **kw: Any) -> wire_pb2.Ack:
-        return self.stub.Init(wire.encode(tensors, init=wire_pb2.InitTag(virtual_workers=vws)), timeout=CALL_S, **kw)
+        return self.stub.Init(iter(_frames(tensors, init=wire_pb2.InitTag(virtual_workers=vws))), timeout=CALL_S, **kw)
 
     def push(self, vw: int, clock: int, tensors: list[tuple[str, torch.Tensor]], **kw: Any) -> ps_pb2.PushReply:
         tag = wire_pb2.PushTag(vw=vw, clock=clock)
-        return self.stub.Push(wire.encode(tensors, push=tag), timeout=CALL_S, **kw)
+        return self.stub.Push(iter(_frames(tensors, push=tag)), timeout=CALL_S, **kw)
 
     def pull(self, vw: int, keys: list[str], min_clock: int = 0, timeout: float = CALL_S, **kw: Any) -> wire.Bundle:
         request = ps_pb2.PullRequest(vw=vw, keys=keys, min_clock=min_clock)
@@ -101,7 +106,7 @@ def ps(tmp_path: Path) -> Iterator[InProcess]:
     """A shard with 2 VWs and two float32 keys; vw 0 has pushed waves 0 and 1, vw 1 wave 0."""
     servicer = ShardServicer(Shard(), Durability(str(tmp_path / "ckpt")), max_pull_wait_s=30.0)
     server = rpc.Server("127.0.0.1", 0, workers=16)
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server.grpc)
+    rpc.add_service(server.grpc, "ParameterServer", servicer)
     server.start()
     ch = rpc.channel(server.address)
     try:
@@ -127,11 +132,11 @@ def with_data(frames: list[wire_pb2.TensorFrame], data: bytes) -> list[wire_pb2.
 
 
 def bad_inputs(c: Client) -> dict[str, tuple[Callable[[], Any], grpc.StatusCode, str]]:
-    push_frames = lambda **tag: list(wire.encode(delta(0, 2), **tag))  # noqa: E731
+    push_frames = lambda **tag: _frames(delta(0, 2), **tag)  # noqa: E731
     good = push_frames(push=wire_pb2.PushTag(vw=0, clock=2))
     raw = good[0].data
     other_init = [(k, v + 1.0) for k, v in w0()]
-    bad_dtype = list(wire.encode(delta(0, 2), push=wire_pb2.PushTag(vw=0, clock=2)))
+    bad_dtype = list(_frames(delta(0, 2), push=wire_pb2.PushTag(vw=0, clock=2)))
     bad_dtype[0].tensors[0].dtype = 99
     return {
         "unknown key": (lambda: c.push(0, 2, [*delta(0, 2), ("l7.weight", torch.zeros(2, 3))]),
@@ -165,7 +170,7 @@ def bad_inputs(c: Client) -> dict[str, tuple[Callable[[], Any], grpc.StatusCode,
                                Code.INVALID_ARGUMENT, r"unknown dtype code 99"),
         "init again with other values": (lambda: c.init(other_init), Code.ALREADY_EXISTS, r"already initialised"),
         "init again with other vws": (lambda: c.init(w0(), vws=3), Code.ALREADY_EXISTS, r"already initialised"),
-        "init without init tag": (lambda: c.stub.Init(wire.encode(w0()), timeout=CALL_S),
+        "init without init tag": (lambda: c.stub.Init(iter(_frames(w0())), timeout=CALL_S),
                                   Code.INVALID_ARGUMENT, r"lacks the init tag"),
     }
 

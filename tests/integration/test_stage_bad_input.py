@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from coordinator.driver import JobDriver
-from coordinator.plan import make_plan
+from coordinator.planner import make_plan
 from hetpipe import rpc, wire
 from hetpipe.config import JobConfig
 from hetpipe.v1 import stage_pb2, stage_pb2_grpc, wire_pb2
-from stage_worker import servicer as stage_servicer
+from messages import messages
 from stage_worker.runtime import StageRuntime
 from stage_worker.servicer import StageServicer
 
@@ -79,20 +79,10 @@ class FakeNeighbour(stage_pb2_grpc.StageServicer):
             assert self.cv.wait_for(lambda: len(self.got) >= n, timeout), f"got {len(self.got)} messages, want {n}"
 
 
-REGISTRATIONS = {"protobuf": stage_pb2_grpc.add_StageServicer_to_server}
-if hasattr(stage_servicer, "add_to_server"):  # TensorFrame streams handed to the handlers as raw bytes
-    REGISTRATIONS["raw-frames"] = stage_servicer.add_to_server
-
-
-@pytest.fixture(params=sorted(REGISTRATIONS))
-def registration(request: pytest.FixtureRequest) -> str:
-    """Each way the Stage service can be registered: the real stage is tested behind every one."""
-    return str(request.param)
-
-
-def serve(servicer: stage_pb2_grpc.StageServicer, registration: str = "protobuf") -> rpc.Server:
+def serve(servicer: Any) -> rpc.Server:
+    """An in-process server of the Stage service, registered as `python -m stage_worker` does."""
     server = rpc.Server("127.0.0.1", 0, workers=8)
-    REGISTRATIONS[registration](servicer, server.grpc)
+    rpc.add_service(server.grpc, "Stage", servicer)
     server.start()
     return server
 
@@ -108,11 +98,11 @@ class Rig:
 
     @property
     def in_spec(self) -> Any:
-        return self.runtime.in_spec
+        return self.runtime.setup.specs.activation
 
     @property
     def out_spec(self) -> Any:
-        return self.runtime.out_spec
+        return self.runtime.setup.specs.output
 
     def status(self) -> stage_pb2.StageStatus:
         return self.stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
@@ -123,7 +113,7 @@ class Rig:
 
     def activation(self, p: int, **tag: Any) -> list[wire_pb2.TensorFrame]:
         x = torch.randn(self.in_spec.shape, dtype=self.in_spec.dtype)
-        y = torch.randint(0, 10, self.runtime.target_spec.shape)
+        y = torch.randint(0, 10, self.runtime.setup.specs.target.shape)
         return frames([("activation", x), ("target", y)], p, **{"stage": 0, **tag})
 
     def gradient(self, p: int, **tag: Any) -> list[wire_pb2.TensorFrame]:
@@ -142,7 +132,7 @@ class Rig:
 def frames(tensors: list[tuple[str, torch.Tensor]], p: int, *, vw: int = 0, stage: int, version: int = 0,
            ) -> list[wire_pb2.TensorFrame]:
     tag = wire_pb2.MinibatchTag(vw=vw, minibatch=p, weight_version=version, stage=stage)
-    return list(wire.encode(tensors, minibatch=tag))
+    return messages(wire.encode(tensors, minibatch=tag))
 
 
 @pytest.fixture
@@ -154,12 +144,12 @@ def unlimited_channel() -> Iterator[Any]:
 
 
 @pytest.fixture
-def rig(make_job, unlimited_channel, registration: str) -> Iterator[Rig]:
+def rig(make_job, unlimited_channel) -> Iterator[Rig]:
     job = make_job({"train": {"steps": STEPS}, "parallel": {"stages_per_vw": 3, "nm": NM},
                     "output": {"trace": False}})
     runtime = StageRuntime()
     prev, nxt = FakeNeighbour(), FakeNeighbour()
-    servers = [serve(prev), serve(StageServicer(runtime, on_stop=lambda: None), registration), serve(nxt)]
+    servers = [serve(prev), serve(StageServicer(runtime, on_stop=lambda: None)), serve(nxt)]
     driver = JobDriver(job, make_plan(job), [s.address for s in servers])
     channel = unlimited_channel(servers[1].address)
     try:
@@ -193,7 +183,7 @@ def _header_only(meta: list[wire_pb2.TensorMeta], p: int = 1, data: bytes = b"")
 
 def _bad_activations(rig: Rig) -> dict[str, tuple[Any, grpc.StatusCode, str]]:
     """name -> (frames, code, regex the message must match)."""
-    xs, ys = list(rig.in_spec.shape), list(rig.runtime.target_spec.shape)
+    xs, ys = list(rig.in_spec.shape), list(rig.runtime.setup.specs.target.shape)
     good = rig.activation(1)
     x = torch.randn(xs)
     y = torch.zeros(ys, dtype=torch.int64)
@@ -277,7 +267,7 @@ def test_bad_activations_are_refused_and_change_nothing(rig: Rig) -> None:
     method, tag, tensors = rig.next.got[0]
     assert (method, tag.vw, tag.minibatch, tag.stage, tag.weight_version) == ("Forward", 0, 1, 1, 0)
     assert [(n, list(t.shape)) for n, t in tensors] == [("activation", list(rig.out_spec.shape)),
-                                                       ("target", list(rig.runtime.target_spec.shape))]
+                                                       ("target", list(rig.runtime.setup.specs.target.shape))]
     after = rig.snapshot()
     assert (after["received"], after["forwards_done"], after["in_flight"]) == (1, 1, 1)
     assert after["weights_digest"] == before["weights_digest"]  # a forward does not update weights
@@ -312,7 +302,7 @@ def test_duplicates_and_unexpected_gradients_are_refused(rig: Rig) -> None:
                                  Code.INVALID_ARGUMENT, r"gradient: dtype torch\.float64, expected torch\.float32"),
         "gradient two tensors": (rig.stub.Backward,
                                  frames([("gradient", torch.randn(rig.out_spec.shape))] * 2, 1, stage=2),
-                                 Code.INVALID_ARGUMENT, "gradient: expected 1 tensor, got 2"),
+                                 Code.INVALID_ARGUMENT, r"gradient: expected 1 tensor \(gradient\), got 2"),
     }
     for name, (call, request, code, match) in bad_gradients.items():
         try:
@@ -343,9 +333,9 @@ def test_control_calls_out_of_turn_are_refused(rig: Rig) -> None:
     refused(rig.stub.Start, wire_pb2.Empty(), Code.FAILED_PRECONDITION, "cannot start in state RUNNING")
     refused(rig.stub.Assign, stage_pb2.StageAssignment(job_json=rig.job.to_json()), Code.FAILED_PRECONDITION,
             "stage already assigned")
-    weights = list(wire.encode(rig.runtime.weights()))
+    weights = messages(wire.encode(rig.runtime.weights()))
     refused(rig.stub.LoadWeights, iter(weights), Code.FAILED_PRECONDITION,
-            "weights arrive after Assign and before Start, not in RUNNING")
+            "weights arrive after Assign and before Start, not in state RUNNING")
     assert rig.snapshot() == before
 
 
@@ -369,7 +359,7 @@ class Recorder(FakeNeighbour):
 
 
 @pytest.fixture
-def idle(make_job, registration: str) -> Iterator[tuple[Any, ...]]:
+def idle(make_job) -> Iterator[tuple[Any, ...]]:
     """What JobDriver.setup sends stage 1 of a 2-stage job; a fresh (IDLE) real stage's stub and
     runtime; and the fake stage 0 that the assignment names as the previous stage."""
     job = make_job({"train": {"steps": STEPS}, "parallel": {"stages_per_vw": 2, "nm": NM},
@@ -377,7 +367,7 @@ def idle(make_job, registration: str) -> Iterator[tuple[Any, ...]]:
     fakes = [FakeNeighbour(), Recorder()]
     servers = [serve(f) for f in fakes]
     runtime = StageRuntime()
-    servers.append(serve(StageServicer(runtime, on_stop=lambda: None), registration))
+    servers.append(serve(StageServicer(runtime, on_stop=lambda: None)))
     driver = JobDriver(job, make_plan(job), [s.address for s in servers[:2]])
     channel = rpc.channel(servers[2].address)
     try:
@@ -415,17 +405,25 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
         "garbage job_json": (variant(job_json="{not json"), "job_json: not valid JSON"),
         "job_json not an object": (variant(job_json="[1, 2]"), "job_json: .*expected a JSON object"),
         "job_json missing the model": (variant(job_json="{}"), "job_json: model.name"),
-        "unresolved nm": (variant(job_json=auto_nm), "parallel.nm must be resolved to an integer"),
-        "stage beyond num_stages": (variant(stage=2), r"stage 2 of 2 with layers"),
+        "unresolved nm": (variant(job_json=auto_nm), "parallel.nm: expected an integer"),
+        "stage beyond num_stages": (variant(stage=2), r"stage 2 of 2: the job has 2 stages"),
+        "num_stages not the job's": (variant(num_stages=3), r"stage 1 of 3: the job has 2 stages"),
+        "a later stage without its previous stage": (variant(prev_address=""), "needs prev_address"),
+        "the last stage with a next stage": (variant(next_address="127.0.0.1:1"), "next_address exactly when"),
         "empty layer range": (variant(layer_begin=3, layer_end=3), r"layers \[3, 3\)"),
         "layers beyond the model": (variant(layer_end=99), r"layers \[\d+, 99\) but the model has \d+"),
         "vw beyond the job": (variant(vw=5), "vw 5 but the job has 1"),
         "unknown input dtype": (variant(input_dtype=99), "unknown dtype code 99"),
         "input shape that does not fit the model": (variant(input_shape=[batch[0], batch[1] + 1]),
                                                     rf"input_shape|\[{batch[0]}, {batch[1] + 1}\]"),
-        "negative link time": (variant(prev_send_seconds=-1.0), r"prev_send_seconds: -1.0: expected a finite number >= 0"),
-        "NaN push time": (variant(push_seconds=float("nan")), "push_seconds: nan: expected a finite number"),
-        "infinite pull time": (variant(pull_seconds=float("inf")), "pull_seconds: inf: expected a finite number"),
+        "negative link time": (variant(prev_send_seconds=-1.0), r"prev_send_seconds: -1.0: expected a number of seconds"),
+        "NaN push time": (variant(push_seconds=float("nan")), "push_seconds: nan: expected a number of seconds"),
+        "infinite pull time": (variant(pull_seconds=float("inf")), "pull_seconds: inf: expected a number of seconds"),
+        "absurd task time": (variant(forward_seconds=1e300), r"forward_seconds: 1e\+300: expected"),
+        "device meta": (variant(device="meta"), "device 'meta': expected 'cpu', 'cuda:N'"),
+        "device cpu:99": (variant(device="cpu:99"), "device 'cpu:99': expected"),
+        "a huge input shape": (variant(input_shape=[4194304, batch[1]]), "one minibatch of data.batch_size"),
+        "a zero dimension": (variant(input_shape=[batch[0], 0]), r"input_shape: \[\d+, 0\]: expected"),
     }
     failures = []
     for name, (request, match) in bad.items():
@@ -451,35 +449,36 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
         "unexpected key": (w0 + [("bogus.weight", t0)], r"unexpected keys \['bogus\.weight'\]"),
         "wrong shape": ([(first, t0[:1])] + w0[1:], rf"weights\[{re.escape(first)}\]: shape"),
         "wrong dtype": ([(first, t0.double())] + w0[1:], rf"weights\[{re.escape(first)}\]: dtype torch\.float64"),
+        "NaN": ([(first, torch.full_like(t0, float("nan")))] + w0[1:], rf"weights\[{re.escape(first)}\]: NaN or Inf"),
     }
     assert len(names) > 1
     for name, (tensors, match) in weight_bad.items():
-        refused(stub.LoadWeights, wire.encode(tensors), Code.INVALID_ARGUMENT, match)
+        refused(stub.LoadWeights, iter(messages(wire.encode(tensors))), Code.INVALID_ARGUMENT, match)
         s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
         assert (s.state, s.weights_digest) == (State.ASSIGNED, digest), name
-    stub.LoadWeights(wire.encode([(n, t + 1) for n, t in w0]), timeout=10)
+    stub.LoadWeights(iter(messages(wire.encode([(n, t + 1) for n, t in w0]))), timeout=10)
     assert stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5).weights_digest != digest
-    stub.LoadWeights(wire.encode(w0), timeout=10)
+    stub.LoadWeights(iter(messages(wire.encode(w0))), timeout=10)
     s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
     assert (s.state, s.weights_digest) == (State.ASSIGNED, digest)
 
     # The last stage computes the loss and takes no gradient, even a well-formed one.
     before = {f: getattr(s, f) for f in STATE_FIELDS}
-    logits = torch.randn(runtime.out_spec.shape)
+    logits = torch.randn(runtime.setup.specs.output.shape)
     refused(stub.Backward, iter(frames([("gradient", logits)], 1, stage=2)), Code.FAILED_PRECONDITION,
             "the last stage computes the loss and takes no gradients")
     s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
     assert {f: getattr(s, f) for f in STATE_FIELDS} == before
 
     # An activation may arrive before Start: it waits, and runs (F+B) once the stage starts.
-    x = torch.randn(runtime.in_spec.shape)
-    y = torch.randint(0, 10, runtime.target_spec.shape)
+    x = torch.randn(runtime.setup.specs.activation.shape)
+    y = torch.randint(0, 10, runtime.setup.specs.target.shape)
     stub.Forward(iter(frames([("activation", x), ("target", y)], 1, stage=0)), timeout=10)
     stub.Start(wire_pb2.Empty(), timeout=10)
     stage0.wait_for(1)
     method, tag, tensors = stage0.got[0]
     assert (method, tag.minibatch, tag.stage, tag.weight_version) == ("Backward", 1, 1, 0)
-    assert [(n, list(t.shape)) for n, t in tensors] == [("gradient", list(runtime.in_spec.shape))]
+    assert [(n, list(t.shape)) for n, t in tensors] == [("gradient", list(runtime.setup.specs.activation.shape))]
     deadline = time.monotonic() + 10
     while (s := stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)).backwards_done < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -487,16 +486,12 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
     assert s.last_loss > 0
 
 
-def test_bytes_that_are_not_a_frame_are_refused(rig: Rig, registration: str, unlimited_channel: Any) -> None:
+def test_bytes_that_are_not_a_frame_are_refused(rig: Rig, unlimited_channel: Any) -> None:
     before = rig.snapshot()
     channel = unlimited_channel(rig.address)
     try:
-        call = channel.stream_unary("/hetpipe.v1.Stage/Forward", request_serializer=None,
-                                    response_deserializer=wire_pb2.Ack.FromString)
-        if registration == "raw-frames":
-            refused(call, iter([b"\xff\xff\xff\xff"]), Code.INVALID_ARGUMENT, "malformed TensorFrame")
-        else:  # gRPC parses the frame itself and answers before the handler runs
-            refused(call, iter([b"\xff\xff\xff\xff"]), Code.INTERNAL, "(?i)deserializ")
+        refused(rpc.Stub(channel, "Stage").Forward, iter([b"\xff\xff\xff\xff"]), Code.INVALID_ARGUMENT,
+                "malformed TensorFrame")
     finally:
         channel.close()
     assert rig.snapshot() == before

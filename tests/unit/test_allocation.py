@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.allocation import allocate
-from coordinator.partition import Gpu
+from coordinator.planner.allocation import allocate
+from coordinator.planner.cluster import Gpu
 from hetpipe.catalog import CATALOG, GiB
 from hetpipe.config import ClusterConfig, ConfigError, load_job
 

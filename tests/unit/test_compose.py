@@ -26,10 +26,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hetpipe import cli
+from launch import cli
 from hetpipe.config import load_job
-from coordinator import compose
-from coordinator.plan import make_plan
+from launch import compose
+from coordinator.planner import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +16,19 @@ from hypothesis import strategies as st
 
 from hetpipe.config import (
     ConfigError,
+    DataConfig,
     EmulateConfig,
     GpuGroup,
     JobConfig,
     NodeConfig,
     OptimizerConfig,
+    OutputConfig,
+    ParallelConfig,
+    ResolvedJob,
+    TrainConfig,
     load_job,
     parse_job,
+    resolve,
     with_overrides,
 )
 
@@ -92,7 +100,6 @@ def test_design_example_parses(design_job: JobConfig, tmp_path: Path) -> None:
     p = job.parallel
     assert (p.virtual_workers, p.stages_per_vw, p.policy, p.nm, p.D, p.ps_shards) == (2, 2, "ED", 2, 1, 2)
     assert (p.placement, p.mode, p.schedule, p.sync) == ("default", "hetpipe", "hetpipe", "wsp")
-    assert job.nm == 2
     assert (job.output.dir, job.output.trace) == ("runs/quickstart", True)
 
 
@@ -105,7 +112,8 @@ def test_omitted_cluster_and_defaults(tmp_path: Path) -> None:
 
 
 def test_cluster_without_emulate_uses_real_devices() -> None:
-    job = parse_job({"model": {"name": "mlp"}, "cluster": {"nodes": [{"name": "a", "gpus": [{"type": "t4"}]}]}})
+    job = parse_job({"model": {"name": "mlp"}, "parallel": {"stages_per_vw": 1},
+                     "cluster": {"nodes": [{"name": "a", "gpus": [{"type": "t4"}]}]}})
     assert job.cluster is not None and job.cluster.emulate is None
     assert job.cluster.nodes[0].gpus == (GpuGroup("t4", 1),)
 
@@ -161,12 +169,13 @@ BAD_VALUES = [
     ("output.dir", "", "a non-empty string"),
     ("cluster.nodes", [], "a non-empty list of nodes"),
     ("cluster.nodes", None, "a non-empty list of nodes"),
-    ("cluster.emulate.time_scale", 0, "a number >= 1e-09"),
-    ("faults.task_delay", [2, 1], "[low, high] seconds with 0 <= low <= high"),
-    ("faults.task_delay", [-1, 1], "[low, high] seconds with 0 <= low <= high"),
-    ("faults.task_delay", 0.5, "[low, high] seconds with 0 <= low <= high"),
-    ("faults.slow_factor", 0.5, "a number >= 1.0"),
-    ("faults.slow_vw", -2, "integer >= -1"),
+    ("cluster.emulate.time_scale", 0, "a finite number >= 1e-09"),
+    ("train.optimizer.lr", float("nan"), "a finite number >= 0"),
+    ("train.optimizer.lr", float("inf"), "a finite number >= 0"),
+    ("cluster.emulate.forward_seconds", 1e300, "<= 3600"),
+    ("parallel.virtual_workers", 10**18, "<= 1024"),
+    ("parallel.nm", 10**6, "<= 1024"),
+    ("train.steps", 10**12, "<= 1000000000"),
     ("parallel", [1], "a mapping"),
 ]
 
@@ -196,11 +205,45 @@ def test_bad_nodes_name_the_node(raw_path: str, value: Any) -> None:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("faults.task_delay", ["a", "b"]), ("faults.task_delay", [None, 1]), ("train.optimizer.betas", ["a", 0.5])],
+    [("train.optimizer.betas", ["a", 0.5]), ("train.optimizer.betas", [None, 0.5])],
 )
 def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_job(set_key(base(), key, value))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"parallel": {"schedule": "gpipe"}}, "parallel.schedule: gpipe runs with parallel.mode torch-pipeline"),
+    ({"parallel": {"microbatches": 2}}, "parallel.microbatches: 2 applies to parallel.mode torch-pipeline only"),
+    ({"parallel": {"mode": "torch-pipeline", "microbatches": 3}}, "must divide data.batch_size 32"),
+    ({"parallel": {"mode": "torch-pipeline", "schedule": "1f1b", "stages_per_vw": 4, "microbatches": 2}},
+     "Schedule1F1B needs at least one micro-batch per stage"),
+    ({"parallel": {"virtual_workers": 3, "stages_per_vw": 2},
+      "cluster": {"nodes": [{"name": "a", "gpus": [{"type": "t4", "count": 5}]}]}},
+     "3 virtual workers x 2 stages need 6 GPUs, the cluster has 5"),
+])
+def test_keys_that_do_not_go_together_are_refused(overrides: dict[str, Any], message: str) -> None:
+    raw = base()
+    for section, values in overrides.items():
+        raw.setdefault(section, {}).update(values)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_job(raw)
+
+
+def test_defaults_are_the_dataclasses_defaults() -> None:
+    job = parse_job({"model": {"name": "mlp"}})
+    assert job.data == DataConfig() and job.train == TrainConfig() and job.parallel == ParallelConfig()
+    assert job.output == OutputConfig()
+
+
+def test_resolved_job_has_an_integer_nm_and_travels_as_json() -> None:
+    job = parse_job({"model": {"name": "mlp"}, "parallel": {"nm": "auto"}}, base_dir="/x")
+    with pytest.raises(ConfigError, match="parallel.nm: expected an integer"):
+        ResolvedJob.from_json(job.to_json())
+    resolved = resolve(job, 3)
+    assert resolved.nm == 3 and resolved.parallel.nm == 3
+    assert ResolvedJob.from_json(resolved.to_json()) == resolved
+    assert "nm" not in json.loads(resolved.to_json()), "the resolved nm travels as parallel.nm only"
 
 
 @pytest.mark.parametrize(
@@ -288,11 +331,8 @@ valid_jobs = st.fixed_dictionaries(
     optional={
         "cluster": st.fixed_dictionaries(
             {"nodes": st.lists(names, min_size=1, max_size=3, unique=True).map(
-                lambda ns: [{"name": n, "gpus": [{"type": "t4", "count": len(n)}]} for n in ns])},
+                lambda ns: [{"name": n, "gpus": [{"type": "t4", "count": 64}]} for n in ns])},
             optional={"emulate": st.fixed_dictionaries({"time_scale": st.floats(0.001, 10)})},
-        ),
-        "faults": st.fixed_dictionaries(
-            {}, optional={"task_delay": st.floats(0, 1).map(lambda a: [a, a + 0.5]), "slow_vw": st.integers(-1, 3)},
         ),
     },
 )

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pytest import approx
 
-from coordinator.simulator import SimStage, simulate
+from coordinator.planner.simulator import SimStage, simulate
 from hetpipe.config import ConfigError, parse_job
 from hetpipe.network import LinkModel, Network, ring_allreduce_seconds, shard_node
 
@@ -58,8 +58,8 @@ def test_network_keys_default_to_the_papers_cluster_and_round_trip() -> None:
 
 
 @pytest.mark.parametrize("network, message", [
-    ({"inter_node_gbs": 0}, "cluster.emulate.network.inter_node_gbs: expected a number >= 1e-06, got 0"),
-    ({"latency_s": -1}, "cluster.emulate.network.latency_s: expected a number >= 0.0, got -1"),
+    ({"inter_node_gbs": 0}, "cluster.emulate.network.inter_node_gbs: expected a finite number >= 1e-06, got 0"),
+    ({"latency_s": -1}, "cluster.emulate.network.latency_s: expected a finite number >= 0.0, got -1"),
     ({"bandwidth": 1}, "cluster.emulate.network.bandwidth: unknown key; known keys are intra_node_gbs"),
     ([1, 2], "cluster.emulate.network: expected a mapping, got [1, 2]"),
 ])

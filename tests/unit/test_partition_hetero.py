@@ -1,4 +1,4 @@
-"""coordinator/partition.py for heterogeneous virtual workers, against a brute-force oracle over
+"""coordinator/planner/partition.py (and memory.py) for heterogeneous virtual workers, against a brute-force oracle over
 every order of the GPUs and every contiguous cut of the layers."""
 
 from __future__ import annotations
@@ -11,23 +11,17 @@ from collections.abc import Sequence
 
 import pytest
 
-from coordinator.partition import (
-    Gpu,
-    Network,
-    Partition,
-    PlanError,
-    in_flight,
-    max_nm,
-    partition_vw,
-    stage_memory,
-)
-from coordinator.profiler import LayerProfile, ModelProfile
+from coordinator.planner.cluster import Gpu, PlanError
+from coordinator.planner.memory import in_flight, stage_memory
+from coordinator.planner.partition import Partition, max_nm, partition_vw
+from coordinator.planner.profile import LayerProfile, ModelProfile
 from hetpipe.catalog import CATALOG, GiB
+from hetpipe.network import Network
 
 TYPES = ["titan-v", "titan-rtx", "rtx-2060", "quadro-p4000"]
 OPT_STATE = {"sgd": 0, "sgd+momentum": 1, "adam": 2}
-ERROR = re.compile(r"stage (\d+) on (\S+) \((\S+)\), layers \[(\d+), (\d+)\): needs [\d.]+ GiB \((\d+) bytes\), "
-                   r"has [\d.]+ GiB \((\d+) bytes\)")
+ERROR = re.compile(r"stage (\d+) on (\S+) \((\S+)\), layers \[(\d+), (\d+)\): needs [\d.]+ [KMGT]?i?B \((\d+) bytes\), "
+                   r"has [\d.]+ [KMGT]?i?B \((\d+) bytes\)")
 
 
 # ---- the oracle, written from the specification ------------------------------------------------
@@ -242,8 +236,8 @@ def test_memory_puts_the_small_gpu_last() -> None:
 def test_infeasible_names_stage_device_and_bytes() -> None:
     p = uniform_profile(3, params=3 * GiB)
     gpus = [Gpu("n3/0", "n3", "rtx-2060", 6 * GiB)]
-    with pytest.raises(PlanError, match=r"stage 0 on n3/0 \(rtx-2060\), layers \[0, 3\): needs 27\.0 GiB "
-                                        r"\(28992077824 bytes\), has 6\.0 GiB \(6442450944 bytes\)") as info:
+    with pytest.raises(PlanError, match=r"stage 0 on n3/0 \(rtx-2060\), layers \[0, 3\): needs 27\.00 GiB "
+                                        r"\(28992077824 bytes\), has 6\.00 GiB \(6442450944 bytes\)") as info:
         partition_vw(p, gpus, 1, "sgd", Network())
     assert isinstance(info.value, ValueError)
     with pytest.raises(PlanError, match="every stage needs at least one layer"):

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.simulator import SimResult, SimStage, simulate
+from coordinator.planner.simulator import SimResult, SimStage, simulate
 from stage_worker.schedule import StageSchedule, Task, TaskKind
 from tests import trace_rules
 

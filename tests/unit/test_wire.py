@@ -11,7 +11,7 @@ import torch
 
 from hetpipe import rpc, wire
 from hetpipe.v1 import stage_pb2_grpc, wire_pb2
-from stage_worker.servicer import StageServicer, add_to_server
+from stage_worker.servicer import StageServicer
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
 SHAPES = [(3, 5), (), (0,), (2, 0, 3), (1, 1, 1, 1, 1, 1, 1, 7)]
@@ -26,16 +26,30 @@ def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.
     return torch.randint(0, 250, shape, generator=g).to(dtype)
 
 
-def _serialized(frames: Iterator[wire_pb2.TensorFrame]) -> list[bytes]:
+def _messages(frames: Iterable[bytes]) -> list[wire_pb2.TensorFrame]:
+    return [wire_pb2.TensorFrame.FromString(f) for f in frames]
+
+
+def _reference_frames(tensors: list[tuple[str, torch.Tensor]], chunk_bytes: int = wire.CHUNK_BYTES,
+                      **tags: Any) -> list[bytes]:
+    """The frames as the protobuf library itself writes them, built from the .proto's description
+    (header and metas in the first frame, data in chunks that never span two tensors)."""
+    first = wire_pb2.TensorFrame(tensors=[wire_pb2.TensorMeta(name=n, dtype=wire.wire_dtype(t.dtype),
+                                                              shape=list(t.shape)) for n, t in tensors], **tags)
+    chunks = [raw[start:start + chunk_bytes] for _, t in tensors
+              for raw in [t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()]
+              for start in range(0, len(raw), chunk_bytes)]
+    if chunks:
+        first.data = chunks[0]
+    frames = [first] + [wire_pb2.TensorFrame(data=c) for c in chunks[1:]]
     return [f.SerializeToString() for f in frames]
 
 
-# The three ways frames reach decode: protobuf objects (generated stubs), their serialized bytes
-# (a raw handler receiving a generated client), and encode_raw's bytes (the stage links).
+# The ways frames reach decode: protobuf objects (a generated client or registration), and
+# encode's bytes (this project's clients and servers: rpc.Stub and rpc.add_service).
 PATHS: dict[str, Callable[..., list[Any]]] = {
-    "messages": lambda tensors, **kw: list(wire.encode(tensors, **kw)),
-    "serialized": lambda tensors, **kw: _serialized(wire.encode(tensors, **kw)),
-    "raw": lambda tensors, **kw: list(wire.encode_raw(tensors, **kw)),
+    "messages": lambda tensors, **kw: _messages(wire.encode(tensors, **kw)),
+    "raw": lambda tensors, **kw: list(wire.encode(tensors, **kw)),
 }
 
 
@@ -77,7 +91,7 @@ def test_tensors_spanning_many_chunks(path: str, chunk_bytes: int) -> None:
 
 def test_frames_respect_chunk_bytes_and_only_the_first_has_a_header() -> None:
     tensors = [("x", _sample(torch.float32, (1000,)))]
-    frames = list(wire.encode(tensors, chunk_bytes=1024, minibatch=wire_pb2.MinibatchTag(vw=1, minibatch=2)))
+    frames = _messages(wire.encode(tensors, chunk_bytes=1024, minibatch=wire_pb2.MinibatchTag(vw=1, minibatch=2)))
     assert [len(f.data) for f in frames] == [1024, 1024, 1024, 928]
     assert frames[0].HasField("minibatch") and list(frames[0].tensors)
     assert all(f.WhichOneof("header") is None and not f.tensors for f in frames[1:])
@@ -85,9 +99,9 @@ def test_frames_respect_chunk_bytes_and_only_the_first_has_a_header() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_large_tensors_decode_into_huge_page_mappings(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    monkeypatch.setattr(wire, "_HUGE_PAGES_FROM_BYTES", 64)  # the real bound is 32 MiB: too slow here
+    monkeypatch.setattr(wire, "HUGE_PAGES_FROM_BYTES", 64)  # the real bound is 32 MiB: too slow here
     tensors = [("big", _sample(dtype, (40, 9))), ("small", _sample(dtype, (3,)))]
-    got = wire.decode(wire.encode_raw(tensors, chunk_bytes=100)).tensors
+    got = wire.decode(wire.encode(tensors, chunk_bytes=100)).tensors
     _assert_same(got, tensors)
     big = got[0][1]
     big.zero_()  # writable, and no longer tied to anything of the sender's
@@ -97,7 +111,7 @@ def test_large_tensors_decode_into_huge_page_mappings(monkeypatch: pytest.Monkey
 def test_non_contiguous_tensors_travel_by_value() -> None:
     base = _sample(torch.float32, (6, 4))
     tensors = [("t", base.t()), ("s", base[:, 1])]
-    _assert_same(wire.decode(wire.encode_raw(tensors, chunk_bytes=5)).tensors, tensors)
+    _assert_same(wire.decode(wire.encode(tensors, chunk_bytes=5)).tensors, tensors)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -128,25 +142,26 @@ def test_bundle_without_bytes(path: str) -> None:
         _assert_same(bundle.tensors, tensors)
 
 
-def test_raw_frames_are_byte_identical_to_protobuf_serialization() -> None:
+def test_frames_are_byte_identical_to_protobuf_serialization() -> None:
     tensors = [("a", _sample(torch.float32, (300,))), ("b", _sample(torch.int64, (3, 100)))]
+    tag = wire_pb2.MinibatchTag(vw=1, minibatch=2)
     for chunk_bytes in (1, 100, 127, 128, 16384, 1 << 20):
-        kw: dict[str, Any] = {"minibatch": wire_pb2.MinibatchTag(vw=1, minibatch=2), "chunk_bytes": chunk_bytes}
-        assert list(wire.encode_raw(tensors, **kw)) == _serialized(wire.encode(tensors, **kw))
+        want = _reference_frames(tensors, chunk_bytes, minibatch=tag)
+        assert list(wire.encode(tensors, minibatch=tag, chunk_bytes=chunk_bytes)) == want
 
 
 @pytest.mark.parametrize("chunk_bytes", [100, 1000, 70000])  # 1-, 2- and 3-byte length varints
 def test_raw_data_frames_skip_the_protobuf_parser(monkeypatch: pytest.MonkeyPatch, chunk_bytes: int) -> None:
     parsed: list[object] = []
-    real = wire._parsed
+    real = wire_pb2.TensorFrame.FromString
 
-    def counting(frame: wire_pb2.TensorFrame | bytes) -> wire_pb2.TensorFrame:
+    def counting(frame: bytes) -> wire_pb2.TensorFrame:
         parsed.append(frame)
         return real(frame)
 
-    monkeypatch.setattr(wire, "_parsed", counting)
+    monkeypatch.setattr(wire_pb2.TensorFrame, "FromString", counting)
     tensors = [("x", _sample(torch.float32, (50000,)))]
-    frames = list(wire.encode_raw(tensors, chunk_bytes=chunk_bytes))
+    frames = list(wire.encode(tensors, chunk_bytes=chunk_bytes))
     _assert_same(wire.decode(frames).tensors, tensors)
     assert len(frames) > 2
     assert parsed == [frames[0]]  # the header frame only
@@ -163,7 +178,7 @@ def test_data_frames_written_by_protobuf_in_other_field_layouts_still_decode() -
 
 
 def test_decoded_tensors_are_writable_and_independent_of_the_frames() -> None:
-    frames = list(wire.encode_raw([("x", torch.zeros(8))], chunk_bytes=8))
+    frames = list(wire.encode([("x", torch.zeros(8))], chunk_bytes=8))
     x = wire.decode(frames).tensors[0][1]
     x += 1
     assert torch.equal(wire.decode(frames).tensors[0][1], torch.zeros(8))
@@ -172,8 +187,6 @@ def test_decoded_tensors_are_writable_and_independent_of_the_frames() -> None:
 def test_unsupported_dtype_is_refused_on_encode() -> None:
     with pytest.raises(ValueError, match="complex64"):
         list(wire.encode([("c", torch.zeros(2, dtype=torch.complex64))]))
-    with pytest.raises(ValueError, match="complex64"):
-        list(wire.encode_raw([("c", torch.zeros(2, dtype=torch.complex64))]))
 
 
 # --- rejections ----------------------------------------------------------------------------
@@ -280,7 +293,7 @@ class _Recorder:
 def stage_server() -> Iterator[tuple[str, _Recorder]]:
     recorder = _Recorder()
     server = rpc.Server("127.0.0.1", 0, workers=2)
-    add_to_server(StageServicer(recorder, lambda: None), server.grpc)  # type: ignore[arg-type]
+    rpc.add_service(server.grpc, "Stage", StageServicer(recorder, lambda: None))  # type: ignore[arg-type]
     server.start()
     try:
         yield server.address, recorder
@@ -293,11 +306,12 @@ def test_raw_and_generated_clients_both_reach_the_stage(stage_server: tuple[str,
     tag = wire_pb2.MinibatchTag(vw=0, minibatch=4, stage=0)
     tensors = [("activation", _sample(torch.float32, (3, 1000))), ("target", torch.arange(3))]
     with rpc.channel(address) as channel:
-        raw_forward = channel.stream_unary("/hetpipe.v1.Stage/Forward", response_deserializer=wire_pb2.Ack.FromString)
-        raw_forward(wire.encode_raw(tensors, minibatch=tag, chunk_bytes=4096), timeout=rpc.CONTROL_DEADLINE_S)
-        stub = stage_pb2_grpc.StageStub(channel)
-        stub.Forward(wire.encode(tensors, minibatch=tag, chunk_bytes=4096), timeout=rpc.CONTROL_DEADLINE_S)
-        stub.LoadWeights(wire.encode(tensors), timeout=rpc.CONTROL_DEADLINE_S)
+        rpc.Stub(channel, "Stage").Forward(wire.encode(tensors, minibatch=tag, chunk_bytes=4096),
+                                           timeout=rpc.CONTROL_DEADLINE_S)
+        stub = stage_pb2_grpc.StageStub(channel)  # any gRPC client, written from the .proto
+        stub.Forward(iter(_messages(wire.encode(tensors, minibatch=tag, chunk_bytes=4096))),
+                     timeout=rpc.CONTROL_DEADLINE_S)
+        stub.LoadWeights(iter(_messages(wire.encode(tensors))), timeout=rpc.CONTROL_DEADLINE_S)
     assert len(recorder.bundles) == 3
     for bundle in recorder.bundles:
         _assert_same(bundle.tensors, tensors)
@@ -313,9 +327,8 @@ def test_bad_stream_is_answered_with_invalid_argument(stage_server: tuple[str, _
             stub.Forward(iter(bad), timeout=rpc.CONTROL_DEADLINE_S)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "negative dimension" in (info.value.details() or "")
-        raw_forward = channel.stream_unary("/hetpipe.v1.Stage/Forward", response_deserializer=wire_pb2.Ack.FromString)
         with pytest.raises(grpc.RpcError) as info:
-            raw_forward(iter([b"\x4a\x10abc"]), timeout=rpc.CONTROL_DEADLINE_S)
+            rpc.Stub(channel, "Stage").Forward(iter([b"\x4a\x10abc"]), timeout=rpc.CONTROL_DEADLINE_S)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "malformed TensorFrame" in (info.value.details() or "")
     assert recorder.bundles == []

@@ -10,7 +10,7 @@ Pure: a heapq event queue, no threads, no clocks. It reproduces the runtime's be
 - Sends are asynchronous (`stage_worker/links.py`): one ordered sender per direction, so an
   activation (or gradient) waits for the previous send on that link, never for the compute.
 - WSP (`stage_worker/wsp_sync.py`), only with more than one VW (one VW runs without shards,
-  as `coordinator/local.py` starts it): the forward of p may start only when the c_global
+  as `launch/local.py` starts it): the forward of p may start only when the c_global
   that the stage's weights are known to include is >= required_min_clock(p) =
   max(0, p//nm - 1 - D). When the stage finds that forward ready but not allowed, the wait
   starts and a pull is sent (one at a time). The shard answers once c_global over the stage's

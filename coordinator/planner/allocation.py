@@ -9,13 +9,11 @@ policy here: the planner tries these three and keeps the best predicted one.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Hashable, TypeVar
+from typing import Hashable, TypeVar
 
 from hetpipe.catalog import CATALOG
 from hetpipe.config import ConfigError
-
-if TYPE_CHECKING:
-    from coordinator.partition import Gpu
+from coordinator.planner.cluster import Gpu
 
 POLICIES = ("NP", "ED", "HD")
 K = TypeVar("K", bound=Hashable)

@@ -1,5 +1,5 @@
 """`hetpipe run`: the embedded default. A coordinator in this process, every worker a local
-process that registers with it over gRPC, the job submitted as a compose cluster would."""
+process that registers with it over gRPC, the job submitted at start as a compose cluster's is."""
 
 from __future__ import annotations
 
@@ -14,18 +14,21 @@ from typing import Any
 from tqdm import tqdm
 
 from hetpipe import metrics, rpc
-from hetpipe.config import ConfigError, JobConfig
-from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, wire_pb2
-from coordinator import state as st
+from hetpipe.config import JobConfig
+from hetpipe.errors import JobFailed, JobStopped
+from hetpipe.v1 import coordinator_pb2, wire_pb2
 from coordinator.__main__ import build
-from coordinator.driver import JobFailed, JobStopped
 from coordinator.job import JobRunner
-from coordinator.launcher import LocalProcesses
+from coordinator.servicer import PROTO_STATE
+from coordinator.state import JobState
+from launch.processes import LocalProcesses
 
 MAX_SHARD_RESTARTS = 3
 ADDRESS_FILE = "coordinator.address"  # where `hetpipe status/stop --job` find the coordinator
+STATUS_FILE = "status.json"           # how the last run ended, for `hetpipe status --job` afterwards
 TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
 ROLES = {"stage_worker": "stage_worker", "ps_server": "ps_shard"}  # module -> `role` label (docs/metrics.md)
+TERMINAL = {PROTO_STATE[s] for s in JobState if s.is_terminal}
 
 
 def write_targets(path: Path, coordinator_metrics_port: int, procs: LocalProcesses) -> None:
@@ -33,11 +36,23 @@ def write_targets(path: Path, coordinator_metrics_port: int, procs: LocalProcess
     started with docker/prometheus/prometheus.yml's file_sd job pointed at this file."""
     entries = [{"targets": [f"127.0.0.1:{coordinator_metrics_port}"], "labels": {"role": "coordinator"}}]
     for p in procs.processes:
-        module = p.args[p.args.index("-m") + 1]
-        entries.append({"targets": [f"{procs.host}:{p.metrics_port}"], "labels": {"role": ROLES[module]}})
+        entries.append({"targets": [f"{procs.host}:{p.metrics_port}"], "labels": {"role": ROLES[p.module]}})
+    _write_atomically(path, json.dumps(entries, indent=2) + "\n")
+
+
+def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(entries, indent=2) + "\n")
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def read_status(out_dir: Path) -> dict[str, Any] | None:
+    """How the last run into out_dir ended ({state, reason, finished}), or None."""
+    try:
+        status = json.loads((out_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) else None
 
 
 def _watch_processes(procs: LocalProcesses, runner: JobRunner, on_restart: Callable[[], None]) -> None:
@@ -59,21 +74,22 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         from baselines import run_baseline
 
         return run_baseline(job, quiet=quiet)
-    if job.parallel.schedule != "hetpipe":
-        raise ConfigError(f"parallel.schedule: {job.parallel.schedule} runs with parallel.mode torch-pipeline; "
-                          "parallel.mode hetpipe has only schedule hetpipe")
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out_dir / "ps", ignore_errors=True)  # a fresh job must not restore an old one's shards
-    (out_dir / TARGETS_FILE).unlink(missing_ok=True)  # an earlier job's endpoints are gone
+    for stale in (TARGETS_FILE, STATUS_FILE):  # an earlier job's endpoints and ending are gone
+        (out_dir / stale).unlink(missing_ok=True)
     server, servicer = build("127.0.0.1", 0, heartbeat_interval_s=heartbeat_interval_s)
     server.start()
+    runner = servicer.runner
+    # Submitted before anyone can find the coordinator: a `hetpipe stop` from then on stops this job.
+    runner.submit(job)
     (out_dir / ADDRESS_FILE).write_text(server.address + "\n")
     # The embedded coordinator serves this process's registry, as `python -m coordinator` does.
     metrics_server = metrics.start(0, "127.0.0.1")
-    metrics_port = metrics_server.port
     channel = rpc.channel(server.address)
-    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    stub = rpc.Stub(channel, "Coordinator")
+    status: coordinator_pb2.JobStatus | None = None
     try:
         with LocalProcesses(out_dir / "logs") as procs:
             par = job.parallel
@@ -88,40 +104,47 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
                             [*register, "--checkpoint-dir", str(out_dir / "ps" / f"shard{i}")])
             procs.wait_ready()
             targets = out_dir / TARGETS_FILE
-            write_targets(targets, metrics_port, procs)
-            stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=rpc.CONTROL_DEADLINE_S)
+            write_targets(targets, metrics_server.port, procs)
             try:
-                status = _follow(stub, procs, servicer.runner, quiet=quiet,
-                                 on_restart=lambda: write_targets(targets, metrics_port, procs))
+                status = _follow(stub, procs, runner, quiet=quiet,
+                                 on_restart=lambda: write_targets(targets, metrics_server.port, procs))
             except KeyboardInterrupt:
                 # Give the runner a moment to stop the stages cleanly; the processes are terminated
                 # right after anyway, and Ctrl-C must end the run within seconds even on a busy host.
-                servicer.runner.stop("interrupted (Ctrl-C)")
-                servicer.runner.machine.wait_terminal(2.0)
+                runner.stop("interrupted (Ctrl-C)")
+                runner.machine.wait_terminal(2.0)
                 raise
+    except BaseException:
+        runner.stop("the launcher failed")
+        raise
     finally:
         channel.close()
         server.stop()
         metrics_server.close()
-    if status.state == st.COMPLETED:
+        view = runner.view()
+        ending = {"state": view.state.name, "reason": view.reason, "finished": time.time()}
+        _write_atomically(out_dir / STATUS_FILE, json.dumps(ending) + "\n")
+    assert status is not None
+    if runner.machine.state == JobState.COMPLETED:
         summary: dict[str, Any] = json.loads(status.summary_json)
         return summary
-    if status.state == st.STOPPED:
+    if runner.machine.state == JobState.STOPPED:
         raise JobStopped(status.reason)
     raise JobFailed(status.reason)
 
 
-def _follow(stub: coordinator_pb2_grpc.CoordinatorStub, procs: LocalProcesses, runner: JobRunner, *,
+def _follow(stub: rpc.Stub, procs: LocalProcesses, runner: JobRunner, *,
             quiet: bool, on_restart: Callable[[], None]) -> coordinator_pb2.JobStatus:
     """Shows progress until the job ends; returns its final status."""
     bar: tqdm[Any] | None = None
+    running = PROTO_STATE[JobState.RUNNING]
     try:
         while True:
-            status = stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
-            if status.state in st.TERMINAL:
+            status: coordinator_pb2.JobStatus = stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            if status.state in TERMINAL:
                 return status
             _watch_processes(procs, runner, on_restart)
-            if status.state == st.RUNNING and bar is None:
+            if status.state == running and bar is None:
                 bar = tqdm(total=status.total_samples, unit="sample", disable=quiet, file=sys.stderr,
                            dynamic_ncols=True, desc="train (emulated GPUs)" if status.emulated else "train")
             if bar is not None:

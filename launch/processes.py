@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -12,36 +9,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from hetpipe import children
+from hetpipe.children import Child
+from hetpipe.errors import JobFailed
 
-@dataclass(slots=True)
-class Process:
-    name: str                 # e.g. "stage 1 of vw 0"
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    ready_file: Path
-    args: list[str]
+
+@dataclass
+class Process(Child):
+    """A service process (python -m MODULE): its arguments, and the address it published."""
+
+    ready_file: Path = Path()
+    args: list[str] = field(default_factory=list)
     address: str = ""
     metrics_port: int = 0
     restarts: int = 0
 
-    def exit_description(self) -> str:
-        code = self.popen.returncode
-        if code is None:
-            return "running"
-        if code < 0:
-            return f"killed by {signal.Signals(-code).name}"
-        return f"exited with code {code}"
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+    @property
+    def module(self) -> str:
+        return self.args[self.args.index("-m") + 1]
 
 
 @dataclass
 class LocalProcesses:
-    """A set of service processes (python -m MODULE) on loopback, each with its own log file."""
+    """A set of service processes on loopback, each with its own log file."""
 
     log_dir: Path
     host: str = "127.0.0.1"
@@ -57,26 +47,20 @@ class LocalProcesses:
         log_path = self.log_dir / f"{slug}.log"
         args = [sys.executable, "-m", module, "--host", self.host, "--metrics-port", "0",
                 "--ready-file", str(ready), "--exit-with-parent", *(extra or [])]
-        proc = Process(name, self._popen([*args, "--port", "0"], log_path, "wb"), log_path, ready, args)
+        proc = Process(name, children.start([*args, "--port", "0"], log_path), log_path, ready, args)
         self.processes.append(proc)
         return proc
-
-    @staticmethod
-    def _popen(args: list[str], log_path: Path, mode: str) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(log_path, mode) as log:
-            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
     def restart(self, proc: Process, timeout: float = 60.0) -> None:
         """Starts a dead process again on the same port, so its peers reconnect to it."""
         proc.ready_file.unlink(missing_ok=True)
         port = proc.address.rsplit(":", 1)[1]
-        proc.popen = self._popen([*proc.args, "--port", port], proc.log_path, "ab")
+        proc.popen = children.start([*proc.args, "--port", port], proc.log_path, append=True)
         proc.restarts += 1
         deadline = time.monotonic() + timeout
         while not proc.ready_file.exists():
             if proc.popen.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{proc.name} did not come back: {proc.exit_description()}; log {proc.log_path}")
+                raise JobFailed(f"{proc.name} did not come back: it {proc.exit_description()}; log {proc.log_path}")
             time.sleep(0.02)
         proc.metrics_port = int(proc.ready_file.read_text().split()[1])  # a fresh one (--metrics-port 0)
 
@@ -86,11 +70,11 @@ class LocalProcesses:
         for proc in self.processes:
             while not proc.ready_file.exists():
                 if proc.popen.poll() is not None:
-                    raise RuntimeError(
+                    raise JobFailed(
                         f"{proc.name} {proc.exit_description()} before serving; log {proc.log_path}:\n{proc.log_tail()}"
                     )
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{proc.name} did not start serving within {timeout:.0f}s; log {proc.log_path}")
+                    raise JobFailed(f"{proc.name} did not start serving within {timeout:.0f}s; log {proc.log_path}")
                 time.sleep(0.02)
             address, metrics = proc.ready_file.read_text().split()
             proc.address, proc.metrics_port = address, int(metrics)
@@ -100,16 +84,7 @@ class LocalProcesses:
 
     def stop_all(self, grace: float = 3.0) -> None:
         """SIGTERM, then SIGKILL whatever is still alive after grace seconds."""
-        alive = [p for p in self.processes if p.popen.poll() is None]
-        for p in alive:
-            p.popen.terminate()
-        deadline = time.monotonic() + grace
-        for p in alive:
-            try:
-                p.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
+        children.stop(self.processes, grace)
         self._tmp.cleanup()
 
     def __enter__(self) -> LocalProcesses:

@@ -22,7 +22,7 @@ import yaml
 
 from hetpipe.catalog import CATALOG
 from hetpipe.config import JobConfig
-from coordinator.plan import Plan
+from coordinator.planner import Plan
 
 # Inside the containers (docker/Dockerfile): every service listens for gRPC on WORKER_PORT, the
 # coordinator on COORDINATOR_PORT, and serves metrics on METRICS_PORT, which

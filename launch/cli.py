@@ -1,0 +1,266 @@
+"""The `hetpipe` command line: plan, run, status, stop, compose."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import grpc
+
+from hetpipe import rpc
+from hetpipe.config import ConfigError, JobConfig, load_job
+from hetpipe.errors import JobFailed, JobStopped
+from hetpipe.units import format_bytes, format_seconds
+from hetpipe.v1 import coordinator_pb2, wire_pb2
+from coordinator.config import DEFAULT_PORT
+from coordinator.planner import Plan, PlanError, make_plan
+from coordinator.planner.plan import NM_MEMORY_LIMIT
+from launch import compose
+from launch.local import ADDRESS_FILE, read_status, run_local
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
+
+
+def _error(message: str) -> None:
+    print(f"hetpipe: error: {message}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        job = load_job(args.config)
+        summary = run_local(job, quiet=args.quiet)
+    except (ConfigError, PlanError) as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except JobFailed as exc:
+        print(f"hetpipe: job failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except JobStopped as exc:
+        print(f"hetpipe: job stopped: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("hetpipe: interrupted; stopped every process", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    out = Path(job.resolve(job.output.dir))
+    print(json.dumps({k: summary[k] for k in ("steps", "samples_per_second", "final_loss", "accuracy")
+                      if k in summary}))
+    print(f"results: {out}/ (model.pt, summary.json{', trace/' if job.output.trace else ''})")
+    return 0
+
+
+def _plan_or_usage(path: str) -> tuple[JobConfig, Plan] | int:
+    try:
+        job = load_job(path)
+        return job, make_plan(job)
+    except (ConfigError, PlanError) as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Prints the plan: VWs, GPUs, layer ranges, memory against capacity, predicted times."""
+    planned = _plan_or_usage(args.config)
+    if isinstance(planned, int):
+        return planned
+    job, plan = planned
+    for warning in plan.warnings:
+        print(f"hetpipe: warning: {warning}", file=sys.stderr)
+    measured = None
+    summary_path = Path(job.resolve(job.output.dir)) / "summary.json"
+    if summary_path.exists():
+        measured = json.loads(summary_path.read_text()).get("samples_per_second")
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "measured_samples_per_second": measured}, indent=2))
+        return 0
+    print(_plan_table(job, plan, measured, summary_path))
+    return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path: Path) -> str:
+    bound = min(plan.max_m)
+    shards = plan.shards if plan.virtual_workers > 1 else 0
+    lines = [
+        f"policy {plan.policy}, {_count(plan.virtual_workers, 'virtual worker')} x {_count(plan.stages_per_vw, 'stage')}, "
+        f"nm {plan.nm} (memory allows up to {bound}{'+' if bound >= NM_MEMORY_LIMIT else ''}), D {plan.D}, "
+        f"s_global {plan.s_global} minibatches, {_count(shards, 'ps shard')}" + (" (emulated GPUs)" if plan.emulated else "")
+    ]
+    network = job.emulate.network if job.emulate else None
+    if network is not None:
+        lines.append(f"emulated network: {network.intra_node_gbs:g} GB/s in a node, {network.inter_node_gbs:g} GB/s "
+                     f"between nodes, {network.latency_s * 1e6:g} us latency; send and push are per transfer")
+    times = ("forward", "backward", "receive") + (("send", "push") if network else ())
+    header = f"{'vw':>3} {'stage':>5}  {'node':<8}{'gpu':<24}{'layers':<34}{'memory (need / have)':>24}"
+    lines.append(header + "".join(f"{t:>10}" for t in times) + "   (times per minibatch)")
+    for s in plan.stages:
+        memory = f"{format_bytes(s.memory_bytes)} / {format_bytes(s.capacity_bytes)}"
+        layers = f"[{s.layer_begin},{s.layer_end}) {s.layer_names}"
+        values = [s.predicted_forward_seconds, s.predicted_backward_seconds, s.receive_seconds]
+        if network:
+            values += [s.next_send_seconds, s.push_seconds]
+        lines.append(f"{s.vw:>3} {s.stage:>5}  {s.node:<8}{s.label:<24}{layers:<34}{memory:>24}"
+                     + "".join(f"{format_seconds(v):>10}" for v in values))
+    lines.append(f"max nm per vw (memory): {list(plan.max_m)}")
+    for gpu, fits in sorted(plan.dp_only.items()):
+        if not fits:
+            lines.append(f"{gpu}: the whole model does not fit on one GPU; data parallelism alone cannot use it")
+    line = f"predicted throughput: {plan.predicted_samples_per_second:.1f} samples/s"
+    if measured is not None:
+        ratio = plan.predicted_samples_per_second / measured if measured else float("nan")
+        line += f"; measured {measured:.1f} samples/s in {summary_path} (predicted/measured {ratio:.2f})"
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def _compose(args: argparse.Namespace) -> int:
+    """Writes the docker compose file of the job's cluster spec and plan (launch/compose.py)."""
+    planned = _plan_or_usage(args.config)
+    if isinstance(planned, int):
+        return planned
+    job, plan = planned
+    out = Path(args.output) if args.output else None
+    text = compose.render(job, plan, job_file=Path(args.config), compose_dir=out.parent if out else Path.cwd(),
+                          root=Path(args.context) if args.context else compose.repository_root(),
+                          out_name=out.name if out else "compose.yaml")
+    if out is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        out.write_text(text)
+    except OSError as exc:
+        _error(f"cannot write {out}: {exc.strerror}")
+        return EXIT_USAGE
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _ended(out_dir: Path, as_json: bool) -> int | None:
+    """Reports how the last run into out_dir ended, from what it left there; None if it left nothing."""
+    ending = read_status(out_dir)
+    if ending is None:
+        return None
+    summary_path = out_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if ending["state"] == "COMPLETED" and summary_path.exists() else None
+    if as_json:
+        print(json.dumps({"job": {**ending, "summary": summary}, "workers": []}, indent=2))
+    else:
+        print(f"job: {ending['state']} (ended; no coordinator is running)"
+              + (f": {ending['reason']}" if ending.get("reason") else ""))
+        if summary is not None:
+            print(f"result: {summary.get('samples_per_second', 0):.0f} samples/s, final loss "
+                  f"{summary.get('final_loss', float('nan')):.4f} in {out_dir}")
+    return EXIT_FAILED if ending["state"] == "FAILED" else 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    """Prints the job and the workers; exits 0 unless the job failed or nothing can be reached."""
+    out_dir: Path | None = None
+    if args.coordinator:
+        address = str(args.coordinator)
+    elif args.job:
+        try:
+            job = load_job(args.job)
+        except ConfigError as exc:
+            _error(str(exc))
+            return EXIT_USAGE
+        out_dir = Path(job.resolve(job.output.dir))
+        path = out_dir / ADDRESS_FILE
+        if not path.exists():
+            ended = _ended(out_dir, args.json)
+            if ended is None:
+                _error(f"no coordinator address at {path}: is `hetpipe run {args.job}` running?")
+                return EXIT_USAGE
+            return ended
+        address = path.read_text().strip()
+    else:
+        address = os.environ.get("HETPIPE_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}")
+    State = coordinator_pb2.JobStatus.State
+    with rpc.channel(address) as channel:
+        stub = rpc.Stub(channel, "Coordinator")
+        try:
+            if args.command == "stop":
+                job_status = stub.StopJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            else:
+                job_status = stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            workers = stub.ListWorkers(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+        except grpc.RpcError as exc:
+            # The run this file points at may have ended since: say how, from what it left.
+            ended = _ended(out_dir, args.json) if out_dir is not None and args.command == "status" else None
+            if ended is not None:
+                return ended
+            print(f"hetpipe: coordinator {address} unreachable: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps({"job": MessageToDict(job_status), "workers": MessageToDict(workers)}, indent=2))
+    else:
+        print(f"job: {State.Name(job_status.state)}" + (f" ({job_status.reason})" if job_status.reason else ""))
+        if job_status.total_samples:
+            print(f"progress: {job_status.samples}/{job_status.total_samples} samples, loss {job_status.loss:.4f}, "
+                  f"{job_status.samples_per_second:.0f} samples/s{' (emulated GPUs)' if job_status.emulated else ''}")
+        print(f"{'worker':<14}{'role':<14}{'address':<22}{'node':<10}{'alive':<7}assigned")
+        for w in workers.workers:
+            role = coordinator_pb2.WorkerInfo.Role.Name(w.info.role).lower()
+            print(f"{w.worker_id:<14}{role:<14}{w.info.address:<22}{w.info.node:<10}"
+                  f"{'yes' if w.alive else 'NO':<7}{w.assigned or '-'}")
+    return EXIT_FAILED if job_status.state == State.FAILED else 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hetpipe", description="HetPipe: train large models on heterogeneous GPUs")
+    ap.add_argument("--version", action="version", version=f"hetpipe {version('hetpipe')}")
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a job file with local processes")
+    run.add_argument("config", help="job YAML file")
+    run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(func=_run)
+    plan = sub.add_parser("plan", help="show the plan for a job file: VWs, GPUs, layers, memory, prediction")
+    plan.add_argument("config", help="job YAML file")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.set_defaults(func=_plan)
+    comp = sub.add_parser("compose", help="write the docker compose file for a job's cluster and plan")
+    comp.add_argument("config", help="job YAML file")
+    comp.add_argument("-o", "--output", help="write here (paths in it are relative to its folder); "
+                      "default: stdout, relative to the working folder")
+    comp.add_argument("--context", help="repository root with docker/ (default: this source tree)")
+    comp.set_defaults(func=_compose)
+    for name, text in (("status", "show the job and the workers (or how the last run ended)"),
+                       ("stop", "stop the running job, in whatever state it is")):
+        cmd = sub.add_parser(name, help=text)
+        where = cmd.add_mutually_exclusive_group()
+        where.add_argument("--coordinator", help="coordinator host:port (default $HETPIPE_COORDINATOR or :50050)")
+        where.add_argument("--job", help="the job file a local `hetpipe run` is running (or ran)")
+        cmd.add_argument("--json", action="store_true", help="machine-readable output")
+        cmd.set_defaults(func=_status)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        code: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`hetpipe status --json | head`): no traceback, and none at exit
+        # when Python flushes stdout again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

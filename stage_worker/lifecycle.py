@@ -1,0 +1,44 @@
+"""A stage's lifecycle: every state and every allowed edge in one table (the servicer translates
+the states to the protobuf enum)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class StageState(enum.Enum):
+    IDLE = "idle"            # waiting for an assignment
+    ASSIGNED = "assigned"    # layers built, weights loaded or loading
+    RUNNING = "running"
+    DONE = "done"            # every task run, every push acknowledged
+    FAILED = "failed"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (StageState.DONE, StageState.FAILED)
+
+    @property
+    def assigned(self) -> bool:
+        """Whether the stage holds an assignment (layers, schedule, weights)."""
+        return self is not StageState.IDLE
+
+    def allows(self, new: StageState) -> bool:
+        return new in TRANSITIONS[self]
+
+
+TRANSITIONS: dict[StageState, frozenset[StageState]] = {
+    StageState.IDLE: frozenset({StageState.ASSIGNED}),
+    StageState.ASSIGNED: frozenset({StageState.RUNNING, StageState.FAILED}),
+    StageState.RUNNING: frozenset({StageState.DONE, StageState.FAILED}),
+    StageState.DONE: frozenset(),
+    StageState.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def check(old: StageState, new: StageState) -> None:
+    if not old.allows(new):
+        raise IllegalTransition(f"a stage cannot go from {old.name} to {new.name}")

@@ -1,0 +1,48 @@
+"""What a stage reports: one consistent snapshot of its state and counters, read by the Status
+RPC and by the metrics collector alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stage_worker.lifecycle import StageState
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Progress:
+    state: StageState
+    error: str = ""
+    # Who and where; empty before an assignment.
+    vw: int = 0
+    stage: int = 0
+    device: str = ""           # where it computes: "cpu", "cuda:N"
+    label: str = ""            # the plan's name for its GPU, e.g. "titan-v (emulated)"
+    gpu_type: str = ""
+    emulated: bool = False
+    memory_used_bytes: float = 0.0
+    memory_capacity_bytes: float = 0.0
+    # Counters.
+    forwards_done: int = 0
+    backwards_done: int = 0    # minibatches whose backward finished here
+    samples: int = 0           # backwards_done x batch size
+    local_version: int = 0
+    in_flight: int = 0
+    queue_depth: int = 0       # inputs received and waiting to run
+    received: int = 0
+    last_loss: float = float("nan")
+    recent_loss: float = float("nan")   # last stage: mean over its last 10 minibatches
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
+    idle_seconds: float = 0.0
+    wait_seconds: float = 0.0           # forwards blocked on the clock bound (G2)
+    wait_idle_seconds: float = 0.0      # the part of it with no other task to run
+    sent_forward_bytes: int = 0
+    sent_backward_bytes: int = 0
+    clock: int = 0
+    min_clock: int = 0
+    weights_digest: str = ""            # only when asked for: it reads every weight
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.forward_seconds + self.backward_seconds
+

@@ -1,0 +1,33 @@
+"""The per-minibatch trace of one stage (DESIGN §6, §8): one JSON line per minibatch."""
+
+from __future__ import annotations
+
+import json
+from typing import IO
+
+
+class MinibatchTrace:
+    """Collects a minibatch's forward fields until its backward ends, then writes the line.
+    The compute thread alone writes to it."""
+
+    def __init__(self, path: str, vw: int, stage: int) -> None:
+        self.vw, self.stage = vw, stage
+        self._file: IO[str] | None = open(path, "w") if path else None
+        self._open: dict[int, dict[str, float | int]] = {}
+
+    def forward(self, p: int, **fields: float | int) -> None:
+        if self._file is not None:
+            self._open[p] = fields
+
+    def backward(self, p: int, wave: int, **fields: float | int) -> None:
+        """The backward of p ended: writes its line (forward fields first)."""
+        if self._file is None:
+            return
+        row = {"vw": self.vw, "stage": self.stage, "p": p, "wave": wave, **self._open.pop(p, {}), **fields}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
