@@ -20,8 +20,9 @@ from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed
 from hetpipe.reference import initial_model
 from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
-from hetpipe.zoo import layer_keys
+from hetpipe.zoo import layer_keys, model_shape
 from coordinator.planner import Plan, StagePlan, resolved_job
+from coordinator.planner.shapes import TensorShape, boundaries
 
 State = stage_pb2.StageStatus.State
 STATUS_DEADLINE_S = 2.0
@@ -81,8 +82,10 @@ class JobDriver:
 
     # ---- setup ---------------------------------------------------------------------------
 
-    def _assignment(self, h: StageHandle, x: torch.Tensor, y: torch.Tensor) -> stage_pb2.StageAssignment:
+    def _assignment(self, h: StageHandle, x: torch.Tensor, y: torch.Tensor,
+                    flows: list[TensorShape]) -> stage_pb2.StageAssignment:
         sp, k = h.plan, self.plan.stages_per_vw
+        (act_shape, act_dtype), (out_shape, out_dtype) = flows[sp.layer_begin], flows[sp.layer_end]
         keys = [key for key in layer_keys(self.model, sp.layer_begin, sp.layer_end) if key in self.param_keys]
         vw_handles = [s for s in self.stages if s.plan.vw == sp.vw]
         trace = ""
@@ -102,6 +105,8 @@ class JobDriver:
             memory_bytes=sp.memory_bytes, capacity_bytes=sp.capacity_bytes, gpu_type=sp.gpu, emulated=sp.emulated,
             next_send_seconds=sp.next_send_seconds, prev_send_seconds=sp.prev_send_seconds,
             push_seconds=sp.push_seconds, pull_seconds=sp.pull_seconds,
+            activation_shape=list(act_shape), activation_dtype=wire.wire_dtype(act_dtype),
+            output_shape=list(out_shape), output_dtype=wire.wire_dtype(out_dtype),
         )
 
     def setup(self) -> None:
@@ -125,17 +130,39 @@ class JobDriver:
                                 f"{exc.details()}") from None
         dataset = datasets.load_dataset(self.job)
         x, y = datasets.minibatch(dataset, 1, 0, self.job)
+        flows = boundaries(model_shape(self.job.model.name, self.job.model.args), (tuple(x.shape), x.dtype))
+        for h in self.stages:  # each answers at once and loads in the background
+            self._call(h, "Assign", self._assignment(h, x, y, flows))
+        self._wait_loaded()
 
-        def prepare(h: StageHandle) -> None:
-            self._call(h, "Assign", self._assignment(h, x, y))
+        def load(h: StageHandle) -> None:
             keys = layer_keys(model, h.plan.layer_begin, h.plan.layer_end)
             self._call(h, "LoadWeights", wire.encode([(key, self.w0[key]) for key in keys]), deadline=rpc.DATA_DEADLINE_S)
 
-        # Stages set up concurrently: each builds its model slice, which takes a moment.
         with ThreadPoolExecutor(max_workers=len(self.stages)) as pool:
-            list(pool.map(prepare, self.stages))
+            list(pool.map(load, self.stages))
         for h in self.stages:
             self._call(h, "Start", wire_pb2.Empty())
+
+    def _wait_loaded(self, interval: float = 0.05) -> None:
+        """Waits until every stage is READY, up to train.setup_timeout_s; JobFailed names a stage
+        that failed to load, or the ones still loading when the time is up."""
+        deadline = time.monotonic() + self.job.train.setup_timeout_s
+        while True:
+            loading = []
+            for h in self.stages:
+                h.last = self._call(h, "Status", stage_pb2.StatusRequest(), deadline=STATUS_DEADLINE_S)
+                if h.last.state == State.FAILED:
+                    raise JobFailed(h.last.error)
+                if h.last.state == State.LOADING:
+                    loading.append(h)
+            if not loading:
+                return
+            if time.monotonic() > deadline:
+                what = "; ".join(f"{h.name} at {h.address} ({h.last.detail or 'loading'})" for h in loading[:4])
+                raise JobFailed(f"stages still loading after train.setup_timeout_s "
+                                f"{self.job.train.setup_timeout_s:g}s: {what}")
+            time.sleep(interval)
 
     def _call(self, h: StageHandle, method: str, request: Any, *, deadline: float = rpc.CONTROL_DEADLINE_S) -> Any:
         try:

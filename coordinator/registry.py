@@ -49,6 +49,15 @@ def validate(info: coordinator_pb2.WorkerInfo) -> None:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "node: expected the host name the worker runs on")
 
 
+def _tally(workers: list[tuple[str, str, str]]) -> str:
+    """'2 x titan-v on n0, 1 x any': how many of each (node, GPU type) in a list of (_, node, type)."""
+    counts: dict[str, int] = {}
+    for _, node, gpu in workers:
+        key = f"{gpu} on {node}" if gpu else "any"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} x {key}" for key, n in counts.items())
+
+
 class Registry:
     def __init__(self, heartbeat_interval_s: float = 1.0) -> None:
         self.interval = heartbeat_interval_s
@@ -121,13 +130,13 @@ class Registry:
                     raise JobStopped("stopped by request while waiting for workers")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    have = sum(1 for w in self._workers.values()
-                               if w.info.role == role and not w.assigned and self._alive(w))
-                    raise TimeoutError(
-                        f"{len(wanted)} {Role.Name(role).lower()}s needed, {have} free and alive registered "
-                        f"within {timeout:.0f}s"
-                    )
+                    raise TimeoutError(f"{Role.Name(role).lower()}s needed: {_tally(wanted)}; free and alive "
+                                       f"after {timeout:.0f}s: {_tally(self._free(role)) or 'none'}")
                 self._lock.wait(min(left, 0.2))
+
+    def _free(self, role: int) -> list[tuple[str, str, str]]:
+        return [(w.info.address, w.info.node, w.info.gpu_type) for w in self._workers.values()
+                if w.info.role == role and not w.assigned and self._alive(w)]
 
     def _match(self, role: int, wanted: list[tuple[str, str, str]]) -> list[Worker] | None:
         free = sorted((w for w in self._workers.values() if w.info.role == role and not w.assigned

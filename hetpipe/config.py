@@ -85,6 +85,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     dtype: str = "float32"
     seed: int = 0
+    setup_timeout_s: float = 600.0   # how long the stages may take to load before the job fails
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +262,7 @@ def _parse_data(d: Section) -> DataConfig:
 
 
 def _parse_train(t: Section) -> TrainConfig:
-    t.check_known(("steps", "loss", "optimizer", "dtype", "seed"))
+    t.check_known(("steps", "loss", "optimizer", "dtype", "seed", "setup_timeout_s"))
     o, do, dt = t.section("optimizer"), OptimizerConfig(), TrainConfig()
     o.check_known(("name", "lr", "momentum", "weight_decay", "betas", "eps"))
     betas = o.get("betas", list(do.betas))
@@ -276,6 +277,7 @@ def _parse_train(t: Section) -> TrainConfig:
         steps=t.integer("steps", dt.steps, minimum=1, maximum=MAX_STEPS),
         loss=t.choice("loss", dt.loss, LOSSES), optimizer=optimizer,
         dtype=t.choice("dtype", dt.dtype, DTYPES), seed=t.integer("seed", dt.seed, maximum=2**63 - 1),
+        setup_timeout_s=t.number("setup_timeout_s", dt.setup_timeout_s, minimum=1.0, maximum=86400.0),
     )
 
 

@@ -145,12 +145,16 @@ def add_service(server: grpc.Server, name: str, servicer: object) -> None:
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
         handlers[method.name] = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)](
-            getattr(servicer, method.name),
+            getattr(servicer, method.name, _unimplemented),
             request_deserializer=None if raw_in else request.FromString,
             response_serializer=None if raw_out else response.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _unimplemented(request: Any, context: grpc.ServicerContext) -> Any:
+    context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server does not implement the method")
 
 
 class Stub:

@@ -7,7 +7,7 @@ import os
 import sys
 
 import torch
-import torch._dynamo  # noqa: F401  torch imports it lazily on first use: seconds, better paid before serving
+
 
 from hetpipe import devices, rpc
 from hetpipe.service import ServiceFlags, exit_now, run_server

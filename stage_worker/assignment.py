@@ -1,5 +1,6 @@
 """A stage assignment, validated once into a frozen Setup: which stage this is, where its
-neighbours and shards are, how it is paced, and what every tensor it receives must look like."""
+neighbours and shards are, how it is paced, and what every tensor it receives must look like.
+Everything here is checked without building the model: Assign answers at once, whatever its size."""
 
 from __future__ import annotations
 
@@ -9,14 +10,12 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from torch import nn
 
 from hetpipe import devices
 from hetpipe.config import ConfigError, ResolvedJob
 from hetpipe.errors import Rejected
 from hetpipe.v1 import stage_pb2
 from hetpipe.wire import WireError, torch_dtype
-from hetpipe.zoo import layer_keys, model_shape, stage_layers
 
 # Emulated times and transfers are padded with sleeps: more than an hour per task is a mistake.
 MAX_SECONDS = 3600.0
@@ -36,10 +35,17 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     def check(self, what: str, tensor: torch.Tensor) -> None:
+        """Rejected (INVALID_ARGUMENT) unless a received tensor is of this dtype and shape."""
         if tensor.dtype != self.dtype:
             raise _invalid(f"{what}: dtype {tensor.dtype}, expected {self.dtype}")
         if tuple(tensor.shape) != self.shape:
             raise _invalid(f"{what}: shape {list(tensor.shape)}, expected {list(self.shape)}")
+
+    def check_output(self, stage: str, tensor: torch.Tensor) -> None:
+        """RuntimeError unless the stage's own layers produced what the plan said they would."""
+        if tensor.dtype != self.dtype or tuple(tensor.shape) != self.shape:
+            raise RuntimeError(f"{stage}'s layers produce {tensor.dtype} {list(tensor.shape)}, the plan expected "
+                               f"{self.dtype} {list(self.shape)}: the model does not match the assignment")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +73,7 @@ class Setup:
     prev_address: str
     next_address: str
     ps_addresses: tuple[str, ...]
-    keys: tuple[str, ...]       # this stage's parameters, in order
-    key_shards: tuple[int, ...]
+    key_shards: tuple[int, ...]  # the owning shard of each of this stage's parameters, in order
     trace_path: str
     forward_seconds: float      # emulation: each task is padded to these (0 = not at all)
     backward_seconds: float
@@ -104,28 +109,14 @@ def _shape(field: str, dims: list[int]) -> tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
-def _specs(a: stage_pb2.StageAssignment, model: nn.Sequential, job: ResolvedJob) -> Specs:
-    """Every tensor's shape, inferred by running the layers on the meta device: no memory is
-    allocated, however large a shape the assignment names."""
-    x_shape, y_shape = _shape("input_shape", list(a.input_shape)), _shape("target_shape", list(a.target_shape))
-    batch = job.data.batch_size
-    if x_shape[0] != batch or y_shape[0] != batch:
-        raise _invalid(f"input_shape {list(x_shape)} and target_shape {list(y_shape)}: one minibatch of "
-                       f"data.batch_size {batch} rows each")
+def _spec(a: stage_pb2.StageAssignment, name: str, batch: int) -> TensorSpec:
+    shape = _shape(f"{name}_shape", list(getattr(a, f"{name}_shape")))
+    if shape[0] != batch:
+        raise _invalid(f"{name}_shape {list(shape)}: one minibatch of data.batch_size {batch} rows")
     try:
-        x_dtype, y_dtype = torch_dtype(a.input_dtype), torch_dtype(a.target_dtype)
+        return TensorSpec(torch_dtype(getattr(a, f"{name}_dtype")), shape)
     except WireError as exc:
-        raise _invalid(f"input or target dtype: {exc}") from None
-    x = torch.empty(x_shape, dtype=x_dtype, device="meta")
-    try:
-        with torch.no_grad():
-            x = stage_layers(model, 0, a.layer_begin)(x)
-            activation = TensorSpec(x.dtype, tuple(x.shape))
-            x = stage_layers(model, a.layer_begin, a.layer_end)(x)
-    except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # a shape the model cannot take
-        raise _invalid(f"input_shape {list(x_shape)} does not fit model {job.model.name}: "
-                       f"{str(exc)[:300]}") from None
-    return Specs(activation, TensorSpec(x.dtype, tuple(x.shape)), TensorSpec(y_dtype, y_shape))
+        raise _invalid(f"{name}_dtype: {exc}") from None
 
 
 def validate(a: stage_pb2.StageAssignment) -> Setup:
@@ -140,9 +131,8 @@ def validate(a: stage_pb2.StageAssignment) -> Setup:
         raise _invalid(f"stage {a.stage} of {a.num_stages}: the job has {k} stages per virtual worker")
     if a.vw >= job.parallel.virtual_workers:
         raise _invalid(f"vw {a.vw} but the job has {job.parallel.virtual_workers}")
-    model = model_shape(job.model.name, job.model.args)
-    if not a.layer_begin < a.layer_end <= len(model):
-        raise _invalid(f"layers [{a.layer_begin}, {a.layer_end}) but the model has {len(model)}")
+    if not a.layer_begin < a.layer_end:
+        raise _invalid(f"layers [{a.layer_begin}, {a.layer_end}): an empty range")
     for field in _SECONDS:
         value = getattr(a, field)
         if not (math.isfinite(value) and 0 <= value <= MAX_SECONDS):
@@ -150,11 +140,8 @@ def validate(a: stage_pb2.StageAssignment) -> Setup:
     if (a.stage > 0) != bool(a.prev_address) or (a.stage < k - 1) != bool(a.next_address):
         raise _invalid(f"stage {a.stage} of {k}: needs prev_address exactly when it is not the first stage "
                        f"and next_address exactly when it is not the last")
-    params = {name for name, _ in model.named_parameters()}
-    keys = tuple(key for key in layer_keys(model, a.layer_begin, a.layer_end) if key in params)
-    if a.ps_addresses and (len(a.key_shards) != len(keys) or any(s >= len(a.ps_addresses) for s in a.key_shards)):
-        raise _invalid(f"key_shards: {len(a.key_shards)} entries for {len(keys)} parameters over "
-                       f"{len(a.ps_addresses)} shards")
+    if any(s >= len(a.ps_addresses) for s in a.key_shards) or (a.key_shards and not a.ps_addresses):
+        raise _invalid(f"key_shards: shards {sorted(set(a.key_shards))[-3:]} for {len(a.ps_addresses)} shard addresses")
     if not _DEVICE.match(a.device):
         raise _invalid(f"device {a.device[:50]!r}: expected 'cpu', 'cuda:N' or empty (pick one)")
     try:
@@ -165,7 +152,14 @@ def validate(a: stage_pb2.StageAssignment) -> Setup:
         job=job, vw=a.vw, stage=a.stage, num_stages=k, layer_begin=a.layer_begin, layer_end=a.layer_end,
         device=device, label=a.device_label or device.name, gpu_type=a.gpu_type, emulated=a.emulated,
         prev_address=a.prev_address, next_address=a.next_address, ps_addresses=tuple(a.ps_addresses),
-        keys=keys, key_shards=tuple(a.key_shards), trace_path=a.trace_path,
+        key_shards=tuple(a.key_shards), trace_path=a.trace_path,
         **{field: float(getattr(a, field)) for field in _SECONDS},
-        memory_bytes=a.memory_bytes, capacity_bytes=a.capacity_bytes, specs=_specs(a, model, job),
+        memory_bytes=a.memory_bytes, capacity_bytes=a.capacity_bytes,
+        specs=_specs(a, job.data.batch_size),
     )
+
+
+def _specs(a: stage_pb2.StageAssignment, batch: int) -> Specs:
+    data = _spec(a, "input", batch)  # one minibatch's x: stage 0's input, checked on every stage
+    return Specs(activation=data if a.stage == 0 else _spec(a, "activation", batch),
+                 output=_spec(a, "output", batch), target=_spec(a, "target", batch))

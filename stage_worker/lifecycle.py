@@ -8,7 +8,8 @@ import enum
 
 class StageState(enum.Enum):
     IDLE = "idle"            # waiting for an assignment
-    ASSIGNED = "assigned"    # layers built, weights loaded or loading
+    LOADING = "loading"      # assigned: building its layers, reading its data
+    READY = "ready"          # loaded: waiting for Start (weights may still be replaced)
     RUNNING = "running"
     DONE = "done"            # every task run, every push acknowledged
     FAILED = "failed"
@@ -27,8 +28,9 @@ class StageState(enum.Enum):
 
 
 TRANSITIONS: dict[StageState, frozenset[StageState]] = {
-    StageState.IDLE: frozenset({StageState.ASSIGNED}),
-    StageState.ASSIGNED: frozenset({StageState.RUNNING, StageState.FAILED}),
+    StageState.IDLE: frozenset({StageState.LOADING}),
+    StageState.LOADING: frozenset({StageState.READY, StageState.FAILED}),
+    StageState.READY: frozenset({StageState.RUNNING, StageState.FAILED}),
     StageState.RUNNING: frozenset({StageState.DONE, StageState.FAILED}),
     StageState.DONE: frozenset(),
     StageState.FAILED: frozenset(),

@@ -12,6 +12,7 @@ from stage_worker.lifecycle import StageState
 class Progress:
     state: StageState
     error: str = ""
+    detail: str = ""           # what a loading stage is doing
     # Who and where; empty before an assignment.
     vw: int = 0
     stage: int = 0

@@ -47,15 +47,24 @@ def _refused(state: StageState, what: str) -> Rejected:
     return Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"{what} in state {state.name}")
 
 
+class LoadError(Exception):
+    """The assignment does not fit the model the stage built."""
+
+
 class _Assigned:
-    """Everything a stage holds once assigned: built by assign(), read by the compute thread."""
+    """Everything a stage holds once loaded: built by the loading thread, read by the compute thread."""
 
     def __init__(self, setup: Setup, sync_for: Callable[[Setup, StageCompute, metrics.StageObservers], Sync]) -> None:
         job = self.job = setup.job
         self.setup = setup
         model = build_model(job.model.name, job.model.args, seed=job.train.seed, dtype=getattr(torch, job.train.dtype))
+        if setup.layer_end > len(model):
+            raise LoadError(f"layers [{setup.layer_begin}, {setup.layer_end}) but the model has {len(model)}")
         self.compute = StageCompute(stage_layers(model, setup.layer_begin, setup.layer_end), job.train.optimizer,
                                     loss=job.train.loss, device=setup.device.name, track_updates=setup.synced)
+        del model
+        if setup.synced and len(setup.key_shards) != len(self.compute.params):
+            raise LoadError(f"key_shards: {len(setup.key_shards)} entries for {len(self.compute.params)} parameters")
         self.schedule = StageSchedule(stage=setup.stage, num_stages=setup.num_stages, nm=job.nm,
                                       steps=job.train.steps)
         self.dataset = datasets.load_dataset(job) if setup.first else None
@@ -74,6 +83,8 @@ class StageRuntime:
         self._cv = threading.Condition()
         self.state = StageState.IDLE
         self.error = ""
+        self.detail = ""              # what a loading stage is doing
+        self._setup: Setup | None = None
         self._s: _Assigned | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -93,28 +104,46 @@ class StageRuntime:
 
     @property
     def setup(self) -> Setup:
-        if self._s is None:
+        if self._setup is None:
             raise _refused(self.state, "no assignment")
-        return self._s.setup
+        return self._setup
 
     # ---- setup -------------------------------------------------------------------------------
 
     def assign(self, a: stage_pb2.StageAssignment) -> None:
+        """Validates the assignment and starts loading it: Status says LOADING, then READY."""
         with self._cv:
             if self.state != StageState.IDLE:
                 raise _refused(self.state, "stage already assigned")
-            setup = validate(a)
-            self._s = _Assigned(setup, self._sync_for)
-            self._to(StageState.ASSIGNED)
-        metrics.bind(self.progress)
+            setup = self._setup = validate(a)
+            self.detail = f"building layers [{setup.layer_begin}, {setup.layer_end})"
+            self._to(StageState.LOADING)
         log.info("%s assigned layers [%d, %d) on %s", setup.name, setup.layer_begin, setup.layer_end, setup.device.name)
+        threading.Thread(target=self._load, args=(setup,), name="loader", daemon=True).start()
+
+    def _load(self, setup: Setup) -> None:
+        started = time.monotonic()
+        try:
+            loaded = _Assigned(setup, self._sync_for)
+        except Exception as exc:  # a model that does not build, or does not fit the assignment
+            log.exception("%s could not load", setup.name)
+            self.fail(f"loading failed: {type(exc).__name__}: {exc}")
+            return
+        with self._cv:
+            if self.state != StageState.LOADING or self._stopping:  # stopped or failed meanwhile
+                loaded.sync.close()
+                return
+            self._s, self.detail = loaded, ""
+            self._to(StageState.READY)
+        metrics.bind(self.progress)
+        log.info("%s loaded in %.1f s", setup.name, time.monotonic() - started)
 
     def _sync_for(self, setup: Setup, compute: StageCompute, observe: metrics.StageObservers) -> Sync:
         if not setup.synced:
             return LocalSync()
         trace = Path(setup.trace_path) if setup.trace_path else None
         config = SyncConfig(
-            vw=setup.vw, nm=setup.job.nm, D=setup.job.parallel.D, steps=setup.job.train.steps, keys=setup.keys,
+            vw=setup.vw, nm=setup.job.nm, D=setup.job.parallel.D, steps=setup.job.train.steps, keys=tuple(compute.names),
             key_shards=setup.key_shards, addresses=setup.ps_addresses, push_hold_s=setup.push_seconds,
             pull_hold_s=setup.pull_seconds, trace_dir=str(trace.parent) if trace else "",
             trace_name=trace.name if trace else "", repeat_push=faults.from_env().repeat_push,
@@ -130,8 +159,8 @@ class StageRuntime:
 
     def load_weights(self, bundle: Bundle) -> None:
         with self._cv:
-            if self.state != StageState.ASSIGNED or self._s is None:
-                raise _refused(self.state, "weights arrive after Assign and before Start, not")
+            if self.state != StageState.READY or self._s is None:
+                raise _refused(self.state, "weights arrive once loaded and before Start, not")
             compute = self._s.compute
             expected = dict(compute.state())
             got = bundle.named()
@@ -148,7 +177,7 @@ class StageRuntime:
 
     def start(self) -> None:
         with self._cv:
-            if self.state != StageState.ASSIGNED or self._s is None:
+            if self.state != StageState.READY or self._s is None:
                 raise _refused(self.state, "cannot start")
             s, setup = self._s, self._s.setup
             if not setup.last:
@@ -165,7 +194,7 @@ class StageRuntime:
 
     def _check_input(self, bundle: Bundle, from_stage: int, what: str, names: tuple[str, ...]) -> tuple[_Assigned, int]:
         """The minibatch of a valid input from stage from_stage; Rejected naming what is wrong."""
-        if self.state not in (StageState.ASSIGNED, StageState.RUNNING) or self._s is None:
+        if self.state not in (StageState.READY, StageState.RUNNING) or self._s is None:
             raise _refused(self.state, f"{what} refused: the stage is not running")
         s = self._s
         if bundle.header.WhichOneof("header") != "minibatch":
@@ -221,7 +250,7 @@ class StageRuntime:
         with self._cv:
             if self.state.is_terminal or not self.state.allows(StageState.FAILED):
                 return
-            self.error = f"{self._s.setup.name if self._s else 'stage'}: {reason}"
+            self.error = f"{self._setup.name if self._setup else 'stage'}: {reason}"
             self._to(StageState.FAILED)
         log.error(self.error)
 
@@ -297,6 +326,7 @@ class StageRuntime:
         start = time.time()
         min_clock = s.sync.min_clock
         out, version = s.compute.forward(p, x)
+        s.setup.specs.output.check_output(s.setup.name, out)
         s.observe.forward(p, version, s.sync.clock, min_clock)
         s.padder.pad(start, s.setup.forward_seconds)
         s.trace.forward(p, local_version=version, min_clock=min_clock, fwd_start=start, fwd_end=time.time())
@@ -347,7 +377,10 @@ class StageRuntime:
         with self._cv:
             s = self._s
             if s is None:
-                return Progress(state=self.state, error=self.error)
+                who = self._setup
+                return Progress(state=self.state, error=self.error, detail=self.detail,
+                                vw=who.vw if who else 0, stage=who.stage if who else 0,
+                                device=who.device.name if who else "", label=who.label if who else "")
             setup, sched = s.setup, s.schedule
             links = (s.next, s.prev)
             used, capacity = metrics.device_memory(setup)

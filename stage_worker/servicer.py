@@ -17,7 +17,8 @@ from stage_worker.runtime import StageRuntime
 ProtoState = stage_pb2.StageStatus.State
 PROTO_STATE = {
     StageState.IDLE: ProtoState.IDLE,
-    StageState.ASSIGNED: ProtoState.ASSIGNED,
+    StageState.LOADING: ProtoState.LOADING,
+    StageState.READY: ProtoState.READY,
     StageState.RUNNING: ProtoState.RUNNING,
     StageState.DONE: ProtoState.DONE,
     StageState.FAILED: ProtoState.FAILED,
@@ -25,7 +26,7 @@ PROTO_STATE = {
 
 
 def status_message(p: Progress) -> stage_pb2.StageStatus:
-    s = stage_pb2.StageStatus(state=PROTO_STATE[p.state], error=p.error)
+    s = stage_pb2.StageStatus(state=PROTO_STATE[p.state], error=p.error, detail=p.detail)
     if p.state == StageState.IDLE:
         return s
     s.vw, s.stage, s.device = p.vw, p.stage, p.label or p.device

@@ -11,7 +11,7 @@ from torch import nn
 from torch.func import functional_call
 
 from hetpipe.config import OptimizerConfig
-from hetpipe.optim import compute_loss, make_optimizer
+from hetpipe.optim import StageOptimizer, compute_loss
 
 
 @dataclass(slots=True)
@@ -35,7 +35,7 @@ class StageCompute:
         self.names = [n for n, _ in self.module.named_parameters()]
         self.params = [p for _, p in self.module.named_parameters()]
         # A stage may hold only parameter-free layers (a ReLU); it still counts versions.
-        self.optimizer = make_optimizer(self.params, optimizer) if self.params else None
+        self.optimizer = StageOptimizer(self.params, optimizer) if self.params else None
         self.version = 0  # own minibatch updates applied so far
         self._stash: dict[int, _Stashed] = {}
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -91,11 +91,8 @@ class StageCompute:
     @torch.no_grad()
     def _step(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
         before = [p.detach().clone() for p in self.params] if self.track_updates else []
-        for param, grad in zip(self.params, grads):
-            param.grad = torch.zeros_like(param) if grad is None else grad
         if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.step([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)])
         self.version += 1
         return [p.detach() - b for p, b in zip(self.params, before)]
 

@@ -146,3 +146,30 @@ def test_stop_ends_a_running_job_and_its_stages(coordinator, make_job, tmp_path:
             p.popen.wait(timeout=15)
     finally:
         procs.stop_all()
+
+
+def test_stop_before_any_job_then_a_new_job_starts(coordinator, make_job) -> None:
+    stub, servicer, _ = coordinator
+    assert stub.StopJob(wire_pb2.Empty(), timeout=5).state == State.STOPPED
+    job = make_job({"parallel": {"stages_per_vw": 1}, "output": {"trace": False}})
+    assert stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5).state == State.PENDING
+
+
+def test_stop_while_planning_or_waiting_for_workers_stops_at_once(coordinator, make_job) -> None:
+    stub, servicer, _ = coordinator
+    job = make_job({"parallel": {"stages_per_vw": 2}, "output": {"trace": False}})
+    stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5)
+    started = time.monotonic()
+    assert stub.StopJob(wire_pb2.Empty(), timeout=5).state == State.STOPPED
+    # The job thread, waiting for workers that never come, ends within a poll, not at the claim timeout.
+    assert servicer.runner.machine.wait_terminal(5)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5)
+            break
+        except grpc.RpcError as exc:  # FAILED_PRECONDITION while the stopped job's thread winds down
+            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline, exc.details()
+            time.sleep(0.05)
+    assert time.monotonic() - started < 10
+    assert stub.GetJob(wire_pb2.Empty(), timeout=5).state in (State.PENDING, State.PLANNED)

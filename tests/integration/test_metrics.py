@@ -289,8 +289,10 @@ def _check_stage(s: Samples, e: Endpoint, docs: dict[str, list[Documented]]) -> 
     assert s.one("hetpipe_stage_samples_total", **labels) > 0
     assert s.one("hetpipe_stage_compute_seconds_total", phase="forward", **labels) > 0
     assert s.one("hetpipe_stage_compute_seconds_total", phase="backward", **labels) > 0
-    assert s.one("hetpipe_stage_idle_seconds_total", **labels) >= 0
-    assert s.one("hetpipe_stage_queue_depth", **labels) >= 0
+    # Every stage waits for its first input (or gradient): some idle time is always there.
+    assert s.one("hetpipe_stage_idle_seconds_total", **labels) > 0
+    depth = s.one("hetpipe_stage_queue_depth", **labels)
+    assert depth == int(depth) and 0 <= depth <= 2 * NM  # at most nm activations and nm gradients wait
     assert 0 <= s.one("hetpipe_stage_in_flight_minibatches", **labels) <= NM
     sent = "backward" if last else "forward"
     assert s.one("hetpipe_stage_sent_bytes_total", phase=sent, **labels) > 0
@@ -325,14 +327,13 @@ def _check_shard(s: Samples, e: Endpoint, docs: dict[str, list[Documented]]) -> 
     shard = e.assigned.rsplit(" ", 1)[1]  # the coordinator claimed it as "ps shard i" of the plan
     assert shards == {shard}, shards
     assert s.one("hetpipe_ps_pushes_total", shard=shard, outcome="applied") > 0
-    assert s.one("hetpipe_ps_pushes_total", shard=shard, outcome="duplicate") >= 0
+    assert s.one("hetpipe_ps_pushes_total", shard=shard, outcome="duplicate") == 0  # no retries when healthy
     assert s.one("hetpipe_ps_received_bytes_total", shard=shard) > 0
     assert s.one("hetpipe_ps_sent_bytes_total", shard=shard) > 0
     clocks = [s.one("hetpipe_ps_vw_clock", shard=shard, vw=str(v)) for v in range(2)]
     assert min(clocks) >= 1 and s.one("hetpipe_ps_global_clock", shard=shard) == min(clocks)
     distance = s.one("hetpipe_ps_clock_distance", shard=shard)
     assert distance == max(clocks) - min(clocks) and distance <= D + 1
-    assert s.one("hetpipe_ps_pull_wait_seconds_total", shard=shard) >= 0
     for method in ("Init", "Push", "Pull"):
         assert _handled(s, method, "OK") >= 1, method
     if e.assigned == "ps shard 0":

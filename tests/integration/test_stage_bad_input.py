@@ -61,6 +61,9 @@ class FakeNeighbour(stage_pb2_grpc.StageServicer):
     def Start(self, request: Any, context: Any) -> wire_pb2.Ack:
         return wire_pb2.Ack()
 
+    def Status(self, request: Any, context: Any) -> stage_pb2.StageStatus:
+        return stage_pb2.StageStatus(state=State.READY)
+
     def _record(self, method: str, frames: Iterator[wire_pb2.TensorFrame]) -> wire_pb2.Ack:
         bundle = wire.decode(frames)
         with self.cv:
@@ -87,6 +90,16 @@ def serve(servicer: Any) -> rpc.Server:
     return server
 
 
+class _Recording(StageServicer):
+    """The real stage's servicer, keeping the assignment the driver sent."""
+
+    assignment: stage_pb2.StageAssignment | None = None
+
+    def Assign(self, request: stage_pb2.StageAssignment, context: Any) -> wire_pb2.Ack:
+        self.assignment = request
+        return super().Assign(request, context)
+
+
 @dataclass
 class Rig:
     job: JobConfig
@@ -95,6 +108,7 @@ class Rig:
     prev: FakeNeighbour
     next: FakeNeighbour
     address: str
+    assignment: stage_pb2.StageAssignment
 
     @property
     def in_spec(self) -> Any:
@@ -149,12 +163,14 @@ def rig(make_job, unlimited_channel) -> Iterator[Rig]:
                     "output": {"trace": False}})
     runtime = StageRuntime()
     prev, nxt = FakeNeighbour(), FakeNeighbour()
-    servers = [serve(prev), serve(StageServicer(runtime, on_stop=lambda: None)), serve(nxt)]
+    middle = _Recording(runtime, on_stop=lambda: None)
+    servers = [serve(prev), serve(middle), serve(nxt)]
     driver = JobDriver(job, make_plan(job), [s.address for s in servers])
     channel = unlimited_channel(servers[1].address)
     try:
         driver.setup()  # Assign, LoadWeights and Start, as `hetpipe run` does
-        yield Rig(job, runtime, stage_pb2_grpc.StageStub(channel), prev, nxt, servers[1].address)
+        assert middle.assignment is not None
+        yield Rig(job, runtime, stage_pb2_grpc.StageStub(channel), prev, nxt, servers[1].address, middle.assignment)
     finally:
         channel.close()
         driver.close()
@@ -335,7 +351,7 @@ def test_control_calls_out_of_turn_are_refused(rig: Rig) -> None:
             "stage already assigned")
     weights = messages(wire.encode(rig.runtime.weights()))
     refused(rig.stub.LoadWeights, iter(weights), Code.FAILED_PRECONDITION,
-            "weights arrive after Assign and before Start, not in state RUNNING")
+            "weights arrive once loaded and before Start, not in state RUNNING")
     assert rig.snapshot() == before
 
 
@@ -383,6 +399,15 @@ def idle(make_job) -> Iterator[tuple[Any, ...]]:
             server.stop(grace=0)
 
 
+def _loaded(stub: Any, timeout: float = 10.0) -> stage_pb2.StageStatus:
+    """The stage's status once it has left LOADING."""
+    deadline = time.monotonic() + timeout
+    while (s := stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)).state == State.LOADING:
+        assert time.monotonic() < deadline, f"still loading: {s.detail}"
+        time.sleep(0.01)
+    return s
+
+
 def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> None:
     good, w0, stub, runtime, stage0 = idle
 
@@ -411,11 +436,12 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
         "a later stage without its previous stage": (variant(prev_address=""), "needs prev_address"),
         "the last stage with a next stage": (variant(next_address="127.0.0.1:1"), "next_address exactly when"),
         "empty layer range": (variant(layer_begin=3, layer_end=3), r"layers \[3, 3\)"),
-        "layers beyond the model": (variant(layer_end=99), r"layers \[\d+, 99\) but the model has \d+"),
+        "layers in the wrong order": (variant(layer_begin=5, layer_end=3), r"layers \[5, 3\): an empty range"),
         "vw beyond the job": (variant(vw=5), "vw 5 but the job has 1"),
         "unknown input dtype": (variant(input_dtype=99), "unknown dtype code 99"),
-        "input shape that does not fit the model": (variant(input_shape=[batch[0], batch[1] + 1]),
-                                                    rf"input_shape|\[{batch[0]}, {batch[1] + 1}\]"),
+        "an output shape of another batch": (variant(output_shape=[batch[0] + 1, 10]), "one minibatch of data"),
+        "unknown output dtype": (variant(output_dtype=77), "output_dtype: unknown dtype code 77"),
+        "key_shards without shards": (variant(key_shards=[0]), "key_shards: shards \\[0\\] for 0 shard addresses"),
         "negative link time": (variant(prev_send_seconds=-1.0), r"prev_send_seconds: -1.0: expected a number of seconds"),
         "NaN push time": (variant(push_seconds=float("nan")), "push_seconds: nan: expected a number of seconds"),
         "infinite pull time": (variant(pull_seconds=float("inf")), "pull_seconds: inf: expected a number of seconds"),
@@ -435,10 +461,10 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
             failures.append(f"{name}: {exc}")
     assert not failures, "\n".join(failures)
 
-    # After all that, the driver's assignment is accepted...
+    # After all that, the driver's assignment is accepted, and the stage loads it...
     stub.Assign(good, timeout=10)
-    s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
-    assert (s.state, s.vw, s.stage) == (State.ASSIGNED, 0, 1)
+    s = _loaded(stub)
+    assert (s.state, s.vw, s.stage) == (State.READY, 0, 1)
 
     # ...and bad weights are refused without touching the stage's weights.
     digest = s.weights_digest
@@ -455,12 +481,12 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
     for name, (tensors, match) in weight_bad.items():
         refused(stub.LoadWeights, iter(messages(wire.encode(tensors))), Code.INVALID_ARGUMENT, match)
         s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
-        assert (s.state, s.weights_digest) == (State.ASSIGNED, digest), name
+        assert (s.state, s.weights_digest) == (State.READY, digest), name
     stub.LoadWeights(iter(messages(wire.encode([(n, t + 1) for n, t in w0]))), timeout=10)
     assert stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5).weights_digest != digest
     stub.LoadWeights(iter(messages(wire.encode(w0))), timeout=10)
     s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
-    assert (s.state, s.weights_digest) == (State.ASSIGNED, digest)
+    assert (s.state, s.weights_digest) == (State.READY, digest)
 
     # The last stage computes the loss and takes no gradient, even a well-formed one.
     before = {f: getattr(s, f) for f in STATE_FIELDS}
@@ -495,3 +521,59 @@ def test_bytes_that_are_not_a_frame_are_refused(rig: Rig, unlimited_channel: Any
     finally:
         channel.close()
     assert rig.snapshot() == before
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"layer_end": 99}, r"loading failed: LoadError: layers \[\d+, 99\) but the model has \d+"),
+    ({"key_shards": [0], "ps_addresses": ["127.0.0.1:9"]}, r"key_shards: 1 entries for \d+ parameters"),
+])
+def test_an_assignment_the_model_does_not_fit_fails_loading_naming_why(idle: Any, change: dict[str, Any],
+                                                                       match: str) -> None:
+    good, _, _, _, _ = idle
+    runtime = StageRuntime()
+    server = serve(StageServicer(runtime, on_stop=lambda: None))
+    a = stage_pb2.StageAssignment()
+    a.CopyFrom(good)
+    for key, value in change.items():
+        if isinstance(value, list):
+            getattr(a, key).extend(value)
+        else:
+            setattr(a, key, value)
+    try:
+        with rpc.channel(server.address) as channel:
+            stub = stage_pb2_grpc.StageStub(channel)
+            stub.Assign(a, timeout=10)  # answered at once: the model is built in the background
+            s = _loaded(stub)
+            assert s.state == State.FAILED and re.search(match, s.error), s.error
+            assert s.error.startswith("stage 1 of vw 0: ")
+    finally:
+        runtime.stop()
+        server.stop(grace=0)
+
+
+def test_layers_that_do_not_produce_the_planned_output_fail_at_the_first_forward(rig: Rig) -> None:
+    batch, features = rig.out_spec.shape
+    a = stage_pb2.StageAssignment()
+    a.CopyFrom(rig.assignment)
+    del a.output_shape[:]
+    a.output_shape.extend([batch, features + 1])  # a plan that got this stage's output wrong
+    runtime = StageRuntime()
+    server = serve(StageServicer(runtime, on_stop=lambda: None))
+    try:
+        with rpc.channel(server.address) as channel:
+            stub = stage_pb2_grpc.StageStub(channel)
+            stub.Assign(a, timeout=10)
+            assert _loaded(stub).state == State.READY
+            stub.Start(wire_pb2.Empty(), timeout=10)
+            stub.Forward(iter(rig.activation(1)), timeout=10)
+            deadline = time.monotonic() + 10
+            while (s := stub.Status(stage_pb2.StatusRequest(), timeout=5)).state == State.RUNNING:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert s.state == State.FAILED
+        assert (f"layers produce torch.float32 [{batch}, {features}], the plan expected torch.float32 "
+                f"[{batch}, {features + 1}]") in s.error, s.error
+        assert "at minibatch 1" in s.error
+    finally:
+        runtime.stop()
+        server.stop(grace=0)

@@ -6,7 +6,20 @@ import itertools
 
 import pytest
 
-from hetpipe.wsp import clock_distance, closes_wave, may_inject, required_min_clock, s_global, wave_of
+import torch
+
+from hetpipe.wsp import (
+    PullDecision,
+    clock_distance,
+    closes_wave,
+    g2_decision,
+    may_inject,
+    merge_pulled,
+    required_min_clock,
+    s_global,
+    wave_of,
+    waves_included,
+)
 
 NMS = range(1, 7)
 DS = range(0, 5)
@@ -125,7 +138,6 @@ def test_required_min_clock_is_the_weakest_pull_meeting_s_global(nm: int, D: int
     tight = 0
     for p in range(1, 12 * nm + 2 * s + 3):
         c = required_min_clock(p, nm, D)
-        assert c >= 0
         must_include = max(0, p - (s + 1))
         assert included_minibatches(c, nm) >= must_include, (p, c)
         if c > 0:
@@ -191,3 +203,56 @@ def test_final_partial_wave_asks_what_its_full_wave_would(nm: int, D: int) -> No
         assert (c + 1) - need <= D + 1
         for p in range(1, steps):
             assert required_min_clock(p, nm, D, steps) == required_min_clock(p, nm, D)
+
+
+# ---- the G2 decision and the G3 merge (hetpipe/wsp.py) ---------------------------------------------
+
+
+def test_g2_decision_waits_exactly_when_required_and_prefetches_the_next_wave() -> None:
+    # D = 0, nm = 4, weights known to include c_global 0: minibatch 7's forward may run, and the
+    # pull that minibatch 8 (the next wave's first) needs goes out now; minibatch 8 itself waits.
+    assert g2_decision(7, 4, 0, 100, have=0) == PullDecision(True, 1)
+    assert g2_decision(8, 4, 0, 100, have=0) == PullDecision(False, 1)
+    # Holding c_global 1, minibatch 8 runs, and the pull for minibatch 12 (c_global 2) goes out.
+    assert g2_decision(8, 4, 0, 100, have=1) == PullDecision(True, 2)
+    assert g2_decision(8, 4, 0, 100, have=2) == PullDecision(True, None)
+    # Nothing to pull for the first waves, and nothing past the end of the run.
+    assert g2_decision(1, 4, 0, 100, have=0) == PullDecision(True, None)
+    assert g2_decision(100, 4, 0, 100, have=24) == PullDecision(True, None)
+
+
+@pytest.mark.parametrize(("nm", "D", "steps"), [(1, 0, 9), (2, 1, 13), (4, 0, 30), (3, 2, 31)])
+def test_g2_decision_agrees_with_required_min_clock(nm: int, D: int, steps: int) -> None:
+    for p in range(1, steps + 1):
+        for have in range(0, steps // nm + 2):
+            d = g2_decision(p, nm, D, steps, have)
+            assert d.allowed == (required_min_clock(p, nm, D, steps) <= have)
+            if not d.allowed:
+                assert d.pull == required_min_clock(p, nm, D, steps)
+            elif d.pull is not None:  # a prefetch asks for more than is held, never for less
+                assert d.pull > have
+
+
+def test_g3_merge_adds_exactly_the_own_waves_the_pull_lacks() -> None:
+    # Two parameters; w_global holds this VW's waves < 2 of the first and < 1 of the second.
+    pulled = [torch.tensor([10.0]), torch.tensor([20.0])]
+    own = {1: [torch.tensor([1.0]), torch.tensor([2.0])], 2: [torch.tensor([100.0]), torch.tensor([200.0])]}
+    merged = merge_pulled(pulled, [2, 1], own)
+    # First: wave 1 is already in w_global, wave 2 is not. Second: neither is.
+    assert [float(m) for m in merged] == [10.0 + 100.0, 20.0 + 2.0 + 200.0]
+    assert waves_included([2, 1]) == 1, "only waves below every parameter's own clock can be dropped"
+    assert merge_pulled(pulled, [3, 3], own) == pulled
+
+
+def test_g3_merge_loses_nothing_and_counts_nothing_twice() -> None:
+    # Simulate a VW whose local weights are w0 + every own update; w_global holds its waves below
+    # own_clock and the other VWs' updates. After the merge the own updates appear exactly once.
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(5, generator=gen, dtype=torch.float64)
+    own = {c: [torch.randn(5, generator=gen, dtype=torch.float64)] for c in range(6)}
+    others = torch.randn(5, generator=gen, dtype=torch.float64)
+    for own_clock in range(7):
+        w_global = w0 + others + sum((own[c][0] for c in range(own_clock)), torch.zeros(5, dtype=torch.float64))
+        (merged,) = merge_pulled([w_global], [own_clock], own)
+        want = w0 + others + sum((u[0] for u in own.values()), torch.zeros(5, dtype=torch.float64))
+        torch.testing.assert_close(merged, want, rtol=0, atol=1e-12)

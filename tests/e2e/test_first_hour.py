@@ -1,0 +1,81 @@
+"""What a new user meets in the first hour: stopping a job that has not started, asking for the
+status of a run that has ended, the version, and output piped into a command that stops reading."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import BASE_JOB, deep_update
+
+pytestmark = pytest.mark.timeout(120)
+HETPIPE = [sys.executable, "-m", "launch.cli"]
+
+
+def _job_file(tmp_path: Path, **overrides: object) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(deep_update(BASE_JOB, {"output": {"trace": False}, **overrides})))
+    return path
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HETPIPE, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_stop_during_the_first_seconds_stops_the_job(tmp_path: Path) -> None:
+    job = _job_file(tmp_path, train={"steps": 5000})
+    run = subprocess.Popen([*HETPIPE, "run", "-q", str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        address = tmp_path / "out" / "coordinator.address"
+        deadline = time.monotonic() + 30
+        while not address.exists():  # the job exists from here on, before any worker has started
+            assert time.monotonic() < deadline and run.poll() is None, "hetpipe run never wrote its address"
+            time.sleep(0.01)
+        stop = _cli("stop", "--job", str(job))
+        assert stop.returncode == 0, stop.stderr
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 1, (out, err)
+    assert "hetpipe: job stopped: stopped by request" in err
+    assert not (tmp_path / "out" / "summary.json").exists()
+    status = _cli("status", "--job", str(job))
+    assert status.returncode == 0 and status.stdout.startswith("job: STOPPED"), status
+
+
+def test_status_after_the_run_ends_reports_how_it_ended(tmp_path: Path) -> None:
+    job = _job_file(tmp_path, train={"steps": 20})
+    run = _cli("run", "-q", str(job))
+    assert run.returncode == 0, run.stderr
+    status = _cli("status", "--job", str(job))
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.startswith("job: COMPLETED (ended; no coordinator is running)")
+    assert "samples/s" in status.stdout and "unreachable" not in status.stdout + status.stderr
+    as_json = json.loads(_cli("status", "--job", str(job), "--json").stdout)
+    assert as_json["job"]["state"] == "COMPLETED" and as_json["job"]["summary"]["steps"] == 20
+
+
+def test_version() -> None:
+    out = _cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"hetpipe {version('hetpipe')}"
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path) -> None:
+    job = _job_file(tmp_path, parallel={"stages_per_vw": 4})
+    read, write = os.pipe()
+    os.close(read)  # the reader (think `| head -1`) has gone before hetpipe writes
+    proc = subprocess.run([*HETPIPE, "plan", "--json", str(job)], stdout=write, stderr=subprocess.PIPE, text=True,
+                          timeout=60)
+    os.close(write)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+    assert proc.returncode == 141

@@ -1,0 +1,122 @@
+"""coordinator/driver.py: a job driven over gRPC on in-process stage servers, and failures that name
+the stage, where it is and how far it got."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from coordinator.driver import JobDriver
+from coordinator.planner import make_plan
+from hetpipe import rpc
+from hetpipe.errors import JobFailed
+from hetpipe.reference import train_reference
+from hetpipe.rpc import handler
+from hetpipe.v1 import stage_pb2, wire_pb2
+from stage_worker.runtime import StageRuntime
+from stage_worker.servicer import StageServicer
+
+pytestmark = pytest.mark.timeout(60)
+State = stage_pb2.StageStatus.State
+
+
+def _serve(servicer: Any) -> rpc.Server:
+    server = rpc.Server("127.0.0.1", 0, workers=8)
+    rpc.add_service(server.grpc, "Stage", servicer)
+    server.start()
+    return server
+
+
+@pytest.fixture
+def stages() -> Iterator[list[rpc.Server]]:
+    runtimes = [StageRuntime(), StageRuntime()]
+    servers = [_serve(StageServicer(rt, on_stop=lambda: None)) for rt in runtimes]
+    yield servers
+    for rt, server in zip(runtimes, servers):
+        rt.stop()
+        server.stop(grace=0)
+
+
+def test_the_driver_runs_a_job_and_collects_the_trained_weights(make_job, stages: list[rpc.Server]) -> None:
+    job = make_job({"train": {"dtype": "float64", "steps": 12}, "parallel": {"stages_per_vw": 2, "nm": 1},
+                    "output": {"trace": False}})
+    plan = make_plan(job)
+    driver = JobDriver(job, plan, [s.address for s in stages])
+    seen: list[int] = []
+    try:
+        driver.setup()
+        wall = driver.run(lambda p: seen.append(p.samples), interval=0.01)
+        weights = driver.fetch_weights()
+    finally:
+        driver.close()
+    assert wall > 0 and seen[-1] == 12 * job.data.batch_size and seen == sorted(seen)
+    want = train_reference(job).state_dict()
+    assert list(weights) == list(want)
+    for key in want:
+        torch.testing.assert_close(weights[key], want[key], rtol=0, atol=1e-9)
+
+
+class _Failing:
+    """A stage that accepts setup, then reports that it failed at minibatch 3."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    @handler
+    def Assign(self, request: Any, context: grpc.ServicerContext) -> wire_pb2.Ack:
+        return wire_pb2.Ack()
+
+    @handler
+    def LoadWeights(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
+        for _ in request_iterator:
+            pass
+        return wire_pb2.Ack()
+
+    @handler
+    def Start(self, request: Any, context: grpc.ServicerContext) -> wire_pb2.Ack:
+        return wire_pb2.Ack()
+
+    @handler
+    def Forward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
+        return self.LoadWeights(request_iterator, context)
+
+    @handler
+    def Status(self, request: Any, context: grpc.ServicerContext) -> stage_pb2.StageStatus:
+        self.polls += 1
+        if self.polls < 3:
+            return stage_pb2.StageStatus(state=State.RUNNING, forwards_done=self.polls, backwards_done=self.polls - 1)
+        return stage_pb2.StageStatus(state=State.FAILED, error="stage 1 of vw 0: RuntimeError: boom at minibatch 3",
+                                     forwards_done=3, backwards_done=2)
+
+
+def test_a_stage_that_fails_fails_the_job_naming_it_and_its_progress(make_job, stages: list[rpc.Server]) -> None:
+    job = make_job({"parallel": {"stages_per_vw": 2, "nm": 1}, "output": {"trace": False}})
+    failing = _serve(_Failing())
+    driver = JobDriver(job, make_plan(job), [stages[0].address, failing.address])
+    try:
+        driver.setup()
+        with pytest.raises(JobFailed) as info:
+            driver.run(interval=0.01)
+    finally:
+        driver.close()
+        failing.stop(grace=0)
+    message = str(info.value)
+    assert "stage 1 of vw 0: RuntimeError: boom at minibatch 3" in message
+    assert "it had finished 3 forwards and 2 backwards" in message
+
+
+def test_an_unreachable_stage_fails_setup_naming_it(make_job, stages: list[rpc.Server]) -> None:
+    job = make_job({"parallel": {"stages_per_vw": 2, "nm": 1}, "output": {"trace": False}})
+    checked: list[bool] = []
+    driver = JobDriver(job, make_plan(job), [stages[0].address, "127.0.0.1:9"],
+                       check_processes=lambda: checked.append(True))
+    try:
+        with pytest.raises(JobFailed, match=r"stage 1 of vw 0 at 127\.0\.0\.1:9: Assign failed: UNAVAILABLE"):
+            driver.setup()
+    finally:
+        driver.close()
+    assert checked, "the driver asks the launcher whether a process died before blaming the network"

@@ -1,0 +1,157 @@
+"""stage_worker/links.py: ordered delivery to a neighbour stage, retries while it is away, a prompt
+failure naming the peer and the minibatch when it stays away, and an emulated link's hold."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from hetpipe import rpc, wire
+from hetpipe.errors import Rejected
+from hetpipe.rpc import handler
+from hetpipe.v1 import wire_pb2
+from stage_worker.links import Link, Outgoing
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Neighbour:
+    """A Stage service that records Forward calls; it can refuse the next ones with a code."""
+
+    def __init__(self) -> None:
+        self.got: list[int] = []
+        self.refuse: list[grpc.StatusCode] = []
+        self.cv = threading.Condition()
+
+    @handler
+    def Forward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
+        bundle = wire.decode(request_iterator)
+        with self.cv:
+            if self.refuse:
+                raise Rejected(self.refuse.pop(0), "not now")
+            self.got.append(int(bundle.header.minibatch.minibatch))
+            self.cv.notify_all()
+        return wire_pb2.Ack()
+
+    def wait_for(self, n: int, timeout: float = 10) -> list[int]:
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.got) >= n, timeout), self.got
+            return list(self.got)
+
+
+def _serve(neighbour: Neighbour, port: int = 0) -> rpc.Server:
+    server = rpc.Server("127.0.0.1", port, workers=4)
+    rpc.add_service(server.grpc, "Stage", neighbour)
+    server.start()
+    return server
+
+
+def _message(p: int) -> Outgoing:
+    tag = wire_pb2.MinibatchTag(vw=0, minibatch=p, stage=0)
+    return Outgoing(tag, [("activation", torch.full((4,), float(p))), ("target", torch.tensor([p]))])
+
+
+def test_sends_arrive_in_order_and_are_counted() -> None:
+    neighbour = Neighbour()
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append)
+    try:
+        for p in range(1, 21):
+            link.send(_message(p))
+        assert neighbour.wait_for(20) == list(range(1, 21))
+        deadline = time.monotonic() + 5  # counted once the call returns, just after the receiver has it
+        while link.bytes_sent < 20 * (4 * 4 + 8) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.bytes_sent == 20 * (4 * 4 + 8) and not failures
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
+def test_a_busy_or_restarting_peer_is_retried_and_a_duplicate_counts_as_delivered() -> None:
+    neighbour = Neighbour()
+    neighbour.refuse = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        grpc.StatusCode.ALREADY_EXISTS]
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append)
+    try:
+        link.send(_message(1))  # refused twice, retried, then "already received": delivered
+        link.send(_message(2))
+        assert neighbour.wait_for(1) == [2] and not failures
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
+def test_a_peer_that_stays_away_fails_the_stage_naming_peer_and_minibatch() -> None:
+    failures: list[str] = []
+    done = threading.Event()
+
+    def failed(message: str) -> None:
+        failures.append(message)
+        done.set()
+
+    started = time.monotonic()
+    link = Link(address="127.0.0.1:9", method="Backward", peer="stage 0 of vw 1", on_failure=failed, give_up_s=1.0)
+    try:
+        link.send(_message(7))
+        assert done.wait(10), "the link never gave up"
+        assert time.monotonic() - started < 8
+        (message,) = failures
+        assert "could not send the gradient of minibatch 7 to stage 0 of vw 1 at 127.0.0.1:9" in message
+        assert "UNAVAILABLE" in message
+    finally:
+        link.close()
+
+
+def test_a_refusal_that_no_retry_can_fix_fails_at_once() -> None:
+    neighbour = Neighbour()
+    neighbour.refuse = [grpc.StatusCode.INVALID_ARGUMENT]
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
+                give_up_s=30.0)
+    try:
+        started = time.monotonic()
+        link.send(_message(3))
+        while not failures and time.monotonic() - started < 10:
+            time.sleep(0.01)
+        assert failures and "INVALID_ARGUMENT" in failures[0] and time.monotonic() - started < 5
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
+def test_closing_a_link_that_is_retrying_returns_promptly_without_a_failure() -> None:
+    failures: list[str] = []
+    link = Link(address="127.0.0.1:9", method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
+                give_up_s=60.0)
+    link.send(_message(1))
+    time.sleep(0.3)
+    started = time.monotonic()
+    link.close()
+    assert time.monotonic() - started < 3 and not failures
+
+
+def test_an_emulated_link_holds_each_message() -> None:
+    neighbour = Neighbour()
+    server = _serve(neighbour)
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=lambda m: None,
+                hold_s=0.2)
+    try:
+        started = time.monotonic()
+        for p in (1, 2, 3):
+            link.send(_message(p))
+        neighbour.wait_for(3)
+        # One sender: the three holds queue behind each other, as on one wire.
+        assert time.monotonic() - started >= 0.6
+    finally:
+        link.close()
+        server.stop(grace=0)

@@ -1,0 +1,77 @@
+"""coordinator/registry.py: registration checks, liveness by heartbeat, claiming workers for a plan."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from coordinator.registry import MISSED_HEARTBEATS, Registry
+from hetpipe.errors import JobStopped, Rejected
+from hetpipe.v1 import coordinator_pb2
+
+Info = coordinator_pb2.WorkerInfo
+
+
+def info(address: str, *, node: str = "n0", gpu: str = "", role: int = Info.STAGE_WORKER) -> Info:
+    return Info(role=role, address=address, node=node, device="cpu", gpu_type=gpu)  # type: ignore[arg-type]
+
+
+def test_a_worker_is_alive_while_it_heartbeats() -> None:
+    r = Registry(heartbeat_interval_s=0.05)
+    wid = r.register(info("127.0.0.1:7001"))
+    assert [alive for _, _, alive in r.workers()] == [True]
+    time.sleep(0.05 * (MISSED_HEARTBEATS + 1))
+    assert [alive for _, _, alive in r.workers()] == [False]
+    assert r.heartbeat(wid) and [alive for _, _, alive in r.workers()] == [True]
+    assert not r.heartbeat("nobody"), "an unknown id is told to register again"
+
+
+def test_claim_prefers_the_planned_node_and_type_and_falls_back_to_generic_workers() -> None:
+    r = Registry()
+    r.register(info("127.0.0.1:7001", node="n1", gpu="titan-v"))
+    r.register(info("127.0.0.1:7002", node="n0", gpu="titan-v"))
+    r.register(info("127.0.0.1:7003"))  # generic: emulation, or this machine's own devices
+    chosen = r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "n0", "titan-v"), ("stage 1 of vw 0", "n2", "t4")], 1)
+    assert [w.info.address for w in chosen] == ["127.0.0.1:7002", "127.0.0.1:7003"]
+    assert [w.assigned for w in chosen] == ["stage 0 of vw 0", "stage 1 of vw 0"]
+    with pytest.raises(TimeoutError, match="stage_workers needed: 1 x titan-v on n0; free and alive after 0s: "
+                                           "1 x titan-v on n1"):
+        r.claim(Info.STAGE_WORKER, [("stage 0 of vw 1", "n0", "titan-v")], 0.1)
+    r.release()
+    assert all(not w.assigned for w, _, _ in r.workers())
+
+
+def test_claim_waits_for_workers_and_stops_when_asked() -> None:
+    r = Registry()
+    threading.Timer(0.2, lambda: r.register(info("127.0.0.1:7001"))).start()
+    assert len(r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "", "")], 5)) == 1
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    started = time.monotonic()
+    with pytest.raises(JobStopped):
+        r.claim(Info.STAGE_WORKER, [("stage 1 of vw 0", "", "")], 30, cancel=cancel)
+    assert time.monotonic() - started < 5, "a stop must not wait out the claim timeout"
+
+
+def test_a_restarted_process_takes_over_its_assignment_but_another_node_cannot() -> None:
+    r = Registry()
+    r.register(info("127.0.0.1:7001", node="n0"))
+    (w,) = r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "", "")], 1)
+    with pytest.raises(Rejected, match="already registered"):
+        r.register(info("127.0.0.1:7001", node="n9"))
+    r.register(info("127.0.0.1:7001", node="n0"))  # the same process, restarted
+    (again, _, _), = r.workers()
+    assert again.worker_id != w.worker_id and again.assigned == "stage 0 of vw 0"
+
+
+def test_silent_names_only_assigned_workers_past_their_heartbeats_and_grace() -> None:
+    r = Registry(heartbeat_interval_s=0.02)
+    r.register(info("127.0.0.1:7001"))
+    r.register(info("127.0.0.1:7002", role=Info.PS_SHARD))
+    r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "", "")], 1)
+    r.claim(Info.PS_SHARD, [("ps shard 0", "", "")], 1)
+    time.sleep(0.02 * (MISSED_HEARTBEATS + 2))
+    assert [w.assigned for w, _ in r.silent(Info.STAGE_WORKER)] == ["stage 0 of vw 0"]
+    assert r.silent(Info.PS_SHARD, grace_s=60) == [], "a shard gets time to be restarted"

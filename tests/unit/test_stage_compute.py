@@ -1,0 +1,115 @@
+"""stage_worker/stage.py: weight stashing (L2) and the local optimizer step (L3), checked against
+values worked out by hand on a one-weight stage; and its optimizer against torch.optim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hetpipe.config import OptimizerConfig
+from hetpipe.optim import StageOptimizer, make_optimizer
+from stage_worker.stage import StageCompute
+
+SGD = OptimizerConfig(name="sgd", lr=0.1)
+
+
+def _linear(w: float, b: float) -> nn.Sequential:
+    layer = nn.Linear(1, 1).double()
+    with torch.no_grad():
+        layer.weight.fill_(w)
+        layer.bias.fill_(b)
+    return nn.Sequential(layer)
+
+
+def _wb(c: StageCompute) -> tuple[float, float]:
+    return float(c.params[0].detach()), float(c.params[1].detach())
+
+
+def x(v: float) -> torch.Tensor:
+    return torch.tensor([[v]], dtype=torch.float64)
+
+
+def test_two_minibatches_in_flight_use_the_stashed_weights() -> None:
+    # w = 2, b = 0; lr 0.1; the next stage sends back gradient 1 for every output.
+    c = StageCompute(_linear(2.0, 0.0), SGD, loss="mse", device="cpu", track_updates=True)
+    out1, v1 = c.forward(1, x(1.0))
+    out2, v2 = c.forward(2, x(3.0))
+    assert (float(out1), v1, float(out2), v2) == (2.0, 0, 6.0, 0)
+
+    # Backward of 1 on version 0: dw = 1 * 1, db = 1, grad in = 1 * w = 2. Step: w 1.9, b -0.1.
+    grad_in, version, update = c.backward(1, x(1.0))
+    assert (float(grad_in), version) == (2.0, 0)
+    assert _wb(c) == (1.9, -0.1) and c.version == 1
+    assert [round(float(u), 12) for u in update] == [-0.1, -0.1]
+
+    # Backward of 2 on its stash (w = 2, not 1.9): dw = 1 * 3, db = 1, grad in = 2.
+    # Applied to the current weights: w = 1.9 - 0.3 = 1.6, b = -0.1 - 0.1 = -0.2.
+    grad_in, version, update = c.backward(2, x(1.0))
+    assert (float(grad_in), version) == (2.0, 0)
+    assert _wb(c) == (1.9 - 0.3, -0.2) and c.version == 2
+    assert [round(float(u), 12) for u in update] == [-0.3, -0.1]
+    assert c.stashed_versions == 0, "a finished backward drops its stash"
+
+    # Minibatch 3 runs on the latest weights (L2): 1.6 * 2 - 0.2 = 3.0, version 2.
+    out3, v3 = c.forward(3, x(2.0))
+    assert (round(float(out3), 12), v3) == (3.0, 2)
+
+
+def test_minibatches_forwarded_between_two_updates_share_one_stash() -> None:
+    c = StageCompute(_linear(1.0, 0.0), SGD, loss="mse", device="cpu", track_updates=False)
+    for p in (1, 2, 3):
+        c.forward(p, x(1.0))
+    assert c.stashed_versions == 1
+    c.backward(1, x(1.0))
+    c.forward(4, x(1.0))
+    assert c.stashed_versions == 2  # version 0 (minibatches 2, 3) and version 1 (minibatch 4)
+
+
+def test_the_last_stage_runs_forward_loss_backward_and_step_as_one_task() -> None:
+    # out = 2 * 1 + 0 = 2 against target 0: mse loss 4, dloss/dout = 4, dw = 4, db = 4, grad in = 8.
+    c = StageCompute(_linear(2.0, 0.0), SGD, loss="mse", device="cpu", track_updates=True)
+    loss, grad_in, version, update, _ = c.forward_backward(1, x(1.0), x(0.0))
+    assert (loss, float(grad_in), version) == (4.0, 8.0, 0)
+    assert _wb(c) == (1.6, -0.4) and c.version == 1
+    assert [round(float(u), 12) for u in update] == [-0.4, -0.4]
+
+
+def test_a_lone_vw_tracks_no_updates_and_weights_can_be_replaced() -> None:
+    c = StageCompute(_linear(2.0, 0.0), SGD, loss="mse", device="cpu", track_updates=False)
+    *_, update, _ = c.forward_backward(1, x(1.0), x(0.0))
+    assert update == [], "no copy of the weights without WSP"
+    c.set_weights([torch.tensor([[5.0]], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)])
+    out, version = c.forward(2, x(1.0))
+    assert (float(out), version) == (6.0, 1), "set_weights changes the weights, not the version"
+
+
+def test_a_stage_without_parameters_still_counts_its_minibatches() -> None:
+    c = StageCompute(nn.Sequential(nn.ReLU()), SGD, loss="mse", device="cpu", track_updates=True)
+    out, _ = c.forward(1, torch.tensor([[-1.0, 2.0]], dtype=torch.float64))
+    grad_in, version, update = c.backward(1, torch.tensor([[1.0, 1.0]], dtype=torch.float64))
+    assert out.tolist() == [[0.0, 2.0]] and grad_in.tolist() == [[0.0, 1.0]]
+    assert (version, update, c.version) == (0, [], 1)
+
+
+@pytest.mark.parametrize("cfg", [
+    OptimizerConfig(name="sgd", lr=0.1),
+    OptimizerConfig(name="sgd", lr=0.05, momentum=0.9, weight_decay=0.01),
+    OptimizerConfig(name="adam", lr=0.01),
+    OptimizerConfig(name="adam", lr=0.003, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+], ids=["sgd", "sgd-momentum-wd", "adam", "adam-wd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_stage_optimizer_is_bit_for_bit_torch_optim(cfg: OptimizerConfig, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    ours = [torch.randn(3, 4, generator=gen, dtype=dtype), torch.randn(5, generator=gen, dtype=dtype)]
+    theirs = [nn.Parameter(p.clone()) for p in ours]
+    reference = make_optimizer(theirs, cfg)
+    mine = StageOptimizer(ours, cfg)
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=gen, dtype=dtype) for p in ours]
+        mine.step(grads)
+        for p, g in zip(theirs, grads):
+            p.grad = g.clone()
+        reference.step()
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b.detach())
