@@ -171,10 +171,11 @@ def run_group(group: WorkerGroup, *, total_steps: int, samples_per_step: int, qu
 
 
 def prepare_out_dir(job: JobConfig) -> Path:
+    from hetpipe import outputs
+
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("model.pt", "summary.json"):
-        (out_dir / stale).unlink(missing_ok=True)  # a failed run must not leave an old result behind
+    outputs.clear(out_dir)  # a failed run must not leave an old result behind
     return out_dir
 
 
@@ -230,3 +231,26 @@ def set_threads() -> None:
 def recent_mean(losses: Sequence[float]) -> float:
     tail = list(losses)[-10:]
     return sum(tail) / len(tail) if tail else float("nan")
+
+
+@torch.no_grad()
+def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> dict[str, Any]:
+    """The held-out evaluation of a whole model (eval.rows rows, as the HetPipe stages read them):
+    eval_loss, eval_accuracy and eval_rows for the summary; nothing without an eval section."""
+    from hetpipe import data
+    from hetpipe.optim import compute_loss
+
+    held_out = data.held_out_set(job) if job.eval is not None else None
+    if held_out is None or job.eval is None:
+        return {}
+    loss = correct = predictions = rows = 0.0
+    for batch in data.eval_batches(job, held_out, job.eval.rows):
+        x, y = data.read_rows(job, held_out, batch)
+        out = model(x.to(device)).float()
+        y = y.to(device)
+        loss += float(compute_loss(job.train.loss, out, y)) * len(batch)
+        correct += float((out.argmax(dim=-1) == y).sum()) if job.train.loss == "cross_entropy" else 0.0
+        predictions += y.numel()
+        rows += len(batch)
+    return {"eval_loss": loss / rows, "eval_rows": int(rows),
+            "eval_accuracy": correct / predictions if job.train.loss == "cross_entropy" else None}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -80,8 +79,7 @@ def select_devices(job: JobConfig, *, cache_dir: str | None = None) -> DdpDevice
     # Emulated times are derived from the meta-device profile (cheap); without emulation only the
     # memory structure is needed, so no type is timed.
     timed = [t for t in types if t in CATALOG] if emulate is not None else []
-    profile = profile_model(job.model.name, job.emulated_model_args, job.data.batch_size, job.train.dtype, timed,
-                            cache_dir=cache_dir or default_cache_dir())
+    profile = profile_model(job, timed, args=job.emulated_model_args, cache_dir=cache_dir or default_cache_dir())
     layers = len(profile.layers)
     optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
     need = stage_memory(profile, 0, layers, 0, 1, 1, optimizer)
@@ -144,7 +142,7 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
     common.run_group(group, total_steps=job.train.steps, samples_per_step=n * job.data.batch_size,
                      quiet=quiet, emulated=devices.emulated)
     results = [group.result(r) for r in range(n)]
-    weights = torch.load(group.work / "weights.pt", map_location="cpu", weights_only=True)
+    outputs.write_from(out_dir, [group.work / "weights.safetensors"], job.output.max_shard_bytes)
     wall = results[0]["wall_seconds"]
     samples = job.train.steps * n * job.data.batch_size
     fields: dict[str, Any] = {
@@ -166,8 +164,9 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
         "backend": devices.backend,
         "allreduce_seconds": devices.allreduce_seconds,
         "mode": "ddp",
+        **{k: v for k, v in results[0].items() if k.startswith("eval_")},
     }
-    return outputs.write(job, weights, fields)
+    return outputs.write_summary(out_dir, fields)
 
 
 # ---- worker -----------------------------------------------------------------------------------
@@ -176,9 +175,11 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
 def worker(spec: dict[str, Any], rank: int) -> None:
     import torch.distributed as dist
 
-    from hetpipe import data as datasets
-    from hetpipe.reference import initial_model
+    from safetensors.torch import save_file
+
+    from hetpipe import data
     from hetpipe.optim import compute_loss, make_optimizer
+    from hetpipe.reference import initial_model, minibatch
 
     job = JobConfig.from_json(spec["job_json"])
     n = int(spec["world_size"])
@@ -188,7 +189,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model = initial_model(job).to(device)
-    dataset = datasets.load_dataset(job)
+    dataset = data.training_set(job)
     params = list(model.parameters())
     buffers = list(model.buffers())
     optimizer = make_optimizer(params, job.train.optimizer)
@@ -208,7 +209,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         started = time.time()
         for b in buffers:  # like torch DDP: every rank's forward uses rank 0's buffers (BatchNorm stats)
             dist.broadcast(b, 0)
-        x, y = datasets.minibatch(dataset, p, rank, order)
+        x, y = minibatch(order, dataset, p, rank)
         loss = compute_loss(job.train.loss, model(x.to(device)), y.to(device))
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         flat = torch.cat([(torch.zeros_like(w) if g is None else g).reshape(-1) for w, g in zip(params, grads)])
@@ -240,14 +241,14 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     wall = time.monotonic() - start
     recent = torch.tensor([common.recent_mean(losses)], dtype=torch.float64)
     dist.all_reduce(recent)
+    result = {"wall_seconds": wall, "wait_seconds": wait, "compute_seconds": compute,
+              "final_loss": float(recent) / n, "steps": job.train.steps}
     if rank == 0:
-        state = OrderedDict((k, v.detach().cpu()) for k, v in model.state_dict().items())
-        path = f"{spec['work_dir']}/weights.pt"
-        torch.save(state, path + ".tmp")
+        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        path = f"{spec['work_dir']}/weights.safetensors"
+        save_file(state, path + ".tmp")
         os.replace(path + ".tmp", path)
-    common.write_result(spec["work_dir"], rank, {
-        "wall_seconds": wall, "wait_seconds": wait, "compute_seconds": compute,
-        "final_loss": float(recent) / n, "steps": job.train.steps,
-    })
+        result.update(common.evaluate(job, model, device))
+    common.write_result(spec["work_dir"], rank, result)
     dist.barrier()  # rank 0's weights are on disk before any rank reports success
     dist.destroy_process_group()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -65,9 +64,7 @@ def run_pipeline(job: JobConfig, *, quiet: bool = False, cache_dir: str | None =
     common.run_group(group, total_steps=job.train.steps, samples_per_step=job.data.batch_size, quiet=quiet,
                      emulated=emulated)
     results = [group.result(q) for q in range(k)]
-    weights: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for q in range(k):
-        weights.update(torch.load(group.work / f"stage{q}.pt", map_location="cpu", weights_only=True))
+    outputs.write_from(out_dir, [group.work / f"stage{q}.safetensors" for q in range(k)], job.output.max_shard_bytes)
     wall = results[0]["wall_seconds"]
     fields: dict[str, Any] = {
         "steps": job.train.steps,
@@ -89,7 +86,7 @@ def run_pipeline(job: JobConfig, *, quiet: bool = False, cache_dir: str | None =
         "backend": backend,
         "mode": "torch-pipeline",
     }
-    return outputs.write(job, weights, fields)
+    return outputs.write_summary(out_dir, fields)
 
 
 # ---- worker -----------------------------------------------------------------------------------
@@ -147,10 +144,11 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from hetpipe import data as datasets
-    from hetpipe.reference import initial_model
-    from hetpipe.zoo import stage_layers
+    from safetensors.torch import save_file
+
+    from hetpipe import data, models
     from hetpipe.optim import compute_loss, make_optimizer
+    from hetpipe.reference import minibatch
 
     job = JobConfig.from_json(spec["job_json"])
     k = int(spec["world_size"])
@@ -160,14 +158,16 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     begin, end = me["layers"]
-    layers = stage_layers(initial_model(job), begin, end).to(device)
+    layers = models.build_layers(job, begin, end, device=str(device))
+    if job.model.init is not None:
+        models.initialise_from(layers, models.load_init(job, list(layers.state_dict())), "model.init")
     params = list(layers.parameters())
     optimizer = make_optimizer(params, job.train.optimizer) if params else None
     timed = _Timed(layers, float(me["forward_seconds"]) / m, float(me["backward_seconds"]) / m,
                    faults.Padder(faults.from_env(), 0, (job.train.seed, "torch-pipeline", rank)))
     first, last = rank == 0, rank == k - 1
     order = with_overrides(job, parallel={"virtual_workers": 1})  # one pipeline reads the whole stream
-    dataset = datasets.load_dataset(job) if (first or last) else None
+    dataset = data.training_set(job) if (first or last) else None
 
     common.init_process_group(spec, rank)
     stage = PipelineStage(timed, rank, k, device)
@@ -185,7 +185,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     for p in range(1, job.train.steps + 1):
         x = y = None
         if dataset is not None:
-            x, y = datasets.minibatch(dataset, p, 0, order)
+            x, y = minibatch(order, dataset, p, 0)
             x, y = x.to(device), y.to(device)
         losses: list[torch.Tensor] = []
         if first and last:
@@ -204,8 +204,8 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         progress.write(p, step_losses[-1] if step_losses else float("nan"), force=p == job.train.steps)
     dist.barrier()
     wall = time.monotonic() - start
-    path = f"{spec['work_dir']}/stage{rank}.pt"
-    torch.save(OrderedDict((key, v.detach().cpu()) for key, v in layers.state_dict().items()), path + ".tmp")
+    path = f"{spec['work_dir']}/stage{rank}.safetensors"
+    save_file({key: v.detach().cpu().contiguous() for key, v in layers.state_dict().items()}, path + ".tmp")
     os.replace(path + ".tmp", path)
     common.write_result(spec["work_dir"], rank, {
         "wall_seconds": wall, "busy_seconds": timed.busy, "steps": job.train.steps,

@@ -22,7 +22,7 @@ from launch.local import run_local  # noqa: E402
 from coordinator.planner import Plan, make_plan
 from coordinator.planner.costs import loopback_sync_seconds  # noqa: E402
 from hetpipe.config import JobConfig, load_job  # noqa: E402
-from hetpipe.zoo import model_shape  # noqa: E402
+from hetpipe.models import structure  # noqa: E402
 
 MLP = {"name": "mlp", "args": {"in_features": 64, "hidden": [512, 512, 512, 512, 512], "num_classes": 10}}
 
@@ -62,7 +62,7 @@ def sync_costs(job: JobConfig, plan: Plan, out_dir: Path) -> str:
     sync = out_dir / "trace" / "sync"
     if not sync.exists():
         return "one VW: no shards"
-    size = {name: p.numel() * 4 for name, p in model_shape(job.model.name, job.model.args).named_parameters()}
+    size = {name: p.numel() * 4 for name, p in structure(job.model, job.base_dir).named_parameters()}
     events = {(sp.vw, sp.stage): [json.loads(line) for line in (sync / f"vw{sp.vw}_stage{sp.stage}.jsonl").open()]
               for sp in plan.stages}
     push, reply, model_push, model_pull = [], [], [], []

@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 
-from hetpipe import rpc
+from hetpipe import outputs, rpc
 from hetpipe.config import ConfigError, JobConfig, load_job, with_overrides
 from hetpipe.service import exit_now, run_server
 from coordinator import metrics as coordinator_metrics
@@ -38,6 +38,7 @@ def startup_job(cfg: CoordinatorConfig) -> JobConfig:
     out = job.resolve(job.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "ps", ignore_errors=True)
+    outputs.clear(out)
     return job
 
 

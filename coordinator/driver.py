@@ -1,11 +1,11 @@
-"""Drives one job over gRPC: assign stages, load w0, start, watch progress and failures, collect."""
+"""Drives one job over gRPC: assign the stages, wait for them to load, start, watch progress and
+failures, run the final evaluation, and stream the final weights to output.dir. The driver never
+holds the model: weights go from the stages and shards to the files one frame at a time."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,18 +14,17 @@ from typing import Any
 import grpc
 import torch
 
-from hetpipe import data as datasets
-from hetpipe import outputs, rpc, wire
+from hetpipe import data, models, outputs, rpc, wire
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed
-from hetpipe.reference import initial_model
 from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
-from hetpipe.zoo import layer_keys, model_shape
+from hetpipe.wsp import total_waves
 from coordinator.planner import Plan, StagePlan, resolved_job
 from coordinator.planner.shapes import TensorShape, boundaries
 
 State = stage_pb2.StageStatus.State
 STATUS_DEADLINE_S = 2.0
+FINAL_EVAL_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -72,25 +71,22 @@ class JobDriver:
         self.out_dir = Path(job.resolve(job.output.dir))
         self._ps_channels = [rpc.channel(a) for a in self.ps_addresses]
         self.shards = [rpc.Stub(ch, "ParameterServer") for ch in self._ps_channels]
+        self.evals: dict[int, stage_pb2.EvalResult] = {}
+        self.started = time.time()
 
     def close(self) -> None:
         for ch in [s.channel for s in self.stages] + self._ps_channels:
             ch.close()
 
-    def _shard_keys(self, shard: int) -> list[str]:
-        return [k for k, s in self.plan.key_shard.items() if s == shard and k in self.param_keys]
-
     # ---- setup ---------------------------------------------------------------------------
 
-    def _assignment(self, h: StageHandle, x: torch.Tensor, y: torch.Tensor,
-                    flows: list[TensorShape]) -> stage_pb2.StageAssignment:
+    def _assignment(self, h: StageHandle, flows: list[TensorShape]) -> stage_pb2.StageAssignment:
         sp, k = h.plan, self.plan.stages_per_vw
+        (x_shape, x_dtype), (y_shape, y_dtype) = self.batch
         (act_shape, act_dtype), (out_shape, out_dtype) = flows[sp.layer_begin], flows[sp.layer_end]
-        keys = [key for key in layer_keys(self.model, sp.layer_begin, sp.layer_end) if key in self.param_keys]
         vw_handles = [s for s in self.stages if s.plan.vw == sp.vw]
-        trace = ""
-        if self.job.output.trace:
-            trace = str(self.out_dir / "trace" / f"vw{sp.vw}_stage{sp.stage}.jsonl")
+        keys = models.parameter_keys(self.model, sp.layer_begin, sp.layer_end)
+        trace = str(self.out_dir / "trace" / f"vw{sp.vw}_stage{sp.stage}.jsonl") if self.job.output.trace else ""
         return stage_pb2.StageAssignment(
             vw=sp.vw, stage=sp.stage, num_stages=k, layer_begin=sp.layer_begin, layer_end=sp.layer_end,
             job_json=self.job.to_json(),
@@ -100,8 +96,8 @@ class JobDriver:
             key_shards=[self.plan.key_shard[key] for key in keys] if self.ps_addresses else [],
             forward_seconds=sp.forward_seconds, backward_seconds=sp.backward_seconds,
             device=sp.device, device_label=sp.label,
-            input_shape=list(x.shape), input_dtype=wire.wire_dtype(x.dtype),
-            target_shape=list(y.shape), target_dtype=wire.wire_dtype(y.dtype),
+            input_shape=list(x_shape), input_dtype=wire.wire_dtype(x_dtype),
+            target_shape=list(y_shape), target_dtype=wire.wire_dtype(y_dtype),
             memory_bytes=sp.memory_bytes, capacity_bytes=sp.capacity_bytes, gpu_type=sp.gpu, emulated=sp.emulated,
             next_send_seconds=sp.next_send_seconds, prev_send_seconds=sp.prev_send_seconds,
             push_seconds=sp.push_seconds, pull_seconds=sp.pull_seconds,
@@ -110,37 +106,17 @@ class JobDriver:
         )
 
     def setup(self) -> None:
-        """Assigns every stage, loads w0 into it and starts it."""
-        if self.job.output.trace:
-            (self.out_dir / "trace").mkdir(parents=True, exist_ok=True)
-        model = self.model = initial_model(self.job)
-        self.w0 = model.state_dict()
-        self.param_keys = {name for name, _ in model.named_parameters()}
-        for i, stub in enumerate(self.shards):
-            # w_global starts at w0; the shards own the parameters, placed by the plan.
-            tensors = [(key, self.w0[key]) for key in self._shard_keys(i)]
-            if not tensors:
-                continue  # more shards than parameter layers: this one idles
-            try:
-                tag = wire_pb2.InitTag(virtual_workers=self.plan.virtual_workers, shard=i)
-                stub.Init(wire.encode(tensors, init=tag), timeout=rpc.DATA_DEADLINE_S)
-            except grpc.RpcError as exc:
-                self.check_processes()
-                raise JobFailed(f"ps shard {i} at {self.ps_addresses[i]}: Init failed: {exc.code().name}: "
-                                f"{exc.details()}") from None
-        dataset = datasets.load_dataset(self.job)
-        x, y = datasets.minibatch(dataset, 1, 0, self.job)
-        flows = boundaries(model_shape(self.job.model.name, self.job.model.args), (tuple(x.shape), x.dtype))
+        """Assigns every stage (each loads its own layers, and VW 0's give the shards w0), waits
+        until all have loaded, and starts them."""
+        (self.out_dir / "trace" if self.job.output.trace else self.out_dir).mkdir(parents=True, exist_ok=True)
+        self.model = models.structure(self.job.model, self.job.base_dir)   # meta: names and shapes only
+        x, y = data.first_item(self.job)
+        self.batch = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
+        flows = boundaries(self.model, self.batch[0])
         for h in self.stages:  # each answers at once and loads in the background
-            self._call(h, "Assign", self._assignment(h, x, y, flows))
+            self._call(h, "Assign", self._assignment(h, flows))
         self._wait_loaded()
-
-        def load(h: StageHandle) -> None:
-            keys = layer_keys(model, h.plan.layer_begin, h.plan.layer_end)
-            self._call(h, "LoadWeights", wire.encode([(key, self.w0[key]) for key in keys]), deadline=rpc.DATA_DEADLINE_S)
-
-        with ThreadPoolExecutor(max_workers=len(self.stages)) as pool:
-            list(pool.map(load, self.stages))
+        self.started = time.time()
         for h in self.stages:
             self._call(h, "Start", wire_pb2.Empty())
 
@@ -186,6 +162,7 @@ class JobDriver:
             h.last = self._call(h, "Status", stage_pb2.StatusRequest(), deadline=STATUS_DEADLINE_S)
             if h.last.state == State.FAILED:
                 raise JobFailed(f"{h.last.error} ({h.progress()})")
+        self._collect_evals()
         return all(h.last.state == State.DONE for h in self.stages)
 
     def run(self, on_progress: Callable[[Progress], None] = lambda p: None, interval: float = 0.1) -> float:
@@ -208,36 +185,88 @@ class JobDriver:
         elapsed = max(time.monotonic() - start, 1e-9)
         return Progress(samples, total, sum(losses) / len(losses) if losses else float("nan"), samples / elapsed)
 
+    # ---- evaluation --------------------------------------------------------------------------
+
+    def _collect_evals(self) -> None:
+        """Appends VW 0's finished evaluations to eval.jsonl (each once)."""
+        scorer = next(h for h in self._last_stages() if h.plan.vw == 0)
+        new = [e for e in scorer.last.evals if e.id not in self.evals]
+        if not new:
+            return
+        for e in new:
+            self.evals[e.id] = e
+        vws, batch = self.plan.virtual_workers, self.job.data.batch_size
+        outputs.append_evals(self.out_dir, [{
+            "id": e.id, "final": e.final, "minibatches": e.minibatches, "samples": e.minibatches * batch * vws,
+            "seconds": e.time - self.started, "rows": e.rows, "loss": e.loss,
+            "accuracy": e.accuracy if self.job.train.loss == "cross_entropy" else None,
+        } for e in new])
+
+    def final_evaluation(self) -> stage_pb2.EvalResult | None:
+        """Evaluates the final model (w_global after every VW's last push) on VW 0's stages."""
+        if self.job.eval is None:
+            return None
+        clock = total_waves(self.job.train.steps, self.plan.nm) if self.ps_addresses else 0
+        for h in self.stages:
+            if h.plan.vw == 0:
+                self._call(h, "Evaluate", stage_pb2.EvalRequest(min_clock=clock))
+        deadline = time.monotonic() + FINAL_EVAL_TIMEOUT_S
+        while not any(e.final for e in self.evals.values()):
+            if time.monotonic() > deadline:
+                raise JobFailed(f"the final evaluation did not finish within {FINAL_EVAL_TIMEOUT_S:g}s")
+            time.sleep(0.05)
+            self.poll()
+        return next(e for e in self.evals.values() if e.final)
+
     # ---- results ---------------------------------------------------------------------------
 
-    def fetch_weights(self) -> OrderedDict[str, torch.Tensor]:
-        """The final model in layer order: w_global after every VW's last push (with shards),
-        else the lone VW's local weights."""
-        merged: dict[str, torch.Tensor] = {}
+    def write_weights(self) -> list[Path]:
+        """Streams the final model into safetensors in output.dir: w_global from the shards after
+        every VW's last push (VW 0's stages give what the shards do not hold, such as buffers),
+        or the lone VW's weights. Keys as in the model's state_dict."""
+        dtype = getattr(torch, self.job.train.dtype)
+        state = self.model.state_dict(keep_vars=True)
+        entries = [outputs.Entry(k, dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
+                   for k, t in state.items()]
+        writer = outputs.WeightsWriter(self.out_dir, entries, self.job.output.max_shard_bytes)
+        owned: set[str] = set()
+        final_clock = total_waves(self.job.train.steps, self.plan.nm)
+        for i, stub in enumerate(self.shards):
+            keys = [k for k, s in self.plan.key_shard.items() if s == i]
+            if not keys:
+                continue
+            request = ps_pb2.PullRequest(vw=0, keys=keys, min_clock=final_clock)
+            self._stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
+            owned.update(keys)
         for h in self.stages:
             if h.plan.vw != 0:
                 continue
-            try:
-                bundle = wire.decode(h.stub.GetWeights(wire_pb2.Empty(), timeout=rpc.DATA_DEADLINE_S))
-            except grpc.RpcError as exc:
-                raise JobFailed(f"{h.name}: GetWeights failed: {exc.code().name}: {exc.details()}") from None
-            merged.update(bundle.named())
-        final_clock = math.ceil(self.job.train.steps / self.plan.nm)
-        for i, stub in enumerate(self.shards):
-            if not self._shard_keys(i):
-                continue
-            request = ps_pb2.PullRequest(vw=0, keys=self._shard_keys(i), min_clock=final_clock)
-            try:
-                merged.update(wire.decode(stub.Pull(request, timeout=rpc.DATA_DEADLINE_S)).named())
-            except grpc.RpcError as exc:
-                raise JobFailed(f"ps shard {i}: final Pull failed: {exc.code().name}: {exc.details()}") from None
-        return OrderedDict((key, merged[key]) for key in self.w0)
+            keys = [k for k in models.layer_keys(self.model, h.plan.layer_begin, h.plan.layer_end) if k not in owned]
+            if keys:
+                request = stage_pb2.WeightsRequest(keys=keys)
+                self._stream_into(writer, lambda: h.stub.GetWeights(request, timeout=rpc.DATA_DEADLINE_S), h.name)
+        try:
+            return writer.close()
+        except ValueError as exc:
+            raise JobFailed(f"writing the final weights: {exc}") from None
+
+    @staticmethod
+    def _stream_into(writer: outputs.WeightsWriter, call: Callable[[], Any], who: str) -> None:
+        try:
+            stream = wire.read(call())
+            names = stream.names
+            for index, offset, piece in stream.pieces:
+                writer.write(names[index], offset, piece)
+        except grpc.RpcError as exc:
+            raise JobFailed(f"{who}: reading the final weights failed: {exc.code().name}: {exc.details()}") from None
 
     def shard_status(self) -> list[ps_pb2.ShardStatus]:
         return [stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S) for stub in self.shards]
 
-    def write_outputs(self, weights: OrderedDict[str, torch.Tensor], wall: float) -> dict[str, Any]:
-        """model.pt and summary.json per DESIGN §8."""
+    def write_outputs(self, wall: float) -> dict[str, Any]:
+        """The weights (safetensors), and summary.json per DESIGN §8."""
+        final = self.final_evaluation()
+        self.write_weights()
         job, plan = self.job, self.plan
         samples = job.train.steps * plan.virtual_workers * job.data.batch_size
         losses = [h.last.recent_loss for h in self._last_stages()]
@@ -251,6 +280,7 @@ class JobDriver:
             "nm": plan.nm,
             "D": plan.D,
             "emulated": plan.emulated,
+            "precision": job.train.precision,
             "wait_seconds": sum(h.last.wait_seconds for h in self.stages),
             "wait_idle_seconds": sum(h.last.wait_idle_seconds for h in self.stages),
             "idle_seconds": sum(h.last.idle_seconds for h in self.stages),
@@ -258,8 +288,12 @@ class JobDriver:
             "mode": job.parallel.mode,
             "ps_shards": len(self.shards),
         }
+        if final is not None:
+            fields["eval_loss"] = final.loss
+            fields["eval_accuracy"] = final.accuracy if job.train.loss == "cross_entropy" else None
+            fields["eval_rows"] = final.rows
         if self.shards:
             statuses = self.shard_status()
             fields["max_clock_distance"] = max(st.max_clock_distance for st in statuses)
             fields["pushes_applied"] = sum(st.pushes_applied for st in statuses)
-        return outputs.write(job, weights, fields)
+        return outputs.write_summary(self.out_dir, fields)

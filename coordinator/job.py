@@ -136,7 +136,7 @@ class JobRunner:
             driver.setup()
             self._advance(JobState.RUNNING)
             wall = driver.run(self._on_progress)
-            self._summary = driver.write_outputs(driver.fetch_weights(), wall)
+            self._summary = driver.write_outputs(wall)
             self.machine.try_to(JobState.COMPLETED)
         except JobStopped as exc:
             self.machine.try_to(JobState.STOPPED, str(exc))

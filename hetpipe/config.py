@@ -54,18 +54,29 @@ class ClusterConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    name: str
-    args: Mapping[str, Any] = field(default_factory=dict)
-    init: str | None = None
+    name: str | None = None       # a zoo model; or
+    factory: str | None = None    # "package.module:function" returning an nn.Sequential
+    args: Mapping[str, Any] = field(default_factory=dict)   # the factory's keyword arguments
+    init: str | None = None       # weights to start from: safetensors, or a state_dict
 
 
 @dataclass(frozen=True, slots=True)
 class DataConfig:
-    name: str = "synthetic"
+    name: str | None = "synthetic"      # a built-in: synthetic, npz, digits; or (None)
+    factory: str | None = None          # "package.module:function" returning a map-style Dataset
+    eval_factory: str | None = None     # the held-out set, from a factory; or
+    eval_fraction: float = 0.0          # this share of the rows, held out (seeded)
     path: str | None = None
     batch_size: int = 32
     shuffle: bool = False
+    workers: int = 0                    # DataLoader worker processes of stage 0 and the last stage
     args: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EvalConfig:
+    every: int = 0       # minibatches per VW between evaluations (0: only at the end)
+    rows: int = 1024     # held-out rows per evaluation
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +94,8 @@ class TrainConfig:
     steps: int = 100
     loss: str = "cross_entropy"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    dtype: str = "float32"
+    dtype: str = "float32"           # the master weights' dtype (float64: the oracles)
+    precision: str = "fp32"          # compute: fp32, bf16 or fp16 (autocast; master weights stay in dtype)
     seed: int = 0
     setup_timeout_s: float = 600.0   # how long the stages may take to load before the job fails
 
@@ -107,6 +119,7 @@ class ParallelConfig:
 class OutputConfig:
     dir: str = "runs/job"
     trace: bool = False
+    max_shard_bytes: int = 2 << 30   # model.safetensors below this, else model-0000i-of-0000N files
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,6 +129,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    eval: EvalConfig | None = None       # None: no evaluation
     cluster: ClusterConfig | None = None
     base_dir: str = "."  # the job file's folder; relative paths resolve against it
 
@@ -180,6 +194,7 @@ SCHEDULES = ("hetpipe", "gpipe", "1f1b")  # gpipe, 1f1b: with mode torch-pipelin
 SYNCS = ("wsp",)
 POLICIES = ("NP", "ED", "HD", "auto")
 DTYPES = ("float32", "float64")
+PRECISIONS = ("fp32", "bf16", "fp16")
 LOSSES = ("cross_entropy", "mse")
 OPTIMIZERS = ("sgd", "adam")
 # Bounds that keep a job file from asking the planner or the workers for the absurd.
@@ -243,26 +258,48 @@ def _parse_cluster(raw: Any) -> ClusterConfig | None:
 
 
 def _parse_model(m: Section) -> ModelConfig:
-    m.check_known(("name", "args", "init"))
+    m.check_known(("name", "factory", "args", "init"))
     init = m.get("init")
     if init is not None and (not isinstance(init, str) or not init):
-        raise fail("model.init", init, "null or a path to a state_dict saved with torch.save")
-    return ModelConfig(name=m.text("name"), args=m.mapping("args"), init=init)
+        raise fail("model.init", init, "null or a path to weights (safetensors, or a state_dict saved with torch.save)")
+    name, factory = m.optional_text("name"), m.optional_text("factory")
+    if (name is None) == (factory is None):
+        raise ConfigError("model: give exactly one of model.name (a zoo model: mlp, resnet, gpt, vgg19, resnet152) "
+                          "and model.factory ('package.module:function')")
+    return ModelConfig(name=name, factory=factory, args=m.mapping("args"), init=init)
 
 
 def _parse_data(d: Section) -> DataConfig:
-    d.check_known(("name", "path", "batch_size", "shuffle", "args"))
+    d.check_known(("name", "factory", "eval_factory", "eval_fraction", "path", "batch_size", "shuffle", "workers",
+                   "args"))
     default = DataConfig()
-    name = d.choice("name", default.name, ("synthetic", "npz", "digits"))
+    factory = d.optional_text("factory")
+    if factory is not None and d.get("name") is not None:
+        raise ConfigError("data: give data.name (a built-in) or data.factory ('package.module:function'), not both")
+    name = d.choice("name", str(default.name), ("synthetic", "npz", "digits")) if factory is None else None
+    eval_factory = d.optional_text("eval_factory")
+    eval_fraction = d.number("eval_fraction", default.eval_fraction, maximum=0.9)
+    if eval_factory is not None and eval_fraction > 0:
+        raise ConfigError("data: give data.eval_factory or data.eval_fraction for the held-out set, not both")
     return DataConfig(
-        name=name, path=d.text("path") if name == "npz" else d.optional_text("path"),
+        name=name, factory=factory, eval_factory=eval_factory, eval_fraction=eval_fraction,
+        path=d.text("path") if name == "npz" else d.optional_text("path"),
         batch_size=d.integer("batch_size", default.batch_size, minimum=1, maximum=1 << 20),
-        shuffle=d.flag("shuffle", default.shuffle), args=d.mapping("args"),
+        shuffle=d.flag("shuffle", default.shuffle), workers=d.integer("workers", default.workers, maximum=64),
+        args=d.mapping("args"),
     )
 
 
+def _parse_eval(raw: Any) -> EvalConfig | None:
+    if raw is None:
+        return None
+    e, d = Section(raw, "eval"), EvalConfig()
+    e.check_known(("every", "rows"))
+    return EvalConfig(every=e.integer("every", d.every, maximum=MAX_STEPS), rows=e.integer("rows", d.rows, minimum=1))
+
+
 def _parse_train(t: Section) -> TrainConfig:
-    t.check_known(("steps", "loss", "optimizer", "dtype", "seed", "setup_timeout_s"))
+    t.check_known(("steps", "loss", "optimizer", "dtype", "precision", "seed", "setup_timeout_s"))
     o, do, dt = t.section("optimizer"), OptimizerConfig(), TrainConfig()
     o.check_known(("name", "lr", "momentum", "weight_decay", "betas", "eps"))
     betas = o.get("betas", list(do.betas))
@@ -276,7 +313,8 @@ def _parse_train(t: Section) -> TrainConfig:
     return TrainConfig(
         steps=t.integer("steps", dt.steps, minimum=1, maximum=MAX_STEPS),
         loss=t.choice("loss", dt.loss, LOSSES), optimizer=optimizer,
-        dtype=t.choice("dtype", dt.dtype, DTYPES), seed=t.integer("seed", dt.seed, maximum=2**63 - 1),
+        dtype=t.choice("dtype", dt.dtype, DTYPES), precision=t.choice("precision", dt.precision, PRECISIONS),
+        seed=t.integer("seed", dt.seed, maximum=2**63 - 1),
         setup_timeout_s=t.number("setup_timeout_s", dt.setup_timeout_s, minimum=1.0, maximum=86400.0),
     )
 
@@ -314,6 +352,11 @@ def _check_together(job: JobConfig) -> None:
                               f"stage, got {m} for {k} stages; use {k} or more, or parallel.schedule gpipe")
     elif par.microbatches != 1:
         raise ConfigError(f"parallel.microbatches: {par.microbatches} applies to parallel.mode torch-pipeline only")
+    if job.train.precision != "fp32" and job.train.dtype == "float64":
+        raise ConfigError(f"train.precision: {job.train.precision} computes in 16 bits; train.dtype float64 asks for "
+                          "exact float64 (the oracles): use one or the other")
+    if job.eval is not None and job.data.eval_factory is None and job.data.eval_fraction == 0:
+        raise ConfigError("eval: evaluation needs held-out data: set data.eval_factory or data.eval_fraction")
     if job.cluster is not None:
         gpus = sum(g.count for n in job.cluster.nodes for g in n.gpus)
         need = par.virtual_workers * par.stages_per_vw if par.mode == "hetpipe" else 1
@@ -326,15 +369,17 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfi
     """Validates a job mapping (the YAML's content) into a JobConfig. base_dir None: take the
     job's own base_dir key (a job that travelled as JSON)."""
     top = Section(raw, "")
-    top.check_known(("cluster", "model", "data", "train", "parallel", "output", "base_dir"))
+    top.check_known(("cluster", "model", "data", "eval", "train", "parallel", "output", "base_dir"))
     out, do = top.section("output"), OutputConfig()
-    out.check_known(("dir", "trace"))
+    out.check_known(("dir", "trace", "max_shard_bytes"))
     job = JobConfig(
         model=_parse_model(top.section("model")),
         data=_parse_data(top.section("data")),
         train=_parse_train(top.section("train")),
         parallel=_parse_parallel(top.section("parallel")),
-        output=OutputConfig(dir=out.text("dir", do.dir), trace=out.flag("trace", do.trace)),
+        output=OutputConfig(dir=out.text("dir", do.dir), trace=out.flag("trace", do.trace),
+                            max_shard_bytes=out.integer("max_shard_bytes", do.max_shard_bytes, minimum=1 << 10)),
+        eval=_parse_eval(top.get("eval")),
         cluster=_parse_cluster(top.get("cluster")),
         base_dir=top.text("base_dir", ".") if base_dir is None else base_dir,
     )

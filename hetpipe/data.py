@@ -1,34 +1,48 @@
-"""Datasets (npz, synthetic, scikit-learn's bundled digits) and the DESIGN §8 data order."""
+"""Datasets and the DESIGN §8 data order: the built-ins (digits, synthetic, npz), the user's
+factories (a map-style torch Dataset of (input, target)), the held-out split, and the readers
+stage 0 (inputs) and the last stage (targets) take minibatches from."""
 
 from __future__ import annotations
 
 import importlib.util
 import zipfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from hetpipe.config import ConfigError, JobConfig
-from hetpipe.zoo import takes_tokens
+
+
+class ArrayDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Rows of two arrays (in memory or memory-mapped); a minibatch is one fancy index."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.as_tensor(np.asarray(self.x[i])), torch.as_tensor(np.asarray(self.y[i]))
+
+    def __getitems__(self, rows: Sequence[int]) -> _Batch:
+        index = np.asarray(rows, dtype=np.int64)
+        return _Batch(torch.from_numpy(np.ascontiguousarray(self.x[index])),
+                      torch.from_numpy(np.ascontiguousarray(self.y[index])))
 
 
 @dataclass(frozen=True, slots=True)
-class Dataset:
+class _Batch:
     x: torch.Tensor
     y: torch.Tensor
 
-    @property
-    def rows(self) -> int:
-        return int(self.x.shape[0])
 
-    @property
-    def classification(self) -> bool:
-        return not self.y.is_floating_point()
-
-
-def _digits() -> tuple[np.ndarray, np.ndarray]:
+def _digits() -> ArrayDataset:
     """UCI handwritten digits (1797 x 8x8), the file scikit-learn's wheel ships: no download.
 
     Read straight from the wheel: importing sklearn itself costs seconds in every process.
@@ -38,39 +52,40 @@ def _digits() -> tuple[np.ndarray, np.ndarray]:
         raise ConfigError("data.name: digits needs scikit-learn installed (it ships the data file)")
     path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
     table = np.loadtxt(path, delimiter=",", dtype=np.float64)
-    return table[:, :-1] / 16.0, table[:, -1].astype(np.int64)
+    return ArrayDataset(table[:, :-1] / 16.0, table[:, -1].astype(np.int64))
 
 
-def _synthetic(job: JobConfig) -> tuple[np.ndarray, np.ndarray]:
+def _synthetic(job: JobConfig) -> ArrayDataset:
+    """Seeded random inputs with learnable labels. The shapes come from data.args (features,
+    classes; or vocab, context for token models), else from a zoo model's args."""
     args, margs = job.data.args, job.model.args
     rows = int(args.get("rows", 1024))
     rng = np.random.default_rng(int(args.get("seed", job.train.seed)))
-    if takes_tokens(job.model.name):
+    if "vocab" in args or (job.model.name == "gpt" and "features" not in args):
         # A fixed random Markov chain over the vocabulary: learnable next-token structure.
-        vocab, context = int(margs.get("vocab", 64)), int(margs.get("context", 16))
+        vocab, context = int(args.get("vocab", margs.get("vocab", 64))), int(args.get("context", margs.get("context", 16)))
         nxt = rng.integers(0, vocab, size=(vocab, 2))
         seq = np.empty((rows, context + 1), dtype=np.int64)
         seq[:, 0] = rng.integers(0, vocab, size=rows)
         for t in range(context):
             seq[:, t + 1] = nxt[seq[:, t], rng.integers(0, 2, size=rows)]
-        return seq[:, :-1], seq[:, 1:]
-    if "in_shape" in margs:
+        return ArrayDataset(seq[:, :-1], seq[:, 1:])
+    if "features" in args:
+        features = int(args["features"])
+    elif "in_shape" in margs:
         features = int(np.prod(margs["in_shape"]))
     else:
-        features = int(margs.get("in_features", args.get("features", 64)))
-    classes = int(margs.get("num_classes", 10))
+        features = int(margs.get("in_features", 64))
+    classes = int(args.get("classes", margs.get("num_classes", 10)))
     x = rng.standard_normal((rows, features))
     # The labels depend on the first 1024 features: an image-sized input would otherwise need a
     # teacher matrix of features x classes (1.2 GB for 224x224x3 and 1000 classes).
     used = min(features, 1024)
-    teacher = rng.standard_normal((used, classes))
-    scores = x[:, :used] @ teacher
-    if job.train.loss == "mse":
-        return x, scores
-    return x, scores.argmax(axis=1).astype(np.int64)
+    scores = x[:, :used] @ rng.standard_normal((used, classes))
+    return ArrayDataset(x, scores if job.train.loss == "mse" else scores.argmax(axis=1).astype(np.int64))
 
 
-def _npz(job: JobConfig) -> tuple[np.ndarray, np.ndarray]:
+def _npz(job: JobConfig) -> ArrayDataset:
     assert job.data.path is not None
     path = job.resolve(job.data.path)
     try:
@@ -88,21 +103,62 @@ def _npz(job: JobConfig) -> tuple[np.ndarray, np.ndarray]:
         raise ConfigError(f"data.path: x and y must have a row dimension, got shapes {x.shape} and {y.shape}")
     if len(x) != len(y) or len(x) == 0:
         raise ConfigError(f"data.path: x has {len(x)} rows and y has {len(y)}; expected equal and > 0")
-    return x, y
+    return ArrayDataset(x, y)
 
 
-def load_dataset(job: JobConfig) -> Dataset:
-    """Loads the job's dataset with x in the training dtype (token ids stay int64)."""
-    loaders = {"digits": lambda: _digits(), "synthetic": lambda: _synthetic(job), "npz": lambda: _npz(job)}
-    x_np, y_np = loaders[job.data.name]()
-    dtype = getattr(torch, job.train.dtype)
-    x = torch.from_numpy(np.ascontiguousarray(x_np))
-    x = x.long() if takes_tokens(job.model.name) else x.to(dtype)
-    y = torch.from_numpy(np.ascontiguousarray(y_np))
-    y = y.to(dtype) if (job.train.loss == "mse" or y.is_floating_point()) else y.long()
-    if job.train.loss == "cross_entropy" and y.is_floating_point():
-        raise ConfigError("train.loss: cross_entropy needs integer labels in y; use mse for float targets")
-    return Dataset(x, y)
+def _from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
+    from hetpipe.models import resolve
+
+    make = resolve(spec, key, job.base_dir)
+    try:
+        dataset = make(**dict(job.data.args))
+    except TypeError as exc:
+        raise ConfigError(f"data.args: {spec}: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(f"{key}: {spec}(**data.args) failed: {type(exc).__name__}: {exc}") from None
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ConfigError(f"{key}: {spec} returned a {type(dataset).__name__}, expected a map-style "
+                          f"torch.utils.data.Dataset (with __getitem__ and __len__) of (input, target)")
+    if len(dataset) == 0:
+        raise ConfigError(f"{key}: {spec} returned an empty dataset")
+    item = dataset[0]
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise ConfigError(f"{key}: {spec}'s items are {type(item).__name__}s, expected (input, target) pairs")
+    return dataset  # type: ignore[no-any-return]
+
+
+def _whole(job: JobConfig) -> Dataset[Any]:
+    if job.data.factory is not None:
+        return _from_factory(job, job.data.factory, "data.factory")
+    loaders = {"digits": _digits, "synthetic": lambda: _synthetic(job), "npz": lambda: _npz(job)}
+    return loaders[str(job.data.name)]()  # type: ignore[no-any-return]
+
+
+def _split(job: JobConfig, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training rows, held-out rows) for data.eval_fraction: a seeded choice of rows."""
+    held = max(1, int(round(n * job.data.eval_fraction)))
+    if held >= n:
+        raise ConfigError(f"data.eval_fraction: {job.data.eval_fraction} of {n} rows leaves none to train on")
+    order = np.random.default_rng([job.train.seed, 0x5EED]).permutation(n)
+    return np.sort(order[held:]), np.sort(order[:held])
+
+
+def training_set(job: JobConfig) -> Dataset[Any]:
+    """The rows training reads (the dataset less any eval_fraction held out)."""
+    whole = _whole(job)
+    if job.data.eval_fraction > 0:
+        return Subset(whole, _split(job, len(whole))[0].tolist())  # type: ignore[arg-type]
+    return whole
+
+
+def held_out_set(job: JobConfig) -> Dataset[Any] | None:
+    """The held-out rows evaluation reads: data.eval_factory's, or the eval_fraction split."""
+    if job.data.eval_factory is not None:
+        return _from_factory(job, job.data.eval_factory, "data.eval_factory")
+    if job.data.eval_fraction > 0:
+        whole = _whole(job)
+        return Subset(whole, _split(job, len(whole))[1].tolist())  # type: ignore[arg-type]
+    return None
 
 
 def minibatch_rows(
@@ -129,11 +185,68 @@ def minibatch_rows(
     return out
 
 
-def minibatch(data: Dataset, p: int, vw: int, job: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (x, y) of minibatch p of VW vw."""
-    rows = minibatch_rows(
-        p, vw, virtual_workers=job.parallel.virtual_workers, batch_size=job.data.batch_size,
-        rows=data.rows, shuffle=job.data.shuffle, seed=job.train.seed,
-    )
-    index = torch.from_numpy(rows)
-    return data.x[index], data.y[index]
+def _collate(items: Any) -> _Batch:
+    if isinstance(items, _Batch):  # ArrayDataset read the whole minibatch at once
+        return items
+    x, y = torch.utils.data.default_collate(items)
+    return _Batch(x, y)
+
+
+def cast(job: JobConfig, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs in the training dtype (integer inputs, such as tokens, stay integers); targets as
+    the loss takes them. ConfigError for labels cross_entropy cannot use."""
+    dtype = getattr(torch, job.train.dtype)
+    if x.is_floating_point():
+        x = x.to(dtype)
+    if job.train.loss == "mse":
+        return x, y.to(dtype)
+    if y.is_floating_point() or y.dtype == torch.bool:
+        raise ConfigError(f"train.loss: cross_entropy needs integer class labels as targets, got {y.dtype}; "
+                          "use mse for float targets")
+    return x, y.long()
+
+
+class Minibatches:
+    """The minibatches of one VW in order p = 1, 2, ..., read through a DataLoader (with
+    data.workers worker processes and pinned memory for a CUDA device)."""
+
+    def __init__(self, job: JobConfig, dataset: Dataset[Any], vw: int, *, steps: int, pin: bool = False) -> None:
+        self.job = job
+        rows = len(dataset)  # type: ignore[arg-type]
+        order = [minibatch_rows(p, vw, virtual_workers=job.parallel.virtual_workers, batch_size=job.data.batch_size,
+                                rows=rows, shuffle=job.data.shuffle, seed=job.train.seed).tolist()
+                 for p in range(1, steps + 1)]
+        workers = job.data.workers
+        # Workers are started, not forked: a process serving gRPC must not fork.
+        self._loader = DataLoader(dataset, batch_sampler=order, collate_fn=_collate, num_workers=workers,
+                                  pin_memory=pin, multiprocessing_context="spawn" if workers else None,
+                                  persistent_workers=False)
+        self._it: Iterator[_Batch] = iter(self._loader)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = next(self._it)
+        return cast(self.job, batch.x, batch.y)
+
+
+def eval_batches(job: JobConfig, dataset: Dataset[Any], rows: int) -> list[list[int]]:
+    """The held-out rows one evaluation reads, in minibatches of data.batch_size: the first
+    `rows` rows (at least one minibatch's, and whole minibatches only, as the stages take)."""
+    n = len(dataset)  # type: ignore[arg-type]
+    b = job.data.batch_size
+    count = max(1, min(rows, n) // b)
+    return [[(i * b + r) % n for r in range(b)] for i in range(count)]
+
+
+def first_item(job: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """One minibatch-shaped (x, y) pair of the training data, from its first row: what the
+    planner and the driver need of the data (shapes and dtypes), without reading the rest."""
+    dataset = training_set(job)
+    batch = _collate([dataset[0]] * job.data.batch_size)
+    return cast(job, batch.x, batch.y)
+
+
+def read_rows(job: JobConfig, dataset: Dataset[Any], rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """These rows of dataset as one minibatch (x, y), cast as training takes them."""
+    getitems = getattr(dataset, "__getitems__", None)
+    batch = _collate(getitems(list(rows)) if getitems is not None else [dataset[r] for r in rows])
+    return cast(job, batch.x, batch.y)

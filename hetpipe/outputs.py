@@ -1,42 +1,177 @@
-"""What a run leaves in output.dir (DESIGN §8): model.pt and summary.json, whatever the mode."""
+"""What a run leaves in output.dir (DESIGN §8): the final weights as safetensors, written piece by
+piece as they arrive (no process holds the model), summary.json and eval.jsonl."""
 
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hetpipe import data as datasets
-from hetpipe.config import JobConfig
-from hetpipe.reference import initial_model
+# safetensors' names for the dtypes the wire carries.
+DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+STALE = (SINGLE_FILE, INDEX_FILE, "model.pt", "summary.json", "eval.jsonl")
 
 
-def write(job: JobConfig, weights: OrderedDict[str, torch.Tensor], fields: dict[str, Any]) -> dict[str, Any]:
-    """Saves the final state_dict (layer order) and the summary: fields, plus `accuracy` on the
-    job's dataset when it is a classification task. Returns the summary."""
-    out_dir = Path(job.resolve(job.output.dir))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(weights, out_dir / "model.pt")
-    summary = dict(fields)
-    dataset = datasets.load_dataset(job)
-    if dataset.classification:
-        model = initial_model(job)
-        model.load_state_dict(weights)
-        summary["accuracy"] = accuracy(model, dataset)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+@dataclass(frozen=True, slots=True)
+class Entry:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
-@torch.no_grad()
-def accuracy(model: torch.nn.Module, dataset: datasets.Dataset, batch: int = 1024) -> float:
-    """Fraction of rows (or tokens) whose argmax prediction matches the label."""
-    correct = total = 0
-    for i in range(0, dataset.rows, batch):
-        pred = model(dataset.x[i : i + batch]).argmax(dim=-1)
-        target = dataset.y[i : i + batch]
-        correct += int((pred == target).sum())
-        total += target.numel()
-    return correct / total
+def layout(entries: Sequence[Entry], max_shard_bytes: int) -> list[list[Entry]]:
+    """The tensors of each file, in order: a new file whenever the next tensor would take this
+    one past max_shard_bytes (a tensor larger than that alone in a file)."""
+    files: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if files[-1] and size + e.nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(e)
+        size += e.nbytes
+    return files
+
+
+def file_names(count: int) -> list[str]:
+    """model.safetensors alone, or the Hugging Face convention model-00001-of-0000N.safetensors."""
+    return [SINGLE_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def clear(out_dir: Path) -> None:
+    """Removes an earlier run's results, so that a failed run never leaves them beside its own."""
+    for name in (*STALE, *(p.name for p in out_dir.glob("model-*-of-*.safetensors"))):
+        (out_dir / name).unlink(missing_ok=True)
+
+
+class WeightsWriter:
+    """Writes the model's tensors into safetensors files whose headers are known up front: the
+    bytes of each tensor go straight to their place as they arrive, in any order, one piece at
+    a time. close() checks that every byte came and publishes the files (and the index)."""
+
+    def __init__(self, out_dir: Path, entries: Sequence[Entry], max_shard_bytes: int) -> None:
+        self.out_dir = out_dir
+        groups = layout(entries, max_shard_bytes)
+        self.names = file_names(len(groups))
+        self._where: dict[str, tuple[int, int, int]] = {}   # key -> (file, data offset in file, bytes)
+        self._written: dict[str, int] = {}
+        self._fds: list[int] = []
+        for i, group in enumerate(groups):
+            header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for e in group:
+                header[e.key] = {"dtype": DTYPES[e.dtype], "shape": list(e.shape),
+                                 "data_offsets": [offset, offset + e.nbytes]}
+                offset += e.nbytes
+            text = json.dumps(header, separators=(",", ":")).encode()
+            text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
+            start = 8 + len(text)
+            fd = os.open(self._tmp(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.pwrite(fd, len(text).to_bytes(8, "little") + text, 0)
+            os.ftruncate(fd, start + offset)
+            self._fds.append(fd)
+            base = 0
+            for e in group:
+                self._where[e.key] = (i, start + base, e.nbytes)
+                self._written[e.key] = 0
+                base += e.nbytes
+
+    def _tmp(self, i: int) -> Path:
+        return self.out_dir / f".{self.names[i]}.partial"
+
+    def write(self, key: str, offset: int, piece: memoryview | bytes) -> None:
+        file, start, nbytes = self._where[key]
+        if offset + len(piece) > nbytes:
+            raise ValueError(f"{key}: bytes {offset}..{offset + len(piece)} past its {nbytes}")
+        os.pwrite(self._fds[file], piece, start + offset)
+        self._written[key] += len(piece)
+
+    def close(self) -> list[Path]:
+        missing = [k for k, (_, _, n) in self._where.items() if self._written[k] != n]
+        for fd in self._fds:
+            os.fsync(fd)
+            os.close(fd)
+        if missing:
+            for i in range(len(self.names)):
+                self._tmp(i).unlink(missing_ok=True)
+            raise ValueError(f"the weights of {missing[:5]} did not all arrive")
+        paths = []
+        for i, name in enumerate(self.names):
+            os.replace(self._tmp(i), self.out_dir / name)
+            paths.append(self.out_dir / name)
+        if len(self.names) > 1:
+            index = {"metadata": {"total_size": sum(n for _, _, n in self._where.values())},
+                     "weight_map": {k: self.names[f] for k, (f, _, _) in self._where.items()}}
+            (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return paths
+
+
+def read_weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights a run wrote, whichever way they were split (for tests and tools)."""
+    from safetensors.torch import load_file
+
+    index = out_dir / INDEX_FILE
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [SINGLE_FILE]
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        out.update(load_file(str(out_dir / name)))
+    return out
+
+
+def _strict(value: Any) -> Any:
+    """NaN and infinities are not JSON: they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def write_summary(out_dir: Path, fields: Mapping[str, Any]) -> dict[str, Any]:
+    summary = _strict(dict(fields))
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    return summary  # type: ignore[no-any-return]
+
+
+def append_evals(out_dir: Path, rows: Iterable[Mapping[str, Any]]) -> None:
+    with open(out_dir / "eval.jsonl", "a") as f:
+        for row in rows:
+            f.write(json.dumps(_strict(dict(row)), allow_nan=False) + "\n")
+
+
+def write_from(out_dir: Path, sources: Sequence[Path], max_shard_bytes: int) -> list[Path]:
+    """The weights in safetensors files written by workers that each held part of the model (or
+    all of it), laid out as a run's are; copied one tensor at a time."""
+    from safetensors import safe_open
+
+    torch_dtypes = {v: k for k, v in DTYPES.items()}
+    entries: list[Entry] = []
+    where: dict[str, Path] = {}
+    for path in sources:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                view = f.get_slice(key)
+                entries.append(Entry(key, torch_dtypes[view.get_dtype()], tuple(view.get_shape())))
+                where[key] = path
+    writer = WeightsWriter(out_dir, entries, max_shard_bytes)
+    for path in sources:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key).contiguous()
+                writer.write(key, 0, tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return writer.close()

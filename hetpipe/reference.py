@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from hetpipe import data as datasets
+from hetpipe import data, models
 from hetpipe.config import JobConfig
-from hetpipe.zoo import build_model
 from hetpipe.optim import compute_loss, make_optimizer
 
 
 def initial_model(job: JobConfig) -> torch.nn.Sequential:
-    """w0: model.init if given (loaded with weights_only=True), else the seeded zoo init."""
-    model = build_model(job.model.name, job.model.args, seed=job.train.seed, dtype=getattr(torch, job.train.dtype))
+    """w0, whole: model.init if given, else the per-layer seeded initialisation the stages use."""
+    model = models.build(job)
     if job.model.init:
-        state = torch.load(job.resolve(job.model.init), map_location="cpu", weights_only=True)
-        model.load_state_dict(state)
+        models.initialise_from(model, models.load_init(job, list(model.state_dict())), "model.init")
     return model
+
+
+def minibatch(job: JobConfig, dataset: torch.utils.data.Dataset, p: int, vw: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Minibatch p of VW vw, in the DESIGN §8 order."""
+    rows = data.minibatch_rows(p, vw, virtual_workers=job.parallel.virtual_workers, batch_size=job.data.batch_size,
+                               rows=len(dataset), shuffle=job.data.shuffle, seed=job.train.seed)  # type: ignore[arg-type]
+    return data.read_rows(job, dataset, rows.tolist())
 
 
 def train_reference(job: JobConfig, steps: int | None = None) -> torch.nn.Sequential:
@@ -26,7 +31,7 @@ def train_reference(job: JobConfig, steps: int | None = None) -> torch.nn.Sequen
     of the VWs' updates. With N=1 this is ordinary training with any optimizer.
     """
     model = initial_model(job)
-    dataset = datasets.load_dataset(job)
+    dataset = data.training_set(job)
     params = list(model.parameters())
     n = job.parallel.virtual_workers
     if n > 1 and (job.train.optimizer.name != "sgd" or job.train.optimizer.momentum):
@@ -35,7 +40,7 @@ def train_reference(job: JobConfig, steps: int | None = None) -> torch.nn.Sequen
     for p in range(1, (steps or job.train.steps) + 1):
         total = [torch.zeros_like(w) for w in params]
         for vw in range(n):
-            x, y = datasets.minibatch(dataset, p, vw, job)
+            x, y = minibatch(job, dataset, p, vw)
             loss = compute_loss(job.train.loss, model(x), y)
             grads = torch.autograd.grad(loss, params)
             for t, g in zip(total, grads):
@@ -45,3 +50,15 @@ def train_reference(job: JobConfig, steps: int | None = None) -> torch.nn.Sequen
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return model
+
+
+@torch.no_grad()
+def accuracy(job: JobConfig, model: torch.nn.Module, dataset: torch.utils.data.Dataset, batch: int = 1024) -> float:
+    """Share of rows (or tokens) of dataset whose argmax prediction matches the label."""
+    correct = total = 0
+    n = len(dataset)  # type: ignore[arg-type]
+    for i in range(0, n, batch):
+        x, y = data.read_rows(job, dataset, range(i, min(n, i + batch)))
+        correct += int((model(x).argmax(dim=-1) == y).sum())
+        total += y.numel()
+    return correct / total

@@ -212,11 +212,29 @@ def _parsed(frame: wire_pb2.TensorFrame | bytes) -> wire_pb2.TensorFrame:
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed TensorFrame: {exc}") from None
 
 
-def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu") -> Bundle:
-    """Reassembles one bundle into preallocated tensors; raises WireError on any inconsistency.
+Spec = tuple[torch.dtype, list[int], int]   # dtype, shape, bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A tensor stream read frame by frame: the header (data cleared), each tensor's dtype,
+    shape and size, and `pieces`, the payload in order as (tensor index, byte offset in that
+    tensor, bytes). Nothing is allocated for the tensors: a writer can pass pieces straight on."""
+
+    header: wire_pb2.TensorFrame
+    specs: list[Spec]
+    pieces: Iterator[tuple[int, int, memoryview]]
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.header.tensors]
+
+
+def read(frames: Iterable[wire_pb2.TensorFrame | bytes]) -> Stream:
+    """Opens one bundle; WireError on any inconsistency, from here or while the pieces are read.
 
     Frames are TensorFrame messages, or their serialized bytes (from a call registered with
-    request_deserializer=None), whose data-only frames are then copied without a protobuf parse.
+    request_deserializer=None), whose data-only frames are then read without a protobuf parse.
     """
     it = iter(frames)
     raw_first = next(it, None)
@@ -227,49 +245,53 @@ def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu
     total = sum(s[2] for s in specs)
     if total > MAX_BUNDLE_BYTES:
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"bundle of {total} bytes exceeds {MAX_BUNDLE_BYTES}")
-    tensors = [empty(shape, dtype) for dtype, shape, _ in specs]
-    # Skip empty tensors: the copy loop below then never meets a sink with no room.
-    sinks = [t.reshape(-1).view(torch.uint8).numpy().data for t in tensors if t.numel()]
-    index, offset, received = 0, 0, 0
-
-    def absorb(data: memoryview | bytes) -> None:
-        nonlocal index, offset, received
-        size = len(data)
-        received += size
-        if received > total:
-            raise WireError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"byte length {received}+ does not match the shapes in the header ({total} bytes)",
-            )
-        src = memoryview(data)
-        pos = 0
-        while pos < size:
-            sink = sinks[index]
-            n = min(size - pos, len(sink) - offset)
-            sink[offset : offset + n] = src[pos : pos + n]
-            offset += n
-            pos += n
-            if offset == len(sink):
-                index, offset = index + 1, 0
-
-    absorb(first.data)
-    for frame in it:
-        payload = _data_only(frame) if isinstance(frame, bytes) else None
-        if payload is not None:
-            absorb(payload)
-            continue
-        parsed = _parsed(frame)
-        if parsed.tensors or parsed.WhichOneof("header") is not None:
-            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "header fields repeated after the first frame")
-        absorb(parsed.data)
-    if received != total:
-        raise WireError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"byte length {received} does not match the shapes in the header ({total} bytes)",
-        )
     header = wire_pb2.TensorFrame()
     header.CopyFrom(first)
     header.ClearField("data")
+    sizes = [s[2] for s in specs]
+
+    def payloads() -> Iterator[memoryview]:
+        yield memoryview(first.data)
+        for frame in it:
+            payload = _data_only(frame) if isinstance(frame, bytes) else None
+            if payload is None:
+                parsed = _parsed(frame)
+                if parsed.tensors or parsed.WhichOneof("header") is not None:
+                    raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "header fields repeated after the first frame")
+                payload = memoryview(parsed.data)
+            yield payload
+
+    def pieces() -> Iterator[tuple[int, int, memoryview]]:
+        index, offset, received = 0, 0, 0
+        for data in payloads():
+            received += len(data)
+            if received > total:
+                raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"byte length {received}+ does not match the shapes in the header ({total} bytes)")
+            pos = 0
+            while pos < len(data):
+                while sizes[index] == 0:  # empty tensors take no bytes
+                    index += 1
+                n = min(len(data) - pos, sizes[index] - offset)
+                yield index, offset, data[pos:pos + n]
+                offset += n
+                pos += n
+                if offset == sizes[index]:
+                    index, offset = index + 1, 0
+        if received != total:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"byte length {received} does not match the shapes in the header ({total} bytes)")
+
+    return Stream(header, specs, pieces())
+
+
+def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu") -> Bundle:
+    """Reassembles one bundle into preallocated tensors; raises WireError on any inconsistency."""
+    stream = read(frames)
+    tensors = [empty(shape, dtype) for dtype, shape, _ in stream.specs]
+    sinks = [t.reshape(-1).view(torch.uint8).numpy().data for t in tensors]
+    for index, offset, piece in stream.pieces:
+        sinks[index][offset:offset + len(piece)] = piece
     if device != "cpu":
         tensors = [t.to(device, non_blocking=True) for t in tensors]
-    return Bundle(header, [(m.name, t) for m, t in zip(first.tensors, tensors)])
+    return Bundle(stream.header, [(m.name, t) for m, t in zip(stream.header.tensors, tensors)])

@@ -1,37 +1,40 @@
-"""Model zoo: every model is an nn.Sequential whose children are the partitionable layers."""
+"""The model zoo: factories like any user's (`model.name: mlp` is `model.factory: hetpipe.zoo:mlp`),
+each called with model.args as keyword arguments and returning an nn.Sequential whose children
+are the layers a pipeline is cut between. Initialisation lives in reset_parameters(), so that a
+stage can build its own layers alone (hetpipe/models.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, cast
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from hetpipe.config import ConfigError
+from hetpipe.validate import ConfigError
 
 
-def _int_list(args: Mapping[str, Any], key: str, default: list[int]) -> list[int]:
-    value = args.get(key, default)
-    if not isinstance(value, list) or not all(isinstance(v, int) and v > 0 for v in value):
-        raise ConfigError(f"model.args.{key}: expected a list of positive integers, got {value!r}")
-    return value
+def _ints(key: str, value: object, *, length: int | None = None) -> list[int]:
+    ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                                   for v in value) and (not length or len(value) == length)
+    if not ok:
+        what = f"a list of {length} positive integers" if length else "a list of positive integers"
+        raise ConfigError(f"model.args.{key}: expected {what}, got {value!r}")
+    return [int(v) for v in value]  # type: ignore[union-attr,attr-defined]
 
 
-def _pos_int(args: Mapping[str, Any], key: str, default: int) -> int:
-    value = args.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"model.args.{key}: expected a positive integer, got {value!r}")
-    return value
+def _positive(key: str, value: object, kind: type = int) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or not value > 0:  # type: ignore[operator]
+        raise ConfigError(f"model.args.{key}: expected a positive {'number' if kind is float else 'integer'}, "
+                          f"got {value!r}")
+    return value  # type: ignore[return-value]
 
 
-def mlp(args: Mapping[str, Any]) -> nn.Sequential:
+def mlp(*, in_features: int = 64, hidden: Sequence[int] = (256, 256), num_classes: int = 10) -> nn.Sequential:
     """Linear layers with ReLU between them; each Linear and each ReLU is one layer."""
-    sizes = [_pos_int(args, "in_features", 64), *_int_list(args, "hidden", [256, 256]),
-             _pos_int(args, "num_classes", 10)]
+    sizes = [_positive("in_features", in_features), *_ints("hidden", hidden), _positive("num_classes", num_classes)]
     layers: list[nn.Module] = []
     for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        layers.append(nn.Linear(int(sizes[i]), int(sizes[i + 1])))
         if i < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
@@ -55,19 +58,17 @@ class BasicBlock(nn.Module):
         return torch.relu(self.norm2(self.conv2(out)) + self.shortcut(x))
 
 
-def resnet(args: Mapping[str, Any]) -> nn.Sequential:
+def resnet(*, in_shape: Sequence[int] = (1, 8, 8), widths: Sequence[int] = (16, 32), blocks_per_stage: int = 1,
+           num_classes: int = 10) -> nn.Sequential:
     """Small ResNet-style CNN over flat inputs reshaped to (channels, height, width).
 
     GroupNorm rather than BatchNorm: no running statistics, so a stage's state is its weights.
     """
-    in_shape = _int_list(args, "in_shape", [1, 8, 8])
-    if len(in_shape) != 3:
-        raise ConfigError(f"model.args.in_shape: expected [channels, height, width], got {in_shape!r}")
-    widths = _int_list(args, "widths", [16, 32])
-    blocks = _pos_int(args, "blocks_per_stage", 1)
+    shape, widths = _ints("in_shape", in_shape, length=3), _ints("widths", widths)
+    blocks = int(_positive("blocks_per_stage", blocks_per_stage))
     layers: list[nn.Module] = [
-        nn.Unflatten(1, tuple(in_shape)),
-        nn.Sequential(nn.Conv2d(in_shape[0], widths[0], 3, 1, 1, bias=False),
+        nn.Unflatten(1, tuple(shape)),
+        nn.Sequential(nn.Conv2d(shape[0], widths[0], 3, 1, 1, bias=False),
                       nn.GroupNorm(min(8, widths[0]), widths[0]), nn.ReLU()),
     ]
     cin = widths[0]
@@ -75,7 +76,7 @@ def resnet(args: Mapping[str, Any]) -> nn.Sequential:
         for b in range(blocks):
             layers.append(BasicBlock(cin, width, 2 if (b == 0 and i > 0) else 1))
             cin = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, _pos_int(args, "num_classes", 10))]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, int(_positive("num_classes", num_classes)))]
     return nn.Sequential(*layers)
 
 
@@ -93,60 +94,65 @@ class TokenEmbedding(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block with causal self-attention."""
+    """Pre-norm transformer block with causal self-attention (PyTorch's scaled dot-product kernel)."""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
+        self.heads = heads
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.norm2(x))
 
 
-def gpt(args: Mapping[str, Any]) -> nn.Sequential:
+def gpt(*, vocab: int = 64, context: int = 16, dim: int = 32, heads: int = 2, layers: int = 2) -> nn.Sequential:
     """Small GPT-style decoder: embedding, blocks, final norm + vocabulary head."""
-    vocab = _pos_int(args, "vocab", 64)
-    context = _pos_int(args, "context", 16)
-    dim = _pos_int(args, "dim", 32)
-    heads = _pos_int(args, "heads", 2)
+    for key, value in (("vocab", vocab), ("context", context), ("dim", dim), ("heads", heads), ("layers", layers)):
+        _positive(key, value)
     if dim % heads:
         raise ConfigError(f"model.args.heads: {heads} does not divide dim {dim}")
-    layers: list[nn.Module] = [TokenEmbedding(vocab, context, dim)]
-    layers += [Block(dim, heads) for _ in range(_pos_int(args, "layers", 2))]
-    layers += [nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab))]
-    return nn.Sequential(*layers)
+    parts: list[nn.Module] = [TokenEmbedding(vocab, context, dim)]
+    parts += [Block(dim, heads) for _ in range(layers)]
+    parts += [nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab))]
+    return nn.Sequential(*parts)
 
 
-def _pos_number(args: Mapping[str, Any], key: str, default: float) -> float:
-    value = args.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"model.args.{key}: expected a positive number, got {value!r}")
-    return float(value)
+class KaimingConv2d(nn.Conv2d):
+    """A convolution initialised as torchvision's VGG and ResNet do: Kaiming normal (fan out, ReLU)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_normal_(self.weight, mode="fan_out", nonlinearity="relu")
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
 
-def _image_shape(args: Mapping[str, Any], min_side: int) -> tuple[int, int, int]:
-    in_shape = _int_list(args, "in_shape", [3, 224, 224])
-    if len(in_shape) != 3 or min(in_shape[1:]) < min_side:
+class SmallLinear(nn.Linear):
+    """A fully connected layer initialised as torchvision's VGG does: N(0, 0.01), zero bias."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, 0.0, 0.01)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+def _image(in_shape: Sequence[int], min_side: int) -> tuple[int, int, int]:
+    shape = _ints("in_shape", in_shape, length=3)
+    if min(shape[1:]) < min_side:
         raise ConfigError(f"model.args.in_shape: expected [channels, height, width] with height and width "
-                          f">= {min_side}, got {in_shape!r}")
-    return in_shape[0], in_shape[1], in_shape[2]
+                          f">= {min_side}, got {list(in_shape)!r}")
+    return shape[0], shape[1], shape[2]
 
 
 def _scaled(channels: int, width: float) -> int:
     return max(1, round(channels * width))
-
-
-def _kaiming(weight: torch.Tensor) -> None:
-    # Shape-only (meta) builds skip it: normal_ on meta tensors first imports torch._dynamo (seconds).
-    if not weight.is_meta:
-        nn.init.kaiming_normal_(weight, mode="fan_out", nonlinearity="relu")
 
 
 # VGG-19 (configuration E of Simonyan & Zisserman): 16 convolutions, "M" = 2x2 max-pool.
@@ -154,7 +160,7 @@ VGG19_CONFIG: tuple[int | str, ...] = (64, 64, "M", 128, 128, "M", 256, 256, 256
                                        512, 512, 512, 512, "M", 512, 512, 512, 512, "M")
 
 
-def vgg19(args: Mapping[str, Any]) -> nn.Sequential:
+def vgg19(*, in_shape: Sequence[int] = (3, 224, 224), width: float = 1.0, num_classes: int = 1000) -> nn.Sequential:
     """VGG-19 as torchvision builds it, without dropout (so that runs are deterministic).
 
     One layer per conv+ReLU, per max-pool and per FC(+ReLU): cutting between a conv and its ReLU
@@ -162,9 +168,8 @@ def vgg19(args: Mapping[str, Any]) -> nn.Sequential:
     At width 1.0 and the defaults it has torchvision's 143,667,240 parameters; `width` scales
     every channel count and the two hidden FC sizes, keeping the layer structure.
     """
-    channels, height, width_px = _image_shape(args, 32)
-    width = _pos_number(args, "width", 1.0)
-    num_classes = _pos_int(args, "num_classes", 1000)
+    channels, height, width_px = _image(in_shape, 32)
+    width = float(_positive("width", width, float))
     layers: list[nn.Module] = [nn.Unflatten(1, (channels, height, width_px))]
     cin = channels
     for item in VGG19_CONFIG:
@@ -172,21 +177,14 @@ def vgg19(args: Mapping[str, Any]) -> nn.Sequential:
             layers.append(nn.MaxPool2d(2, 2))
             continue
         cout = _scaled(int(item), width)
-        conv = nn.Conv2d(cin, cout, 3, padding=1)
-        _kaiming(conv.weight)
-        assert conv.bias is not None
-        nn.init.zeros_(conv.bias)
-        layers.append(nn.Sequential(conv, nn.ReLU()))
+        layers.append(nn.Sequential(KaimingConv2d(cin, cout, 3, padding=1), nn.ReLU()))
         cin = cout
     hidden = _scaled(4096, width)
-    fcs = [nn.Linear(cin * 7 * 7, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, num_classes)]
-    for fc in fcs:
-        if not fc.weight.is_meta:
-            nn.init.normal_(fc.weight, 0.0, 0.01)
-        nn.init.zeros_(fc.bias)
     # The adaptive pool makes the classifier's input 7x7 whatever the image size, as torchvision does.
     layers += [nn.AdaptiveAvgPool2d((7, 7)), nn.Flatten(),
-               nn.Sequential(fcs[0], nn.ReLU()), nn.Sequential(fcs[1], nn.ReLU()), fcs[2]]
+               nn.Sequential(SmallLinear(cin * 7 * 7, hidden), nn.ReLU()), nn.Sequential(SmallLinear(hidden, hidden),
+                                                                                        nn.ReLU()),
+               SmallLinear(hidden, int(_positive("num_classes", num_classes)))]
     return nn.Sequential(*layers)
 
 
@@ -204,15 +202,15 @@ class Bottleneck(nn.Module):
     def __init__(self, cin: int, planes: int, stride: int) -> None:
         super().__init__()
         cout = planes * self.expansion
-        self.conv1 = nn.Conv2d(cin, planes, 1, bias=False)
+        self.conv1 = KaimingConv2d(cin, planes, 1, bias=False)
         self.bn1 = _batch_norm(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.conv2 = KaimingConv2d(planes, planes, 3, stride, 1, bias=False)
         self.bn2 = _batch_norm(planes)
-        self.conv3 = nn.Conv2d(planes, cout, 1, bias=False)
+        self.conv3 = KaimingConv2d(planes, cout, 1, bias=False)
         self.bn3 = _batch_norm(cout)
         self.downsample: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), _batch_norm(cout))
+            self.downsample = nn.Sequential(KaimingConv2d(cin, cout, 1, stride, bias=False), _batch_norm(cout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
@@ -223,7 +221,8 @@ class Bottleneck(nn.Module):
 RESNET152_BLOCKS = (3, 8, 36, 3)
 
 
-def resnet152(args: Mapping[str, Any]) -> nn.Sequential:
+def resnet152(*, in_shape: Sequence[int] = (3, 224, 224), width: float = 1.0,
+              num_classes: int = 1000) -> nn.Sequential:
     """ResNet-152 as torchvision builds it (v1.5 bottlenecks [3, 8, 36, 3], BatchNorm).
 
     Layers: the 7x7 stem (conv+BN+ReLU), its max-pool, each of the 50 bottleneck blocks, then
@@ -231,13 +230,12 @@ def resnet152(args: Mapping[str, Any]) -> nn.Sequential:
     parameters; `width` scales every channel count. BatchNorm keeps no running statistics, so it
     normalises with the minibatch's statistics in eval mode too.
     """
-    channels, height, width_px = _image_shape(args, 1)
-    width = _pos_number(args, "width", 1.0)
-    num_classes = _pos_int(args, "num_classes", 1000)
+    channels, height, width_px = _image(in_shape, 1)
+    width = float(_positive("width", width, float))
     stem = _scaled(64, width)
     layers: list[nn.Module] = [
         nn.Unflatten(1, (channels, height, width_px)),
-        nn.Sequential(nn.Conv2d(channels, stem, 7, 2, 3, bias=False), _batch_norm(stem), nn.ReLU()),
+        nn.Sequential(KaimingConv2d(channels, stem, 7, 2, 3, bias=False), _batch_norm(stem), nn.ReLU()),
         nn.MaxPool2d(3, 2, 1),
     ]
     cin = stem
@@ -246,55 +244,14 @@ def resnet152(args: Mapping[str, Any]) -> nn.Sequential:
         for b in range(blocks):
             layers.append(Bottleneck(cin, planes, 2 if (b == 0 and i > 0) else 1))
             cin = planes * Bottleneck.expansion
-    for module in layers:
-        for m in module.modules():
-            if isinstance(m, nn.Conv2d):
-                _kaiming(m.weight)
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, int(_positive("num_classes", num_classes)))]
     return nn.Sequential(*layers)
 
 
-MODELS: dict[str, Callable[[Mapping[str, Any]], nn.Sequential]] = {
+MODELS: dict[str, Callable[..., nn.Sequential]] = {
     "mlp": mlp,
     "resnet": resnet,
     "gpt": gpt,
     "vgg19": vgg19,
     "resnet152": resnet152,
 }
-
-
-def build_model(name: str, args: Mapping[str, Any], *, seed: int, dtype: torch.dtype) -> nn.Sequential:
-    """Builds a zoo model with a seeded initialisation, so every process gets the same w0."""
-    try:
-        factory = MODELS[name]
-    except KeyError:
-        raise ConfigError(f"model.name: expected one of {', '.join(MODELS)}, got {name!r}") from None
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = factory(args)
-    return model.to(dtype)
-
-
-def model_shape(name: str, args: Mapping[str, Any]) -> nn.Sequential:
-    """The model on the meta device: names and shapes only, no memory, no initialisation cost."""
-    try:
-        factory = MODELS[name]
-    except KeyError:
-        raise ConfigError(f"model.name: expected one of {', '.join(MODELS)}, got {name!r}") from None
-    with torch.device("meta"):
-        return factory(args)
-
-
-def takes_tokens(name: str) -> bool:
-    """Whether the model's input is integer token ids rather than float features."""
-    return name == "gpt"
-
-
-def stage_layers(model: nn.Sequential, begin: int, end: int) -> nn.Sequential:
-    """Layers [begin, end) as a Sequential that keeps the full model's state_dict key names."""
-    return cast(nn.Sequential, model[begin:end])
-
-
-def layer_keys(model: nn.Sequential, begin: int, end: int) -> list[str]:
-    """state_dict keys of layers [begin, end), in layer order."""
-    return [k for k in model.state_dict() if begin <= int(k.split(".", 1)[0]) < end]

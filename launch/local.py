@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hetpipe import metrics, rpc
+from hetpipe import metrics, outputs, rpc
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed, JobStopped
 from hetpipe.v1 import coordinator_pb2, wire_pb2
@@ -77,6 +77,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out_dir / "ps", ignore_errors=True)  # a fresh job must not restore an old one's shards
+    outputs.clear(out_dir)  # a failed run must not leave an earlier run's results beside its own
     for stale in (TARGETS_FILE, STATUS_FILE):  # an earlier job's endpoints and ending are gone
         (out_dir / stale).unlink(missing_ok=True)
     server, servicer = build("127.0.0.1", 0, heartbeat_interval_s=heartbeat_interval_s)

@@ -56,22 +56,30 @@ class Shard:
         return self.virtual_workers > 0
 
     def init(self, virtual_workers: int, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """Registers keys with initial values. Returns False if this exact Init was already done."""
+        """Registers keys with their initial values (w0); each stage of VW 0 brings its own.
+
+        A key already registered must come with the same value: a retried Init is a no-op.
+        Returns whether any key was new. New keys are refused once a push has been applied.
+        """
         if virtual_workers < 1:
             raise ShardError(ShardError.Kind.INVALID, f"virtual_workers must be >= 1, got {virtual_workers}")
         named = dict(tensors)
         if len(named) != len(tensors) or not named:
             raise ShardError(ShardError.Kind.INVALID, "Init needs at least one key, each named once")
-        if self.ready:
-            same = (virtual_workers == self.virtual_workers and named.keys() == self.values.keys()
-                    and all(self._same_tensor(self.values[k], v) for k, v in named.items()))
-            if not same:
-                raise ShardError(ShardError.Kind.CONFLICT, "shard already initialised with other keys or values")
-            return False
+        if self.ready and virtual_workers != self.virtual_workers:
+            raise ShardError(ShardError.Kind.CONFLICT, f"shard already initialised for {self.virtual_workers} "
+                                                       f"virtual workers, not {virtual_workers}")
+        clashing = [k for k, v in named.items() if k in self.values and not self._same_tensor(self.values[k], v)]
+        if clashing:
+            raise ShardError(ShardError.Kind.CONFLICT, f"shard already initialised with other values for {clashing[:5]}")
+        new = {k: v for k, v in named.items() if k not in self.values}
+        if new and self.pushes_applied:
+            raise ShardError(ShardError.Kind.CONFLICT, f"new keys {sorted(new)[:5]} after training began")
         self.virtual_workers = virtual_workers
-        self.values = {k: v.clone() for k, v in named.items()}
-        self.clocks = {k: [0] * virtual_workers for k in named}
-        return True
+        for key, value in new.items():
+            self.values[key] = value.clone()
+            self.clocks[key] = [0] * virtual_workers
+        return bool(new)
 
     @staticmethod
     def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -11,11 +11,12 @@ class StageState(enum.Enum):
     LOADING = "loading"      # assigned: building its layers, reading its data
     READY = "ready"          # loaded: waiting for Start (weights may still be replaced)
     RUNNING = "running"
-    DONE = "done"            # every task run, every push acknowledged
+    DONE = "done"            # every training task run, every push acknowledged
     FAILED = "failed"
 
     @property
     def is_terminal(self) -> bool:
+        """Training has ended, one way or the other."""
         return self in (StageState.DONE, StageState.FAILED)
 
     @property
@@ -32,7 +33,8 @@ TRANSITIONS: dict[StageState, frozenset[StageState]] = {
     StageState.LOADING: frozenset({StageState.READY, StageState.FAILED}),
     StageState.READY: frozenset({StageState.RUNNING, StageState.FAILED}),
     StageState.RUNNING: frozenset({StageState.DONE, StageState.FAILED}),
-    StageState.DONE: frozenset(),
+    # Done training, the stage still serves the final evaluation: that can fail too.
+    StageState.DONE: frozenset({StageState.FAILED}),
     StageState.FAILED: frozenset(),
 }
 

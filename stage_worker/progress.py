@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stage_worker.evaluation import EvalResult
 from stage_worker.lifecycle import StageState
 
 
@@ -41,6 +42,7 @@ class Progress:
     sent_backward_bytes: int = 0
     clock: int = 0
     min_clock: int = 0
+    evals: tuple[EvalResult, ...] = ()  # the last stage of VW 0: evaluations finished so far
     weights_digest: str = ""            # only when asked for: it reads every weight
 
     @property

@@ -8,28 +8,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import torch
 
-from hetpipe import data as datasets
-from hetpipe import faults
 from hetpipe.errors import Rejected
+from hetpipe.optim import compute_loss
 from hetpipe.v1 import stage_pb2, wire_pb2
 from hetpipe.wire import Bundle
 from hetpipe.wsp import closes_wave, wave_of
-from hetpipe.zoo import build_model, stage_layers
 from stage_worker import lifecycle, metrics
-from stage_worker.assignment import Setup, TensorSpec, validate
+from stage_worker.assignment import Setup, validate
 from stage_worker.lifecycle import StageState
 from stage_worker.links import Link, Outgoing
+from stage_worker.loaded import Loaded
 from stage_worker.progress import Progress
-from stage_worker.schedule import Rejection, ScheduleError, StageSchedule, Task, TaskKind
-from stage_worker.stage import StageCompute
-from stage_worker.sync import LocalSync, Sync
-from stage_worker.trace import MinibatchTrace
-from stage_worker.wsp_sync import SyncCallbacks, SyncConfig, WspSync
+from stage_worker.schedule import Rejection, ScheduleError, Task, TaskKind
 
 log = logging.getLogger(__name__)
 
@@ -47,35 +41,6 @@ def _refused(state: StageState, what: str) -> Rejected:
     return Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"{what} in state {state.name}")
 
 
-class LoadError(Exception):
-    """The assignment does not fit the model the stage built."""
-
-
-class _Assigned:
-    """Everything a stage holds once loaded: built by the loading thread, read by the compute thread."""
-
-    def __init__(self, setup: Setup, sync_for: Callable[[Setup, StageCompute, metrics.StageObservers], Sync]) -> None:
-        job = self.job = setup.job
-        self.setup = setup
-        model = build_model(job.model.name, job.model.args, seed=job.train.seed, dtype=getattr(torch, job.train.dtype))
-        if setup.layer_end > len(model):
-            raise LoadError(f"layers [{setup.layer_begin}, {setup.layer_end}) but the model has {len(model)}")
-        self.compute = StageCompute(stage_layers(model, setup.layer_begin, setup.layer_end), job.train.optimizer,
-                                    loss=job.train.loss, device=setup.device.name, track_updates=setup.synced)
-        del model
-        if setup.synced and len(setup.key_shards) != len(self.compute.params):
-            raise LoadError(f"key_shards: {len(setup.key_shards)} entries for {len(self.compute.params)} parameters")
-        self.schedule = StageSchedule(stage=setup.stage, num_stages=setup.num_stages, nm=job.nm,
-                                      steps=job.train.steps)
-        self.dataset = datasets.load_dataset(job) if setup.first else None
-        self.trace = MinibatchTrace(setup.trace_path, setup.vw, setup.stage)
-        self.observe = metrics.observers(setup.vw, setup.stage)
-        self.padder = faults.Padder(faults.from_env(), setup.vw, (job.train.seed, setup.stage))
-        self.sync = sync_for(setup, self.compute, self.observe)
-        self.next: Link | None = None
-        self.prev: Link | None = None
-
-
 class StageRuntime:
     """Owns one stage. gRPC handler threads offer inputs; one compute thread runs tasks in order."""
 
@@ -85,11 +50,14 @@ class StageRuntime:
         self.error = ""
         self.detail = ""              # what a loading stage is doing
         self._setup: Setup | None = None
-        self._s: _Assigned | None = None
+        self._s: Loaded | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._forward_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._forward_inputs: dict[int, torch.Tensor] = {}
         self._backward_inputs: dict[int, torch.Tensor] = {}
+        self._eval_inputs: deque[tuple[int, int, torch.Tensor]] = deque()   # (evaluation, minibatch, x)
+        self._final: int | None = None  # the final evaluation's min_clock, once asked for
+        self._final_merged = False
         self._losses: deque[float] = deque(maxlen=10)
         self._last_loss = float("nan")
         self._received = 0
@@ -116,64 +84,35 @@ class StageRuntime:
             if self.state != StageState.IDLE:
                 raise _refused(self.state, "stage already assigned")
             setup = self._setup = validate(a)
-            self.detail = f"building layers [{setup.layer_begin}, {setup.layer_end})"
             self._to(StageState.LOADING)
         log.info("%s assigned layers [%d, %d) on %s", setup.name, setup.layer_begin, setup.layer_end, setup.device.name)
         threading.Thread(target=self._load, args=(setup,), name="loader", daemon=True).start()
 
+    def _loading(self, detail: str) -> None:
+        with self._cv:
+            self.detail = detail
+
     def _load(self, setup: Setup) -> None:
         started = time.monotonic()
         try:
-            loaded = _Assigned(setup, self._sync_for)
+            loaded = Loaded(setup, on_failure=self.fail, wake=self.wake, next_forward=self._next_forward,
+                            progress=self._loading)
         except Exception as exc:  # a model that does not build, or does not fit the assignment
             log.exception("%s could not load", setup.name)
             self.fail(f"loading failed: {type(exc).__name__}: {exc}")
             return
         with self._cv:
             if self.state != StageState.LOADING or self._stopping:  # stopped or failed meanwhile
-                loaded.sync.close()
+                loaded.close()
                 return
             self._s, self.detail = loaded, ""
             self._to(StageState.READY)
         metrics.bind(self.progress)
         log.info("%s loaded in %.1f s", setup.name, time.monotonic() - started)
 
-    def _sync_for(self, setup: Setup, compute: StageCompute, observe: metrics.StageObservers) -> Sync:
-        if not setup.synced:
-            return LocalSync()
-        trace = Path(setup.trace_path) if setup.trace_path else None
-        config = SyncConfig(
-            vw=setup.vw, nm=setup.job.nm, D=setup.job.parallel.D, steps=setup.job.train.steps, keys=tuple(compute.names),
-            key_shards=setup.key_shards, addresses=setup.ps_addresses, push_hold_s=setup.push_seconds,
-            pull_hold_s=setup.pull_seconds, trace_dir=str(trace.parent) if trace else "",
-            trace_name=trace.name if trace else "", repeat_push=faults.from_env().repeat_push,
-            seed=setup.job.train.seed,
-        )
-        callbacks = SyncCallbacks(on_failure=self.fail, wake=self.wake, next_forward=self._next_forward,
-                                  observe_push=observe.push.observe, observe_pull=observe.pull.observe)
-        return WspSync(config, callbacks, compute.params)
-
     def _next_forward(self) -> int:
         assert self._s is not None
         return self._s.schedule.next_forward
-
-    def load_weights(self, bundle: Bundle) -> None:
-        with self._cv:
-            if self.state != StageState.READY or self._s is None:
-                raise _refused(self.state, "weights arrive once loaded and before Start, not")
-            compute = self._s.compute
-            expected = dict(compute.state())
-            got = bundle.named()
-            if set(got) != set(expected):
-                missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"weights: missing keys {missing[:10]}, "
-                               f"unexpected keys {extra[:10]}")
-            for key, value in got.items():
-                TensorSpec(expected[key].dtype, tuple(expected[key].shape)).check(f"weights[{key}]", value)
-                if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                    raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"weights[{key}]: NaN or Inf")
-            compute.module.load_state_dict(got)
-            compute.set_weights([p.detach() for p in compute.params])
 
     def start(self) -> None:
         with self._cv:
@@ -190,11 +129,25 @@ class StageRuntime:
             self._thread = threading.Thread(target=self._loop, args=(s,), name="compute", daemon=True)
             self._thread.start()
 
+    def evaluate(self, min_clock: int) -> None:
+        """The final evaluation (VW 0, after the run): merge w_global at min_clock, then stage 0
+        sends the held-out rows through."""
+        with self._cv:
+            s = self._s
+            if s is None or s.evals is None:
+                raise _refused(self.state, "evaluate: this stage has no evaluation to run")
+            if self.state != StageState.DONE:
+                raise _refused(self.state, "evaluate: the final evaluation follows the run")
+            if self._final is not None:
+                raise Rejected(grpc.StatusCode.ALREADY_EXISTS, "the final evaluation was asked for already")
+            self._final = min_clock
+            self._cv.notify_all()
+
     # ---- inputs from gRPC handlers ----------------------------------------------------------
 
-    def _check_input(self, bundle: Bundle, from_stage: int, what: str, names: tuple[str, ...]) -> tuple[_Assigned, int]:
-        """The minibatch of a valid input from stage from_stage; Rejected naming what is wrong."""
-        if self.state not in (StageState.READY, StageState.RUNNING) or self._s is None:
+    def _check_input(self, bundle: Bundle, from_stage: int, what: str) -> tuple[Loaded, int, int]:
+        """(stage, minibatch, evaluation) of a valid single-tensor input from stage from_stage."""
+        if self.state not in (StageState.READY, StageState.RUNNING, StageState.DONE) or self._s is None:
             raise _refused(self.state, f"{what} refused: the stage is not running")
         s = self._s
         if bundle.header.WhichOneof("header") != "minibatch":
@@ -205,28 +158,29 @@ class StageRuntime:
         if tag.stage != from_stage:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{what}: sent by stage {tag.stage}, expected stage {from_stage}")
-        if len(bundle.tensors) != len(names):
-            expected = f"{len(names)} tensor{'s' if len(names) > 1 else ''} ({', '.join(names)})"
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: expected {expected}, got {len(bundle.tensors)}")
-        return s, int(tag.minibatch)
-
-    def _accept(self, accept: Callable[[int], None], p: int) -> None:
-        try:
-            accept(p)
-        except ScheduleError as exc:
-            raise Rejected(_SCHEDULE_CODES[exc.reason], str(exc)) from None
+        if len(bundle.tensors) != 1:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: expected 1 tensor, got {len(bundle.tensors)}")
+        if tag.eval and (s.evals is None or not 1 <= tag.minibatch <= len(s.evals.batches)
+                         or tag.eval > s.evals.schedule.final_id or what != "activation"):
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: evaluation {tag.eval} minibatch {tag.minibatch} "
+                                                             f"is not one this stage runs")
+        if self.state == StageState.DONE and not tag.eval:
+            raise _refused(self.state, f"{what} for minibatch {tag.minibatch} refused: training has ended")
+        return s, int(tag.minibatch), int(tag.eval)
 
     def offer_forward(self, bundle: Bundle) -> None:
-        """Validates an activation (+ targets) from the previous stage and queues it."""
+        """Validates an activation from the previous stage and queues it."""
         with self._cv:
             if self._s is not None and self._s.setup.first:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "stage 0 reads its own data and takes no activations")
-            s, p = self._check_input(bundle, self.setup.stage - 1, "activation", ("activation", "target"))
-            (_, x), (_, y) = bundle.tensors
+            s, p, k = self._check_input(bundle, self.setup.stage - 1, "activation")
+            x = bundle.tensors[0][1]
             s.setup.specs.activation.check("activation", x)
-            s.setup.specs.target.check("target", y)
-            self._accept(s.schedule.accept_forward, p)
-            self._forward_inputs[p] = (x.to(s.compute.device), y.to(s.compute.device))
+            if k:
+                self._eval_inputs.append((k, p, x.to(s.compute.device)))
+            else:
+                self._accept(s.schedule.accept_forward, p)
+                self._forward_inputs[p] = x.to(s.compute.device)
             self._received += 1
             self._cv.notify_all()
 
@@ -236,7 +190,7 @@ class StageRuntime:
             if self._s is not None and self._s.setup.last:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                                "the last stage computes the loss and takes no gradients")
-            s, p = self._check_input(bundle, self.setup.stage + 1, "gradient", ("gradient",))
+            s, p, _ = self._check_input(bundle, self.setup.stage + 1, "gradient")
             grad = bundle.tensors[0][1]
             s.setup.specs.output.check("gradient", grad)
             self._accept(s.schedule.accept_backward, p)
@@ -244,11 +198,18 @@ class StageRuntime:
             self._received += 1
             self._cv.notify_all()
 
+    @staticmethod
+    def _accept(accept: Callable[[int], None], p: int) -> None:
+        try:
+            accept(p)
+        except ScheduleError as exc:
+            raise Rejected(_SCHEDULE_CODES[exc.reason], str(exc)) from None
+
     # ---- the compute thread ------------------------------------------------------------------
 
     def fail(self, reason: str) -> None:
         with self._cv:
-            if self.state.is_terminal or not self.state.allows(StageState.FAILED):
+            if not self.state.allows(StageState.FAILED):
                 return
             self.error = f"{self._setup.name if self._setup else 'stage'}: {reason}"
             self._to(StageState.FAILED)
@@ -258,13 +219,29 @@ class StageRuntime:
         with self._cv:
             self._cv.notify_all()
 
-    def _next_task(self, s: _Assigned) -> Task | None:
-        """Blocks until a task is ready; None when the stage is finished, failed or stopping."""
+    def _eval_task(self, s: Loaded) -> Task | None:
+        """The evaluation work ready at this stage, if any (it goes before training work)."""
+        if s.evals is None:
+            return None
+        if self._final is not None and not self._final_merged:
+            return Task(TaskKind.MERGE_FINAL, 0)
+        if s.setup.first:
+            if self._final is not None and s.evals.schedule.final_id not in s.evals.started:
+                return Task(TaskKind.EVAL, 0, s.evals.schedule.final_id)
+            k = s.evals.schedule.due(s.schedule.completed, s.schedule.in_flight)
+            return Task(TaskKind.EVAL, 0, k) if k is not None else None
+        if self._eval_inputs:
+            k, p, _ = self._eval_inputs[0]
+            return Task(TaskKind.EVAL, p, k)
+        return None
+
+    def _next_task(self, s: Loaded) -> Task | None:
+        """Blocks until a task is ready; None when the stage is failed or stopping."""
         with self._cv:
             idle_since = time.monotonic()
             waiting = s.sync.waiting
             while True:
-                if self._stopping or self.state != StageState.RUNNING:
+                if self._stopping or self.state not in (StageState.RUNNING, StageState.DONE):
                     return None
                 now = time.monotonic()
                 # Each idle interval is charged by the state it was spent in: idle while a forward
@@ -274,33 +251,34 @@ class StageRuntime:
                 self._idle_seconds += now - idle_since
                 idle_since = now
                 s.sync.apply_pending(s.compute)
-                task = s.schedule.next_task(s.sync.forward_allowed)
+                task = self._eval_task(s) or s.schedule.next_task(s.forward_allowed)
                 waiting = s.sync.waiting
                 if task is not None:
                     self._busy = True
                     return task
-                if s.schedule.done and s.sync.finished():
-                    self._to(StageState.DONE)
-                    return None
+                if self.state == StageState.RUNNING and s.schedule.done and s.sync.finished():
+                    self._to(StageState.DONE)  # stays up for the final evaluation, until stopped
                 self._cv.wait(0.5)
 
-    def _loop(self, s: _Assigned) -> None:
+    def _loop(self, s: Loaded) -> None:
         task: Task | None = None
         run = {TaskKind.FORWARD: self._forward, TaskKind.BACKWARD: self._backward,
-               TaskKind.FORWARD_BACKWARD: self._forward_backward}
+               TaskKind.FORWARD_BACKWARD: self._forward_backward, TaskKind.EVAL: self._evaluate,
+               TaskKind.MERGE_FINAL: self._merge_final}
         try:
             while (task := self._next_task(s)) is not None:
                 started = time.monotonic()
-                outgoing, forward = run[task.kind](s, task.p)
+                outgoing, forward = run[task.kind](s, task)
                 with self._cv:
-                    elapsed = time.monotonic() - started
-                    forward = elapsed if task.kind == TaskKind.FORWARD else min(forward, elapsed)
-                    self._phase_seconds["forward"] += forward
-                    self._phase_seconds["backward"] += elapsed - forward
                     self._busy = False
-                    s.schedule.complete(task)
-                    if task.kind != TaskKind.FORWARD and closes_wave(task.p, s.job.nm, s.job.train.steps):
-                        s.sync.on_wave_end(wave_of(task.p, s.job.nm))
+                    if task.kind in (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.FORWARD_BACKWARD):
+                        elapsed = time.monotonic() - started
+                        forward = elapsed if task.kind == TaskKind.FORWARD else min(forward, elapsed)
+                        self._phase_seconds["forward"] += forward
+                        self._phase_seconds["backward"] += elapsed - forward
+                        s.schedule.complete(task)
+                        if task.kind != TaskKind.FORWARD and closes_wave(task.p, s.job.nm, s.job.train.steps):
+                            s.sync.on_wave_end(wave_of(task.p, s.job.nm))
                     self._cv.notify_all()
                 # Only now may results leave: a neighbour reacting to them (stage 0 injecting
                 # p + nm after this gradient) must find this task recorded as done.
@@ -308,21 +286,20 @@ class StageRuntime:
                     link.send(message)
         except Exception as exc:  # any bug or device error fails the stage loudly, naming p
             log.exception("%s crashed", s.setup.name)
-            where = f" at minibatch {task.p}" if task is not None else ""
+            where = f" at {'evaluation' if task.kind == TaskKind.EVAL else 'minibatch'} {task.p}" if task else ""
             self.fail(f"{type(exc).__name__}: {exc}{where}")
 
-    def _inputs(self, s: _Assigned, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if s.dataset is not None:
-            x, y = datasets.minibatch(s.dataset, p, s.setup.vw, s.job)
-            return x.to(s.compute.device), y.to(s.compute.device)
-        with self._cv:
-            return self._forward_inputs.pop(p)
+    def _tag(self, s: Loaded, p: int, version: int, evaluation: int = 0) -> wire_pb2.MinibatchTag:
+        return wire_pb2.MinibatchTag(vw=s.setup.vw, minibatch=p, weight_version=version, stage=s.setup.stage,
+                                     eval=evaluation)
 
-    def _tag(self, s: _Assigned, p: int, version: int) -> wire_pb2.MinibatchTag:
-        return wire_pb2.MinibatchTag(vw=s.setup.vw, minibatch=p, weight_version=version, stage=s.setup.stage)
-
-    def _forward(self, s: _Assigned, p: int) -> tuple[list[Send], float]:
-        x, y = self._inputs(s, p)
+    def _forward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+        p = task.p
+        if s.inputs is not None:
+            x = s.inputs.next()[0].to(s.compute.device, non_blocking=True)
+        else:
+            with self._cv:
+                x = self._forward_inputs.pop(p)
         start = time.time()
         min_clock = s.sync.min_clock
         out, version = s.compute.forward(p, x)
@@ -331,9 +308,10 @@ class StageRuntime:
         s.padder.pad(start, s.setup.forward_seconds)
         s.trace.forward(p, local_version=version, min_clock=min_clock, fwd_start=start, fwd_end=time.time())
         assert s.next is not None
-        return [(s.next, Outgoing(self._tag(s, p, version), [("activation", out), ("target", y)]))], 0.0
+        return [(s.next, Outgoing(self._tag(s, p, version), [("activation", out)]))], 0.0
 
-    def _backward(self, s: _Assigned, p: int) -> tuple[list[Send], float]:
+    def _backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+        p = task.p
         with self._cv:
             grad = self._backward_inputs.pop(p)
         start = time.time()
@@ -343,14 +321,21 @@ class StageRuntime:
         s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=start, bwd_end=time.time())
         return self._gradient(s, p, version, grad_in), 0.0
 
-    def _gradient(self, s: _Assigned, p: int, version: int, grad_in: torch.Tensor | None) -> list[Send]:
+    def _gradient(self, s: Loaded, p: int, version: int, grad_in: torch.Tensor | None) -> list[Send]:
         if s.prev is None:
             return []
         assert grad_in is not None
         return [(s.prev, Outgoing(self._tag(s, p, version), [("gradient", grad_in)]))]
 
-    def _forward_backward(self, s: _Assigned, p: int) -> tuple[list[Send], float]:
-        x, y = self._inputs(s, p)
+    def _forward_backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+        p = task.p
+        if s.inputs is not None:  # a lone stage reads its inputs too
+            x = s.inputs.next()[0].to(s.compute.device, non_blocking=True)
+        else:
+            with self._cv:
+                x = self._forward_inputs.pop(p)
+        assert s.targets is not None
+        y = s.targets.next()[1].to(s.compute.device, non_blocking=True)
         start = time.time()
         min_clock = s.sync.min_clock
         loss, grad_in, version, update, forward_end = s.compute.forward_backward(p, x, y)
@@ -368,6 +353,52 @@ class StageRuntime:
         s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=forward_end, bwd_end=end,
                          loss=loss)
         return self._gradient(s, p, version, grad_in), forward
+
+    # ---- evaluation --------------------------------------------------------------------------
+
+    def _merge_final(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+        assert self._final is not None
+        s.sync.pull_now(s.compute, self._final)
+        with self._cv:
+            self._final_merged = True
+        return [], 0.0
+
+    def _evaluate(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+        """Stage 0: reads every held-out minibatch and sends it on; a later stage runs the one
+        that arrived; the last stage scores it."""
+        assert s.evals is not None
+        k = task.eval
+        if s.setup.first:
+            s.evals.started.add(k)
+            if k != s.evals.schedule.final_id:
+                s.evals.schedule.ran(k)
+            inputs = [(i, s.evals.read(i)[0]) for i in range(1, len(s.evals.batches) + 1)]
+        else:
+            with self._cv:
+                _, i, x = self._eval_inputs.popleft()
+            inputs = [(i, x)]
+        sends: list[Send] = []
+        for i, x in inputs:
+            out = s.compute.evaluate(x.to(s.compute.device))
+            if s.next is not None:
+                sends.append((s.next, Outgoing(self._tag(s, i, s.compute.version, k), [("activation", out)])))
+            else:
+                self._score(s, k, i, out)
+        return sends, 0.0
+
+    def _score(self, s: Loaded, k: int, i: int, out: torch.Tensor) -> None:
+        assert s.evals is not None
+        y = s.evals.read(i)[1].to(out.device)
+        logits = out.float()
+        loss = float(compute_loss(s.job.train.loss, logits, y))
+        correct = int((logits.argmax(dim=-1) == y).sum()) if s.evals.totals.classification else 0
+        final = k == s.evals.schedule.final_id
+        trained = s.job.train.steps if final else s.schedule.completed
+        result = s.evals.totals.add(k, loss=loss, correct=correct, predictions=y.numel(), rows=int(out.shape[0]),
+                                    minibatches=trained, final=final, now=time.time())
+        if result is not None:
+            log.info("%s: evaluation %d after %d minibatches: loss %.4f, accuracy %.4f", s.setup.name, k,
+                     result.minibatches, result.loss, result.accuracy)
 
     # ---- queries and shutdown ----------------------------------------------------------------
 
@@ -399,14 +430,23 @@ class StageRuntime:
                 sent_forward_bytes=links[0].bytes_sent if links[0] is not None else 0,
                 sent_backward_bytes=links[1].bytes_sent if links[1] is not None else 0,
                 clock=s.sync.clock, min_clock=s.sync.min_clock,
+                evals=tuple(s.evals.totals.results) if s.evals is not None else (),
                 weights_digest=s.compute.digest() if weights_digest else "",
             )
 
-    def weights(self) -> list[tuple[str, torch.Tensor]]:
+    def weights(self, keys: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The stage's state_dict entries (these keys; all by default), on the CPU."""
         with self._cv:
             if self._s is None:
-                raise _refused(self.state, "no weights before Assign:")
-            return self._s.compute.state()
+                raise _refused(self.state, "no weights before the stage has loaded:")
+            state = self._s.compute.state()
+            if not keys:
+                return state
+            have = dict(state)
+            unknown = [k for k in keys if k not in have]
+            if unknown:
+                raise Rejected(grpc.StatusCode.NOT_FOUND, f"keys not on {self._s.setup.name}: {unknown[:5]}")
+            return [(k, have[k]) for k in keys]
 
     def stop(self) -> None:
         with self._cv:
@@ -414,11 +454,6 @@ class StageRuntime:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        s = self._s
-        if s is None:
-            return
-        for link in (s.next, s.prev):
-            if link is not None:
-                link.close()
-        s.sync.close()
-        s.trace.close()
+        if self._s is not None:
+            self._s.close()
+

@@ -13,12 +13,15 @@ class TaskKind(enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"
     FORWARD_BACKWARD = "FB"  # the last stage runs a minibatch's forward and backward as one task
+    EVAL = "E"               # forward-only on held-out rows (stage_worker/evaluation.py)
+    MERGE_FINAL = "M"        # merge w_global after the run, before the final evaluation
 
 
 @dataclass(frozen=True, slots=True)
 class Task:
     kind: TaskKind
     p: int
+    eval: int = 0            # which evaluation an EVAL task belongs to
 
 
 class Rejection(enum.Enum):

@@ -37,6 +37,9 @@ def status_message(p: Progress) -> stage_pb2.StageStatus:
     s.compute_seconds = p.compute_seconds
     s.clock, s.min_clock = p.clock, p.min_clock
     s.weights_digest = p.weights_digest
+    for e in p.evals:
+        s.evals.add(id=e.id, minibatches=e.minibatches, final=e.final, time=e.time, rows=e.rows, loss=e.loss,
+                    accuracy=e.accuracy)
     return s
 
 
@@ -49,11 +52,6 @@ class StageServicer:
     def Assign(self, request: stage_pb2.StageAssignment, context: grpc.ServicerContext) -> wire_pb2.Ack:
         self.runtime.assign(request)
         return wire_pb2.Ack(message="assigned")
-
-    @handler
-    def LoadWeights(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.load_weights(wire.decode(request_iterator))
-        return wire_pb2.Ack(message="weights loaded")
 
     @handler
     def Start(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> wire_pb2.Ack:
@@ -75,8 +73,13 @@ class StageServicer:
         return status_message(self.runtime.progress(weights_digest=request.weights_digest))
 
     @handler
-    def GetWeights(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> Iterator[bytes]:
-        return wire.encode(self.runtime.weights())  # weights() runs now, inside the handler
+    def GetWeights(self, request: stage_pb2.WeightsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        return wire.encode(self.runtime.weights(list(request.keys)))  # weights() runs now, inside the handler
+
+    @handler
+    def Evaluate(self, request: stage_pb2.EvalRequest, context: grpc.ServicerContext) -> wire_pb2.Ack:
+        self.runtime.evaluate(int(request.min_clock))
+        return wire_pb2.Ack(message="evaluating")
 
     @handler
     def Stop(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> wire_pb2.Ack:

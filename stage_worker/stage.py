@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass
@@ -22,16 +23,30 @@ class _Stashed:
     out: torch.Tensor
 
 
+COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class StageCompute:
-    """Runs forward/backward for one stage with weight stashing; counts own updates as versions."""
+    """Runs forward/backward for one stage with weight stashing; counts own updates as versions.
+
+    stash=False where no update can come between a minibatch's forward and its backward (the
+    last stage, whose forward and backward are one task, and any stage at nm = 1): the forward
+    then runs on the live weights instead of a copy. precision bf16/fp16 computes under autocast
+    with the weights (and the optimizer) in their own dtype, and sends activations and gradients
+    in the compute dtype.
+    """
 
     def __init__(
-        self, layers: nn.Sequential, optimizer: OptimizerConfig, *, loss: str, device: str, track_updates: bool
+        self, layers: nn.Sequential, optimizer: OptimizerConfig, *, loss: str, device: str, track_updates: bool,
+        stash: bool = True, precision: str = "fp32",
     ) -> None:
         self.module = layers.to(device)
         self.track_updates = track_updates  # WSP needs u_p = w_after - w_before; a lone VW does not
+        self.stash = stash
         self.device = device
         self.loss_kind = loss
+        self.compute_dtype = COMPUTE_DTYPES[precision]
+        self._device_type = torch.device(device).type
         self.names = [n for n, _ in self.module.named_parameters()]
         self.params = [p for _, p in self.module.named_parameters()]
         # A stage may hold only parameter-free layers (a ReLU); it still counts versions.
@@ -40,7 +55,18 @@ class StageCompute:
         self._stash: dict[int, _Stashed] = {}
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
 
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device_type, dtype=self.compute_dtype)
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        """What leaves the stage: floating tensors in the compute dtype."""
+        return t.to(self.compute_dtype) if self.compute_dtype is not None and t.is_floating_point() else t
+
     def _current_leaves(self) -> dict[str, torch.Tensor]:
+        if not self.stash:
+            return dict(zip(self.names, self.params))
         # Minibatches forwarded between two updates share one stashed copy of the weights.
         if self._snapshot is None or self._snapshot[0] != self.version:
             leaves = {n: p.detach().clone().requires_grad_(True) for n, p in zip(self.names, self.params)}
@@ -52,9 +78,16 @@ class StageCompute:
         leaves = self._current_leaves()
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        out = functional_call(self.module, leaves, (x,))
+        with self._autocast():
+            out = self._wire(functional_call(self.module, leaves, (x,)))
         self._stash[p] = _Stashed(self.version, leaves, x, out)
         return out.detach(), self.version
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward only, on the live weights (an evaluation of held-out rows)."""
+        with self._autocast():
+            return self._wire(functional_call(self.module, dict(zip(self.names, self.params)), (x,)))
 
     def backward(self, p: int, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, int, list[torch.Tensor]]:
         """Backward of p on its stashed weights, then the local optimizer step (L3)."""
@@ -69,8 +102,9 @@ class StageCompute:
         leaves = self._current_leaves()
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        out = functional_call(self.module, leaves, (x,))
-        loss = compute_loss(self.loss_kind, out, target)
+        with self._autocast():
+            out = functional_call(self.module, leaves, (x,))
+            loss = compute_loss(self.loss_kind, out.float() if self.compute_dtype is not None else out, target)
         forward_end = time.time()
         stashed = _Stashed(self.version, leaves, x, loss)
         grad_in, grads = self._grads(stashed, loss, None)
@@ -85,7 +119,7 @@ class StageCompute:
             return None, [None] * len(self.params)
         got = torch.autograd.grad(out, inputs, grad_outputs=grad_out, allow_unused=True)
         grads: list[torch.Tensor | None] = list(got[: len(self.params)])
-        grad_in = got[-1] if wants_x else None
+        grad_in = self._wire(got[-1]) if wants_x else None
         return grad_in, grads
 
     @torch.no_grad()

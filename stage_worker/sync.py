@@ -59,6 +59,14 @@ class Sync(Protocol):
         """All pushes acknowledged."""
         ...
 
+    def initialise(self, virtual_workers: int, values: list[torch.Tensor]) -> None:
+        """Gives the shards this stage's keys' initial values (VW 0's stages)."""
+        ...
+
+    def pull_now(self, weights: Weights, min_clock: int) -> None:
+        """Merges w_global at c_global >= min_clock before it returns."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -100,6 +108,12 @@ class LocalSync:
 
     def finished(self) -> bool:
         return True
+
+    def initialise(self, virtual_workers: int, values: list[torch.Tensor]) -> None:
+        pass
+
+    def pull_now(self, weights: Weights, min_clock: int) -> None:
+        pass  # the local weights are w_global
 
     def close(self) -> None:
         pass

@@ -112,6 +112,7 @@ class WspSync:
         self._wait_started: float | None = None
         self._wait_seconds = 0.0
         self._acked_waves = 0
+        self._failure: str | None = None   # why a push or pull gave up
         self._closed = threading.Event()
         self._pushes: queue.Queue[tuple[int, list[torch.Tensor], float] | None] = queue.Queue()
         # Sum of every acknowledged push, written next to the trace: what O3 checks the shards against.
@@ -129,6 +130,29 @@ class WspSync:
         self._rng = random.Random(hash((config.seed, config.vw, config.trace_name, "push")))
         self._pusher = threading.Thread(target=self._push_loop, name="pusher", daemon=True)
         self._pusher.start()
+
+    def initialise(self, virtual_workers: int, values: Sequence[torch.Tensor]) -> None:
+        """Gives this stage's shards their keys' initial values (VW 0's stages do, while loading)."""
+        for shard, idx in self._by_shard().items():
+            tag = wire_pb2.InitTag(virtual_workers=virtual_workers, shard=shard)
+            tensors = [(self.keys[i], values[i].detach().cpu()) for i in idx]
+            stub = self._stubs[shard]
+            self._retrying(f"init of {len(idx)} keys", shard, PUSH_GIVE_UP_S,
+                           lambda: stub.Init(wire.encode(tensors, init=tag), timeout=rpc.DATA_DEADLINE_S))
+
+    def pull_now(self, weights: Weights, min_clock: int) -> None:
+        """Merges w_global at c_global >= min_clock before it returns (the final evaluation's
+        weights: every VW's last push included). RuntimeError if the shards cannot answer."""
+        while self._have < min_clock:
+            self._request(min_clock)
+            while True:
+                with self._lock:
+                    if self._pending is not None:
+                        break
+                if self._failure is not None or self._closed.is_set():
+                    raise RuntimeError(self._failure or "closed while waiting for w_global")
+                time.sleep(0.005)
+            self.apply_pending(weights)
 
     # ---- called by the compute thread -------------------------------------------------------
 
@@ -254,6 +278,7 @@ class WspSync:
                 _in_parallel(lambda item: self._push(item[0], wave, item[1]), list(batches.items()))
             except RuntimeError as exc:
                 if not self._closed.is_set():  # a call cut short by closing is not a failure
+                    self._failure = str(exc)
                     self.cb.on_failure(str(exc))
                 return
             self.cb.observe_push(time.perf_counter() - started)
@@ -295,6 +320,7 @@ class WspSync:
             bundles = _in_parallel(lambda item: pull_one(*item), list(groups.items()))
         except (RuntimeError, wire.WireError) as exc:
             if not self._closed.is_set():
+                self._failure = str(exc)
                 self.cb.on_failure(str(exc))
             return
         c_global = min(b.header.pull.c_global for b in bundles)

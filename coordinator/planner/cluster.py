@@ -73,7 +73,7 @@ def cluster_gpus(job: JobConfig, count: int | None = None) -> list[Gpu]:
         need = job.parallel.virtual_workers * job.parallel.stages_per_vw if count is None else count
         devices = local_devices()
         return [Gpu(f"local/{i}", "local", devices[i % len(devices)].kind, devices[i % len(devices)].memory_bytes)
-                for i in range(need)]
+                for i in range(need)]  # "cpu" or "cuda": profiled as this machine's own device
     gpus = []
     for node in job.cluster.nodes:
         index = 0

@@ -103,7 +103,7 @@ def model_structure(model: nn.Sequential, x: torch.Tensor) -> dict[str, Any]:
     for layer in model:
         # Deep models repeat identical layers (ResNet-152: 36 equal bottlenecks in a row), and
         # the meta kernels of some operators (batch norm) are slow Python decompositions.
-        key = (_signature(layer), tuple(x.shape), x.dtype)
+        key = (signature(layer), tuple(x.shape), x.dtype)
         if key in seen:
             layer_info, shape, out_dtype = seen[key]
             x = torch.empty(shape, dtype=out_dtype, device="meta")
@@ -117,7 +117,7 @@ def model_structure(model: nn.Sequential, x: torch.Tensor) -> dict[str, Any]:
 _PLAIN = (bool, int, float, str, tuple, type(None), torch.dtype, torch.Size)
 
 
-def _signature(layer: nn.Module) -> Any:
+def signature(layer: nn.Module) -> Any:
     """What a layer computes: every submodule's class and plain attributes, and the shapes and
     dtypes of its parameters and buffers. Equal signatures on equal inputs give equal profiles."""
     parts = []

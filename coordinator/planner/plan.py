@@ -17,7 +17,7 @@ from hetpipe.config import ConfigError, JobConfig, ResolvedJob, resolve
 from hetpipe.devices import local_devices
 from hetpipe.network import Network
 from hetpipe.wsp import s_global
-from hetpipe.zoo import model_shape
+from hetpipe import models
 from coordinator.planner.allocation import allocate
 from coordinator.planner.cluster import Gpu, PlanError, cluster_gpus, vw_signature
 from coordinator.planner.costs import StageCosts
@@ -130,7 +130,7 @@ def _emulated_model(job: JobConfig, model: torch.nn.Sequential) -> torch.nn.Sequ
     """The model the emulated costs are taken at; it may differ from the real one only in sizes."""
     if job.emulated_model_args == dict(job.model.args):
         return model
-    emulated = model_shape(job.model.name, job.emulated_model_args)
+    emulated = models.structure(job.model, job.base_dir, job.emulated_model_args)
     names = [n for n, _ in model.named_parameters()]
     if len(emulated) != len(model) or [n for n, _ in emulated.named_parameters()] != names:
         raise ConfigError(
@@ -164,13 +164,12 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
     n, k = par.virtual_workers, par.stages_per_vw
     gpus = cluster_gpus(job)
     types = sorted({g.type for g in gpus})
-    profile = profile_model(job.model.name, job.emulated_model_args, job.data.batch_size, job.train.dtype, types,
-                            cache_dir=cache_dir or default_cache_dir())
+    profile = profile_model(job, types, args=job.emulated_model_args, cache_dir=cache_dir or default_cache_dir())
     if k > len(profile.layers):
-        raise ConfigError(f"parallel.stages_per_vw: {k} stages but model {job.model.name} has "
+        raise ConfigError(f"parallel.stages_per_vw: {k} stages but model {profile.model} has "
                           f"{len(profile.layers)} layers")
     optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
-    model = model_shape(job.model.name, job.model.args)
+    model = models.structure(job.model, job.base_dir)
     costs = StageCosts(job, profile, model, _emulated_model(job, model))
     # The partitioner weighs activation transfers by the emulated network, else the paper's.
     network = costs.network or Network()
@@ -221,15 +220,15 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
         raise PlanError("no plan fits: " + "; ".join(reasons[:4]))
 
     key_shard = costs.key_shard(best.parts)
-    cuda = sum(1 for d in local_devices() if d.kind == "cuda")
+    here = local_devices()
     stages = []
     for v, part in enumerate(best.parts):
         transfers = costs.transfers(part, key_shard)
         for q, cut in enumerate(part.stages):
-            local = cut.gpu.type in ("cpu", "cuda")
-            if cut.gpu.type == "cuda" and cuda:
-                device = f"cuda:{(v * k + q) % cuda}"
-            elif local or job.emulate is not None:
+            local = job.cluster is None
+            if local:
+                device = here[(v * k + q) % len(here)].name  # this machine's own devices, round robin
+            elif job.emulate is not None:
                 device = "cpu"  # emulation really computes on the CPU (DESIGN §5)
             else:
                 device = ""  # a real GPU of that type on its own node: the worker picks its cuda device

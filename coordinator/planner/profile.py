@@ -1,12 +1,12 @@
-"""Per-layer profile of a zoo model: FLOPs, bytes, memory and forward/backward time per device type.
+"""Per-layer profile of a job's model: FLOPs, bytes, memory, and forward/backward time per device type.
 
 FLOPs, bytes moved and memory come from running every layer forward and backward on the `meta`
-device (shapes only, no data, no real computation), so VGG-19 or ResNet-152 at 224x224 and batch
-32 profile in seconds on a CPU-only machine. Times for a catalog GPU type are derived from those
-numbers with the catalog's roofline (`GpuType.seconds`), operator by operator; "cpu" and "cuda"
-are measured by timing each layer on real tensors (meant for small models).
+device (meter.py: shapes only, no data, no real computation), so VGG-19 or a 1.3B-parameter GPT
+profile in seconds on a CPU-only machine, and no model is ever materialised here. Times come from
+a roofline per operator: a catalog GPU type's (`GpuType.seconds`), or for this machine's own
+device ("cpu", "cuda") one calibrated by timing a matrix product and a copy on it.
 
-Works for any model whose layers are the children of an nn.Sequential (hetpipe/zoo.py).
+Works for any model whose layers are the children of an nn.Sequential (hetpipe/models.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -24,15 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from hetpipe import zoo
-from hetpipe.catalog import CATALOG
-from coordinator.planner.meter import model_structure
+from hetpipe import data, models
+from hetpipe.catalog import CATALOG, EFFICIENCY, GpuType
+from hetpipe.config import JobConfig
+from hetpipe.devices import local_devices
+from coordinator.planner.meter import model_structure, signature
 
 # Bump when what is measured or how changes: old cache files are then ignored.
-PROFILE_VERSION = 1
+PROFILE_VERSION = 3
 MEASURED_TYPES = ("cpu", "cuda")
+# A stage's kernels are launched from Python one operator at a time: a floor under every op.
+OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 8e-6}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +46,7 @@ class LayerProfile:
     output_bytes: int            # the activation it sends to the next layer, per minibatch
     saved_bytes: int             # activations kept for its backward, per in-flight minibatch
     workspace_bytes: int         # transient working memory while it runs
-    forward_seconds: dict[str, float]   # measured or derived, per device type name
+    forward_seconds: dict[str, float]   # derived, per device type name
     backward_seconds: dict[str, float]
 
 
@@ -57,57 +59,52 @@ class ModelProfile:
     layers: tuple[LayerProfile, ...]
 
 
-def profile_model(
-    name: str,
-    args: Mapping[str, Any],
-    batch_size: int,
-    dtype: str,
-    device_types: Sequence[str],
-    *,
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> ModelProfile:
-    """Profiles zoo model `name` at `batch_size` for every type in device_types.
+def _example(job: JobConfig, args: Mapping[str, Any], model: torch.nn.Sequential) -> tuple[tuple[int, ...], torch.dtype]:
+    """One minibatch of input. A zoo model says what it takes (at these args, which may be
+    cluster.emulate.model_args); a user's model takes what its data gives."""
+    batch = job.data.batch_size
+    first = model[0]
+    if job.model.name == "gpt":
+        return (batch, int(args.get("context", 16))), torch.long
+    if job.model.name is not None and isinstance(first, torch.nn.Unflatten):
+        return (batch, math.prod(first.unflattened_size)), getattr(torch, job.train.dtype)
+    if job.model.name is not None and isinstance(first, torch.nn.Linear):
+        return (batch, first.in_features), getattr(torch, job.train.dtype)
+    x, _ = data.first_item(job)
+    return tuple(x.shape), x.dtype
 
-    Catalog types are derived from the meta-device FLOPs and bytes; "cpu"/"cuda" are measured.
-    With cache_dir, the device-independent part is cached per (model, args, batch, dtype) and
-    measured times per (model, args, batch, dtype, device type), as JSON.
-    """
-    dtype = _dtype_name(dtype)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
+
+def _compute_dtype(job: JobConfig) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.train.precision, getattr(torch, job.train.dtype))
+
+
+def profile_model(job: JobConfig, device_types: Sequence[str], *, args: Mapping[str, Any] | None = None,
+                  cache_dir: str | os.PathLike[str] | None = None) -> ModelProfile:
+    """Profiles the job's model (at `args` instead of model.args, if given) at the job's batch
+    size for every type in device_types. With cache_dir, the meta-device structure is cached per
+    (model, args, input, dtype, precision) and each local device's calibration per device, as JSON."""
     for t in device_types:
         if t not in CATALOG and t not in MEASURED_TYPES:
             raise ValueError(f"device type {t!r}: expected one of {', '.join([*MEASURED_TYPES, *CATALOG])}")
-        if t == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device type 'cuda': no CUDA device on this machine")
-    key = {"version": PROFILE_VERSION, "model": name, "args": _jsonable(args), "batch_size": batch_size,
-           "dtype": dtype}
+    args = dict(job.model.args if args is None else args)
+    model = models.structure(job.model, job.base_dir, args)
+    shape, in_dtype = _example(job, args, model)
+    dtype = _compute_dtype(job)
+    key = {"version": PROFILE_VERSION, "model": models.describe(job.model), "args": _jsonable(args),
+           "input": [list(shape), str(in_dtype)], "dtype": str(dtype), "layers": _digest(model)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     cache = Path(cache_dir) if cache_dir is not None else None
-
-    structure = _load(cache / f"{name}-{digest}.json", key) if cache else None
+    path = cache / f"{job.model.name or 'factory'}-{digest}.json" if cache else None
+    structure = _load(path, key) if path else None
     if structure is None:
-        structure = _structure(name, args, batch_size, dtype)
-        if cache:
-            _store(cache / f"{name}-{digest}.json", {"key": key, **structure})
-
-    forward: dict[str, list[float]] = {}
-    backward: dict[str, list[float]] = {}
-    for t in dict.fromkeys(device_types):
-        if t in MEASURED_TYPES:
-            path = cache / f"{name}-{digest}-{t}.json" if cache else None
-            measured = _load(path, {**key, "device": t}) if path else None
-            if measured is None:
-                fwd, bwd = _measure(name, args, batch_size, dtype, t)
-                measured = {"forward_seconds": fwd, "backward_seconds": bwd}
-                if path:
-                    _store(path, {"key": {**key, "device": t}, **measured})
-            forward[t], backward[t] = measured["forward_seconds"], measured["backward_seconds"]
-        else:
-            gpu = CATALOG[t]
-            forward[t] = [_roofline(gpu, layer["forward_ops"]) for layer in structure["layers"]]
-            backward[t] = [_roofline(gpu, layer["backward_ops"]) for layer in structure["layers"]]
-
+        meta = model.to(device="meta", dtype=dtype if in_dtype.is_floating_point else None).train()
+        x = torch.empty(shape, dtype=dtype if in_dtype.is_floating_point else in_dtype, device="meta")
+        structure = model_structure(meta, x)
+        if path:
+            _store(path, {"key": key, **structure})
+    half = job.train.precision != "fp32"
+    rooflines = {t: CATALOG[t] if t in CATALOG else _calibrated(t, cache) for t in dict.fromkeys(device_types)}
+    overhead = {t: OP_OVERHEAD_S.get(t, 0.0) for t in rooflines}
     layers = tuple(
         LayerProfile(
             index=i,
@@ -117,119 +114,80 @@ def profile_model(
             output_bytes=int(layer["output_bytes"]),
             saved_bytes=int(layer["saved_bytes"]),
             workspace_bytes=int(layer["workspace_bytes"]),
-            forward_seconds={t: float(forward[t][i]) for t in forward},
-            backward_seconds={t: float(backward[t][i]) for t in backward},
+            forward_seconds={t: _roofline(g, layer["forward_ops"], half, overhead[t]) for t, g in rooflines.items()},
+            backward_seconds={t: _roofline(g, layer["backward_ops"], half, overhead[t]) for t, g in rooflines.items()},
         )
         for i, layer in enumerate(structure["layers"])
     )
-    return ModelProfile(name, batch_size, dtype, int(structure["input_bytes"]), layers)
+    return ModelProfile(models.describe(job.model), job.data.batch_size, str(dtype).removeprefix("torch."),
+                        int(structure["input_bytes"]), layers)
 
 
-def _structure(name: str, args: Mapping[str, Any], batch_size: int, dtype: str) -> dict[str, Any]:
-    try:
-        factory = zoo.MODELS[name]
-    except KeyError:
-        raise ValueError(f"model {name!r}: expected one of {', '.join(zoo.MODELS)}") from None
-    torch_dtype = getattr(torch, dtype)
-    with torch.device("meta"):
-        model = factory(args)
-    model = model.to(device="meta", dtype=torch_dtype).train()
-    return model_structure(model, example_input(name, args, model, batch_size, torch_dtype, "meta"))
+def _digest(model: torch.nn.Sequential) -> str:
+    """What the layers compute, for the cache key: a user's model code may change, its args not."""
+    return hashlib.sha256(repr([signature(layer) for layer in model]).encode()).hexdigest()[:16]
 
 
-def _roofline(gpu: Any, ops: Sequence[Sequence[float]]) -> float:
+def _roofline(gpu: GpuType, ops: Sequence[Sequence[float]], half: bool, overhead: float) -> float:
     # Operator by operator: a convolution is compute-bound and the ReLU after it memory-bound,
     # which one max() over the whole layer would hide.
-    return math.fsum(gpu.seconds(flops, nbytes) for flops, nbytes in ops)
+    return math.fsum(gpu.seconds(flops, nbytes, half=half) + overhead for flops, nbytes in ops)
 
 
-# ---- example inputs ------------------------------------------------------------------------------
+# ---- this machine's own devices: a roofline calibrated on them --------------------------------------
 
-def example_input(name: str, args: Mapping[str, Any], model: nn.Sequential, batch_size: int,
-                  dtype: torch.dtype, device: str | torch.device, *, real: bool = False) -> torch.Tensor:
-    """One minibatch of model input, shaped as hetpipe/data.py feeds it (flat features or tokens).
+def _calibrated(kind: str, cache: Path | None) -> GpuType:
+    """The roofline of this machine's CPU (at the thread count a stage uses) or first CUDA
+    device: a catalog entry where the device's name is known, else timed here and cached."""
+    device = next(d for d in local_devices() if d.kind == kind) if kind == "cuda" else None
+    if device is not None:
+        from hetpipe.catalog import match
 
-    On meta (real=False) only the shape matters; real=True fills it with random values.
-    """
-    if zoo.takes_tokens(name):
-        first = model[0]
-        position = getattr(first, "position", None)
-        context = int(args.get("context", position.num_embeddings if isinstance(position, nn.Embedding) else 16))
-        vocab = int(args.get("vocab", 64))
-        if real:
-            return torch.randint(0, vocab, (batch_size, context), device=device)
-        return torch.empty((batch_size, context), dtype=torch.long, device=device)
-    first = model[0]
-    shape: tuple[int, ...]
-    if isinstance(first, nn.Unflatten):
-        shape = (batch_size, math.prod(first.unflattened_size))
-    elif isinstance(first, nn.Linear):
-        shape = (batch_size, first.in_features)
-    elif "in_shape" in args:
-        shape = (batch_size, *(int(v) for v in args["in_shape"]))
-    elif "in_features" in args:
-        shape = (batch_size, int(args["in_features"]))
-    else:
-        raise ValueError(f"model {name}: cannot tell its input shape (no in_shape or in_features)")
-    if real:
-        return torch.randn(shape, dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
+        known = match(device.label, device.memory_bytes)
+        if known is not None:
+            return CATALOG[known]
+    threads = max(1, int(os.environ.get("HETPIPE_THREADS", "1")))
+    key = {"version": PROFILE_VERSION, "device": kind, "label": device.label if device else "cpu", "threads": threads}
+    path = cache / f"calibration-{kind}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]}.json" if cache else None
+    stored = _load(path, key) if path else None
+    if stored is None:
+        stored = {"key": key, **_time_device("cuda:0" if kind == "cuda" else "cpu", threads)}
+        if path:
+            _store(path, stored)
+    # GpuType.seconds divides by EFFICIENCY: undo it, the rates are what a kernel achieved here.
+    return GpuType(kind, kind, stored["flops"] * EFFICIENCY / 1e12, device.memory_bytes if device else 0,
+                   stored["bytes"] / 1e9, 0, stored["half_flops"] * EFFICIENCY / 1e12)
 
 
-# ---- measured device types -------------------------------------------------------------------------
+def _time_device(device: str, threads: int) -> dict[str, float]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        def best(fn: Any, reps: int = 5) -> float:
+            fn()
+            times = []
+            for _ in range(reps):
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                fn()
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+            return min(times)
 
-def _measure(name: str, args: Mapping[str, Any], batch_size: int, dtype: str, device_type: str,
-             reps: int = 3) -> tuple[list[float], list[float]]:
-    """Median forward and backward seconds of every layer on real tensors (after one warm-up)."""
-    device = "cuda:0" if device_type == "cuda" else "cpu"
-    torch_dtype = getattr(torch, dtype)
-    model = zoo.build_model(name, args, seed=0, dtype=torch_dtype).to(device).train()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        x = example_input(name, args, model, batch_size, torch_dtype, device, real=True)
-    forward: list[float] = []
-    backward: list[float] = []
-    for layer in model:
-        fwd_times, bwd_times = [], []
-        y = x
-        for rep in range(reps + 1):
-            xin = x.detach().requires_grad_(x.is_floating_point())
-            _sync(device)
-            t0 = time.perf_counter()
-            y = layer(xin)
-            _sync(device)
-            t1 = time.perf_counter()
-            inputs = ([xin] if xin.requires_grad else []) + [p for p in layer.parameters() if p.requires_grad]
-            grad_out = torch.ones_like(y)
-            _sync(device)
-            t2 = time.perf_counter()
-            if y.requires_grad and inputs:
-                torch.autograd.grad(y, inputs, grad_out)
-            _sync(device)
-            t3 = time.perf_counter()
-            if rep:  # the first run warms caches and allocators up
-                fwd_times.append(t1 - t0)
-                bwd_times.append(t3 - t2)
-        forward.append(statistics.median(fwd_times))
-        backward.append(statistics.median(bwd_times))
-        x = y.detach()
-    return forward, backward
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
+        n = 1024 if device.startswith("cuda") else 256
+        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        ha, hb = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        src = torch.empty(4 << 20, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        return {"flops": 2 * n**3 / best(lambda: a @ b), "half_flops": 2 * n**3 / best(lambda: ha @ hb),
+                "bytes": 2 * src.numel() / best(lambda: dst.copy_(src))}
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---- cache -------------------------------------------------------------------------------------------
-
-def _dtype_name(dtype: str | torch.dtype) -> str:
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
-        raise ValueError(f"dtype: expected a torch dtype name such as float32, got {dtype!r}")
-    return str(dtype)
-
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, Mapping):
@@ -259,3 +217,4 @@ def _store(path: Path, data: Mapping[str, Any]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+

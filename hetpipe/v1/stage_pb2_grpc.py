@@ -40,11 +40,6 @@ class StageStub:
                 request_serializer=hetpipe_dot_v1_dot_stage__pb2.StageAssignment.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
                 _registered_method=True)
-        self.LoadWeights = channel.stream_unary(
-                '/hetpipe.v1.Stage/LoadWeights',
-                request_serializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
-                response_deserializer=hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
-                _registered_method=True)
         self.Start = channel.unary_unary(
                 '/hetpipe.v1.Stage/Start',
                 request_serializer=hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
@@ -67,8 +62,13 @@ class StageStub:
                 _registered_method=True)
         self.GetWeights = channel.unary_stream(
                 '/hetpipe.v1.Stage/GetWeights',
-                request_serializer=hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+                request_serializer=hetpipe_dot_v1_dot_stage__pb2.WeightsRequest.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.FromString,
+                _registered_method=True)
+        self.Evaluate = channel.unary_unary(
+                '/hetpipe.v1.Stage/Evaluate',
+                request_serializer=hetpipe_dot_v1_dot_stage__pb2.EvalRequest.SerializeToString,
+                response_deserializer=hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
                 _registered_method=True)
         self.Stop = channel.unary_unary(
                 '/hetpipe.v1.Stage/Stop',
@@ -81,13 +81,7 @@ class StageServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Assign(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def LoadWeights(self, request_iterator, context):
-        """initial weights of this stage's layers
+        """answers at once; the stage loads in the background
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,7 +114,14 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetWeights(self, request, context):
-        """the local weights, named by state_dict key
+        """local weights, by state_dict key
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evaluate(self, request, context):
+        """VW 0 after the run: the final evaluation
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,11 +139,6 @@ def add_StageServicer_to_server(servicer, server):
             'Assign': grpc.unary_unary_rpc_method_handler(
                     servicer.Assign,
                     request_deserializer=hetpipe_dot_v1_dot_stage__pb2.StageAssignment.FromString,
-                    response_serializer=hetpipe_dot_v1_dot_wire__pb2.Ack.SerializeToString,
-            ),
-            'LoadWeights': grpc.stream_unary_rpc_method_handler(
-                    servicer.LoadWeights,
-                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.FromString,
                     response_serializer=hetpipe_dot_v1_dot_wire__pb2.Ack.SerializeToString,
             ),
             'Start': grpc.unary_unary_rpc_method_handler(
@@ -167,8 +163,13 @@ def add_StageServicer_to_server(servicer, server):
             ),
             'GetWeights': grpc.unary_stream_rpc_method_handler(
                     servicer.GetWeights,
-                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.Empty.FromString,
+                    request_deserializer=hetpipe_dot_v1_dot_stage__pb2.WeightsRequest.FromString,
                     response_serializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
+            ),
+            'Evaluate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evaluate,
+                    request_deserializer=hetpipe_dot_v1_dot_stage__pb2.EvalRequest.FromString,
+                    response_serializer=hetpipe_dot_v1_dot_wire__pb2.Ack.SerializeToString,
             ),
             'Stop': grpc.unary_unary_rpc_method_handler(
                     servicer.Stop,
@@ -202,33 +203,6 @@ class Stage:
             target,
             '/hetpipe.v1.Stage/Assign',
             hetpipe_dot_v1_dot_stage__pb2.StageAssignment.SerializeToString,
-            hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def LoadWeights(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/hetpipe.v1.Stage/LoadWeights',
-            hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
             hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
             options,
             channel_credentials,
@@ -363,8 +337,35 @@ class Stage:
             request,
             target,
             '/hetpipe.v1.Stage/GetWeights',
-            hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+            hetpipe_dot_v1_dot_stage__pb2.WeightsRequest.SerializeToString,
             hetpipe_dot_v1_dot_wire__pb2.TensorFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evaluate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetpipe.v1.Stage/Evaluate',
+            hetpipe_dot_v1_dot_stage__pb2.EvalRequest.SerializeToString,
+            hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

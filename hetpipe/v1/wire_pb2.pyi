@@ -39,16 +39,18 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MinibatchTag(_message.Message):
-    __slots__ = ("vw", "minibatch", "weight_version", "stage")
+    __slots__ = ("vw", "minibatch", "weight_version", "stage", "eval")
     VW_FIELD_NUMBER: _ClassVar[int]
     MINIBATCH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
     vw: int
     minibatch: int
     weight_version: int
     stage: int
-    def __init__(self, vw: _Optional[int] = ..., minibatch: _Optional[int] = ..., weight_version: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
+    eval: int
+    def __init__(self, vw: _Optional[int] = ..., minibatch: _Optional[int] = ..., weight_version: _Optional[int] = ..., stage: _Optional[int] = ..., eval: _Optional[int] = ...) -> None: ...
 
 class PushTag(_message.Message):
     __slots__ = ("vw", "clock")

@@ -14,7 +14,7 @@ from launch.local import run_local
 from coordinator.planner import make_plan
 from hetpipe.config import ConfigError
 from hetpipe.network import Network
-from hetpipe.zoo import model_shape
+from hetpipe.models import structure
 from trace_rules import by_stage, load_trace
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,7 +57,7 @@ def test_pushes_and_pull_replies_cross_the_emulated_links(make_job, tmp_path: Pa
                     "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": 2, "D": 0, "ps_shards": 2,
                                  "policy": "ED"}})
     plan = make_plan(job)
-    model = model_shape(job.model.name, job.model.args)
+    model = structure(job.model, job.base_dir)
     size = {name: p.numel() * 4 for name, p in model.named_parameters()}
     net = Network(**NETWORK)
     for sp in plan.stages:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from launch.local import run_local
+from hetpipe import outputs
 from hetpipe.reference import initial_model, train_reference
 
 pytestmark = pytest.mark.timeout(150)
@@ -20,7 +21,7 @@ def test_wsp_d0_equals_summed_sync_dp(make_job, tmp_path: Path, n: int) -> None:
         "parallel": {"virtual_workers": n, "stages_per_vw": 2, "nm": 1, "D": 0, "ps_shards": 2},
     })
     summary = run_local(job, quiet=True)
-    got = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    got = outputs.read_weights(tmp_path / "out")
     want = train_reference(job).state_dict()
     w0 = initial_model(job).state_dict()
     assert list(got) == list(want)

@@ -12,7 +12,7 @@ import torch
 
 from coordinator.driver import JobDriver
 from coordinator.planner import make_plan
-from hetpipe import rpc
+from hetpipe import outputs, rpc
 from hetpipe.errors import JobFailed
 from hetpipe.reference import train_reference
 from hetpipe.rpc import handler
@@ -50,12 +50,14 @@ def test_the_driver_runs_a_job_and_collects_the_trained_weights(make_job, stages
     try:
         driver.setup()
         wall = driver.run(lambda p: seen.append(p.samples), interval=0.01)
-        weights = driver.fetch_weights()
+        files = driver.write_weights()
     finally:
         driver.close()
+    assert [f.name for f in files] == ["model.safetensors"]
+    weights = outputs.read_weights(files[0].parent)
     assert wall > 0 and seen[-1] == 12 * job.data.batch_size and seen == sorted(seen)
     want = train_reference(job).state_dict()
-    assert list(weights) == list(want)
+    assert sorted(weights) == sorted(want)
     for key in want:
         torch.testing.assert_close(weights[key], want[key], rtol=0, atol=1e-9)
 

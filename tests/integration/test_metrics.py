@@ -317,7 +317,7 @@ def _check_stage(s: Samples, e: Endpoint, docs: dict[str, list[Documented]]) -> 
     assert _handled(s, method, "OK") >= 1, method
     if e.assigned == "stage 1 of vw 0":
         assert _handled(s, "Forward", "INVALID_ARGUMENT") == 1
-    for method in ("Assign", "LoadWeights", "Start", "Status"):
+    for method in ("Assign", "Start", "Status"):
         assert _handled(s, method, "OK") >= 1, method
 
 

@@ -63,7 +63,7 @@ def test_nm_beyond_memory_is_refused_naming_the_bound() -> None:
     assert 2 <= bound < 1024
     make_plan(parse_job(deep_update(raw, {"parallel": {"nm": bound}})))
     with pytest.raises(PlanError, match=rf"parallel\.nm {bound + 1} does not fit: memory allows vw 0 at most {bound} "
-                                        r"minibatches in flight \(no pipeline of 2 GPU\(s\) fits resnet152 .*needs"):
+                                        r"minibatches in flight \(no pipeline of 2 GPU\(s\) fits hetpipe\.zoo:resnet152 .*needs"):
         make_plan(parse_job(deep_update(raw, {"parallel": {"nm": bound + 1}})))
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from coordinator.planner import PlanError
 from hetpipe.network import Network
-from hetpipe.zoo import model_shape
+from hetpipe.models import structure
+from hetpipe.config import ModelConfig
 from coordinator.planner import Plan, make_plan
 from hetpipe.config import parse_job
 
@@ -107,7 +108,7 @@ def test_ed_local_keeps_each_stages_parameters_on_its_own_node(cache: str) -> No
         owners = {shard for key, shard in local.key_shard.items() if s.layer_begin <= int(key.split(".")[0]) < s.layer_end}
         assert owners <= {nodes.index(s.node)}, (s, owners)
     # So each push crosses only its node's PCIe link, never InfiniBand.
-    sizes = {name: p.numel() * 4 for name, p in model_shape("vgg19", {}).named_parameters()}
+    sizes = {name: p.numel() * 4 for name, p in structure(ModelConfig(name="vgg19"), ".").named_parameters()}
     pcie = Network().link("n0", "n0", time_scale=20.0)
     for s in local.stages:
         nbytes = sum(n for key, n in sizes.items() if s.layer_begin <= int(key.split(".")[0]) < s.layer_end)

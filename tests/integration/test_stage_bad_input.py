@@ -54,10 +54,6 @@ class FakeNeighbour(stage_pb2_grpc.StageServicer):
     def Assign(self, request: Any, context: Any) -> wire_pb2.Ack:
         return wire_pb2.Ack()
 
-    def LoadWeights(self, request_iterator: Iterator[Any], context: Any) -> wire_pb2.Ack:
-        wire.decode(request_iterator)
-        return wire_pb2.Ack()
-
     def Start(self, request: Any, context: Any) -> wire_pb2.Ack:
         return wire_pb2.Ack()
 
@@ -127,8 +123,7 @@ class Rig:
 
     def activation(self, p: int, **tag: Any) -> list[wire_pb2.TensorFrame]:
         x = torch.randn(self.in_spec.shape, dtype=self.in_spec.dtype)
-        y = torch.randint(0, 10, self.runtime.setup.specs.target.shape)
-        return frames([("activation", x), ("target", y)], p, **{"stage": 0, **tag})
+        return frames([("activation", x)], p, **{"stage": 0, **tag})
 
     def gradient(self, p: int, **tag: Any) -> list[wire_pb2.TensorFrame]:
         g = torch.randn(self.out_spec.shape, dtype=self.out_spec.dtype)
@@ -144,8 +139,8 @@ class Rig:
 
 
 def frames(tensors: list[tuple[str, torch.Tensor]], p: int, *, vw: int = 0, stage: int, version: int = 0,
-           ) -> list[wire_pb2.TensorFrame]:
-    tag = wire_pb2.MinibatchTag(vw=vw, minibatch=p, weight_version=version, stage=stage)
+           eval: int = 0) -> list[wire_pb2.TensorFrame]:
+    tag = wire_pb2.MinibatchTag(vw=vw, minibatch=p, weight_version=version, stage=stage, eval=eval)
     return messages(wire.encode(tensors, minibatch=tag))
 
 
@@ -168,7 +163,7 @@ def rig(make_job, unlimited_channel) -> Iterator[Rig]:
     driver = JobDriver(job, make_plan(job), [s.address for s in servers])
     channel = unlimited_channel(servers[1].address)
     try:
-        driver.setup()  # Assign, LoadWeights and Start, as `hetpipe run` does
+        driver.setup()  # Assign, wait until loaded, Start, as `hetpipe run` does
         assert middle.assignment is not None
         yield Rig(job, runtime, stage_pb2_grpc.StageStub(channel), prev, nxt, servers[1].address, middle.assignment)
     finally:
@@ -199,11 +194,9 @@ def _header_only(meta: list[wire_pb2.TensorMeta], p: int = 1, data: bytes = b"")
 
 def _bad_activations(rig: Rig) -> dict[str, tuple[Any, grpc.StatusCode, str]]:
     """name -> (frames, code, regex the message must match)."""
-    xs, ys = list(rig.in_spec.shape), list(rig.runtime.setup.specs.target.shape)
+    xs = list(rig.in_spec.shape)
     good = rig.activation(1)
-    x = torch.randn(xs)
-    y = torch.zeros(ys, dtype=torch.int64)
-    nbytes = x.numel() * 4 + y.numel() * 8
+    nbytes = torch.randn(xs).numel() * 4
 
     def edited(i: int, **kw: Any) -> list[wire_pb2.TensorFrame]:
         """The good frames with tensor i's meta changed."""
@@ -223,7 +216,7 @@ def _bad_activations(rig: Rig) -> dict[str, tuple[Any, grpc.StatusCode, str]]:
     wider = torch.randn([xs[0], xs[1] + 1])
     return {
         "unknown dtype code": (edited(0, dtype=99), Code.INVALID_ARGUMENT, "unknown dtype code 99"),
-        "wrong dtype": (frames([("activation", ok_x.double()), ("target", y)], 1, stage=0),
+        "wrong dtype": (frames([("activation", ok_x.double())], 1, stage=0),
                         Code.INVALID_ARGUMENT, r"activation: dtype torch\.float64, expected torch\.float32"),
         "too few bytes": (_header_only(good[0].tensors, data=bytes(nbytes - 4)), Code.INVALID_ARGUMENT,
                           rf"byte length {nbytes - 4} does not match the shapes in the header \({nbytes} bytes\)"),
@@ -246,15 +239,14 @@ def _bad_activations(rig: Rig) -> dict[str, tuple[Any, grpc.StatusCode, str]]:
         "wrong sender stage": (rig.activation(1, stage=2), Code.INVALID_ARGUMENT, "sent by stage 2, expected stage 0"),
         "no minibatch tag": ([wire_pb2.TensorFrame(tensors=good[0].tensors, data=good[0].data)] + good[1:],
                              Code.INVALID_ARGUMENT, "lacks the minibatch tag"),
-        "wrong activation shape": (frames([("activation", wider), ("target", y)], 1, stage=0),
+        "wrong activation shape": (frames([("activation", wider)], 1, stage=0),
                                    Code.INVALID_ARGUMENT,
                                    rf"activation: shape \[{xs[0]}, {xs[1] + 1}\], expected \[{xs[0]}, {xs[1]}\]"),
-        "wrong target shape": (frames([("activation", ok_x), ("target", y[:-1])], 1, stage=0),
-                               Code.INVALID_ARGUMENT, rf"target: shape \[{ys[0] - 1}\], expected \[{ys[0]}\]"),
-        "wrong target dtype": (frames([("activation", ok_x), ("target", y.int())], 1, stage=0),
-                               Code.INVALID_ARGUMENT, r"target: dtype torch\.int32, expected torch\.int64"),
-        "one tensor only": (frames([("activation", ok_x)], 1, stage=0), Code.INVALID_ARGUMENT,
-                            r"expected 2 tensors \(activation, target\), got 1"),
+        "a target alongside (they no longer travel)": (
+            frames([("activation", ok_x), ("target", torch.zeros(xs[0], dtype=torch.int64))], 1, stage=0),
+            Code.INVALID_ARGUMENT, r"activation: expected 1 tensor, got 2"),
+        "an evaluation this stage does not run": (rig.activation(1, eval=3), Code.INVALID_ARGUMENT,
+                                                  r"activation: evaluation 3 minibatch 1 is not one this stage runs"),
         "empty stream": ([], Code.INVALID_ARGUMENT, "empty tensor stream"),
         "header repeated": (good + [wire_pb2.TensorFrame(minibatch=good[0].minibatch)], Code.INVALID_ARGUMENT,
                             "header fields repeated after the first frame"),
@@ -282,8 +274,7 @@ def test_bad_activations_are_refused_and_change_nothing(rig: Rig) -> None:
     rig.next.wait_for(1)
     method, tag, tensors = rig.next.got[0]
     assert (method, tag.vw, tag.minibatch, tag.stage, tag.weight_version) == ("Forward", 0, 1, 1, 0)
-    assert [(n, list(t.shape)) for n, t in tensors] == [("activation", list(rig.out_spec.shape)),
-                                                       ("target", list(rig.runtime.setup.specs.target.shape))]
+    assert [(n, list(t.shape)) for n, t in tensors] == [("activation", list(rig.out_spec.shape))]
     after = rig.snapshot()
     assert (after["received"], after["forwards_done"], after["in_flight"]) == (1, 1, 1)
     assert after["weights_digest"] == before["weights_digest"]  # a forward does not update weights
@@ -318,7 +309,7 @@ def test_duplicates_and_unexpected_gradients_are_refused(rig: Rig) -> None:
                                  Code.INVALID_ARGUMENT, r"gradient: dtype torch\.float64, expected torch\.float32"),
         "gradient two tensors": (rig.stub.Backward,
                                  frames([("gradient", torch.randn(rig.out_spec.shape))] * 2, 1, stage=2),
-                                 Code.INVALID_ARGUMENT, r"gradient: expected 1 tensor \(gradient\), got 2"),
+                                 Code.INVALID_ARGUMENT, r"gradient: expected 1 tensor, got 2"),
     }
     for name, (call, request, code, match) in bad_gradients.items():
         try:
@@ -349,28 +340,22 @@ def test_control_calls_out_of_turn_are_refused(rig: Rig) -> None:
     refused(rig.stub.Start, wire_pb2.Empty(), Code.FAILED_PRECONDITION, "cannot start in state RUNNING")
     refused(rig.stub.Assign, stage_pb2.StageAssignment(job_json=rig.job.to_json()), Code.FAILED_PRECONDITION,
             "stage already assigned")
-    weights = messages(wire.encode(rig.runtime.weights()))
-    refused(rig.stub.LoadWeights, iter(weights), Code.FAILED_PRECONDITION,
-            "weights arrive once loaded and before Start, not in state RUNNING")
+    refused(rig.stub.Evaluate, stage_pb2.EvalRequest(), Code.FAILED_PRECONDITION,
+            "evaluate: this stage has no evaluation to run in state RUNNING")
     assert rig.snapshot() == before
 
 
-# ---- Assign and LoadWeights on a fresh worker ---------------------------------------------------------
+# ---- Assign on a fresh worker ---------------------------------------------------------
 
 
 @dataclass
 class Recorder(FakeNeighbour):
-    """A fake stage that keeps the assignment and the weights the driver sends it."""
+    """A fake stage that keeps the assignment the driver sends it."""
 
     assignment: stage_pb2.StageAssignment | None = None
-    weights: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     def Assign(self, request: Any, context: Any) -> wire_pb2.Ack:
         self.assignment = request
-        return wire_pb2.Ack()
-
-    def LoadWeights(self, request_iterator: Iterator[Any], context: Any) -> wire_pb2.Ack:
-        self.weights = wire.decode(request_iterator).tensors
         return wire_pb2.Ack()
 
 
@@ -389,8 +374,8 @@ def idle(make_job) -> Iterator[tuple[Any, ...]]:
     try:
         driver.setup()
         recorder = fakes[1]
-        assert recorder.assignment is not None and recorder.weights
-        yield recorder.assignment, recorder.weights, stage_pb2_grpc.StageStub(channel), runtime, fakes[0]
+        assert recorder.assignment is not None
+        yield recorder.assignment, stage_pb2_grpc.StageStub(channel), runtime, fakes[0]
     finally:
         channel.close()
         driver.close()
@@ -409,7 +394,7 @@ def _loaded(stub: Any, timeout: float = 10.0) -> stage_pb2.StageStatus:
 
 
 def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> None:
-    good, w0, stub, runtime, stage0 = idle
+    good, stub, runtime, stage0 = idle
 
     def variant(**changes: Any) -> stage_pb2.StageAssignment:
         a = stage_pb2.StageAssignment()
@@ -429,7 +414,7 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
     bad = {
         "garbage job_json": (variant(job_json="{not json"), "job_json: not valid JSON"),
         "job_json not an object": (variant(job_json="[1, 2]"), "job_json: .*expected a JSON object"),
-        "job_json missing the model": (variant(job_json="{}"), "job_json: model.name"),
+        "job_json missing the model": (variant(job_json="{}"), "job_json: model: give exactly one of model.name"),
         "unresolved nm": (variant(job_json=auto_nm), "parallel.nm: expected an integer"),
         "stage beyond num_stages": (variant(stage=2), r"stage 2 of 2: the job has 2 stages"),
         "num_stages not the job's": (variant(num_stages=3), r"stage 1 of 3: the job has 2 stages"),
@@ -466,28 +451,6 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
     s = _loaded(stub)
     assert (s.state, s.vw, s.stage) == (State.READY, 0, 1)
 
-    # ...and bad weights are refused without touching the stage's weights.
-    digest = s.weights_digest
-    names = [n for n, _ in w0]
-    first, t0 = w0[0]
-    weight_bad = {
-        "missing key": (w0[1:], rf"missing keys \['{re.escape(first)}'\]"),
-        "unexpected key": (w0 + [("bogus.weight", t0)], r"unexpected keys \['bogus\.weight'\]"),
-        "wrong shape": ([(first, t0[:1])] + w0[1:], rf"weights\[{re.escape(first)}\]: shape"),
-        "wrong dtype": ([(first, t0.double())] + w0[1:], rf"weights\[{re.escape(first)}\]: dtype torch\.float64"),
-        "NaN": ([(first, torch.full_like(t0, float("nan")))] + w0[1:], rf"weights\[{re.escape(first)}\]: NaN or Inf"),
-    }
-    assert len(names) > 1
-    for name, (tensors, match) in weight_bad.items():
-        refused(stub.LoadWeights, iter(messages(wire.encode(tensors))), Code.INVALID_ARGUMENT, match)
-        s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
-        assert (s.state, s.weights_digest) == (State.READY, digest), name
-    stub.LoadWeights(iter(messages(wire.encode([(n, t + 1) for n, t in w0]))), timeout=10)
-    assert stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5).weights_digest != digest
-    stub.LoadWeights(iter(messages(wire.encode(w0))), timeout=10)
-    s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
-    assert (s.state, s.weights_digest) == (State.READY, digest)
-
     # The last stage computes the loss and takes no gradient, even a well-formed one.
     before = {f: getattr(s, f) for f in STATE_FIELDS}
     logits = torch.randn(runtime.setup.specs.output.shape)
@@ -498,8 +461,7 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
 
     # An activation may arrive before Start: it waits, and runs (F+B) once the stage starts.
     x = torch.randn(runtime.setup.specs.activation.shape)
-    y = torch.randint(0, 10, runtime.setup.specs.target.shape)
-    stub.Forward(iter(frames([("activation", x), ("target", y)], 1, stage=0)), timeout=10)
+    stub.Forward(iter(frames([("activation", x)], 1, stage=0)), timeout=10)
     stub.Start(wire_pb2.Empty(), timeout=10)
     stage0.wait_for(1)
     method, tag, tensors = stage0.got[0]
@@ -529,7 +491,7 @@ def test_bytes_that_are_not_a_frame_are_refused(rig: Rig, unlimited_channel: Any
 ])
 def test_an_assignment_the_model_does_not_fit_fails_loading_naming_why(idle: Any, change: dict[str, Any],
                                                                        match: str) -> None:
-    good, _, _, _, _ = idle
+    good, _, _, _ = idle
     runtime = StageRuntime()
     server = serve(StageServicer(runtime, on_stop=lambda: None))
     a = stage_pb2.StageAssignment()

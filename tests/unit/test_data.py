@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetpipe.config import ConfigError, JobConfig, parse_job
-from hetpipe.data import load_dataset, minibatch, minibatch_rows
+from hetpipe.data import Minibatches, eval_batches, held_out_set, minibatch_rows, read_rows, training_set
+from hetpipe.reference import minibatch
 
 
 def rows(p: int, vw: int, *, n_vw: int, b: int, n: int, shuffle: bool = False, seed: int = 0) -> list[int]:
@@ -109,36 +110,40 @@ def npz_job(tmp_path: Path, path: str = "data.npz", **train: Any) -> JobConfig:
     return parse_job(raw, base_dir=str(tmp_path))
 
 
+def whole(job: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    dataset = training_set(job)
+    return read_rows(job, dataset, range(len(dataset)))
+
+
 def test_npz_loads_in_training_dtype(tmp_path: Path) -> None:
     x = np.arange(30, dtype=np.float32).reshape(10, 3)
     y = np.arange(10) % 3
     np.savez(tmp_path / "data.npz", x=x, y=y)
-    ds = load_dataset(npz_job(tmp_path, dtype="float64"))
-    assert ds.x.dtype == torch.float64 and ds.y.dtype == torch.int64
-    assert torch.equal(ds.x, torch.from_numpy(x).double()) and torch.equal(ds.y, torch.from_numpy(y))
-    assert ds.rows == 10 and ds.classification
-    bx, by = minibatch(ds, 3, 0, npz_job(tmp_path))
+    job = npz_job(tmp_path, dtype="float64")
+    xs, ys = whole(job)
+    assert xs.dtype == torch.float64 and ys.dtype == torch.int64
+    assert torch.equal(xs, torch.from_numpy(x).double()) and torch.equal(ys, torch.from_numpy(y))
+    bx, by = minibatch(npz_job(tmp_path), training_set(job), 3, 0)
     assert torch.equal(by, torch.tensor([8, 9, 0, 1]) % 3), "rows 8..11 mod 10"
-    assert torch.equal(bx[0], ds.x[8])
+    assert torch.equal(bx[0], torch.from_numpy(x[8]))
 
 
 def test_npz_float_targets_for_mse(tmp_path: Path) -> None:
     np.savez(tmp_path / "data.npz", x=np.ones((4, 2)), y=np.linspace(0, 1, 4))
-    ds = load_dataset(npz_job(tmp_path, loss="mse"))
-    assert ds.y.dtype == torch.float32 and not ds.classification
-    with pytest.raises(ConfigError, match="cross_entropy needs integer labels"):
-        load_dataset(npz_job(tmp_path, loss="cross_entropy"))
+    assert whole(npz_job(tmp_path, loss="mse"))[1].dtype == torch.float32
+    with pytest.raises(ConfigError, match="cross_entropy needs integer class labels"):
+        whole(npz_job(tmp_path, loss="cross_entropy"))
 
 
 def test_npz_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"data\.path: .*nowhere\.npz does not exist"):
-        load_dataset(npz_job(tmp_path, "nowhere.npz"))
+        training_set(npz_job(tmp_path, "nowhere.npz"))
 
 
 def test_npz_missing_array(tmp_path: Path) -> None:
     np.savez(tmp_path / "data.npz", x=np.zeros((4, 2)), labels=np.zeros(4))
     with pytest.raises(ConfigError) as err:
-        load_dataset(npz_job(tmp_path))
+        training_set(npz_job(tmp_path))
     assert "data.path" in str(err.value) and "['y']" in str(err.value) and "labels" in str(err.value)
 
 
@@ -146,7 +151,7 @@ def test_npz_missing_array(tmp_path: Path) -> None:
 def test_npz_length_mismatch_or_empty(tmp_path: Path, nx: int, ny: int) -> None:
     np.savez(tmp_path / "data.npz", x=np.zeros((nx, 2)), y=np.zeros(ny, dtype=np.int64))
     with pytest.raises(ConfigError, match=f"x has {nx} rows and y has {ny}; expected equal and > 0"):
-        load_dataset(npz_job(tmp_path))
+        training_set(npz_job(tmp_path))
 
 
 @pytest.mark.parametrize("content", [b"hello, not an npz", None])
@@ -157,7 +162,7 @@ def test_npz_refuses_pickles_and_garbage(tmp_path: Path, content: bytes | None) 
     else:
         path.write_bytes(content)
     with pytest.raises(ConfigError, match="not a readable npz of plain arrays"):
-        load_dataset(npz_job(tmp_path))
+        training_set(npz_job(tmp_path))
 
 
 @pytest.mark.parametrize("case", ["truncated", "directory", "scalar"])
@@ -171,7 +176,7 @@ def test_npz_other_bad_files_are_config_errors(tmp_path: Path, case: str) -> Non
     else:
         np.savez(path, x=np.float64(1.0), y=np.zeros(3))
     with pytest.raises(ConfigError, match="data.path"):
-        load_dataset(npz_job(tmp_path))
+        training_set(npz_job(tmp_path))
 
 
 def test_digits_equal_scikit_learn() -> None:
@@ -179,20 +184,99 @@ def test_digits_equal_scikit_learn() -> None:
 
     ref = load_digits()
     job = parse_job({"model": {"name": "mlp"}, "data": {"name": "digits"}, "train": {"dtype": "float64"}})
-    ds = load_dataset(job)
-    assert ds.x.shape == (1797, 64) and ds.y.shape == (1797,)
-    assert ds.x.dtype == torch.float64 and ds.y.dtype == torch.int64
-    assert torch.equal(ds.x, torch.from_numpy(ref.data / 16.0))
-    assert torch.equal(ds.y, torch.from_numpy(ref.target.astype(np.int64)))
-    assert float(ds.x.max()) == 1.0 and float(ds.x.min()) == 0.0
+    x, y = whole(job)
+    assert x.shape == (1797, 64) and y.shape == (1797,)
+    assert x.dtype == torch.float64 and y.dtype == torch.int64
+    assert torch.equal(x, torch.from_numpy(ref.data / 16.0))
+    assert torch.equal(y, torch.from_numpy(ref.target.astype(np.int64)))
 
 
 def test_synthetic_is_seeded_and_shaped() -> None:
     raw: dict[str, Any] = {"model": {"name": "mlp", "args": {"in_features": 5, "num_classes": 3}},
                            "data": {"name": "synthetic", "args": {"rows": 50}}, "train": {"seed": 3}}
-    a, b = load_dataset(parse_job(raw)), load_dataset(parse_job(raw))
-    assert a.x.shape == (50, 5) and a.y.shape == (50,)
-    assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
-    assert int(a.y.max()) < 3 and len(set(a.y.tolist())) > 1
+    (ax, ay), (bx, by) = whole(parse_job(raw)), whole(parse_job(raw))
+    assert ax.shape == (50, 5) and ay.shape == (50,)
+    assert torch.equal(ax, bx) and torch.equal(ay, by)
+    assert int(ay.max()) < 3 and len(set(ay.tolist())) > 1
     raw["train"]["seed"] = 4
-    assert not torch.equal(load_dataset(parse_job(raw)).x, a.x)
+    assert not torch.equal(whole(parse_job(raw))[0], ax)
+    # A user's model: the shapes come from data.args.
+    factory = {"model": {"factory": "mymodels:net"}, "data": {"name": "synthetic",
+                                                                "args": {"rows": 8, "features": 7, "classes": 4}}}
+    x, y = whole(parse_job(factory))
+    assert x.shape == (8, 7) and int(y.max()) < 4
+
+
+# ---- user datasets, the held-out split, and the readers -----------------------------------------
+
+
+DATA_MODULE = """
+import torch
+from torch.utils.data import Dataset
+
+class Squares(Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+    def __len__(self):
+        return self.rows
+    def __getitem__(self, i):
+        return torch.tensor([float(i), float(i) ** 2]), torch.tensor(i % 3)
+
+def train_set(rows=20):
+    return Squares(rows)
+
+def not_a_dataset(rows=20):
+    return [1, 2, 3]
+
+
+def broken(rows=20):
+    raise RuntimeError("disk on fire")
+"""
+
+
+def factory_job(tmp_path: Path, **data: Any) -> JobConfig:
+    (tmp_path / "mydata.py").write_text(DATA_MODULE)
+    raw = {"model": {"name": "mlp"}, "data": {"factory": "mydata:train_set", "args": {"rows": 20},
+                                              "batch_size": 4, **data}}
+    return parse_job(raw, base_dir=str(tmp_path))
+
+
+def test_a_data_factory_is_read_in_the_design_order(tmp_path: Path) -> None:
+    job = factory_job(tmp_path)
+    dataset = training_set(job)
+    x, y = minibatch(job, dataset, 2, 0)  # rows 4..7
+    assert x.dtype == torch.float32 and x[:, 0].tolist() == [4.0, 5.0, 6.0, 7.0]
+    assert y.tolist() == [1, 2, 0, 1]
+    reader = Minibatches(job, dataset, 0, steps=3)
+    for p in (1, 2, 3):
+        rx, ry = reader.next()
+        ex, ey = minibatch(job, dataset, p, 0)
+        assert torch.equal(rx, ex) and torch.equal(ry, ey)
+
+
+@pytest.mark.parametrize(("spec", "match"), [
+    ("nowhere:train_set", r"data\.factory: cannot import module 'nowhere'"),
+    ("mydata:missing", r"data\.factory: module 'mydata' has no attribute 'missing'"),
+    ("mydata:not_a_dataset", r"data\.factory: mydata:not_a_dataset's items are ints, expected \(input, target\)"),
+    ("mydata:broken", r"data\.factory: mydata:broken\(\*\*data\.args\) failed: RuntimeError: disk on fire"),
+    ("mydata", r"data\.factory: expected 'package\.module:function'"),
+])
+def test_bad_data_factories_say_what_is_wrong(tmp_path: Path, spec: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        training_set(factory_job(tmp_path, factory=spec))
+    with pytest.raises(ConfigError, match=r"data\.args: mydata:train_set: .*unexpected keyword argument 'nope'"):
+        training_set(factory_job(tmp_path, args={"nope": 1}))
+
+
+def test_eval_fraction_holds_out_the_same_rows_every_time(tmp_path: Path) -> None:
+    job = factory_job(tmp_path, eval_fraction=0.25)
+    train, held = training_set(job), held_out_set(job)
+    assert held is not None and (len(train), len(held)) == (15, 5)
+    rows = lambda ds: {int(ds[i][0][0]) for i in range(len(ds))}  # noqa: E731
+    assert rows(train).isdisjoint(rows(held)) and rows(train) | rows(held) == set(range(20))
+    assert rows(held_out_set(factory_job(tmp_path, eval_fraction=0.25))) == rows(held)  # type: ignore[arg-type]
+    assert held_out_set(factory_job(tmp_path)) is None
+    # An evaluation reads whole minibatches of its first rows.
+    assert eval_batches(job, held, rows=100) == [[0, 1, 2, 3]]
+    with pytest.raises(ConfigError, match="leaves none to train on"):
+        training_set(factory_job(tmp_path, eval_fraction=0.9, args={"rows": 1}))

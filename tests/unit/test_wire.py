@@ -285,9 +285,6 @@ class _Recorder:
     def offer_forward(self, bundle: wire.Bundle) -> None:
         self.bundles.append(bundle)
 
-    def load_weights(self, bundle: wire.Bundle) -> None:
-        self.bundles.append(bundle)
-
 
 @pytest.fixture()
 def stage_server() -> Iterator[tuple[str, _Recorder]]:
@@ -311,8 +308,7 @@ def test_raw_and_generated_clients_both_reach_the_stage(stage_server: tuple[str,
         stub = stage_pb2_grpc.StageStub(channel)  # any gRPC client, written from the .proto
         stub.Forward(iter(_messages(wire.encode(tensors, minibatch=tag, chunk_bytes=4096))),
                      timeout=rpc.CONTROL_DEADLINE_S)
-        stub.LoadWeights(iter(_messages(wire.encode(tensors))), timeout=rpc.CONTROL_DEADLINE_S)
-    assert len(recorder.bundles) == 3
+    assert len(recorder.bundles) == 2
     for bundle in recorder.bundles:
         _assert_same(bundle.tensors, tensors)
     assert recorder.bundles[0].header.minibatch == tag

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from hetpipe.config import ConfigError
-from hetpipe.zoo import MODELS, Bottleneck, build_model, layer_keys, takes_tokens
+from hetpipe.config import ConfigError, parse_job
+from hetpipe.models import build, layer_keys
+from hetpipe.zoo import MODELS, Bottleneck
 
 # Small arguments per model: a forward pass on the CPU takes milliseconds.
 SMALL: dict[str, dict[str, Any]] = {
@@ -39,7 +40,7 @@ def test_every_zoo_model_has_small_arguments_here() -> None:
 def meta_parameters(name: str, args: dict[str, Any]) -> tuple[nn.Sequential, int]:
     """Builds on the meta device: shapes without allocating 0.5 GB of weights."""
     with torch.device("meta"):
-        model = MODELS[name](args)
+        model = MODELS[name](**args)
     return model, sum(p.numel() for p in model.parameters())
 
 
@@ -92,12 +93,16 @@ def test_width_scales_channels_but_keeps_the_layers(name: str) -> None:
 )
 def test_bad_arguments_name_the_key(name: str, args: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=rf"^model\.args\.{key}: expected"):
-        MODELS[name](args)
+        MODELS[name](**args)
+
+
+def build_model(name: str, args: dict[str, Any], seed: int) -> nn.Sequential:
+    return build(parse_job({"model": {"name": name, "args": args}, "train": {"seed": seed}}))
 
 
 def sample_input(name: str, args: dict[str, Any]) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
-    if takes_tokens(name):
+    if name == "gpt":
         return torch.randint(0, args["vocab"], (BATCH, args["context"]), generator=gen)
     features = args["in_features"] if "in_features" in args else int(torch.tensor(args["in_shape"]).prod())
     return torch.randn(BATCH, features, generator=gen)
@@ -106,9 +111,9 @@ def sample_input(name: str, args: dict[str, Any]) -> torch.Tensor:
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_forward_shape(name: str) -> None:
     args = SMALL[name]
-    model = build_model(name, args, seed=0, dtype=torch.float32)
+    model = build_model(name, args, seed=0)
     out = model(sample_input(name, args))
-    if takes_tokens(name):
+    if name == "gpt":
         assert out.shape == (BATCH, args["context"], args["vocab"])
     else:
         assert out.shape == (BATCH, args["num_classes"])
@@ -117,7 +122,7 @@ def test_forward_shape(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_state_dict_keys_start_with_the_layer_index(name: str) -> None:
-    model = build_model(name, SMALL[name], seed=0, dtype=torch.float32)
+    model = build_model(name, SMALL[name], seed=0)
     keys = list(model.state_dict())
     layers = [int(k.split(".", 1)[0]) for k in keys]
     assert layers == sorted(layers), "keys come in layer order"
@@ -130,9 +135,9 @@ def test_state_dict_keys_start_with_the_layer_index(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_every_model_is_deterministic_for_a_seed(name: str) -> None:
     args = SMALL[name]
-    a = build_model(name, args, seed=7, dtype=torch.float32)
-    b = build_model(name, args, seed=7, dtype=torch.float32)
-    c = build_model(name, args, seed=8, dtype=torch.float32)
+    a = build_model(name, args, seed=7)
+    b = build_model(name, args, seed=7)
+    c = build_model(name, args, seed=8)
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert any(not torch.equal(sa[k], sc[k]) for k in sa if sa[k].is_floating_point() and sa[k].numel() > 1)

@@ -1,0 +1,212 @@
+"""A job's model: its factory (a zoo name or the user's "package.module:function"), its structure
+on the meta device, and the layers of one stage built alone.
+
+A stage never materialises the whole model. The factory runs with every parameter on the meta
+device (buffers are kept: they are small and may hold constants); then each of the stage's
+layers gets real memory and is initialised by its modules' reset_parameters() under a seed of
+its own, (train.seed, layer index), on the CPU, whatever device it then moves to. So any stage,
+and the single-process reference, builds bit for bit the same layer, and a layer's initial
+values do not depend on the device or on which other layers a process holds. A parameter that no
+reset_parameters() covers is an error, not garbage: give such a model a `model.init` file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetpipe import zoo
+from hetpipe.config import JobConfig, ModelConfig
+from hetpipe.validate import ConfigError
+
+
+def resolve(spec: str, key: str, base_dir: str) -> Callable[..., Any]:
+    """The function `package.module:function` names, importable from base_dir (the job file's
+    folder) or the environment. ConfigError names what is missing."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"{key}: expected 'package.module:function', got {spec!r}")
+    if base_dir not in sys.path:
+        sys.path.insert(0, base_dir)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{key}: cannot import module {module_name!r} (from {base_dir} or the installed "
+                          f"packages): {exc}") from None
+    except Exception as exc:  # the module's own code failed while importing
+        raise ConfigError(f"{key}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+    target = getattr(module, attribute, None)
+    if target is None:
+        raise ConfigError(f"{key}: module {module_name!r} has no attribute {attribute!r}")
+    if not callable(target):
+        raise ConfigError(f"{key}: {spec} is a {type(target).__name__}, not a function")
+    return target  # type: ignore[no-any-return]
+
+
+def factory(cfg: ModelConfig, base_dir: str) -> Callable[..., Any]:
+    if cfg.factory is not None:
+        return resolve(cfg.factory, "model.factory", base_dir)
+    try:
+        return zoo.MODELS[cfg.name or ""]
+    except KeyError:
+        raise ConfigError(f"model.name: expected one of {', '.join(zoo.MODELS)}, got {cfg.name!r}") from None
+
+
+def describe(cfg: ModelConfig) -> str:
+    return cfg.factory or f"hetpipe.zoo:{cfg.name}"
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """While inside, every registered parameter is moved to the meta device: the factory's
+    own initialisation touches no memory and draws no random numbers."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                 requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = None) -> nn.Sequential:
+    """The model with every parameter on the meta device (no memory): names, shapes, layers.
+    args: instead of model.args (the planner sizes an emulated model this way)."""
+    build = factory(cfg, base_dir)
+    kwargs = dict(cfg.args if args is None else args)
+    with _parameters_on_meta():
+        try:
+            model = build(**kwargs)
+        except ConfigError:
+            raise
+        except TypeError as exc:  # arguments the factory does not take
+            raise ConfigError(f"model.args: {describe(cfg)}: {exc}") from None
+        except Exception as exc:
+            raise ConfigError(f"model: {describe(cfg)}(**model.args) failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError(f"model: {describe(cfg)} returned a {type(model).__name__}, expected an nn.Sequential "
+                          f"whose children are the layers the pipeline is cut between")
+    if len(model) == 0:
+        raise ConfigError(f"model: {describe(cfg)} returned an empty nn.Sequential")
+    return model
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """The seed layer `index`'s parameters are drawn with: independent of every other layer."""
+    return (seed * 1_000_003 + index * 7919 + 1) % (2**63 - 1)
+
+
+def _reset(layer: nn.Module) -> None:
+    # Children before parents, as construction runs: a parent's reset may override its children's.
+    for module in reversed(list(layer.modules())):
+        reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def _materialise(layer: nn.Module) -> None:
+    """Gives the layer's meta parameters CPU memory filled with NaN (what no reset covers stays
+    NaN: found, never trained on); its buffers are kept as the factory made them."""
+    made: dict[int, nn.Parameter] = {}  # a parameter shared by two modules stays shared
+    for module in layer.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.device.type == "meta":
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype), p.requires_grad)
+                module._parameters[name] = made[id(p)]
+
+
+def build_layers(job: JobConfig, begin: int, end: int, *, device: str = "cpu",
+                 model: nn.Sequential | None = None) -> nn.Sequential:
+    """Layers [begin, end) of the job's model, initialised (see the module docstring) in the
+    training dtype on `device`; state_dict keys as in the whole model. model: its structure, if
+    the caller has it already."""
+    model = structure(job.model, job.base_dir) if model is None else model
+    if not 0 <= begin < end <= len(model):
+        raise ConfigError(f"layers [{begin}, {end}) but {describe(job.model)} has {len(model)}")
+    dtype = getattr(torch, job.train.dtype)
+    stage: nn.Sequential = model[begin:end]  # type: ignore[assignment]
+    for index, layer in zip(range(begin, end), list(stage)):
+        _materialise(layer)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(layer_seed(job.train.seed, index))
+            _reset(layer)
+        for name, p in layer.named_parameters():
+            if p.is_floating_point() and bool(torch.isnan(p).any()):
+                raise ConfigError(f"model: parameter {index}.{name} of {describe(job.model)} is not initialised by "
+                                  f"any reset_parameters(); give the model a reset_parameters() or a model.init file")
+        layer.to(device=device, dtype=dtype if dtype != torch.float32 else None)
+    return stage
+
+
+def build(job: JobConfig, device: str = "cpu") -> nn.Sequential:
+    """The whole model, initialised as the stages build it (for single-process runs)."""
+    model = structure(job.model, job.base_dir)
+    return build_layers(job, 0, len(model), device=device, model=model)
+
+
+def layer_keys(model: nn.Sequential, begin: int, end: int) -> list[str]:
+    """state_dict keys of layers [begin, end), in layer order."""
+    return [k for k in model.state_dict(keep_vars=True) if begin <= int(k.split(".", 1)[0]) < end]
+
+
+def parameter_keys(model: nn.Sequential, begin: int, end: int) -> list[str]:
+    """Names of the parameters of layers [begin, end), in order."""
+    return [k for k, _ in model.named_parameters() if begin <= int(k.split(".", 1)[0]) < end]
+
+
+def load_init(job: JobConfig, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of model.init (safetensors, or a state_dict saved with torch.save), read
+    one at a time: only these keys are loaded. ConfigError names a missing key or a bad file."""
+    assert job.model.init is not None
+    path = Path(job.resolve(job.model.init))
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                missing = [k for k in keys if k not in f.keys()]
+                if missing:
+                    raise ConfigError(f"model.init: {path} lacks {missing[:5]}")
+                return {k: f.get_tensor(k) for k in keys}
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise ConfigError(f"model.init: {path} does not exist") from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # not a weights file: pickled objects, truncated, ...
+        raise ConfigError(f"model.init: {path} is not a safetensors file or a plain state_dict: {exc}") from None
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"model.init: {path} holds a {type(state).__name__}, expected a state_dict")
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ConfigError(f"model.init: {path} lacks {missing[:5]}")
+    return {k: state[k] for k in keys}
+
+
+def initialise_from(layers: nn.Sequential, values: Mapping[str, torch.Tensor], where: str) -> None:
+    """Copies model.init's values into layers (keys, shapes and finiteness checked first)."""
+    own = layers.state_dict()
+    for key, value in values.items():
+        if key not in own:
+            raise ConfigError(f"{where}: {key} is not a key of these layers")
+        if tuple(value.shape) != tuple(own[key].shape):
+            raise ConfigError(f"{where}: {key} has shape {list(value.shape)}, the model {list(own[key].shape)}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ConfigError(f"{where}: {key} holds NaN or Inf")
+    with torch.no_grad():
+        for key, value in values.items():
+            own[key].copy_(value)

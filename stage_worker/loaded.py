@@ -1,0 +1,117 @@
+"""What a stage holds once it has loaded its assignment: its own layers (built alone, or read
+from its slice of model.init), its optimizer, its data readers, its evaluation, its sync."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hetpipe import data, faults, models
+from stage_worker import metrics
+from stage_worker.assignment import Setup
+from stage_worker.evaluation import Schedule, Totals
+from stage_worker.links import Link
+from stage_worker.schedule import StageSchedule
+from stage_worker.stage import StageCompute
+from stage_worker.sync import LocalSync, Sync
+from stage_worker.trace import MinibatchTrace
+from stage_worker.wsp_sync import SyncCallbacks, SyncConfig, WspSync
+
+
+class LoadError(Exception):
+    """The assignment does not fit the model the stage built."""
+
+
+class Evals:
+    """VW 0's evaluations at this stage: when stage 0 runs them, the held-out minibatches
+    (read by stage 0 and by the last stage), and the last stage's totals."""
+
+    def __init__(self, setup: Setup) -> None:
+        job = setup.job
+        assert job.eval is not None
+        self.job = job
+        self.schedule = Schedule(job.eval.every, job.train.steps)
+        # Every stage of VW 0 knows the held-out minibatches, to check what arrives; stage 0 reads
+        # their inputs and the last stage their targets.
+        held_out = data.held_out_set(job)
+        assert held_out is not None, "the job parser requires held-out data for eval"
+        self.dataset = held_out
+        self.batches = data.eval_batches(job, held_out, job.eval.rows)
+        self.totals = Totals(len(self.batches), job.train.loss == "cross_entropy")
+        self.started: set[int] = set()
+
+    def read(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.dataset is not None
+        return data.read_rows(self.job, self.dataset, self.batches[i - 1])
+
+
+class Loaded:
+    def __init__(self, setup: Setup, *, on_failure: Callable[[str], None], wake: Callable[[], None],
+                 next_forward: Callable[[], int], progress: Callable[[str], None]) -> None:
+        job = self.job = setup.job
+        self.setup = setup
+        progress(f"building layers [{setup.layer_begin}, {setup.layer_end})")
+        model = models.structure(job.model, job.base_dir)
+        if setup.layer_end > len(model):
+            raise LoadError(f"layers [{setup.layer_begin}, {setup.layer_end}) but the model has {len(model)}")
+        layers = models.build_layers(job, setup.layer_begin, setup.layer_end, model=model)
+        if job.model.init is not None:
+            progress("reading its slice of model.init")
+            keys = models.layer_keys(model, setup.layer_begin, setup.layer_end)
+            models.initialise_from(layers, models.load_init(job, keys), "model.init")
+        # No update can come between a minibatch's forward and backward on the last stage (one
+        # task) or at nm 1: those forwards run on the live weights, not on a stashed copy.
+        self.compute = StageCompute(layers, job.train.optimizer, loss=job.train.loss, device=setup.device.name,
+                                    track_updates=setup.synced, stash=not setup.last and job.nm > 1,
+                                    precision=job.train.precision)
+        if setup.synced and len(setup.key_shards) != len(self.compute.params):
+            raise LoadError(f"key_shards: {len(setup.key_shards)} entries for {len(self.compute.params)} parameters")
+        self.schedule = StageSchedule(stage=setup.stage, num_stages=setup.num_stages, nm=job.nm, steps=job.train.steps)
+        pin = setup.device.kind == "cuda"
+        progress("opening its data")
+        self.inputs = self.targets = None
+        if setup.first or setup.last:
+            train = data.training_set(job)
+            if setup.first:
+                self.inputs = data.Minibatches(job, train, setup.vw, steps=job.train.steps, pin=pin)
+            if setup.last:
+                self.targets = data.Minibatches(job, train, setup.vw, steps=job.train.steps, pin=pin)
+        self.evals = Evals(setup) if job.eval is not None and setup.vw == 0 else None
+        self.trace = MinibatchTrace(setup.trace_path, setup.vw, setup.stage)
+        self.observe = metrics.observers(setup.vw, setup.stage)
+        self.padder = faults.Padder(faults.from_env(), setup.vw, (job.train.seed, setup.stage))
+        self.sync: Sync = LocalSync() if not setup.synced else self._wsp(setup, on_failure, wake, next_forward)
+        if setup.synced and setup.vw == 0:
+            progress("giving the parameter servers w0")
+            self.sync.initialise(job.parallel.virtual_workers, [p.detach() for p in self.compute.params])
+        self.next: Link | None = None
+        self.prev: Link | None = None
+
+    def _wsp(self, setup: Setup, on_failure: Callable[[str], None], wake: Callable[[], None],
+             next_forward: Callable[[], int]) -> WspSync:
+        trace = Path(setup.trace_path) if setup.trace_path else None
+        job = setup.job
+        config = SyncConfig(
+            vw=setup.vw, nm=job.nm, D=job.parallel.D, steps=job.train.steps, keys=tuple(self.compute.names),
+            key_shards=setup.key_shards, addresses=setup.ps_addresses, push_hold_s=setup.push_seconds,
+            pull_hold_s=setup.pull_seconds, trace_dir=str(trace.parent) if trace else "",
+            trace_name=trace.name if trace else "", repeat_push=faults.from_env().repeat_push, seed=job.train.seed,
+        )
+        callbacks = SyncCallbacks(on_failure=on_failure, wake=wake, next_forward=next_forward,
+                                  observe_push=self.observe.push.observe, observe_pull=self.observe.pull.observe)
+        return WspSync(config, callbacks, self.compute.params)
+
+    def forward_allowed(self, p: int) -> bool:
+        """G2 (the sync), and not past a periodic evaluation stage 0 has still to run."""
+        if self.evals is not None and self.setup.first and not self.evals.schedule.allows(p):
+            return False
+        return self.sync.forward_allowed(p)
+
+    def close(self) -> None:
+        for link in (self.next, self.prev):
+            if link is not None:
+                link.close()
+        self.sync.close()
+        self.trace.close()

@@ -1,0 +1,142 @@
+"""hetpipe/models.py: a user's model factory, layers built alone with the same initial values as
+the whole model, and a stage's slice of model.init."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hetpipe.config import ConfigError, JobConfig, parse_job
+from hetpipe.models import build, build_layers, initialise_from, layer_keys, load_init, structure
+
+USER_MODELS = """
+import torch
+from torch import nn
+
+class Scale(nn.Module):
+    # A buffer (a constant the factory sets) and a parameter initialised by reset_parameters.
+    def __init__(self, n):
+        super().__init__()
+        self.register_buffer("offset", torch.arange(n, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.empty(n))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.uniform_(self.weight, 0.5, 1.5)
+
+    def forward(self, x):
+        return x * self.weight + self.offset
+
+class Raw(nn.Module):
+    # A parameter no reset_parameters() initialises.
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return x * self.weight
+
+def net(width=8, classes=3, features=4):
+    return nn.Sequential(nn.Linear(features, width), nn.ReLU(), Scale(width), nn.Linear(width, classes))
+
+def raw_net():
+    return nn.Sequential(Raw())
+
+def not_sequential():
+    return nn.Linear(4, 4)
+
+def needs_args(width):
+    return net(width)
+"""
+
+
+def job(tmp_path: Path, factory: str = "mymodels:net", **extra: Any) -> JobConfig:
+    (tmp_path / "mymodels.py").write_text(USER_MODELS)
+    raw = {"model": {"factory": factory, **extra}, "data": {"name": "synthetic", "args": {"features": 4, "classes": 3}},
+           "train": {"seed": 5}}
+    return parse_job(raw, base_dir=str(tmp_path))
+
+
+def test_a_stages_layers_built_alone_equal_the_whole_models(tmp_path: Path) -> None:
+    j = job(tmp_path)
+    whole = build(j).state_dict()
+    for begin, end in ((0, 2), (2, 4), (1, 3), (3, 4)):
+        part = build_layers(j, begin, end).state_dict()
+        assert list(part) == layer_keys(structure(j.model, j.base_dir), begin, end)
+        for key, value in part.items():
+            assert torch.equal(value, whole[key]), key
+    assert torch.equal(whole["2.offset"], torch.arange(8, dtype=torch.float32)), "buffers are the factory's"
+    other = build(parse_job({**_raw(j), "train": {"seed": 6}}, base_dir=j.base_dir)).state_dict()
+    assert not torch.equal(other["3.weight"], whole["3.weight"]), "another seed, other values"
+
+
+def _raw(j: JobConfig) -> dict[str, Any]:
+    return {"model": {"factory": j.model.factory}, "data": {"name": "synthetic", "args": {"features": 4, "classes": 3}}}
+
+
+def test_a_layers_values_do_not_depend_on_the_layers_before_it(tmp_path: Path) -> None:
+    # Layer 0 grows, and its initialisation draws more random numbers; layers 2 and 3 still get
+    # the same values: every layer starts from its own seed.
+    small, big = build(job(tmp_path, args={"features": 4})), build(job(tmp_path, args={"features": 40}))
+    assert small.state_dict()["0.weight"].shape != big.state_dict()["0.weight"].shape
+    for key in ("2.weight", "3.weight", "3.bias"):
+        assert torch.equal(small.state_dict()[key], big.state_dict()[key]), key
+
+
+def test_float64_jobs_get_float64_layers(tmp_path: Path) -> None:
+    j = parse_job({**_raw(job(tmp_path)), "train": {"dtype": "float64"}}, base_dir=str(tmp_path))
+    assert all(t.dtype == torch.float64 for t in build(j).state_dict().values())
+
+
+@pytest.mark.parametrize(("factory", "args", "match"), [
+    ("nowhere:net", {}, r"model\.factory: cannot import module 'nowhere'"),
+    ("mymodels:missing", {}, r"model\.factory: module 'mymodels' has no attribute 'missing'"),
+    ("mymodels:not_sequential", {}, r"model: mymodels:not_sequential returned a Linear, expected an nn\.Sequential"),
+    ("mymodels:needs_args", {}, r"model\.args: mymodels:needs_args: .*missing 1 required .*'width'"),
+    ("mymodels:net", {"depth": 3}, r"model\.args: mymodels:net: .*unexpected keyword argument 'depth'"),
+    ("mymodels:raw_net", {}, r"parameter 0\.weight of mymodels:raw_net is not initialised by any reset_parameters"),
+])
+def test_a_factory_that_does_not_fit_says_why(tmp_path: Path, factory: str, args: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build(job(tmp_path, factory, args=args))
+
+
+def test_a_zoo_name_and_a_factory_are_the_same_thing() -> None:
+    by_name = parse_job({"model": {"name": "mlp", "args": {"hidden": [8]}}})
+    by_factory = parse_job({"model": {"factory": "hetpipe.zoo:mlp", "args": {"hidden": [8]}}})
+    a, b = build(by_name).state_dict(), build(by_factory).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError, match="give exactly one of model.name"):
+        parse_job({"model": {"name": "mlp", "factory": "hetpipe.zoo:mlp"}})
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_model_init_is_read_key_by_key(tmp_path: Path, suffix: str) -> None:
+    j = job(tmp_path)
+    state = {k: v + 1 for k, v in build(j).state_dict().items()}
+    path = tmp_path / f"init{suffix}"
+    if suffix == ".safetensors":
+        save_file(state, str(path))
+    else:
+        torch.save(state, path)
+    j = job(tmp_path, init=path.name)
+    layers = build_layers(j, 2, 4)
+    keys = list(layers.state_dict())
+    initialise_from(layers, load_init(j, keys), "model.init")
+    assert all(torch.equal(layers.state_dict()[k], state[k]) for k in keys)
+    with pytest.raises(ConfigError, match=r"model\.init: .* lacks \['9\.weight'\]"):
+        load_init(j, ["9.weight"])
+    state["3.bias"][0] = float("nan")
+    with pytest.raises(ConfigError, match=r"model\.init: 3\.bias holds NaN or Inf"):
+        initialise_from(layers, {"3.bias": state["3.bias"]}, "model.init")
+
+
+def test_a_pickled_model_init_is_refused_without_running_it(tmp_path: Path) -> None:
+    path = tmp_path / "evil.pt"
+    torch.save({"0.weight": torch.zeros(1), "code": object()}, path)  # not a plain state_dict
+    with pytest.raises(ConfigError, match="not a safetensors file or a plain state_dict"):
+        load_init(job(tmp_path, init="evil.pt"), ["0.weight"])
