@@ -15,14 +15,13 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/hetpipe run examples/quickstart.yaml
-	@echo "results: runs/quickstart (model.pt, summary.json, trace/)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy hetpipe stage_worker ps_server coordinator baselines
+	$(BIN)/mypy hetpipe stage_worker ps_server coordinator baselines launch
 
 proto: $(STAMP)
 	$(BIN)/python -m hetpipe.protogen

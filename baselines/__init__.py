@@ -4,7 +4,7 @@
 - `parallel.mode: torch-pipeline`: one pipeline run by torch.distributed.pipelining's GPipe or
   1F1B schedule (baselines/pipeline.py).
 
-Both start one worker process per device (`python -m baselines`), write model.pt and
+Both start one worker process per device (`python -m baselines`), write model.safetensors and
 summary.json with HetPipe's fields, and stop every process they started.
 """
 

@@ -20,9 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(ns.spec) as f:
         spec = json.load(f)
     from baselines import common
+    from hetpipe import devices
 
     common.watch_parent()
-    common.set_threads()
+    devices.set_threads()
     rank = ns.rank
     me = spec["ranks"][rank]
     print(f"{spec['mode']} rank {rank} of {spec['world_size']} on {me['label']} ({me['device']}), "

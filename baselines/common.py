@@ -1,5 +1,5 @@
 """What both baselines share: the worker launcher (parent side), the worker's process group and
-progress files (worker side), emulated-time padding, and the outputs (model.pt, summary.json)."""
+progress files (worker side), emulated-time padding, and the outputs (model.safetensors, summary.json)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hetpipe import children
+from hetpipe import children, devices
 from hetpipe.children import Child
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed
@@ -79,6 +79,7 @@ class WorkerGroup:
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, whatever the hostname resolves to
+        env[devices.THREADS_ENV] = devices.threads_for(len(self.names))
         for rank, name in enumerate(self.names):
             log_path = self.out_dir / "logs" / f"{self.mode}_rank{rank}.log"
             popen = children.start([sys.executable, "-m", "baselines", "--spec", str(spec_path), "--rank", str(rank)],
@@ -96,13 +97,13 @@ class WorkerGroup:
         return done
 
     def _failure(self) -> BaselineFailed | None:
-        dead = [w for w in self.workers if w.popen.poll() is not None and w.popen.returncode != 0]
-        if not dead:
+        if not any(w.popen.poll() not in (None, 0) for w in self.workers):
             return None
         time.sleep(0.5)  # its peers fail right after it: collect them, then name the first cause
-        dead = [w for w in self.workers if w.popen.poll() is not None and w.popen.returncode != 0]
+        codes = {w.rank: w.popen.poll() for w in self.workers}
+        dead = [w for w in self.workers if codes[w.rank] not in (None, 0)]
         # A rank killed by a signal (or by the OS) is the cause; its peers only lost their connection.
-        dead.sort(key=lambda w: (w.popen.returncode >= 0, w.rank))
+        dead.sort(key=lambda w: (int(codes[w.rank] or 0) >= 0, w.rank))
         first = dead[0]
         others = "; ".join(f"{w.name} {w.exit_description()}" for w in dead[1:])
         return BaselineFailed(
@@ -223,11 +224,6 @@ def watch_parent() -> None:
     rpc.exit_with_parent(os.getppid(), lambda: os._exit(3))
 
 
-def set_threads() -> None:
-    # One process per device on a shared machine: oversubscribed intra-op threads only slow all.
-    torch.set_num_threads(max(1, int(os.environ.get("HETPIPE_THREADS", "1"))))
-
-
 def recent_mean(losses: Sequence[float]) -> float:
     tail = list(losses)[-10:]
     return sum(tail) / len(tail) if tail else float("nan")
@@ -244,13 +240,16 @@ def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> di
     if held_out is None or job.eval is None:
         return {}
     loss = correct = predictions = rows = 0.0
-    for batch in data.eval_batches(job, held_out, job.eval.rows):
-        x, y = data.read_rows(job, held_out, batch)
-        out = model(x.to(device)).float()
-        y = y.to(device)
-        loss += float(compute_loss(job.train.loss, out, y)) * len(batch)
-        correct += float((out.argmax(dim=-1) == y).sum()) if job.train.loss == "cross_entropy" else 0.0
-        predictions += y.numel()
-        rows += len(batch)
+    model.eval()  # as the stages evaluate: dropout off, batch norm on its running statistics
+    with torch.no_grad():
+        for batch in data.eval_batches(job, held_out, job.eval.rows):
+            x, y = data.read_rows(job, held_out, batch)
+            out = model(x.to(device)).float()
+            y = y.to(device)
+            loss += float(compute_loss(job.train.loss, out, y)) * len(batch)
+            correct += float((out.argmax(dim=-1) == y).sum()) if job.train.loss == "cross_entropy" else 0.0
+            predictions += y.numel()
+            rows += len(batch)
+    model.train()
     return {"eval_loss": loss / rows, "eval_rows": int(rows),
             "eval_accuracy": correct / predictions if job.train.loss == "cross_entropy" else None}

@@ -128,7 +128,7 @@ def select_devices(job: JobConfig, *, cache_dir: str | None = None) -> DdpDevice
 
 
 def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None) -> dict[str, Any]:
-    """Trains job with allreduce data parallelism; writes model.pt and summary.json."""
+    """Trains job with allreduce data parallelism; writes model.safetensors and summary.json."""
     devices = select_devices(job, cache_dir=cache_dir)
     for line in devices.left_out:
         print(f"hetpipe: ddp: {line}", file=sys.stderr)

@@ -37,21 +37,26 @@ def pipeline_plan(job: JobConfig, *, cache_dir: str | None = None) -> tuple[str,
     except PlanError as exc:
         raise ConfigError(f"parallel: {exc}") from None
     stages = plan.vw_stages(0)
-    devices = [s.device for s in stages]
-    if any(d.startswith("cuda") for d in devices) and len(set(devices)) != len(devices):
-        raise ConfigError(f"parallel.mode torch-pipeline: {k} stages need {k} distinct GPUs (nccl), "
-                          f"the plan has {devices}")
+    if len(stages) != k:
+        raise ConfigError(f"parallel.mode torch-pipeline: the plan has {len(stages)} stages, not {k}")
     return schedule, stages
 
 
+def backend_for(devices: list[str]) -> str:
+    """nccl when every stage has a GPU of its own; otherwise gloo, with boundaries staged through
+    host memory (gloo sends CPU tensors only; nccl cannot pair two ranks on one GPU)."""
+    distinct = len(set(devices)) == len(devices)
+    return "nccl" if distinct and all(d.startswith("cuda") for d in devices) else "gloo"
+
+
 def run_pipeline(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None) -> dict[str, Any]:
-    """Trains job as one torch.distributed.pipelining pipeline; writes model.pt and summary.json."""
+    """Trains job as one torch.distributed.pipelining pipeline; writes model.safetensors and summary.json."""
     schedule, stages = pipeline_plan(job, cache_dir=cache_dir)
     out_dir = common.prepare_out_dir(job)
     k = len(stages)
     slow = faults.from_env().slowdown(0)  # one pipeline: VW 0
     devices = [s.device for s in stages]
-    backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
+    backend = backend_for(devices)
     ranks = [{"rank": q, "node": s.node, "gpu": s.gpu, "label": s.label, "device": s.device,
               "layers": [s.layer_begin, s.layer_end], "forward_seconds": s.forward_seconds,
               "backward_seconds": s.backward_seconds} for q, s in enumerate(stages)]
@@ -108,11 +113,15 @@ class _BackwardStart(torch.autograd.Function):
 
 class _Timed(nn.Module):
     """The stage's layers, timed per micro-batch and padded to emulated times (0: no padding).
-    The backward ends when every parameter of the stage has its gradient of this backward."""
+    The backward ends when every parameter of the stage has its gradient of this backward.
+    Inputs move to the compute device; outputs to the io device the pipeline sends from (the host,
+    with gloo), except the last stage's, which the loss reads where it was computed."""
 
-    def __init__(self, layers: nn.Sequential, forward_s: float, backward_s: float, padder: faults.Padder) -> None:
+    def __init__(self, layers: nn.Sequential, forward_s: float, backward_s: float, padder: faults.Padder,
+                 compute: torch.device, io: torch.device | None) -> None:
         super().__init__()
         self.layers = layers
+        self.compute, self.io = compute, io
         self.forward_s, self.backward_s, self.padder = forward_s, backward_s, padder
         self.busy = 0.0
         self._bwd_started = 0.0
@@ -123,7 +132,9 @@ class _Timed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         started = time.time()
-        out = self.layers(x)
+        out = self.layers(x.to(self.compute))
+        if self.io is not None:
+            out = out.to(self.io)
         if self._padding:
             self.padder.pad(started, self.forward_s)
         self.busy += time.time() - started
@@ -157,20 +168,22 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     device = torch.device(me["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    io = device if spec["backend"] == "nccl" else torch.device("cpu")
     begin, end = me["layers"]
     layers = models.build_layers(job, begin, end, device=str(device))
     if job.model.init is not None:
         models.initialise_from(layers, models.load_init(job, list(layers.state_dict())), "model.init")
     params = list(layers.parameters())
     optimizer = make_optimizer(params, job.train.optimizer) if params else None
-    timed = _Timed(layers, float(me["forward_seconds"]) / m, float(me["backward_seconds"]) / m,
-                   faults.Padder(faults.from_env(), 0, (job.train.seed, "torch-pipeline", rank)))
     first, last = rank == 0, rank == k - 1
+    timed = _Timed(layers, float(me["forward_seconds"]) / m, float(me["backward_seconds"]) / m,
+                   faults.Padder(faults.from_env(), 0, (job.train.seed, "torch-pipeline", rank)),
+                   device, None if last or io == device else io)
     order = with_overrides(job, parallel={"virtual_workers": 1})  # one pipeline reads the whole stream
     dataset = data.training_set(job) if (first or last) else None
 
     common.init_process_group(spec, rank)
-    stage = PipelineStage(timed, rank, k, device)
+    stage = PipelineStage(timed, rank, k, io)
     kind = job.train.loss
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -186,7 +199,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         x = y = None
         if dataset is not None:
             x, y = minibatch(order, dataset, p, 0)
-            x, y = x.to(device), y.to(device)
+            x, y = x.to(io), y.to(device)
         losses: list[torch.Tensor] = []
         if first and last:
             schedule.step(x, target=y, losses=losses)

@@ -14,9 +14,10 @@ from typing import Any
 import grpc
 import torch
 
-from hetpipe import data, models, outputs, rpc, wire
+from hetpipe import data, devices, models, outputs, rpc, wire
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed
+from hetpipe.optim import compute_dtype
 from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
 from hetpipe.wsp import total_waves
 from coordinator.planner import Plan, StagePlan, resolved_job
@@ -112,7 +113,7 @@ class JobDriver:
         self.model = models.structure(self.job.model, self.job.base_dir)   # meta: names and shapes only
         x, y = data.first_item(self.job)
         self.batch = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
-        flows = boundaries(self.model, self.batch[0])
+        flows = boundaries(self.model, self.batch[0], compute_dtype(self.job.train.precision))
         for h in self.stages:  # each answers at once and loads in the background
             self._call(h, "Assign", self._assignment(h, flows))
         self._wait_loaded()
@@ -292,8 +293,19 @@ class JobDriver:
             fields["eval_loss"] = final.loss
             fields["eval_accuracy"] = final.accuracy if job.train.loss == "cross_entropy" else None
             fields["eval_rows"] = final.rows
-        if self.shards:
-            statuses = self.shard_status()
+        statuses = self.shard_status() if self.shards else []
+        if statuses:
             fields["max_clock_distance"] = max(st.max_clock_distance for st in statuses)
             fields["pushes_applied"] = sum(st.pushes_applied for st in statuses)
+        fields["processes"] = self._memory(statuses)
         return outputs.write_summary(self.out_dir, fields)
+
+    def _memory(self, shards: list[ps_pb2.ShardStatus]) -> list[dict[str, Any]]:
+        """Each process's peak memory, read after the weights were written (the last peak)."""
+        out: list[dict[str, Any]] = [{"process": "coordinator", "peak_rss_bytes": devices.peak_rss_bytes()}]
+        for h in self.stages:
+            st = self._call(h, "Status", stage_pb2.StatusRequest(), deadline=STATUS_DEADLINE_S)
+            out.append({"process": h.name, "device": st.device, "layers": [h.plan.layer_begin, h.plan.layer_end],
+                        "peak_rss_bytes": st.peak_rss_bytes, "device_peak_bytes": st.device_peak_bytes})
+        out += [{"process": f"ps shard {i}", "peak_rss_bytes": st.peak_rss_bytes} for i, st in enumerate(shards)]
+        return out

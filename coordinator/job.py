@@ -52,7 +52,8 @@ class JobRunner:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, job: JobConfig) -> None:
+    def submit(self, job: JobConfig, plan: Plan | None = None) -> None:
+        """Starts job (planned here unless the caller already did) in the background."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 what = "is stopping" if self.machine.terminal else f"is {self.machine.state.name}"
@@ -63,7 +64,7 @@ class JobRunner:
             self._stop.clear()
             self._dead.clear()
             self._progress, self._plan, self._summary = None, None, None
-            self._thread = threading.Thread(target=self._run, args=(job,), name="job", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(job, plan), name="job", daemon=True)
             self._thread.start()
 
     def stop(self, reason: str = "stopped by request") -> None:
@@ -72,6 +73,13 @@ class JobRunner:
         self._stop.set()
         if self.machine.state in (JobState.NONE, JobState.PENDING, JobState.PLANNED):
             self.machine.try_to(JobState.STOPPED, reason)
+
+    def join(self, timeout: float) -> None:
+        """Waits for the job thread to end (after stop, or after its processes went away): a
+        launcher that exits under a running job thread can abort inside torch."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
     def report_dead(self, address: str, why: str) -> None:
         """A launcher saw a worker process die: fail fast instead of waiting for heartbeats."""
@@ -118,10 +126,10 @@ class JobRunner:
         if self._stop.is_set() or not self.machine.try_to(new):
             raise JobStopped(self.machine.reason or "stopped by request")
 
-    def _run(self, job: JobConfig) -> None:
+    def _run(self, job: JobConfig, plan: Plan | None) -> None:
         driver: JobDriver | None = None
         try:
-            plan = self._plan = make_plan(job)
+            plan = self._plan = plan or make_plan(job)
             self._advance(JobState.PLANNED)
             stages = self.registry.claim(
                 Role.STAGE_WORKER, [(f"stage {s.stage} of vw {s.vw}", s.node, s.gpu) for s in plan.stages],

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,12 +116,15 @@ def _from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
         raise ConfigError(f"data.args: {spec}: {exc}") from None
     except Exception as exc:
         raise ConfigError(f"{key}: {spec}(**data.args) failed: {type(exc).__name__}: {exc}") from None
-    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+    if isinstance(dataset, Mapping) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise ConfigError(f"{key}: {spec} returned a {type(dataset).__name__}, expected a map-style "
                           f"torch.utils.data.Dataset (with __getitem__ and __len__) of (input, target)")
     if len(dataset) == 0:
         raise ConfigError(f"{key}: {spec} returned an empty dataset")
-    item = dataset[0]
+    try:
+        item = dataset[0]
+    except Exception as exc:
+        raise ConfigError(f"{key}: reading item 0 of {spec}'s dataset failed: {type(exc).__name__}: {exc}") from None
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
         raise ConfigError(f"{key}: {spec}'s items are {type(item).__name__}s, expected (input, target) pairs")
     return dataset  # type: ignore[no-any-return]

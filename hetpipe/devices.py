@@ -46,3 +46,33 @@ def pick(requested: str) -> Device:
             return d
     have = ", ".join(d.name for d in devices)
     raise ValueError(f"device {requested!r}: this machine has {have}")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def device_peak_bytes(device: Device) -> int:
+    """Peak memory torch allocated on a CUDA device; 0 elsewhere."""
+    return int(torch.cuda.max_memory_allocated(device.name)) if device.kind == "cuda" else 0
+
+
+THREADS_ENV = "HETPIPE_THREADS"
+
+
+def threads_for(processes: int) -> str:
+    """Intra-op threads of each of `processes` compute processes sharing this machine: the user's
+    HETPIPE_THREADS, else the cores split evenly (oversubscribed threads only slow them all)."""
+    import os
+
+    return os.environ.get(THREADS_ENV) or str(max(1, (os.cpu_count() or 1) // max(1, processes)))
+
+
+def set_threads() -> None:
+    """In a compute process: the thread count its launcher chose (one if started by hand)."""
+    import os
+
+    torch.set_num_threads(max(1, int(os.environ.get(THREADS_ENV, "1"))))

@@ -13,9 +13,25 @@ from torch.optim.sgd import sgd
 from hetpipe.config import OptimizerConfig
 
 
+COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of train.precision (None: the model's own dtype); activations and
+    gradients travel between stages in it."""
+    return COMPUTE_DTYPES[precision]
+
+
+def use_foreach(params: Sequence[torch.Tensor]) -> bool:
+    """Multi-tensor kernels on a GPU (one launch per step, not one per parameter); the per-tensor
+    loop on the CPU. Every trainer of a job decides the same way, so the oracles compare like with
+    like."""
+    return bool(params) and all(p.device.type == "cuda" for p in params)
+
+
 class StageOptimizer:
-    """A stage's SGD or Adam step: torch.optim's own single-tensor kernels, so bit for bit what
-    torch.optim.SGD/Adam(foreach=False) compute, with the state held here as plain tensors.
+    """A stage's SGD or Adam step: torch.optim's own functional kernels, so bit for bit what
+    torch.optim.SGD/Adam compute with the same foreach choice, the state held here as plain tensors.
 
     Not torch.optim's classes: their first step imports torch._dynamo, 1.2 s and 70 MB in every
     stage process; the functional kernels do not.
@@ -32,22 +48,23 @@ class StageOptimizer:
     def step(self, grads: Sequence[torch.Tensor]) -> None:
         """Applies one step with these gradients (one per parameter, in order)."""
         cfg, params = self.cfg, self.params
+        foreach = use_foreach(params)
         if cfg.name == "adam":
-            adam(params, list(grads), self.exp_avg, self.exp_avg_sq, [], self.steps, foreach=False,
+            adam(params, list(grads), self.exp_avg, self.exp_avg_sq, [], self.steps, foreach=foreach,
                  amsgrad=False, beta1=cfg.betas[0], beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay,
                  eps=cfg.eps, maximize=False)
         else:
-            sgd(params, list(grads), self.momentum, foreach=False, weight_decay=cfg.weight_decay,
+            sgd(params, list(grads), self.momentum, foreach=foreach, weight_decay=cfg.weight_decay,
                 momentum=cfg.momentum, lr=cfg.lr, dampening=0.0, nesterov=False, maximize=False)
 
 
 def make_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    # foreach=False: the per-tensor loop matches single-process training bit for bit.
+    foreach = use_foreach(params)  # as StageOptimizer decides: the oracles compare like with like
     if cfg.name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                weight_decay=cfg.weight_decay, foreach=False)
+                                weight_decay=cfg.weight_decay, foreach=foreach)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                           weight_decay=cfg.weight_decay, foreach=False)
+                           weight_decay=cfg.weight_decay, foreach=foreach)
 
 
 def compute_loss(kind: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -24,13 +24,13 @@ def minibatch(job: JobConfig, dataset: torch.utils.data.Dataset, p: int, vw: int
     return data.read_rows(job, dataset, rows.tolist())
 
 
-def train_reference(job: JobConfig, steps: int | None = None) -> torch.nn.Sequential:
+def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu") -> torch.nn.Sequential:
     """Synchronous data parallelism with summed updates over the job's VWs (one VW: plain training).
 
     Each step every VW v computes its gradient on its minibatch p; plain SGD then applies the sum
     of the VWs' updates. With N=1 this is ordinary training with any optimizer.
     """
-    model = initial_model(job)
+    model = initial_model(job).to(device)
     dataset = data.training_set(job)
     params = list(model.parameters())
     n = job.parallel.virtual_workers
@@ -41,6 +41,7 @@ def train_reference(job: JobConfig, steps: int | None = None) -> torch.nn.Sequen
         total = [torch.zeros_like(w) for w in params]
         for vw in range(n):
             x, y = minibatch(job, dataset, p, vw)
+            x, y = x.to(device), y.to(device)
             loss = compute_loss(job.train.loss, model(x), y)
             grads = torch.autograd.grad(loss, params)
             for t, g in zip(total, grads):

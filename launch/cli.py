@@ -51,9 +51,11 @@ def _run(args: argparse.Namespace) -> int:
         print("hetpipe: interrupted; stopped every process", file=sys.stderr)
         return EXIT_INTERRUPTED
     out = Path(job.resolve(job.output.dir))
-    print(json.dumps({k: summary[k] for k in ("steps", "samples_per_second", "final_loss", "accuracy")
-                      if k in summary}))
-    print(f"results: {out}/ (model.pt, summary.json{', trace/' if job.output.trace else ''})")
+    print(json.dumps({k: summary[k] for k in ("steps", "samples_per_second", "final_loss", "eval_loss",
+                                              "eval_accuracy") if k in summary}))
+    weights = sorted(p.name for p in out.glob("model*.safetensors*"))
+    extras = ["eval.jsonl"] * (out / "eval.jsonl").exists() + ["trace/"] * job.output.trace
+    print(f"results: {out}/ ({', '.join([*weights[:2], *(['...'] if len(weights) > 2 else []), 'summary.json', *extras])})")
     return 0
 
 

@@ -13,12 +13,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hetpipe import metrics, outputs, rpc
+from hetpipe import data, devices, metrics, outputs, rpc
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed, JobStopped
 from hetpipe.v1 import coordinator_pb2, wire_pb2
 from coordinator.__main__ import build
 from coordinator.job import JobRunner
+from coordinator.planner import Plan, make_plan
 from coordinator.servicer import PROTO_STATE
 from coordinator.state import JobState
 from launch.processes import LocalProcesses
@@ -68,12 +69,23 @@ def _watch_processes(procs: LocalProcesses, runner: JobRunner, on_restart: Calla
             runner.report_dead(p.address, f"(pid {p.popen.pid}) {p.exit_description()}")
 
 
+def preflight(job: JobConfig) -> Plan:
+    """What must hold before any process starts: the model factory gives a model (built on the
+    meta device), the data factories give datasets of (input, target), and the job has a plan.
+    Raises ConfigError or PlanError naming what is wrong."""
+    plan = make_plan(job)  # profiles models.structure(...) and reads data.first_item(job)
+    if job.data.eval_factory is not None:
+        data.held_out_set(job)
+    return plan
+
+
 def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: float = 1.0) -> dict[str, Any]:
     """Trains job on this machine; returns the summary. Stops every process it started."""
     if job.parallel.mode != "hetpipe":  # the baselines (DESIGN §7): ddp, torch-pipeline
         from baselines import run_baseline
 
         return run_baseline(job, quiet=quiet)
+    plan = preflight(job)
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out_dir / "ps", ignore_errors=True)  # a fresh job must not restore an old one's shards
@@ -84,7 +96,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     server.start()
     runner = servicer.runner
     # Submitted before anyone can find the coordinator: a `hetpipe stop` from then on stops this job.
-    runner.submit(job)
+    runner.submit(job, plan)
     (out_dir / ADDRESS_FILE).write_text(server.address + "\n")
     # The embedded coordinator serves this process's registry, as `python -m coordinator` does.
     metrics_server = metrics.start(0, "127.0.0.1")
@@ -92,8 +104,9 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     stub = rpc.Stub(channel, "Coordinator")
     status: coordinator_pb2.JobStatus | None = None
     try:
-        with LocalProcesses(out_dir / "logs") as procs:
-            par = job.parallel
+        par = job.parallel
+        threads = devices.threads_for(par.virtual_workers * par.stages_per_vw)
+        with LocalProcesses(out_dir / "logs", env={devices.THREADS_ENV: threads}) as procs:
             register = ["--coordinator", server.address, "--node", "local"]
             # Neutral names: the coordinator decides which worker serves which stage, and says so
             # in the worker's log ("stage q of vw v assigned ...") and in every error.
@@ -119,6 +132,8 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         runner.stop("the launcher failed")
         raise
     finally:
+        runner.stop("the launcher ended")  # no-op for a job that ended; its workers are gone anyway
+        runner.join(10.0)
         channel.close()
         server.stop()
         metrics_server.close()

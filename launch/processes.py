@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -35,6 +36,7 @@ class LocalProcesses:
 
     log_dir: Path
     host: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     processes: list[Process] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -47,15 +49,20 @@ class LocalProcesses:
         log_path = self.log_dir / f"{slug}.log"
         args = [sys.executable, "-m", module, "--host", self.host, "--metrics-port", "0",
                 "--ready-file", str(ready), "--exit-with-parent", *(extra or [])]
-        proc = Process(name, children.start([*args, "--port", "0"], log_path), log_path, ready, args)
+        proc = Process(name, children.start([*args, "--port", "0"], log_path, env=self._environment()), log_path,
+                       ready, args)
         self.processes.append(proc)
         return proc
+
+    def _environment(self) -> dict[str, str]:
+        return {**os.environ, **self.env}
 
     def restart(self, proc: Process, timeout: float = 60.0) -> None:
         """Starts a dead process again on the same port, so its peers reconnect to it."""
         proc.ready_file.unlink(missing_ok=True)
         port = proc.address.rsplit(":", 1)[1]
-        proc.popen = children.start([*proc.args, "--port", port], proc.log_path, append=True)
+        proc.popen = children.start([*proc.args, "--port", port], proc.log_path, env=self._environment(),
+                                    append=True)
         proc.restarts += 1
         deadline = time.monotonic() + timeout
         while not proc.ready_file.exists():

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from hetpipe import wire
+from hetpipe import devices, wire
 from hetpipe.errors import Rejected
 from hetpipe.rpc import handler
 from hetpipe.v1 import ps_pb2, wire_pb2
@@ -159,6 +159,7 @@ class ShardServicer:
                 virtual_workers=s.virtual_workers, keys=len(s.values),
                 pushes_applied=s.pushes_applied, pushes_duplicate=s.pushes_duplicate,
                 max_clock_distance=s.max_clock_distance, restored_pushes=self.restored_pushes,
+                peak_rss_bytes=devices.peak_rss_bytes(),
             )
             if s.ready:
                 status.c_global = s.c_global()

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
-
-import torch
-
 
 from hetpipe import devices, rpc
 from hetpipe.service import ServiceFlags, exit_now, run_server
@@ -18,8 +14,7 @@ from stage_worker.servicer import StageServicer
 
 
 def serve(cfg: ServiceFlags) -> None:
-    # One process per stage: oversubscribing the cores with intra-op threads only slows them all.
-    torch.set_num_threads(max(1, int(os.environ.get("HETPIPE_THREADS", "1"))))
+    devices.set_threads()
     runtime = StageRuntime()
     server = rpc.Server(cfg.host, cfg.port, role="stage_worker")
 

@@ -14,6 +14,7 @@ import torch
 from hetpipe import devices
 from hetpipe.config import ConfigError, ResolvedJob
 from hetpipe.errors import Rejected
+from hetpipe.units import format_bytes
 from hetpipe.v1 import stage_pb2
 from hetpipe.wire import WireError, torch_dtype
 
@@ -148,9 +149,13 @@ def validate(a: stage_pb2.StageAssignment) -> Setup:
         device = devices.pick(a.device)
     except ValueError as exc:
         raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+    # A real GPU is named as the hardware names itself; an emulated one as the plan does.
+    label = a.device_label or device.name
+    if device.kind == "cuda" and not a.emulated:
+        label = f"{device.label} ({device.name}, {format_bytes(device.memory_bytes)})"
     return Setup(
         job=job, vw=a.vw, stage=a.stage, num_stages=k, layer_begin=a.layer_begin, layer_end=a.layer_end,
-        device=device, label=a.device_label or device.name, gpu_type=a.gpu_type, emulated=a.emulated,
+        device=device, label=label, gpu_type=a.gpu_type, emulated=a.emulated,
         prev_address=a.prev_address, next_address=a.next_address, ps_addresses=tuple(a.ps_addresses),
         key_shards=tuple(a.key_shards), trace_path=a.trace_path,
         **{field: float(getattr(a, field)) for field in _SECONDS},

@@ -23,6 +23,8 @@ class Progress:
     emulated: bool = False
     memory_used_bytes: float = 0.0
     memory_capacity_bytes: float = 0.0
+    peak_rss_bytes: int = 0         # this process's peak resident memory
+    device_peak_bytes: int = 0      # real GPU: peak allocated by torch
     # Counters.
     forwards_done: int = 0
     backwards_done: int = 0    # minibatches whose backward finished here

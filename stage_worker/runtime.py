@@ -12,6 +12,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
+from hetpipe import devices
 from hetpipe.errors import Rejected
 from hetpipe.optim import compute_loss
 from hetpipe.v1 import stage_pb2, wire_pb2
@@ -58,8 +59,7 @@ class StageRuntime:
         self._eval_inputs: deque[tuple[int, int, torch.Tensor]] = deque()   # (evaluation, minibatch, x)
         self._final: int | None = None  # the final evaluation's min_clock, once asked for
         self._final_merged = False
-        self._losses: deque[float] = deque(maxlen=10)
-        self._last_loss = float("nan")
+        self._losses: deque[torch.Tensor] = deque(maxlen=10)  # read (a device sync) only when polled
         self._received = 0
         self._busy = False            # a task is running (its input still counts as ready)
         self._idle_seconds = self._wait_idle_seconds = 0.0
@@ -347,11 +347,11 @@ class StageRuntime:
         # The forward's share of the task: measured, or (emulated) the padded time split as planned.
         forward = (end - start) * s.setup.forward_seconds / padded if padded > 0 else forward_end - start
         with self._cv:
-            self._last_loss = loss
             self._losses.append(loss)
         s.trace.forward(p, local_version=version, min_clock=min_clock, fwd_start=start, fwd_end=forward_end)
-        s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=forward_end, bwd_end=end,
-                         loss=loss)
+        if s.trace.enabled:
+            s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=forward_end, bwd_end=end,
+                             loss=float(loss))
         return self._gradient(s, p, version, grad_in), forward
 
     # ---- evaluation --------------------------------------------------------------------------
@@ -406,6 +406,11 @@ class StageRuntime:
         """The stage's state and counters at one instant; with weights_digest, also a hash of its
         weights (reads them all, under the lock the compute thread needs: polls leave it out)."""
         with self._cv:
+            losses = list(self._losses)
+        # Outside the lock: reading a loss on a GPU waits for the work queued before it.
+        last_loss = float(losses[-1]) if losses else float("nan")
+        recent_loss = float(torch.stack(losses).mean()) if losses else float("nan")
+        with self._cv:
             s = self._s
             if s is None:
                 who = self._setup
@@ -418,12 +423,13 @@ class StageRuntime:
             return Progress(
                 state=self.state, error=self.error, vw=setup.vw, stage=setup.stage, device=setup.device.name,
                 label=setup.label, gpu_type=setup.gpu_type, emulated=setup.emulated, memory_used_bytes=used,
-                memory_capacity_bytes=capacity, forwards_done=sched.next_forward - 1,
+                memory_capacity_bytes=capacity, peak_rss_bytes=devices.peak_rss_bytes(),
+                device_peak_bytes=0 if setup.emulated else devices.device_peak_bytes(setup.device),
+                forwards_done=sched.next_forward - 1,
                 backwards_done=sched.completed, samples=sched.completed * s.job.data.batch_size,
                 local_version=s.compute.version, in_flight=sched.in_flight,
                 queue_depth=sched.ready - (1 if self._busy else 0), received=self._received,
-                last_loss=self._last_loss,
-                recent_loss=sum(self._losses) / len(self._losses) if self._losses else float("nan"),
+                last_loss=last_loss, recent_loss=recent_loss,
                 forward_seconds=self._phase_seconds["forward"], backward_seconds=self._phase_seconds["backward"],
                 idle_seconds=self._idle_seconds, wait_seconds=s.sync.wait_seconds,
                 wait_idle_seconds=self._wait_idle_seconds,

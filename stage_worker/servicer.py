@@ -37,6 +37,8 @@ def status_message(p: Progress) -> stage_pb2.StageStatus:
     s.compute_seconds = p.compute_seconds
     s.clock, s.min_clock = p.clock, p.min_clock
     s.weights_digest = p.weights_digest
+    s.memory_used_bytes, s.memory_capacity_bytes = int(p.memory_used_bytes), int(p.memory_capacity_bytes)
+    s.peak_rss_bytes, s.device_peak_bytes = p.peak_rss_bytes, p.device_peak_bytes
     for e in p.evals:
         s.evals.add(id=e.id, minibatches=e.minibatches, final=e.final, time=e.time, rows=e.rows, loss=e.loss,
                     accuracy=e.accuracy)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.func import functional_call
 
 from hetpipe.config import OptimizerConfig
-from hetpipe.optim import StageOptimizer, compute_loss
+from hetpipe.optim import StageOptimizer, compute_dtype, compute_loss
 
 
 @dataclass(slots=True)
@@ -21,9 +21,6 @@ class _Stashed:
     leaves: dict[str, torch.Tensor]
     x: torch.Tensor
     out: torch.Tensor
-
-
-COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class StageCompute:
@@ -45,7 +42,7 @@ class StageCompute:
         self.stash = stash
         self.device = device
         self.loss_kind = loss
-        self.compute_dtype = COMPUTE_DTYPES[precision]
+        self.compute_dtype = compute_dtype(precision)
         self._device_type = torch.device(device).type
         self.names = [n for n, _ in self.module.named_parameters()]
         self.params = [p for _, p in self.module.named_parameters()]
@@ -73,21 +70,30 @@ class StageCompute:
             self._snapshot = (self.version, leaves)
         return self._snapshot[1]
 
+    def _call(self, leaves: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        # The live weights need no substitution (functional_call costs a swap per parameter).
+        return functional_call(self.module, leaves, (x,)) if self.stash else self.module(x)
+
     def forward(self, p: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """L2: runs p on the latest local weights and stashes them for p's backward."""
         leaves = self._current_leaves()
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
         with self._autocast():
-            out = self._wire(functional_call(self.module, leaves, (x,)))
+            out = self._wire(self._call(leaves, x))
         self._stash[p] = _Stashed(self.version, leaves, x, out)
         return out.detach(), self.version
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward only, on the live weights (an evaluation of held-out rows)."""
-        with self._autocast():
-            return self._wire(functional_call(self.module, dict(zip(self.names, self.params)), (x,)))
+        """Forward only, on the live weights, in eval mode (dropout off, batch norm on its running
+        statistics, which it leaves as they were): an evaluation of held-out rows."""
+        self.module.eval()
+        try:
+            with self._autocast():
+                return self._wire(self.module(x))
+        finally:
+            self.module.train()
 
     def backward(self, p: int, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, int, list[torch.Tensor]]:
         """Backward of p on its stashed weights, then the local optimizer step (L3)."""
@@ -97,18 +103,19 @@ class StageCompute:
 
     def forward_backward(
         self, p: int, x: torch.Tensor, target: torch.Tensor
-    ) -> tuple[float, torch.Tensor | None, int, list[torch.Tensor], float]:
-        """The last stage's single task: forward, loss, backward, step. Returns the split time too."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int, list[torch.Tensor], float]:
+        """The last stage's single task: forward, loss, backward, step. Returns the split time too,
+        and the loss as a tensor: reading it would wait for the device at every minibatch."""
         leaves = self._current_leaves()
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
         with self._autocast():
-            out = functional_call(self.module, leaves, (x,))
+            out = self._call(leaves, x)
             loss = compute_loss(self.loss_kind, out.float() if self.compute_dtype is not None else out, target)
         forward_end = time.time()
         stashed = _Stashed(self.version, leaves, x, loss)
         grad_in, grads = self._grads(stashed, loss, None)
-        return float(loss.detach()), grad_in, stashed.version, self._step(grads), forward_end
+        return loss.detach(), grad_in, stashed.version, self._step(grads), forward_end
 
     def _grads(
         self, stashed: _Stashed, out: torch.Tensor, grad_out: torch.Tensor | None

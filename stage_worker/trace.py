@@ -15,6 +15,10 @@ class MinibatchTrace:
         self._file: IO[str] | None = open(path, "w") if path else None
         self._open: dict[int, dict[str, float | int]] = {}
 
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
     def forward(self, p: int, **fields: float | int) -> None:
         if self._file is not None:
             self._open[p] = fields

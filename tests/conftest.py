@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,16 @@ def _seeds() -> None:
     torch.manual_seed(0)
 
 
+def _is_helper(process: psutil.Process) -> bool:
+    """multiprocessing's fork server and resource tracker: started once, they live as long as
+    this process (and exit with it); the workers they fork are checked like any child."""
+    try:
+        command = " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+    return "multiprocessing.forkserver" in command or "multiprocessing.resource_tracker" in command
+
+
 @pytest.fixture(autouse=True)
 def _no_orphans() -> Iterator[None]:
     """Every test must stop the processes it started."""
@@ -32,7 +43,7 @@ def _no_orphans() -> Iterator[None]:
     yield
     leftover = []
     for child in me.children(recursive=True):
-        if child.pid in before:
+        if child.pid in before or _is_helper(child):
             continue
         try:
             child.wait(timeout=5)
@@ -56,6 +67,25 @@ BASE_JOB: dict[str, Any] = {
     "parallel": {"virtual_workers": 1, "stages_per_vw": 2, "nm": 1, "D": 0},
     "output": {"dir": "out", "trace": True},
 }
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def example_job(tmp_path: Path, name: str, overrides: dict[str, Any] | None = None) -> Path:
+    """examples/<name>.yaml, or examples/<name>/job.yaml with its own files, copied under tmp_path
+    with overrides and its output in tmp_path/out; returns the copied job file."""
+    src = EXAMPLES / name
+    dst = tmp_path / name
+    if src.is_dir():
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.npy", "__pycache__"))
+    else:
+        dst.mkdir(parents=True)
+    raw = yaml.safe_load(((src / "job.yaml") if src.is_dir() else EXAMPLES / f"{name}.yaml").read_text())
+    raw = deep_update(raw, {"output": {"dir": str(tmp_path / "out")}, **(overrides or {})})
+    path = dst / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
 
 
 @pytest.fixture

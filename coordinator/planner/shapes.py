@@ -9,12 +9,15 @@ from torch import nn
 TensorShape = tuple[tuple[int, ...], torch.dtype]
 
 
-def boundaries(model: nn.Sequential, x: TensorShape) -> list[TensorShape]:
-    """[input of layer 0, input of layer 1, ..., output of the last layer] for a minibatch x."""
+def boundaries(model: nn.Sequential, x: TensorShape, compute: torch.dtype | None = None) -> list[TensorShape]:
+    """[input of layer 0, input of layer 1, ..., output of the last layer] for a minibatch x.
+    With a compute dtype (train.precision), what layers produce in floating point is in it: that is
+    what stages send (the input x is data, read by stage 0 itself)."""
     value = torch.empty(x[0], dtype=x[1], device="meta")
     out = [x]
     with torch.no_grad():
         for layer in model.to("meta"):
             value = layer(value)
-            out.append((tuple(value.shape), value.dtype))
+            dtype = compute if compute is not None and value.is_floating_point() else value.dtype
+            out.append((tuple(value.shape), dtype))
     return out

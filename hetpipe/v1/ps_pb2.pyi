@@ -36,7 +36,7 @@ class VwClock(_message.Message):
     def __init__(self, vw: _Optional[int] = ..., min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("virtual_workers", "keys", "clocks", "c_global", "clock_distance", "max_clock_distance", "pushes_applied", "pushes_duplicate", "restored_pushes", "values_digest")
+    __slots__ = ("virtual_workers", "keys", "clocks", "c_global", "clock_distance", "max_clock_distance", "pushes_applied", "pushes_duplicate", "restored_pushes", "values_digest", "peak_rss_bytes")
     VIRTUAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class ShardStatus(_message.Message):
     PUSHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     RESTORED_PUSHES_FIELD_NUMBER: _ClassVar[int]
     VALUES_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     virtual_workers: int
     keys: int
     clocks: _containers.RepeatedCompositeFieldContainer[VwClock]
@@ -57,4 +58,5 @@ class ShardStatus(_message.Message):
     pushes_duplicate: int
     restored_pushes: int
     values_digest: str
-    def __init__(self, virtual_workers: _Optional[int] = ..., keys: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[VwClock, _Mapping]]] = ..., c_global: _Optional[int] = ..., clock_distance: _Optional[int] = ..., max_clock_distance: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., restored_pushes: _Optional[int] = ..., values_digest: _Optional[str] = ...) -> None: ...
+    peak_rss_bytes: int
+    def __init__(self, virtual_workers: _Optional[int] = ..., keys: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[VwClock, _Mapping]]] = ..., c_global: _Optional[int] = ..., clock_distance: _Optional[int] = ..., max_clock_distance: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., restored_pushes: _Optional[int] = ..., values_digest: _Optional[str] = ..., peak_rss_bytes: _Optional[int] = ...) -> None: ...

@@ -209,7 +209,7 @@ def test_ddp_names_the_failed_rank_and_stops_every_worker(make_job, tmp_path: Pa
         steps = progress.read_text().split()[0] if progress.exists() else "0"
         if int(steps) >= 2:
             victim = next((p for p in psutil.Process().children(recursive=True)
-                           if "--rank" in p.cmdline() and p.cmdline()[-1] == "1"), None)
+                           if " ".join(p.cmdline()).split()[-2:] == ["--rank", "1"]), None)
         time.sleep(0.05)
     assert victim is not None, "rank 1 never made progress"
     victim.kill()

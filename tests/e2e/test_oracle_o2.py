@@ -2,26 +2,46 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from launch.local import run_local
-from hetpipe import outputs
 from hetpipe.reference import initial_model, train_reference
 
 pytestmark = pytest.mark.timeout(150)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_wsp_d0_equals_summed_sync_dp(make_job, tmp_path: Path, n: int) -> None:
+# n=3 also writes the weights split in files of at most 10 kB (a larger tensor gets a file of its
+# own): the transformers convention, model-0000i-of-0000N.safetensors and an index.
+@pytest.mark.parametrize(("n", "max_shard_bytes"), [(2, None), (3, 10_000)])
+def test_wsp_d0_equals_summed_sync_dp(make_job, tmp_path: Path, n: int, max_shard_bytes: int | None) -> None:
     job = make_job({
         "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02}, "steps": 20},
         "parallel": {"virtual_workers": n, "stages_per_vw": 2, "nm": 1, "D": 0, "ps_shards": 2},
+        "output": {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {},
     })
     summary = run_local(job, quiet=True)
-    got = outputs.read_weights(tmp_path / "out")
+    out = tmp_path / "out"
+    if max_shard_bytes is None:
+        assert not (out / "model.safetensors.index.json").exists()
+        got = load_file(out / "model.safetensors")
+    else:
+        assert not (out / "model.safetensors").exists()
+        weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        assert len(files) > 2 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                                             for i in range(1, len(files) + 1)]
+        got = {}
+        for name in files:
+            part = load_file(out / name)
+            assert all(weight_map[key] == name for key in part), f"{name} holds what the index says"
+            many = len(part) > 1
+            assert not many or sum(t.numel() * t.element_size() for t in part.values()) <= max_shard_bytes
+            got.update(part)
     want = train_reference(job).state_dict()
     w0 = initial_model(job).state_dict()
     assert list(got) == list(want)

@@ -1,0 +1,175 @@
+"""One real GPU: a GPT trained by a plain PyTorch loop, by `hetpipe run` (1x1, 1x2 at Nm 4, 2 VWs x
+2 stages) and by the torch-pipeline and ddp baselines; samples/s side by side, each as a ratio to
+the plain loop, and each run's start-to-exit wall time against its training time.
+
+    python bench/gpu.py                  # the issue's 117.8M GPT, bf16, batch 16, SGD
+    python bench/gpu.py --large          # a 1.3B GPT (dim 2048, 24 layers) over 2 and 4 stages
+    python bench/gpu.py --small          # a 0.4M GPT: checks the kit end to end (on the CPU if no GPU)
+
+Every run is its own process (`hetpipe run`, or this file with --plain), so start-to-exit
+includes the interpreter, CUDA initialisation and, for HetPipe, the stage and shard processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GPT_118M = {"vocab": 8192, "context": 256, "dim": 1024, "heads": 16, "layers": 8}
+GPT_1_3B = {"vocab": 8192, "context": 256, "dim": 2048, "heads": 16, "layers": 24}
+GPT_SMALL = {"vocab": 512, "context": 32, "dim": 64, "heads": 4, "layers": 4}
+
+
+def job_dict(out: Path, model: dict[str, int], *, steps: int, precision: str, batch: int = 16,
+             vws: int = 1, stages: int = 1, nm: int = 1, D: int = 0, shards: int = 1,
+             mode: str = "hetpipe") -> dict[str, Any]:
+    parallel: dict[str, Any] = {"virtual_workers": vws, "stages_per_vw": stages, "nm": nm, "D": D,
+                                "ps_shards": shards, "mode": mode}
+    if mode == "torch-pipeline":
+        parallel = {"stages_per_vw": stages, "mode": mode, "microbatches": nm}
+    elif mode == "ddp":
+        parallel = {"virtual_workers": vws, "stages_per_vw": 1, "mode": mode}
+    return {
+        "model": {"name": "gpt", "args": model},
+        "data": {"name": "synthetic", "batch_size": batch, "args": {"rows": 4096}},
+        "train": {"steps": steps, "loss": "cross_entropy", "precision": precision,
+                  "optimizer": {"name": "sgd", "lr": 0.01}, "seed": 0},
+        "parallel": parallel,
+        "output": {"dir": str(out), "trace": False},
+    }
+
+
+def plain_loop(path: str) -> dict[str, Any]:
+    """The same model, data order, optimizer and autocast, in one process on the device a
+    `hetpipe run` without a cluster section uses (cuda:0, else the CPU)."""
+    import torch
+
+    from hetpipe import data
+    from hetpipe.config import load_job
+    from hetpipe.optim import compute_dtype, compute_loss, make_optimizer
+    from hetpipe.reference import initial_model, minibatch
+
+    job = load_job(path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = initial_model(job).to(device)
+    optimizer = make_optimizer(list(model.parameters()), job.train.optimizer)
+    dataset = data.training_set(job)
+    dtype = compute_dtype(job.train.precision)
+    start = time.monotonic()
+    for p in range(1, job.train.steps + 1):
+        x, y = minibatch(job, dataset, p, 0)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = compute_loss(job.train.loss, model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    final = float(loss)  # waits for the last step
+    wall = time.monotonic() - start
+    return {"samples_per_second": job.train.steps * job.data.batch_size / wall, "wall_seconds": wall,
+            "final_loss": final,
+            "device_peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else 0}
+
+
+def run(name: str, job: dict[str, Any], work: Path, timeout: float) -> dict[str, Any]:
+    """Runs one job as its own process; its summary plus start_to_exit_seconds."""
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    plain = name == "plain loop"
+    cmd = ([sys.executable, __file__, "--plain", str(path)] if plain
+           else [sys.executable, "-m", "launch.cli", "run", "--quiet", str(path)])
+    start = time.monotonic()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    elapsed = time.monotonic() - start
+    if done.returncode != 0:
+        return {"name": name, "error": (done.stderr or done.stdout).strip().splitlines()[-5:]}
+    summary = json.loads(done.stdout) if plain else json.loads((Path(job["output"]["dir"]) / "summary.json").read_text())
+    summary.update(name=name, start_to_exit_seconds=elapsed)
+    return summary
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    base = next((r["samples_per_second"] for r in results if r["name"] == "plain loop" and "error" not in r), None)
+    print(f"{'run':<34}{'samples/s':>11}{'x plain':>9}{'train s':>9}{'start-to-exit s':>17}{'overhead s':>12}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['name']:<34} FAILED: {' | '.join(r['error'])}")
+            continue
+        ratio = r["samples_per_second"] / base if base else float("nan")
+        print(f"{r['name']:<34}{r['samples_per_second']:>11.1f}{ratio:>9.2f}{r['wall_seconds']:>9.1f}"
+              f"{r['start_to_exit_seconds']:>17.1f}{r['start_to_exit_seconds'] - r['wall_seconds']:>12.1f}")
+        for p in r.get("processes", []):
+            print(f"    {p['process']:<22} peak RSS {p['peak_rss_bytes'] / 2**30:6.2f} GiB"
+                  + (f"  GPU peak {p['device_peak_bytes'] / 2**30:6.2f} GiB" if p.get("device_peak_bytes") else "")
+                  + (f"  layers {p['layers']}" if "layers" in p else ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plain", metavar="JOB", help=argparse.SUPPRESS)
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--large", action="store_true", help="the 1.3B GPT over 2 and 4 stages")
+    size.add_argument("--small", action="store_true", help="a tiny GPT: checks the kit (runs on the CPU too)")
+    ap.add_argument("--steps", type=int, default=0, help="minibatches per run (default 150; 30 with --large)")
+    ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    if args.plain:
+        print(json.dumps(plain_loop(args.plain)))
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+              f"driver {_driver()}, {args.precision}", flush=True)
+    elif args.small:
+        print(f"# no CUDA device: the CPU, torch {torch.__version__}, {args.precision}", flush=True)
+    else:
+        sys.exit("bench/gpu.py needs a CUDA device (--small checks the kit on the CPU)")
+    steps = args.steps or (30 if args.large else 150)
+    work = Path(tempfile.mkdtemp(prefix="hetpipe-gpu-"))
+    model = GPT_1_3B if args.large else GPT_SMALL if args.small else GPT_118M
+
+    def job(tag: str, **kw: Any) -> dict[str, Any]:
+        return job_dict(work / tag, model, steps=steps, precision=args.precision, **kw)
+
+    runs = [("plain loop", job("plain"))]
+    if args.large:
+        runs += [("hetpipe 1 VW x 2 stages, Nm 2", job("s2", stages=2, nm=2)),
+                 ("hetpipe 1 VW x 4 stages, Nm 4", job("s4", stages=4, nm=4))]
+    else:
+        runs += [("hetpipe 1 VW x 1 stage", job("h11")),
+                 ("hetpipe 1 VW x 2 stages, Nm 4", job("h12", stages=2, nm=4)),
+                 ("hetpipe 2 VWs x 2 stages, D 1", job("h22", vws=2, stages=2, nm=4, D=1, shards=2)),
+                 ("torch-pipeline 2 stages, 4 mb", job("tp", stages=2, nm=4, mode="torch-pipeline")),
+                 ("ddp 2 ranks", job("ddp", vws=2, mode="ddp"))]
+    results = []
+    for name, spec in runs:
+        results.append(run(name, spec, work, timeout=1200))
+        print(f"  {name}: done", flush=True)
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def _driver() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()

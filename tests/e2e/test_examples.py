@@ -1,0 +1,57 @@
+"""Every example learns, shortened (quickstart and own-model: tests/e2e/test_own_model.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import example_job
+from hetpipe.config import load_job
+from launch.local import run_local
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def evaluations(out: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+
+
+def test_compose_cluster_learns(tmp_path: Path) -> None:
+    """2 heterogeneous VWs x 2 stages, 2 shards; emulated times shrunk 50x, 300 of 2000 minibatches."""
+    job = load_job(example_job(tmp_path, "compose-cluster", {
+        "cluster": {"emulate": {"time_scale": 0.02}}, "train": {"steps": 300}, "eval": {"every": 100}}))
+    summary = run_local(job, quiet=True)
+    assert summary["emulated"] and summary["ps_shards"] == 2
+    assert summary["eval_accuracy"] >= 0.8, summary["eval_accuracy"]  # the example states ~0.98 at 2000
+
+
+def test_streaming_learns(tmp_path: Path) -> None:
+    """A byte-level GPT on a memory-mapped file: a third of the example's minibatches, half its depth."""
+    job = load_job(example_job(tmp_path, "streaming", {
+        "model": {"args": {"layers": 2}}, "train": {"steps": 100}, "eval": {"every": 50, "rows": 256}}))
+    summary = run_local(job, quiet=True)
+    assert (tmp_path / "streaming" / "stdlib.npy").exists(), "the corpus was written beside the factory"
+    accuracy = [e["accuracy"] for e in evaluations(tmp_path / "out")]
+    # One byte in 256; the most common byte (a space) alone gives about 0.15.
+    assert accuracy[-1] >= 0.3 and accuracy[-1] > accuracy[0], accuracy
+    assert summary["eval_accuracy"] == accuracy[-1]
+
+
+def test_paper_cluster_learns(tmp_path: Path) -> None:
+    """The paper's 16 emulated GPUs and its ED allocation, shortened to one VW (one GPU of each
+    type) training ResNet-152's 8x8 stand-in on digits: the full-size example measures throughput
+    on synthetic images, where accuracy means nothing."""
+    job = load_job(example_job(tmp_path, "paper-cluster", {
+        "cluster": {"emulate": {"time_scale": 0.001}},
+        "model": {"name": "resnet152", "args": {"in_shape": [1, 8, 8], "num_classes": 10, "width": 0.125}},
+        "data": {"name": "digits", "shuffle": True, "eval_fraction": 0.2},
+        "eval": {"rows": 352},
+        "train": {"steps": 100, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
+        "parallel": {"virtual_workers": 1},
+    }))
+    summary = run_local(job, quiet=True)
+    assert sorted(s["gpu"] for s in summary["plan"]) == sorted(
+        f"{t} (emulated)" for t in ("titan-v", "titan-rtx", "rtx-2060", "quadro-p4000"))
+    assert summary["eval_accuracy"] >= 0.25, summary["eval_accuracy"]  # chance: 0.1; the example states ~0.37

@@ -1,0 +1,127 @@
+"""A user's own model and data (examples/own-model), evaluation through the pipeline, bf16 on
+the CPU, factory errors before any process starts, and a launcher that never holds the model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import example_job
+from hetpipe.config import load_job
+from launch.local import run_local
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = Path(__file__).resolve().parents[2]
+HETPIPE = [sys.executable, "-m", "launch.cli"]
+
+
+def test_own_model_and_data_reach_the_stated_held_out_accuracy(tmp_path: Path) -> None:
+    """examples/own-model: 2 VWs x 2 stages; the job file states about 0.99 after 300 minibatches."""
+    job = load_job(example_job(tmp_path, "own-model"))
+    assert job.model.factory == "digits_net:build" and job.data.factory == "digits_data:train"
+    summary = run_local(job, quiet=True)
+    assert (summary["virtual_workers"], summary["stages_per_vw"]) == (2, 2)
+    assert summary["eval_accuracy"] >= 0.97, summary["eval_accuracy"]
+    lines = [json.loads(line) for line in (tmp_path / "out" / "eval.jsonl").read_text().splitlines()]
+    # every 100 minibatches of VW 0 (100, 200) and the final one on w_global after the last push
+    assert [(e["id"], e["minibatches"], e["final"]) for e in lines] == [(1, 100, False), (2, 200, False),
+                                                                         (3, 300, True)]
+    assert all(e["rows"] == 352 for e in lines), "359 held-out rows in whole minibatches of 32"
+    assert [e["samples"] for e in lines] == [100 * 2 * 32, 200 * 2 * 32, 300 * 2 * 32]
+    assert lines[0]["seconds"] < lines[1]["seconds"] < lines[2]["seconds"]
+    assert lines[-1]["accuracy"] == summary["eval_accuracy"] and lines[-1]["loss"] == summary["eval_loss"]
+    assert lines[0]["loss"] > lines[-1]["loss"], "evaluations follow the training"
+
+
+def _run_cli(job: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HETPIPE, "run", "-q", str(job)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+BAD = {
+    "missing module": ({"model": {"factory": "no_such_module:build"}},
+                       "model.factory: cannot import module 'no_such_module'"),
+    "missing function": ({"model": {"factory": "digits_net:no_such_function"}},
+                         "model.factory: module 'digits_net' has no attribute 'no_such_function'"),
+    "model not a Sequential": ({"model": {"factory": "bad_factories:a_dict"}},
+                               "model: bad_factories:a_dict returned a dict, expected an nn.Sequential"),
+    "model raises": ({"model": {"factory": "bad_factories:raises"}},
+                     "model: bad_factories:raises(**model.args) failed: RuntimeError: no weights today"),
+    "data not a Dataset": ({"data": {"factory": "bad_factories:a_dict"}},
+                           "data.factory: bad_factories:a_dict returned a dict, expected a map-style"),
+    "data items not pairs": ({"data": {"factory": "bad_factories:single_tensors"}},
+                             "data.factory: bad_factories:single_tensors's items are Tensors, expected (input, target)"),
+    "eval data missing": ({"data": {"eval_factory": "digits_data:nothing"}},
+                          "data.eval_factory: module 'digits_data' has no attribute 'nothing'"),
+}
+BAD_FACTORIES = '''
+import torch
+
+def a_dict(**kwargs):
+    return {"layers": []}
+
+def raises(**kwargs):
+    raise RuntimeError("no weights today")
+
+def single_tensors(**kwargs):
+    return [torch.zeros(1, 8, 8) for _ in range(10)]
+'''
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_bad_factory_exits_2_before_any_process_starts(tmp_path: Path, case: str) -> None:
+    overrides, message = BAD[case]
+    job = example_job(tmp_path, "own-model", overrides)
+    (job.parent / "bad_factories.py").write_text(BAD_FACTORIES)
+    done = _run_cli(job)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "out" / "logs").exists(), "no worker process was started"
+
+
+def test_bf16_quickstart_ends_within_two_points_of_fp32(tmp_path: Path) -> None:
+    accuracy = {}
+    for precision in ("fp32", "bf16"):
+        job = load_job(example_job(tmp_path / precision, "quickstart", {"train": {"precision": precision}}))
+        summary = run_local(job, quiet=True)
+        assert summary["precision"] == precision
+        accuracy[precision] = summary["eval_accuracy"]
+    assert accuracy["fp32"] > 0.9, accuracy
+    assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.02, accuracy
+
+
+def _mlp_job(tmp_path: Path, width: int, layers: int) -> Path:
+    raw = {
+        "model": {"name": "mlp", "args": {"in_features": width, "hidden": [width] * layers, "num_classes": 10}},
+        "data": {"name": "synthetic", "batch_size": 8, "args": {"rows": 64}},
+        "train": {"steps": 2, "loss": "cross_entropy", "optimizer": {"name": "sgd", "lr": 0.01}},
+        "parallel": {"virtual_workers": 1, "stages_per_vw": 2, "nm": 1},
+        "output": {"dir": str(tmp_path / f"out{width}")},
+    }
+    path = tmp_path / f"mlp{width}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_the_launcher_never_holds_the_model(tmp_path: Path) -> None:
+    """400 MB of float32 parameters over 2 stages: `hetpipe run`'s peak RSS grows by < 100 MB
+    over the same run of a 20 kB model (its idle footprint: interpreter, torch, gRPC)."""
+    peaks = {}
+    for width, layers in ((16, 2), (4096, 6)):
+        done = _run_cli(_mlp_job(tmp_path, width, layers), timeout=200)
+        assert done.returncode == 0, done.stderr
+        summary = json.loads((tmp_path / f"out{width}" / "summary.json").read_text())
+        by_name = {p["process"]: p for p in summary["processes"]}
+        peaks[width] = by_name["coordinator"]["peak_rss_bytes"]
+        if width == 4096:
+            weights = (tmp_path / "out4096" / "model.safetensors").stat().st_size
+            assert weights > 400e6
+            stages = [by_name["stage 0 of vw 0"], by_name["stage 1 of vw 0"]]
+            assert all(s["peak_rss_bytes"] > 150e6 for s in stages), "each stage holds its own half"
+    assert peaks[4096] < peaks[16] + 100e6, {k: f"{v / 1e6:.0f} MB" for k, v in peaks.items()}
