@@ -4,8 +4,8 @@ heterogeneous cluster with a straggler (hetpipe.txt §8.4, Figures 5-6). Writes 
 
 Data: scikit-learn's digits (1797 8x8 images, shipped inside its wheel: no download), split once
 with a fixed seed into the rows the jobs train on (an npz, data.name: npz) and held-out rows
-(--holdout): "accuracy" and the target here are on the held-out rows, as the paper's top-1 is on
-validation data (the summary's accuracy, on the training rows, is in the CSV as train_accuracy).
+(--holdout): "accuracy" and the target here are on the held-out rows (the summary's eval_accuracy,
+evaluated through the pipeline on the final weights), as the paper's top-1 is on validation data.
 Model: the quickstart MLP (64-256-256-256-10), sgd with momentum, batch 32, shuffled.
 
 Cluster: two nodes, one per GPU type as in the paper's: --vws TITAN Vs and --vws Quadro P4000s
@@ -33,7 +33,7 @@ Method: every point is one real run through launch.local.run_local, the entry po
 lr and the straggler's index differ. A configuration's job (same seed) runs at a ladder of
 train.steps, up or down by --factor, until two runs bracket the target, then --refine
 bisections. A point is (the summary's wall_seconds: training time measured by the runtime,
-without process start-up; held-out accuracy of that run's model.pt). Time to target is linear
+without process start-up; held-out accuracy of that run's final weights). Time to target is linear
 interpolation between the bracketing runs (the shortest run that reached it is shown too). Each
 later configuration of a mode starts its ladder around the previous one's crossing.
 
@@ -63,8 +63,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 
 # Run as `python bench/NAME.py`: the repository root is not on sys.path then.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -72,17 +70,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from baselines.ddp import select_devices  # noqa: E402
 from launch.local import run_local  # noqa: E402
 from coordinator.planner import make_plan  # noqa: E402
-from hetpipe import data as datasets  # noqa: E402
-from hetpipe import faults, outputs  # noqa: E402
+from hetpipe import faults  # noqa: E402
 from hetpipe.config import JobConfig, parse_job  # noqa: E402
-from hetpipe.reference import initial_model  # noqa: E402
+# The results' helpers sit beside this script: bench/ is sys.path[0] when it runs.
+from convergence_results import Point, bracket, faster, plot, steps_to_target, time_to_target  # noqa: E402
 
 FAST, SLOW = "titan-v", "quadro-p4000"
 STAGES = 2
 MODEL = {"name": "mlp", "args": {"in_features": 64, "hidden": [256, 256, 256], "num_classes": 10}}
 BATCH = 32
 SLOW_VW = 1
-SPLIT_SEED = 1234
 
 # hetpipe.txt §8.4 (VGG-19, 16 GPUs, ED-local, Figure 6; D=0 vs Horovod also Figure 6).
 PAPER = {
@@ -100,43 +97,10 @@ class Config:
     D: int
 
 
-@dataclass(frozen=True, slots=True)
-class Point:
-    config: str
-    mode: str
-    D: int
-    steps: int
-    wall_seconds: float
-    accuracy: float          # held-out (the training split's if --holdout 0)
-    train_accuracy: float    # the summary's: on the rows it trained on
-    samples_per_second: float
-    samples: int             # minibatches x batch over every VW / rank
-    final_loss: float
-    wait_seconds: float
-    lr: float
-    workers: int             # VWs (HetPipe) or ranks (ddp)
-    reached: bool
-
-
 # ---- the job -----------------------------------------------------------------------------------
 
 
-def split_digits(work: Path, holdout: float) -> tuple[Path, datasets.Dataset]:
-    """Writes the training split as an npz (what the jobs read); returns its path and the held-out rows."""
-    probe = parse_job({"model": MODEL, "data": {"name": "digits", "batch_size": BATCH},
-                       "output": {"dir": str(work)}}, base_dir=str(work))
-    full = datasets.load_dataset(probe)
-    order = np.random.default_rng(SPLIT_SEED).permutation(full.rows)
-    n_test = int(round(full.rows * holdout))
-    test, train = order[:n_test], order[n_test:]
-    path = work / "digits_train.npz"
-    np.savez(path, x=full.x[train].numpy(), y=full.y[train].numpy())
-    if n_test == 0:
-        return path, full
-    return path, datasets.Dataset(full.x[test], full.y[test])
-
-
-def job_dict(cfg: Config, *, steps: int, lr: float, args: argparse.Namespace, data_path: Path,
+def job_dict(cfg: Config, *, steps: int, lr: float, args: argparse.Namespace,
              out_dir: Path, slow_rank: int) -> dict[str, Any]:
     # One node per GPU type, as in the paper's cluster: ED deals each VW one GPU of each node.
     nodes = [{"name": "nV", "gpus": [{"type": FAST, "count": args.vws}]},
@@ -147,7 +111,9 @@ def job_dict(cfg: Config, *, steps: int, lr: float, args: argparse.Namespace, da
     return {
         "cluster": {"nodes": nodes, "emulate": emulate},
         "model": MODEL,
-        "data": {"name": "npz", "path": str(data_path), "batch_size": BATCH, "shuffle": True},
+        # The same seeded held-out rows in every run; one evaluation of all of them at the end.
+        "data": {"name": "digits", "batch_size": BATCH, "shuffle": True, "eval_fraction": args.holdout},
+        "eval": {"rows": 10_000},
         "train": {"steps": steps, "loss": "cross_entropy",
                   "optimizer": {"name": "sgd", "lr": lr, "momentum": args.momentum}, "seed": args.seed},
         "parallel": {"virtual_workers": args.vws, "stages_per_vw": STAGES, "nm": args.nm, "D": cfg.D,
@@ -172,18 +138,10 @@ def ddp_setup(hetpipe_job: JobConfig) -> tuple[int, int, str]:
 # ---- running -----------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def held_out_accuracy(job: JobConfig, model_path: Path, test: datasets.Dataset) -> float:
-    model = initial_model(job)
-    model.load_state_dict(torch.load(model_path, map_location="cpu", weights_only=True))
-    return outputs.accuracy(model, test)
-
-
 class Runner:
     def __init__(self, args: argparse.Namespace, work: Path, csv_path: Path) -> None:
         self.args = args
         self.work = work
-        self.data_path, self.test = split_digits(work, args.holdout)
         probe = parse_job(self._raw(Config("probe", "hetpipe", 0), 1, args.lr, 0), base_dir=str(work))
         self.ranks, self.slow_rank, self.slow_desc = ddp_setup(probe)
         self.points: list[Point] = []
@@ -194,8 +152,7 @@ class Runner:
 
     def _raw(self, cfg: Config, steps: int, lr: float, slow_rank: int) -> dict[str, Any]:
         out_dir = self.work / "runs" / cfg.name.replace(" ", "_").replace("=", "") / f"steps{steps}"
-        return job_dict(cfg, steps=steps, lr=lr, args=self.args, data_path=self.data_path, out_dir=out_dir,
-                        slow_rank=slow_rank)
+        return job_dict(cfg, steps=steps, lr=lr, args=self.args, out_dir=out_dir, slow_rank=slow_rank)
 
     def lr(self, cfg: Config) -> float:
         return self.args.lr * self.ranks if cfg.mode == "ddp" else self.args.lr
@@ -210,10 +167,10 @@ class Runner:
         with faults.injected(straggler):
             summary = run_local(job, quiet=True)
         workers = int(summary["virtual_workers"])
-        acc = held_out_accuracy(job, out_dir / "model.pt", self.test)
+        acc = float(summary["eval_accuracy"])
         point = Point(
             config=cfg.name, mode=cfg.mode, D=cfg.D, steps=steps, wall_seconds=float(summary["wall_seconds"]),
-            accuracy=acc, train_accuracy=float(summary["accuracy"]),
+            accuracy=acc,
             samples_per_second=float(summary["samples_per_second"]), samples=steps * workers * BATCH,
             final_loss=float(summary["final_loss"]), wait_seconds=float(summary.get("wait_seconds", 0.0)),
             lr=lr, workers=workers, reached=acc >= self.args.target,
@@ -224,7 +181,7 @@ class Runner:
         with self.csv_path.open("a", newline="") as f:
             csv.writer(f).writerow(list(asdict(point).values()))
         print(f"  {cfg.name:<13} steps {steps:>4}: wall {point.wall_seconds:6.2f} s, accuracy {acc:.3f} "
-              f"(train {point.train_accuracy:.3f}), {point.samples_per_second:7.1f} samples/s "
+              f"(training loss {point.final_loss:.3f}), {point.samples_per_second:7.1f} samples/s "
               f"[{time.monotonic() - self.t0:5.0f} s; {load_average()}]", flush=True)
         return point
 
@@ -255,71 +212,6 @@ class Runner:
         return sorted(mine, key=lambda p: p.steps)
 
 
-# ---- results -----------------------------------------------------------------------------------
-
-
-def bracket(points: list[Point]) -> tuple[Point | None, Point | None]:
-    """(the longest run below the target that is shorter than hi, hi = the shortest run that reached it)."""
-    hits = [p for p in points if p.reached]
-    if not hits:
-        return None, None
-    hi = min(hits, key=lambda p: p.steps)
-    below = [p for p in points if not p.reached and p.steps < hi.steps]
-    return (max(below, key=lambda p: p.steps) if below else None), hi
-
-
-def time_to_target(points: list[Point], target: float) -> tuple[float, str]:
-    """Seconds to the target, interpolated between the bracketing runs; NaN if never reached.
-    The note says how it was obtained."""
-    lo, hi = bracket(points)
-    if hi is None:
-        return float("nan"), "not reached"
-    if lo is None:
-        return hi.wall_seconds, "<= (shortest run)"
-    frac = (target - lo.accuracy) / (hi.accuracy - lo.accuracy)
-    return lo.wall_seconds + frac * (hi.wall_seconds - lo.wall_seconds), "interpolated"
-
-
-def steps_to_target(points: list[Point], target: float) -> float:
-    """Steps to the target, interpolated like time_to_target (NaN if never reached)."""
-    lo, hi = bracket(points)
-    if hi is None:
-        return float("nan")
-    if lo is None:
-        return float(hi.steps)
-    return lo.steps + (target - lo.accuracy) / (hi.accuracy - lo.accuracy) * (hi.steps - lo.steps)
-
-
-def faster(a: float, b: float) -> float:
-    """How much less time a takes than b (0.28 = 28% faster); NaN when either is missing."""
-    return 1.0 - a / b if a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b) else float("nan")
-
-
-def plot(path: Path, curves: dict[str, list[Point]], ttt: dict[str, float], target: float, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for name, pts in curves.items():
-        xs = [p.wall_seconds for p in sorted(pts, key=lambda p: p.steps)]
-        ys = [p.accuracy for p in sorted(pts, key=lambda p: p.steps)]
-        (line,) = ax.plot(xs, ys, marker="o", linestyle="--" if name == "horovod" else "-", label=name)
-        if math.isfinite(ttt.get(name, float("nan"))):
-            ax.axvline(ttt[name], color=line.get_color(), linestyle=":", linewidth=1)
-    ax.axhline(target, color="grey", linestyle="-.", linewidth=1, label=f"target {target:g}")
-    ax.set_xlabel("training wall time (s): one point per run, each a fresh job of that many steps")
-    ax.set_ylabel("held-out accuracy")
-    ax.set_title(title, fontsize=9)
-    ax.set_xlim(left=0)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def load_average() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load {one:.2f} {five:.2f} {fifteen:.2f}"
@@ -346,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=0.02, help="HetPipe's sgd lr per VW (ddp: ranks x this)")
     ap.add_argument("--momentum", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--holdout", type=float, default=0.2, help="held-out fraction of digits (0: train accuracy)")
+    ap.add_argument("--holdout", type=float, default=0.2, help="held-out fraction of digits")
     ap.add_argument("--start-steps", type=int, default=None,
                     help="first rung of each mode's first configuration (100; quick 80); later ones start "
                          "next to the previous configuration's crossing")
@@ -378,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"HetPipe {args.vws} VWs x {STAGES} stages, ED, nm {args.nm}, 1 shard, lr {args.lr:g}; "
               f"Horovod (ddp) {runner.ranks} ranks, lr {args.lr * runner.ranks:g} (ranks x lr: it averages, "
               f"HetPipe sums); momentum {args.momentum:g}, batch {BATCH}; target {args.target:g} held-out "
-              f"accuracy ({len(runner.test.y)} rows)")
+              f"accuracy ({args.holdout:g} of the images held out)")
         print(f"ladder: from {args.start_steps} steps, x{args.factor:g} per rung, {args.refine} bisection(s); "
               f"start: {load_average()}")
         curves: dict[str, list[Point]] = {}

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PRELOAD = ["torch", "numpy", "yaml", "psutil"]  # what every service imports: never grpc
+# What every service imports (never grpc). autograd.grad imports symbolic_shapes (and sympy, 0.4 s)
+# on its first call with grad_outputs: preloaded, no stage pays it inside its first backward.
+PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "numpy", "yaml", "psutil"]
 
 
 class Forked:

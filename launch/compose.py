@@ -154,6 +154,16 @@ def _port(out: _Lines, indent: int, target: int, published: int) -> None:
     out(indent, f"- {{target: {target}, published: {_scalar(str(published))}, host_ip: {HOST_IP}, protocol: tcp}}")
 
 
+def _http_healthcheck(out: _Lines, url: str, *, start_period: str) -> None:
+    """A service's healthcheck: its HTTP endpoint answers (wget ships with both images)."""
+    out(2, "healthcheck:")
+    out(3, f"test: {_flow(['CMD', 'wget', '-q', '-O', '/dev/null', url])}")
+    out(3, "interval: 5s")
+    out(3, "timeout: 3s")
+    out(3, "retries: 5")
+    out(3, f"start_period: {start_period}")
+
+
 def _bind(out: _Lines, indent: int, source: str, target: str) -> None:
     out(indent, f"- {{type: bind, source: {_scalar(source)}, target: {_scalar(target)}, read_only: true}}")
 
@@ -338,12 +348,7 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
     _bind(out, 3, f"{docker_dir}/prometheus/prometheus.yml", "/etc/prometheus/prometheus.yml")
     out(2, "ports:")
     _port(out, 3, PROMETHEUS_PORT, PROMETHEUS_PORT)
-    out(2, "healthcheck:")
-    out(3, f"test: {_flow(['CMD', 'wget', '-q', '-O', '/dev/null', f'http://127.0.0.1:{PROMETHEUS_PORT}/-/ready'])}")
-    out(3, "interval: 5s")
-    out(3, "timeout: 3s")
-    out(3, "retries: 5")
-    out(3, "start_period: 30s")
+    _http_healthcheck(out, f"http://127.0.0.1:{PROMETHEUS_PORT}/-/ready", start_period="30s")
     out(0)
     out(1, "grafana:")
     out(2, f"image: {GRAFANA_IMAGE}")
@@ -356,12 +361,7 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
     _bind(out, 3, f"{docker_dir}/grafana/provisioning", "/etc/grafana/provisioning")
     out(2, "ports:")
     _port(out, 3, GRAFANA_PORT, GRAFANA_PORT)
-    out(2, "healthcheck:")
-    out(3, f"test: {_flow(['CMD', 'wget', '-q', '-O', '/dev/null', f'http://127.0.0.1:{GRAFANA_PORT}/api/health'])}")
-    out(3, "interval: 5s")
-    out(3, "timeout: 3s")
-    out(3, "retries: 5")
-    out(3, "start_period: 60s")
+    _http_healthcheck(out, f"http://127.0.0.1:{GRAFANA_PORT}/api/health", start_period="60s")
     out(0)
     out(0, "volumes:")
     out(1, "runs: {}")

@@ -3,12 +3,15 @@ from its slice of model.init), its optimizer, its data readers, its evaluation, 
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from hetpipe import data, faults, models
+from hetpipe.optim import compute_loss
 from stage_worker import metrics
 from stage_worker.assignment import Setup
 from stage_worker.evaluation import Schedule, Totals
@@ -18,6 +21,9 @@ from stage_worker.stage import StageCompute
 from stage_worker.sync import LocalSync, Sync
 from stage_worker.trace import MinibatchTrace
 from stage_worker.wsp_sync import SyncCallbacks, SyncConfig, WspSync
+
+
+log = logging.getLogger(__name__)
 
 
 class LoadError(Exception):
@@ -45,6 +51,19 @@ class Evals:
     def read(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.dataset is not None
         return data.read_rows(self.job, self.dataset, self.batches[i - 1])
+
+    def score(self, k: int, i: int, out: torch.Tensor, *, trained: int, name: str) -> None:
+        """The last stage: evaluation k's minibatch i came out as out; `trained` minibatches of VW 0
+        had trained the weights it ran on."""
+        y = self.read(i)[1].to(out.device)
+        logits = out.float()
+        loss = float(compute_loss(self.job.train.loss, logits, y))
+        correct = int((logits.argmax(dim=-1) == y).sum()) if self.totals.classification else 0
+        result = self.totals.add(k, loss=loss, correct=correct, predictions=y.numel(), rows=int(out.shape[0]),
+                                 minibatches=trained, final=k == self.schedule.final_id, now=time.time())
+        if result is not None:
+            log.info("%s: evaluation %d after %d minibatches: loss %.4f, accuracy %.4f", name, k,
+                     result.minibatches, result.loss, result.accuracy)
 
 
 class Loaded:

@@ -7,34 +7,26 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 
 import grpc
 import torch
 
 from hetpipe import devices
 from hetpipe.errors import Rejected
-from hetpipe.optim import compute_loss
 from hetpipe.v1 import stage_pb2, wire_pb2
 from hetpipe.wire import Bundle
 from hetpipe.wsp import closes_wave, wave_of
 from stage_worker import lifecycle, metrics
 from stage_worker.assignment import Setup, validate
+from stage_worker.inbox import Inbox
 from stage_worker.lifecycle import StageState
 from stage_worker.links import Link, Outgoing
 from stage_worker.loaded import Loaded
 from stage_worker.progress import Progress
-from stage_worker.schedule import Rejection, ScheduleError, Task, TaskKind
+from stage_worker.schedule import Task, TaskKind
 
 log = logging.getLogger(__name__)
 
-_SCHEDULE_CODES = {
-    Rejection.UNKNOWN: grpc.StatusCode.INVALID_ARGUMENT,
-    Rejection.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
-    Rejection.WINDOW: grpc.StatusCode.FAILED_PRECONDITION,
-    Rejection.ORDER: grpc.StatusCode.FAILED_PRECONDITION,
-    Rejection.NOT_ACCEPTED: grpc.StatusCode.FAILED_PRECONDITION,
-}
 Send = tuple[Link, Outgoing]
 
 
@@ -54,13 +46,10 @@ class StageRuntime:
         self._s: Loaded | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._forward_inputs: dict[int, torch.Tensor] = {}
-        self._backward_inputs: dict[int, torch.Tensor] = {}
-        self._eval_inputs: deque[tuple[int, int, torch.Tensor]] = deque()   # (evaluation, minibatch, x)
+        self._inbox = Inbox()
         self._final: int | None = None  # the final evaluation's min_clock, once asked for
         self._final_merged = False
         self._losses: deque[torch.Tensor] = deque(maxlen=10)  # read (a device sync) only when polled
-        self._received = 0
         self._busy = False            # a task is running (its input still counts as ready)
         self._idle_seconds = self._wait_idle_seconds = 0.0
         self._phase_seconds = {"forward": 0.0, "backward": 0.0}
@@ -145,65 +134,22 @@ class StageRuntime:
 
     # ---- inputs from gRPC handlers ----------------------------------------------------------
 
-    def _check_input(self, bundle: Bundle, from_stage: int, what: str) -> tuple[Loaded, int, int]:
-        """(stage, minibatch, evaluation) of a valid single-tensor input from stage from_stage."""
+    def _running(self, what: str) -> Loaded:
         if self.state not in (StageState.READY, StageState.RUNNING, StageState.DONE) or self._s is None:
             raise _refused(self.state, f"{what} refused: the stage is not running")
-        s = self._s
-        if bundle.header.WhichOneof("header") != "minibatch":
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: first frame lacks the minibatch tag")
-        tag = bundle.header.minibatch
-        if tag.vw != s.setup.vw:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: tagged for vw {tag.vw}, but this is {s.setup.name}")
-        if tag.stage != from_stage:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"{what}: sent by stage {tag.stage}, expected stage {from_stage}")
-        if len(bundle.tensors) != 1:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: expected 1 tensor, got {len(bundle.tensors)}")
-        if tag.eval and (s.evals is None or not 1 <= tag.minibatch <= len(s.evals.batches)
-                         or tag.eval > s.evals.schedule.final_id or what != "activation"):
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: evaluation {tag.eval} minibatch {tag.minibatch} "
-                                                             f"is not one this stage runs")
-        if self.state == StageState.DONE and not tag.eval:
-            raise _refused(self.state, f"{what} for minibatch {tag.minibatch} refused: training has ended")
-        return s, int(tag.minibatch), int(tag.eval)
+        return self._s
 
     def offer_forward(self, bundle: Bundle) -> None:
         """Validates an activation from the previous stage and queues it."""
         with self._cv:
-            if self._s is not None and self._s.setup.first:
-                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "stage 0 reads its own data and takes no activations")
-            s, p, k = self._check_input(bundle, self.setup.stage - 1, "activation")
-            x = bundle.tensors[0][1]
-            s.setup.specs.activation.check("activation", x)
-            if k:
-                self._eval_inputs.append((k, p, x.to(s.compute.device)))
-            else:
-                self._accept(s.schedule.accept_forward, p)
-                self._forward_inputs[p] = x.to(s.compute.device)
-            self._received += 1
+            self._inbox.offer_forward(self._running("activation"), bundle, training=self.state != StageState.DONE)
             self._cv.notify_all()
 
     def offer_backward(self, bundle: Bundle) -> None:
         """Validates a gradient from the next stage and queues it."""
         with self._cv:
-            if self._s is not None and self._s.setup.last:
-                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                               "the last stage computes the loss and takes no gradients")
-            s, p, _ = self._check_input(bundle, self.setup.stage + 1, "gradient")
-            grad = bundle.tensors[0][1]
-            s.setup.specs.output.check("gradient", grad)
-            self._accept(s.schedule.accept_backward, p)
-            self._backward_inputs[p] = grad.to(s.compute.device)
-            self._received += 1
+            self._inbox.offer_backward(self._running("gradient"), bundle, training=self.state != StageState.DONE)
             self._cv.notify_all()
-
-    @staticmethod
-    def _accept(accept: Callable[[int], None], p: int) -> None:
-        try:
-            accept(p)
-        except ScheduleError as exc:
-            raise Rejected(_SCHEDULE_CODES[exc.reason], str(exc)) from None
 
     # ---- the compute thread ------------------------------------------------------------------
 
@@ -230,8 +176,8 @@ class StageRuntime:
                 return Task(TaskKind.EVAL, 0, s.evals.schedule.final_id)
             k = s.evals.schedule.due(s.schedule.completed, s.schedule.in_flight)
             return Task(TaskKind.EVAL, 0, k) if k is not None else None
-        if self._eval_inputs:
-            k, p, _ = self._eval_inputs[0]
+        if self._inbox.evals:
+            k, p, _ = self._inbox.evals[0]
             return Task(TaskKind.EVAL, p, k)
         return None
 
@@ -299,7 +245,7 @@ class StageRuntime:
             x = s.inputs.next()[0].to(s.compute.device, non_blocking=True)
         else:
             with self._cv:
-                x = self._forward_inputs.pop(p)
+                x = self._inbox.forward.pop(p)
         start = time.time()
         min_clock = s.sync.min_clock
         out, version = s.compute.forward(p, x)
@@ -313,7 +259,7 @@ class StageRuntime:
     def _backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
         p = task.p
         with self._cv:
-            grad = self._backward_inputs.pop(p)
+            grad = self._inbox.backward.pop(p)
         start = time.time()
         grad_in, version, update = s.compute.backward(p, grad)
         s.sync.after_update(p, update)
@@ -333,7 +279,7 @@ class StageRuntime:
             x = s.inputs.next()[0].to(s.compute.device, non_blocking=True)
         else:
             with self._cv:
-                x = self._forward_inputs.pop(p)
+                x = self._inbox.forward.pop(p)
         assert s.targets is not None
         y = s.targets.next()[1].to(s.compute.device, non_blocking=True)
         start = time.time()
@@ -375,7 +321,7 @@ class StageRuntime:
             inputs = [(i, s.evals.read(i)[0]) for i in range(1, len(s.evals.batches) + 1)]
         else:
             with self._cv:
-                _, i, x = self._eval_inputs.popleft()
+                _, i, x = self._inbox.evals.popleft()
             inputs = [(i, x)]
         sends: list[Send] = []
         for i, x in inputs:
@@ -383,22 +329,10 @@ class StageRuntime:
             if s.next is not None:
                 sends.append((s.next, Outgoing(self._tag(s, i, s.compute.version, k), [("activation", out)])))
             else:
-                self._score(s, k, i, out)
+                final = k == s.evals.schedule.final_id
+                s.evals.score(k, i, out, trained=s.job.train.steps if final else s.schedule.completed,
+                              name=s.setup.name)
         return sends, 0.0
-
-    def _score(self, s: Loaded, k: int, i: int, out: torch.Tensor) -> None:
-        assert s.evals is not None
-        y = s.evals.read(i)[1].to(out.device)
-        logits = out.float()
-        loss = float(compute_loss(s.job.train.loss, logits, y))
-        correct = int((logits.argmax(dim=-1) == y).sum()) if s.evals.totals.classification else 0
-        final = k == s.evals.schedule.final_id
-        trained = s.job.train.steps if final else s.schedule.completed
-        result = s.evals.totals.add(k, loss=loss, correct=correct, predictions=y.numel(), rows=int(out.shape[0]),
-                                    minibatches=trained, final=final, now=time.time())
-        if result is not None:
-            log.info("%s: evaluation %d after %d minibatches: loss %.4f, accuracy %.4f", s.setup.name, k,
-                     result.minibatches, result.loss, result.accuracy)
 
     # ---- queries and shutdown ----------------------------------------------------------------
 
@@ -428,7 +362,7 @@ class StageRuntime:
                 forwards_done=sched.next_forward - 1,
                 backwards_done=sched.completed, samples=sched.completed * s.job.data.batch_size,
                 local_version=s.compute.version, in_flight=sched.in_flight,
-                queue_depth=sched.ready - (1 if self._busy else 0), received=self._received,
+                queue_depth=sched.ready - (1 if self._busy else 0), received=self._inbox.received,
                 last_loss=last_loss, recent_loss=recent_loss,
                 forward_seconds=self._phase_seconds["forward"], backward_seconds=self._phase_seconds["backward"],
                 idle_seconds=self._idle_seconds, wait_seconds=s.sync.wait_seconds,

@@ -8,11 +8,17 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.fx.experimental.symbolic_shapes  # noqa: F401  # see below
 from torch import nn
 from torch.func import functional_call
 
 from hetpipe.config import OptimizerConfig
 from hetpipe.optim import StageOptimizer, compute_dtype, compute_loss
+
+
+# torch.autograd.grad imports symbolic_shapes (with sympy: 0.4 s) on its first call with
+# grad_outputs. Imported with this module, a stage pays it while loading, not inside its first
+# backward, where it would hold up the whole pipeline.
 
 
 @dataclass(slots=True)
@@ -28,7 +34,7 @@ class StageCompute:
 
     stash=False where no update can come between a minibatch's forward and its backward (the
     last stage, whose forward and backward are one task, and any stage at nm = 1): the forward
-    then runs on the live weights instead of a copy. precision bf16/fp16 computes under autocast
+    then runs on the live weights instead of a copy. precision bf16 computes under autocast
     with the weights (and the optimizer) in their own dtype, and sends activations and gradients
     in the compute dtype.
     """

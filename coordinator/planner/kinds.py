@@ -150,12 +150,7 @@ class Tables:
             order.append(d)
             ranges.append((b, e))
             e = b
-        used = [0] * K
-        gpus = []
-        for d in reversed(order):
-            gpus.append(cl.kind_gpus[d][used[d]])
-            used[d] += 1
-        return gpus, ranges[::-1]
+        return _gpus_of(cl, order[::-1]), ranges[::-1]
 
     def kinds_suffix(self, edge: np.ndarray) -> dict[tuple[int, ...], np.ndarray]:
         """rest[R][i]: the best bottleneck of the last |R| stages over layers [i, n) on the
@@ -225,12 +220,7 @@ class Tables:
             ranges.append((b, e))
             M = tuple(m - (1 if i == d else 0) for i, m in enumerate(M))
             e = b
-        used = [0] * K
-        gpus = []
-        for d in reversed(kinds):
-            gpus.append(cl.kind_gpus[d][used[d]])
-            used[d] += 1
-        return worst, gpus, ranges[::-1]
+        return worst, _gpus_of(cl, kinds[::-1]), ranges[::-1]
 
     def memory_error(self) -> PlanError:
         _, gpus, ranges = self.memory_plan()
@@ -255,3 +245,13 @@ def min_max(values: np.ndarray, cost: np.ndarray) -> np.ndarray:
     for b in useful:
         np.minimum(out, np.maximum(values[:, b, None], cost[b][None, :]), out=out)
     return out
+
+
+def _gpus_of(cl: Cluster, kinds: list[int]) -> list[Gpu]:
+    """The GPUs a pipeline of these kinds (stage order) uses: each kind's GPUs in their order."""
+    used: dict[int, int] = {}
+    gpus = []
+    for d in kinds:
+        gpus.append(cl.kind_gpus[d][used.get(d, 0)])
+        used[d] = used.get(d, 0) + 1
+    return gpus

@@ -83,17 +83,6 @@ class _Solver(Tables):
     """The exact search over (layers done; GPUs used, per node and kind; node of the last
     stage; where the next one goes), pruned by the kinds-only bounds of Tables."""
 
-    def _cost(self, q: int, d: int, left: int, right: int) -> np.ndarray:
-        """[b, e] -> time of stage q on kind d over [b, e) (inf if it is no valid stage or does
-        not fit): compute + receive of the activation (left edge) and of the gradient (right)."""
-        key = (q, d, left, right)
-        if key not in self._costs:
-            t, capacity = self.cluster.kinds[d]
-            ok = self.shape(q) & (self.memory(q) <= capacity)
-            cost = self._compute[t] + self._link[left][:, None] + self._link[right][None, :]
-            self._costs[key] = np.where(ok, cost, INF)
-        return self._costs[key]
-
     # -- the DP --
 
     def solve(self) -> Partition:

@@ -1,187 +1,33 @@
-"""A stage worker refuses bad input with the right gRPC status and a message naming the problem,
+"""A stage worker refuses bad data-plane messages (activations, gradients, control calls out of
+turn, bytes that are not a frame) with the right gRPC status and a message naming the problem,
 keeps serving, and keeps its training state unchanged (DESIGN §2: explicit dtype + shape + bytes,
 every message tagged (vw, minibatch, version)).
 
-The stage under test is a real in-process Stage server (rpc.Server + StageServicer +
-StageRuntime): the middle stage of a 3-stage job, set up by coordinator.driver.JobDriver. Its two
-neighbours are fakes that accept every call and record what they receive, and never send anything
-themselves, so the stage only gets what the test sends.
+The stage under test is stage_rig's: a real in-process Stage server, the middle stage of a
+3-stage job, between two fake neighbours that only record. Bad assignments are in
+test_stage_bad_assignment.py.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import pytest
 import torch
 
-from coordinator.driver import JobDriver
-from coordinator.planner import make_plan
-from hetpipe import rpc, wire
-from hetpipe.config import JobConfig
-from hetpipe.v1 import stage_pb2, stage_pb2_grpc, wire_pb2
-from messages import messages
-from stage_worker.runtime import StageRuntime
-from stage_worker.servicer import StageServicer
+from hetpipe import rpc
+from hetpipe.v1 import stage_pb2, wire_pb2
+from stage_rig import NM, STEPS, Code, Rig, State, frames, middle_stage, refused, unlimited_channel
 
 pytestmark = pytest.mark.timeout(120)
 
-State = stage_pb2.StageStatus.State
-Code = grpc.StatusCode
-STEPS, NM = 6, 2
-# Counters and weights that a refused message must not touch.
-STATE_FIELDS = ("state", "error", "received", "forwards_done", "backwards_done", "local_version", "in_flight",
-                "weights_digest")
-
-
-# ---- fixtures: a real stage between two fake neighbours ------------------------------------------
-
-
-@dataclass
-class FakeNeighbour(stage_pb2_grpc.StageServicer):
-    """Accepts every call; records the tag and tensors of each Forward/Backward it gets."""
-
-    got: list[tuple[str, wire_pb2.MinibatchTag, list[tuple[str, torch.Tensor]]]] = field(default_factory=list)
-    cv: threading.Condition = field(default_factory=threading.Condition)
-
-    def Assign(self, request: Any, context: Any) -> wire_pb2.Ack:
-        return wire_pb2.Ack()
-
-    def Start(self, request: Any, context: Any) -> wire_pb2.Ack:
-        return wire_pb2.Ack()
-
-    def Status(self, request: Any, context: Any) -> stage_pb2.StageStatus:
-        return stage_pb2.StageStatus(state=State.READY)
-
-    def _record(self, method: str, frames: Iterator[wire_pb2.TensorFrame]) -> wire_pb2.Ack:
-        bundle = wire.decode(frames)
-        with self.cv:
-            self.got.append((method, bundle.header.minibatch, bundle.tensors))
-            self.cv.notify_all()
-        return wire_pb2.Ack()
-
-    def Forward(self, request_iterator: Iterator[Any], context: Any) -> wire_pb2.Ack:
-        return self._record("Forward", request_iterator)
-
-    def Backward(self, request_iterator: Iterator[Any], context: Any) -> wire_pb2.Ack:
-        return self._record("Backward", request_iterator)
-
-    def wait_for(self, n: int, timeout: float = 10.0) -> None:
-        with self.cv:
-            assert self.cv.wait_for(lambda: len(self.got) >= n, timeout), f"got {len(self.got)} messages, want {n}"
-
-
-def serve(servicer: Any) -> rpc.Server:
-    """An in-process server of the Stage service, registered as `python -m stage_worker` does."""
-    server = rpc.Server("127.0.0.1", 0, workers=8)
-    rpc.add_service(server.grpc, "Stage", servicer)
-    server.start()
-    return server
-
-
-class _Recording(StageServicer):
-    """The real stage's servicer, keeping the assignment the driver sent."""
-
-    assignment: stage_pb2.StageAssignment | None = None
-
-    def Assign(self, request: stage_pb2.StageAssignment, context: Any) -> wire_pb2.Ack:
-        self.assignment = request
-        return super().Assign(request, context)
-
-
-@dataclass
-class Rig:
-    job: JobConfig
-    runtime: StageRuntime
-    stub: stage_pb2_grpc.StageStub
-    prev: FakeNeighbour
-    next: FakeNeighbour
-    address: str
-    assignment: stage_pb2.StageAssignment
-
-    @property
-    def in_spec(self) -> Any:
-        return self.runtime.setup.specs.activation
-
-    @property
-    def out_spec(self) -> Any:
-        return self.runtime.setup.specs.output
-
-    def status(self) -> stage_pb2.StageStatus:
-        return self.stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
-
-    def snapshot(self) -> dict[str, Any]:
-        s = self.status()
-        return {f: getattr(s, f) for f in STATE_FIELDS}
-
-    def activation(self, p: int, **tag: Any) -> list[wire_pb2.TensorFrame]:
-        x = torch.randn(self.in_spec.shape, dtype=self.in_spec.dtype)
-        return frames([("activation", x)], p, **{"stage": 0, **tag})
-
-    def gradient(self, p: int, **tag: Any) -> list[wire_pb2.TensorFrame]:
-        g = torch.randn(self.out_spec.shape, dtype=self.out_spec.dtype)
-        return frames([("gradient", g)], p, **{"stage": 2, **tag})
-
-    def wait_until(self, what: str, value: int, timeout: float = 10.0) -> stage_pb2.StageStatus:
-        deadline = time.monotonic() + timeout
-        while (s := self.status()).state == State.RUNNING and getattr(s, what) < value:
-            assert time.monotonic() < deadline, f"{what} stayed at {getattr(s, what)}, want {value}"
-            time.sleep(0.01)
-        assert getattr(s, what) == value, f"{what} = {getattr(s, what)} in state {State.Name(s.state)}: {s.error}"
-        return s
-
-
-def frames(tensors: list[tuple[str, torch.Tensor]], p: int, *, vw: int = 0, stage: int, version: int = 0,
-           eval: int = 0) -> list[wire_pb2.TensorFrame]:
-    tag = wire_pb2.MinibatchTag(vw=vw, minibatch=p, weight_version=version, stage=stage, eval=eval)
-    return messages(wire.encode(tensors, minibatch=tag))
-
 
 @pytest.fixture
-def unlimited_channel() -> Iterator[Any]:
-    """A client without gRPC's 4 MiB send limit, so that oversized messages reach the server."""
-    yield lambda address: grpc.insecure_channel(
-        address, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-    )
-
-
-@pytest.fixture
-def rig(make_job, unlimited_channel) -> Iterator[Rig]:
-    job = make_job({"train": {"steps": STEPS}, "parallel": {"stages_per_vw": 3, "nm": NM},
-                    "output": {"trace": False}})
-    runtime = StageRuntime()
-    prev, nxt = FakeNeighbour(), FakeNeighbour()
-    middle = _Recording(runtime, on_stop=lambda: None)
-    servers = [serve(prev), serve(middle), serve(nxt)]
-    driver = JobDriver(job, make_plan(job), [s.address for s in servers])
-    channel = unlimited_channel(servers[1].address)
-    try:
-        driver.setup()  # Assign, wait until loaded, Start, as `hetpipe run` does
-        assert middle.assignment is not None
-        yield Rig(job, runtime, stage_pb2_grpc.StageStub(channel), prev, nxt, servers[1].address, middle.assignment)
-    finally:
-        channel.close()
-        driver.close()
-        runtime.stop()
-        for s in servers:
-            s.stop(grace=0)
-
-
-def refused(call: Any, request: Any, code: grpc.StatusCode, match: str) -> str:
-    with pytest.raises(grpc.RpcError) as info:
-        call(request, timeout=10)
-    err: Any = info.value
-    assert err.code() == code, f"got {err.code().name}: {err.details()}, want {code.name}"
-    details: str = err.details()
-    assert re.search(match, details), f"{details!r} does not match {match!r}"
-    return details
+def rig(make_job) -> Iterator[Rig]:
+    with middle_stage(make_job) as running:
+        yield running
 
 
 # ---- malformed or wrong activations, on a freshly started stage ----------------------------------------
@@ -345,136 +191,7 @@ def test_control_calls_out_of_turn_are_refused(rig: Rig) -> None:
     assert rig.snapshot() == before
 
 
-# ---- Assign on a fresh worker ---------------------------------------------------------
-
-
-@dataclass
-class Recorder(FakeNeighbour):
-    """A fake stage that keeps the assignment the driver sends it."""
-
-    assignment: stage_pb2.StageAssignment | None = None
-
-    def Assign(self, request: Any, context: Any) -> wire_pb2.Ack:
-        self.assignment = request
-        return wire_pb2.Ack()
-
-
-@pytest.fixture
-def idle(make_job) -> Iterator[tuple[Any, ...]]:
-    """What JobDriver.setup sends stage 1 of a 2-stage job; a fresh (IDLE) real stage's stub and
-    runtime; and the fake stage 0 that the assignment names as the previous stage."""
-    job = make_job({"train": {"steps": STEPS}, "parallel": {"stages_per_vw": 2, "nm": NM},
-                    "output": {"trace": False}})
-    fakes = [FakeNeighbour(), Recorder()]
-    servers = [serve(f) for f in fakes]
-    runtime = StageRuntime()
-    servers.append(serve(StageServicer(runtime, on_stop=lambda: None)))
-    driver = JobDriver(job, make_plan(job), [s.address for s in servers[:2]])
-    channel = rpc.channel(servers[2].address)
-    try:
-        driver.setup()
-        recorder = fakes[1]
-        assert recorder.assignment is not None
-        yield recorder.assignment, stage_pb2_grpc.StageStub(channel), runtime, fakes[0]
-    finally:
-        channel.close()
-        driver.close()
-        runtime.stop()
-        for server in servers:
-            server.stop(grace=0)
-
-
-def _loaded(stub: Any, timeout: float = 10.0) -> stage_pb2.StageStatus:
-    """The stage's status once it has left LOADING."""
-    deadline = time.monotonic() + timeout
-    while (s := stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)).state == State.LOADING:
-        assert time.monotonic() < deadline, f"still loading: {s.detail}"
-        time.sleep(0.01)
-    return s
-
-
-def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> None:
-    good, stub, runtime, stage0 = idle
-
-    def variant(**changes: Any) -> stage_pb2.StageAssignment:
-        a = stage_pb2.StageAssignment()
-        a.CopyFrom(good)
-        for key, value in changes.items():
-            if isinstance(value, list):
-                del getattr(a, key)[:]
-                getattr(a, key).extend(value)
-            else:
-                setattr(a, key, value)
-        return a
-
-    raw = json.loads(good.job_json)
-    raw["parallel"]["nm"] = "auto"
-    auto_nm = json.dumps(raw)
-    batch = list(good.input_shape)
-    bad = {
-        "garbage job_json": (variant(job_json="{not json"), "job_json: not valid JSON"),
-        "job_json not an object": (variant(job_json="[1, 2]"), "job_json: .*expected a JSON object"),
-        "job_json missing the model": (variant(job_json="{}"), "job_json: model: give exactly one of model.name"),
-        "unresolved nm": (variant(job_json=auto_nm), "parallel.nm: expected an integer"),
-        "stage beyond num_stages": (variant(stage=2), r"stage 2 of 2: the job has 2 stages"),
-        "num_stages not the job's": (variant(num_stages=3), r"stage 1 of 3: the job has 2 stages"),
-        "a later stage without its previous stage": (variant(prev_address=""), "needs prev_address"),
-        "the last stage with a next stage": (variant(next_address="127.0.0.1:1"), "next_address exactly when"),
-        "empty layer range": (variant(layer_begin=3, layer_end=3), r"layers \[3, 3\)"),
-        "layers in the wrong order": (variant(layer_begin=5, layer_end=3), r"layers \[5, 3\): an empty range"),
-        "vw beyond the job": (variant(vw=5), "vw 5 but the job has 1"),
-        "unknown input dtype": (variant(input_dtype=99), "unknown dtype code 99"),
-        "an output shape of another batch": (variant(output_shape=[batch[0] + 1, 10]), "one minibatch of data"),
-        "unknown output dtype": (variant(output_dtype=77), "output_dtype: unknown dtype code 77"),
-        "key_shards without shards": (variant(key_shards=[0]), "key_shards: shards \\[0\\] for 0 shard addresses"),
-        "negative link time": (variant(prev_send_seconds=-1.0), r"prev_send_seconds: -1.0: expected a number of seconds"),
-        "NaN push time": (variant(push_seconds=float("nan")), "push_seconds: nan: expected a number of seconds"),
-        "infinite pull time": (variant(pull_seconds=float("inf")), "pull_seconds: inf: expected a number of seconds"),
-        "absurd task time": (variant(forward_seconds=1e300), r"forward_seconds: 1e\+300: expected"),
-        "device meta": (variant(device="meta"), "device 'meta': expected 'cpu', 'cuda:N'"),
-        "device cpu:99": (variant(device="cpu:99"), "device 'cpu:99': expected"),
-        "a huge input shape": (variant(input_shape=[4194304, batch[1]]), "one minibatch of data.batch_size"),
-        "a zero dimension": (variant(input_shape=[batch[0], 0]), r"input_shape: \[\d+, 0\]: expected"),
-    }
-    failures = []
-    for name, (request, match) in bad.items():
-        try:
-            refused(stub.Assign, request, Code.INVALID_ARGUMENT, match)
-            s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
-            assert s.state == State.IDLE, f"state {State.Name(s.state)} after a refused Assign"
-        except AssertionError as exc:
-            failures.append(f"{name}: {exc}")
-    assert not failures, "\n".join(failures)
-
-    # After all that, the driver's assignment is accepted, and the stage loads it...
-    stub.Assign(good, timeout=10)
-    s = _loaded(stub)
-    assert (s.state, s.vw, s.stage) == (State.READY, 0, 1)
-
-    # The last stage computes the loss and takes no gradient, even a well-formed one.
-    before = {f: getattr(s, f) for f in STATE_FIELDS}
-    logits = torch.randn(runtime.setup.specs.output.shape)
-    refused(stub.Backward, iter(frames([("gradient", logits)], 1, stage=2)), Code.FAILED_PRECONDITION,
-            "the last stage computes the loss and takes no gradients")
-    s = stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)
-    assert {f: getattr(s, f) for f in STATE_FIELDS} == before
-
-    # An activation may arrive before Start: it waits, and runs (F+B) once the stage starts.
-    x = torch.randn(runtime.setup.specs.activation.shape)
-    stub.Forward(iter(frames([("activation", x)], 1, stage=0)), timeout=10)
-    stub.Start(wire_pb2.Empty(), timeout=10)
-    stage0.wait_for(1)
-    method, tag, tensors = stage0.got[0]
-    assert (method, tag.minibatch, tag.stage, tag.weight_version) == ("Backward", 1, 1, 0)
-    assert [(n, list(t.shape)) for n, t in tensors] == [("gradient", list(runtime.setup.specs.activation.shape))]
-    deadline = time.monotonic() + 10
-    while (s := stub.Status(stage_pb2.StatusRequest(weights_digest=True), timeout=5)).backwards_done < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert (s.state, s.received, s.forwards_done, s.backwards_done, s.local_version) == (State.RUNNING, 1, 1, 1, 1)
-    assert s.last_loss > 0
-
-
-def test_bytes_that_are_not_a_frame_are_refused(rig: Rig, unlimited_channel: Any) -> None:
+def test_bytes_that_are_not_a_frame_are_refused(rig: Rig) -> None:
     before = rig.snapshot()
     channel = unlimited_channel(rig.address)
     try:
@@ -484,58 +201,3 @@ def test_bytes_that_are_not_a_frame_are_refused(rig: Rig, unlimited_channel: Any
         channel.close()
     assert rig.snapshot() == before
 
-
-@pytest.mark.parametrize(("change", "match"), [
-    ({"layer_end": 99}, r"loading failed: LoadError: layers \[\d+, 99\) but the model has \d+"),
-    ({"key_shards": [0], "ps_addresses": ["127.0.0.1:9"]}, r"key_shards: 1 entries for \d+ parameters"),
-])
-def test_an_assignment_the_model_does_not_fit_fails_loading_naming_why(idle: Any, change: dict[str, Any],
-                                                                       match: str) -> None:
-    good, _, _, _ = idle
-    runtime = StageRuntime()
-    server = serve(StageServicer(runtime, on_stop=lambda: None))
-    a = stage_pb2.StageAssignment()
-    a.CopyFrom(good)
-    for key, value in change.items():
-        if isinstance(value, list):
-            getattr(a, key).extend(value)
-        else:
-            setattr(a, key, value)
-    try:
-        with rpc.channel(server.address) as channel:
-            stub = stage_pb2_grpc.StageStub(channel)
-            stub.Assign(a, timeout=10)  # answered at once: the model is built in the background
-            s = _loaded(stub)
-            assert s.state == State.FAILED and re.search(match, s.error), s.error
-            assert s.error.startswith("stage 1 of vw 0: ")
-    finally:
-        runtime.stop()
-        server.stop(grace=0)
-
-
-def test_layers_that_do_not_produce_the_planned_output_fail_at_the_first_forward(rig: Rig) -> None:
-    batch, features = rig.out_spec.shape
-    a = stage_pb2.StageAssignment()
-    a.CopyFrom(rig.assignment)
-    del a.output_shape[:]
-    a.output_shape.extend([batch, features + 1])  # a plan that got this stage's output wrong
-    runtime = StageRuntime()
-    server = serve(StageServicer(runtime, on_stop=lambda: None))
-    try:
-        with rpc.channel(server.address) as channel:
-            stub = stage_pb2_grpc.StageStub(channel)
-            stub.Assign(a, timeout=10)
-            assert _loaded(stub).state == State.READY
-            stub.Start(wire_pb2.Empty(), timeout=10)
-            stub.Forward(iter(rig.activation(1)), timeout=10)
-            deadline = time.monotonic() + 10
-            while (s := stub.Status(stage_pb2.StatusRequest(), timeout=5)).state == State.RUNNING:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-        assert s.state == State.FAILED
-        assert (f"layers produce torch.float32 [{batch}, {features}], the plan expected torch.float32 "
-                f"[{batch}, {features + 1}]") in s.error, s.error
-        assert "at minibatch 1" in s.error
-    finally:
-        runtime.stop()
-        server.stop(grace=0)

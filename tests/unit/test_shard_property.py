@@ -18,10 +18,13 @@ interleavings of:
 - restarts: a fresh Shard restored by a fresh Durability from the same directory, after which
   every acknowledged push must be there exactly once.
 
-The reference is written from DESIGN §3, not from the Shard: w[key] (float64) plus a clock per
-(key, vw) = waves of that VW applied to that key. A push of wave c by vw for keys K is applied
-iff every clock (k, vw), k in K, is c; it is a retry (no-op) iff every such clock is c + 1; any
-other clock is refused. c_global = min over keys and VWs; a VW's clock is the min over keys.
+The reference (tests/shard_reference.py) is written from DESIGN §3, not from the Shard: w[key]
+(float64) plus a clock per (key, vw) = waves of that VW applied to that key. A push of wave c by
+vw for keys K is applied iff every clock (k, vw), k in K, is c; it is a retry (no-op) iff every
+such clock is c + 1; any other clock is refused. c_global = min over keys and VWs; a VW's clock
+is the min over keys.
+
+Hand-written cases of the same rules are in test_shard_cases.py.
 """
 
 from __future__ import annotations
@@ -45,86 +48,12 @@ from hypothesis.stateful import (
 
 from hetpipe.wsp import clock_distance
 from ps_server.durability import Durability
-from ps_server.shard import Shard, ShardError
+from ps_server.shard import Shard
+from shard_reference import Deltas, Kind, RefShard, assert_refused, tensor
 
 pytestmark = pytest.mark.timeout(120)
 
-Kind = ShardError.Kind
 KEY_SHAPES: list[tuple[str, tuple[int, ...]]] = [("l0.weight", (2, 3)), ("l0.bias", (3,)), ("l1.weight", (2, 3))]
-Deltas = list[tuple[str, torch.Tensor]]
-
-
-# ---- the reference model ---------------------------------------------------------------------------
-
-
-class RefShard:
-    """DESIGN §3 for one shard: float64 weights, a clock per (key, vw), and the acknowledged pushes."""
-
-    def __init__(self, n: int, init: dict[str, torch.Tensor]) -> None:
-        self.n = n
-        self.w0 = {k: v.clone() for k, v in init.items()}
-        self.w = {k: v.clone() for k, v in init.items()}
-        self.clock = {(k, v): 0 for k in init for v in range(n)}
-        self.acked: list[tuple[int, int, Deltas]] = []   # every push answered "applied", in order
-        self.max_distance = 0
-
-    def expect_push(self, vw: int, c: int, deltas: Deltas) -> str | Kind:
-        """'applied', 'duplicate', or the kind of refusal; changes nothing."""
-        keys = [k for k, _ in deltas]
-        if not 0 <= vw < self.n or not keys or len(set(keys)) != len(keys):
-            return Kind.INVALID
-        if any(k not in self.w for k in keys):
-            return Kind.NOT_OWNED
-        if any(d.dtype != self.w[k].dtype or d.shape != self.w[k].shape for k, d in deltas):
-            return Kind.INVALID
-        clocks = [self.clock[(k, vw)] for k in keys]
-        if all(x == c for x in clocks):
-            return "applied"
-        if all(x == c + 1 for x in clocks):
-            return "duplicate"
-        return Kind.CLOCK
-
-    def apply(self, vw: int, c: int, deltas: Deltas) -> None:
-        for k, d in deltas:
-            self.w[k] = self.w[k] + d
-            self.clock[(k, vw)] = c + 1
-        self.acked.append((vw, c, [(k, d.clone()) for k, d in deltas]))
-        self.max_distance = max(self.max_distance, clock_distance(self.vw_clocks()))
-
-    def expect_pull(self, vw: int, keys: list[str]) -> Kind | None:
-        if not 0 <= vw < self.n or not keys or len(set(keys)) != len(keys):
-            return Kind.INVALID
-        if any(k not in self.w for k in keys):
-            return Kind.NOT_OWNED
-        return None
-
-    def vw_clocks(self, keys: list[str] | None = None) -> list[int]:
-        ks = list(self.w) if keys is None else keys
-        return [min(self.clock[(k, v)] for k in ks) for v in range(self.n)]
-
-    def c_global(self, keys: list[str] | None = None) -> int:
-        return min(self.vw_clocks(keys))
-
-    def conserved(self) -> dict[str, torch.Tensor]:
-        """O3: w0 + the sum of every acknowledged push, recomputed from scratch."""
-        w = {k: v.clone() for k, v in self.w0.items()}
-        for _, _, deltas in self.acked:
-            for k, d in deltas:
-                w[k] = w[k] + d
-        return w
-
-
-def tensor(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-
-
-def assert_refused(kind: Kind, fn, *args) -> ShardError:  # type: ignore[no-untyped-def]
-    with pytest.raises(ShardError) as info:
-        fn(*args)
-    assert info.value.kind == kind, f"{info.value.kind} ({info.value}), want {kind}"
-    assert str(info.value), "a refusal must say what is wrong"
-    return info.value
 
 
 # ---- the state machine -----------------------------------------------------------------------------
@@ -373,155 +302,3 @@ def test_shard_matches_reference_model(monkeypatch: pytest.MonkeyPatch) -> None:
     # fsync only costs time (it dominated the run).
     monkeypatch.setattr("ps_server.durability.os.fsync", lambda fd: None)
     run_state_machine_as_test(ShardMachine, settings=MACHINE_SETTINGS)
-
-
-# ---- plain unit tests -------------------------------------------------------------------------------
-
-
-def two_key_shard(n: int = 3) -> Shard:
-    shard = Shard()
-    assert shard.init(n, [("a", torch.zeros(2, 3, dtype=torch.float64)), ("b", torch.ones(3, dtype=torch.float64))])
-    return shard
-
-
-def ones(key: str, shard: Shard) -> tuple[str, torch.Tensor]:
-    return key, torch.ones_like(shard.values[key])
-
-
-def test_init_is_idempotent_and_conflicts_on_other_values() -> None:
-    init = [("a", torch.arange(6, dtype=torch.float64).reshape(2, 3)), ("b", torch.ones(3, dtype=torch.float64))]
-    shard = Shard()
-    assert not shard.ready
-    assert_refused(Kind.NOT_READY, shard.push, 0, 0, [("a", init[0][1])])
-    assert_refused(Kind.NOT_READY, shard.pull, 0, ["a"])
-    assert shard.init(2, init) is True
-    digest = shard.digest()
-    init[0][1].add_(100.0)  # the shard keeps its own copy
-    assert shard.digest() == digest
-    init[0][1].sub_(100.0)
-    assert shard.init(2, [(k, v.clone()) for k, v in init]) is False
-    assert shard.init(2, list(reversed(init))) is False, "key order does not matter"
-    assert shard.init(2, [init[1]]) is False, "a stage may bring a subset again (a retry)"
-    conflicts = {
-        "other value": [init[0], ("b", torch.full((3,), 2.0, dtype=torch.float64))],
-        "other dtype": [init[0], ("b", torch.ones(3, dtype=torch.float32))],
-        "other shape": [init[0], ("b", torch.ones(1, 3, dtype=torch.float64))],
-    }
-    for what, tensors in conflicts.items():
-        err = assert_refused(Kind.CONFLICT, shard.init, 2, tensors)
-        assert "already initialised with other values for ['b']" in str(err), what
-    assert_refused(Kind.CONFLICT, shard.init, 3, init)
-    assert_refused(Kind.INVALID, Shard().init, 0, init)
-    assert_refused(Kind.INVALID, Shard().init, 2, [])
-    assert_refused(Kind.INVALID, Shard().init, 2, [init[0], init[0]])
-    assert shard.digest() == digest
-    # Each stage of VW 0 brings its own keys: they add up, until training begins.
-    assert shard.init(2, [("c", torch.zeros(1, dtype=torch.float64))]) is True
-    assert sorted(shard.values) == ["a", "b", "c"] and shard.clocks["c"] == [0, 0]
-    shard.push(0, 0, [("c", torch.ones(1, dtype=torch.float64))])
-    err = assert_refused(Kind.CONFLICT, shard.init, 2, [("d", torch.zeros(1, dtype=torch.float64))])
-    assert "after training began" in str(err)
-
-
-def test_c_global_is_min_over_keys_and_vws() -> None:
-    shard = two_key_shard(3)
-    assert shard.c_global() == 0
-    for c in range(3):  # vw 0 runs three waves ahead on both keys
-        assert shard.push(0, c, [ones("a", shard), ones("b", shard)])
-    assert shard.c_global() == 0 and shard.vw_clocks() == [3, 0, 0]
-    for vw in (1, 2):
-        assert shard.push(vw, 0, [ones("a", shard)])
-    # Every VW has pushed wave 0 of key a, but not of key b.
-    assert shard.c_global(["a"]) == 1
-    assert shard.c_global(["b"]) == 0
-    assert shard.c_global() == 0, "min over keys too"
-    assert shard.vw_clocks(["a"]) == [3, 1, 1] and shard.vw_clocks() == [3, 0, 0]
-    assert shard.push(1, 0, [ones("b", shard)])
-    assert shard.c_global() == 0, "vw 2 still lacks wave 0 of key b"
-    assert shard.push(2, 0, [ones("b", shard)])
-    assert shard.c_global() == 1
-    assert shard.push(1, 1, [ones("b", shard), ones("a", shard)])
-    assert shard.push(2, 1, [ones("a", shard), ones("b", shard)])
-    assert shard.c_global() == 2 and shard.c_global(["a", "b"]) == 2
-    result = shard.pull(1, ["b", "a"])
-    assert result.c_global == 2 and result.own_clock == [2, 2] and result.vw_clocks == [3, 2, 2]
-    assert torch.equal(dict(result.values)["a"], torch.full((2, 3), 7.0, dtype=torch.float64))  # 3 + 2 + 2 pushes
-
-
-def test_clock_distance_is_spread_of_per_vw_min_clocks() -> None:
-    shard = two_key_shard(3)
-    assert shard.clock_distance() == 0 and shard.max_clock_distance == 0
-    for c in range(4):
-        shard.push(0, c, [ones("a", shard), ones("b", shard)])
-    assert shard.clock_distance() == 4 and shard.max_clock_distance == 4
-    shard.push(1, 0, [ones("a", shard)])  # vw 1's clock is the min over keys: still 0
-    assert shard.vw_clocks() == [4, 0, 0] and shard.clock_distance() == 4
-    for c in range(3):
-        shard.push(1, c, [ones("b", shard)])
-        shard.push(2, c, [ones("a", shard), ones("b", shard)])
-        if c:
-            shard.push(1, c, [ones("a", shard)])
-    assert shard.vw_clocks() == [4, 3, 3] and shard.clock_distance() == 1
-    assert shard.max_clock_distance == 4, "the largest distance ever seen is kept"
-    assert Shard().clock_distance() == 0, "no keys yet"
-
-
-@pytest.mark.parametrize("bad", ["unknown key", "wrong shape", "wrong dtype", "key twice"])
-@pytest.mark.parametrize("position", ["first", "last"])
-def test_push_is_all_or_nothing(bad: str, position: str) -> None:
-    shard = two_key_shard(2)
-    before = shard.digest()
-    good = [ones("a", shard), ones("b", shard)]
-    wrong = {
-        "unknown key": ("zzz", torch.ones(3, dtype=torch.float64)),
-        "wrong shape": ("b", torch.ones(2, 3, dtype=torch.float64)),
-        "wrong dtype": ("b", torch.ones(3, dtype=torch.float32)),
-        "key twice": ("a", torch.ones(2, 3, dtype=torch.float64)),
-    }[bad]
-    # The bad entry replaces key b (or is added), before or after the good key a.
-    rest = [good[0]] if bad in ("wrong shape", "wrong dtype") else good
-    deltas = [wrong, *rest] if position == "first" else [*rest, wrong]
-    kind = Kind.NOT_OWNED if bad == "unknown key" else Kind.INVALID
-    err = assert_refused(kind, shard.push, 0, 0, deltas)
-    if bad != "key twice":
-        assert wrong[0] in str(err), "the message names the key"
-    assert shard.digest() == before and shard.pushes_applied == 0
-    assert shard.vw_clocks() == [0, 0]
-    assert shard.push(0, 0, good) is True, "the shard still takes good pushes"
-
-
-def test_clock_messages_say_which_way() -> None:
-    shard = two_key_shard(2)
-    for c in range(3):
-        shard.push(0, c, [ones("a", shard)])
-    assert "skips ahead" in str(assert_refused(Kind.CLOCK, shard.push, 0, 4, [ones("a", shard)]))
-    assert "goes backwards" in str(assert_refused(Kind.CLOCK, shard.push, 0, 1, [ones("a", shard)]))
-    assert shard.push(0, 2, [ones("a", shard)]) is False, "backwards by one = the retry of the last push"
-    assert shard.pushes_duplicate == 1
-    assert "vw 7" in str(assert_refused(Kind.INVALID, shard.push, 7, 0, [ones("a", shard)]))
-
-
-def test_restore_survives_crash_between_checkpoint_and_log_cleanup(tmp_path: Path) -> None:
-    """Log entries a checkpoint already covers are never replayed twice, even if left on disk."""
-    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
-    dur.checkpoint(shard)
-    for c in range(3):
-        for vw in range(2):
-            assert shard.push(vw, c, [ones("a", shard), ones("b", shard)])
-            dur.log_push(vw, c, [ones("a", shard), ones("b", shard)])
-    saved = {p: p.read_bytes() for p in dur.log_dir.glob("*.pt")}
-    dur.checkpoint(shard)
-    assert not list(dur.log_dir.glob("*.pt"))
-    for p, raw in saved.items():
-        p.write_bytes(raw)
-    assert shard.push(0, 3, [ones("a", shard)])
-    dur.log_push(0, 3, [ones("a", shard)])
-    again, dur2 = Shard(), Durability(str(tmp_path), every_clocks=100)
-    assert dur2.restore(again) == 1
-    assert again.digest() == shard.digest() and again.pushes_applied == 7
-    # New log entries continue after the highest sequence number on disk.
-    assert again.push(1, 3, [ones("a", shard)])
-    dur2.log_push(1, 3, [ones("a", shard)])
-    third = Shard()
-    Durability(str(tmp_path)).restore(third)
-    assert third.digest() == again.digest() and third.pushes_applied == 8

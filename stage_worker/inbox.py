@@ -1,0 +1,85 @@
+"""What the neighbour stages send a stage: each activation and gradient checked against the
+stage's assignment and schedule, then held until the compute thread takes it. The runtime calls
+it under its own lock."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from hetpipe.errors import Rejected
+from hetpipe.wire import Bundle
+from stage_worker.loaded import Loaded
+from stage_worker.schedule import Rejection, ScheduleError
+
+_SCHEDULE_CODES = {
+    Rejection.UNKNOWN: grpc.StatusCode.INVALID_ARGUMENT,
+    Rejection.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    Rejection.WINDOW: grpc.StatusCode.FAILED_PRECONDITION,
+    Rejection.ORDER: grpc.StatusCode.FAILED_PRECONDITION,
+    Rejection.NOT_ACCEPTED: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self.forward: dict[int, torch.Tensor] = {}      # minibatch -> activation
+        self.backward: dict[int, torch.Tensor] = {}     # minibatch -> gradient
+        self.evals: deque[tuple[int, int, torch.Tensor]] = deque()   # (evaluation, minibatch, x)
+        self.received = 0
+
+    def offer_forward(self, s: Loaded, bundle: Bundle, *, training: bool) -> None:
+        """An activation from the previous stage (training: not yet DONE, which takes evaluations only)."""
+        if s.setup.first:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "stage 0 reads its own data and takes no activations")
+        p, k = _check(s, bundle, s.setup.stage - 1, "activation", training)
+        x = bundle.tensors[0][1]
+        s.setup.specs.activation.check("activation", x)
+        if k:
+            self.evals.append((k, p, x.to(s.compute.device)))
+        else:
+            _accept(s.schedule.accept_forward, p)
+            self.forward[p] = x.to(s.compute.device)
+        self.received += 1
+
+    def offer_backward(self, s: Loaded, bundle: Bundle, *, training: bool) -> None:
+        """A gradient from the next stage."""
+        if s.setup.last:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the last stage computes the loss and takes no gradients")
+        p, _ = _check(s, bundle, s.setup.stage + 1, "gradient", training)
+        grad = bundle.tensors[0][1]
+        s.setup.specs.output.check("gradient", grad)
+        _accept(s.schedule.accept_backward, p)
+        self.backward[p] = grad.to(s.compute.device)
+        self.received += 1
+
+
+def _check(s: Loaded, bundle: Bundle, from_stage: int, what: str, training: bool) -> tuple[int, int]:
+    """(minibatch, evaluation) of a valid single-tensor input from stage from_stage."""
+    if bundle.header.WhichOneof("header") != "minibatch":
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: first frame lacks the minibatch tag")
+    tag = bundle.header.minibatch
+    if tag.vw != s.setup.vw:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: tagged for vw {tag.vw}, but this is {s.setup.name}")
+    if tag.stage != from_stage:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: sent by stage {tag.stage}, expected stage {from_stage}")
+    if len(bundle.tensors) != 1:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: expected 1 tensor, got {len(bundle.tensors)}")
+    if tag.eval and (s.evals is None or not 1 <= tag.minibatch <= len(s.evals.batches)
+                     or tag.eval > s.evals.schedule.final_id or what != "activation"):
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: evaluation {tag.eval} minibatch {tag.minibatch} "
+                                                         f"is not one this stage runs")
+    if not training and not tag.eval:
+        raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                       f"{what} for minibatch {tag.minibatch} refused in state DONE: training has ended")
+    return int(tag.minibatch), int(tag.eval)
+
+
+def _accept(accept: Callable[[int], None], p: int) -> None:
+    try:
+        accept(p)
+    except ScheduleError as exc:
+        raise Rejected(_SCHEDULE_CODES[exc.reason], str(exc)) from None

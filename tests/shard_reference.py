@@ -1,0 +1,84 @@
+"""The reference model of one parameter-server shard, written from DESIGN §3 and not from
+`ps_server.shard.Shard`, and the refusal check that the shard's tests share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetpipe.wsp import clock_distance
+from ps_server.shard import ShardError
+
+Kind = ShardError.Kind
+Deltas = list[tuple[str, torch.Tensor]]
+
+
+class RefShard:
+    """DESIGN §3 for one shard: float64 weights, a clock per (key, vw), and the acknowledged pushes."""
+
+    def __init__(self, n: int, init: dict[str, torch.Tensor]) -> None:
+        self.n = n
+        self.w0 = {k: v.clone() for k, v in init.items()}
+        self.w = {k: v.clone() for k, v in init.items()}
+        self.clock = {(k, v): 0 for k in init for v in range(n)}
+        self.acked: list[tuple[int, int, Deltas]] = []   # every push answered "applied", in order
+        self.max_distance = 0
+
+    def expect_push(self, vw: int, c: int, deltas: Deltas) -> str | Kind:
+        """'applied', 'duplicate', or the kind of refusal; changes nothing."""
+        keys = [k for k, _ in deltas]
+        if not 0 <= vw < self.n or not keys or len(set(keys)) != len(keys):
+            return Kind.INVALID
+        if any(k not in self.w for k in keys):
+            return Kind.NOT_OWNED
+        if any(d.dtype != self.w[k].dtype or d.shape != self.w[k].shape for k, d in deltas):
+            return Kind.INVALID
+        clocks = [self.clock[(k, vw)] for k in keys]
+        if all(x == c for x in clocks):
+            return "applied"
+        if all(x == c + 1 for x in clocks):
+            return "duplicate"
+        return Kind.CLOCK
+
+    def apply(self, vw: int, c: int, deltas: Deltas) -> None:
+        for k, d in deltas:
+            self.w[k] = self.w[k] + d
+            self.clock[(k, vw)] = c + 1
+        self.acked.append((vw, c, [(k, d.clone()) for k, d in deltas]))
+        self.max_distance = max(self.max_distance, clock_distance(self.vw_clocks()))
+
+    def expect_pull(self, vw: int, keys: list[str]) -> Kind | None:
+        if not 0 <= vw < self.n or not keys or len(set(keys)) != len(keys):
+            return Kind.INVALID
+        if any(k not in self.w for k in keys):
+            return Kind.NOT_OWNED
+        return None
+
+    def vw_clocks(self, keys: list[str] | None = None) -> list[int]:
+        ks = list(self.w) if keys is None else keys
+        return [min(self.clock[(k, v)] for k in ks) for v in range(self.n)]
+
+    def c_global(self, keys: list[str] | None = None) -> int:
+        return min(self.vw_clocks(keys))
+
+    def conserved(self) -> dict[str, torch.Tensor]:
+        """O3: w0 + the sum of every acknowledged push, recomputed from scratch."""
+        w = {k: v.clone() for k, v in self.w0.items()}
+        for _, _, deltas in self.acked:
+            for k, d in deltas:
+                w[k] = w[k] + d
+        return w
+
+
+def tensor(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def assert_refused(kind: Kind, fn, *args) -> ShardError:  # type: ignore[no-untyped-def]
+    with pytest.raises(ShardError) as info:
+        fn(*args)
+    assert info.value.kind == kind, f"{info.value.kind} ({info.value}), want {kind}"
+    assert str(info.value), "a refusal must say what is wrong"
+    return info.value
+
