@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,20 +81,41 @@ def _run_module(module: str, argv: list[str], log_path: str, append: bool, env: 
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
+def _context() -> Any:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def warm_up() -> None:
+    """Starts the fork server now (it imports torch: about a second), so that it is ready by the
+    time the first worker is started; a launcher calls it before its own set-up work."""
+    _context()
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
 def start(args: list[str], log_path: Path, *, env: Mapping[str, str] | None = None,
           append: bool = False) -> Forked:
     """Starts `python -m MODULE ARGS...` (args as a shell would give them) forked from the fork
     server, with stdout and stderr in log_path, no stdin, and the given environment."""
     if len(args) < 3 or args[1] != "-m":
         raise ValueError(f"expected [python, '-m', module, ...], got {args[:3]}")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
+    context = _context()
     environment = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     process = context.Process(
         target=_run_module, name=args[2],
         args=(args[2], args[3:], str(log_path), append, environment, os.getcwd(), list(sys.path)),
     )
-    process.start()
+    # multiprocessing has each child import the parent's main module first (the spawn rule). A
+    # worker runs `python -m module`, not the launcher's program: it starts with a bare one.
+    launcher_main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        process.start()
+    finally:
+        sys.modules["__main__"] = launcher_main
     handle = Forked(process)
     handle.args = args
     return handle

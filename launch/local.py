@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hetpipe import data, devices, metrics, outputs, rpc
+from hetpipe import children, data, devices, metrics, outputs, rpc
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed, JobStopped
 from hetpipe.v1 import coordinator_pb2, wire_pb2
@@ -85,6 +85,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         from baselines import run_baseline
 
         return run_baseline(job, quiet=quiet)
+    children.warm_up()  # the fork server imports torch while this process plans
     plan = preflight(job)
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)

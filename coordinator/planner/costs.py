@@ -21,12 +21,12 @@ SIM_STEPS = 64
 # the receiving compute thread included (bench/pipeline.py: 4.8 ms per hop); charged per send.
 LOOPBACK_SEND_S = 0.004
 # A push or pull on loopback: a round trip plus the bytes at what the shard path sustains (codec,
-# gRPC, and for pushes the fsync'd push log). bench/ps_throughput.py on the 2-core development
-# machine: a durable 5 MiB push takes 70 ms, a 5 MiB pull 30 ms; the sync traces of
-# bench/prediction.py agree (pushes of 2.2 MB: 25-59 ms, unblocked pulls: 18 ms).
+# gRPC, and for pushes the fsync'd push log). The sync traces of bench/prediction.py on the 2-core
+# development machine since pushes and pulls take the raw frame path (2026-11-22): pushes of
+# 2.2 MB 16-18 ms, pulls answered 6-8 ms after the push that unblocked them.
 LOOPBACK_PS_CALL_S = 0.003
-LOOPBACK_PUSH_BYTES_PER_S = 64 * 2**20
-LOOPBACK_PULL_BYTES_PER_S = 100 * 2**20
+LOOPBACK_PUSH_BYTES_PER_S = 150 * 2**20
+LOOPBACK_PULL_BYTES_PER_S = 500 * 2**20
 
 
 def loopback_sync_seconds(nbytes: int) -> tuple[float, float]:
