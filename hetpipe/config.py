@@ -95,7 +95,7 @@ class TrainConfig:
     loss: str = "cross_entropy"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     dtype: str = "float32"           # the master weights' dtype (float64: the oracles)
-    precision: str = "fp32"          # compute: fp32 or bf16 (autocast; master weights stay in dtype); fp16 refused
+    precision: str = "fp32"          # compute: fp32, bf16 or fp16 (autocast; master weights stay in dtype)
     seed: int = 0
     setup_timeout_s: float = 600.0   # how long the stages may take to load before the job fails
 
@@ -352,12 +352,6 @@ def _check_together(job: JobConfig) -> None:
                               f"stage, got {m} for {k} stages; use {k} or more, or parallel.schedule gpipe")
     elif par.microbatches != 1:
         raise ConfigError(f"parallel.microbatches: {par.microbatches} applies to parallel.mode torch-pipeline only")
-    if job.train.precision == "fp16":
-        # fp16 gradients underflow without loss scaling, and a skipped step must be skipped by every
-        # stage of a VW together: a verdict that only stage 0 knows, after the others stepped.
-        raise ConfigError("train.precision: fp16 needs dynamic loss scaling agreed by all stages of a VW, which "
-                          "this version does not do; use bf16 (no loss scaling needed, the same speed on "
-                          "Ampere and newer GPUs)")
     if job.train.precision != "fp32" and job.train.dtype == "float64":
         raise ConfigError(f"train.precision: {job.train.precision} computes in 16 bits; train.dtype float64 asks for "
                           "exact float64 (the oracles): use one or the other")

@@ -2,7 +2,8 @@
 
 Never part of the job file: a user's job cannot slow itself down by accident. A launcher's
 children inherit the variable, so one setting reaches every stage and baseline worker. JSON:
-`{"task_delay": [low, high], "slow_vw": V, "slow_factor": F, "repeat_push": P}`.
+`{"task_delay": [low, high], "slow_vw": V, "slow_factor": F, "repeat_push": P,
+"overflow": [[stage, minibatch], ...]}`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Faults:
     slow_vw: int = -1           # this VW's (or baseline rank's) tasks take slow_factor times longer
     slow_factor: float = 1.0
     repeat_push: float = 0.0    # probability that a stage sends an acknowledged push again (a retry)
+    overflow: tuple[tuple[int, int], ...] = ()  # fp16: (stage, p) whose gradients come out infinite
 
     def slowdown(self, vw: int) -> float:
         """How much longer every task of virtual worker (or rank) vw takes: the straggler rule."""
@@ -45,7 +47,8 @@ def from_env() -> Faults:
         raise ValueError(f"{ENV}: expected an object with keys among {sorted(known)}, got {text!r}")
     low, high = raw.get("task_delay", (0.0, 0.0))
     faults = Faults(task_delay=(float(low), float(high)), slow_vw=int(raw.get("slow_vw", -1)),
-                    slow_factor=float(raw.get("slow_factor", 1.0)), repeat_push=float(raw.get("repeat_push", 0.0)))
+                    slow_factor=float(raw.get("slow_factor", 1.0)), repeat_push=float(raw.get("repeat_push", 0.0)),
+                    overflow=tuple((int(q), int(p)) for q, p in raw.get("overflow", ())))
     numbers = (low, high, faults.slow_factor, faults.repeat_push)
     if not (all(math.isfinite(x) for x in numbers) and 0 <= low <= high and faults.slow_factor >= 1
             and 0 <= faults.repeat_push <= 1):
@@ -57,7 +60,8 @@ def from_env() -> Faults:
 def to_env(faults: Faults) -> dict[str, str]:
     """The environment entry that makes children inject faults (tests and benchmarks)."""
     return {ENV: json.dumps({"task_delay": list(faults.task_delay), "slow_vw": faults.slow_vw,
-                             "slow_factor": faults.slow_factor, "repeat_push": faults.repeat_push})}
+                             "slow_factor": faults.slow_factor, "repeat_push": faults.repeat_push,
+                             "overflow": [list(o) for o in faults.overflow]})}
 
 
 class Padder:

@@ -4,6 +4,7 @@ it under its own lock."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 
@@ -11,6 +12,7 @@ import grpc
 import torch
 
 from hetpipe.errors import Rejected
+from hetpipe.v1 import wire_pb2
 from hetpipe.wire import Bundle
 from stage_worker.loaded import Loaded
 from stage_worker.schedule import Rejection, ScheduleError
@@ -32,17 +34,39 @@ class Inbox:
         self.received = 0
 
     def offer_forward(self, s: Loaded, bundle: Bundle, *, training: bool) -> None:
-        """An activation from the previous stage (training: not yet DONE, which takes evaluations only)."""
+        """An activation from the previous stage (training: not yet DONE, which takes evaluations
+        only), or fp16 verdicts alone."""
         if s.setup.first:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "stage 0 reads its own data and takes no activations")
+        if bundle.header.WhichOneof("header") == "commit":
+            self._offer_verdicts(s, bundle)
+            return
         p, k = _check(s, bundle, s.setup.stage - 1, "activation", training)
         x = bundle.tensors[0][1]
         s.setup.specs.activation.check("activation", x)
+        verdicts = bundle.header.minibatch.verdicts
+        _check_verdicts(s, verdicts, "activation")
         if k:
             self.evals.append((k, p, x.to(s.compute.device)))
         else:
             _accept(s.schedule.accept_forward, p)
             self.forward[p] = x.to(s.compute.device)
+        if s.scaling is not None:
+            s.scaling.verdicts.learn(verdicts.through, verdicts.skipped)
+        self.received += 1
+
+    def _offer_verdicts(self, s: Loaded, bundle: Bundle) -> None:
+        tag = bundle.header.commit
+        if s.scaling is None:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "verdicts: this job does not scale its loss (fp16 only)")
+        if tag.vw != s.setup.vw or tag.stage != s.setup.stage - 1:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"verdicts: from stage {tag.stage} of vw {tag.vw}, "
+                                                             f"expected stage {s.setup.stage - 1} of vw {s.setup.vw}")
+        if bundle.tensors:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"verdicts: expected no tensors, got {len(bundle.tensors)}")
+        _check_verdicts(s, tag.verdicts, "verdicts")
+        s.scaling.verdicts.learn(tag.verdicts.through, tag.verdicts.skipped)
+        s.scaling.relay = True
         self.received += 1
 
     def offer_backward(self, s: Loaded, bundle: Bundle, *, training: bool) -> None:
@@ -52,8 +76,14 @@ class Inbox:
         p, _ = _check(s, bundle, s.setup.stage + 1, "gradient", training)
         grad = bundle.tensors[0][1]
         s.setup.specs.output.check("gradient", grad)
+        tag = bundle.header.minibatch
+        if s.scaling is not None and not (math.isfinite(tag.loss_scale) and tag.loss_scale >= 1.0):
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"gradient: loss_scale {tag.loss_scale} of minibatch {p}: expected a finite scale >= 1")
         _accept(s.schedule.accept_backward, p)
         self.backward[p] = grad.to(s.compute.device)
+        if s.scaling is not None:
+            s.scaling.incoming[p] = (tag.loss_scale, tag.overflow)
         self.received += 1
 
 
@@ -76,6 +106,15 @@ def _check(s: Loaded, bundle: Bundle, from_stage: int, what: str, training: bool
         raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                        f"{what} for minibatch {tag.minibatch} refused in state DONE: training has ended")
     return int(tag.minibatch), int(tag.eval)
+
+
+def _check_verdicts(s: Loaded, verdicts: wire_pb2.Verdicts, what: str) -> None:
+    if s.scaling is None:
+        return
+    try:
+        s.scaling.verdicts.check(verdicts.through, verdicts.skipped, s.job.train.steps)
+    except ValueError as exc:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {exc}") from None
 
 
 def _accept(accept: Callable[[int], None], p: int) -> None:

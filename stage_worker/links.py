@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -16,8 +16,19 @@ from hetpipe.v1 import wire_pb2
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    tag: wire_pb2.MinibatchTag
+    tag: wire_pb2.MinibatchTag | wire_pb2.CommitTag   # a commit: fp16 verdicts alone, no tensors
     tensors: list[tuple[str, torch.Tensor]]
+
+    def encode(self) -> Iterator[bytes]:
+        if isinstance(self.tag, wire_pb2.CommitTag):
+            return wire.encode(self.tensors, commit=self.tag)
+        return wire.encode(self.tensors, minibatch=self.tag)
+
+    @property
+    def what(self) -> str:
+        if isinstance(self.tag, wire_pb2.CommitTag):
+            return f"verdicts through minibatch {self.tag.verdicts.through}"
+        return f"minibatch {self.tag.minibatch}"
 
 
 class Link:
@@ -68,12 +79,12 @@ class Link:
     def _deliver(self, item: Outgoing) -> bool:
         what = "activation" if self.method == "Forward" else "gradient"
         try:
-            rpc.retrying(lambda: self._call(wire.encode(item.tensors, minibatch=item.tag), timeout=rpc.DATA_DEADLINE_S),
+            rpc.retrying(lambda: self._call(item.encode(), timeout=rpc.DATA_DEADLINE_S),
                          give_up_s=self._give_up_s, closing=self._closing)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # else an earlier attempt landed
                 if not self._closing.is_set():
-                    self._on_failure(f"could not send the {what} of minibatch {item.tag.minibatch} to {self.peer} "
+                    self._on_failure(f"could not send the {what} of {item.what} to {self.peer} "
                                      f"at {self.address}: {exc.code().name}: {exc.details()}")
                 return False
         self.bytes_sent += sum(t.numel() * t.element_size() for _, t in item.tensors)

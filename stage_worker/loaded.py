@@ -16,6 +16,7 @@ from stage_worker import metrics
 from stage_worker.assignment import Setup
 from stage_worker.evaluation import Schedule, Totals
 from stage_worker.links import Link
+from stage_worker.scaling import Scaling
 from stage_worker.schedule import StageSchedule
 from stage_worker.stage import StageCompute
 from stage_worker.sync import LocalSync, Sync
@@ -98,6 +99,9 @@ class Loaded:
             if setup.last:
                 self.targets = data.Minibatches(job, train, setup.vw, steps=job.train.steps, pin=pin)
         self.evals = Evals(setup) if job.eval is not None and setup.vw == 0 else None
+        self.scaling = Scaling() if job.train.precision == "fp16" else None
+        # Tests: minibatches whose gradients come out infinite here (HETPIPE_FAULTS overflow).
+        self.overflow_at = {p for q, p in faults.from_env().overflow if q == setup.stage}
         self.trace = MinibatchTrace(setup.trace_path, setup.vw, setup.stage)
         self.observe = metrics.observers(setup.vw, setup.stage)
         self.padder = faults.Padder(faults.from_env(), setup.vw, (job.train.seed, setup.stage))

@@ -13,21 +13,21 @@ import torch
 
 from hetpipe import devices
 from hetpipe.errors import Rejected
-from hetpipe.v1 import stage_pb2, wire_pb2
+from hetpipe.v1 import stage_pb2
 from hetpipe.wire import Bundle
-from hetpipe.wsp import closes_wave, wave_of
-from stage_worker import lifecycle, metrics
+from hetpipe.wsp import wave_of
+from stage_worker import commit, lifecycle, metrics
 from stage_worker.assignment import Setup, validate
 from stage_worker.inbox import Inbox
 from stage_worker.lifecycle import StageState
-from stage_worker.links import Link, Outgoing
+from stage_worker.commit import Send
+from stage_worker.links import Link
 from stage_worker.loaded import Loaded
 from stage_worker.progress import Progress
 from stage_worker.schedule import Task, TaskKind
 
 log = logging.getLogger(__name__)
 
-Send = tuple[Link, Outgoing]
 
 
 def _refused(state: StageState, what: str) -> Rejected:
@@ -197,12 +197,14 @@ class StageRuntime:
                 self._idle_seconds += now - idle_since
                 idle_since = now
                 s.sync.apply_pending(s.compute)
+                commit.commit_decided(s)
                 task = self._eval_task(s) or s.schedule.next_task(s.forward_allowed)
                 waiting = s.sync.waiting
                 if task is not None:
                     self._busy = True
                     return task
-                if self.state == StageState.RUNNING and s.schedule.done and s.sync.finished():
+                committed = s.scaling is None or not s.scaling.waiting
+                if self.state == StageState.RUNNING and s.schedule.done and committed and s.sync.finished():
                     self._to(StageState.DONE)  # stays up for the final evaluation, until stopped
                 self._cv.wait(0.5)
 
@@ -223,8 +225,6 @@ class StageRuntime:
                         self._phase_seconds["forward"] += forward
                         self._phase_seconds["backward"] += elapsed - forward
                         s.schedule.complete(task)
-                        if task.kind != TaskKind.FORWARD and closes_wave(task.p, s.job.nm, s.job.train.steps):
-                            s.sync.on_wave_end(wave_of(task.p, s.job.nm))
                     self._cv.notify_all()
                 # Only now may results leave: a neighbour reacting to them (stage 0 injecting
                 # p + nm after this gradient) must find this task recorded as done.
@@ -234,10 +234,6 @@ class StageRuntime:
             log.exception("%s crashed", s.setup.name)
             where = f" at {'evaluation' if task.kind == TaskKind.EVAL else 'minibatch'} {task.p}" if task else ""
             self.fail(f"{type(exc).__name__}: {exc}{where}")
-
-    def _tag(self, s: Loaded, p: int, version: int, evaluation: int = 0) -> wire_pb2.MinibatchTag:
-        return wire_pb2.MinibatchTag(vw=s.setup.vw, minibatch=p, weight_version=version, stage=s.setup.stage,
-                                     eval=evaluation)
 
     def _forward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
         p = task.p
@@ -253,25 +249,22 @@ class StageRuntime:
         s.observe.forward(p, version, s.sync.clock, min_clock)
         s.padder.pad(start, s.setup.forward_seconds)
         s.trace.forward(p, local_version=version, min_clock=min_clock, fwd_start=start, fwd_end=time.time())
-        assert s.next is not None
-        return [(s.next, Outgoing(self._tag(s, p, version), [("activation", out)]))], 0.0
+        return [commit.activation(s, p, version, out)], 0.0
 
     def _backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
         p = task.p
         with self._cv:
             grad = self._inbox.backward.pop(p)
         start = time.time()
-        grad_in, version, update = s.compute.backward(p, grad)
-        s.sync.after_update(p, update)
+        grad_in, version, grads = s.compute.backward(p, grad)
         s.padder.pad(start, s.setup.backward_seconds)
         s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=start, bwd_end=time.time())
-        return self._gradient(s, p, version, grad_in), 0.0
-
-    def _gradient(self, s: Loaded, p: int, version: int, grad_in: torch.Tensor | None) -> list[Send]:
-        if s.prev is None:
-            return []
-        assert grad_in is not None
-        return [(s.prev, Outgoing(self._tag(s, p, version), [("gradient", grad_in)]))]
+        if s.scaling is None:
+            commit.commit(s, p, grads)
+            return commit.gradient(s, p, version, grad_in), 0.0
+        scale, later = s.scaling.incoming.pop(p)
+        overflow = commit.scaled_backward(s, p, grads, grad_in, scale, later)
+        return commit.gradient(s, p, version, grad_in, scale, overflow), 0.0
 
     def _forward_backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
         p = task.p
@@ -284,9 +277,11 @@ class StageRuntime:
         y = s.targets.next()[1].to(s.compute.device, non_blocking=True)
         start = time.time()
         min_clock = s.sync.min_clock
-        loss, grad_in, version, update, forward_end = s.compute.forward_backward(p, x, y)
+        scale = 1.0
+        if s.scaling is not None:  # the verdicts <= p - nm came with p's activation (or were made here)
+            scale = s.scaling.loss_scale.for_minibatch(p, s.job.nm, s.scaling.verdicts)
+        loss, grad_in, version, grads, forward_end = s.compute.forward_backward(p, x, y, scale)
         s.observe.forward(p, version, s.sync.clock, min_clock)
-        s.sync.after_update(p, update)
         padded = s.setup.forward_seconds + s.setup.backward_seconds
         s.padder.pad(start, padded)
         end = time.time()
@@ -298,7 +293,11 @@ class StageRuntime:
         if s.trace.enabled:
             s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=forward_end, bwd_end=end,
                              loss=float(loss))
-        return self._gradient(s, p, version, grad_in), forward
+        if s.scaling is None:
+            commit.commit(s, p, grads)
+            return commit.gradient(s, p, version, grad_in), forward
+        overflow = commit.scaled_backward(s, p, grads, grad_in, scale, False)
+        return commit.gradient(s, p, version, grad_in, scale, overflow), forward
 
     # ---- evaluation --------------------------------------------------------------------------
 
@@ -327,7 +326,7 @@ class StageRuntime:
         for i, x in inputs:
             out = s.compute.evaluate(x.to(s.compute.device))
             if s.next is not None:
-                sends.append((s.next, Outgoing(self._tag(s, i, s.compute.version, k), [("activation", out)])))
+                sends.append(commit.activation(s, i, s.compute.version, out, k))
             else:
                 final = k == s.evals.schedule.final_id
                 s.evals.score(k, i, out, trained=s.job.train.steps if final else s.schedule.completed,

@@ -21,6 +21,9 @@ from hetpipe.optim import StageOptimizer, compute_dtype, compute_loss
 # backward, where it would hold up the whole pipeline.
 
 
+Grads = list[torch.Tensor | None]  # one per parameter; None: the parameter took no part
+
+
 @dataclass(slots=True)
 class _Stashed:
     version: int
@@ -101,17 +104,19 @@ class StageCompute:
         finally:
             self.module.train()
 
-    def backward(self, p: int, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, int, list[torch.Tensor]]:
-        """Backward of p on its stashed weights, then the local optimizer step (L3)."""
+    def backward(self, p: int, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, int, Grads]:
+        """Backward of p on its stashed weights: (gradient to send back, the version p ran on, the
+        weights' gradients). The step is commit()'s (L3)."""
         stashed = self._stash.pop(p)
         grad_in, grads = self._grads(stashed, stashed.out, grad_out)
-        return grad_in, stashed.version, self._step(grads)
+        return grad_in, stashed.version, grads
 
     def forward_backward(
-        self, p: int, x: torch.Tensor, target: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, int, list[torch.Tensor], float]:
-        """The last stage's single task: forward, loss, backward, step. Returns the split time too,
-        and the loss as a tensor: reading it would wait for the device at every minibatch."""
+        self, p: int, x: torch.Tensor, target: torch.Tensor, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int, Grads, float]:
+        """The last stage's single task: forward, loss (times scale: fp16's loss scale), backward.
+        Returns the split time too, and the loss as a tensor: reading it would wait for the
+        device at every minibatch."""
         leaves = self._current_leaves()
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
@@ -119,24 +124,42 @@ class StageCompute:
             out = self._call(leaves, x)
             loss = compute_loss(self.loss_kind, out.float() if self.compute_dtype is not None else out, target)
         forward_end = time.time()
-        stashed = _Stashed(self.version, leaves, x, loss)
-        grad_in, grads = self._grads(stashed, loss, None)
-        return loss.detach(), grad_in, stashed.version, self._step(grads), forward_end
+        stashed = _Stashed(self.version, leaves, x, loss * scale if scale != 1.0 else loss)
+        grad_in, grads = self._grads(stashed, stashed.out, None)
+        return loss.detach(), grad_in, stashed.version, grads, forward_end
+
+    @staticmethod
+    def finite(grads: Grads, grad_in: torch.Tensor | None) -> bool:
+        """Whether every gradient of a minibatch is finite (a loss-scaled fp16 backward may overflow).
+        Reads one flag from the device."""
+        flags = [torch.isfinite(g).all() for g in (*grads, grad_in) if g is not None]
+        return bool(torch.stack(flags).all()) if flags else True
+
+    @torch.no_grad()
+    def commit(self, grads: Grads, *, scale: float = 1.0, skip: bool = False) -> list[torch.Tensor]:
+        """L3: the optimizer step with these gradients (divided by the loss scale), a new version;
+        skip: a version without a step (fp16: some stage's gradients of this minibatch overflowed).
+        Returns the update u = w_after - w_before (empty unless tracked for WSP)."""
+        if skip:
+            self.version += 1
+            return [torch.zeros_like(p) for p in self.params] if self.track_updates else []
+        if scale != 1.0:
+            grads = [None if g is None else g.div_(scale) for g in grads]
+        return self._step(grads)
 
     def _grads(
         self, stashed: _Stashed, out: torch.Tensor, grad_out: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    ) -> tuple[torch.Tensor | None, Grads]:
         wants_x = stashed.x.requires_grad
         inputs = list(stashed.leaves.values()) + ([stashed.x] if wants_x else [])
         if not inputs or not out.requires_grad:
             return None, [None] * len(self.params)
         got = torch.autograd.grad(out, inputs, grad_outputs=grad_out, allow_unused=True)
-        grads: list[torch.Tensor | None] = list(got[: len(self.params)])
+        grads: Grads = list(got[: len(self.params)])
         grad_in = self._wire(got[-1]) if wants_x else None
         return grad_in, grads
 
-    @torch.no_grad()
-    def _step(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    def _step(self, grads: Grads) -> list[torch.Tensor]:
         before = [p.detach().clone() for p in self.params] if self.track_updates else []
         if self.optimizer is not None:
             self.optimizer.step([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)])

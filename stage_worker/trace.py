@@ -13,7 +13,7 @@ class MinibatchTrace:
     def __init__(self, path: str, vw: int, stage: int) -> None:
         self.vw, self.stage = vw, stage
         self._file: IO[str] | None = open(path, "w") if path else None
-        self._open: dict[int, dict[str, float | int]] = {}
+        self._open: dict[int, dict[str, float | int | bool]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -21,14 +21,19 @@ class MinibatchTrace:
 
     def forward(self, p: int, **fields: float | int) -> None:
         if self._file is not None:
-            self._open[p] = fields
+            self._open[p] = dict(fields)
 
     def backward(self, p: int, wave: int, **fields: float | int) -> None:
-        """The backward of p ended: writes its line (forward fields first)."""
+        """The backward of p ended (its line is written when p is committed)."""
+        if self._file is not None:
+            self._open[p] = {"vw": self.vw, "stage": self.stage, "p": p, "wave": wave, **self._open.get(p, {}),
+                             **fields}
+
+    def commit(self, p: int, **fields: float | int | bool) -> None:
+        """p's step was applied (or, fp16, skipped): writes its line, forward fields first."""
         if self._file is None:
             return
-        row = {"vw": self.vw, "stage": self.stage, "p": p, "wave": wave, **self._open.pop(p, {}), **fields}
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps({**self._open.pop(p), **fields}) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ STATE_FIELDS = ("state", "error", "received", "forwards_done", "backwards_done",
 class FakeNeighbour(stage_pb2_grpc.StageServicer):
     """Accepts every call; records the tag and tensors of each Forward/Backward it gets."""
 
-    got: list[tuple[str, wire_pb2.MinibatchTag, list[tuple[str, torch.Tensor]]]] = field(default_factory=list)
+    got: list[tuple[str, Any, list[tuple[str, torch.Tensor]]]] = field(default_factory=list)  # a tag, or fp16 verdicts
     cv: threading.Condition = field(default_factory=threading.Condition)
 
     def Assign(self, request: Any, context: Any) -> wire_pb2.Ack:
@@ -56,7 +56,8 @@ class FakeNeighbour(stage_pb2_grpc.StageServicer):
     def _record(self, method: str, frames: Iterator[wire_pb2.TensorFrame]) -> wire_pb2.Ack:
         bundle = wire.decode(frames)
         with self.cv:
-            self.got.append((method, bundle.header.minibatch, bundle.tensors))
+            self.got.append((method, getattr(bundle.header, bundle.header.WhichOneof("header") or "minibatch"),
+                             bundle.tensors))
             self.cv.notify_all()
         return wire_pb2.Ack()
 
@@ -145,10 +146,10 @@ def unlimited_channel(address: str) -> grpc.Channel:
 
 
 @contextmanager
-def middle_stage(make_job: Callable[..., JobConfig]) -> Iterator[Rig]:
+def middle_stage(make_job: Callable[..., JobConfig], **train: Any) -> Iterator[Rig]:
     """The middle stage of a 3-stage job, running, between two fake neighbours (make_job: the
-    conftest fixture)."""
-    job = make_job({"train": {"steps": STEPS}, "parallel": {"stages_per_vw": 3, "nm": NM},
+    conftest fixture; train: more train keys, e.g. precision)."""
+    job = make_job({"train": {"steps": STEPS, **train}, "parallel": {"stages_per_vw": 3, "nm": NM},
                     "output": {"trace": False}})
     runtime = StageRuntime()
     prev, nxt = FakeNeighbour(), FakeNeighbour()

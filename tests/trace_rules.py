@@ -68,12 +68,13 @@ def check_versions(rows: list[Row], nm: int) -> None:
     - the forward of p includes the updates of all minibatches <= p-nm: local_version >= p - nm;
     - it includes no update of p itself or later: local_version <= p - 1;
     - exactly: local_version = the number of this stage's backwards that ended before p's
-      forward started (each backward is one local update, L3);
+      forward started (each backward is one local update, L3); with fp16, the number of
+      minibatches committed (stepped or skipped on stage 0's verdict) before it started;
     - weight stashing: bwd_version == local_version;
     - wave = (p-1) // nm.
     """
     for (v, q), rs in by_stage(rows).items():
-        bwd_ends = sorted(r["bwd_end"] for r in rs)
+        bwd_ends = sorted(r.get("committed", r["bwd_end"]) for r in rs)
         for r in rs:
             p, lv = r["p"], r["local_version"]
             assert r["wave"] == (p - 1) // nm, f"{_at(r)}: wave {r['wave']}, expected {(p - 1) // nm} with nm={nm}"

@@ -39,18 +39,42 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MinibatchTag(_message.Message):
-    __slots__ = ("vw", "minibatch", "weight_version", "stage", "eval")
+    __slots__ = ("vw", "minibatch", "weight_version", "stage", "eval", "verdicts", "loss_scale", "overflow")
     VW_FIELD_NUMBER: _ClassVar[int]
     MINIBATCH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     EVAL_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_FIELD_NUMBER: _ClassVar[int]
     vw: int
     minibatch: int
     weight_version: int
     stage: int
     eval: int
-    def __init__(self, vw: _Optional[int] = ..., minibatch: _Optional[int] = ..., weight_version: _Optional[int] = ..., stage: _Optional[int] = ..., eval: _Optional[int] = ...) -> None: ...
+    verdicts: Verdicts
+    loss_scale: float
+    overflow: bool
+    def __init__(self, vw: _Optional[int] = ..., minibatch: _Optional[int] = ..., weight_version: _Optional[int] = ..., stage: _Optional[int] = ..., eval: _Optional[int] = ..., verdicts: _Optional[_Union[Verdicts, _Mapping]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ...) -> None: ...
+
+class Verdicts(_message.Message):
+    __slots__ = ("through", "skipped")
+    THROUGH_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    through: int
+    skipped: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, through: _Optional[int] = ..., skipped: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitTag(_message.Message):
+    __slots__ = ("vw", "stage", "verdicts")
+    VW_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    vw: int
+    stage: int
+    verdicts: Verdicts
+    def __init__(self, vw: _Optional[int] = ..., stage: _Optional[int] = ..., verdicts: _Optional[_Union[Verdicts, _Mapping]] = ...) -> None: ...
 
 class PushTag(_message.Message):
     __slots__ = ("vw", "clock")
@@ -79,20 +103,22 @@ class PullTag(_message.Message):
     def __init__(self, c_global: _Optional[int] = ..., own_clock: _Optional[_Iterable[int]] = ..., vw_clocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorFrame(_message.Message):
-    __slots__ = ("minibatch", "push", "init", "pull", "tensors", "data")
+    __slots__ = ("minibatch", "push", "init", "pull", "commit", "tensors", "data")
     MINIBATCH_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     minibatch: MinibatchTag
     push: PushTag
     init: InitTag
     pull: PullTag
+    commit: CommitTag
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     data: bytes
-    def __init__(self, minibatch: _Optional[_Union[MinibatchTag, _Mapping]] = ..., push: _Optional[_Union[PushTag, _Mapping]] = ..., init: _Optional[_Union[InitTag, _Mapping]] = ..., pull: _Optional[_Union[PullTag, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, minibatch: _Optional[_Union[MinibatchTag, _Mapping]] = ..., push: _Optional[_Union[PushTag, _Mapping]] = ..., init: _Optional[_Union[InitTag, _Mapping]] = ..., pull: _Optional[_Union[PullTag, _Mapping]] = ..., commit: _Optional[_Union[CommitTag, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("message",)

@@ -221,7 +221,6 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
     ({"parallel": {"virtual_workers": 3, "stages_per_vw": 2},
       "cluster": {"nodes": [{"name": "a", "gpus": [{"type": "t4", "count": 5}]}]}},
      "3 virtual workers x 2 stages need 6 GPUs, the cluster has 5"),
-    ({"train": {"precision": "fp16"}}, "train.precision: fp16 needs dynamic loss scaling agreed by all stages"),
     ({"train": {"precision": "bf16", "dtype": "float64"}}, "train.precision: bf16 computes in 16 bits"),
     ({"eval": {"every": 10}}, "eval: evaluation needs held-out data"),
 ])

@@ -38,14 +38,16 @@ def test_two_minibatches_in_flight_use_the_stashed_weights() -> None:
     assert (float(out1), v1, float(out2), v2) == (2.0, 0, 6.0, 0)
 
     # Backward of 1 on version 0: dw = 1 * 1, db = 1, grad in = 1 * w = 2. Step: w 1.9, b -0.1.
-    grad_in, version, update = c.backward(1, x(1.0))
+    grad_in, version, grads = c.backward(1, x(1.0))
+    update = c.commit(grads)
     assert (float(grad_in), version) == (2.0, 0)
     assert _wb(c) == (1.9, -0.1) and c.version == 1
     assert [round(float(u), 12) for u in update] == [-0.1, -0.1]
 
     # Backward of 2 on its stash (w = 2, not 1.9): dw = 1 * 3, db = 1, grad in = 2.
     # Applied to the current weights: w = 1.9 - 0.3 = 1.6, b = -0.1 - 0.1 = -0.2.
-    grad_in, version, update = c.backward(2, x(1.0))
+    grad_in, version, grads = c.backward(2, x(1.0))
+    update = c.commit(grads)
     assert (float(grad_in), version) == (2.0, 0)
     assert _wb(c) == (1.9 - 0.3, -0.2) and c.version == 2
     assert [round(float(u), 12) for u in update] == [-0.3, -0.1]
@@ -61,15 +63,34 @@ def test_minibatches_forwarded_between_two_updates_share_one_stash() -> None:
     for p in (1, 2, 3):
         c.forward(p, x(1.0))
     assert c.stashed_versions == 1
-    c.backward(1, x(1.0))
+    c.commit(c.backward(1, x(1.0))[2])
     c.forward(4, x(1.0))
     assert c.stashed_versions == 2  # version 0 (minibatches 2, 3) and version 1 (minibatch 4)
+
+
+def test_a_loss_scaled_minibatch_is_stepped_unscaled_or_skipped_whole() -> None:
+    """fp16's loss scale: the gradients of loss x 1024 divided by 1024 give the unscaled step; a
+    skipped minibatch is a version without a step; an infinite gradient is seen."""
+    c = StageCompute(_linear(2.0, 0.0), SGD, loss="mse", device="cpu", track_updates=True)
+    loss, grad_in, version, grads, _ = c.forward_backward(1, x(1.0), x(0.0), scale=1024.0)
+    assert (float(loss), float(grad_in)) == (4.0, 8.0 * 1024), "the loss is reported unscaled"
+    assert c.finite(grads, grad_in)
+    update = c.commit(grads, scale=1024.0)
+    assert _wb(c) == (1.6, -0.4) and c.version == 1
+    assert [round(float(u), 12) for u in update] == [-0.4, -0.4]
+    *_, grads, _ = c.forward_backward(2, x(1.0), x(0.0), scale=1024.0)
+    assert c.commit(grads, scale=1024.0, skip=True) == [torch.zeros(1, 1, dtype=torch.float64),
+                                                       torch.zeros(1, dtype=torch.float64)]
+    assert _wb(c) == (1.6, -0.4) and c.version == 2, "skipped: no step, but a version"
+    assert not c.finite([torch.tensor([1.0, float("inf")])], None)
+    assert not c.finite([None], torch.tensor([float("nan")]))
 
 
 def test_the_last_stage_runs_forward_loss_backward_and_step_as_one_task() -> None:
     # out = 2 * 1 + 0 = 2 against target 0: mse loss 4, dloss/dout = 4, dw = 4, db = 4, grad in = 8.
     c = StageCompute(_linear(2.0, 0.0), SGD, loss="mse", device="cpu", track_updates=True)
-    loss, grad_in, version, update, _ = c.forward_backward(1, x(1.0), x(0.0))
+    loss, grad_in, version, grads, _ = c.forward_backward(1, x(1.0), x(0.0))
+    update = c.commit(grads)
     assert (loss, float(grad_in), version) == (4.0, 8.0, 0)
     assert _wb(c) == (1.6, -0.4) and c.version == 1
     assert [round(float(u), 12) for u in update] == [-0.4, -0.4]
@@ -77,7 +98,8 @@ def test_the_last_stage_runs_forward_loss_backward_and_step_as_one_task() -> Non
 
 def test_a_lone_vw_tracks_no_updates_and_weights_can_be_replaced() -> None:
     c = StageCompute(_linear(2.0, 0.0), SGD, loss="mse", device="cpu", track_updates=False)
-    *_, update, _ = c.forward_backward(1, x(1.0), x(0.0))
+    *_, grads, _ = c.forward_backward(1, x(1.0), x(0.0))
+    update = c.commit(grads)
     assert update == [], "no copy of the weights without WSP"
     c.set_weights([torch.tensor([[5.0]], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)])
     out, version = c.forward(2, x(1.0))
@@ -87,7 +109,8 @@ def test_a_lone_vw_tracks_no_updates_and_weights_can_be_replaced() -> None:
 def test_a_stage_without_parameters_still_counts_its_minibatches() -> None:
     c = StageCompute(nn.Sequential(nn.ReLU()), SGD, loss="mse", device="cpu", track_updates=True)
     out, _ = c.forward(1, torch.tensor([[-1.0, 2.0]], dtype=torch.float64))
-    grad_in, version, update = c.backward(1, torch.tensor([[1.0, 1.0]], dtype=torch.float64))
+    grad_in, version, grads = c.backward(1, torch.tensor([[1.0, 1.0]], dtype=torch.float64))
+    update = c.commit(grads)
     assert out.tolist() == [[0.0, 2.0]] and grad_in.tolist() == [[0.0, 1.0]]
     assert (version, update, c.version) == (0, [], 1)
 

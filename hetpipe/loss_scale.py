@@ -1,0 +1,93 @@
+"""fp16 dynamic loss scaling agreed by every stage of a virtual worker (pure rules, no threads).
+
+The last stage multiplies minibatch p's loss by a scale S_p; every stage checks its gradients of
+p. Only stage 0, whose backward of p comes last, can know whether any stage's gradients of p were
+not finite: it decides p (step it, or skip it), and the decision travels forward along the
+pipeline with the activations. Every other stage keeps its gradients of p until the decision
+arrives and commits them in minibatch order: all stages step p, or none does.
+
+A decision for p reaches stage q before the activation of p + Nm (stage 0 injects p + Nm only
+after its backward of p, L1), so the forward of m still sees every update <= m - Nm (L2). S_p is
+computed from the decisions <= p - Nm alone, which the last stage always has by then: the scale
+does not depend on timing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+INITIAL_SCALE = 2.0 ** 16
+GROWTH_INTERVAL = 2000   # decided-good minibatches in a row before the scale doubles
+MIN_SCALE = 1.0          # as torch.amp.GradScaler: halve on an overflow, double after a streak
+
+
+@dataclass
+class LossScale:
+    """The last stage's scale, advanced by the verdicts in minibatch order."""
+
+    scale: float = INITIAL_SCALE
+    growth_interval: int = GROWTH_INTERVAL
+    through: int = 0      # verdicts 1..through are folded in
+    _good: int = 0
+
+    def advance(self, verdicts: Verdicts, upto: int) -> None:
+        """Folds in the verdicts of minibatches through..min(upto, verdicts.through)."""
+        for p in range(self.through + 1, min(upto, verdicts.through) + 1):
+            if p in verdicts.skipped:
+                self.scale = max(MIN_SCALE, self.scale / 2)
+                self._good = 0
+            else:
+                self._good += 1
+                if self._good == self.growth_interval:
+                    self.scale *= 2
+                    self._good = 0
+            self.through = p
+
+    def for_minibatch(self, p: int, nm: int, verdicts: Verdicts) -> float:
+        """S_p: the scale after the verdicts of minibatches <= p - nm (always known here by then)."""
+        if verdicts.through < p - nm:
+            raise ValueError(f"minibatch {p}: verdicts through {verdicts.through}, need {p - nm}")
+        self.advance(verdicts, p - nm)
+        return self.scale
+
+
+@dataclass
+class Verdicts:
+    """What a stage knows of stage 0's decisions, and what it has told its next stage."""
+
+    through: int = 0
+    skipped: set[int] = field(default_factory=set)
+    told: int = 0         # the next stage knows 1..told
+
+    def decide(self, p: int, overflow: bool) -> None:
+        """Stage 0, after its backward of p (backwards run in p order)."""
+        if p != self.through + 1:
+            raise ValueError(f"verdict for minibatch {p} after {self.through}")
+        if overflow:
+            self.skipped.add(p)
+        self.through = p
+
+    def check(self, through: int, skipped: Iterable[int], steps: int) -> None:
+        """ValueError for news that no stage 0 of a run of `steps` minibatches could have sent."""
+        if through > steps:
+            raise ValueError(f"verdicts through minibatch {through}, but the run has {steps}")
+        new = set(skipped)
+        if any(not self.through < p <= through for p in new):
+            raise ValueError(f"skipped minibatches {sorted(new)[:5]} outside ({self.through}, {through}]")
+
+    def learn(self, through: int, skipped: Iterable[int]) -> None:
+        """Merges what the previous stage says (checked first)."""
+        if through > self.through:
+            self.skipped |= set(skipped)
+            self.through = through
+
+    def news(self) -> tuple[int, list[int]]:
+        """(through, skipped since the last news) for the next stage; marks them told."""
+        out = sorted(p for p in self.skipped if p > self.told)
+        self.told = self.through
+        return self.through, out
+
+    def stepped(self, p: int) -> bool | None:
+        """True: step p; False: skip it; None: not decided yet."""
+        return None if p > self.through else p not in self.skipped

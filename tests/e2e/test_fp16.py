@@ -1,0 +1,90 @@
+"""fp16 with dynamic loss scaling that every stage of a VW applies together: an overflow on any
+stage skips that minibatch's step on every stage, the loss scale halves, and the trace says so."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetpipe import data, outputs
+from hetpipe.config import JobConfig
+from hetpipe.loss_scale import INITIAL_SCALE, LossScale, Verdicts
+from hetpipe.optim import compute_loss, make_optimizer
+from hetpipe.reference import initial_model, minibatch
+from launch.local import run_local
+from trace_rules import by_stage, check_complete, check_local_rules, load_trace
+
+pytestmark = pytest.mark.timeout(150)
+
+OVERFLOWS = [(1, 5), (0, 9)]  # (stage, minibatch): the last stage's gradients of 5, stage 0's of 9
+
+
+def fp16_reference(job: JobConfig, overflow: set[int]) -> tuple[dict[str, torch.Tensor], dict[int, float]]:
+    """Single-process training (nm 1) with autocast fp16 and the same loss scale rule, skipping the
+    minibatches in `overflow` (and any whose gradients are not finite); also each p's scale."""
+    model = initial_model(job)
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, job.train.optimizer)
+    dataset = data.training_set(job)
+    scale, verdicts, scales = LossScale(), Verdicts(), {}
+    for p in range(1, job.train.steps + 1):
+        scales[p] = s = scale.for_minibatch(p, 1, verdicts)  # nm 1
+        x, y = minibatch(job, dataset, p, 0)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = compute_loss(job.train.loss, model(x).float(), y)
+        grads = torch.autograd.grad(loss * s, params)
+        skip = p in overflow or not all(bool(torch.isfinite(g).all()) for g in grads)
+        verdicts.decide(p, skip)
+        if not skip:
+            for w, g in zip(params, grads):
+                w.grad = g / s
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return model.state_dict(), scales
+
+
+def test_an_overflow_on_any_stage_skips_the_minibatch_on_every_stage(make_job, inject_faults, tmp_path: Path) -> None:
+    inject_faults(overflow=tuple(OVERFLOWS))
+    job = make_job({"train": {"precision": "fp16", "steps": 30, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
+                    "parallel": {"stages_per_vw": 2, "nm": 1}})
+    summary = run_local(job, quiet=True)
+    assert summary["precision"] == "fp16"
+    rows = load_trace(tmp_path / "out" / "trace")
+    check_complete(rows, vws=1, stages=2, steps=30)
+    check_local_rules(rows, 1)
+    want, scales = fp16_reference(job, {p for _, p in OVERFLOWS})
+    for (_, q), rs in by_stage(rows).items():
+        assert {r["p"] for r in rs if not r["stepped"]} == {5, 9}, f"stage {q} skipped what stage 0 decided"
+        assert {r["p"]: r["loss_scale"] for r in rs} == scales, f"stage {q} unscaled by the last stage's scale"
+    # nm 1: p's scale follows the verdicts <= p - 1
+    assert (scales[5], scales[6], scales[9], scales[10]) == (INITIAL_SCALE, INITIAL_SCALE / 2, INITIAL_SCALE / 2,
+                                                             INITIAL_SCALE / 4)
+    got = outputs.read_weights(tmp_path / "out")
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=f"{key}: not the reference's weights")
+
+
+def test_fp16_verdicts_keep_the_rules_with_minibatches_in_flight_and_two_vws(make_job, inject_faults,
+                                                                              tmp_path: Path) -> None:
+    """nm 3: a stage after 0 commits p when the verdict arrives (with p + nm's activation, or
+    alone after the last minibatch), so the forward of m sees exactly the updates <= m - nm."""
+    inject_faults(overflow=((2, 4), (1, 11), (0, 20)))
+    steps = 22
+    job = make_job({"train": {"precision": "fp16", "steps": steps},
+                    "parallel": {"virtual_workers": 2, "stages_per_vw": 3, "nm": 3, "D": 1, "ps_shards": 2}})
+    summary = run_local(job, quiet=True)
+    rows = load_trace(tmp_path / "out" / "trace")
+    check_complete(rows, vws=2, stages=3, steps=steps)
+    check_local_rules(rows, 3)
+    assert summary["max_clock_distance"] <= 2
+    for (v, q), rs in by_stage(rows).items():
+        assert {r["p"] for r in rs if not r["stepped"]} == {4, 11, 20}, f"vw {v} stage {q}"
+        if q > 0:  # committed only once stage 0 had decided: never before its own backward ended
+            assert all(r["committed"] >= r["bwd_end"] for r in rs)
+    scale = {(r["vw"], r["p"]): r["loss_scale"] for r in rows}
+    assert len(scale) == 2 * steps and all(scale[(v, p)] == scale[(0, p)] for v, p in scale), "one scale rule"
+    assert scale[(0, 7)] == INITIAL_SCALE / 2 and scale[(0, 6)] == INITIAL_SCALE  # p sees verdicts <= p - 3
+    assert math.isfinite(summary["final_loss"])

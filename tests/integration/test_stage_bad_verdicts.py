@@ -1,0 +1,106 @@
+"""fp16 loss scaling on the wire: a stage refuses verdicts and loss scales that no pipeline could
+send, keeps its state, and commits a minibatch only once stage 0's verdict on it arrives.
+
+The stage under test is stage_rig's middle stage of a 3-stage job (nm 2), between fake neighbours.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hetpipe import wire
+from hetpipe.v1 import wire_pb2
+from messages import messages
+from stage_rig import STEPS, Code, Rig, middle_stage, refused
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def verdicts_alone(through: int, skipped: list[int], *, stage: int = 0, vw: int = 0,
+                   tensors: list[tuple[str, torch.Tensor]] | None = None) -> list[wire_pb2.TensorFrame]:
+    tag = wire_pb2.CommitTag(vw=vw, stage=stage, verdicts=wire_pb2.Verdicts(through=through, skipped=skipped))
+    return messages(wire.encode(tensors or [], commit=tag))
+
+
+def with_tag(request: list[wire_pb2.TensorFrame], **fields: Any) -> list[wire_pb2.TensorFrame]:
+    """The frames with more fields set on the first frame's minibatch tag."""
+    tag = request[0].minibatch
+    for key, value in fields.items():
+        if key == "verdicts":
+            tag.verdicts.CopyFrom(value)
+        else:
+            setattr(tag, key, value)
+    return request
+
+
+def test_a_stage_without_loss_scaling_refuses_verdicts(make_job) -> None:
+    with middle_stage(make_job) as rig:
+        before = rig.snapshot()
+        refused(rig.stub.Forward, iter(verdicts_alone(1, [])), Code.FAILED_PRECONDITION,
+                r"verdicts: this job does not scale its loss \(fp16 only\)")
+        assert rig.snapshot() == before
+
+
+def test_bad_verdicts_and_scales_are_refused_and_a_minibatch_waits_for_its_verdict(make_job) -> None:
+    with middle_stage(make_job, precision="fp16") as rig:
+        _refuses_what_no_pipeline_sends(rig)  # leaves minibatch 1 forwarded
+        before = rig.snapshot()
+
+        # Minibatch 1's backward: the gradient goes back at once, the step waits for the verdict.
+        rig.stub.Backward(iter(with_tag(rig.gradient(1), loss_scale=1024.0, overflow=True)), timeout=10)
+        rig.wait_until("backwards_done", 1)
+        rig.prev.wait_for(1)
+        method, tag, _ = rig.prev.got[0]
+        assert (method, tag.minibatch, tag.loss_scale, tag.overflow) == ("Backward", 1, 1024.0, True)
+        waiting = rig.snapshot()
+        assert waiting["local_version"] == 0 and waiting["weights_digest"] == before["weights_digest"]
+
+        # Stage 0 skips it: a version without a step, and the verdict goes on to the next stage.
+        rig.stub.Forward(iter(verdicts_alone(1, [1])), timeout=10)
+        after = rig.wait_until("local_version", 1)
+        assert after.weights_digest == before["weights_digest"], "a skipped minibatch changes no weight"
+        rig.next.wait_for(2)  # minibatch 1's activation, then the verdict
+        method, alone, tensors = rig.next.got[1]
+        assert (method, alone.stage, alone.verdicts.through, list(alone.verdicts.skipped), tensors) == (
+            "Forward", 1, 1, [1], [])
+
+
+def _refuses_what_no_pipeline_sends(rig: Rig) -> None:
+    before = rig.snapshot()
+    x = torch.randn(rig.in_spec.shape)
+    cases = {
+        "verdicts from stage 2": (rig.stub.Forward, verdicts_alone(1, [], stage=2), Code.INVALID_ARGUMENT,
+                                  "verdicts: from stage 2 of vw 0, expected stage 0 of vw 0"),
+        "verdicts for another vw": (rig.stub.Forward, verdicts_alone(1, [], vw=1), Code.INVALID_ARGUMENT,
+                                    "verdicts: from stage 0 of vw 1, expected stage 0 of vw 0"),
+        "verdicts with a tensor": (rig.stub.Forward, verdicts_alone(1, [], tensors=[("activation", x)]),
+                                   Code.INVALID_ARGUMENT, "verdicts: expected no tensors, got 1"),
+        "verdicts past the run": (rig.stub.Forward, verdicts_alone(STEPS + 1, []), Code.INVALID_ARGUMENT,
+                                  rf"verdicts: verdicts through minibatch {STEPS + 1}, but the run has {STEPS}"),
+        "a skip outside what is decided": (rig.stub.Forward, verdicts_alone(2, [3]), Code.INVALID_ARGUMENT,
+                                           r"verdicts: skipped minibatches \[3\] outside \(0, 2\]"),
+        "an activation with a skip it cannot know": (
+            rig.stub.Forward, with_tag(rig.activation(1), verdicts=wire_pb2.Verdicts(through=1, skipped=[2])),
+            Code.INVALID_ARGUMENT, r"activation: skipped minibatches \[2\] outside \(0, 1\]"),
+    }
+    for name, (call, request, code, match) in cases.items():
+        try:
+            refused(call, iter(request), code, match)
+            assert rig.snapshot() == before, "a refused message changed the stage's state"
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
+    assert not rig.next.got, "a refused message was passed on"
+
+    rig.stub.Forward(iter(rig.activation(1)), timeout=10)  # to have a gradient to refuse
+    rig.wait_until("forwards_done", 1)
+    started = rig.snapshot()
+    for scale, match in ((0.0, "loss_scale 0.0 of minibatch 1"), (float("nan"), "loss_scale nan of minibatch 1"),
+                         (0.5, "loss_scale 0.5 of minibatch 1")):
+        refused(rig.stub.Backward, iter(with_tag(rig.gradient(1), loss_scale=scale)), Code.INVALID_ARGUMENT,
+                rf"gradient: {match}: expected a finite scale >= 1")
+        assert rig.snapshot() == started
+    refused(rig.stub.Backward, iter(with_tag(rig.gradient(2), loss_scale=1024.0)), Code.FAILED_PRECONDITION,
+            "gradient for minibatch 2, which this stage has not forwarded")

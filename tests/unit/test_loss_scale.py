@@ -1,0 +1,79 @@
+"""The fp16 loss-scale rules (hetpipe/loss_scale.py) on exact values."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetpipe.loss_scale import INITIAL_SCALE, MIN_SCALE, LossScale, Verdicts
+
+
+def decided(skipped: set[int], through: int) -> Verdicts:
+    v = Verdicts()
+    for p in range(1, through + 1):
+        v.decide(p, p in skipped)
+    return v
+
+
+def test_the_scale_halves_on_a_skip_and_doubles_after_a_streak() -> None:
+    scale = LossScale(growth_interval=3)
+    v = decided({2}, through=8)
+    # p sees the verdicts <= p - nm (nm 2): S_3 knows 1, S_4 knows the skip of 2.
+    got = [scale.for_minibatch(p, 2, v) for p in range(1, 11)]
+    half = INITIAL_SCALE / 2
+    # 3, 4, 5 good after the skip: doubled from S_7 on (it knows 5); 6, 7, 8: again from S_10
+    assert got == [INITIAL_SCALE, INITIAL_SCALE, INITIAL_SCALE, half, half, half, INITIAL_SCALE, INITIAL_SCALE,
+                   INITIAL_SCALE, 2 * INITIAL_SCALE]
+
+
+def test_the_scale_never_drops_below_one() -> None:
+    scale = LossScale(scale=2.0)
+    v = decided({1, 2, 3}, through=3)
+    assert scale.for_minibatch(4, 1, v) == MIN_SCALE
+
+
+def test_a_scale_needs_the_verdicts_up_to_p_minus_nm() -> None:
+    with pytest.raises(ValueError, match="minibatch 5: verdicts through 2, need 3"):
+        LossScale().for_minibatch(5, 2, decided(set(), through=2))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sets(st.integers(1, 40)), st.integers(1, 4), st.lists(st.integers(0, 40), min_size=1, max_size=40))
+def test_the_scale_does_not_depend_on_when_the_verdicts_arrived(skipped: set[int], nm: int, extra: list[int]) -> None:
+    """A stage that knows more verdicts than p - nm computes the same S_p as one that knows just those."""
+    steps = 40
+    exact, eager = LossScale(growth_interval=4), LossScale(growth_interval=4)
+    full = decided(skipped, steps)
+    for p in range(1, steps + 1):
+        known = decided(skipped & set(range(1, p - nm + 1)), max(0, p - nm))
+        more = decided(skipped & set(range(1, steps + 1)), min(steps, max(0, p - nm) + extra[p % len(extra)]))
+        assert exact.for_minibatch(p, nm, known) == eager.for_minibatch(p, nm, more)
+    assert full.through == steps
+
+
+def test_verdicts_are_decided_in_order_and_relayed_once() -> None:
+    stage0, stage1 = Verdicts(), Verdicts()
+    stage0.decide(1, False)
+    stage0.decide(2, True)
+    with pytest.raises(ValueError, match="verdict for minibatch 4 after 2"):
+        stage0.decide(4, False)
+    through, skipped = stage0.news()
+    assert (through, skipped) == (2, [2]) and stage0.news() == (2, [])
+    stage1.check(through, skipped, steps=10)
+    stage1.learn(through, skipped)
+    assert [stage1.stepped(p) for p in (1, 2, 3)] == [True, False, None]
+    stage0.decide(3, True)
+    assert stage0.news() == (3, [3]), "only what the next stage was not told yet"
+
+
+@pytest.mark.parametrize(("through", "skipped", "message"), [
+    (11, [], "verdicts through minibatch 11, but the run has 10"),
+    (5, [6], r"skipped minibatches \[6\] outside \(2, 5\]"),
+    (5, [2], r"skipped minibatches \[2\] outside \(2, 5\]"),
+])
+def test_news_no_stage_0_could_send_is_refused(through: int, skipped: list[int], message: str) -> None:
+    v = decided({1}, through=2)
+    with pytest.raises(ValueError, match=message):
+        v.check(through, skipped, steps=10)
+    assert (v.through, v.skipped) == (2, {1}), "a refused message changes nothing"
