@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -49,20 +50,77 @@ def options() -> list[tuple[str, Any]]:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# A refusal's message is cut to this length: gRPC carries it in trailing metadata (8 KiB in all by
+# default), and a message that echoes a hostile request's 100 KB of names would turn the intended
+# status into RESOURCE_EXHAUSTED.
+MAX_DETAILS_CHARS = 1000
+
+
+def bounded(message: str) -> str:
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    return f"{message[:MAX_DETAILS_CHARS]}... ({len(message) - MAX_DETAILS_CHARS} more characters)"
+
+
+class RefusalLog:
+    """One log line per refused request, at most `burst` per `period_s`; then one line that says
+    how many were left out. A flood of bad requests must not turn into a flood of log."""
+
+    def __init__(self, burst: int = 20, period_s: float = 10.0) -> None:
+        self.burst, self.period_s = burst, period_s
+        self._lock = threading.Lock()
+        self._window_start = -period_s
+        self._logged = self._dropped = 0
+
+    def note(self, method: str, code: grpc.StatusCode, message: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window_start >= self.period_s:
+                if self._dropped:
+                    log.warning("%d more refused requests not logged", self._dropped)
+                self._window_start, self._logged, self._dropped = now, 0, 0
+            if self._logged >= self.burst:
+                self._dropped += 1
+                return
+            self._logged += 1
+        log.warning("refused %s: %s: %s", method, code.name, message[:200])
+
+
+REFUSALS = RefusalLog()
+
+
+def refuse(context: grpc.ServicerContext, method: str, code: grpc.StatusCode, message: str) -> None:
+    """Logs (rate-limited) and aborts the call with code and a bounded message."""
+    message = bounded(message)
+    REFUSALS.note(method, code, message)
+    context.abort(code, message)
+
+
 def handler(fn: F) -> F:
-    """Turns Rejected (and bugs) raised by a servicer method into the right gRPC status."""
+    """Turns Rejected raised by a servicer method into its gRPC status; other exceptions into a
+    status without their text (a bug is logged with its traceback, the caller learns no internals)."""
 
     @functools.wraps(fn)
     def wrapped(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return fn(self, request, context)
         except Rejected as exc:
-            context.abort(exc.code, str(exc))
-        except Exception as exc:  # a bug must not kill the server; report it as INTERNAL
+            refuse(context, fn.__name__, exc.code, str(exc))
+        except Exception as exc:
             if isinstance(exc, grpc.RpcError) or context.code() is not None:
                 raise
-            log.exception("%s failed", fn.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: {type(exc).__name__}: {exc}")
+            if isinstance(exc, MemoryError):
+                refuse(context, fn.__name__, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"{fn.__name__}: the request needs more memory than this process can allocate")
+            if isinstance(exc, OSError):  # a full disk, a lost file: the same call may succeed later
+                refuse(context, fn.__name__, grpc.StatusCode.UNAVAILABLE,
+                       f"{fn.__name__}: I/O error on the server: {exc.strerror or type(exc).__name__}")
+            if isinstance(exc, RecursionError):
+                refuse(context, fn.__name__, grpc.StatusCode.INVALID_ARGUMENT,
+                       f"{fn.__name__}: the request is nested too deeply")
+            log.exception("%s failed", fn.__name__)  # a bug: it must not kill the server
+            context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error ({type(exc).__name__}; "
+                          "the server's log has the details)")
 
     return wrapped  # type: ignore[return-value]
 
@@ -144,13 +202,35 @@ def add_service(server: grpc.Server, name: str, servicer: object) -> None:
         raw_out = method.server_streaming and method.output_type is _FRAME
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
+        behaviour = getattr(servicer, method.name, _unimplemented)
+        if not raw_in:
+            behaviour = _parsing(behaviour, request, method.name)
         handlers[method.name] = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)](
-            getattr(servicer, method.name, _unimplemented),
-            request_deserializer=None if raw_in else request.FromString,
+            behaviour,
+            request_deserializer=None,
             response_serializer=None if raw_out else response.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _parsing(behaviour: Callable[[Any, grpc.ServicerContext], Any], request_class: Any,
+             name: str) -> Callable[[bytes, grpc.ServicerContext], Any]:
+    """behaviour on the parsed request; a request that does not parse is INVALID_ARGUMENT.
+
+    Parsing here rather than in grpc: grpc answers a request that fails to parse with INTERNAL,
+    logs a traceback and keeps about 19 KiB per such request for good (measured on grpcio 1.85:
+    +19 MiB per 1000 malformed Pulls, without levelling off)."""
+
+    def parse_then(data: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            parsed = request_class.FromString(data)
+        except (DecodeError, RecursionError) as exc:
+            refuse(context, name, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"{name}: malformed {request_class.DESCRIPTOR.name}: {exc}")
+        return behaviour(parsed, context)
+
+    return parse_then
 
 
 def _unimplemented(request: Any, context: grpc.ServicerContext) -> Any:

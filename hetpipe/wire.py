@@ -157,11 +157,13 @@ def _checked_meta(index: int, meta: wire_pb2.TensorMeta) -> tuple[torch.dtype, l
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {len(shape)} dims, at most {MAX_NDIM}")
     if any(d < 0 for d in shape):
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: negative dimension in shape {shape}")
-    nbytes = int(np.prod(shape, dtype=np.float64)) * torch.empty((), dtype=dtype).element_size()
-    if nbytes > MAX_BUNDLE_BYTES:
+    nbytes = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+    # Zeros aside too: torch cannot lay out [0, 2**62, 2**62] (its strides overflow).
+    layout = int(np.prod([max(d, 1) for d in shape], dtype=np.float64)) * dtype.itemsize
+    if max(nbytes, layout) > MAX_BUNDLE_BYTES:
         raise WireError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"{what}: shape {shape} needs {nbytes} bytes, more than the {MAX_BUNDLE_BYTES} allowed",
+            f"{what}: shape {shape} spans {max(nbytes, layout)} bytes, more than the {MAX_BUNDLE_BYTES} allowed",
         )
     return dtype, shape, nbytes
 

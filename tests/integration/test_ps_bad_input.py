@@ -223,7 +223,7 @@ def test_push_whose_log_write_fails_is_not_applied(ps: InProcess, tmp_path: Path
 
     monkeypatch.setattr(durability, "log_push", full_disk)
     before = state(c.status())
-    refused(lambda: c.push(1, 1, delta(1, 1)), Code.INTERNAL, r"No space left on device")
+    refused(lambda: c.push(1, 1, delta(1, 1)), Code.UNAVAILABLE, r"I/O error on the server: No space left on device")
     assert state(c.status()) == before, "a push that could not be logged must not be applied"
     assert not c.push(1, 1, delta(1, 1)).duplicate, "the retry is the first time it is applied"
     restored = Shard()

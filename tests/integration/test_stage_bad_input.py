@@ -71,7 +71,7 @@ def _bad_activations(rig: Rig) -> dict[str, tuple[Any, grpc.StatusCode, str]]:
         "shape claims more than sent": (edited(0, shape=[xs[0], xs[1] * 1000]), Code.INVALID_ARGUMENT,
                                         "byte length .* does not match the shapes in the header"),
         "huge claimed shape": (edited(0, shape=[1 << 20, 1 << 20]), Code.INVALID_ARGUMENT,
-                               r"shape \[1048576, 1048576\] needs \d+ bytes, more than the \d+ allowed"),
+                               r"shape \[1048576, 1048576\] spans \d+ bytes, more than the \d+ allowed"),
         "negative dimension": (edited(0, shape=[-1, xs[1]]), Code.INVALID_ARGUMENT,
                                "negative dimension"),
         "too many dims": (edited(0, shape=[1] * 9 + [xs[1]]), Code.INVALID_ARGUMENT,
