@@ -9,7 +9,7 @@ import sys
 
 from hetpipe import outputs, rpc
 from hetpipe.config import ConfigError, JobConfig, load_job, with_overrides
-from hetpipe.service import exit_now, run_server
+from hetpipe.service import exit_now, return_large_buffers, run_server
 from coordinator import metrics as coordinator_metrics
 from coordinator.config import CoordinatorConfig, parse_args
 from coordinator.job import JobRunner
@@ -58,6 +58,7 @@ def serve(cfg: CoordinatorConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return_large_buffers()  # the coordinator serves control messages and computes no tensors
     try:
         serve(parse_args(argv))
     except ConfigError as exc:  # a bad --job file: refuse to start, saying why

@@ -16,6 +16,9 @@ from hetpipe.v1 import coordinator_pb2
 
 Role = coordinator_pb2.WorkerInfo.Role
 MISSED_HEARTBEATS = 3  # a worker silent this many intervals is dead
+FORGET_AFTER_MISSED = 30  # an unassigned worker silent this many intervals is forgotten
+MAX_WORKERS = 4096
+MAX_FIELD_CHARS = 256  # address, node, device, gpu_type, name
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
 _DEVICE = re.compile(r"^(cpu|cuda:\d{1,3})$")
 
@@ -35,6 +38,10 @@ class Worker:
 
 def validate(info: coordinator_pb2.WorkerInfo) -> None:
     """Refuses a registration that names no role, a bad address, device or GPU type."""
+    for field in ("address", "node", "device", "gpu_type", "name"):
+        if len(getattr(info, field)) > MAX_FIELD_CHARS:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{field}: {len(getattr(info, field))} characters, at most {MAX_FIELD_CHARS}")
     if info.role not in (Role.STAGE_WORKER, Role.PS_SHARD):
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"role {info.role}: expected STAGE_WORKER or PS_SHARD")
     m = _ADDRESS.match(info.address)
@@ -67,6 +74,11 @@ class Registry:
     def register(self, info: coordinator_pb2.WorkerInfo) -> str:
         validate(info)
         with self._lock:
+            self._forget_silent()
+            if len(self._workers) >= MAX_WORKERS and not any(w.info.address == info.address
+                                                             for w in self._workers.values()):
+                raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{len(self._workers)} workers registered, at most {MAX_WORKERS}")
             for w in list(self._workers.values()):
                 if w.info.address != info.address:
                     continue
@@ -97,8 +109,16 @@ class Registry:
     def _alive(self, w: Worker) -> bool:
         return time.monotonic() - w.last_heartbeat <= MISSED_HEARTBEATS * self.interval
 
+    def _forget_silent(self) -> None:
+        """Unassigned workers silent for FORGET_AFTER_MISSED intervals are gone (a crashed or
+        moved worker registers again); assigned ones stay, for the job's failure report."""
+        limit = time.monotonic() - FORGET_AFTER_MISSED * self.interval
+        for worker_id in [i for i, w in self._workers.items() if not w.assigned and w.last_heartbeat < limit]:
+            del self._workers[worker_id]
+
     def workers(self) -> list[tuple[Worker, float, bool]]:
         with self._lock:
+            self._forget_silent()
             now = time.monotonic()
             return [(w, now - w.last_heartbeat, self._alive(w)) for w in self._workers.values()]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import mmap
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -291,9 +291,16 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes]) -> Stream:
     return Stream(header, specs, pieces())
 
 
-def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu") -> Bundle:
-    """Reassembles one bundle into preallocated tensors; raises WireError on any inconsistency."""
+def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu",
+           check: Callable[[Stream], None] | None = None) -> Bundle:
+    """Reassembles one bundle into preallocated tensors; raises WireError on any inconsistency.
+
+    check(stream) runs once the header is read, before anything is allocated or received: a
+    receiver refuses there what it would refuse anyway (an unknown key, a wrong shape), so a
+    256 MiB push under a foreign key costs one frame."""
     stream = read(frames)
+    if check is not None:
+        check(stream)
     tensors = [empty(shape, dtype) for dtype, shape, _ in stream.specs]
     sinks = [t.reshape(-1).view(torch.uint8).numpy().data for t in tensors]
     for index, offset, piece in stream.pieces:

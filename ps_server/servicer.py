@@ -63,11 +63,28 @@ class ShardServicer:
             with self._cv:
                 self.durability.checkpoint(self.shard)
 
+    def _check_init(self, stream: wire.Stream) -> None:
+        if stream.header.WhichOneof("header") != "init":
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Init: first frame lacks the init tag")
+        try:
+            self.shard.check_init(stream.header.init.virtual_workers)
+        except ShardError as exc:
+            raise _rejected(exc) from None
+
+    def _check_push(self, stream: wire.Stream) -> None:
+        """Everything a push is refused for that its header shows, before its tensors arrive."""
+        if stream.header.WhichOneof("header") != "push":
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Push: first frame lacks the push tag")
+        metas = [(name, dtype, tuple(shape)) for name, (dtype, shape, _) in zip(stream.names, stream.specs)]
+        with self._cv:
+            try:
+                self.shard.check_push(stream.header.push.vw, metas)
+            except ShardError as exc:
+                raise _rejected(exc) from None
+
     @handler
     def Init(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        bundle = wire.decode(request_iterator)
-        if bundle.header.WhichOneof("header") != "init":
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Init: first frame lacks the init tag")
+        bundle = wire.decode(request_iterator, check=self._check_init)
         with self._cv:
             try:
                 fresh = self.shard.init(bundle.header.init.virtual_workers, bundle.tensors)
@@ -83,9 +100,7 @@ class ShardServicer:
 
     @handler
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushReply:
-        bundle = wire.decode(request_iterator)
-        if bundle.header.WhichOneof("header") != "push":
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Push: first frame lacks the push tag")
+        bundle = wire.decode(request_iterator, check=self._check_push)
         tag = bundle.header.push
         durability = self.durability
         # Logged once validated and before it is applied: an acknowledged push survives a kill -9,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hetpipe.config import MAX_VIRTUAL_WORKERS
 from hetpipe.wsp import clock_distance
 
 
@@ -55,14 +56,18 @@ class Shard:
     def ready(self) -> bool:
         return self.virtual_workers > 0
 
+    def check_init(self, virtual_workers: int) -> None:
+        if not 1 <= virtual_workers <= MAX_VIRTUAL_WORKERS:
+            raise ShardError(ShardError.Kind.INVALID,
+                             f"virtual_workers must be in [1, {MAX_VIRTUAL_WORKERS}], got {virtual_workers}")
+
     def init(self, virtual_workers: int, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Registers keys with their initial values (w0); each stage of VW 0 brings its own.
 
         A key already registered must come with the same value: a retried Init is a no-op.
         Returns whether any key was new. New keys are refused once a push has been applied.
         """
-        if virtual_workers < 1:
-            raise ShardError(ShardError.Kind.INVALID, f"virtual_workers must be >= 1, got {virtual_workers}")
+        self.check_init(virtual_workers)
         named = dict(tensors)
         if len(named) != len(tensors) or not named:
             raise ShardError(ShardError.Kind.INVALID, "Init needs at least one key, each named once")
@@ -102,6 +107,20 @@ class Shard:
         if foreign:
             raise ShardError(ShardError.Kind.NOT_OWNED, f"keys not owned by this shard: {foreign[:5]}")
 
+    def check_push(self, vw: int, metas: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        """What a push must name: a known VW, keys of this shard, each once, in the key's dtype and
+        shape. Callable on the header alone, before any tensor is received."""
+        self._require_ready()
+        self._check_vw(vw)
+        self._check_keys([k for k, _, _ in metas])
+        for key, dtype, shape in metas:
+            want = self.values[key]
+            if dtype != want.dtype or shape != tuple(want.shape):
+                raise ShardError(
+                    ShardError.Kind.INVALID,
+                    f"{key}: delta is {dtype} {list(shape)}, the key is {want.dtype} {list(want.shape)}",
+                )
+
     def push(self, vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]],
              journal: Callable[[], None] | None = None) -> bool:
         """G1: adds VW vw's wave-`clock` update once. Returns False for a retried duplicate.
@@ -109,17 +128,8 @@ class Shard:
         All-or-nothing: every key is validated before any is changed. `journal` (the durable push
         log) runs after validation, right before the update is applied; if it raises, nothing is.
         """
-        self._require_ready()
-        self._check_vw(vw)
+        self.check_push(vw, [(k, d.dtype, tuple(d.shape)) for k, d in deltas])
         keys = [k for k, _ in deltas]
-        self._check_keys(keys)
-        for key, delta in deltas:
-            want = self.values[key]
-            if delta.dtype != want.dtype or delta.shape != want.shape:
-                raise ShardError(
-                    ShardError.Kind.INVALID,
-                    f"{key}: delta is {delta.dtype} {list(delta.shape)}, the key is {want.dtype} {list(want.shape)}",
-                )
         current = {self.clocks[k][vw] for k in keys}
         if current == {clock + 1}:
             self.pushes_duplicate += 1

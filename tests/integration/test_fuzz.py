@@ -8,22 +8,17 @@ Status. Then 3000 more per RPC: the process alive and the floor of its RSS risen
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
-import psutil
 import pytest
 import torch
 
 from fuzz_messages import job_json, malformed, serialized, tensor_stream
 from hetpipe import rpc, wire
+from service_process import Service, start
 from hetpipe.v1 import coordinator_pb2, ps_pb2, stage_pb2, wire_pb2
 
 pytestmark = pytest.mark.timeout(240)
@@ -36,47 +31,12 @@ RSS_GROWTH_PER_1000 = 1 << 20
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
             grpc.StatusCode.UNIMPLEMENTED}
-REPO = Path(__file__).resolve().parents[2]
 SHAPES = {"l0.weight": (2, 3), "l0.bias": (3,)}
-
-
-@dataclass
-class Service:
-    name: str          # its gRPC service
-    proc: subprocess.Popen[bytes]
-    channel: grpc.Channel
-    log: Path
-
-    def unary(self, method: str) -> Callable[..., Any]:
-        return self.channel.unary_unary(f"/hetpipe.v1.{self.name}/{method}", request_serializer=None,
-                                        response_deserializer=None)
-
-    def rss(self) -> int:
-        return psutil.Process(self.proc.pid).memory_info().rss
-
-
-def _start(module: str, service: str, tmp: Path) -> Iterator[Service]:
-    ready, log = tmp / f"{module}.ready", tmp / f"{module}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0",
-                                 "--metrics-port", "0", "--ready-file", str(ready), "--exit-with-parent"],
-                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while not (ready.exists() and ready.read_text().strip()):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.05)
-        channel = rpc.channel(ready.read_text().split()[0])
-        yield Service(service, proc, channel, log)
-        channel.close()
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    for service in _start("ps_server", "ParameterServer", tmp_path_factory.mktemp("shard")):
+    for service in start("ps_server", "ParameterServer", tmp_path_factory.mktemp("shard")):
         # Initialised, with keys and two VWs: hostile pushes and pulls reach the WSP checks.
         w0 = [(k, torch.ones(s)) for k, s in SHAPES.items()]
         init = service.channel.stream_unary("/hetpipe.v1.ParameterServer/Init", request_serializer=None,
@@ -87,12 +47,12 @@ def shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
 @pytest.fixture(scope="module")
 def stage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    yield from _start("stage_worker", "Stage", tmp_path_factory.mktemp("stage"))
+    yield from start("stage_worker", "Stage", tmp_path_factory.mktemp("stage"))
 
 
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    yield from _start("coordinator", "Coordinator", tmp_path_factory.mktemp("coordinator"))
+    yield from start("coordinator", "Coordinator", tmp_path_factory.mktemp("coordinator"))
 
 
 def _shard_state(service: Service) -> Any:

@@ -1,0 +1,112 @@
+"""Small requests that asked a service for a lot (issue 14, amplification): each is refused with
+INVALID_ARGUMENT or RESOURCE_EXHAUSTED before the service allocates what it asks for, its RSS
+grows by less than 10 MB, and the service goes on answering. (How fast each is refused is
+measured by bench/amplification.py: timings do not belong in tests.)"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from hetpipe import wire
+from hetpipe.v1 import coordinator_pb2, ps_pb2, wire_pb2
+from service_process import Service, start
+
+pytestmark = pytest.mark.timeout(120)
+
+Code = grpc.StatusCode
+RSS_LIMIT = 10 * 10**6
+# NOT_FOUND: a key this shard does not own (what the push protocol has always answered).
+REFUSED = {Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.NOT_FOUND}
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    yield from start("ps_server", "ParameterServer", tmp_path_factory.mktemp("shard"))
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    yield from start("coordinator", "Coordinator", tmp_path_factory.mktemp("coordinator"))
+
+
+def _refused(call: object, *args: object, **kwargs: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)  # type: ignore[operator]
+    assert info.value.code() in REFUSED, (info.value.code(), info.value.details())
+    return info.value
+
+
+def _stream(service: Service, method: str) -> object:
+    return service.channel.stream_unary(f"/hetpipe.v1.{service.name}/{method}", request_serializer=None,
+                                        response_deserializer=None)
+
+
+def test_init_for_twenty_million_vws(shard: Service) -> None:
+    rss = shard.rss()
+    frames = wire.encode([("w", torch.ones(2))], init=wire_pb2.InitTag(virtual_workers=20_000_000))
+    error = _refused(_stream(shard, "Init"), iter(frames), timeout=10)
+    assert "virtual_workers must be in [1, 1024], got 20000000" in error.details()
+    assert shard.rss() - rss < RSS_LIMIT
+    status = ps_pb2.ShardStatus.FromString(shard.unary("Status")(b"", timeout=10))
+    assert status.virtual_workers == 0 and status.keys == 0, "nothing was initialised"
+
+
+def test_256_mib_push_under_a_foreign_key_is_refused_at_its_header(shard: Service) -> None:
+    _stream(shard, "Init")(iter(wire.encode([("w", torch.ones(2))], init=wire_pb2.InitTag(virtual_workers=2))),
+                           timeout=10)
+    sent = 0
+
+    def frames() -> Iterator[bytes]:
+        nonlocal sent
+        for frame in wire.encode([("foreign", torch.zeros(64, 1 << 20))], push=wire_pb2.PushTag(vw=0, clock=0)):
+            sent += len(frame)
+            yield frame
+
+    rss = shard.rss()
+    error = _refused(_stream(shard, "Push"), frames(), timeout=30)
+    assert "keys not owned by this shard: ['foreign']" in error.details()
+    assert shard.rss() - rss < RSS_LIMIT
+    assert sent < 64 << 20, f"the client got to send {sent >> 20} MiB of 256 before the refusal"
+
+
+def test_sixty_registrations_with_1_mib_names(coordinator: Service) -> None:
+    rss = coordinator.rss()
+    for i in range(60):
+        info = coordinator_pb2.WorkerInfo(role=coordinator_pb2.WorkerInfo.STAGE_WORKER, address=f"127.0.0.1:{1000 + i}",
+                                          node="n0", device="cpu", name="x" * (1 << 20))
+        error = _refused(coordinator.unary("Register"), info.SerializeToString(), timeout=10)
+        assert "name: 1048576 characters, at most 256" in error.details()
+    assert coordinator.rss() - rss < RSS_LIMIT
+    listed = coordinator_pb2.WorkerList.FromString(coordinator.unary("ListWorkers")(b"", timeout=10))
+    assert not listed.workers
+
+
+@pytest.mark.parametrize("job_json", [
+    json.dumps({"model": {"name": "mlp"}, "data": {"name": "digits"},
+                "parallel": {"virtual_workers": 1e18, "stages_per_vw": 2}}),
+    json.dumps({"model": {"name": "mlp"}, "data": {"name": "digits"},
+                "parallel": {"virtual_workers": 10**18, "stages_per_vw": 2}}),
+    "[" * 100_000 + "]" * 100_000,
+], ids=["vws-1e18-float", "vws-1e18-int", "nested-100k"])
+def test_submit_of_an_absurd_job(coordinator: Service, job_json: str) -> None:
+    rss = coordinator.rss()
+    error = _refused(coordinator.unary("Submit"), coordinator_pb2.SubmitRequest(job_json=job_json).SerializeToString(),
+                     timeout=10)
+    assert error.details().startswith("job_json:"), error.details()
+    assert coordinator.rss() - rss < RSS_LIMIT
+    job = coordinator_pb2.JobStatus.FromString(coordinator.unary("GetJob")(b"", timeout=10))
+    assert job.state == coordinator_pb2.JobStatus.NONE
+
+
+def test_shard_tensor_metas_bounded(tmp_path: Path) -> None:
+    """The same header check serves every stream: a shape that overflows torch's layout."""
+    frames = [wire_pb2.TensorFrame(tensors=[wire_pb2.TensorMeta(name="t", dtype=wire_pb2.FLOAT32,
+                                                                shape=[0, 2**62, 2**62])]).SerializeToString()]
+    with pytest.raises(wire.WireError, match=r"spans \d+ bytes, more than"):
+        wire.decode(frames)
