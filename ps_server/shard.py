@@ -36,6 +36,13 @@ class PullResult:
     c_global: int
 
 
+def _check_finite(what: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """NaN or Inf would poison w_global for every VW for good: refused, naming the keys."""
+    bad = [k for k, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ShardError(ShardError.Kind.INVALID, f"{what}: NaN or Inf in {bad[:5]}")
+
+
 class Shard:
     """w_global and clocks for the keys this shard owns.
 
@@ -68,6 +75,7 @@ class Shard:
         Returns whether any key was new. New keys are refused once a push has been applied.
         """
         self.check_init(virtual_workers)
+        _check_finite("w0", tensors)
         named = dict(tensors)
         if len(named) != len(tensors) or not named:
             raise ShardError(ShardError.Kind.INVALID, "Init needs at least one key, each named once")
@@ -129,6 +137,7 @@ class Shard:
         log) runs after validation, right before the update is applied; if it raises, nothing is.
         """
         self.check_push(vw, [(k, d.dtype, tuple(d.shape)) for k, d in deltas])
+        _check_finite(f"push of vw {vw} for clock {clock}", deltas)
         keys = [k for k, _ in deltas]
         current = {self.clocks[k][vw] for k in keys}
         if current == {clock + 1}:

@@ -166,3 +166,15 @@ def test_restore_survives_crash_between_checkpoint_and_log_cleanup(tmp_path: Pat
     third = Shard()
     Durability(str(tmp_path)).restore(third)
     assert third.digest() == again.digest() and third.pushes_applied == 8
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_init_and_pushes_are_refused_and_change_nothing(bad: float) -> None:
+    poisoned = torch.zeros(3, dtype=torch.float64)
+    poisoned[1] = bad
+    assert_refused(Kind.INVALID, Shard().init, 2, [("a", torch.zeros(2, 3, dtype=torch.float64)), ("b", poisoned)])
+    shard = two_key_shard()
+    digest = shard.digest()
+    assert_refused(Kind.INVALID, shard.push, 0, 0, [ones("a", shard), ("b", poisoned)])
+    assert shard.digest() == digest and shard.pushes_applied == 0, "all or nothing: key a was not applied either"
+    assert shard.push(0, 0, [ones("a", shard), ones("b", shard)]), "a finite retry of the same wave is applied"
