@@ -39,31 +39,27 @@ def _ms(call: Callable[[], object], repeat: int) -> tuple[float, str]:
     return statistics.median(times), code
 
 
-def _stream(service: Service, method: str) -> Callable[..., object]:
-    return service.channel.stream_unary(f"/hetpipe.v1.{service.name}/{method}", request_serializer=None,
-                                        response_deserializer=None)
-
 
 def _shard_cases(shard: Service) -> Iterator[tuple[str, Callable[[], object]]]:
-    _stream(shard, "Init")(iter(wire.encode([("w", torch.ones(2))], init=wire_pb2.InitTag(virtual_workers=2))),
+    shard.call("Init", "stream_unary")(iter(wire.encode([("w", torch.ones(2))], init=wire_pb2.InitTag(virtual_workers=2))),
                            timeout=10)
-    yield "PS.Status (well-formed, for scale)", lambda: shard.unary("Status")(b"", timeout=10)
-    yield "PS.Init, virtual_workers 20000000", lambda: _stream(shard, "Init")(
+    yield "PS.Status (well-formed, for scale)", lambda: shard.call("Status")(b"", timeout=10)
+    yield "PS.Init, virtual_workers 20000000", lambda: shard.call("Init", "stream_unary")(
         iter(wire.encode([("w", torch.ones(2))], init=wire_pb2.InitTag(virtual_workers=20_000_000))), timeout=10)
-    yield "PS.Push, 256 MiB under a foreign key", lambda: _stream(shard, "Push")(
+    yield "PS.Push, 256 MiB under a foreign key", lambda: shard.call("Push", "stream_unary")(
         wire.encode([("foreign", torch.zeros(64, 1 << 20))], push=wire_pb2.PushTag(vw=0, clock=0)), timeout=30)
 
 
 def _coordinator_cases(coordinator: Service) -> Iterator[tuple[str, Callable[[], object]]]:
-    yield "Coordinator.GetJob (well-formed, for scale)", lambda: coordinator.unary("GetJob")(b"", timeout=10)
+    yield "Coordinator.GetJob (well-formed, for scale)", lambda: coordinator.call("GetJob")(b"", timeout=10)
     info = coordinator_pb2.WorkerInfo(role=coordinator_pb2.WorkerInfo.STAGE_WORKER, address="127.0.0.1:1000",
                                       node="n0", device="cpu", name="x" * (1 << 20)).SerializeToString()
-    yield "Coordinator.Register, 1 MiB name", lambda: coordinator.unary("Register")(info, timeout=10)
+    yield "Coordinator.Register, 1 MiB name", lambda: coordinator.call("Register")(info, timeout=10)
     for label, text in [("virtual_workers 1e18", json.dumps({"model": {"name": "mlp"}, "data": {"name": "digits"},
                                                                 "parallel": {"virtual_workers": 10**18}})),
                         ("100k-deep JSON", "[" * 100_000 + "]" * 100_000)]:
         request = coordinator_pb2.SubmitRequest(job_json=text).SerializeToString()
-        yield f"Coordinator.Submit, {label}", lambda request=request: coordinator.unary("Submit")(request, timeout=10)
+        yield f"Coordinator.Submit, {label}", lambda request=request: coordinator.call("Submit")(request, timeout=10)
 
 
 def main() -> None:

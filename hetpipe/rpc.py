@@ -109,18 +109,20 @@ def handler(fn: F) -> F:
         except Exception as exc:
             if isinstance(exc, grpc.RpcError) or context.code() is not None:
                 raise
+            # refuse() and abort() raise: exactly one of these answers.
             if isinstance(exc, MemoryError):
                 refuse(context, fn.__name__, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"{fn.__name__}: the request needs more memory than this process can allocate")
-            if isinstance(exc, OSError):  # a full disk, a lost file: the same call may succeed later
+            elif isinstance(exc, OSError):  # a full disk, a lost file: the same call may succeed later
                 refuse(context, fn.__name__, grpc.StatusCode.UNAVAILABLE,
                        f"{fn.__name__}: I/O error on the server: {exc.strerror or type(exc).__name__}")
-            if isinstance(exc, RecursionError):
+            elif isinstance(exc, RecursionError):
                 refuse(context, fn.__name__, grpc.StatusCode.INVALID_ARGUMENT,
                        f"{fn.__name__}: the request is nested too deeply")
-            log.exception("%s failed", fn.__name__)  # a bug: it must not kill the server
-            context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error ({type(exc).__name__}; "
-                          "the server's log has the details)")
+            else:
+                log.exception("%s failed", fn.__name__)  # a bug: it must not kill the server
+                context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error ({type(exc).__name__}; "
+                              "the server's log has the details)")
 
     return wrapped  # type: ignore[return-value]
 

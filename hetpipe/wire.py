@@ -157,14 +157,15 @@ def _checked_meta(index: int, meta: wire_pb2.TensorMeta) -> tuple[torch.dtype, l
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {len(shape)} dims, at most {MAX_NDIM}")
     if any(d < 0 for d in shape):
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: negative dimension in shape {shape}")
-    nbytes = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
-    # Zeros aside too: torch cannot lay out [0, 2**62, 2**62] (its strides overflow).
+    # Zero dimensions counted as 1: torch cannot lay out [0, 2**62, 2**62] either (its strides
+    # overflow), and this bound is never below the bytes the tensor holds.
     layout = int(np.prod([max(d, 1) for d in shape], dtype=np.float64)) * dtype.itemsize
-    if max(nbytes, layout) > MAX_BUNDLE_BYTES:
+    if layout > MAX_BUNDLE_BYTES:
         raise WireError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"{what}: shape {shape} spans {max(nbytes, layout)} bytes, more than the {MAX_BUNDLE_BYTES} allowed",
+            f"{what}: shape {shape} spans {layout} bytes, more than the {MAX_BUNDLE_BYTES} allowed",
         )
+    nbytes = math.prod(shape) * dtype.itemsize
     return dtype, shape, nbytes
 
 

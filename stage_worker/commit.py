@@ -19,7 +19,6 @@ from stage_worker.stage import Grads
 Send = tuple[Link, Outgoing]
 
 
-
 def tag(s: Loaded, p: int, version: int, evaluation: int = 0) -> wire_pb2.MinibatchTag:
     """Names minibatch p (or evaluation's batch p) and the weight version it ran on."""
     return wire_pb2.MinibatchTag(vw=s.setup.vw, minibatch=p, weight_version=version, stage=s.setup.stage,
@@ -30,11 +29,16 @@ def activation(s: Loaded, p: int, version: int, out: torch.Tensor, evaluation: i
     """An activation for the next stage; with fp16 it carries the verdicts it has not had yet."""
     header = tag(s, p, version, evaluation)
     if s.scaling is not None:
-        through, skipped = s.scaling.verdicts.news()
-        header.verdicts.through = through
-        header.verdicts.skipped.extend(skipped)
+        header.verdicts.CopyFrom(_news(s))
     assert s.next is not None
     return s.next, Outgoing(header, [("activation", out)])
+
+
+def _news(s: Loaded) -> wire_pb2.Verdicts:
+    """fp16: the verdicts the next stage has not been told yet (telling it marks them told)."""
+    assert s.scaling is not None
+    through, skipped = s.scaling.verdicts.news()
+    return wire_pb2.Verdicts(through=through, skipped=skipped)
 
 
 def commit(s: Loaded, p: int, grads: Grads, *, scale: float = 1.0, skip: bool = False) -> None:
@@ -59,10 +63,7 @@ def commit_decided(s: Loaded) -> None:
             raise RuntimeError(f"minibatch {p} overflowed here, but stage 0 decided to step it")
         commit(s, p, waiting.grads or [], scale=waiting.scale, skip=not stepped)
     if s.scaling.relay and s.next is not None:
-        through, skipped = s.scaling.verdicts.news()
-        alone = wire_pb2.CommitTag(vw=s.setup.vw, stage=s.setup.stage,
-                                   verdicts=wire_pb2.Verdicts(through=through, skipped=skipped))
-        s.next.send(Outgoing(alone, []))
+        s.next.send(Outgoing(wire_pb2.CommitTag(vw=s.setup.vw, stage=s.setup.stage, verdicts=_news(s)), []))
     s.scaling.relay = False
 
 

@@ -26,9 +26,11 @@ class Service:
     channel: grpc.Channel
     log: Path
 
-    def unary(self, method: str) -> Callable[..., Any]:
-        return self.channel.unary_unary(f"/hetpipe.v1.{self.name}/{method}", request_serializer=None,
-                                        response_deserializer=None)
+    def call(self, method: str, kind: str = "unary_unary") -> Callable[..., Any]:
+        """This service's `method`, raw bytes both ways; kind: the channel's unary_unary,
+        stream_unary or unary_stream."""
+        return getattr(self.channel, kind)(f"/hetpipe.v1.{self.name}/{method}", request_serializer=None,
+                                           response_deserializer=None)
 
     def rss(self) -> int:
         return psutil.Process(self.proc.pid).memory_info().rss

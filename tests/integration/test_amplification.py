@@ -42,23 +42,19 @@ def _refused(call: object, *args: object, **kwargs: object) -> grpc.RpcError:
     return info.value
 
 
-def _stream(service: Service, method: str) -> object:
-    return service.channel.stream_unary(f"/hetpipe.v1.{service.name}/{method}", request_serializer=None,
-                                        response_deserializer=None)
-
 
 def test_init_for_twenty_million_vws(shard: Service) -> None:
     rss = shard.rss()
     frames = wire.encode([("w", torch.ones(2))], init=wire_pb2.InitTag(virtual_workers=20_000_000))
-    error = _refused(_stream(shard, "Init"), iter(frames), timeout=10)
+    error = _refused(shard.call("Init", "stream_unary"), iter(frames), timeout=10)
     assert "virtual_workers must be in [1, 1024], got 20000000" in error.details()
     assert shard.rss() - rss < RSS_LIMIT
-    status = ps_pb2.ShardStatus.FromString(shard.unary("Status")(b"", timeout=10))
+    status = ps_pb2.ShardStatus.FromString(shard.call("Status")(b"", timeout=10))
     assert status.virtual_workers == 0 and status.keys == 0, "nothing was initialised"
 
 
 def test_256_mib_push_under_a_foreign_key_is_refused_at_its_header(shard: Service) -> None:
-    _stream(shard, "Init")(iter(wire.encode([("w", torch.ones(2))], init=wire_pb2.InitTag(virtual_workers=2))),
+    shard.call("Init", "stream_unary")(iter(wire.encode([("w", torch.ones(2))], init=wire_pb2.InitTag(virtual_workers=2))),
                            timeout=10)
     sent = 0
 
@@ -69,7 +65,7 @@ def test_256_mib_push_under_a_foreign_key_is_refused_at_its_header(shard: Servic
             yield frame
 
     rss = shard.rss()
-    error = _refused(_stream(shard, "Push"), frames(), timeout=30)
+    error = _refused(shard.call("Push", "stream_unary"), frames(), timeout=30)
     assert "keys not owned by this shard: ['foreign']" in error.details()
     assert shard.rss() - rss < RSS_LIMIT
     assert sent < 64 << 20, f"the client got to send {sent >> 20} MiB of 256 before the refusal"
@@ -80,10 +76,10 @@ def test_sixty_registrations_with_1_mib_names(coordinator: Service) -> None:
     for i in range(60):
         info = coordinator_pb2.WorkerInfo(role=coordinator_pb2.WorkerInfo.STAGE_WORKER, address=f"127.0.0.1:{1000 + i}",
                                           node="n0", device="cpu", name="x" * (1 << 20))
-        error = _refused(coordinator.unary("Register"), info.SerializeToString(), timeout=10)
+        error = _refused(coordinator.call("Register"), info.SerializeToString(), timeout=10)
         assert "name: 1048576 characters, at most 256" in error.details()
     assert coordinator.rss() - rss < RSS_LIMIT
-    listed = coordinator_pb2.WorkerList.FromString(coordinator.unary("ListWorkers")(b"", timeout=10))
+    listed = coordinator_pb2.WorkerList.FromString(coordinator.call("ListWorkers")(b"", timeout=10))
     assert not listed.workers
 
 
@@ -96,11 +92,11 @@ def test_sixty_registrations_with_1_mib_names(coordinator: Service) -> None:
 ], ids=["vws-1e18-float", "vws-1e18-int", "nested-100k"])
 def test_submit_of_an_absurd_job(coordinator: Service, job_json: str) -> None:
     rss = coordinator.rss()
-    error = _refused(coordinator.unary("Submit"), coordinator_pb2.SubmitRequest(job_json=job_json).SerializeToString(),
+    error = _refused(coordinator.call("Submit"), coordinator_pb2.SubmitRequest(job_json=job_json).SerializeToString(),
                      timeout=10)
     assert error.details().startswith("job_json:"), error.details()
     assert coordinator.rss() - rss < RSS_LIMIT
-    job = coordinator_pb2.JobStatus.FromString(coordinator.unary("GetJob")(b"", timeout=10))
+    job = coordinator_pb2.JobStatus.FromString(coordinator.call("GetJob")(b"", timeout=10))
     assert job.state == coordinator_pb2.JobStatus.NONE
 
 

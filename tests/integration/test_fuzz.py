@@ -39,9 +39,7 @@ def shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     for service in start("ps_server", "ParameterServer", tmp_path_factory.mktemp("shard")):
         # Initialised, with keys and two VWs: hostile pushes and pulls reach the WSP checks.
         w0 = [(k, torch.ones(s)) for k, s in SHAPES.items()]
-        init = service.channel.stream_unary("/hetpipe.v1.ParameterServer/Init", request_serializer=None,
-                                            response_deserializer=None)
-        init(iter(wire.encode(w0, init=wire_pb2.InitTag(virtual_workers=2))), timeout=CALL_S)
+        service.call("Init", "stream_unary")(iter(wire.encode(w0, init=wire_pb2.InitTag(virtual_workers=2))), timeout=CALL_S)
         yield service
 
 
@@ -56,21 +54,21 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
 
 def _shard_state(service: Service) -> Any:
-    status = ps_pb2.ShardStatus.FromString(service.unary("Status")(b"", timeout=CALL_S))
+    status = ps_pb2.ShardStatus.FromString(service.call("Status")(b"", timeout=CALL_S))
     status.ClearField("peak_rss_bytes")
     return status
 
 
 def _stage_state(service: Service) -> Any:
-    status = stage_pb2.StageStatus.FromString(service.unary("Status")(b"", timeout=CALL_S))
+    status = stage_pb2.StageStatus.FromString(service.call("Status")(b"", timeout=CALL_S))
     return (status.state, status.error, status.received, status.forwards_done, status.backwards_done,
             status.weights_digest)
 
 
 def _coordinator_state(service: Service) -> Any:
-    listed = coordinator_pb2.WorkerList.FromString(service.unary("ListWorkers")(b"", timeout=CALL_S))
+    listed = coordinator_pb2.WorkerList.FromString(service.call("ListWorkers")(b"", timeout=CALL_S))
     workers = [(w.worker_id, w.info.SerializeToString(deterministic=True), w.assigned) for w in listed.workers]
-    job = coordinator_pb2.JobStatus.FromString(service.unary("GetJob")(b"", timeout=CALL_S))
+    job = coordinator_pb2.JobStatus.FromString(service.call("GetJob")(b"", timeout=CALL_S))
     return workers, job.state, job.reason
 
 
@@ -83,16 +81,14 @@ def _unary(method: str, descriptor: Any, *, parse_only: bool = False) -> Send:
 
     def send(service: Service, rnd: random.Random) -> None:
         data = malformed(rnd) if parse_only else serialized(descriptor, rnd)
-        service.unary(method)(data, timeout=CALL_S)
+        service.call(method)(data, timeout=CALL_S)
 
     return send
 
 
 def _unary_stream(method: str, descriptor: Any, timeout: float = CALL_S) -> Send:
     def send(service: Service, rnd: random.Random) -> None:
-        call = service.channel.unary_stream(f"/hetpipe.v1.{service.name}/{method}", request_serializer=None,
-                                            response_deserializer=None)
-        for _ in call(serialized(descriptor, rnd), timeout=timeout):
+        for _ in service.call(method, "unary_stream")(serialized(descriptor, rnd), timeout=timeout):
             pass
 
     return send
@@ -100,9 +96,7 @@ def _unary_stream(method: str, descriptor: Any, timeout: float = CALL_S) -> Send
 
 def _tensor_stream(method: str) -> Send:
     def send(service: Service, rnd: random.Random) -> None:
-        call = service.channel.stream_unary(f"/hetpipe.v1.{service.name}/{method}", request_serializer=None,
-                                            response_deserializer=None)
-        call(iter(tensor_stream(rnd)), timeout=CALL_S)
+        service.call(method, "stream_unary")(iter(tensor_stream(rnd)), timeout=CALL_S)
 
     return send
 
@@ -110,7 +104,7 @@ def _tensor_stream(method: str) -> Send:
 def _submit(service: Service, rnd: random.Random) -> None:
     data = (malformed(rnd) if rnd.random() < 0.2
             else coordinator_pb2.SubmitRequest(job_json=job_json(rnd)).SerializeToString())
-    service.unary("Submit")(data, timeout=CALL_S)
+    service.call("Submit")(data, timeout=CALL_S)
 
 
 Empty = wire_pb2.Empty.DESCRIPTOR
