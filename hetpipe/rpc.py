@@ -39,9 +39,9 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
-def options() -> list[tuple[str, Any]]:
+def options(receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     return [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", receive_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ]
@@ -131,9 +131,11 @@ class Server:
     """A gRPC server with the standard health service and the gRPC metrics interceptor, bound to
     host:port (0 = any free port)."""
 
-    def __init__(self, host: str, port: int, *, role: str = "unknown", workers: int = 16) -> None:
+    def __init__(self, host: str, port: int, *, role: str = "unknown", workers: int = 16,
+                 receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
         # role: the `role` label of this server's gRPC metrics (coordinator, stage_worker, ps_shard).
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options(),
+        # receive_bytes: the largest request gRPC reads; a larger one is refused from its header.
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options(receive_bytes),
                                 interceptors=[ServerMetricsInterceptor(role)])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -216,6 +218,17 @@ def add_service(server: grpc.Server, name: str, servicer: object) -> None:
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
+# The most bytes a request of each message type may take, checked before it is parsed: a control
+# message is small, and parsing a 1 MiB name only to refuse it costs a megabyte per request.
+# Job files (Submit, Assign) and key lists (Pull, GetWeights) of large models are the big ones.
+REQUEST_BYTES = {
+    "Empty": 1 << 10, "HeartbeatRequest": 1 << 10, "StatusRequest": 1 << 10, "EvalRequest": 1 << 10,
+    "WorkerInfo": 16 << 10,
+    "SubmitRequest": 1 << 20, "StageAssignment": 1 << 20,
+    "PullRequest": MAX_MESSAGE_BYTES, "WeightsRequest": MAX_MESSAGE_BYTES,
+}
+
+
 def _parsing(behaviour: Callable[[Any, grpc.ServicerContext], Any], request_class: Any,
              name: str) -> Callable[[bytes, grpc.ServicerContext], Any]:
     """behaviour on the parsed request; a request that does not parse is INVALID_ARGUMENT.
@@ -224,12 +237,18 @@ def _parsing(behaviour: Callable[[Any, grpc.ServicerContext], Any], request_clas
     logs a traceback and keeps about 19 KiB per such request for good (measured on grpcio 1.85:
     +19 MiB per 1000 malformed Pulls, without levelling off)."""
 
+    type_name = request_class.DESCRIPTOR.name
+    limit = REQUEST_BYTES[type_name]
+
     def parse_then(data: bytes, context: grpc.ServicerContext) -> Any:
+        if len(data) > limit:
+            refuse(context, name, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"{name}: {type_name} request of {len(data)} bytes, at most {limit}")
         try:
             parsed = request_class.FromString(data)
         except (DecodeError, RecursionError) as exc:
             refuse(context, name, grpc.StatusCode.INVALID_ARGUMENT,
-                   f"{name}: malformed {request_class.DESCRIPTOR.name}: {exc}")
+                   f"{name}: malformed {type_name}: {exc}")
         return behaviour(parsed, context)
 
     return parse_then

@@ -72,15 +72,48 @@ def test_256_mib_push_under_a_foreign_key_is_refused_at_its_header(shard: Servic
 
 
 def test_sixty_registrations_with_1_mib_names(coordinator: Service) -> None:
+    """Refused by size before they are parsed: parsing a 1 MiB name only to refuse it costs its
+    megabyte again, and that copy is what once left the coordinator 3-12 MB larger."""
     rss = coordinator.rss()
     for i in range(60):
-        info = coordinator_pb2.WorkerInfo(role=coordinator_pb2.WorkerInfo.STAGE_WORKER, address=f"127.0.0.1:{1000 + i}",
-                                          node="n0", device="cpu", name="x" * (1 << 20))
-        error = _refused(coordinator.call("Register"), info.SerializeToString(), timeout=10)
-        assert "name: 1048576 characters, at most 256" in error.details()
+        error = _refused(coordinator.call("Register"), _registration(i, "x" * (1 << 20)), timeout=10)
+        assert "larger than max (1048" in error.details(), error.details()  # gRPC's own, from the header
     assert coordinator.rss() - rss < RSS_LIMIT
     listed = coordinator_pb2.WorkerList.FromString(coordinator.call("ListWorkers")(b"", timeout=10))
     assert not listed.workers
+
+
+def test_registration_fields_bounded(coordinator: Service) -> None:
+    """Under the size bound, each field still has its own: a name is a name, not a payload."""
+    error = _refused(coordinator.call("Register"), _registration(0, "x" * 10_000), timeout=10)
+    assert "name: 10000 characters, at most 256" in error.details()
+    listed = coordinator_pb2.WorkerList.FromString(coordinator.call("ListWorkers")(b"", timeout=10))
+    assert not listed.workers
+
+
+def test_control_requests_bounded_by_size(coordinator: Service, shard: Service) -> None:
+    """Each request type has its own size bound, checked before the bytes are parsed."""
+    error = _refused(coordinator.call("Register"), _registration(0, "x" * 100_000), timeout=10)
+    assert error.code() == Code.INVALID_ARGUMENT
+    assert error.details().startswith("Register: WorkerInfo request of 1000"), error.details()
+    assert error.details().endswith("bytes, at most 16384"), error.details()
+    # An Empty padded with an unknown field: it parses, but nothing legitimate is that large.
+    padded = b"\x0a\x90\x20" + b"x" * 4112
+    before = _shard_state(shard)
+    error = _refused(shard.call("Status"), padded, timeout=10)
+    assert error.details() == "Status: Empty request of 4115 bytes, at most 1024", error.details()
+    assert _shard_state(shard) == before
+
+
+def _shard_state(shard: Service) -> ps_pb2.ShardStatus:
+    status = ps_pb2.ShardStatus.FromString(shard.call("Status")(b"", timeout=10))
+    status.ClearField("peak_rss_bytes")  # the process's, not the shard's state
+    return status
+
+
+def _registration(i: int, name: str) -> bytes:
+    return coordinator_pb2.WorkerInfo(role=coordinator_pb2.WorkerInfo.STAGE_WORKER, address=f"127.0.0.1:{1000 + i}",
+                                      node="n0", device="cpu", name=name).SerializeToString()
 
 
 @pytest.mark.parametrize("job_json", [
