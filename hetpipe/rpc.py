@@ -33,10 +33,28 @@ CONTROL_DEADLINE_S = 10.0
 # Tensor calls move up to hundreds of MiB.
 DATA_DEADLINE_S = 120.0
 
+# At most this many calls of a method run at once on one server; more are refused with
+# RESOURCE_EXHAUSTED. Calls that wait (Pull) or stream (Forward, Push) then cannot take every
+# thread: RESERVED_THREADS stay for Status and health checks. Legitimate traffic stays far below:
+# one link per neighbour stage, one pull and one push per stage and shard at a time.
+LANES: dict[str, dict[str, int]] = {
+    "Stage": {"Forward": 3, "Backward": 3, "GetWeights": 1, "Evaluate": 1},
+    "ParameterServer": {"Pull": 56, "Push": 56, "Init": 8},
+}
+RESERVED_THREADS = 8
+# A client stream with no deadline (or a longer one) is cancelled after this long: one that opens
+# and never sends would otherwise hold its lane for good.
+STREAM_CAP_S = DATA_DEADLINE_S
+
 # Codes after which the same call may succeed later: the peer is (re)starting, slow or briefly
 # overloaded. Every retry loop in the project uses this one rule.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+def server_threads(service: str) -> int:
+    """Threads a server of this service needs: its lanes, and the reserve."""
+    return sum(LANES.get(service, {}).values()) + RESERVED_THREADS
 
 
 def options(receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -209,6 +227,8 @@ def add_service(server: grpc.Server, name: str, servicer: object) -> None:
         behaviour = getattr(servicer, method.name, _unimplemented)
         if not raw_in:
             behaviour = _parsing(behaviour, request, method.name)
+        if method.name in LANES.get(name, {}):
+            behaviour = _laned(behaviour, method.name, LANES[name][method.name], method.client_streaming)
         handlers[method.name] = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)](
             behaviour,
             request_deserializer=None,
@@ -252,6 +272,29 @@ def _parsing(behaviour: Callable[[Any, grpc.ServicerContext], Any], request_clas
         return behaviour(parsed, context)
 
     return parse_then
+
+
+def _laned(behaviour: Callable[[Any, grpc.ServicerContext], Any], name: str, limit: int,
+           client_streaming: bool) -> Callable[[Any, grpc.ServicerContext], Any]:
+    """behaviour, at most `limit` calls at once; a client stream at most STREAM_CAP_S long."""
+    slots = threading.BoundedSemaphore(limit)
+
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        if not slots.acquire(blocking=False):
+            refuse(context, name, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"{name}: {limit} calls already in progress on this server; retry later")
+        # Released when the call ends, however it ends: a streamed reply holds its lane until sent.
+        if not context.add_callback(slots.release):
+            slots.release()
+        remaining = context.time_remaining()
+        if client_streaming and (remaining is None or remaining > STREAM_CAP_S):
+            timer = threading.Timer(STREAM_CAP_S, context.cancel)
+            timer.daemon = True
+            timer.start()
+            context.add_callback(timer.cancel)
+        return behaviour(request, context)
+
+    return call
 
 
 def _unimplemented(request: Any, context: grpc.ServicerContext) -> Any:

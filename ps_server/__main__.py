@@ -26,7 +26,8 @@ def serve(cfg: ShardConfig) -> None:
         logging.info("restored %d keys (+%d logged pushes) from %s", len(servicer.shard.values),
                      servicer.restored_pushes, cfg.checkpoint_dir)
     # Pulls block a thread each while they wait for slower VWs: size the pool for that.
-    server = rpc.Server(cfg.service.host, cfg.service.port, role="ps_shard", workers=128)
+    server = rpc.Server(cfg.service.host, cfg.service.port, role="ps_shard",
+                        workers=rpc.server_threads("ParameterServer"))
 
     def shutdown() -> None:
         servicer.checkpoint()

@@ -16,7 +16,7 @@ from stage_worker.servicer import StageServicer
 def serve(cfg: ServiceFlags) -> None:
     devices.set_threads()
     runtime = StageRuntime()
-    server = rpc.Server(cfg.host, cfg.port, role="stage_worker")
+    server = rpc.Server(cfg.host, cfg.port, role="stage_worker", workers=rpc.server_threads("Stage"))
 
     def shutdown() -> None:
         runtime.stop()
