@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetpipe import data, devices, models, outputs, rpc, wire
 from hetpipe.config import JobConfig
@@ -22,9 +23,11 @@ from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
 from hetpipe.wsp import total_waves
 from coordinator.planner import Plan, StagePlan, resolved_job
 from coordinator.planner.shapes import TensorShape, boundaries
+from coordinator.stall import StallWatch
 
 State = stage_pb2.StageStatus.State
 STATUS_DEADLINE_S = 2.0
+SHARD_PROBE_S = 1.0  # how often a running job's shards are asked whether they answer
 FINAL_EVAL_TIMEOUT_S = 600.0
 
 
@@ -65,6 +68,8 @@ class JobDriver:
         self.plan = plan
         self.ps_addresses = ps_addresses or []
         self.check_processes = check_processes
+        # A shard that stopped answering (index, address, why): the runner's choice.
+        self.on_hung_shard: Callable[[int, str, str], None] = self._fail_hung_shard
         self.stages = []
         for sp, address in zip(plan.stages, stage_addresses):
             ch = rpc.channel(address)
@@ -72,6 +77,9 @@ class JobDriver:
         self.out_dir = Path(job.resolve(job.output.dir))
         self._ps_channels = [rpc.channel(a) for a in self.ps_addresses]
         self.shards = [rpc.Stub(ch, "ParameterServer") for ch in self._ps_channels]
+        self._shard_health = [health_pb2_grpc.HealthStub(ch) for ch in self._ps_channels]
+        self._shards_probed = 0.0
+        self.watch = StallWatch(self.job.train.stall_timeout_s, time.monotonic())
         self.evals: dict[int, stage_pb2.EvalResult] = {}
         self.started = time.time()
 
@@ -145,32 +153,94 @@ class JobDriver:
         try:
             return getattr(h.stub, method)(request, timeout=deadline)
         except grpc.RpcError as exc:
+            self._failed(h, method, exc)
+
+    def _failed(self, h: StageHandle, method: str, exc: grpc.RpcError) -> Any:
+        """Raises JobFailed for a call to h that failed: the process's death if it died."""
+        self.check_processes()
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:  # a killed peer's socket closes just before it is reaped
+            time.sleep(0.2)
             self.check_processes()
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:  # a killed peer's socket closes just before it is reaped
-                time.sleep(0.2)
-                self.check_processes()
-            raise JobFailed(
-                f"{h.name} at {h.address}: {method} failed: {exc.code().name}: {exc.details()} ({h.progress()})"
-            ) from None
+        raise JobFailed(
+            f"{h.name} at {h.address}: {method} failed: {exc.code().name}: {exc.details()} ({h.progress()})"
+        ) from None
 
     # ---- running ---------------------------------------------------------------------------
 
     def poll(self) -> bool:
-        """Refreshes every stage's status; True once all are done. Raises JobFailed."""
+        """Refreshes every stage's status; True once all are done. Raises JobFailed, also for a
+        stage that has not answered for train.stall_timeout_s."""
         self.check_processes()
         for h in self.stages:
             # Short: a frozen stage must not hold up the heartbeat check on the next poll.
-            h.last = self._call(h, "Status", stage_pb2.StatusRequest(), deadline=STATUS_DEADLINE_S)
+            try:
+                h.last = h.stub.Status(stage_pb2.StatusRequest(), timeout=STATUS_DEADLINE_S)
+                self.watch.answered(h.name)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._failed(h, "Status", exc)
+                self.watch.unanswered(h.name, time.monotonic())
             if h.last.state == State.FAILED:
                 raise JobFailed(f"{h.last.error} ({h.progress()})")
+        self._probe_shards()
+        self._name_the_silent()
         self._collect_evals()
         return all(h.last.state == State.DONE for h in self.stages)
+
+    def _probe_shards(self) -> None:
+        """Health checks, not Status: a shard's Status hashes all its values."""
+        now = time.monotonic()
+        if now - self._shards_probed < SHARD_PROBE_S:
+            return
+        self._shards_probed = now
+        for i, health in enumerate(self._shard_health):
+            try:
+                health.Check(health_pb2.HealthCheckRequest(), timeout=STATUS_DEADLINE_S)
+                self.watch.answered(f"ps shard {i}")
+            except grpc.RpcError as exc:
+                # UNAVAILABLE: dead or restarting, which the launcher or the heartbeats report.
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self.watch.unanswered(f"ps shard {i}", now)
+                else:
+                    self.watch.unreachable(now)
+
+    def _name_the_silent(self) -> None:
+        for who, seconds in self.watch.not_responding(time.monotonic()):
+            h = next((h for h in self.stages if h.name == who), None)
+            if h is not None:
+                raise JobFailed(f"{h.name} at {h.address} not responding: no answer to Status for "
+                                f"{seconds:.0f}s ({h.progress()})")
+            index = int(who.rsplit(" ", 1)[1])
+            self.watch.answered(who)  # a restarted shard gets a fresh timeout
+            self.on_hung_shard(index, self.ps_addresses[index],
+                               f"not responding: no answer to health checks for {seconds:.0f}s")
+
+    @staticmethod
+    def _fail_hung_shard(index: int, address: str, why: str) -> None:
+        raise JobFailed(f"ps shard {index} at {address} {why}")
+
+    def _check_progress(self) -> None:
+        """Fails a job that stopped moving although every process answers: a stage stuck inside
+        its own work, named with what waits for it."""
+        now = time.monotonic()
+        self.watch.progress(tuple((h.last.forwards_done, h.last.backwards_done, h.last.clock, h.last.received)
+                                  for h in self.stages), now)
+        seconds = self.watch.stalled_for(now)
+        if seconds is None:
+            return
+        waiting = "; ".join(
+            f"{h.name}: {h.last.queue_depth} inputs waiting to run, {h.last.in_flight} in flight"
+            + (", blocked on a pull (clock bound)" if h.last.waiting else "")
+            for h in self.stages if h.last.state != State.DONE)
+        raise JobFailed(f"no progress for {seconds:.0f}s (train.stall_timeout_s) although every stage and "
+                        f"shard answers: {waiting}")
 
     def run(self, on_progress: Callable[[Progress], None] = lambda p: None, interval: float = 0.1) -> float:
         """Polls until done; returns the training wall time in seconds."""
         start = time.monotonic()
         total = self.job.train.steps * self.plan.virtual_workers * self.job.data.batch_size
         while not self.poll():
+            self._check_progress()
             on_progress(self._progress(start, total))
             time.sleep(interval)
         wall = time.monotonic() - start

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,9 @@ class JobRunner:
         self._summary: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._dead: dict[str, str] = {}  # address -> why, reported by a local launcher
+        # Set by a local launcher: kills the process at an address, which it then restarts (a
+        # shard) or reports dead. Without one (compose), a hung shard fails the job.
+        self.kill_hung: Callable[[str, str], None] | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -117,7 +121,7 @@ class JobRunner:
         for role, grace in ((Role.STAGE_WORKER, 0.0), (Role.PS_SHARD, SHARD_RESTART_GRACE_S)):
             for worker, silence in self.registry.silent(role, grace):
                 progress = next((f"; {h.progress()}" for h in driver.stages if h.address == worker.info.address), "")
-                raise JobFailed(f"{worker.label} missed its heartbeats for {silence:.1f}s{progress}")
+                raise JobFailed(f"{worker.label} not responding: no heartbeat for {silence:.1f}s{progress}")
         if self._stop.is_set():
             raise JobStopped("stopped by request")
 
@@ -141,6 +145,7 @@ class JobRunner:
             driver = JobDriver(job, plan, [w.info.address for w in stages],
                                ps_addresses=[w.info.address for w in ps])
             driver.check_processes = lambda: self._check_alive(driver)  # type: ignore[union-attr]
+            driver.on_hung_shard = self._hung_shard
             driver.setup()
             self._advance(JobState.RUNNING)
             wall = driver.run(self._on_progress)
@@ -158,6 +163,12 @@ class JobRunner:
                 self._stop_workers(driver)
                 driver.close()
             self.registry.release()
+
+    def _hung_shard(self, index: int, address: str, why: str) -> None:
+        """A hung shard is killed, and restarted from its checkpoint like a dead one."""
+        if self.kill_hung is None:
+            raise JobFailed(f"ps shard {index} at {address} {why}")
+        self.kill_hung(address, f"ps shard {index} {why}")
 
     def _on_progress(self, progress: Progress) -> None:
         self._progress = progress

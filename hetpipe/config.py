@@ -98,6 +98,7 @@ class TrainConfig:
     precision: str = "fp32"          # compute: fp32, bf16 or fp16 (autocast; master weights stay in dtype)
     seed: int = 0
     setup_timeout_s: float = 600.0   # how long the stages may take to load before the job fails
+    stall_timeout_s: float = 30.0    # a process not answering, or no progress at all, this long: named
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +300,8 @@ def _parse_eval(raw: Any) -> EvalConfig | None:
 
 
 def _parse_train(t: Section) -> TrainConfig:
-    t.check_known(("steps", "loss", "optimizer", "dtype", "precision", "seed", "setup_timeout_s"))
+    t.check_known(("steps", "loss", "optimizer", "dtype", "precision", "seed", "setup_timeout_s",
+                   "stall_timeout_s"))
     o, do, dt = t.section("optimizer"), OptimizerConfig(), TrainConfig()
     o.check_known(("name", "lr", "momentum", "weight_decay", "betas", "eps"))
     betas = o.get("betas", list(do.betas))
@@ -316,6 +318,7 @@ def _parse_train(t: Section) -> TrainConfig:
         dtype=t.choice("dtype", dt.dtype, DTYPES), precision=t.choice("precision", dt.precision, PRECISIONS),
         seed=t.integer("seed", dt.seed, maximum=2**63 - 1),
         setup_timeout_s=t.number("setup_timeout_s", dt.setup_timeout_s, minimum=1.0, maximum=86400.0),
+        stall_timeout_s=t.number("stall_timeout_s", dt.stall_timeout_s, minimum=1.0, maximum=86400.0),
     )
 
 

@@ -69,6 +69,11 @@ def _watch_processes(procs: LocalProcesses, runner: JobRunner, on_restart: Calla
             runner.report_dead(p.address, f"(pid {p.popen.pid}) {p.exit_description()}")
 
 
+def _kill_hung(procs: LocalProcesses, address: str, why: str) -> None:
+    print(f"hetpipe: {why}; killing it to restart it from its checkpoint", file=sys.stderr)
+    procs.kill(address)
+
+
 def preflight(job: JobConfig) -> Plan:
     """What must hold before any process starts: the model factory gives a model (built on the
     meta device), the data factories give datasets of (input, target), and the job has a plan.
@@ -108,6 +113,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         par = job.parallel
         threads = devices.threads_for(par.virtual_workers * par.stages_per_vw)
         with LocalProcesses(out_dir / "logs", env={devices.THREADS_ENV: threads}) as procs:
+            runner.kill_hung = lambda address, why: _kill_hung(procs, address, why)
             register = ["--coordinator", server.address, "--node", "local"]
             # Neutral names: the coordinator decides which worker serves which stage, and says so
             # in the worker's log ("stage q of vw v assigned ...") and in every error.

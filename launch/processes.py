@@ -86,6 +86,12 @@ class LocalProcesses:
             address, metrics = proc.ready_file.read_text().split()
             proc.address, proc.metrics_port = address, int(metrics)
 
+    def kill(self, address: str) -> None:
+        """SIGKILL to the process serving address (a hung one: SIGTERM would wait for it)."""
+        for p in self.processes:
+            if p.address == address and p.popen.poll() is None:
+                p.popen.kill()
+
     def dead(self) -> list[Process]:
         return [p for p in self.processes if p.popen.poll() is not None]
 

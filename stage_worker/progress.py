@@ -32,6 +32,7 @@ class Progress:
     local_version: int = 0
     in_flight: int = 0
     queue_depth: int = 0       # inputs received and waiting to run
+    waiting: bool = False      # a forward is blocked on the clock bound, for a pull
     received: int = 0
     last_loss: float = float("nan")
     recent_loss: float = float("nan")   # last stage: mean over its last 10 minibatches

@@ -31,7 +31,7 @@ def status_message(p: Progress) -> stage_pb2.StageStatus:
         return s
     s.vw, s.stage, s.device = p.vw, p.stage, p.label or p.device
     s.forwards_done, s.backwards_done, s.local_version = p.forwards_done, p.backwards_done, p.local_version
-    s.in_flight, s.received = p.in_flight, p.received
+    s.in_flight, s.received, s.queue_depth, s.waiting = p.in_flight, p.received, p.queue_depth, p.waiting
     s.last_loss, s.recent_loss = p.last_loss, p.recent_loss
     s.wait_seconds, s.wait_idle_seconds, s.idle_seconds = p.wait_seconds, p.wait_idle_seconds, p.idle_seconds
     s.compute_seconds = p.compute_seconds

@@ -194,3 +194,22 @@ def check_local_rules(rows: list[Row], nm: int) -> None:
     check_causality(rows)
     check_versions(rows, nm)
     check_in_flight(rows, nm)
+
+
+def check_conservation(job: Any, out: Path, ledgers: int) -> None:
+    """O3: the final model is w0 plus every acknowledged push exactly once, from each stage's
+    ledger of what its shards acknowledged (trace/acked_vw*_stage*.pt)."""
+    import torch
+
+    from hetpipe import outputs
+    from hetpipe.reference import initial_model
+
+    final = outputs.read_weights(out)
+    expected = {k: v.clone() for k, v in initial_model(job).state_dict().items()}
+    paths = sorted((out / "trace").glob("acked_vw*_stage*.pt"))
+    assert len(paths) == ledgers, paths
+    for path in paths:
+        for key, delta in torch.load(path, weights_only=True).items():
+            expected[key] += delta
+    for key in expected:
+        torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-9, msg=f"{key}: pushes lost or doubled")

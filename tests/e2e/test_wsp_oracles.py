@@ -11,12 +11,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from launch.local import run_local
-from hetpipe import outputs
-from hetpipe.reference import initial_model
-from tests.trace_rules import Row, by_stage, check_complete, check_local_rules, check_min_clock, load_trace
+from tests.trace_rules import Row, by_stage, check_conservation, check_complete, check_local_rules, check_min_clock, load_trace
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -75,15 +72,7 @@ def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tm
     log = (out / "logs" / "ps_shard_0.log").read_text()
     assert "restored" in log, "the restarted shard must restore its checkpoint and push log"
 
-    final = outputs.read_weights(out)
-    expected = {k: v.clone() for k, v in initial_model(job).state_dict().items()}
-    ledgers = sorted((out / "trace").glob("acked_vw*_stage*.pt"))
-    assert len(ledgers) == 3 * 2
-    for path in ledgers:
-        for key, delta in torch.load(path, weights_only=True).items():
-            expected[key] += delta
-    for key in expected:
-        torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-9, msg=f"{key}: pushes lost or doubled")
+    check_conservation(job, out, ledgers=3 * 2)
 
 
 @pytest.mark.parametrize("nm,D", [(2, 0), (2, 1), (2, 3), (4, 0), (4, 1), (4, 3)])

@@ -1,0 +1,85 @@
+"""Hangs detected and named (issue 14): a SIGSTOPped shard is reported as not responding after
+train.stall_timeout_s, killed and restarted from its checkpoint, and the job completes with every
+acknowledged push in the model once; a job that stops moving while every process answers fails
+with what waits where. (A SIGSTOPped stage: tests/integration/test_coordinator.py.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hetpipe.errors import JobFailed
+from launch.local import run_local
+from tests.trace_rules import check_conservation
+
+pytestmark = pytest.mark.timeout(300)
+STALL_S = 3.0
+
+
+def _stop_shard_when_busy(out: Path, done: threading.Event, stopped: list[tuple[int, float, float]]) -> None:
+    """SIGSTOP ps shard 0 once training is under way; records (pid, when stopped, when gone)."""
+    deadline = time.monotonic() + 240
+    while not done.is_set() and time.monotonic() < deadline:
+        lines = sum(len(p.read_text().splitlines()) for p in (out / "trace").glob("vw*_stage*.jsonl"))
+        if lines > 40:
+            for proc in psutil.Process().children(recursive=True):
+                if any("ps_shard_0.ready" in part for part in proc.cmdline()):
+                    proc.send_signal(signal.SIGSTOP)
+                    at = time.monotonic()
+                    proc.wait(timeout=240)  # killed by the launcher: SIGKILL works on a stopped process
+                    stopped.append((proc.pid, at, time.monotonic()))
+                    return
+        time.sleep(0.05)
+
+
+def test_a_stopped_shard_is_named_killed_and_restarted(make_job, capfd, tmp_path: Path) -> None:
+    job = make_job({
+        "train": {"dtype": "float64", "steps": 80, "stall_timeout_s": STALL_S},
+        "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": 2, "D": 1, "ps_shards": 2},
+        "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 4}]}],
+                    "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.01}},
+    })
+    out = tmp_path / "out"
+    done, stopped = threading.Event(), []
+    stopper = threading.Thread(target=_stop_shard_when_busy, args=(out, done, stopped), daemon=True)
+    stopper.start()
+    try:
+        summary = run_local(job, quiet=True)
+    finally:
+        done.set()
+        stopper.join()
+    assert stopped, "the shard was never stopped: the test proved nothing"
+    _, at, gone = stopped[0]
+    assert gone - at >= STALL_S, "killed before the stall timeout"
+    err = capfd.readouterr().err
+    assert re.search(r"ps shard 0 not responding: no answer to health checks for \d+s; killing it", err), err
+    assert "restarting it from its checkpoint" in err, err
+    assert "restored" in (out / "logs" / "ps_shard_0.log").read_text()
+    assert summary["steps"] == 80
+    check_conservation(job, out, ledgers=2 * 2)
+
+
+def test_no_progress_while_every_process_answers_is_named(make_job, inject_faults) -> None:
+    """VW 1 takes 20 s a task: VW 0 runs into the clock bound, and nothing moves while all answer."""
+    inject_faults(slow_vw=1, slow_factor=2000.0)
+    job = make_job({
+        "train": {"steps": 200, "stall_timeout_s": STALL_S},
+        "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": 2, "D": 0},
+        "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 4}]}],
+                    "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.01}},
+    })
+    with pytest.raises(JobFailed) as info:
+        run_local(job, quiet=True)
+    message = str(info.value)
+    assert message.startswith("no progress for "), message
+    assert "although every stage and shard answers" in message, message
+    assert "stage 0 of vw 0:" in message and "blocked on a pull (clock bound)" in message, message
+    assert "stage 0 of vw 1:" in message and "in flight" in message, message
+    assert os.path.exists(job.resolve(job.output.dir))
