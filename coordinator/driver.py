@@ -4,6 +4,7 @@ holds the model: weights go from the stages and shards to the files one frame at
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetpipe import data, devices, models, outputs, rpc, wire
 from hetpipe.config import JobConfig
-from hetpipe.errors import JobFailed
+from hetpipe.errors import JobFailed, StageLost
 from hetpipe.optim import compute_dtype
 from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
 from hetpipe.wsp import total_waves
@@ -25,6 +26,7 @@ from coordinator.planner import Plan, StagePlan, resolved_job
 from coordinator.planner.shapes import TensorShape, boundaries
 from coordinator.stall import StallWatch
 
+log = logging.getLogger(__name__)
 State = stage_pb2.StageStatus.State
 STATUS_DEADLINE_S = 2.0
 SHARD_PROBE_S = 1.0  # how often a running job's shards are asked whether they answer
@@ -54,6 +56,7 @@ class Progress:
     total: int
     loss: float
     samples_per_second: float
+    evicted: tuple[int, ...] = ()  # VWs that left the job
 
 
 class JobDriver:
@@ -81,6 +84,7 @@ class JobDriver:
         self._shards_probed = 0.0
         self.watch = StallWatch(self.job.train.stall_timeout_s, time.monotonic())
         self.evals: dict[int, stage_pb2.EvalResult] = {}
+        self.evicted: list[dict[str, Any]] = []  # VWs that left (parallel.on_vw_failure: continue)
         self.started = time.time()
 
     def close(self) -> None:
@@ -161,15 +165,55 @@ class JobDriver:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:  # a killed peer's socket closes just before it is reaped
             time.sleep(0.2)
             self.check_processes()
-        raise JobFailed(
+        raise StageLost(h.plan.vw, 
             f"{h.name} at {h.address}: {method} failed: {exc.code().name}: {exc.details()} ({h.progress()})"
         ) from None
 
     # ---- running ---------------------------------------------------------------------------
 
+    @property
+    def lead_vw(self) -> int:
+        """The VW that evaluates and gives the weights the shards do not hold: VW 0 unless it left."""
+        return min(h.plan.vw for h in self.stages)
+
     def poll(self) -> bool:
         """Refreshes every stage's status; True once all are done. Raises JobFailed, also for a
-        stage that has not answered for train.stall_timeout_s."""
+        stage that has not answered for train.stall_timeout_s, unless its VW may leave the job."""
+        while True:
+            try:
+                return self._poll()
+            except StageLost as lost:
+                self._evict(lost)
+
+    def _evict(self, lost: StageLost) -> None:
+        """parallel.on_vw_failure continue: VW lost.vw leaves, and the shards stop waiting for it
+        (its acknowledged pushes stay in w_global). Re-raises lost where the job cannot go on."""
+        live = sorted({h.plan.vw for h in self.stages})
+        if self.job.parallel.on_vw_failure != "continue" or not self.shards or len(live) < 2 or lost.vw not in live:
+            raise lost
+        if lost.vw == 0 and self.job.eval is not None:
+            raise JobFailed(f"{lost} (vw 0 runs the evaluations: the job cannot go on without it)") from None
+        gone = [h for h in self.stages if h.plan.vw == lost.vw]
+        self.stages = [h for h in self.stages if h.plan.vw != lost.vw]
+        for h in gone:  # the rest of its pipeline: nothing more to do
+            try:
+                h.stub.Stop(wire_pb2.Empty(), timeout=STATUS_DEADLINE_S)
+            except grpc.RpcError:
+                pass
+        for i, stub in enumerate(self.shards):
+            request = ps_pb2.EvictRequest(vw=lost.vw)
+            try:  # through a shard restart: the eviction is durable once acknowledged
+                rpc.retrying(lambda: stub.Evict(request, timeout=rpc.CONTROL_DEADLINE_S), give_up_s=60.0)
+            except grpc.RpcError as exc:
+                raise JobFailed(f"{lost}; evicting vw {lost.vw} failed at ps shard {i}: "
+                                f"{exc.code().name}: {exc.details()}") from None
+        minibatches = max(h.last.backwards_done for h in gone)
+        self.evicted.append({"vw": lost.vw, "seconds": time.time() - self.started, "minibatches": minibatches,
+                             "reason": str(lost)})
+        log.warning("vw %d left the job after %d minibatches (%s); %d virtual workers train on",
+                    lost.vw, minibatches, lost, len(live) - 1)
+
+    def _poll(self) -> bool:
         self.check_processes()
         for h in self.stages:
             # Short: a frozen stage must not hold up the heartbeat check on the next poll.
@@ -181,7 +225,7 @@ class JobDriver:
                     self._failed(h, "Status", exc)
                 self.watch.unanswered(h.name, time.monotonic())
             if h.last.state == State.FAILED:
-                raise JobFailed(f"{h.last.error} ({h.progress()})")
+                raise StageLost(h.plan.vw, f"{h.last.error} ({h.progress()})")
         self._probe_shards()
         self._name_the_silent()
         self._collect_evals()
@@ -208,7 +252,7 @@ class JobDriver:
         for who, seconds in self.watch.not_responding(time.monotonic()):
             h = next((h for h in self.stages if h.name == who), None)
             if h is not None:
-                raise JobFailed(f"{h.name} at {h.address} not responding: no answer to Status for "
+                raise StageLost(h.plan.vw, f"{h.name} at {h.address} not responding: no answer to Status for "
                                 f"{seconds:.0f}s ({h.progress()})")
             index = int(who.rsplit(" ", 1)[1])
             self.watch.answered(who)  # a restarted shard gets a fresh timeout
@@ -238,29 +282,35 @@ class JobDriver:
     def run(self, on_progress: Callable[[Progress], None] = lambda p: None, interval: float = 0.1) -> float:
         """Polls until done; returns the training wall time in seconds."""
         start = time.monotonic()
-        total = self.job.train.steps * self.plan.virtual_workers * self.job.data.batch_size
         while not self.poll():
             self._check_progress()
-            on_progress(self._progress(start, total))
+            on_progress(self._progress(start))
             time.sleep(interval)
         wall = time.monotonic() - start
-        on_progress(self._progress(start, total))
+        on_progress(self._progress(start))
         return wall
+
+    def _minibatches(self) -> tuple[int, int]:
+        """Minibatches trained so far, and in all, by every VW (those that left: until they left)."""
+        left = sum(e["minibatches"] for e in self.evicted)
+        live = len(self._last_stages())
+        return sum(h.last.backwards_done for h in self._last_stages()) + left, self.job.train.steps * live + left
 
     def _last_stages(self) -> list[StageHandle]:
         return [h for h in self.stages if h.plan.stage == self.plan.stages_per_vw - 1]
 
-    def _progress(self, start: float, total: int) -> Progress:
-        samples = sum(h.last.backwards_done for h in self._last_stages()) * self.job.data.batch_size
+    def _progress(self, start: float) -> Progress:
+        samples, total = (n * self.job.data.batch_size for n in self._minibatches())
         losses = [h.last.recent_loss for h in self._last_stages() if not math.isnan(h.last.recent_loss)]
         elapsed = max(time.monotonic() - start, 1e-9)
-        return Progress(samples, total, sum(losses) / len(losses) if losses else float("nan"), samples / elapsed)
+        return Progress(samples, total, sum(losses) / len(losses) if losses else float("nan"), samples / elapsed,
+                        tuple(e["vw"] for e in self.evicted))
 
     # ---- evaluation --------------------------------------------------------------------------
 
     def _collect_evals(self) -> None:
         """Appends VW 0's finished evaluations to eval.jsonl (each once)."""
-        scorer = next(h for h in self._last_stages() if h.plan.vw == 0)
+        scorer = next(h for h in self._last_stages() if h.plan.vw == self.lead_vw)
         new = [e for e in scorer.last.evals if e.id not in self.evals]
         if not new:
             return
@@ -279,7 +329,7 @@ class JobDriver:
             return None
         clock = total_waves(self.job.train.steps, self.plan.nm) if self.ps_addresses else 0
         for h in self.stages:
-            if h.plan.vw == 0:
+            if h.plan.vw == self.lead_vw:
                 self._call(h, "Evaluate", stage_pb2.EvalRequest(min_clock=clock))
         deadline = time.monotonic() + FINAL_EVAL_TIMEOUT_S
         while not any(e.final for e in self.evals.values()):
@@ -306,11 +356,11 @@ class JobDriver:
             keys = [k for k, s in self.plan.key_shard.items() if s == i]
             if not keys:
                 continue
-            request = ps_pb2.PullRequest(vw=0, keys=keys, min_clock=final_clock)
+            request = ps_pb2.PullRequest(vw=self.lead_vw, keys=keys, min_clock=final_clock)
             self._stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
             owned.update(keys)
         for h in self.stages:
-            if h.plan.vw != 0:
+            if h.plan.vw != self.lead_vw:
                 continue
             keys = [k for k in models.layer_keys(self.model, h.plan.layer_begin, h.plan.layer_end) if k not in owned]
             if keys:
@@ -339,7 +389,7 @@ class JobDriver:
         final = self.final_evaluation()
         self.write_weights()
         job, plan = self.job, self.plan
-        samples = job.train.steps * plan.virtual_workers * job.data.batch_size
+        samples = self._minibatches()[1] * job.data.batch_size
         losses = [h.last.recent_loss for h in self._last_stages()]
         fields: dict[str, Any] = {
             "steps": job.train.steps,
@@ -358,6 +408,7 @@ class JobDriver:
             "plan": plan.describe(),
             "mode": job.parallel.mode,
             "ps_shards": len(self.shards),
+            "evicted": self.evicted,
         }
         if final is not None:
             fields["eval_loss"] = final.loss

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from hetpipe.config import ConfigError, JobConfig
-from hetpipe.errors import JobFailed, JobStopped, Rejected
+from hetpipe.errors import JobFailed, JobStopped, Rejected, StageLost
 from hetpipe.v1 import wire_pb2
 from coordinator.driver import JobDriver, Progress
 from coordinator.planner import Plan, PlanError, make_plan
@@ -36,6 +36,7 @@ class JobView:
     samples_per_second: float
     loss: float
     summary: dict[str, Any] | None       # summary.json's content, once completed
+    evicted: tuple[int, ...] = ()        # VWs that left the job (parallel.on_vw_failure: continue)
 
 
 class JobRunner:
@@ -104,7 +105,7 @@ class JobRunner:
             emulated=self._plan.emulated if self._plan is not None else False,
             samples=p.samples if p else 0, total_samples=p.total if p else 0,
             samples_per_second=p.samples_per_second if p else 0.0, loss=p.loss if p else math.nan,
-            summary=self._summary,
+            summary=self._summary, evicted=p.evicted if p else (),
         )
 
     # ---- the job thread -----------------------------------------------------------------------
@@ -112,16 +113,20 @@ class JobRunner:
     def _check_alive(self, driver: JobDriver) -> None:
         with self._lock:
             dead = dict(self._dead)
-        for h in driver.stages:
-            if h.address in dead:
-                raise JobFailed(f"{h.name} ({h.address}) {dead[h.address]}; {h.progress()}")
+        stages = {h.address: h for h in driver.stages}  # not those of a VW that left
+        for address, h in stages.items():
+            if address in dead:
+                raise StageLost(h.plan.vw, f"{h.name} ({address}) {dead[address]}; {h.progress()}")
         for i, address in enumerate(driver.ps_addresses):
             if address in dead and "restart" not in dead[address]:
                 raise JobFailed(f"ps shard {i} ({address}) {dead[address]}")
-        for role, grace in ((Role.STAGE_WORKER, 0.0), (Role.PS_SHARD, SHARD_RESTART_GRACE_S)):
-            for worker, silence in self.registry.silent(role, grace):
-                progress = next((f"; {h.progress()}" for h in driver.stages if h.address == worker.info.address), "")
-                raise JobFailed(f"{worker.label} not responding: no heartbeat for {silence:.1f}s{progress}")
+        for worker, silence in self.registry.silent(Role.STAGE_WORKER, 0.0):
+            silent = stages.get(worker.info.address)
+            if silent is not None:
+                raise StageLost(silent.plan.vw, f"{worker.label} not responding: no heartbeat for {silence:.1f}s; "
+                                                f"{silent.progress()}")
+        for worker, silence in self.registry.silent(Role.PS_SHARD, SHARD_RESTART_GRACE_S):
+            raise JobFailed(f"{worker.label} not responding: no heartbeat for {silence:.1f}s")
         if self._stop.is_set():
             raise JobStopped("stopped by request")
 

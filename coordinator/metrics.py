@@ -25,6 +25,7 @@ class CoordinatorSnapshot:
     workers: Sequence[tuple[int, bool]]      # (role, alive) of every registered worker
     samples_per_second: float | None         # None before the job runs
     loss: float | None
+    evicted: Sequence[int] = ()              # VWs that left the job
 
 
 class CoordinatorCollector(Collector):
@@ -62,6 +63,12 @@ class CoordinatorCollector(Collector):
             loss.add_metric([], s.loss)
         yield rate
         yield loss
+
+        evicted = GaugeMetricFamily("hetpipe_job_evicted", "1 for each virtual worker that left the job "
+                                    "(parallel.on_vw_failure: continue)", labels=["vw"])
+        for vw in s.evicted:
+            evicted.add_metric([str(vw)], 1.0)
+        yield evicted
 
 
 _bound: CoordinatorCollector | None = None

@@ -114,6 +114,7 @@ class ParallelConfig:
     schedule: str = "hetpipe"
     sync: str = "wsp"
     microbatches: int = 1      # mode torch-pipeline: micro-batches per minibatch (GPipe, 1F1B)
+    on_vw_failure: str = "fail"  # continue: a VW whose stage fails leaves, the others train on
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +337,7 @@ def _parse_parallel(p: Section) -> ParallelConfig:
         schedule=p.choice("schedule", d.schedule, SCHEDULES),
         sync=p.choice("sync", d.sync, SYNCS),
         microbatches=p.integer("microbatches", d.microbatches, minimum=1, maximum=1 << 20),
+        on_vw_failure=p.choice("on_vw_failure", d.on_vw_failure, ("fail", "continue")),
     )
 
 

@@ -19,3 +19,11 @@ class JobFailed(Exception):
 
 class JobStopped(Exception):
     """Someone asked the job to stop."""
+
+
+class StageLost(JobFailed):
+    """A stage died, hung or failed: its virtual worker cannot go on (the job may, without it)."""
+
+    def __init__(self, vw: int, message: str) -> None:
+        super().__init__(message)
+        self.vw = vw

@@ -60,7 +60,7 @@ def _watch_processes(procs: LocalProcesses, runner: JobRunner, on_restart: Calla
     """A dead stage is reported at once (no waiting for heartbeats); a dead shard is restarted
     from its checkpoint and push log, and re-registers at the same address."""
     for p in procs.dead():
-        if p.name.startswith("ps shard") and p.restarts < MAX_SHARD_RESTARTS:
+        if p.module == "ps_server" and p.restarts < MAX_SHARD_RESTARTS:
             print(f"hetpipe: {p.name} {p.exit_description()}; restarting it from its checkpoint", file=sys.stderr)
             runner.report_dead(p.address, "is restarting")
             procs.restart(p)
@@ -70,8 +70,8 @@ def _watch_processes(procs: LocalProcesses, runner: JobRunner, on_restart: Calla
 
 
 def _kill_hung(procs: LocalProcesses, address: str, why: str) -> None:
-    print(f"hetpipe: {why}; killing it to restart it from its checkpoint", file=sys.stderr)
-    procs.kill(address)
+    name = procs.kill(address)
+    print(f"hetpipe: {why}; killed {name} to restart it from its checkpoint", file=sys.stderr)
 
 
 def preflight(job: JobConfig) -> Plan:
@@ -121,7 +121,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
                 procs.spawn("stage_worker", f"stage worker {i}", register)
             # A lone VW needs no parameter server: its local weights are w_global.
             for i in range(par.ps_shards if par.virtual_workers > 1 else 0):
-                procs.spawn("ps_server", f"ps shard {i}",
+                procs.spawn("ps_server", f"ps server {i}",
                             [*register, "--checkpoint-dir", str(out_dir / "ps" / f"shard{i}")])
             procs.wait_ready()
             targets = out_dir / TARGETS_FILE

@@ -86,11 +86,14 @@ class LocalProcesses:
             address, metrics = proc.ready_file.read_text().split()
             proc.address, proc.metrics_port = address, int(metrics)
 
-    def kill(self, address: str) -> None:
-        """SIGKILL to the process serving address (a hung one: SIGTERM would wait for it)."""
+    def kill(self, address: str) -> str:
+        """SIGKILL to the process serving address (a hung one: SIGTERM would wait for it);
+        returns its name and pid."""
         for p in self.processes:
             if p.address == address and p.popen.poll() is None:
                 p.popen.kill()
+                return f"{p.name} (pid {p.popen.pid})"
+        return f"no live process at {address}"
 
     def dead(self) -> list[Process]:
         return [p for p in self.processes if p.popen.poll() is not None]

@@ -118,6 +118,18 @@ class ShardServicer:
             return ps_pb2.PushReply(duplicate=not applied, c_global=self.shard.c_global())
 
     @handler
+    def Evict(self, request: ps_pb2.EvictRequest, context: grpc.ServicerContext) -> wire_pb2.Ack:
+        with self._cv:
+            try:
+                fresh = self.shard.evict(request.vw)
+            except ShardError as exc:
+                raise _rejected(exc) from None
+            if fresh and self.durability is not None:  # a restarted shard must not wait for it again
+                self.durability.checkpoint(self.shard)
+            self._cv.notify_all()  # pulls waiting on its clock may now be answered
+        return wire_pb2.Ack(message=f"vw {request.vw} evicted" if fresh else f"vw {request.vw} was evicted already")
+
+    @handler
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         keys = list(request.keys)
         remaining = context.time_remaining()
@@ -174,7 +186,7 @@ class ShardServicer:
                 virtual_workers=s.virtual_workers, keys=len(s.values),
                 pushes_applied=s.pushes_applied, pushes_duplicate=s.pushes_duplicate,
                 max_clock_distance=s.max_clock_distance, restored_pushes=self.restored_pushes,
-                peak_rss_bytes=devices.peak_rss_bytes(),
+                peak_rss_bytes=devices.peak_rss_bytes(), evicted=sorted(s.evicted),
             )
             if s.ready:
                 status.c_global = s.c_global()

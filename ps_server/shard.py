@@ -58,6 +58,7 @@ class Shard:
         self.pushes_applied = 0
         self.pushes_duplicate = 0
         self.max_clock_distance = 0
+        self.evicted: set[int] = set()  # VWs that left the job: c_global no longer waits for them
 
     @property
     def ready(self) -> bool:
@@ -105,6 +106,24 @@ class Shard:
     def _check_vw(self, vw: int) -> None:
         if not 0 <= vw < self.virtual_workers:
             raise ShardError(ShardError.Kind.INVALID, f"unknown vw {vw}: the job has vws 0..{self.virtual_workers - 1}")
+        if vw in self.evicted:
+            raise ShardError(ShardError.Kind.CLOCK, f"vw {vw} was evicted from the job")
+
+    def _live(self) -> list[int]:
+        return [v for v in range(self.virtual_workers) if v not in self.evicted]
+
+    def evict(self, vw: int) -> bool:
+        """A VW leaves the job: its applied pushes stay in w_global, c_global and the clock
+        distance no longer count it, and it may neither push nor pull. Returns whether it was
+        new; the last VW cannot leave."""
+        self._require_ready()
+        if vw in self.evicted:
+            return False
+        self._check_vw(vw)
+        if self._live() == [vw]:
+            raise ShardError(ShardError.Kind.CLOCK, f"vw {vw} is the last one left: the job cannot go on without it")
+        self.evicted.add(vw)
+        return True
 
     def _check_keys(self, keys: Sequence[str]) -> None:
         if not keys:
@@ -162,7 +181,8 @@ class Shard:
     def c_global(self, keys: Sequence[str] | None = None) -> int:
         """Min over keys and VWs of the pushed clock: waves < c_global of every VW are included."""
         self._require_ready()
-        return min(min(self.clocks[k]) for k in (keys if keys is not None else self.clocks))
+        live = self._live()
+        return min(min(self.clocks[k][v] for v in live) for k in (keys if keys is not None else self.clocks))
 
     def vw_clocks(self, keys: Sequence[str] | None = None) -> list[int]:
         ks = list(keys if keys is not None else self.clocks)
@@ -170,7 +190,10 @@ class Shard:
 
     def clock_distance(self) -> int:
         """G4: spread between the fastest and slowest VW (each VW's clock = min over keys)."""
-        return clock_distance(self.vw_clocks()) if self.ready else 0
+        if not self.ready:
+            return 0
+        clocks = self.vw_clocks()
+        return clock_distance([clocks[v] for v in self._live()])
 
     def check_pull(self, vw: int, keys: Sequence[str]) -> None:
         self._require_ready()
@@ -193,6 +216,7 @@ class Shard:
             h.update(key.encode())
             h.update(self.values[key].contiguous().view(torch.uint8).numpy().tobytes())
             h.update(str(self.clocks[key]).encode())
+        h.update(str(sorted(self.evicted)).encode())
         return h.hexdigest()
 
     # ---- durability ------------------------------------------------------------------------
@@ -205,6 +229,7 @@ class Shard:
             "clocks": {k: torch.tensor(c, dtype=torch.int64) for k, c in self.clocks.items()},
             "pushes_applied": self.pushes_applied,
             "max_clock_distance": self.max_clock_distance,
+            "evicted": torch.tensor(sorted(self.evicted), dtype=torch.int64),
         }
 
     def restore(self, snap: Mapping[str, object]) -> None:
@@ -216,3 +241,5 @@ class Shard:
         self.clocks = {k: [int(c) for c in t.tolist()] for k, t in clocks.items()}
         self.pushes_applied = int(snap["pushes_applied"])  # type: ignore[call-overload]
         self.max_clock_distance = int(snap["max_clock_distance"])  # type: ignore[call-overload]
+        evicted = snap.get("evicted")
+        self.evicted = {int(v) for v in evicted.tolist()} if isinstance(evicted, torch.Tensor) else set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import random
 import threading
@@ -274,6 +275,7 @@ class WspSync:
             batches = {shard: [(self.keys[i], update[i].cpu()) for i in idx] for shard, idx in groups.items()}
             if self.cfg.push_hold_s > 0 and self._closed.wait(self.cfg.push_hold_s):
                 return
+            self._save_ledger(pending=update)
             try:
                 _in_parallel(lambda item: self._push(item[0], wave, item[1]), list(batches.items()))
             except RuntimeError as exc:
@@ -286,9 +288,20 @@ class WspSync:
             for total, u in zip(self._ledger, update):
                 total.add_(u.cpu())
             self._acked_waves = wave + 1
-            if self._acked_waves == self.total_waves and self._ledger_path:
-                torch.save(dict(zip(self.keys, self._ledger)), self._ledger_path)
+            self._save_ledger(pending=None)
             self.cb.wake()
+
+    def _save_ledger(self, pending: list[torch.Tensor] | None) -> None:
+        """With a trace: the sum of the acknowledged pushes, and the push in flight. A stage killed
+        mid-push leaves both, so O3 can check a VW that left the job: each of its keys holds the
+        acknowledged sum, or that plus the push in flight (applied, its ack lost)."""
+        if not self._ledger_path:
+            return
+        record = {"acked": dict(zip(self.keys, self._ledger)),
+                  "pending": {} if pending is None else {k: u.cpu() for k, u in zip(self.keys, pending)}}
+        tmp = f"{self._ledger_path}.tmp"
+        torch.save(record, tmp)
+        os.replace(tmp, self._ledger_path)
 
     def _push(self, shard: int, wave: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """G1: one wave's update to one shard, retried until acknowledged."""

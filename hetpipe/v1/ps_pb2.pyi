@@ -17,6 +17,12 @@ class PullRequest(_message.Message):
     min_clock: int
     def __init__(self, vw: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., min_clock: _Optional[int] = ...) -> None: ...
 
+class EvictRequest(_message.Message):
+    __slots__ = ("vw",)
+    VW_FIELD_NUMBER: _ClassVar[int]
+    vw: int
+    def __init__(self, vw: _Optional[int] = ...) -> None: ...
+
 class PushReply(_message.Message):
     __slots__ = ("duplicate", "c_global")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
@@ -36,7 +42,7 @@ class VwClock(_message.Message):
     def __init__(self, vw: _Optional[int] = ..., min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("virtual_workers", "keys", "clocks", "c_global", "clock_distance", "max_clock_distance", "pushes_applied", "pushes_duplicate", "restored_pushes", "values_digest", "peak_rss_bytes")
+    __slots__ = ("virtual_workers", "keys", "clocks", "c_global", "clock_distance", "max_clock_distance", "pushes_applied", "pushes_duplicate", "restored_pushes", "values_digest", "peak_rss_bytes", "evicted")
     VIRTUAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +54,7 @@ class ShardStatus(_message.Message):
     RESTORED_PUSHES_FIELD_NUMBER: _ClassVar[int]
     VALUES_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
     virtual_workers: int
     keys: int
     clocks: _containers.RepeatedCompositeFieldContainer[VwClock]
@@ -59,4 +66,5 @@ class ShardStatus(_message.Message):
     restored_pushes: int
     values_digest: str
     peak_rss_bytes: int
-    def __init__(self, virtual_workers: _Optional[int] = ..., keys: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[VwClock, _Mapping]]] = ..., c_global: _Optional[int] = ..., clock_distance: _Optional[int] = ..., max_clock_distance: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., restored_pushes: _Optional[int] = ..., values_digest: _Optional[str] = ..., peak_rss_bytes: _Optional[int] = ...) -> None: ...
+    evicted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, virtual_workers: _Optional[int] = ..., keys: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[VwClock, _Mapping]]] = ..., c_global: _Optional[int] = ..., clock_distance: _Optional[int] = ..., max_clock_distance: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., restored_pushes: _Optional[int] = ..., values_digest: _Optional[str] = ..., peak_rss_bytes: _Optional[int] = ..., evicted: _Optional[_Iterable[int]] = ...) -> None: ...

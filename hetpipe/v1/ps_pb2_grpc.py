@@ -55,6 +55,11 @@ class ParameterServerStub:
                 request_serializer=hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_ps__pb2.ShardStatus.FromString,
                 _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/hetpipe.v1.ParameterServer/Evict',
+                request_serializer=hetpipe_dot_v1_dot_ps__pb2.EvictRequest.SerializeToString,
+                response_deserializer=hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -87,6 +92,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """a VW left the job: c_global stops waiting for it
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=hetpipe_dot_v1_dot_wire__pb2.Empty.FromString,
                     response_serializer=hetpipe_dot_v1_dot_ps__pb2.ShardStatus.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=hetpipe_dot_v1_dot_ps__pb2.EvictRequest.FromString,
+                    response_serializer=hetpipe_dot_v1_dot_wire__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +236,33 @@ class ParameterServer:
             '/hetpipe.v1.ParameterServer/Status',
             hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
             hetpipe_dot_v1_dot_ps__pb2.ShardStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetpipe.v1.ParameterServer/Evict',
+            hetpipe_dot_v1_dot_ps__pb2.EvictRequest.SerializeToString,
+            hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,7 +35,7 @@ def max_clock_distance(rows: list[Row], nm: int, steps: int, vws: int) -> int:
 
 
 def _kill_shard_when_busy(out: Path, done: threading.Event, killed: list[int]) -> None:
-    """kill -9 ps shard 0 once it has acknowledged some pushes (its checkpoint has moved on)."""
+    """kill -9 ps server 0 once it has acknowledged some pushes (its checkpoint has moved on)."""
     deadline = time.monotonic() + 240  # process start-up alone can take a minute on a loaded machine
     while not done.is_set() and time.monotonic() < deadline:
         ckpt = out / "ps" / "shard0" / "checkpoint.pt"
@@ -43,7 +43,7 @@ def _kill_shard_when_busy(out: Path, done: threading.Event, killed: list[int]) -
             lines = sum(len(p.read_text().splitlines()) for p in (out / "trace").glob("*.jsonl"))
             if lines > 40:
                 for proc in psutil.Process().children(recursive=True):
-                    if any("ps_shard_0.ready" in part for part in proc.cmdline()):
+                    if any("ps_server_0.ready" in part for part in proc.cmdline()):
                         os.kill(proc.pid, signal.SIGKILL)
                         killed.append(proc.pid)
                         return
@@ -69,7 +69,7 @@ def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tm
         done.set()
         killer.join()
     assert killed, "the shard was never killed: the test proved nothing"
-    log = (out / "logs" / "ps_shard_0.log").read_text()
+    log = (out / "logs" / "ps_server_0.log").read_text()
     assert "restored" in log, "the restarted shard must restore its checkpoint and push log"
 
     check_conservation(job, out, ledgers=3 * 2)

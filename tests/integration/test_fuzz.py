@@ -1,4 +1,4 @@
-"""Fuzz: 1000 malformed or hostile requests to each of the 18 RPCs of a real coordinator, shard
+"""Fuzz: 1000 malformed or hostile requests to each of the 19 RPCs of a real coordinator, shard
 and stage process (`python -m ...`, as a launcher starts them). For every request: an answer
 before the deadline with a status that names a refusal (never INTERNAL or UNKNOWN), the state
 the service reports unchanged when the request was refused, and the service still answering
@@ -36,6 +36,16 @@ SHAPES = {"l0.weight": (2, 3), "l0.bias": (3,)}
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    yield from _initialised_shard(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def evicting_shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """A shard of its own for Evict: a hostile but well-formed Evict rightly evicts a VW."""
+    yield from _initialised_shard(tmp_path_factory)
+
+
+def _initialised_shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     for service in start("ps_server", "ParameterServer", tmp_path_factory.mktemp("shard")):
         # Initialised, with keys and two VWs: hostile pushes and pulls reach the WSP checks.
         w0 = [(k, torch.ones(s)) for k, s in SHAPES.items()]
@@ -114,6 +124,7 @@ RPCS: dict[str, tuple[str, Callable[[Service], Any], Send]] = {
     # A pull of known keys for a clock not reached waits (G2) until just before its deadline.
     "PS.Pull": ("shard", _shard_state, _unary_stream("Pull", ps_pb2.PullRequest.DESCRIPTOR, timeout=0.5)),
     "PS.Status": ("shard", _shard_state, _unary("Status", Empty)),
+    "PS.Evict": ("evicting_shard", _shard_state, _unary("Evict", ps_pb2.EvictRequest.DESCRIPTOR)),
     "Stage.Assign": ("stage", _stage_state, _unary("Assign", stage_pb2.StageAssignment.DESCRIPTOR)),
     "Stage.Start": ("stage", _stage_state, _unary("Start", Empty)),
     "Stage.Forward": ("stage", _stage_state, _tensor_stream("Forward")),
@@ -157,10 +168,10 @@ def _burst(service: Service, state: Callable[[Service], Any] | None, send: Send,
 
 
 @pytest.mark.parametrize("rpc_name", sorted(RPCS))
-def test_malformed_and_hostile_requests_are_refused_without_harm(rpc_name: str, shard: Service, stage: Service,
-                                                                  coordinator: Service) -> None:
+def test_malformed_and_hostile_requests_are_refused_without_harm(rpc_name: str, shard: Service, evicting_shard: Service,
+                                                                  stage: Service, coordinator: Service) -> None:
     fixture, state, send = RPCS[rpc_name]
-    service = {"shard": shard, "stage": stage, "coordinator": coordinator}[fixture]
+    service = {"shard": shard, "evicting_shard": evicting_shard, "stage": stage, "coordinator": coordinator}[fixture]
     rnd = random.Random(rpc_name)
     codes: Counter[str] = Counter()
     _burst(service, state, send, rnd, REQUESTS, codes)

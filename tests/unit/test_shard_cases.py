@@ -178,3 +178,32 @@ def test_non_finite_init_and_pushes_are_refused_and_change_nothing(bad: float) -
     assert_refused(Kind.INVALID, shard.push, 0, 0, [ones("a", shard), ("b", poisoned)])
     assert shard.digest() == digest and shard.pushes_applied == 0, "all or nothing: key a was not applied either"
     assert shard.push(0, 0, [ones("a", shard), ones("b", shard)]), "a finite retry of the same wave is applied"
+
+
+def test_an_evicted_vw_no_longer_holds_c_global_back(tmp_path: Path) -> None:
+    """parallel.on_vw_failure continue: c_global and the clock distance count the VWs that are
+    left; the evicted VW's applied pushes stay; it may neither push nor pull; it stays evicted
+    across a restart; the last VW cannot leave."""
+    shard = two_key_shard(3)
+    for vw, clock in [(0, 0), (0, 1), (2, 0), (2, 1), (1, 0)]:
+        assert shard.push(vw, clock, [ones("a", shard), ones("b", shard)])
+    assert shard.c_global() == 1 and shard.clock_distance() == 1
+    assert shard.evict(1)
+    assert not shard.evict(1), "a second eviction is a no-op"
+    assert shard.c_global() == 2 and shard.clock_distance() == 0
+    assert torch.equal(shard.values["b"], torch.full((3,), 6.0, dtype=torch.float64)), "vw 1's push stays"
+    before = shard.digest()
+    pushed = assert_refused(Kind.CLOCK, shard.push, 1, 1, [ones("a", shard), ones("b", shard)])
+    pulled = assert_refused(Kind.CLOCK, shard.pull, 1, ["a"])
+    assert str(pushed) == str(pulled) == "vw 1 was evicted from the job"
+    assert shard.digest() == before
+
+    durability = Durability(str(tmp_path))
+    durability.checkpoint(shard)
+    restored = Shard()
+    durability.restore(restored)
+    assert restored.evicted == {1} and restored.c_global() == 2 and restored.digest() == before
+
+    assert shard.evict(0)
+    assert "vw 2 is the last one left" in str(assert_refused(Kind.CLOCK, shard.evict, 2))
+    assert shard.c_global() == 2
