@@ -11,6 +11,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,9 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from service_process import Service, start  # noqa: E402
+from stage_rig import Recorder, serve  # noqa: E402
+
+from coordinator.driver import JobDriver  # noqa: E402
+from coordinator.planner import make_plan  # noqa: E402
+from hetpipe.config import parse_job  # noqa: E402
 
 from hetpipe import wire  # noqa: E402
-from hetpipe.v1 import coordinator_pb2, wire_pb2  # noqa: E402
+from hetpipe.v1 import coordinator_pb2, ps_pb2, stage_pb2, wire_pb2  # noqa: E402
 
 
 def _ms(call: Callable[[], object], repeat: int) -> tuple[float, str]:
@@ -48,6 +54,72 @@ def _shard_cases(shard: Service) -> Iterator[tuple[str, Callable[[], object]]]:
         iter(wire.encode([("w", torch.ones(2))], init=wire_pb2.InitTag(virtual_workers=20_000_000))), timeout=10)
     yield "PS.Push, 256 MiB under a foreign key", lambda: shard.call("Push", "stream_unary")(
         wire.encode([("foreign", torch.zeros(64, 1 << 20))], push=wire_pb2.PushTag(vw=0, clock=0)), timeout=30)
+    yield from _exhaustion_cases(shard)
+
+
+def _exhaustion_cases(shard: Service) -> Iterator[tuple[str, Callable[[], object]]]:
+    """Status while 130 pulls without a deadline wait (their lane holds 56; the rest are refused)."""
+    pull = ps_pb2.PullRequest(vw=0, keys=["w"], min_clock=1000).SerializeToString()
+    waiting = [shard.call("Pull", "unary_stream")(pull) for _ in range(130)]
+    try:
+        yield "PS.Status, 130 deadline-less Pulls waiting", lambda: shard.call("Status")(b"", timeout=10)
+        yield "PS.Pull, the 131st", lambda: list(shard.call("Pull", "unary_stream")(pull, timeout=10))
+    finally:
+        for call in waiting:
+            call.cancel()
+
+
+def _assignment() -> stage_pb2.StageAssignment:
+    """What the driver assigns the middle stage of a 3-stage MLP job (to recording fakes)."""
+    job = parse_job({"model": {"name": "mlp", "args": {"in_features": 64, "hidden": [32, 32, 32], "num_classes": 10}},
+                     "data": {"name": "digits", "batch_size": 16}, "train": {"steps": 6},
+                     "parallel": {"stages_per_vw": 3, "nm": 2}, "output": {"dir": tempfile.mkdtemp()}})
+    fakes = [Recorder() for _ in range(3)]
+    servers = [serve(f) for f in fakes]
+    driver = JobDriver(job, make_plan(job), [s.address for s in servers])
+    try:
+        driver.setup()
+    finally:
+        driver.close()
+        for server in servers:
+            server.stop(grace=0)
+    assert fakes[1].assignment is not None
+    return fakes[1].assignment
+
+
+def _stage_cases(stage: Service) -> Iterator[tuple[str, Callable[[], object]]]:
+    good = _assignment()
+    yield "Stage.Status (well-formed, for scale)", lambda: stage.call("Status")(b"", timeout=10)
+    huge = stage_pb2.StageAssignment()
+    huge.CopyFrom(good)
+    del huge.input_shape[:]
+    huge.input_shape.extend([4194304, 64])
+    yield "Stage.Assign, input_shape [4194304, 64]", lambda: stage.call("Assign")(huge.SerializeToString(), timeout=10)
+    big = 1 << 20
+    job = json.loads(good.job_json)
+    job["data"]["batch_size"] = big
+    over = stage_pb2.StageAssignment()
+    over.CopyFrom(good)
+    over.job_json, over.capacity_bytes = json.dumps(job), 64 << 20
+    for field, shape in [("input_shape", [big, 64]), ("activation_shape", [big, 32]), ("output_shape", [big, 32]),
+                         ("target_shape", [big])]:
+        del getattr(over, field)[:]
+        getattr(over, field).extend(shape)
+    yield "Stage.Assign, 520 MiB minibatch, 64 MiB GPU", lambda: stage.call("Assign")(over.SerializeToString(),
+                                                                                     timeout=10)
+    never = threading.Event()
+
+    def silent() -> Iterator[bytes]:
+        never.wait(60)
+        yield b""
+
+    streams = [stage.call("Forward", "stream_unary").future(silent()) for _ in range(16)]
+    try:
+        yield "Stage.Status, 16 silent Forward streams open", lambda: stage.call("Status")(b"", timeout=10)
+    finally:
+        never.set()
+        for s in streams:
+            s.cancel()
 
 
 def _coordinator_cases(coordinator: Service) -> Iterator[tuple[str, Callable[[], object]]]:
@@ -68,7 +140,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{'case':44} {'median ms':>9}  {'code':18} {'RSS before -> after (MB)':>24}")
     with tempfile.TemporaryDirectory() as tmp:
-        for module, service, cases in [("ps_server", "ParameterServer", _shard_cases),
+        for module, service, cases in [("stage_worker", "Stage", _stage_cases),
+                                       ("ps_server", "ParameterServer", _shard_cases),
                                        ("coordinator", "Coordinator", _coordinator_cases)]:
             folder = Path(tmp) / module
             folder.mkdir()

@@ -23,8 +23,7 @@ def build(host: str, port: int, *, heartbeat_interval_s: float = 1.0,
     registry = Registry(heartbeat_interval_s)
     servicer = CoordinatorServicer(registry, JobRunner(registry, claim_timeout_s=claim_timeout_s))
     coordinator_metrics.bind(servicer.metrics_snapshot)
-    # Only control messages come in; the largest is a job file.
-    server = rpc.Server(host, port, role="coordinator", receive_bytes=rpc.REQUEST_BYTES["SubmitRequest"])
+    server = rpc.Server(host, port, role="coordinator")
     rpc.add_service(server.grpc, "Coordinator", servicer)
     return server, servicer
 

@@ -36,6 +36,7 @@ class JobView:
     samples_per_second: float
     loss: float
     summary: dict[str, Any] | None       # summary.json's content, once completed
+    virtual_workers: int = 0             # the plan's, once planned
     evicted: tuple[int, ...] = ()        # VWs that left the job (parallel.on_vw_failure: continue)
 
 
@@ -106,6 +107,7 @@ class JobRunner:
             samples=p.samples if p else 0, total_samples=p.total if p else 0,
             samples_per_second=p.samples_per_second if p else 0.0, loss=p.loss if p else math.nan,
             summary=self._summary, evicted=p.evicted if p else (),
+            virtual_workers=self._plan.virtual_workers if self._plan is not None else 0,
         )
 
     # ---- the job thread -----------------------------------------------------------------------

@@ -25,6 +25,7 @@ class CoordinatorSnapshot:
     workers: Sequence[tuple[int, bool]]      # (role, alive) of every registered worker
     samples_per_second: float | None         # None before the job runs
     loss: float | None
+    virtual_workers: int = 0                 # the job's, once planned
     evicted: Sequence[int] = ()              # VWs that left the job
 
 
@@ -64,10 +65,10 @@ class CoordinatorCollector(Collector):
         yield rate
         yield loss
 
-        evicted = GaugeMetricFamily("hetpipe_job_evicted", "1 for each virtual worker that left the job "
-                                    "(parallel.on_vw_failure: continue)", labels=["vw"])
-        for vw in s.evicted:
-            evicted.add_metric([str(vw)], 1.0)
+        evicted = GaugeMetricFamily("hetpipe_job_evicted", "1 for a virtual worker that left the job "
+                                    "(parallel.on_vw_failure: continue), 0 for one still in it", labels=["vw"])
+        for vw in range(s.virtual_workers):
+            evicted.add_metric([str(vw)], 1.0 if vw in s.evicted else 0.0)
         yield evicted
 
 

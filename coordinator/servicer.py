@@ -78,4 +78,5 @@ class CoordinatorServicer:
         running = view.total_samples > 0
         return CoordinatorSnapshot(state=view.state.name, workers=workers,
                                    samples_per_second=view.samples_per_second if running else None,
-                                   loss=view.loss if running else None, evicted=view.evicted)
+                                   loss=view.loss if running else None,
+                                   virtual_workers=view.virtual_workers, evicted=view.evicted)

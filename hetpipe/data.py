@@ -1,12 +1,14 @@
 """Datasets and the DESIGN §8 data order: the built-ins (digits, synthetic, npz), the user's
-factories (a map-style torch Dataset of (input, target)), the held-out split, and the readers
-stage 0 (inputs) and the last stage (targets) take minibatches from."""
+factories (a map-style torch Dataset of (input, target)), the held-out split, the readers
+stage 0 (inputs) and the last stage (targets) take minibatches from, and the check of the data
+against the model that runs before any process starts."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,12 +19,17 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from hetpipe.config import ConfigError, JobConfig
 
+NUMBERS = "biuf"  # numpy kinds a tensor can be made of and a loss can take
+# torch.nn.functional.cross_entropy skips targets of this value (its ignore_index): not a class.
+IGNORED_LABEL = -100
+
 
 class ArrayDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Rows of two arrays (in memory or memory-mapped); a minibatch is one fancy index."""
+    """Rows of two arrays (in memory or memory-mapped); a minibatch is one fancy index. source:
+    what the job calls it, for errors ("data.path: /data/train.npz")."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
-        self.x, self.y = x, y
+    def __init__(self, x: np.ndarray, y: np.ndarray, source: str = "") -> None:
+        self.x, self.y, self.source = x, y, source
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -52,7 +59,7 @@ def _digits() -> ArrayDataset:
         raise ConfigError("data.name: digits needs scikit-learn installed (it ships the data file)")
     path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
     table = np.loadtxt(path, delimiter=",", dtype=np.float64)
-    return ArrayDataset(table[:, :-1] / 16.0, table[:, -1].astype(np.int64))
+    return ArrayDataset(table[:, :-1] / 16.0, table[:, -1].astype(np.int64), "data.name: digits")
 
 
 def _synthetic(job: JobConfig) -> ArrayDataset:
@@ -69,7 +76,7 @@ def _synthetic(job: JobConfig) -> ArrayDataset:
         seq[:, 0] = rng.integers(0, vocab, size=rows)
         for t in range(context):
             seq[:, t + 1] = nxt[seq[:, t], rng.integers(0, 2, size=rows)]
-        return ArrayDataset(seq[:, :-1], seq[:, 1:])
+        return ArrayDataset(seq[:, :-1], seq[:, 1:], "data.name: synthetic")
     if "features" in args:
         features = int(args["features"])
     elif "in_shape" in margs:
@@ -82,7 +89,8 @@ def _synthetic(job: JobConfig) -> ArrayDataset:
     # teacher matrix of features x classes (1.2 GB for 224x224x3 and 1000 classes).
     used = min(features, 1024)
     scores = x[:, :used] @ rng.standard_normal((used, classes))
-    return ArrayDataset(x, scores if job.train.loss == "mse" else scores.argmax(axis=1).astype(np.int64))
+    return ArrayDataset(x, scores if job.train.loss == "mse" else scores.argmax(axis=1).astype(np.int64),
+                        "data.name: synthetic")
 
 
 def _npz(job: JobConfig) -> ArrayDataset:
@@ -103,7 +111,10 @@ def _npz(job: JobConfig) -> ArrayDataset:
         raise ConfigError(f"data.path: x and y must have a row dimension, got shapes {x.shape} and {y.shape}")
     if len(x) != len(y) or len(x) == 0:
         raise ConfigError(f"data.path: x has {len(x)} rows and y has {len(y)}; expected equal and > 0")
-    return ArrayDataset(x, y)
+    for name, array in (("x", x), ("y", y)):
+        if array.dtype.kind not in NUMBERS:  # strings would fail deep inside torch, in every stage
+            raise ConfigError(f"data.path: {path}: {name} holds {array.dtype} values, expected numbers")
+    return ArrayDataset(x, y, f"data.path: {path}")
 
 
 def _from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
@@ -253,3 +264,97 @@ def read_rows(job: JobConfig, dataset: Dataset[Any], rows: Sequence[int]) -> tup
     getitems = getattr(dataset, "__getitems__", None)
     batch = _collate(getitems(list(rows)) if getitems is not None else [dataset[r] for r in rows])
     return cast(job, batch.x, batch.y)
+
+
+# The checks read arrays in slices of about this many bytes: one pass, a small temporary.
+CHECK_SLICE_BYTES = 16 << 20
+
+
+def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.dtype]], Sequence[int]]) -> None:
+    """ConfigError, one line naming the file (or factory), the array and the element, for data that
+    training would fail on once every process has started, or silently spoil: NaN or Inf in x or in
+    float targets, labels outside the classes of the model's output (its last dimension), targets
+    of another size than the output, an x the model does not take. output_shape: the model's
+    output shape for a minibatch's (shape, dtype) of x, from a shape-only pass.
+
+    Arrays held in memory (npz, digits, synthetic) are checked whole, in one pass over what is
+    loaded anyway; any other dataset, which may stream from disk, by its first item."""
+    default = f"data.factory: {job.data.factory}" if job.data.factory else f"data.name: {job.data.name}"
+    whole = _whole(job)
+    if job.data.eval_fraction > 0:  # a held-out share that leaves no rows to train on
+        _split(job, len(whole))  # type: ignore[arg-type]
+    sets: list[tuple[str, Dataset[Any]]] = [(default, whole)]
+    if job.data.eval_factory is not None:
+        sets.append((f"data.eval_factory: {job.data.eval_factory}",
+                     _from_factory(job, job.data.eval_factory, "data.eval_factory")))
+    for source, dataset in sets:
+        if isinstance(dataset, ArrayDataset) and dataset.source:
+            source = dataset.source
+        x, y = _rows(dataset)
+        for name, array in (("x", x), ("y", y)):
+            if array.dtype.kind not in NUMBERS:
+                raise ConfigError(f"{source}: {name} holds {array.dtype} values, expected numbers")
+        try:
+            first, _ = cast(job, torch.from_numpy(np.ascontiguousarray(x[:1])),
+                            torch.from_numpy(np.ascontiguousarray(y[:1])))
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        batch = (job.data.batch_size, *x.shape[1:])
+        try:
+            output = tuple(output_shape((batch, first.dtype)))
+        except Exception as exc:  # the model's own forward, on the meta device
+            reason = str(exc).splitlines()[0] if str(exc) else ""
+            raise ConfigError(f"{source}: the model does not take x of shape {list(batch)} ({first.dtype}): "
+                              f"{type(exc).__name__}: {reason}") from None
+        _check_rows(job, source, x, y, output)
+
+
+def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, output: tuple[int, ...]) -> None:
+    if x.dtype.kind == "f" and (at := _first(x, lambda s: ~np.isfinite(s))) is not None:
+        raise ConfigError(f"{source}: {_element('x', at)} is {x[at]}")
+    classification = job.train.loss == "cross_entropy"
+    per_row = math.prod(output[1:-1] if classification else output[1:])
+    if math.prod(y.shape[1:]) != per_row:
+        raise ConfigError(f"{source}: rows of y of shape {list(y.shape[1:])} ({math.prod(y.shape[1:])} values), the "
+                          f"model's output {list(output)} needs {per_row} per row for {job.train.loss}")
+    if not classification:
+        if y.dtype.kind == "f" and (at := _first(y, lambda s: ~np.isfinite(s))) is not None:
+            raise ConfigError(f"{source}: {_element('y', at)} is {y[at]}")
+        return
+    classes = output[-1]
+    at = _first(y, lambda s: ((s < 0) & (s != IGNORED_LABEL)) | (s >= classes))
+    if at is not None:
+        raise ConfigError(f"{source}: {_element('y', at)} is {y[at]}, not a class of the model's output "
+                          f"(0 to {classes - 1})")
+
+
+def _rows(dataset: Dataset[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """What to check, with a row dimension: an ArrayDataset's whole arrays when they are in
+    memory, else the first item (memory-mapped arrays and other datasets read from disk)."""
+    if isinstance(dataset, ArrayDataset) and not isinstance(dataset.x, np.memmap) \
+            and not isinstance(dataset.y, np.memmap):
+        return np.asarray(dataset.x), np.asarray(dataset.y)
+    x, y = dataset[0]
+    return _array(x)[None], _array(y)[None]
+
+
+def _array(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+    return np.asarray(value)
+
+
+def _first(array: np.ndarray, bad: Callable[[np.ndarray], np.ndarray]) -> tuple[int, ...] | None:
+    """The index of the first element of array for which bad is true, or None."""
+    step = max(1, CHECK_SLICE_BYTES // max(1, array[:1].nbytes))
+    for start in range(0, len(array), step):
+        mask = bad(array[start:start + step])
+        if mask.any():
+            index = np.unravel_index(int(np.argmax(mask)), mask.shape)
+            return (start + int(index[0]), *(int(i) for i in index[1:]))
+    return None
+
+
+def _element(name: str, index: tuple[int, ...]) -> str:
+    return f"{name}[{', '.join(map(str, index))}]"

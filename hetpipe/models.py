@@ -168,33 +168,83 @@ def parameter_keys(model: nn.Sequential, begin: int, end: int) -> list[str]:
     return [k for k, _ in model.named_parameters() if begin <= int(k.split(".", 1)[0]) < end]
 
 
+class _InitFile:
+    """model.init, read one tensor at a time: a safetensors file, or a state_dict (memory-mapped)."""
+
+    def __init__(self, path: Path, reader: Any) -> None:
+        self.path, self._reader = path, reader
+        self.keys: set[str] = set(reader.keys())
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if isinstance(self._reader, Mapping):
+            return tuple(self.tensor(key).shape)
+        return tuple(self._reader.get_slice(key).get_shape())
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if not isinstance(self._reader, Mapping):
+            return self._reader.get_tensor(key)  # type: ignore[no-any-return]
+        value = self._reader[key]
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(f"model.init: {self.path}: {key} is a {type(value).__name__}, not a tensor")
+        return value
+
+    def lacking(self, keys: list[str]) -> None:
+        missing = [k for k in keys if k not in self.keys]
+        if missing:
+            raise ConfigError(f"model.init: {self.path} lacks {missing[:5]}")
+
+
+@contextlib.contextmanager
+def _open_init(job: JobConfig) -> Iterator[_InitFile]:
+    """ConfigError names a missing file or one that is not a weights file."""
+    assert job.model.init is not None
+    path = Path(job.resolve(job.model.init))
+    with contextlib.ExitStack() as stack:
+        try:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                reader: Any = stack.enter_context(safe_open(str(path), framework="pt"))
+            else:
+                reader = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except FileNotFoundError:
+            raise ConfigError(f"model.init: {path} does not exist") from None
+        except Exception as exc:  # not a weights file: pickled objects, truncated, ...
+            raise ConfigError(f"model.init: {path} is not a safetensors file or a plain state_dict: {exc}") from None
+        if path.suffix != ".safetensors" and not isinstance(reader, Mapping):
+            raise ConfigError(f"model.init: {path} holds a {type(reader).__name__}, expected a state_dict")
+        yield _InitFile(path, reader)
+
+
 def load_init(job: JobConfig, keys: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors of model.init (safetensors, or a state_dict saved with torch.save), read
     one at a time: only these keys are loaded. ConfigError names a missing key or a bad file."""
-    assert job.model.init is not None
-    path = Path(job.resolve(job.model.init))
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors import safe_open
+    with _open_init(job) as f:
+        f.lacking(keys)
+        return {k: f.tensor(k) for k in keys}
 
-            with safe_open(str(path), framework="pt") as f:
-                missing = [k for k in keys if k not in f.keys()]
-                if missing:
-                    raise ConfigError(f"model.init: {path} lacks {missing[:5]}")
-                return {k: f.get_tensor(k) for k in keys}
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError:
-        raise ConfigError(f"model.init: {path} does not exist") from None
-    except ConfigError:
-        raise
-    except Exception as exc:  # not a weights file: pickled objects, truncated, ...
-        raise ConfigError(f"model.init: {path} is not a safetensors file or a plain state_dict: {exc}") from None
-    if not isinstance(state, Mapping):
-        raise ConfigError(f"model.init: {path} holds a {type(state).__name__}, expected a state_dict")
-    missing = [k for k in keys if k not in state]
-    if missing:
-        raise ConfigError(f"model.init: {path} lacks {missing[:5]}")
-    return {k: state[k] for k in keys}
+
+def check_init(job: JobConfig, model: nn.Sequential) -> None:
+    """What the stages would find reading model.init, found before any process starts: every key
+    of the model's state_dict there, of its shape, and finite. ConfigError names the file and the
+    key. One tensor in memory at a time: the launcher never holds the model."""
+    own = model.state_dict(keep_vars=True)  # the structure's: meta parameters, real buffers
+    with _open_init(job) as f:
+        f.lacking(list(own))
+        for key, value in own.items():
+            if f.shape(key) != tuple(value.shape):
+                raise ConfigError(f"model.init: {f.path}: {key} has shape {list(f.shape(key))}, the model "
+                                  f"{list(value.shape)}")
+        for key in own:
+            tensor = f.tensor(key)
+            if tensor.is_floating_point() and not _finite(tensor):
+                raise ConfigError(f"model.init: {f.path}: {key} holds NaN or Inf")
+
+
+def _finite(tensor: torch.Tensor, slice_elements: int = 1 << 22) -> bool:
+    """Whether every element is finite, read in slices (a small temporary, whatever the size)."""
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + slice_elements]).all()) for i in range(0, flat.numel(), slice_elements))
 
 
 def initialise_from(layers: nn.Sequential, values: Mapping[str, torch.Tensor], where: str) -> None:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from hetpipe.validate import ConfigError
 
 # safetensors' names for the dtypes the wire carries.
 DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -49,6 +52,23 @@ def layout(entries: Sequence[Entry], max_shard_bytes: int) -> list[list[Entry]]:
 def file_names(count: int) -> list[str]:
     """model.safetensors alone, or the Hugging Face convention model-00001-of-0000N.safetensors."""
     return [SINGLE_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def check_dir(out_dir: Path) -> None:
+    """ConfigError unless out_dir is a folder this process can write in, or can be made one: found
+    before any process starts, not when the first of them writes there."""
+    existing = out_dir
+    while not existing.exists() and not existing.is_symlink():  # a missing path under a file: not there
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "a file" if existing.is_file() else "not a folder"
+        raise ConfigError(f"output.dir: {out_dir}: {existing} is {what}")
+    try:  # a probe rather than os.access, which says yes to root on a read-only or virtual file system
+        fd, probe = tempfile.mkstemp(prefix=".hetpipe-probe-", dir=existing)
+    except OSError as exc:
+        raise ConfigError(f"output.dir: {out_dir}: cannot write in {existing}: {exc.strerror}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def clear(out_dir: Path) -> None:

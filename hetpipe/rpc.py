@@ -57,9 +57,9 @@ def server_threads(service: str) -> int:
     return sum(LANES.get(service, {}).values()) + RESERVED_THREADS
 
 
-def options(receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+def options() -> list[tuple[str, Any]]:
     return [
-        ("grpc.max_receive_message_length", receive_bytes),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ]
@@ -149,11 +149,9 @@ class Server:
     """A gRPC server with the standard health service and the gRPC metrics interceptor, bound to
     host:port (0 = any free port)."""
 
-    def __init__(self, host: str, port: int, *, role: str = "unknown", workers: int = 16,
-                 receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, host: str, port: int, *, role: str = "unknown", workers: int = 16) -> None:
         # role: the `role` label of this server's gRPC metrics (coordinator, stage_worker, ps_shard).
-        # receive_bytes: the largest request gRPC reads; a larger one is refused from its header.
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options(receive_bytes),
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options(),
                                 interceptors=[ServerMetricsInterceptor(role)])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

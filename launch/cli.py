@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from coordinator.config import DEFAULT_PORT
 from coordinator.planner import Plan, PlanError, make_plan
 from coordinator.planner.plan import NM_MEMORY_LIMIT
 from launch import compose
-from launch.local import ADDRESS_FILE, read_status, run_local
+from launch.local import ADDRESS_FILE, preflight, read_status, run_local
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -59,10 +60,10 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_or_usage(path: str) -> tuple[JobConfig, Plan] | int:
+def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] = make_plan) -> tuple[JobConfig, Plan] | int:
     try:
         job = load_job(path)
-        return job, make_plan(job)
+        return job, plan(job)
     except (ConfigError, PlanError) as exc:
         _error(str(exc))
         return EXIT_USAGE
@@ -70,7 +71,7 @@ def _plan_or_usage(path: str) -> tuple[JobConfig, Plan] | int:
 
 def _plan(args: argparse.Namespace) -> int:
     """Prints the plan: VWs, GPUs, layer ranges, memory against capacity, predicted times."""
-    planned = _plan_or_usage(args.config)
+    planned = _plan_or_usage(args.config, preflight)  # refuses what `hetpipe run` would, before it starts
     if isinstance(planned, int):
         return planned
     job, plan = planned

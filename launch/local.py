@@ -75,13 +75,20 @@ def _kill_hung(procs: LocalProcesses, address: str, why: str) -> None:
 
 
 def preflight(job: JobConfig) -> Plan:
-    """What must hold before any process starts: the model factory gives a model (built on the
-    meta device), the data factories give datasets of (input, target), and the job has a plan.
-    Raises ConfigError or PlanError naming what is wrong."""
-    plan = make_plan(job)  # profiles models.structure(...) and reads data.first_item(job)
-    if job.data.eval_factory is not None:
-        data.held_out_set(job)
-    return plan
+    """What must hold before any process starts, so that `hetpipe plan` finds what `hetpipe run`
+    would: the model factory gives a model (built on the meta device); the data factories give
+    datasets of (input, target) that the model takes and the loss can use, without NaN or Inf;
+    model.init has the model's keys and shapes, finite; output.dir can be written; the job has a
+    plan. Raises ConfigError or PlanError naming what is wrong, in one line."""
+    from coordinator.planner.shapes import boundaries
+    from hetpipe import models
+
+    model = models.structure(job.model, job.base_dir)
+    data.check(job, lambda x: boundaries(model, x)[-1][0])
+    if job.model.init is not None:
+        models.check_init(job, model)
+    outputs.check_dir(Path(job.resolve(job.output.dir)))
+    return make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
 
 
 def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: float = 1.0) -> dict[str, Any]:

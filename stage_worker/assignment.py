@@ -16,7 +16,7 @@ from hetpipe.config import ConfigError, ResolvedJob
 from hetpipe.errors import Rejected
 from hetpipe.units import format_bytes
 from hetpipe.v1 import stage_pb2
-from hetpipe.wire import WireError, torch_dtype
+from hetpipe.wire import MAX_BUNDLE_BYTES, WireError, torch_dtype
 
 # Emulated times and transfers are padded with sleeps: more than an hour per task is a mistake.
 MAX_SECONDS = 3600.0
@@ -41,6 +41,10 @@ class TensorSpec:
             raise _invalid(f"{what}: dtype {tensor.dtype}, expected {self.dtype}")
         if tuple(tensor.shape) != self.shape:
             raise _invalid(f"{what}: shape {list(tensor.shape)}, expected {list(self.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def check_output(self, stage: str, tensor: torch.Tensor) -> None:
         """RuntimeError unless the stage's own layers produced what the plan said they would."""
@@ -122,7 +126,8 @@ def _spec(a: stage_pb2.StageAssignment, name: str, batch: int) -> TensorSpec:
 
 def validate(a: stage_pb2.StageAssignment) -> Setup:
     """The assignment as a Setup; Rejected (INVALID_ARGUMENT, or FAILED_PRECONDITION for a device
-    this machine lacks) naming the first field that is wrong."""
+    this machine lacks, RESOURCE_EXHAUSTED for a minibatch larger than the stage's GPU) naming
+    the first field that is wrong."""
     try:
         job = ResolvedJob.from_json(a.job_json)
     except ConfigError as exc:
@@ -166,5 +171,25 @@ def validate(a: stage_pb2.StageAssignment) -> Setup:
 
 def _specs(a: stage_pb2.StageAssignment, batch: int) -> Specs:
     data = _spec(a, "input", batch)  # one minibatch's x: stage 0's input, checked on every stage
-    return Specs(activation=data if a.stage == 0 else _spec(a, "activation", batch),
-                 output=_spec(a, "output", batch), target=_spec(a, "target", batch))
+    specs = Specs(activation=data if a.stage == 0 else _spec(a, "activation", batch),
+                  output=_spec(a, "output", batch), target=_spec(a, "target", batch))
+    _check_minibatch_bytes(a, {"input": data, "activation": specs.activation, "output": specs.output,
+                               "target": specs.target})
+    return specs
+
+
+def _check_minibatch_bytes(a: stage_pb2.StageAssignment, specs: dict[str, TensorSpec]) -> None:
+    """Rejected (RESOURCE_EXHAUSTED) when one minibatch's tensors would not fit the GPU the plan
+    gave this stage (capacity_bytes), or pass the 16 GiB a tensor bundle may carry, whatever
+    capacity_bytes claims."""
+    # The planner fits nm minibatches' activations and the weights into capacity_bytes, so no plan
+    # it makes comes near this bound: the 118M GPT of bench/gpu.py takes 0.3 GiB per minibatch at
+    # batch 32, VGG19 at 224 x 224 and batch 32 at most 0.8 GiB, against a GPU of 6 GiB or more.
+    distinct = {id(s): s for s in specs.values()}  # stage 0's activation is its input
+    total = sum(s.nbytes for s in distinct.values())
+    if total > min(a.capacity_bytes, MAX_BUNDLE_BYTES):
+        name, largest = max(specs.items(), key=lambda item: item[1].nbytes)
+        bound = (f"capacity_bytes {format_bytes(a.capacity_bytes)}" if a.capacity_bytes <= MAX_BUNDLE_BYTES
+                 else f"the {format_bytes(MAX_BUNDLE_BYTES)} a tensor bundle may carry")
+        raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}_shape {list(largest.shape)}: one minibatch's "
+                       f"tensors take {format_bytes(total)}, more than {bound}")

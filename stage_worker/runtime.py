@@ -50,7 +50,7 @@ class StageRuntime:
         self._final: int | None = None  # the final evaluation's min_clock, once asked for
         self._final_merged = False
         self._losses: deque[torch.Tensor] = deque(maxlen=10)  # read (a device sync) only when polled
-        self._busy = False            # a task is running (its input still counts as ready)
+        self._busy = False            # a schedule task is running (its input still counts as ready)
         self._idle_seconds = self._wait_idle_seconds = 0.0
         self._phase_seconds = {"forward": 0.0, "backward": 0.0}
 
@@ -201,7 +201,8 @@ class StageRuntime:
                 task = self._eval_task(s) or s.schedule.next_task(s.forward_allowed)
                 waiting = s.sync.waiting
                 if task is not None:
-                    self._busy = True
+                    # An evaluation or the final merge is no input of the schedule's.
+                    self._busy = task.kind not in (TaskKind.EVAL, TaskKind.MERGE_FINAL)
                     return task
                 committed = s.scaling is None or not s.scaling.waiting
                 if self.state == StageState.RUNNING and s.schedule.done and committed and s.sync.finished():

@@ -72,6 +72,17 @@ class FakeNeighbour(stage_pb2_grpc.StageServicer):
             assert self.cv.wait_for(lambda: len(self.got) >= n, timeout), f"got {len(self.got)} messages, want {n}"
 
 
+@dataclass
+class Recorder(FakeNeighbour):
+    """A fake stage that keeps the assignment the driver sends it."""
+
+    assignment: stage_pb2.StageAssignment | None = None
+
+    def Assign(self, request: Any, context: Any) -> wire_pb2.Ack:
+        self.assignment = request
+        return wire_pb2.Ack()
+
+
 def serve(servicer: Any) -> rpc.Server:
     """An in-process server of the Stage service, registered as `python -m stage_worker` does."""
     server = rpc.Server("127.0.0.1", 0, workers=8)

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from hetpipe import rpc
+from hetpipe.metrics import REGISTRY
 from hetpipe.v1 import stage_pb2
 from launch.local import run_local
 from tests.trace_rules import check_conservation
@@ -75,3 +76,6 @@ def test_a_killed_vw_leaves_and_the_others_finish(make_job, tmp_path: Path) -> N
         rows = (out / "trace" / f"vw{vw}_stage1.jsonl").read_text().splitlines()
         assert len(rows) == 80, f"vw {vw} trained {len(rows)} of 80 minibatches"
     check_conservation(job, out, ledgers=3 * 2, left=[1])
+    # The embedded coordinator's metrics say so too.
+    assert REGISTRY.get_sample_value("hetpipe_job_evicted", {"vw": "1"}) == 1.0
+    assert REGISTRY.get_sample_value("hetpipe_job_evicted", {"vw": "0"}) == 0.0

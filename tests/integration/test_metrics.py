@@ -164,7 +164,7 @@ def _provoke_invalid_argument(coordinator: str, stage: str, shard: str) -> None:
 def test_every_process_exports_the_documented_metrics(make_job) -> None:
     promtool = ensure_promtool()
     docs = contract()
-    assert {k: len(v) for k, v in docs.items()} == {"stage": 17, "ps": 7, "coordinator": 4, "grpc": 2}, docs
+    assert {k: len(v) for k, v in docs.items()} == {"stage": 17, "ps": 7, "coordinator": 5, "grpc": 2}, docs
     job = make_job(JOB)
     out_dir = Path(job.resolve(job.output.dir))
     # `hetpipe run` in its own process, as a user runs it: the coordinator's registry then holds
@@ -269,6 +269,7 @@ def _check_coordinator(s: Samples, e: Endpoint, docs: dict[str, list[Documented]
     assert s.one("hetpipe_workers", role="ps_shard", alive="true") == 2
     assert s.one("hetpipe_job_samples_per_second") > 0
     assert 0 < s.one("hetpipe_job_loss") < 10
+    assert s.one("hetpipe_job_evicted", vw="0") == s.one("hetpipe_job_evicted", vw="1") == 0
     for method in ("Register", "Heartbeat", "GetJob", "ListWorkers"):  # the job came at start, as with --job
         assert _handled(s, method, "OK") >= 1, method
     # This process may have run other coordinators before (one registry per process): a delta.

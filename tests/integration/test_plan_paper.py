@@ -33,8 +33,9 @@ def paper_job(model: str, policy: str, nm: int | str = "auto") -> dict[str, Any]
         # pushing VGG-19's 548 MB, not the paper's cluster, would decide Nm.
         "cluster": {"nodes": [{"name": f"n{i}", "gpus": [{"type": t, "count": 4}]}
                               for i, t in enumerate(LETTER)], "emulate": {"time_scale": 20.0, "network": {}}},
-        "model": {"name": model, "args": {}},
-        "data": {"name": "synthetic", "batch_size": 32},
+        # in_shape said, not left to the zoo's default: synthetic data takes its features from it.
+        "model": {"name": model, "args": {"in_shape": [3, 224, 224]}},
+        "data": {"name": "synthetic", "batch_size": 32, "args": {"rows": 32}},
         "train": {"optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9}},
         "parallel": {"virtual_workers": 4, "stages_per_vw": 4, "policy": policy, "nm": nm, "ps_shards": 4},
     }

@@ -12,15 +12,18 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 
+from conftest import deep_update, example_job
 from coordinator.driver import JobDriver
 from coordinator.planner import make_plan
 from hetpipe import rpc
+from hetpipe.config import load_job
 from hetpipe.v1 import stage_pb2, stage_pb2_grpc, wire_pb2
 from stage_rig import (
     NM,
@@ -28,6 +31,7 @@ from stage_rig import (
     STEPS,
     Code,
     FakeNeighbour,
+    Recorder,
     Rig,
     State,
     frames,
@@ -35,6 +39,7 @@ from stage_rig import (
     refused,
     serve,
 )
+from stage_worker.assignment import validate
 from stage_worker.runtime import StageRuntime
 from stage_worker.servicer import StageServicer
 
@@ -48,17 +53,6 @@ def rig(make_job) -> Iterator[Rig]:
 
 
 # ---- Assign on a fresh worker ---------------------------------------------------------
-
-
-@dataclass
-class Recorder(FakeNeighbour):
-    """A fake stage that keeps the assignment the driver sends it."""
-
-    assignment: stage_pb2.StageAssignment | None = None
-
-    def Assign(self, request: Any, context: Any) -> wire_pb2.Ack:
-        self.assignment = request
-        return wire_pb2.Ack()
 
 
 @pytest.fixture
@@ -174,6 +168,44 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
         time.sleep(0.01)
     assert (s.state, s.received, s.forwards_done, s.backwards_done, s.local_version) == (State.RUNNING, 1, 1, 1, 1)
     assert s.last_loss > 0
+
+
+# bench/gpu.py's 117.8M GPT on two emulated 16 GiB T4s: the largest minibatches of the jobs we ship.
+GPT_118M = {"model": {"name": "gpt", "args": {"vocab": 8192, "context": 256, "dim": 1024, "heads": 16, "layers": 8}},
+            "data": {"name": "synthetic", "args": {"rows": 64}},
+            "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "t4", "count": 2}]}], "emulate": {}},
+            "parallel": {"virtual_workers": 1, "stages_per_vw": 2, "nm": 2}}
+LEGITIMATE = {
+    **{name: (name, {}) for name in ("quickstart", "compose-cluster", "paper-cluster", "own-model", "streaming")},
+    "gpt-118m batch 16": (None, deep_update(GPT_118M, {"data": {"batch_size": 16}})),
+    "gpt-118m batch 32": (None, deep_update(GPT_118M, {"data": {"batch_size": 32}})),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LEGITIMATE))
+def test_the_planners_assignments_pass_the_minibatch_size_rule(tmp_path: Path, case: str) -> None:
+    """The bound on one minibatch's bytes refuses no assignment of a job we ship: what JobDriver
+    sends each stage of the examples and of the 118M GPT (up to 0.3 GiB a minibatch) validates."""
+    example, raw = LEGITIMATE[case]
+    if example is not None:
+        job = load_job(example_job(tmp_path, example))
+    else:
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(deep_update(raw, {"output": {"dir": str(tmp_path / "out")}})))
+        job = load_job(tmp_path / "job.yaml")
+    plan = make_plan(job)
+    fakes = [Recorder() for _ in plan.stages]
+    servers = [serve(f) for f in fakes]
+    shards = ["127.0.0.1:1"] * plan.shards if plan.virtual_workers > 1 else []  # setup never calls them
+    driver = JobDriver(job, plan, [s.address for s in servers], ps_addresses=shards)
+    try:
+        driver.setup()
+        for fake in fakes:
+            assert fake.assignment is not None
+            validate(fake.assignment)  # Rejected if the rule refused it
+    finally:
+        driver.close()
+        for server in servers:
+            server.stop(grace=0)
 
 
 @pytest.mark.parametrize(("change", "match"), [

@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetpipe.config import ConfigError, JobConfig, parse_job
-from hetpipe.data import Minibatches, eval_batches, held_out_set, minibatch_rows, read_rows, training_set
+from hetpipe import data
+from hetpipe.data import (IGNORED_LABEL, Minibatches, check, eval_batches, held_out_set, minibatch_rows,
+                          read_rows, training_set)
 from hetpipe.reference import minibatch
 
 
@@ -280,3 +282,31 @@ def test_eval_fraction_holds_out_the_same_rows_every_time(tmp_path: Path) -> Non
     assert eval_batches(job, held, rows=100) == [[0, 1, 2, 3]]
     with pytest.raises(ConfigError, match="leaves none to train on"):
         training_set(factory_job(tmp_path, eval_fraction=0.9, args={"rows": 1}))
+
+
+# ---- the check before any process starts (the refusals: tests/e2e/test_refused_before_start.py)
+
+
+def test_the_check_accepts_what_training_takes(tmp_path: Path) -> None:
+    """No false refusals: cross_entropy's ignored label (-100), tokens against per-token logits,
+    and the finite rows beyond a slice of the scan."""
+    x = np.zeros((6, 2))
+    np.savez(tmp_path / "data.npz", x=x, y=np.array([0, 1, 2, IGNORED_LABEL, 2, 1]))
+    check(npz_job(tmp_path), lambda x: (x[0][0], 3))
+    with pytest.raises(ConfigError, match=r"y\[1\] is 1, not a class of the model's output \(0 to 0\)"):
+        check(npz_job(tmp_path), lambda x: (x[0][0], 1))
+    gpt = parse_job({"model": {"name": "gpt", "args": {"vocab": 16, "context": 4}},
+                     "data": {"name": "synthetic", "batch_size": 4, "args": {"rows": 8}}})
+    check(gpt, lambda x: (*x[0], 16))  # (B, T) tokens, (B, T, vocab) logits
+    with pytest.raises(ConfigError, match=r"data\.name: synthetic: y\[\d+, \d+\] is \d+, not a class"):
+        check(gpt, lambda x: (*x[0], 2))
+
+
+def test_the_check_finds_the_first_bad_element_past_the_first_slice(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data, "CHECK_SLICE_BYTES", 64)  # 4 rows of 2 float64 per slice
+    x = np.zeros((40, 2))
+    x[37, 1] = np.inf
+    np.savez(tmp_path / "data.npz", x=x, y=np.zeros(40, dtype=np.int64))
+    with pytest.raises(ConfigError, match=r"data\.path: .*data\.npz: x\[37, 1\] is inf$"):
+        check(npz_job(tmp_path), lambda x: (x[0][0], 3))

@@ -1,0 +1,195 @@
+"""What `hetpipe plan` and `hetpipe run` refuse before any process starts (issue 14, "accepted
+nonsense" and "messy failures"): data with NaN or Inf or labels the model has no class for, a
+model.init that does not fit the model, an output.dir that cannot be written. Each is one line
+naming the file and the array or key, exit 2, no traceback. And what a run leaves behind when it
+fails after starting, or when its loss is NaN."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from conftest import BASE_JOB, deep_update
+from hetpipe import models
+from hetpipe.config import parse_job
+
+pytestmark = pytest.mark.timeout(120)
+HETPIPE = [sys.executable, "-m", "launch.cli"]
+ROWS, FEATURES, CLASSES = 64, 64, 10  # BASE_JOB's mlp: 64 inputs, 10 classes
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HETPIPE, *args], cwd=cwd, capture_output=True, text=True, timeout=100)
+
+
+def _job(tmp_path: Path, **overrides: Any) -> Path:
+    path = tmp_path / "job.yaml"
+    raw = deep_update(BASE_JOB, {"train": {"steps": 5}, "output": {"dir": str(tmp_path / "out"), "trace": False},
+                                 **overrides})
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _npz(tmp_path: Path, spoil: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    x, y = spoil(rng.standard_normal((ROWS, FEATURES)), rng.integers(0, CLASSES, ROWS))
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    return {"data": {"name": "npz", "path": "data.npz"}}
+
+
+def _set(array: np.ndarray, index: tuple[int, ...], value: float) -> np.ndarray:
+    array = array.astype(np.float64)
+    array[index] = value
+    return array
+
+
+def _init(tmp_path: Path, name: str, spoil: Callable[[dict[str, torch.Tensor]], None]) -> dict[str, Any]:
+    """model.init: the model's own initial weights, spoiled."""
+    state = {k: v.clone() for k, v in models.build(parse_job(BASE_JOB)).state_dict().items()}
+    spoil(state)
+    if name.endswith(".safetensors"):
+        save_file(state, str(tmp_path / name))
+    else:
+        torch.save(state, tmp_path / name)
+    return {"model": {"init": name}}
+
+
+def _under_a_file(tmp_path: Path) -> dict[str, Any]:
+    (tmp_path / "results").write_text("a regular file where a folder is wanted\n")
+    return {"output": {"dir": str(tmp_path / "results" / "run1")}}
+
+
+def _unwritable(tmp_path: Path) -> dict[str, Any]:
+    if os.geteuid() == 0:  # root writes in any folder whatever its mode, but not in /proc
+        return {"output": {"dir": "/proc/hetpipe-test/out"}}
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    return {"output": {"dir": str(locked / "out")}}
+
+
+def _garbage(tmp_path: Path) -> dict[str, Any]:
+    (tmp_path / "data.npz").write_bytes(b"PK\x03\x04 not really a zip file")
+    return {"data": {"name": "npz", "path": "data.npz"}}
+
+
+def _nan(state: dict[str, torch.Tensor]) -> None:
+    state["2.weight"][3, 1] = math.nan
+
+
+def _inf(state: dict[str, torch.Tensor]) -> None:
+    state["0.bias"][7] = math.inf
+
+
+def _drop(state: dict[str, torch.Tensor]) -> None:
+    del state["4.bias"]
+
+
+def _reshape(state: dict[str, torch.Tensor]) -> None:
+    state["0.weight"] = torch.zeros(5, 5)
+
+
+# case: (what to write under tmp_path, returning the job's overrides; the error, with {tmp} for
+# tmp_path and {out} for the job's output.dir)
+CASES: dict[str, tuple[Callable[[Path], dict[str, Any]], str]] = {
+    "NaN in x": (lambda t: _npz(t, lambda x, y: (_set(x, (3, 5), math.nan), y)),
+                 "data.path: {tmp}/data.npz: x[3, 5] is nan"),
+    "Inf in float targets": (
+        lambda t: {**_npz(t, lambda x, y: (x, _set(np.zeros((ROWS, CLASSES)), (7, 2), -math.inf))),
+                   "train": {"loss": "mse"}},
+        "data.path: {tmp}/data.npz: y[7, 2] is -inf"),
+    "a label beyond the classes": (lambda t: _npz(t, lambda x, y: (x, np.where(np.arange(ROWS) == 9, CLASSES, y))),
+                                   "data.path: {tmp}/data.npz: y[9] is 10, not a class of the model's output (0 to 9)"),
+    "a negative label": (lambda t: _npz(t, lambda x, y: (x, np.where(np.arange(ROWS) == 2, -1, y))),
+                         "data.path: {tmp}/data.npz: y[2] is -1, not a class of the model's output (0 to 9)"),
+    "string labels": (lambda t: _npz(t, lambda x, y: (x, np.array(["cat", "dog"] * (ROWS // 2)))),
+                      "data.path: {tmp}/data.npz: y holds <U3 values, expected numbers"),
+    "targets of another size": (lambda t: {**_npz(t, lambda x, y: (x, np.zeros((ROWS, 3)))), "train": {"loss": "mse"}},
+                                "data.path: {tmp}/data.npz: rows of y of shape [3] (3 values), the model's output "
+                                "[16, 10] needs 10 per row for mse"),
+    "x the model does not take": (lambda t: _npz(t, lambda x, y: (x[:, :32], y)),
+                                  "data.path: {tmp}/data.npz: the model does not take x of shape [16, 32]"),
+    "no data file": (lambda t: {"data": {"name": "npz", "path": "nowhere.npz"}},
+                     "data.path: {tmp}/nowhere.npz does not exist"),
+    "a data file that is not an npz": (_garbage, "data.path: {tmp}/data.npz is not a readable npz of plain arrays"),
+    "NaN in model.init": (lambda t: _init(t, "w0.safetensors", _nan),
+                          "model.init: {tmp}/w0.safetensors: 2.weight holds NaN or Inf"),
+    "Inf in a state_dict": (lambda t: _init(t, "w0.pt", _inf), "model.init: {tmp}/w0.pt: 0.bias holds NaN or Inf"),
+    "model.init without a key": (lambda t: _init(t, "w0.safetensors", _drop),
+                                 "model.init: {tmp}/w0.safetensors lacks ['4.bias']"),
+    "model.init of another shape": (lambda t: _init(t, "w0.pt", _reshape),
+                                    "model.init: {tmp}/w0.pt: 0.weight has shape [5, 5], the model [32, 64]"),
+    "output.dir under a file": (_under_a_file, "output.dir: {tmp}/results/run1: {tmp}/results is a file"),
+    "output.dir not writable": (_unwritable, "output.dir: {out}: cannot write in "),
+}
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_refused_in_one_line_before_any_process_starts(tmp_path: Path, case: str, command: str) -> None:
+    write, message = CASES[case]
+    overrides = write(tmp_path)
+    job = _job(tmp_path, **overrides)
+    done = _cli(command, *(["-q"] if command == "run" else []), str(job), cwd=tmp_path)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    out = overrides.get("output", {}).get("dir", tmp_path / "out")
+    assert done.stderr.startswith("hetpipe: error: " + message.format(tmp=tmp_path, out=out)), done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "out" / "logs").exists(), "no process was started"
+
+
+def test_the_job_itself_passes(tmp_path: Path) -> None:
+    """The cases above spoil one thing each of a job that plans."""
+    unspoiled = {**_npz(tmp_path, lambda x, y: (x, y)), **_init(tmp_path, "w0.pt", lambda state: None)}
+    done = _cli("plan", str(_job(tmp_path, **unspoiled)), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_run_that_fails_after_starting_leaves_no_earlier_summary(tmp_path: Path) -> None:
+    """An earlier run's results are gone once a new run into the same output.dir has started,
+    even when it fails: nothing there can pass for the new run's."""
+    out = tmp_path / "out"
+    first = _cli("run", "-q", str(_job(tmp_path)), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert (out / "summary.json").exists() and (out / "model.safetensors").exists()
+    # Item 0 reads (what the checks before the start read of a factory's data); row 1 does not.
+    (tmp_path / "rows.py").write_text(
+        "import torch\n\n"
+        "class Rows(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n        return 64\n\n"
+        "    def __getitem__(self, i):\n"
+        "        if i > 0:\n            raise OSError(f'row {i} is unreadable')\n"
+        "        return torch.zeros(64), 0\n\n"
+        "def train():\n    return Rows()\n")
+    second = _cli("run", "-q", str(_job(tmp_path, data={"name": None, "factory": "rows:train"})), cwd=tmp_path)
+    assert second.returncode == 1, second.stderr
+    assert "hetpipe: job failed: stage 0 of vw 0: OSError: row 1 is unreadable" in second.stderr
+    assert (out / "logs").is_dir(), "the processes had started"
+    assert json.loads((out / "status.json").read_text())["state"] == "FAILED"
+    assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
+
+
+def test_a_nan_loss_is_null_in_summary_json(tmp_path: Path) -> None:
+    """A run whose loss diverges still ends, and its summary is strict JSON: NaN is null."""
+    done = _cli("run", "-q", str(_job(tmp_path, train={"steps": 10, "optimizer": {"name": "sgd", "lr": 1e30}})),
+                cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in strict JSON")
+
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["final_loss"] is None and summary["steps"] == 10
+    printed = json.loads(done.stdout.splitlines()[0], parse_constant=refuse)
+    assert printed["final_loss"] is None
