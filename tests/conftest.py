@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 import shutil
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +112,19 @@ def inject_faults(monkeypatch: pytest.MonkeyPatch):
             monkeypatch.setenv(key, value)
 
     return inject
+
+
+def run_beside(job: JobConfig, interfere: Callable[[Path, threading.Event, list[Any]], None]) -> tuple[dict[str, Any], list[Any]]:
+    """`hetpipe run`'s run_local(job), with interfere(out_dir, done, found) on a thread beside it
+    (a kill, a SIGSTOP; it returns once done is set); returns the summary and what it found."""
+    from launch.local import run_local
+
+    done, found = threading.Event(), []
+    thread = threading.Thread(target=interfere, args=(Path(job.resolve(job.output.dir)), done, found), daemon=True)
+    thread.start()
+    try:
+        summary = run_local(job, quiet=True)
+    finally:
+        done.set()
+        thread.join()
+    return summary, found

@@ -8,6 +8,7 @@ gets what the test sends.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -188,3 +189,21 @@ def refused(call: Any, request: Any, code: grpc.StatusCode, match: str) -> str:
     details: str = err.details()
     assert re.search(match, details), f"{details!r} does not match {match!r}"
     return details
+
+
+def variant(good: stage_pb2.StageAssignment, job: dict[str, Any] | None = None,
+            **fields: Any) -> stage_pb2.StageAssignment:
+    """A copy of good with these fields replaced (lists whole), and job merged into its job file."""
+    from conftest import deep_update  # pytest's module: imported where a test runs
+
+    a = stage_pb2.StageAssignment()
+    a.CopyFrom(good)
+    if job is not None:
+        a.job_json = json.dumps(deep_update(json.loads(good.job_json), job))
+    for key, value in fields.items():
+        if isinstance(value, list):
+            del getattr(a, key)[:]
+            getattr(a, key).extend(value)
+        else:
+            setattr(a, key, value)
+    return a

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from hetpipe.errors import JobFailed
+from conftest import run_beside
 from launch.local import run_local
 from tests.trace_rules import check_conservation
 
@@ -47,14 +48,7 @@ def test_a_stopped_shard_is_named_killed_and_restarted(make_job, capfd, tmp_path
                     "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.01}},
     })
     out = tmp_path / "out"
-    done, stopped = threading.Event(), []
-    stopper = threading.Thread(target=_stop_shard_when_busy, args=(out, done, stopped), daemon=True)
-    stopper.start()
-    try:
-        summary = run_local(job, quiet=True)
-    finally:
-        done.set()
-        stopper.join()
+    summary, stopped = run_beside(job, _stop_shard_when_busy)
     assert stopped, "the shard was never stopped: the test proved nothing"
     _, at, gone = stopped[0]
     assert gone - at >= STALL_S, "killed before the stall timeout"

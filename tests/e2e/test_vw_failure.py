@@ -15,7 +15,7 @@ import pytest
 from hetpipe import rpc
 from hetpipe.metrics import REGISTRY
 from hetpipe.v1 import stage_pb2
-from launch.local import run_local
+from conftest import run_beside
 from tests.trace_rules import check_conservation
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,14 +57,7 @@ def test_a_killed_vw_leaves_and_the_others_finish(make_job, tmp_path: Path) -> N
                     "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.01}},
     })
     out = tmp_path / "out"
-    done, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_when_busy, args=(out, done, killed), daemon=True)
-    killer.start()
-    try:
-        summary = run_local(job, quiet=True)
-    finally:
-        done.set()
-        killer.join()
+    summary, killed = run_beside(job, _kill_when_busy)
     assert killed, "no stage was killed: the test proved nothing"
     [left] = summary["evicted"]
     assert left["vw"] == 1 and "stage 1 of vw 1" in left["reason"], left

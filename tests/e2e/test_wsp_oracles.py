@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import run_beside
 from launch.local import run_local
 from tests.trace_rules import Row, by_stage, check_conservation, check_complete, check_local_rules, check_min_clock, load_trace
 
@@ -60,14 +61,7 @@ def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tm
                     "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.01}},
     })
     out = tmp_path / "out"
-    done, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_shard_when_busy, args=(out, done, killed), daemon=True)
-    killer.start()
-    try:
-        run_local(job, quiet=True)
-    finally:
-        done.set()
-        killer.join()
+    _, killed = run_beside(job, _kill_shard_when_busy)
     assert killed, "the shard was never killed: the test proved nothing"
     log = (out / "logs" / "ps_server_0.log").read_text()
     assert "restored" in log, "the restarted shard must restore its checkpoint and push log"

@@ -16,13 +16,12 @@ import grpc
 import pytest
 import torch
 
-from conftest import deep_update
 from coordinator.driver import JobDriver
 from coordinator.planner import make_plan
 from hetpipe import wire
 from hetpipe.v1 import coordinator_pb2, ps_pb2, stage_pb2, wire_pb2
 from service_process import Service, start
-from stage_rig import Recorder, serve
+from stage_rig import Recorder, serve, variant
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -168,21 +167,6 @@ def stage_and_assignment(tmp_path: Path, make_job: Any) -> Iterator[tuple[Servic
             server.stop(grace=0)
 
 
-def _variant(good: stage_pb2.StageAssignment, job: dict[str, Any] | None = None,
-             **fields: Any) -> stage_pb2.StageAssignment:
-    a = stage_pb2.StageAssignment()
-    a.CopyFrom(good)
-    if job is not None:
-        a.job_json = json.dumps(deep_update(json.loads(good.job_json), job))
-    for key, value in fields.items():
-        if isinstance(value, list):
-            del getattr(a, key)[:]
-            getattr(a, key).extend(value)
-        else:
-            setattr(a, key, value)
-    return a
-
-
 def test_nonsense_assignments_leave_the_stage_idle_and_small(
         stage_and_assignment: tuple[Service, stage_pb2.StageAssignment]) -> None:
     """Issue 14's Assigns, to a real stage process: each refused naming its field before anything
@@ -194,31 +178,31 @@ def test_nonsense_assignments_leave_the_stage_idle_and_small(
 
     big = 1 << 20  # the largest data.batch_size a job may have
     bad = {
-        "NaN task time": (_variant(good, forward_seconds=float("nan")), Code.INVALID_ARGUMENT,
+        "NaN task time": (variant(good, forward_seconds=float("nan")), Code.INVALID_ARGUMENT,
                           "forward_seconds: nan: expected a number of seconds"),
-        "negative task time": (_variant(good, backward_seconds=-1.0), Code.INVALID_ARGUMENT,
+        "negative task time": (variant(good, backward_seconds=-1.0), Code.INVALID_ARGUMENT,
                                "backward_seconds: -1.0: expected a number of seconds"),
-        "absurd send time": (_variant(good, next_send_seconds=1e300), Code.INVALID_ARGUMENT,
+        "absurd send time": (variant(good, next_send_seconds=1e300), Code.INVALID_ARGUMENT,
                              r"next_send_seconds: 1e\+300: expected a number of seconds"),
-        "device meta": (_variant(good, device="meta"), Code.INVALID_ARGUMENT, "device 'meta': expected"),
-        "device cpu:99": (_variant(good, device="cpu:99"), Code.INVALID_ARGUMENT, "device 'cpu:99': expected"),
+        "device meta": (variant(good, device="meta"), Code.INVALID_ARGUMENT, "device 'meta': expected"),
+        "device cpu:99": (variant(good, device="cpu:99"), Code.INVALID_ARGUMENT, "device 'cpu:99': expected"),
         # A device this machine lacks is a precondition of the machine, not a malformed field.
-        "device cuda:99": (_variant(good, device="cuda:99"), Code.FAILED_PRECONDITION,
+        "device cuda:99": (variant(good, device="cuda:99"), Code.FAILED_PRECONDITION,
                            "device 'cuda:99': this machine has"),
-        "a middle stage without its previous stage": (_variant(good, prev_address=""), Code.INVALID_ARGUMENT,
+        "a middle stage without its previous stage": (variant(good, prev_address=""), Code.INVALID_ARGUMENT,
                                                       "stage 1 of 3: needs prev_address"),
         # The issue's 873-byte Assign: 1 GiB of float32 input per minibatch.
-        "a 1 GiB minibatch": (_variant(good, {"data": {"batch_size": 4194304}}, input_shape=[4194304, 64],
+        "a 1 GiB minibatch": (variant(good, {"data": {"batch_size": 4194304}}, input_shape=[4194304, 64],
                                        activation_shape=[4194304, 32], output_shape=[4194304, 32],
                                        target_shape=[4194304]),
                               Code.INVALID_ARGUMENT, "job_json: data.batch_size: expected an integer >= 1 and <= 1048576"),
         "a minibatch larger than the stage's GPU": (
-            _variant(good, {"data": {"batch_size": big}}, input_shape=[big, 64], activation_shape=[big, 32],
+            variant(good, {"data": {"batch_size": big}}, input_shape=[big, 64], activation_shape=[big, 32],
                      output_shape=[big, 32], target_shape=[big], capacity_bytes=64 << 20),
             Code.RESOURCE_EXHAUSTED, r"input_shape \[1048576, 64\]: one minibatch's tensors take 520\.0 MiB, "
                                      r"more than capacity_bytes 64\.0 MiB"),
         "a minibatch no bundle can carry": (
-            _variant(good, input_shape=[good.input_shape[0], 1 << 30], capacity_bytes=1 << 62),
+            variant(good, input_shape=[good.input_shape[0], 1 << 30], capacity_bytes=1 << 62),
             Code.RESOURCE_EXHAUSTED, r"input_shape \[16, 1073741824\]: one minibatch's tensors take 64\.00 GiB, "
                                      r"more than the 16\.00 GiB a tensor bundle may carry"),
     }

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -37,6 +38,16 @@ def _healthy(service: Service) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
+def _answered(calls: list[Any], n: int) -> list[Any]:
+    """The calls answered, once n of them are. Which calls get the lane is the server's order of
+    arrival, not the order they were made in."""
+    deadline = time.monotonic() + 30
+    while sum(c.done() for c in calls) < n:
+        assert time.monotonic() < deadline, f"{sum(c.done() for c in calls)} of {len(calls)} answered, not {n}"
+        time.sleep(0.05)
+    return [c for c in calls if c.done()]
+
+
 def test_130_waiting_pulls_leave_status_and_push_answering(shard: Service) -> None:
     shard.call("Init", "stream_unary")(iter(wire.encode([("w", torch.zeros(4))],
                                                        init=wire_pb2.InitTag(virtual_workers=2))), timeout=10)
@@ -45,12 +56,7 @@ def test_130_waiting_pulls_leave_status_and_push_answering(shard: Service) -> No
     calls = [shard.call("Pull", "unary_stream")(pull) for _ in range(130)]
     try:
         lane = rpc.LANES["ParameterServer"]["Pull"]
-        # Which calls get the lane is the server's order of arrival, not the order they were made.
-        deadline = time.monotonic() + 30
-        while sum(c.done() for c in calls) < 130 - lane:
-            assert time.monotonic() < deadline, f"{sum(c.done() for c in calls)} of 130 answered"
-            time.sleep(0.05)
-        refused = [c for c in calls if c.done()]
+        refused = _answered(calls, 130 - lane)
         assert {c.code() for c in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
         assert "Pull: 56 calls already in progress on this server" in refused[0].details()
         assert _healthy(shard)
@@ -79,12 +85,7 @@ def test_16_silent_forward_streams_leave_status_answering(stage: Service) -> Non
     calls = [stage.call("Forward", "stream_unary").future(silent()) for _ in range(16)]
     try:
         lane = rpc.LANES["Stage"]["Forward"]
-        # Which calls get the lane is the server's order of arrival, not the order they were made.
-        deadline = time.monotonic() + 30
-        while sum(c.done() for c in calls) < 16 - lane:
-            assert time.monotonic() < deadline, f"{sum(c.done() for c in calls)} of 16 answered"
-            time.sleep(0.05)
-        codes = [c.exception().code() for c in calls if c.done()]  # type: ignore[union-attr]
+        codes = [c.exception().code() for c in _answered(calls, 16 - lane)]  # type: ignore[union-attr]
         assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (16 - lane)
         assert _healthy(stage)
         status = stage_pb2.StageStatus.FromString(stage.call("Status")(b"", timeout=5))

@@ -39,6 +39,7 @@ from stage_rig import (
     refused,
     serve,
 )
+from stage_rig import variant as assignment_variant
 from stage_worker.assignment import validate
 from stage_worker.runtime import StageRuntime
 from stage_worker.servicer import StageServicer
@@ -93,15 +94,7 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
     good, stub, runtime, stage0 = idle
 
     def variant(**changes: Any) -> stage_pb2.StageAssignment:
-        a = stage_pb2.StageAssignment()
-        a.CopyFrom(good)
-        for key, value in changes.items():
-            if isinstance(value, list):
-                del getattr(a, key)[:]
-                getattr(a, key).extend(value)
-            else:
-                setattr(a, key, value)
-        return a
+        return assignment_variant(good, **changes)
 
     raw = json.loads(good.job_json)
     raw["parallel"]["nm"] = "auto"
