@@ -140,7 +140,7 @@ class JobRunner:
     def _run(self, job: JobConfig, plan: Plan | None) -> None:
         driver: JobDriver | None = None
         try:
-            plan = self._plan = plan or make_plan(job)
+            plan = self._plan = plan or make_plan(job, cancel=self._stop)
             self._advance(JobState.PLANNED)
             stages = self.registry.claim(
                 Role.STAGE_WORKER, [(f"stage {s.stage} of vw {s.vw}", s.node, s.gpu) for s in plan.stages],

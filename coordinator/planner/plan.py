@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from hetpipe.config import ConfigError, JobConfig, ResolvedJob, resolve
 from hetpipe.devices import local_devices
+from hetpipe.errors import JobStopped
 from hetpipe.network import Network
 from hetpipe.wsp import s_global
 from hetpipe import models
@@ -156,10 +158,11 @@ class _Candidate:
     max_m: list[int]
 
 
-def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
+def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading.Event | None = None) -> Plan:
     """The best plan for the job: allocation policy (or each, for `auto`), then for each VW the
     exact partition, Nm (`auto`: the smallest that reaches the best predicted throughput), and
-    the placement of parameters on shards. Raises ConfigError or PlanError with the reason."""
+    the placement of parameters on shards. Raises ConfigError or PlanError with the reason, and
+    JobStopped soon after cancel is set (a large cluster's plan takes seconds)."""
     par = job.parallel
     n, k = par.virtual_workers, par.stages_per_vw
     gpus = cluster_gpus(job)
@@ -207,6 +210,8 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None) -> Plan:
                 reasons.append(f"{policy}: vw {worst}: {exc}")
             continue
         for nm in nms:
+            if cancel is not None and cancel.is_set():
+                raise JobStopped("stopped by request while planning")
             try:
                 parts = [partitions(g, nm) for g in groups]
             except PlanError as exc:

@@ -36,3 +36,4 @@ def test_home_shard_runs_on_the_stages_node(shards: int) -> None:
         if shards >= len(nodes):  # every node runs a shard: the stage's keys stay on its node
             assert shard_node(shard % shards, nodes) == stage_nodes[stage]
     assert home_shards(["local", "local"], []) == [0, 1], "no cluster spec: stage q's home is q"
+
