@@ -24,6 +24,7 @@ from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
 from hetpipe.wsp import total_waves
 from coordinator.planner import Plan, StagePlan, resolved_job
 from coordinator.planner.shapes import TensorShape, boundaries
+from coordinator import checkpoints
 from coordinator.stall import StallWatch
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class JobDriver:
         self, job: JobConfig, plan: Plan, stage_addresses: list[str], *,
         ps_addresses: list[str] | None = None,
         check_processes: Callable[[], None] = lambda: None,
+        resume_wave: int = 0,
     ) -> None:
         self.job = resolved_job(job, plan)
         self.plan = plan
@@ -83,6 +85,9 @@ class JobDriver:
         self._shard_health = [health_pb2_grpc.HealthStub(ch) for ch in self._ps_channels]
         self._shards_probed = 0.0
         self.watch = StallWatch(self.job.train.stall_timeout_s, time.monotonic())
+        self.resume_wave = resume_wave
+        checkpointing = self.job.train.checkpoint_every > 0 or resume_wave > 0
+        self.checkpoint_dir = self.out_dir / outputs.CHECKPOINTS if checkpointing else None
         self.evals: dict[int, stage_pb2.EvalResult] = {}
         self.evicted: list[dict[str, Any]] = []  # VWs that left (parallel.on_vw_failure: continue)
         self.started = time.time()
@@ -116,6 +121,7 @@ class JobDriver:
             push_seconds=sp.push_seconds, pull_seconds=sp.pull_seconds,
             activation_shape=list(act_shape), activation_dtype=wire.wire_dtype(act_dtype),
             output_shape=list(out_shape), output_dtype=wire.wire_dtype(out_dtype),
+            checkpoint_dir=str(self.checkpoint_dir or ""), resume_wave=self.resume_wave,
         )
 
     def setup(self) -> None:
@@ -126,8 +132,16 @@ class JobDriver:
         x, y = data.first_item(self.job)
         self.batch = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
         flows = boundaries(self.model, self.batch[0], compute_dtype(self.job.train.precision))
+        self.checkpoints = checkpoints.Checkpoints(
+            self.checkpoint_dir or self.out_dir, self.shards, self.plan.key_shard,
+            checkpoints.entries(self.model, getattr(torch, self.job.train.dtype)),
+            {"virtual_workers": self.plan.virtual_workers, "stages_per_vw": self.plan.stages_per_vw,
+             "nm": self.plan.nm, "steps": self.job.train.steps,
+             "layers": [[s.layer_begin, s.layer_end] for s in self.plan.stages]})
         for h in self.stages:  # each answers at once and loads in the background
             self._call(h, "Assign", self._assignment(h, flows))
+        if self.resume_wave:  # the stages of VW 0 give the shards w0 only on a fresh start
+            self.checkpoints.restore_shards(self.resume_wave)
         self._wait_loaded()
         self.started = time.time()
         for h in self.stages:
@@ -228,8 +242,19 @@ class JobDriver:
                 raise StageLost(h.plan.vw, f"{h.last.error} ({h.progress()})")
         self._probe_shards()
         self._name_the_silent()
+        self._take_cut()
         self._collect_evals()
         return all(h.last.state == State.DONE for h in self.stages)
+
+    def _take_cut(self) -> None:
+        """Once every stage waits at the same checkpoint, its shard part, then on they go."""
+        waves = {h.last.cut for h in self.stages}
+        if len(waves) != 1 or (wave := waves.pop()) <= self.checkpoints.taken:
+            return
+        self.checkpoints.take(wave, self.lead_vw, [e["vw"] for e in self.evicted], self._stream_into)
+        log.info("checkpoint of wave %d in %s", wave, self.checkpoint_dir)
+        for h in self.stages:
+            self._call(h, "Continue", wire_pb2.Empty())
 
     def _probe_shards(self) -> None:
         """Health checks, not Status: a shard's Status hashes all its values."""

@@ -58,8 +58,9 @@ class JobRunner:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, job: JobConfig, plan: Plan | None = None) -> None:
-        """Starts job (planned here unless the caller already did) in the background."""
+    def submit(self, job: JobConfig, plan: Plan | None = None, *, resume_wave: int = 0) -> None:
+        """Starts job (planned here unless the caller already did) in the background; resume_wave:
+        from the checkpoint of that wave in output.dir (0: from the beginning)."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 what = "is stopping" if self.machine.terminal else f"is {self.machine.state.name}"
@@ -70,7 +71,7 @@ class JobRunner:
             self._stop.clear()
             self._dead.clear()
             self._progress, self._plan, self._summary = None, None, None
-            self._thread = threading.Thread(target=self._run, args=(job, plan), name="job", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(job, plan, resume_wave), name="job", daemon=True)
             self._thread.start()
 
     def stop(self, reason: str = "stopped by request") -> None:
@@ -137,7 +138,7 @@ class JobRunner:
         if self._stop.is_set() or not self.machine.try_to(new):
             raise JobStopped(self.machine.reason or "stopped by request")
 
-    def _run(self, job: JobConfig, plan: Plan | None) -> None:
+    def _run(self, job: JobConfig, plan: Plan | None, resume_wave: int) -> None:
         driver: JobDriver | None = None
         try:
             plan = self._plan = plan or make_plan(job, cancel=self._stop)
@@ -150,7 +151,7 @@ class JobRunner:
             ps = self.registry.claim(Role.PS_SHARD, [(f"ps shard {i}", "", "") for i in range(shards)],
                                      self.claim_timeout_s, cancel=self._stop)
             driver = JobDriver(job, plan, [w.info.address for w in stages],
-                               ps_addresses=[w.info.address for w in ps])
+                               ps_addresses=[w.info.address for w in ps], resume_wave=resume_wave)
             driver.check_processes = lambda: self._check_alive(driver)  # type: ignore[union-attr]
             driver.on_hung_shard = self._hung_shard
             driver.setup()

@@ -224,12 +224,14 @@ class Minibatches:
     """The minibatches of one VW in order p = 1, 2, ..., read through a DataLoader (with
     data.workers worker processes and pinned memory for a CUDA device)."""
 
-    def __init__(self, job: JobConfig, dataset: Dataset[Any], vw: int, *, steps: int, pin: bool = False) -> None:
+    def __init__(self, job: JobConfig, dataset: Dataset[Any], vw: int, *, steps: int, pin: bool = False,
+                 start: int = 1) -> None:
+        # start: the first minibatch read (a job resumed from a checkpoint goes on from there)
         self.job = job
         rows = len(dataset)  # type: ignore[arg-type]
         order = [minibatch_rows(p, vw, virtual_workers=job.parallel.virtual_workers, batch_size=job.data.batch_size,
                                 rows=rows, shuffle=job.data.shuffle, seed=job.train.seed).tolist()
-                 for p in range(1, steps + 1)]
+                 for p in range(start, steps + 1)]
         workers = job.data.workers
         # Workers are started, not forked: a process serving gRPC must not fork.
         self._loader = DataLoader(dataset, batch_sampler=order, collate_fn=_collate, num_workers=workers,

@@ -54,6 +54,18 @@ def file_names(count: int) -> list[str]:
     return [SINGLE_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
+CHECKPOINTS = "checkpoints"  # train.checkpoint_every: the cuts a run can --resume from
+
+
+def cut_dir(checkpoint_dir: str | Path, wave: int) -> Path:
+    """The folder of the checkpoint after `wave` waves: each stage's state, each shard's values."""
+    return Path(checkpoint_dir) / f"cut{wave:06d}"
+
+
+def stage_state_path(checkpoint_dir: str | Path, wave: int, vw: int, stage: int) -> Path:
+    return cut_dir(checkpoint_dir, wave) / f"vw{vw}_stage{stage}.pt"
+
+
 def check_dir(out_dir: Path) -> None:
     """ConfigError unless out_dir is a folder this process can write in, or can be made one: found
     before any process starts, not when the first of them writes there."""

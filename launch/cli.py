@@ -38,7 +38,7 @@ def _error(message: str) -> None:
 def _run(args: argparse.Namespace) -> int:
     try:
         job = load_job(args.config)
-        summary = run_local(job, quiet=args.quiet)
+        summary = run_local(job, quiet=args.quiet, resume=args.resume)
     except (ConfigError, PlanError) as exc:
         _error(str(exc))
         return EXIT_USAGE
@@ -229,6 +229,8 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a job file with local processes")
     run.add_argument("config", help="job YAML file")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--resume", action="store_true",
+                     help="go on from the latest checkpoint in output.dir (train.checkpoint_every)")
     run.set_defaults(func=_run)
     plan = sub.add_parser("plan", help="show the plan for a job file: VWs, GPUs, layers, memory, prediction")
     plan.add_argument("config", help="job YAML file")

@@ -14,9 +14,10 @@ from typing import Any
 from tqdm import tqdm
 
 from hetpipe import children, data, devices, metrics, outputs, rpc
-from hetpipe.config import JobConfig
+from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped
 from hetpipe.v1 import coordinator_pb2, wire_pb2
+from coordinator import checkpoints
 from coordinator.__main__ import build
 from coordinator.job import JobRunner
 from coordinator.planner import Plan, make_plan
@@ -74,6 +75,15 @@ def _kill_hung(procs: LocalProcesses, address: str, why: str) -> None:
     print(f"hetpipe: {why}; killed {name} to restart it from its checkpoint", file=sys.stderr)
 
 
+def _resume_wave(out_dir: Path) -> int:
+    wave = checkpoints.latest(out_dir / outputs.CHECKPOINTS)
+    if wave is None:
+        raise ConfigError(f"--resume: no complete checkpoint in {out_dir / outputs.CHECKPOINTS} "
+                          "(train.checkpoint_every sets how often a run writes one)")
+    print(f"hetpipe: resuming from the checkpoint of wave {wave}", file=sys.stderr)
+    return wave
+
+
 def preflight(job: JobConfig) -> Plan:
     """What must hold before any process starts, so that `hetpipe plan` finds what `hetpipe run`
     would: the model factory gives a model (built on the meta device); the data factories give
@@ -91,8 +101,10 @@ def preflight(job: JobConfig) -> Plan:
     return make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
 
 
-def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: float = 1.0) -> dict[str, Any]:
-    """Trains job on this machine; returns the summary. Stops every process it started."""
+def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: float = 1.0,
+              resume: bool = False) -> dict[str, Any]:
+    """Trains job on this machine; returns the summary. Stops every process it started. resume:
+    from the latest checkpoint in output.dir (ConfigError if there is none)."""
     if job.parallel.mode != "hetpipe":  # the baselines (DESIGN §7): ddp, torch-pipeline
         from baselines import run_baseline
 
@@ -102,6 +114,9 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out_dir / "ps", ignore_errors=True)  # a fresh job must not restore an old one's shards
+    resume_wave = _resume_wave(out_dir) if resume else 0
+    if not resume:  # nor a later --resume an earlier job's checkpoint
+        shutil.rmtree(out_dir / outputs.CHECKPOINTS, ignore_errors=True)
     outputs.clear(out_dir)  # a failed run must not leave an earlier run's results beside its own
     for stale in (TARGETS_FILE, STATUS_FILE):  # an earlier job's endpoints and ending are gone
         (out_dir / stale).unlink(missing_ok=True)
@@ -109,7 +124,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     server.start()
     runner = servicer.runner
     # Submitted before anyone can find the coordinator: a `hetpipe stop` from then on stops this job.
-    runner.submit(job, plan)
+    runner.submit(job, plan, resume_wave=resume_wave)
     (out_dir / ADDRESS_FILE).write_text(server.address + "\n")
     # The embedded coordinator serves this process's registry, as `python -m coordinator` does.
     metrics_server = metrics.start(0, "127.0.0.1")

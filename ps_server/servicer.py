@@ -87,7 +87,8 @@ class ShardServicer:
         bundle = wire.decode(request_iterator, check=self._check_init)
         with self._cv:
             try:
-                fresh = self.shard.init(bundle.header.init.virtual_workers, bundle.tensors)
+                fresh = self.shard.init(bundle.header.init.virtual_workers, bundle.tensors,
+                                        list(bundle.header.init.clocks))
             except ShardError as exc:
                 raise _rejected(exc) from None
             if fresh and self.durability is not None:

@@ -69,13 +69,17 @@ class Shard:
             raise ShardError(ShardError.Kind.INVALID,
                              f"virtual_workers must be in [1, {MAX_VIRTUAL_WORKERS}], got {virtual_workers}")
 
-    def init(self, virtual_workers: int, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """Registers keys with their initial values (w0); each stage of VW 0 brings its own.
+    def init(self, virtual_workers: int, tensors: Sequence[tuple[str, torch.Tensor]],
+             clocks: Sequence[int] = ()) -> bool:
+        """Registers keys with their initial values (w0); each stage of VW 0 brings its own. A job
+        resumed from a checkpoint brings the checkpoint's values and each VW's clock.
 
         A key already registered must come with the same value: a retried Init is a no-op.
         Returns whether any key was new. New keys are refused once a push has been applied.
         """
         self.check_init(virtual_workers)
+        if clocks and len(clocks) != virtual_workers:
+            raise ShardError(ShardError.Kind.INVALID, f"{len(clocks)} clocks for {virtual_workers} virtual workers")
         _check_finite("w0", tensors)
         named = dict(tensors)
         if len(named) != len(tensors) or not named:
@@ -92,7 +96,7 @@ class Shard:
         self.virtual_workers = virtual_workers
         for key, value in new.items():
             self.values[key] = value.clone()
-            self.clocks[key] = [0] * virtual_workers
+            self.clocks[key] = [int(c) for c in clocks] if clocks else [0] * virtual_workers
         return bool(new)
 
     @staticmethod

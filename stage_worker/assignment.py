@@ -17,6 +17,7 @@ from hetpipe.errors import Rejected
 from hetpipe.units import format_bytes
 from hetpipe.v1 import stage_pb2
 from hetpipe.wire import MAX_BUNDLE_BYTES, WireError, torch_dtype
+from hetpipe.wsp import total_waves
 
 # Emulated times and transfers are padded with sleeps: more than an hour per task is a mistake.
 MAX_SECONDS = 3600.0
@@ -89,6 +90,8 @@ class Setup:
     memory_bytes: int
     capacity_bytes: int
     specs: Specs
+    checkpoint_dir: str = ""    # where it saves its part of each checkpoint; "" = none
+    resume_wave: int = 0        # the checkpoint it starts from (0: the beginning)
 
     @property
     def first(self) -> bool:
@@ -137,6 +140,9 @@ def validate(a: stage_pb2.StageAssignment) -> Setup:
         raise _invalid(f"stage {a.stage} of {a.num_stages}: the job has {k} stages per virtual worker")
     if a.vw >= job.parallel.virtual_workers:
         raise _invalid(f"vw {a.vw} but the job has {job.parallel.virtual_workers}")
+    if a.resume_wave and (not a.checkpoint_dir or a.resume_wave >= total_waves(job.train.steps, job.nm)):
+        raise _invalid(f"resume_wave {a.resume_wave}: expected a checkpoint_dir and a wave before the job's "
+                       f"last ({total_waves(job.train.steps, job.nm)})")
     if not a.layer_begin < a.layer_end:
         raise _invalid(f"layers [{a.layer_begin}, {a.layer_end}): an empty range")
     for field in _SECONDS:
@@ -165,7 +171,7 @@ def validate(a: stage_pb2.StageAssignment) -> Setup:
         key_shards=tuple(a.key_shards), trace_path=a.trace_path,
         **{field: float(getattr(a, field)) for field in _SECONDS},
         memory_bytes=a.memory_bytes, capacity_bytes=a.capacity_bytes,
-        specs=_specs(a, job.data.batch_size),
+        specs=_specs(a, job.data.batch_size), checkpoint_dir=a.checkpoint_dir, resume_wave=a.resume_wave,
     )
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from hetpipe import data, faults, models
+from hetpipe import data, faults, models, outputs
 from hetpipe.optim import compute_loss
-from stage_worker import metrics
+from stage_worker import checkpoint, metrics
 from stage_worker.assignment import Setup
 from stage_worker.evaluation import Schedule, Totals
 from stage_worker.links import Link
@@ -88,17 +88,25 @@ class Loaded:
                                     precision=job.train.precision)
         if setup.synced and len(setup.key_shards) != len(self.compute.params):
             raise LoadError(f"key_shards: {len(setup.key_shards)} entries for {len(self.compute.params)} parameters")
-        self.schedule = StageSchedule(stage=setup.stage, num_stages=setup.num_stages, nm=job.nm, steps=job.train.steps)
+        # A resumed job goes on after its checkpoint's cut; nothing was in flight there.
+        start = setup.resume_wave * job.nm + 1
+        self.cuts = checkpoint.Cuts(job.train.checkpoint_every if setup.checkpoint_dir else 0, job.nm, job.train.steps,
+                                    saved=setup.resume_wave, continued=setup.resume_wave)
+        self.schedule = StageSchedule(stage=setup.stage, num_stages=setup.num_stages, nm=job.nm, steps=job.train.steps,
+                                      start=start)
         pin = setup.device.kind == "cuda"
         progress("opening its data")
         self.inputs = self.targets = None
         if setup.first or setup.last:
             train = data.training_set(job)
             if setup.first:
-                self.inputs = data.Minibatches(job, train, setup.vw, steps=job.train.steps, pin=pin)
+                self.inputs = data.Minibatches(job, train, setup.vw, steps=job.train.steps, pin=pin, start=start)
             if setup.last:
-                self.targets = data.Minibatches(job, train, setup.vw, steps=job.train.steps, pin=pin)
+                self.targets = data.Minibatches(job, train, setup.vw, steps=job.train.steps, pin=pin, start=start)
         self.evals = Evals(setup) if job.eval is not None and setup.vw == 0 else None
+        if self.evals is not None and start > 1 and self.evals.schedule.every:
+            # Those before the cut ran in the first run; one right at the cut runs again.
+            self.evals.schedule.done = min(self.evals.schedule.periodic, (start - 2) // self.evals.schedule.every)
         self.scaling = Scaling() if job.train.precision == "fp16" else None
         # Tests: minibatches whose gradients come out infinite here (HETPIPE_FAULTS overflow).
         self.overflow_at = {p for q, p in faults.from_env().overflow if q == setup.stage}
@@ -106,7 +114,14 @@ class Loaded:
         self.observe = metrics.observers(setup.vw, setup.stage)
         self.padder = faults.Padder(faults.from_env(), setup.vw, (job.train.seed, setup.stage))
         self.sync: Sync = LocalSync() if not setup.synced else self._wsp(setup, on_failure, wake, next_forward)
-        if setup.synced and setup.vw == 0:
+        if setup.resume_wave:
+            progress(f"restoring its state at the checkpoint of wave {setup.resume_wave}")
+            path = outputs.stage_state_path(setup.checkpoint_dir, setup.resume_wave, setup.vw, setup.stage)
+            try:
+                checkpoint.restore(self.compute, self.sync, checkpoint.load(path))
+            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                raise LoadError(f"{path}: {exc}") from None
+        elif setup.synced and setup.vw == 0:  # a resumed job's driver gives the shards the checkpoint's values
             progress("giving the parameter servers w0")
             self.sync.initialise(job.parallel.virtual_workers, [p.detach() for p in self.compute.params])
         self.next: Link | None = None
@@ -127,7 +142,10 @@ class Loaded:
         return WspSync(config, callbacks, self.compute.params)
 
     def forward_allowed(self, p: int) -> bool:
-        """G2 (the sync), and not past a periodic evaluation stage 0 has still to run."""
+        """G2 (the sync), not past a periodic evaluation stage 0 has still to run, and not past a
+        checkpoint the driver has not let it past."""
+        if self.cuts.blocks(p):
+            return False
         if self.evals is not None and self.setup.first and not self.evals.schedule.allows(p):
             return False
         return self.sync.forward_allowed(p)

@@ -33,6 +33,7 @@ class Progress:
     in_flight: int = 0
     queue_depth: int = 0       # inputs received and waiting to run
     waiting: bool = False      # a forward is blocked on the clock bound, for a pull
+    cut: int = 0               # the checkpoint (in waves) it saved and waits at; 0: none
     received: int = 0
     last_loss: float = float("nan")
     recent_loss: float = float("nan")   # last stage: mean over its last 10 minibatches

@@ -41,16 +41,17 @@ class ScheduleError(Exception):
 class StageSchedule:
     """Which task a stage runs next. Inputs carry an arrival sequence number for FIFO."""
 
-    def __init__(self, *, stage: int, num_stages: int, nm: int, steps: int) -> None:
+    def __init__(self, *, stage: int, num_stages: int, nm: int, steps: int, start: int = 1) -> None:
+        # start: the first minibatch (a job resumed from a checkpoint: the first after the cut)
         self.stage, self.num_stages, self.nm, self.steps = stage, num_stages, nm, steps
         self.first, self.last = stage == 0, stage == num_stages - 1
-        self.next_forward = 1
-        self.next_backward = 1
+        self.next_forward = start
+        self.next_backward = start
         self._forward_ready: dict[int, int] = {}  # p -> arrival sequence
         self._backward_ready: dict[int, int] = {}
         self._seq = 0
         if self.first:
-            for p in range(1, min(nm, steps) + 1):
+            for p in range(start, min(start + nm - 1, steps) + 1):
                 self._arrive(self._forward_ready, p)
 
     def _arrive(self, ready: dict[int, int], p: int) -> None:

@@ -32,6 +32,7 @@ def status_message(p: Progress) -> stage_pb2.StageStatus:
     s.vw, s.stage, s.device = p.vw, p.stage, p.label or p.device
     s.forwards_done, s.backwards_done, s.local_version = p.forwards_done, p.backwards_done, p.local_version
     s.in_flight, s.received, s.queue_depth, s.waiting = p.in_flight, p.received, p.queue_depth, p.waiting
+    s.cut = p.cut
     s.last_loss, s.recent_loss = p.last_loss, p.recent_loss
     s.wait_seconds, s.wait_idle_seconds, s.idle_seconds = p.wait_seconds, p.wait_idle_seconds, p.idle_seconds
     s.compute_seconds = p.compute_seconds
@@ -82,6 +83,10 @@ class StageServicer:
     def Evaluate(self, request: stage_pb2.EvalRequest, context: grpc.ServicerContext) -> wire_pb2.Ack:
         self.runtime.evaluate(int(request.min_clock))
         return wire_pb2.Ack(message="evaluating")
+
+    @handler
+    def Continue(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> wire_pb2.Ack:
+        return wire_pb2.Ack(message=f"past the checkpoint of wave {self.runtime.continue_past_cut()}")
 
     @handler
     def Stop(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> wire_pb2.Ack:

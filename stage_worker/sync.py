@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -59,6 +59,18 @@ class Sync(Protocol):
         """All pushes acknowledged."""
         ...
 
+    @property
+    def acked_waves(self) -> int:
+        """Waves whose push every shard acknowledged (a lone VW: every wave completed)."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it."""
+        ...
+
+    def restore(self, state: dict[str, Any], device: str) -> None:
+        ...
+
     def initialise(self, virtual_workers: int, values: list[torch.Tensor]) -> None:
         """Gives the shards this stage's keys' initial values (VW 0's stages)."""
         ...
@@ -108,6 +120,16 @@ class LocalSync:
 
     def finished(self) -> bool:
         return True
+
+    @property
+    def acked_waves(self) -> int:
+        return self._clock
+
+    def state(self) -> dict[str, Any]:
+        return {"clock": self._clock}
+
+    def restore(self, state: dict[str, Any], device: str) -> None:
+        self._clock = int(state["clock"])
 
     def initialise(self, virtual_workers: int, values: list[torch.Tensor]) -> None:
         pass

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TypeVar, cast
+from typing import IO, Any, TypeVar, cast
 
 import grpc
 import torch
@@ -230,6 +230,23 @@ class WspSync:
 
     def finished(self) -> bool:
         return not self.keys or self._acked_waves == self.total_waves
+
+    @property
+    def acked_waves(self) -> int:
+        return self._acked_waves
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (nothing is in flight at a cut): the clocks, the own waves not
+        yet seen in a pull (G3 adds them to the next one), and the ledger."""
+        return {"clock": self._clock, "have": self._have, "acked_waves": self._acked_waves,
+                "acc": {str(w): [t.cpu() for t in ts] for w, ts in self._acc.items()},
+                "ledger": [t.clone() for t in self._ledger]}
+
+    def restore(self, state: dict[str, Any], device: str) -> None:
+        self._clock, self._have = int(state["clock"]), int(state["have"])
+        self._acked_waves = int(state["acked_waves"])
+        self._acc = {int(w): [t.to(device) for t in ts] for w, ts in state["acc"].items()}
+        self._ledger = [t.clone() for t in state["ledger"]]
 
     def close(self) -> None:
         self._closed.set()

@@ -75,6 +75,11 @@ class StageStub:
                 request_serializer=hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Continue = channel.unary_unary(
+                '/hetpipe.v1.Stage/Continue',
+                request_serializer=hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+                response_deserializer=hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -133,6 +138,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Continue(self, request, context):
+        """past the checkpoint it waits at
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -173,6 +185,11 @@ def add_StageServicer_to_server(servicer, server):
             ),
             'Stop': grpc.unary_unary_rpc_method_handler(
                     servicer.Stop,
+                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.Empty.FromString,
+                    response_serializer=hetpipe_dot_v1_dot_wire__pb2.Ack.SerializeToString,
+            ),
+            'Continue': grpc.unary_unary_rpc_method_handler(
+                    servicer.Continue,
                     request_deserializer=hetpipe_dot_v1_dot_wire__pb2.Empty.FromString,
                     response_serializer=hetpipe_dot_v1_dot_wire__pb2.Ack.SerializeToString,
             ),
@@ -391,6 +408,33 @@ class Stage:
             request,
             target,
             '/hetpipe.v1.Stage/Stop',
+            hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+            hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Continue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetpipe.v1.Stage/Continue',
             hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
             hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
             options,

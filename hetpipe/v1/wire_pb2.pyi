@@ -85,12 +85,14 @@ class PushTag(_message.Message):
     def __init__(self, vw: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
 
 class InitTag(_message.Message):
-    __slots__ = ("virtual_workers", "shard")
+    __slots__ = ("virtual_workers", "shard", "clocks")
     VIRTUAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    CLOCKS_FIELD_NUMBER: _ClassVar[int]
     virtual_workers: int
     shard: int
-    def __init__(self, virtual_workers: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+    clocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, virtual_workers: _Optional[int] = ..., shard: _Optional[int] = ..., clocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullTag(_message.Message):
     __slots__ = ("c_global", "own_clock", "vw_clocks")

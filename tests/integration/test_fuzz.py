@@ -1,4 +1,4 @@
-"""Fuzz: 1000 malformed or hostile requests to each of the 19 RPCs of a real coordinator, shard
+"""Fuzz: 1000 malformed or hostile requests to each of the 20 RPCs of a real coordinator, shard
 and stage process (`python -m ...`, as a launcher starts them). For every request: an answer
 before the deadline with a status that names a refusal (never INTERNAL or UNKNOWN), the state
 the service reports unchanged when the request was refused, and the service still answering
@@ -133,6 +133,7 @@ RPCS: dict[str, tuple[str, Callable[[Service], Any], Send]] = {
     "Stage.GetWeights": ("stage", _stage_state, _unary_stream("GetWeights", stage_pb2.WeightsRequest.DESCRIPTOR)),
     "Stage.Evaluate": ("stage", _stage_state, _unary("Evaluate", stage_pb2.EvalRequest.DESCRIPTOR)),
     "Stage.Stop": ("stage", _stage_state, _unary("Stop", Empty, parse_only=True)),
+    "Stage.Continue": ("stage", _stage_state, _unary("Continue", Empty)),
     "Coordinator.Register": ("coordinator", _coordinator_state,
                              _unary("Register", coordinator_pb2.WorkerInfo.DESCRIPTOR)),
     "Coordinator.Heartbeat": ("coordinator", _coordinator_state,

@@ -1,0 +1,103 @@
+"""Checkpoints of the whole job (train.checkpoint_every), the driver's side. At each cut every
+stage saves its own state and waits (stage_worker/checkpoint.py); once all of them wait at the
+same cut, nothing is in flight and every shard holds exactly the waves before it, so the driver
+streams each shard's values into the cut's folder, writes the manifest last (a cut without one
+is incomplete), removes older cuts, and lets the stages go on. `hetpipe run --resume` starts
+from the latest complete cut: the shards get its values and clocks, each stage its own state."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from hetpipe import outputs, rpc, wire
+from hetpipe.errors import JobFailed
+from hetpipe.v1 import ps_pb2, wire_pb2
+
+MANIFEST = "manifest.json"
+
+
+def latest(folder: Path) -> int | None:
+    """The wave of the latest complete cut in folder, or None."""
+    waves = [int(p.parent.name.removeprefix("cut")) for p in folder.glob(f"cut*/{MANIFEST}")]
+    return max(waves, default=None)
+
+
+def manifest(folder: Path, wave: int) -> dict[str, Any]:
+    return dict(json.loads((outputs.cut_dir(folder, wave) / MANIFEST).read_text()))
+
+
+class Checkpoints:
+    """Takes the cuts of one job and gives the shards a cut's values back."""
+
+    def __init__(self, folder: Path, shards: Sequence[rpc.Stub], key_shard: dict[str, int],
+                 entries: dict[str, outputs.Entry], job_shape: dict[str, Any]) -> None:
+        self.folder, self.shards, self.key_shard = folder, shards, key_shard
+        self.entries, self.job_shape = entries, job_shape  # job_shape: what a resumed job must match
+        self.taken = 0
+
+    def _keys(self, shard: int) -> list[str]:
+        return [k for k, s in self.key_shard.items() if s == shard]
+
+    def take(self, wave: int, lead_vw: int, evicted: list[int],
+             stream_into: Callable[[outputs.WeightsWriter, Callable[[], Any], str], None]) -> None:
+        """Writes the shards' part of the cut after `wave` and its manifest, and drops older cuts."""
+        where = outputs.cut_dir(self.folder, wave)
+        clocks: list[int] = []
+        for i, stub in enumerate(self.shards):
+            keys = self._keys(i)
+            if not keys:
+                continue
+            (where / f"shard{i}").mkdir(parents=True, exist_ok=True)
+            writer = outputs.WeightsWriter(where / f"shard{i}", [self.entries[k] for k in keys], 1 << 62)
+            request = ps_pb2.PullRequest(vw=lead_vw, keys=keys, min_clock=wave)
+            stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
+            writer.close()
+            status = stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            clocks = [c.min_clock for c in status.clocks]
+            if any(c.min_clock != c.max_clock for c in status.clocks):
+                raise JobFailed(f"checkpoint of wave {wave}: ps shard {i}'s clocks differ between keys ({clocks})")
+        text = json.dumps({"wave": wave, "clocks": clocks, "evicted": evicted, **self.job_shape}, indent=2)
+        tmp = where / (MANIFEST + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(where / MANIFEST)
+        for old in self.folder.glob("cut*"):
+            if old != where:
+                shutil.rmtree(old, ignore_errors=True)
+        self.taken = wave
+
+    def restore_shards(self, wave: int) -> None:
+        """Gives every shard the cut's values and each VW's clock (instead of VW 0's w0)."""
+        m = manifest(self.folder, wave)
+        mismatch = {k: (m.get(k), v) for k, v in self.job_shape.items() if m.get(k) != v}
+        if mismatch:
+            raise JobFailed(f"--resume: the checkpoint of wave {wave} was taken for another job: "
+                            + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in mismatch.items()))
+        if m["evicted"]:
+            raise JobFailed(f"--resume: vw {m['evicted']} had left the job before the checkpoint of wave {wave}; "
+                            "resuming without them is not supported yet")
+        for i, stub in enumerate(self.shards):
+            keys = self._keys(i)
+            if not keys:
+                continue
+            values = outputs.read_weights(outputs.cut_dir(self.folder, wave) / f"shard{i}")
+            tensors = [(k, values[k]) for k in keys]
+            tag = wire_pb2.InitTag(virtual_workers=self.job_shape["virtual_workers"], shard=i, clocks=m["clocks"])
+            try:
+                rpc.retrying(lambda: stub.Init(wire.encode(tensors, init=tag), timeout=rpc.DATA_DEADLINE_S),
+                             give_up_s=60.0)
+            except grpc.RpcError as exc:
+                raise JobFailed(f"--resume: ps shard {i} refused the checkpoint's values: "
+                                f"{exc.code().name}: {exc.details()}") from None
+
+
+def entries(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, outputs.Entry]:
+    """Each parameter's safetensors entry (the shards hold parameters in the job's dtype)."""
+    return {k: outputs.Entry(k, dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
+            for k, t in model.state_dict(keep_vars=True).items()}

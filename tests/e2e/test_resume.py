@@ -1,0 +1,101 @@
+"""Checkpoint and resume (issue 14): kill -9 of `hetpipe run` mid-job, or `hetpipe stop`, then
+`hetpipe run --resume`: the final model equals an uninterrupted run's at 1e-9 (float64, D 0,
+where the run is deterministic; SGD with momentum, so the optimizer's state must come back too)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetpipe import outputs
+from hetpipe.config import JobConfig
+from coordinator.checkpoints import latest
+
+pytestmark = pytest.mark.timeout(300)
+STEPS = 40
+
+
+def _job(make_job, name: str = "job.yaml", out: str = "out") -> JobConfig:
+    return make_job({
+        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}, "steps": STEPS, "checkpoint_every": 4},
+        "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": 1, "D": 0, "ps_shards": 2},
+        "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 4}]}],
+                    "emulate": {"forward_seconds": 0.02, "backward_seconds": 0.02}},
+        "output": {"trace": False, "dir": out},
+    }, name)
+
+
+def _hetpipe(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "launch.cli", *args], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _first_cut(out: Path, run: subprocess.Popen[str]) -> int:
+    deadline = time.monotonic() + 200
+    while (wave := latest(out / outputs.CHECKPOINTS)) is None:
+        assert run.poll() is None, run.communicate()[1]
+        assert time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.05)
+    return wave
+
+
+def _uninterrupted(tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The same job, run to the end without a break (checkpoints included: they pause the stages)."""
+    run = _hetpipe(tmp_path, "run", "-q", "whole.yaml")
+    _, err = run.communicate(timeout=240)
+    assert run.returncode == 0, err
+    return outputs.read_weights(tmp_path / "whole")
+
+
+def _resume_and_compare(job: JobConfig, tmp_path: Path) -> None:
+    resumed = _hetpipe(tmp_path, "run", "-q", "--resume", "job.yaml")
+    out, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err
+    wave = int(re.search(r"resuming from the checkpoint of wave (\d+)", err)[1])  # type: ignore[index]
+    assert 0 < wave < STEPS
+    final = outputs.read_weights(tmp_path / "out")
+    want = _uninterrupted(tmp_path)
+    assert list(final) == list(want)
+    for key in want:
+        torch.testing.assert_close(final[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+
+
+def test_kill_9_of_hetpipe_run_then_resume(make_job, tmp_path: Path) -> None:
+    job = _job(make_job)
+    _job(make_job, "whole.yaml", "whole")
+    run = _hetpipe(tmp_path, "run", "-q", "job.yaml")
+    try:
+        _first_cut(tmp_path / "out", run)
+        os.kill(run.pid, signal.SIGKILL)  # the launcher alone: its workers follow it (exit with parent)
+        run.wait(30)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert not (tmp_path / "out" / "summary.json").exists(), "the run finished before the kill"
+    time.sleep(2)  # its workers notice their parent is gone within a second
+    _resume_and_compare(job, tmp_path)
+
+
+def test_stop_then_resume(make_job, tmp_path: Path) -> None:
+    job = _job(make_job)
+    _job(make_job, "whole.yaml", "whole")
+    run = _hetpipe(tmp_path, "run", "-q", "job.yaml")
+    try:
+        _first_cut(tmp_path / "out", run)
+        stop = subprocess.run([sys.executable, "-m", "launch.cli", "stop", "--job", "job.yaml"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stderr
+        _, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode != 0 and "stopped" in err, err
+    _resume_and_compare(job, tmp_path)
