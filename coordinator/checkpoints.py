@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import torch
 
 from hetpipe import outputs, rpc, wire
 from hetpipe.errors import JobFailed
@@ -96,8 +95,3 @@ class Checkpoints:
                 raise JobFailed(f"--resume: ps shard {i} refused the checkpoint's values: "
                                 f"{exc.code().name}: {exc.details()}") from None
 
-
-def entries(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, outputs.Entry]:
-    """Each parameter's safetensors entry (the shards hold parameters in the job's dtype)."""
-    return {k: outputs.Entry(k, dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
-            for k, t in model.state_dict(keep_vars=True).items()}

@@ -16,7 +16,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hetpipe import data, devices, models, outputs, rpc, wire
+from hetpipe import data, models, outputs, rpc, wire
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed, StageLost
 from hetpipe.optim import compute_dtype
@@ -29,7 +29,6 @@ from coordinator.stall import StallWatch
 
 log = logging.getLogger(__name__)
 State = stage_pb2.StageStatus.State
-STATUS_DEADLINE_S = 2.0
 SHARD_PROBE_S = 1.0  # how often a running job's shards are asked whether they answer
 FINAL_EVAL_TIMEOUT_S = 600.0
 
@@ -134,18 +133,18 @@ class JobDriver:
         flows = boundaries(self.model, self.batch[0], compute_dtype(self.job.train.precision))
         self.checkpoints = checkpoints.Checkpoints(
             self.checkpoint_dir or self.out_dir, self.shards, self.plan.key_shard,
-            checkpoints.entries(self.model, getattr(torch, self.job.train.dtype)),
+            outputs.entries(self.model, getattr(torch, self.job.train.dtype)),
             {"virtual_workers": self.plan.virtual_workers, "stages_per_vw": self.plan.stages_per_vw,
              "nm": self.plan.nm, "steps": self.job.train.steps,
              "layers": [[s.layer_begin, s.layer_end] for s in self.plan.stages]})
         for h in self.stages:  # each answers at once and loads in the background
-            self._call(h, "Assign", self._assignment(h, flows))
+            self.call(h, "Assign", self._assignment(h, flows))
         if self.resume_wave:  # the stages of VW 0 give the shards w0 only on a fresh start
             self.checkpoints.restore_shards(self.resume_wave)
         self._wait_loaded()
         self.started = time.time()
         for h in self.stages:
-            self._call(h, "Start", wire_pb2.Empty())
+            self.call(h, "Start", wire_pb2.Empty())
 
     def _wait_loaded(self, interval: float = 0.05) -> None:
         """Waits until every stage is READY, up to train.setup_timeout_s; JobFailed names a stage
@@ -154,7 +153,7 @@ class JobDriver:
         while True:
             loading = []
             for h in self.stages:
-                h.last = self._call(h, "Status", stage_pb2.StatusRequest(), deadline=STATUS_DEADLINE_S)
+                h.last = self.call(h, "Status", stage_pb2.StatusRequest(), deadline=rpc.STATUS_DEADLINE_S)
                 if h.last.state == State.FAILED:
                     raise JobFailed(h.last.error)
                 if h.last.state == State.LOADING:
@@ -167,7 +166,7 @@ class JobDriver:
                                 f"{self.job.train.setup_timeout_s:g}s: {what}")
             time.sleep(interval)
 
-    def _call(self, h: StageHandle, method: str, request: Any, *, deadline: float = rpc.CONTROL_DEADLINE_S) -> Any:
+    def call(self, h: StageHandle, method: str, request: Any, *, deadline: float = rpc.CONTROL_DEADLINE_S) -> Any:
         try:
             return getattr(h.stub, method)(request, timeout=deadline)
         except grpc.RpcError as exc:
@@ -211,7 +210,7 @@ class JobDriver:
         self.stages = [h for h in self.stages if h.plan.vw != lost.vw]
         for h in gone:  # the rest of its pipeline: nothing more to do
             try:
-                h.stub.Stop(wire_pb2.Empty(), timeout=STATUS_DEADLINE_S)
+                h.stub.Stop(wire_pb2.Empty(), timeout=rpc.STATUS_DEADLINE_S)
             except grpc.RpcError:
                 pass
         for i, stub in enumerate(self.shards):
@@ -232,7 +231,7 @@ class JobDriver:
         for h in self.stages:
             # Short: a frozen stage must not hold up the heartbeat check on the next poll.
             try:
-                h.last = h.stub.Status(stage_pb2.StatusRequest(), timeout=STATUS_DEADLINE_S)
+                h.last = h.stub.Status(stage_pb2.StatusRequest(), timeout=rpc.STATUS_DEADLINE_S)
                 self.watch.answered(h.name)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -251,10 +250,10 @@ class JobDriver:
         waves = {h.last.cut for h in self.stages}
         if len(waves) != 1 or (wave := waves.pop()) <= self.checkpoints.taken:
             return
-        self.checkpoints.take(wave, self.lead_vw, [e["vw"] for e in self.evicted], self._stream_into)
+        self.checkpoints.take(wave, self.lead_vw, [e["vw"] for e in self.evicted], outputs.stream_into)
         log.info("checkpoint of wave %d in %s", wave, self.checkpoint_dir)
         for h in self.stages:
-            self._call(h, "Continue", wire_pb2.Empty())
+            self.call(h, "Continue", wire_pb2.Empty())
 
     def _probe_shards(self) -> None:
         """Health checks, not Status: a shard's Status hashes all its values."""
@@ -264,7 +263,7 @@ class JobDriver:
         self._shards_probed = now
         for i, health in enumerate(self._shard_health):
             try:
-                health.Check(health_pb2.HealthCheckRequest(), timeout=STATUS_DEADLINE_S)
+                health.Check(health_pb2.HealthCheckRequest(), timeout=rpc.STATUS_DEADLINE_S)
                 self.watch.answered(f"ps shard {i}")
             except grpc.RpcError as exc:
                 # UNAVAILABLE: dead or restarting, which the launcher or the heartbeats report.
@@ -315,18 +314,18 @@ class JobDriver:
         on_progress(self._progress(start))
         return wall
 
-    def _minibatches(self) -> tuple[int, int]:
+    def minibatches(self) -> tuple[int, int]:
         """Minibatches trained so far, and in all, by every VW (those that left: until they left)."""
         left = sum(e["minibatches"] for e in self.evicted)
-        live = len(self._last_stages())
-        return sum(h.last.backwards_done for h in self._last_stages()) + left, self.job.train.steps * live + left
+        live = len(self.last_stages())
+        return sum(h.last.backwards_done for h in self.last_stages()) + left, self.job.train.steps * live + left
 
-    def _last_stages(self) -> list[StageHandle]:
+    def last_stages(self) -> list[StageHandle]:
         return [h for h in self.stages if h.plan.stage == self.plan.stages_per_vw - 1]
 
     def _progress(self, start: float) -> Progress:
-        samples, total = (n * self.job.data.batch_size for n in self._minibatches())
-        losses = [h.last.recent_loss for h in self._last_stages() if not math.isnan(h.last.recent_loss)]
+        samples, total = (n * self.job.data.batch_size for n in self.minibatches())
+        losses = [h.last.recent_loss for h in self.last_stages() if not math.isnan(h.last.recent_loss)]
         elapsed = max(time.monotonic() - start, 1e-9)
         return Progress(samples, total, sum(losses) / len(losses) if losses else float("nan"), samples / elapsed,
                         tuple(e["vw"] for e in self.evicted))
@@ -335,7 +334,7 @@ class JobDriver:
 
     def _collect_evals(self) -> None:
         """Appends VW 0's finished evaluations to eval.jsonl (each once)."""
-        scorer = next(h for h in self._last_stages() if h.plan.vw == self.lead_vw)
+        scorer = next(h for h in self.last_stages() if h.plan.vw == self.lead_vw)
         new = [e for e in scorer.last.evals if e.id not in self.evals]
         if not new:
             return
@@ -355,7 +354,7 @@ class JobDriver:
         clock = total_waves(self.job.train.steps, self.plan.nm) if self.ps_addresses else 0
         for h in self.stages:
             if h.plan.vw == self.lead_vw:
-                self._call(h, "Evaluate", stage_pb2.EvalRequest(min_clock=clock))
+                self.call(h, "Evaluate", stage_pb2.EvalRequest(min_clock=clock))
         deadline = time.monotonic() + FINAL_EVAL_TIMEOUT_S
         while not any(e.final for e in self.evals.values()):
             if time.monotonic() > deadline:
@@ -363,95 +362,3 @@ class JobDriver:
             time.sleep(0.05)
             self.poll()
         return next(e for e in self.evals.values() if e.final)
-
-    # ---- results ---------------------------------------------------------------------------
-
-    def write_weights(self) -> list[Path]:
-        """Streams the final model into safetensors in output.dir: w_global from the shards after
-        every VW's last push (VW 0's stages give what the shards do not hold, such as buffers),
-        or the lone VW's weights. Keys as in the model's state_dict."""
-        dtype = getattr(torch, self.job.train.dtype)
-        state = self.model.state_dict(keep_vars=True)
-        entries = [outputs.Entry(k, dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
-                   for k, t in state.items()]
-        writer = outputs.WeightsWriter(self.out_dir, entries, self.job.output.max_shard_bytes)
-        owned: set[str] = set()
-        final_clock = total_waves(self.job.train.steps, self.plan.nm)
-        for i, stub in enumerate(self.shards):
-            keys = [k for k, s in self.plan.key_shard.items() if s == i]
-            if not keys:
-                continue
-            request = ps_pb2.PullRequest(vw=self.lead_vw, keys=keys, min_clock=final_clock)
-            self._stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
-            owned.update(keys)
-        for h in self.stages:
-            if h.plan.vw != self.lead_vw:
-                continue
-            keys = [k for k in models.layer_keys(self.model, h.plan.layer_begin, h.plan.layer_end) if k not in owned]
-            if keys:
-                request = stage_pb2.WeightsRequest(keys=keys)
-                self._stream_into(writer, lambda: h.stub.GetWeights(request, timeout=rpc.DATA_DEADLINE_S), h.name)
-        try:
-            return writer.close()
-        except ValueError as exc:
-            raise JobFailed(f"writing the final weights: {exc}") from None
-
-    @staticmethod
-    def _stream_into(writer: outputs.WeightsWriter, call: Callable[[], Any], who: str) -> None:
-        try:
-            stream = wire.read(call())
-            names = stream.names
-            for index, offset, piece in stream.pieces:
-                writer.write(names[index], offset, piece)
-        except grpc.RpcError as exc:
-            raise JobFailed(f"{who}: reading the final weights failed: {exc.code().name}: {exc.details()}") from None
-
-    def shard_status(self) -> list[ps_pb2.ShardStatus]:
-        return [stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S) for stub in self.shards]
-
-    def write_outputs(self, wall: float) -> dict[str, Any]:
-        """The weights (safetensors), and summary.json per DESIGN §8."""
-        final = self.final_evaluation()
-        self.write_weights()
-        job, plan = self.job, self.plan
-        samples = self._minibatches()[1] * job.data.batch_size
-        losses = [h.last.recent_loss for h in self._last_stages()]
-        fields: dict[str, Any] = {
-            "steps": job.train.steps,
-            "samples_per_second": samples / wall if wall > 0 else 0.0,
-            "wall_seconds": wall,
-            "final_loss": sum(losses) / len(losses),
-            "virtual_workers": plan.virtual_workers,
-            "stages_per_vw": plan.stages_per_vw,
-            "nm": plan.nm,
-            "D": plan.D,
-            "emulated": plan.emulated,
-            "precision": job.train.precision,
-            "wait_seconds": sum(h.last.wait_seconds for h in self.stages),
-            "wait_idle_seconds": sum(h.last.wait_idle_seconds for h in self.stages),
-            "idle_seconds": sum(h.last.idle_seconds for h in self.stages),
-            "plan": plan.describe(),
-            "mode": job.parallel.mode,
-            "ps_shards": len(self.shards),
-            "evicted": self.evicted,
-        }
-        if final is not None:
-            fields["eval_loss"] = final.loss
-            fields["eval_accuracy"] = final.accuracy if job.train.loss == "cross_entropy" else None
-            fields["eval_rows"] = final.rows
-        statuses = self.shard_status() if self.shards else []
-        if statuses:
-            fields["max_clock_distance"] = max(st.max_clock_distance for st in statuses)
-            fields["pushes_applied"] = sum(st.pushes_applied for st in statuses)
-        fields["processes"] = self._memory(statuses)
-        return outputs.write_summary(self.out_dir, fields)
-
-    def _memory(self, shards: list[ps_pb2.ShardStatus]) -> list[dict[str, Any]]:
-        """Each process's peak memory, read after the weights were written (the last peak)."""
-        out: list[dict[str, Any]] = [{"process": "coordinator", "peak_rss_bytes": devices.peak_rss_bytes()}]
-        for h in self.stages:
-            st = self._call(h, "Status", stage_pb2.StatusRequest(), deadline=STATUS_DEADLINE_S)
-            out.append({"process": h.name, "device": st.device, "layers": [h.plan.layer_begin, h.plan.layer_end],
-                        "peak_rss_bytes": st.peak_rss_bytes, "device_peak_bytes": st.device_peak_bytes})
-        out += [{"process": f"ps shard {i}", "peak_rss_bytes": st.peak_rss_bytes} for i, st in enumerate(shards)]
-        return out

@@ -14,6 +14,7 @@ import grpc
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, Rejected, StageLost
 from hetpipe.v1 import wire_pb2
+from coordinator import results
 from coordinator.driver import JobDriver, Progress
 from coordinator.planner import Plan, PlanError, make_plan
 from coordinator.registry import Registry, Role
@@ -157,7 +158,7 @@ class JobRunner:
             driver.setup()
             self._advance(JobState.RUNNING)
             wall = driver.run(self._on_progress)
-            self._summary = driver.write_outputs(wall)
+            self._summary = results.write_outputs(driver, wall)
             self.machine.try_to(JobState.COMPLETED)
         except JobStopped as exc:
             self.machine.try_to(JobState.STOPPED, str(exc))

@@ -7,13 +7,16 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 
+from hetpipe import wire
+from hetpipe.errors import JobFailed
 from hetpipe.validate import ConfigError
 
 # safetensors' names for the dtypes the wire carries.
@@ -207,3 +210,20 @@ def write_from(out_dir: Path, sources: Sequence[Path], max_shard_bytes: int) -> 
                 tensor = f.get_tensor(key).contiguous()
                 writer.write(key, 0, tensor.reshape(-1).view(torch.uint8).numpy().data)
     return writer.close()
+
+
+def entries(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Entry]:
+    """Each state_dict key's safetensors entry: floating tensors in the job's dtype."""
+    return {k: Entry(k, dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
+            for k, t in model.state_dict(keep_vars=True).items()}
+
+
+def stream_into(writer: WeightsWriter, call: Callable[[], Any], who: str) -> None:
+    """Writes the tensor stream call() answers (a gRPC call) into writer, piece by piece."""
+    try:
+        stream = wire.read(call())
+        names = stream.names
+        for index, offset, piece in stream.pieces:
+            writer.write(names[index], offset, piece)
+    except grpc.RpcError as exc:
+        raise JobFailed(f"{who}: reading weights failed: {exc.code().name}: {exc.details()}") from None

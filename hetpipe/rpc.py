@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
 # Control calls are small and local; a peer that does not answer in this long is in trouble.
 CONTROL_DEADLINE_S = 10.0
+# A status poll: short, so that a frozen peer does not hold up the checks of the others.
+STATUS_DEADLINE_S = 2.0
 # Tensor calls move up to hundreds of MiB.
 DATA_DEADLINE_S = 120.0
 

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from coordinator import results
 from coordinator.driver import JobDriver
 from coordinator.planner import make_plan
 from hetpipe import outputs, rpc
@@ -50,7 +51,7 @@ def test_the_driver_runs_a_job_and_collects_the_trained_weights(make_job, stages
     try:
         driver.setup()
         wall = driver.run(lambda p: seen.append(p.samples), interval=0.01)
-        files = driver.write_weights()
+        files = results.write_weights(driver)
     finally:
         driver.close()
     assert [f.name for f in files] == ["model.safetensors"]

@@ -1,0 +1,94 @@
+"""What a finished job leaves in output.dir (DESIGN §8): the final model, streamed from the shards
+and the lead VW's stages into safetensors one frame at a time (the driver never holds the
+model), and summary.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetpipe import devices, models, outputs, rpc
+from hetpipe.errors import JobFailed
+from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
+from hetpipe.wsp import total_waves
+from coordinator.driver import JobDriver
+
+
+
+def write_weights(d: JobDriver) -> list[Path]:
+    """The final model into safetensors in output.dir: w_global from the shards after every VW's
+    last push (the lead VW's stages give what the shards do not hold, such as buffers), or the
+    lone VW's weights. Keys as in the model's state_dict."""
+    writer = outputs.WeightsWriter(d.out_dir, list(outputs.entries(d.model, getattr(torch, d.job.train.dtype)).values()),
+                                   d.job.output.max_shard_bytes)
+    owned: set[str] = set()
+    final_clock = total_waves(d.job.train.steps, d.plan.nm)
+    for i, stub in enumerate(d.shards):
+        keys = [k for k, s in d.plan.key_shard.items() if s == i]
+        if not keys:
+            continue
+        request = ps_pb2.PullRequest(vw=d.lead_vw, keys=keys, min_clock=final_clock)
+        outputs.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
+        owned.update(keys)
+    for h in d.stages:
+        if h.plan.vw != d.lead_vw:
+            continue
+        keys = [k for k in models.layer_keys(d.model, h.plan.layer_begin, h.plan.layer_end) if k not in owned]
+        if keys:
+            weights = stage_pb2.WeightsRequest(keys=keys)
+            outputs.stream_into(writer, lambda: h.stub.GetWeights(weights, timeout=rpc.DATA_DEADLINE_S), h.name)
+    try:
+        return writer.close()
+    except ValueError as exc:
+        raise JobFailed(f"writing the final weights: {exc}") from None
+
+
+def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
+    """The final evaluation, the weights (safetensors), and summary.json per DESIGN §8."""
+    final = d.final_evaluation()
+    write_weights(d)
+    job, plan = d.job, d.plan
+    samples = d.minibatches()[1] * job.data.batch_size
+    losses = [h.last.recent_loss for h in d.last_stages()]
+    fields: dict[str, Any] = {
+        "steps": job.train.steps,
+        "samples_per_second": samples / wall if wall > 0 else 0.0,
+        "wall_seconds": wall,
+        "final_loss": sum(losses) / len(losses),
+        "virtual_workers": plan.virtual_workers,
+        "stages_per_vw": plan.stages_per_vw,
+        "nm": plan.nm,
+        "D": plan.D,
+        "emulated": plan.emulated,
+        "precision": job.train.precision,
+        "wait_seconds": sum(h.last.wait_seconds for h in d.stages),
+        "wait_idle_seconds": sum(h.last.wait_idle_seconds for h in d.stages),
+        "idle_seconds": sum(h.last.idle_seconds for h in d.stages),
+        "plan": plan.describe(),
+        "mode": job.parallel.mode,
+        "ps_shards": len(d.shards),
+        "evicted": d.evicted,
+    }
+    if final is not None:
+        fields["eval_loss"] = final.loss
+        fields["eval_accuracy"] = final.accuracy if job.train.loss == "cross_entropy" else None
+        fields["eval_rows"] = final.rows
+    statuses = [stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S) for stub in d.shards]
+    if statuses:
+        fields["max_clock_distance"] = max(st.max_clock_distance for st in statuses)
+        fields["pushes_applied"] = sum(st.pushes_applied for st in statuses)
+    fields["processes"] = _memory(d, statuses)
+    return outputs.write_summary(d.out_dir, fields)
+
+
+def _memory(d: JobDriver, shards: list[ps_pb2.ShardStatus]) -> list[dict[str, Any]]:
+    """Each process's peak memory, read after the weights were written (the last peak)."""
+    out: list[dict[str, Any]] = [{"process": "coordinator", "peak_rss_bytes": devices.peak_rss_bytes()}]
+    for h in d.stages:
+        st = d.call(h, "Status", stage_pb2.StatusRequest(), deadline=rpc.STATUS_DEADLINE_S)
+        out.append({"process": h.name, "device": st.device, "layers": [h.plan.layer_begin, h.plan.layer_end],
+                    "peak_rss_bytes": st.peak_rss_bytes, "device_peak_bytes": st.device_peak_bytes})
+    out += [{"process": f"ps shard {i}", "peak_rss_bytes": st.peak_rss_bytes} for i, st in enumerate(shards)]
+    return out
