@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,7 @@ class Checkpoints:
     def _keys(self, shard: int) -> list[str]:
         return [k for k, s in self.key_shard.items() if s == shard]
 
-    def take(self, wave: int, lead_vw: int, evicted: list[int],
-             stream_into: Callable[[outputs.WeightsWriter, Callable[[], Any], str], None]) -> None:
+    def take(self, wave: int, lead_vw: int, evicted: list[int]) -> None:
         """Writes the shards' part of the cut after `wave` and its manifest, and drops older cuts."""
         where = outputs.cut_dir(self.folder, wave)
         clocks: list[int] = []
@@ -56,7 +55,7 @@ class Checkpoints:
             (where / f"shard{i}").mkdir(parents=True, exist_ok=True)
             writer = outputs.WeightsWriter(where / f"shard{i}", [self.entries[k] for k in keys], 1 << 62)
             request = ps_pb2.PullRequest(vw=lead_vw, keys=keys, min_clock=wave)
-            stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
+            outputs.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
             writer.close()
             status = stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
             clocks = [c.min_clock for c in status.clocks]

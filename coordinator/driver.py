@@ -72,8 +72,9 @@ class JobDriver:
         self.plan = plan
         self.ps_addresses = ps_addresses or []
         self.check_processes = check_processes
-        # A shard that stopped answering (index, address, why): the runner's choice.
-        self.on_hung_shard: Callable[[int, str, str], None] = self._fail_hung_shard
+        # A shard that stopped answering (index, address, why): True once it is being restarted
+        # (a local launcher kills it); False fails the job.
+        self.restart_hung_shard: Callable[[int, str, str], bool] = lambda index, address, why: False
         self.stages = []
         for sp, address in zip(plan.stages, stage_addresses):
             ch = rpc.channel(address)
@@ -87,6 +88,7 @@ class JobDriver:
         self.resume_wave = resume_wave
         checkpointing = self.job.train.checkpoint_every > 0 or resume_wave > 0
         self.checkpoint_dir = self.out_dir / outputs.CHECKPOINTS if checkpointing else None
+        self.checkpoints: checkpoints.Checkpoints | None = None  # made in setup, where the model is known
         self.evals: dict[int, stage_pb2.EvalResult] = {}
         self.evicted: list[dict[str, Any]] = []  # VWs that left (parallel.on_vw_failure: continue)
         self.started = time.time()
@@ -131,15 +133,16 @@ class JobDriver:
         x, y = data.first_item(self.job)
         self.batch = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
         flows = boundaries(self.model, self.batch[0], compute_dtype(self.job.train.precision))
-        self.checkpoints = checkpoints.Checkpoints(
-            self.checkpoint_dir or self.out_dir, self.shards, self.plan.key_shard,
-            outputs.entries(self.model, getattr(torch, self.job.train.dtype)),
-            {"virtual_workers": self.plan.virtual_workers, "stages_per_vw": self.plan.stages_per_vw,
-             "nm": self.plan.nm, "steps": self.job.train.steps,
-             "layers": [[s.layer_begin, s.layer_end] for s in self.plan.stages]})
+        if self.checkpoint_dir is not None:
+            self.checkpoints = checkpoints.Checkpoints(
+                self.checkpoint_dir, self.shards, self.plan.key_shard,
+                outputs.entries(self.model, getattr(torch, self.job.train.dtype)),
+                {"virtual_workers": self.plan.virtual_workers, "stages_per_vw": self.plan.stages_per_vw,
+                 "nm": self.plan.nm, "steps": self.job.train.steps,
+                 "layers": [[s.layer_begin, s.layer_end] for s in self.plan.stages]})
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))
-        if self.resume_wave:  # the stages of VW 0 give the shards w0 only on a fresh start
+        if self.checkpoints is not None and self.resume_wave:  # VW 0's stages give w0 only on a fresh start
             self.checkpoints.restore_shards(self.resume_wave)
         self._wait_loaded()
         self.started = time.time()
@@ -178,9 +181,8 @@ class JobDriver:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:  # a killed peer's socket closes just before it is reaped
             time.sleep(0.2)
             self.check_processes()
-        raise StageLost(h.plan.vw, 
-            f"{h.name} at {h.address}: {method} failed: {exc.code().name}: {exc.details()} ({h.progress()})"
-        ) from None
+        raise StageLost(h.plan.vw, f"{h.name} at {h.address}: {method} failed: {exc.code().name}: "
+                                   f"{exc.details()} ({h.progress()})") from None
 
     # ---- running ---------------------------------------------------------------------------
 
@@ -248,9 +250,9 @@ class JobDriver:
     def _take_cut(self) -> None:
         """Once every stage waits at the same checkpoint, its shard part, then on they go."""
         waves = {h.last.cut for h in self.stages}
-        if len(waves) != 1 or (wave := waves.pop()) <= self.checkpoints.taken:
+        if self.checkpoints is None or len(waves) != 1 or (wave := waves.pop()) <= self.checkpoints.taken:
             return
-        self.checkpoints.take(wave, self.lead_vw, [e["vw"] for e in self.evicted], outputs.stream_into)
+        self.checkpoints.take(wave, self.lead_vw, [e["vw"] for e in self.evicted])
         log.info("checkpoint of wave %d in %s", wave, self.checkpoint_dir)
         for h in self.stages:
             self.call(h, "Continue", wire_pb2.Empty())
@@ -279,13 +281,10 @@ class JobDriver:
                 raise StageLost(h.plan.vw, f"{h.name} at {h.address} not responding: no answer to Status for "
                                 f"{seconds:.0f}s ({h.progress()})")
             index = int(who.rsplit(" ", 1)[1])
-            self.watch.answered(who)  # a restarted shard gets a fresh timeout
-            self.on_hung_shard(index, self.ps_addresses[index],
-                               f"not responding: no answer to health checks for {seconds:.0f}s")
-
-    @staticmethod
-    def _fail_hung_shard(index: int, address: str, why: str) -> None:
-        raise JobFailed(f"ps shard {index} at {address} {why}")
+            address, why = self.ps_addresses[index], f"not responding: no answer to health checks for {seconds:.0f}s"
+            if not self.restart_hung_shard(index, address, why):
+                raise JobFailed(f"ps shard {index} at {address} {why}")
+            self.watch.answered(who)  # the restarted shard gets a fresh timeout
 
     def _check_progress(self) -> None:
         """Fails a job that stopped moving although every process answers: a stage stuck inside

@@ -154,7 +154,7 @@ class JobRunner:
             driver = JobDriver(job, plan, [w.info.address for w in stages],
                                ps_addresses=[w.info.address for w in ps], resume_wave=resume_wave)
             driver.check_processes = lambda: self._check_alive(driver)  # type: ignore[union-attr]
-            driver.on_hung_shard = self._hung_shard
+            driver.restart_hung_shard = self._restart_hung_shard
             driver.setup()
             self._advance(JobState.RUNNING)
             wall = driver.run(self._on_progress)
@@ -173,11 +173,12 @@ class JobRunner:
                 driver.close()
             self.registry.release()
 
-    def _hung_shard(self, index: int, address: str, why: str) -> None:
-        """A hung shard is killed, and restarted from its checkpoint like a dead one."""
+    def _restart_hung_shard(self, index: int, address: str, why: str) -> bool:
+        """A local launcher kills a hung shard, to restart it from its checkpoint like a dead one."""
         if self.kill_hung is None:
-            raise JobFailed(f"ps shard {index} at {address} {why}")
+            return False
         self.kill_hung(address, f"ps shard {index} {why}")
+        return True
 
     def _on_progress(self, progress: Progress) -> None:
         self._progress = progress

@@ -16,7 +16,6 @@ from hetpipe.wsp import total_waves
 from coordinator.driver import JobDriver
 
 
-
 def write_weights(d: JobDriver) -> list[Path]:
     """The final model into safetensors in output.dir: w_global from the shards after every VW's
     last push (the lead VW's stages give what the shards do not hold, such as buffers), or the

@@ -57,6 +57,19 @@ def file_names(count: int) -> list[str]:
     return [SINGLE_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
+def save_atomically(obj: Any, path: str | Path, *, durable: bool = False) -> None:
+    """torch.save(obj) to path so that a kill during the write leaves the old file or none, never
+    half of one; durable: also on disk before this returns (fsync), to outlive a power cut."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 CHECKPOINTS = "checkpoints"  # train.checkpoint_every: the cuts a run can --resume from
 
 

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from hetpipe.outputs import save_atomically
 from ps_server.shard import Shard
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class Durability:
@@ -64,12 +54,13 @@ class Durability:
 
     def log_push(self, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> None:
         self._seq += 1
-        _atomic_save({"vw": vw, "clock": clock, "deltas": dict(deltas)}, self.log_dir / f"{self._seq:012d}.pt")
+        save_atomically({"vw": vw, "clock": clock, "deltas": dict(deltas)}, self.log_dir / f"{self._seq:012d}.pt",
+                        durable=True)
 
     def checkpoint(self, shard: Shard) -> None:
         if not shard.ready:
             return
-        _atomic_save({**shard.snapshot(), "log_seq": self._seq}, self.checkpoint_path)
+        save_atomically({**shard.snapshot(), "log_seq": self._seq}, self.checkpoint_path, durable=True)
         for entry in self.log_dir.glob("*.pt"):
             if int(entry.stem) <= self._seq:
                 entry.unlink(missing_ok=True)

@@ -7,7 +7,6 @@ loaded with torch.load(weights_only=True)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,20 +36,17 @@ class Cuts:
         wave, first = divmod(p - 1, self.nm)
         return first == 0 and self.is_cut(wave) and self.continued < wave
 
+    @property
+    def waiting_at(self) -> int:
+        """The cut saved and not yet continued past; 0: none."""
+        return self.saved if self.saved > self.continued else 0
+
     def due(self, completed: int, acked_waves: int) -> int | None:
         """The cut to save now: every backward through it done, every push through it acknowledged."""
         wave, rest = divmod(completed, self.nm)
         if rest == 0 and wave > self.saved and self.is_cut(wave) and acked_waves >= wave:
             return wave
         return None
-
-
-def save(path: Path, state: dict[str, Any]) -> None:
-    """Atomically: a kill during the write leaves the previous file or none, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -141,6 +141,15 @@ class Loaded:
                                   observe_push=self.observe.push.observe, observe_pull=self.observe.pull.observe)
         return WspSync(config, callbacks, self.compute.params)
 
+    def save_cut(self, wave: int) -> None:
+        """Its part of the checkpoint after `wave`; it then waits there until continued."""
+        setup = self.setup
+        path = outputs.stage_state_path(setup.checkpoint_dir, wave, setup.vw, setup.stage)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        outputs.save_atomically(checkpoint.capture(self.compute, self.sync), path)
+        self.cuts.saved = wave
+        log.info("stage %d of vw %d: checkpoint of wave %d saved to %s", setup.stage, setup.vw, wave, path)
+
     def forward_allowed(self, p: int) -> bool:
         """G2 (the sync), not past a periodic evaluation stage 0 has still to run, and not past a
         checkpoint the driver has not let it past."""

@@ -11,12 +11,12 @@ from collections import deque
 import grpc
 import torch
 
-from hetpipe import devices, outputs
+from hetpipe import devices
 from hetpipe.errors import Rejected
 from hetpipe.v1 import stage_pb2
 from hetpipe.wire import Bundle
 from hetpipe.wsp import wave_of
-from stage_worker import checkpoint, commit, lifecycle, metrics
+from stage_worker import commit, lifecycle, metrics
 from stage_worker.assignment import Setup, validate
 from stage_worker.inbox import Inbox
 from stage_worker.lifecycle import StageState
@@ -118,23 +118,15 @@ class StageRuntime:
             self._thread = threading.Thread(target=self._loop, args=(s,), name="compute", daemon=True)
             self._thread.start()
 
-    def _save_cut(self, s: Loaded, wave: int) -> None:
-        """Its part of the checkpoint after `wave`; it then waits there until continued."""
-        setup = s.setup
-        path = outputs.stage_state_path(setup.checkpoint_dir, wave, setup.vw, setup.stage)
-        checkpoint.save(path, checkpoint.capture(s.compute, s.sync))
-        s.cuts.saved = wave
-        log.info("stage %d of vw %d: checkpoint of wave %d saved to %s", setup.stage, setup.vw, wave, path)
-
     def continue_past_cut(self) -> int:
         """Lets the stage past the checkpoint it saved and waits at; returns its wave."""
         with self._cv:
             s = self._s
-            if s is None or self.state != StageState.RUNNING or s.cuts.saved <= s.cuts.continued:
+            if s is None or self.state != StageState.RUNNING or not s.cuts.waiting_at:
                 raise _refused(self.state, "not waiting at a checkpoint")
             s.cuts.continued = s.cuts.saved
             self._cv.notify_all()
-            return s.cuts.saved
+            return s.cuts.continued
 
     def evaluate(self, min_clock: int) -> None:
         """The final evaluation (VW 0, after the run): merge w_global at min_clock, then stage 0
@@ -218,7 +210,7 @@ class StageRuntime:
                 commit.commit_decided(s)
                 wave = s.cuts.due(s.schedule.completed, s.sync.acked_waves)
                 if wave is not None:
-                    self._save_cut(s, wave)
+                    s.save_cut(wave)
                 task = self._eval_task(s) or s.schedule.next_task(s.forward_allowed)
                 waiting = s.sync.waiting
                 if task is not None:
@@ -384,7 +376,7 @@ class StageRuntime:
                 backwards_done=sched.completed, samples=sched.completed * s.job.data.batch_size,
                 local_version=s.compute.version, in_flight=sched.in_flight,
                 queue_depth=sched.ready - (1 if self._busy else 0), waiting=s.sync.waiting,
-                cut=s.cuts.saved if s.cuts.saved > s.cuts.continued else 0,
+                cut=s.cuts.waiting_at,
                 received=self._inbox.received,
                 last_loss=last_loss, recent_loss=recent_loss,
                 forward_seconds=self._phase_seconds["forward"], backward_seconds=self._phase_seconds["backward"],

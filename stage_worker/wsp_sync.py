@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import random
 import threading
@@ -18,7 +17,7 @@ from typing import IO, Any, TypeVar, cast
 import grpc
 import torch
 
-from hetpipe import rpc, wire
+from hetpipe import outputs, rpc, wire
 from hetpipe.v1 import ps_pb2, wire_pb2
 from hetpipe.wsp import g2_decision, merge_pulled, required_min_clock, total_waves, wave_of, waves_included
 from stage_worker.sync import Weights
@@ -316,9 +315,7 @@ class WspSync:
             return
         record = {"acked": dict(zip(self.keys, self._ledger)),
                   "pending": {} if pending is None else {k: u.cpu() for k, u in zip(self.keys, pending)}}
-        tmp = f"{self._ledger_path}.tmp"
-        torch.save(record, tmp)
-        os.replace(tmp, self._ledger_path)
+        outputs.save_atomically(record, self._ledger_path)
 
     def _push(self, shard: int, wave: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """G1: one wave's update to one shard, retried until acknowledged."""

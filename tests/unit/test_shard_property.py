@@ -258,8 +258,8 @@ class ShardMachine(RuleBasedStateMachine):
         for name, raw in saved.items():
             (log / name).write_bytes(raw)
         # ... and a torn write of the next log entry and the next checkpoint, never renamed.
-        (log / f"{self.dur._seq + 1:012d}.tmp").write_bytes(b"torn")
-        (self.dir / "checkpoint.tmp").write_bytes(b"torn")
+        (log / f"{self.dur._seq + 1:012d}.pt.tmp").write_bytes(b"torn")
+        (self.dir / "checkpoint.pt.tmp").write_bytes(b"torn")
 
     def restart(self) -> None:
         """kill -9 and start again: a fresh shard restored from the directory alone."""
@@ -300,5 +300,5 @@ MACHINE_SETTINGS = settings(
 def test_shard_matches_reference_model(monkeypatch: pytest.MonkeyPatch) -> None:
     # The restarts here model a killed process, not a lost machine: the page cache survives, so
     # fsync only costs time (it dominated the run).
-    monkeypatch.setattr("ps_server.durability.os.fsync", lambda fd: None)
+    monkeypatch.setattr("hetpipe.outputs.os.fsync", lambda fd: None)  # the shard's durable saves
     run_state_machine_as_test(ShardMachine, settings=MACHINE_SETTINGS)
