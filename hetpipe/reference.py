@@ -42,10 +42,14 @@ def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu
         for vw in range(n):
             x, y = minibatch(job, dataset, p, vw)
             x, y = x.to(device), y.to(device)
-            loss = compute_loss(job.train.loss, model(x), y)
-            grads = torch.autograd.grad(loss, params)
-            for t, g in zip(total, grads):
-                t.add_(g)
+            # Micro-batch schedules: each micro-batch's loss weighted 1/m, the gradients summed.
+            m = job.parallel.microbatches
+            for xs, ys in zip(x.chunk(m), y.chunk(m)):
+                loss = compute_loss(job.train.loss, model(xs), ys) / m if m > 1 else compute_loss(
+                    job.train.loss, model(xs), ys)
+                grads = torch.autograd.grad(loss, params)
+                for t, g in zip(total, grads):
+                    t.add_(g)
         for w, g in zip(params, total):
             w.grad = g  # summed: each VW's SGD update -lr*g_v is applied once
         optimizer.step()

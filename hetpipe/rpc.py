@@ -41,7 +41,7 @@ DATA_DEADLINE_S = 120.0
 # one link per neighbour stage, one pull and one push per stage and shard at a time.
 LANES: dict[str, dict[str, int]] = {
     "Stage": {"Forward": 3, "Backward": 3, "GetWeights": 1, "Evaluate": 1},
-    "ParameterServer": {"Pull": 56, "Push": 56, "Init": 8},
+    "ParameterServer": {"Pull": 56, "Push": 56, "Init": 8, "Exchange": 56},
 }
 RESERVED_THREADS = 8
 # A client stream with no deadline (or a longer one) is cancelled after this long: one that opens

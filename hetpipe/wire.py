@@ -67,6 +67,7 @@ def _first_frame(
     init: wire_pb2.InitTag | None,
     pull: wire_pb2.PullTag | None,
     commit: wire_pb2.CommitTag | None = None,
+    exchange: wire_pb2.ExchangeTag | None = None,
 ) -> wire_pb2.TensorFrame:
     metas = [
         wire_pb2.TensorMeta(name=name, dtype=wire_dtype(t.dtype), shape=list(t.shape))
@@ -83,6 +84,8 @@ def _first_frame(
         first.pull.CopyFrom(pull)
     if commit is not None:
         first.commit.CopyFrom(commit)
+    if exchange is not None:
+        first.exchange.CopyFrom(exchange)
     return first
 
 
@@ -120,6 +123,7 @@ def encode(
     init: wire_pb2.InitTag | None = None,
     pull: wire_pb2.PullTag | None = None,
     commit: wire_pb2.CommitTag | None = None,
+    exchange: wire_pb2.ExchangeTag | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> Iterator[bytes]:
     """The frames of one tensor bundle, serialized: the first carries the header and metas.
@@ -130,7 +134,7 @@ def encode(
     every TensorFrame stream that way).
     """
     # Field 9 is the highest-numbered field, so appending it keeps the canonical field order.
-    head: bytes | None = _first_frame(tensors, minibatch, push, init, pull, commit).SerializeToString()
+    head: bytes | None = _first_frame(tensors, minibatch, push, init, pull, commit, exchange).SerializeToString()
     for piece in _pieces(tensors, chunk_bytes):
         yield b"".join((head or b"", _DATA_TAG_BYTE, _varint(len(piece)), piece))
         head = None

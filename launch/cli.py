@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -12,14 +13,16 @@ from importlib.metadata import version
 from pathlib import Path
 
 import grpc
+import yaml
 
 from hetpipe import rpc
-from hetpipe.config import ConfigError, JobConfig, load_job
+from hetpipe.config import ConfigError, JobConfig, load_job, with_overrides
 from hetpipe.errors import JobFailed, JobStopped
 from hetpipe.units import format_bytes, format_seconds
 from hetpipe.v1 import coordinator_pb2, wire_pb2
 from coordinator.config import DEFAULT_PORT
 from coordinator.planner import Plan, PlanError, make_plan
+from coordinator.planner import projection
 from coordinator.planner.plan import NM_MEMORY_LIMIT
 from launch import compose
 from launch.local import ADDRESS_FILE, preflight, read_status, run_local
@@ -71,21 +74,82 @@ def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] = make_plan) -> 
 
 def _plan(args: argparse.Namespace) -> int:
     """Prints the plan: VWs, GPUs, layer ranges, memory against capacity, predicted times."""
+    inputs = _read_projection(args.projection) if args.projection else None  # a bad file fails before planning
+    if isinstance(inputs, int):
+        return inputs
     planned = _plan_or_usage(args.config, preflight)  # refuses what `hetpipe run` would, before it starts
     if isinstance(planned, int):
         return planned
     job, plan = planned
     for warning in plan.warnings:
         print(f"hetpipe: warning: {warning}", file=sys.stderr)
+    projected = _project(args.projection, inputs, job, plan) if inputs is not None else None
+    if isinstance(projected, int):
+        return projected
     measured = None
     summary_path = Path(job.resolve(job.output.dir)) / "summary.json"
     if summary_path.exists():
         measured = json.loads(summary_path.read_text()).get("samples_per_second")
     if args.json:
-        print(json.dumps({**plan.to_dict(), "measured_samples_per_second": measured}, indent=2))
+        print(json.dumps({**plan.to_dict(), "measured_samples_per_second": measured,
+                          **({"projection": projected[1]} if projected else {})}, indent=2))
         return 0
     print(_plan_table(job, plan, measured, summary_path))
+    if projected:
+        print("\n" + projected[0])
     return 0
+
+
+def _read_projection(path: str) -> projection.Inputs | int:
+    """The inputs of Pal et al.'s DP-vs-hybrid projection (coordinator/planner/projection.py)."""
+    try:
+        return projection.parse_inputs(yaml.safe_load(Path(path).read_text()))
+    except OSError as exc:
+        _error(f"projection file {path}: cannot be read ({exc.strerror})")
+    except yaml.YAMLError as exc:
+        _error(f"projection file {path} is not valid YAML: {' '.join(str(exc).split())}")
+    except ConfigError as exc:
+        _error(f"projection file {path}: {exc}")
+    return EXIT_USAGE
+
+
+def _planned_su_mp(job: JobConfig, plan: Plan) -> float:
+    """SU^M for M = stages_per_vw: the plan's predicted samples/s per VW over a one-stage plan's
+    (on the one GPU the planner picks). A HetPipe VW pipelines nm minibatches with stale weights,
+    so this is an upper bound on the per-step speedup the paper means: staleness is not counted."""
+    if plan.stages_per_vw < 2:
+        raise ConfigError("su_mp: missing, and the job's plan has 1 stage per VW to take it from")
+    try:
+        single = make_plan(with_overrides(job, parallel={"virtual_workers": 1, "stages_per_vw": 1, "nm": 1}))
+    except (ConfigError, PlanError) as exc:
+        raise ConfigError(f"su_mp: missing, and the job has no one-stage plan to compare with ({exc})") from None
+    return plan.predicted_samples_per_second / plan.virtual_workers / single.predicted_samples_per_second
+
+
+def _project(path: str, inputs: projection.Inputs, job: JobConfig,
+             plan: Plan) -> tuple[str, list[dict[str, object]]] | int:
+    """The projection table and its rows as JSON, or EXIT_USAGE after one error line."""
+    source = "su_mp from the projection file"
+    try:
+        if not inputs.su_mp:
+            k = plan.stages_per_vw
+            su = _planned_su_mp(job, plan)
+            inputs = dataclasses.replace(inputs, su_mp={k: su})
+            source = (f"su_mp {k}: {su:.3f} from the plan's predicted throughput, {k}-stage VW over one stage "
+                      f"(pipelined, staleness not counted)")
+        rows = projection.project(inputs)
+    except ConfigError as exc:
+        _error(f"projection file {path}: {exc}")
+        return EXIT_USAGE
+    lines = [f"projection (Pal et al. 2019, Eq. 3-6){' for ' + inputs.model if inputs.model else ''}: "
+             f"mini-batch {inputs.mini_batch} per device; {source}",
+             f"{'devices':>7} {'DP x MP':>9} {'DP-only SU':>11} {'hybrid SU':>10} {'hybrid/DP':>10}  recommendation"]
+    for r in rows:
+        lines.append(f"{r.devices:>7} {f'{r.n} x {r.m}':>9} {r.su_dp:>11.2f} {r.su_hybrid:>10.2f} {r.ratio:>10.3f}"
+                     f"  {r.strategy}")
+    table = [{"devices": r.devices, "n": r.n, "m": r.m, "su_dp": r.su_dp, "su_hybrid": r.su_hybrid,
+              "ratio": r.ratio, "recommendation": r.strategy} for r in rows]
+    return "\n".join(lines), table
 
 
 def _count(n: int, noun: str) -> str:
@@ -120,6 +184,8 @@ def _plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path
         if not fits:
             lines.append(f"{gpu}: the whole model does not fit on one GPU; data parallelism alone cannot use it")
     line = f"predicted throughput: {plan.predicted_samples_per_second:.1f} samples/s"
+    if job.parallel.schedule != "hetpipe":  # the simulator models L1-L4, not the micro-batch schedules
+        line += f" (as schedule hetpipe at nm {plan.nm}; schedule {job.parallel.schedule} is not simulated)"
     if measured is not None:
         ratio = plan.predicted_samples_per_second / measured if measured else float("nan")
         line += f"; measured {measured:.1f} samples/s in {summary_path} (predicted/measured {ratio:.2f})"
@@ -222,6 +288,22 @@ def _status(args: argparse.Namespace) -> int:
     return EXIT_FAILED if job_status.state == State.FAILED else 0
 
 
+def _trace(args: argparse.Namespace) -> int:
+    """Writes a run's trace/ as Chrome trace-event JSON (hetpipe/timeline.py)."""
+    from hetpipe import timeline
+
+    try:
+        path, count = timeline.export(args.output_dir, args.output)
+    except timeline.TraceMissing as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except OSError as exc:
+        _error(f"cannot write {args.output or Path(args.output_dir) / timeline.TRACE_FILE}: {exc.strerror}")
+        return EXIT_USAGE
+    print(f"wrote {path} ({count} events): open it in https://ui.perfetto.dev or chrome://tracing", file=sys.stderr)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetpipe", description="HetPipe: train large models on heterogeneous GPUs")
     ap.add_argument("--version", action="version", version=f"hetpipe {version('hetpipe')}")
@@ -235,6 +317,9 @@ def parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show the plan for a job file: VWs, GPUs, layers, memory, prediction")
     plan.add_argument("config", help="job YAML file")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.add_argument("--projection", metavar="FILE",
+                      help="also project DP alone vs N-way DP x M-way MP (Pal et al. 2019) from the measured "
+                           "inputs in FILE, e.g. examples/projection-inception-v3.yaml")
     plan.set_defaults(func=_plan)
     comp = sub.add_parser("compose", help="write the docker compose file for a job's cluster and plan")
     comp.add_argument("config", help="job YAML file")
@@ -242,6 +327,10 @@ def parser() -> argparse.ArgumentParser:
                       "default: stdout, relative to the working folder")
     comp.add_argument("--context", help="repository root with docker/ (default: this source tree)")
     comp.set_defaults(func=_compose)
+    trace = sub.add_parser("trace", help="a run's trace/ as a timeline for Perfetto or chrome://tracing")
+    trace.add_argument("output_dir", metavar="OUTPUT_DIR", help="the job's output.dir (run with output.trace: true)")
+    trace.add_argument("-o", "--output", help="write here (default: OUTPUT_DIR/trace.json)")
+    trace.set_defaults(func=_trace)
     for name, text in (("status", "show the job and the workers (or how the last run ended)"),
                        ("stop", "stop the running job, in whatever state it is")):
         cmd = sub.add_parser(name, help=text)

@@ -142,9 +142,11 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
             for i in range(par.virtual_workers * par.stages_per_vw):
                 procs.spawn("stage_worker", f"stage worker {i}", register)
             # A lone VW needs no parameter server: its local weights are w_global.
+            shard_trace = ["--trace-dir", str(out_dir / "trace")] if job.output.trace else []
+            shutil.rmtree(out_dir / "trace" / "ps", ignore_errors=True)  # an earlier job's shards, maybe more
             for i in range(par.ps_shards if par.virtual_workers > 1 else 0):
                 procs.spawn("ps_server", f"ps server {i}",
-                            [*register, "--checkpoint-dir", str(out_dir / "ps" / f"shard{i}")])
+                            [*register, "--checkpoint-dir", str(out_dir / "ps" / f"shard{i}"), *shard_trace])
             procs.wait_ready()
             targets = out_dir / TARGETS_FILE
             write_targets(targets, metrics_server.port, procs)

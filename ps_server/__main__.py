@@ -20,7 +20,7 @@ from ps_server.shard import Shard
 def serve(cfg: ShardConfig) -> None:
     torch.set_num_threads(1)
     durability = Durability(cfg.checkpoint_dir, cfg.checkpoint_every) if cfg.checkpoint_dir else None
-    servicer = ShardServicer(Shard(), durability, max_pull_wait_s=cfg.max_pull_wait_s)
+    servicer = ShardServicer(Shard(), durability, max_pull_wait_s=cfg.max_pull_wait_s, trace_dir=cfg.trace_dir)
     servicer.restore()
     if servicer.shard.ready:
         logging.info("restored %d keys (+%d logged pushes) from %s", len(servicer.shard.values),
@@ -30,6 +30,7 @@ def serve(cfg: ShardConfig) -> None:
                         workers=rpc.server_threads("ParameterServer"))
 
     def shutdown() -> None:
+        servicer.flush_trace()  # before the checkpoint, which may outlast the launcher's grace
         servicer.checkpoint()
         server.stop()
 

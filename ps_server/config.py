@@ -15,6 +15,7 @@ class ShardConfig:
     checkpoint_dir: str = ""        # empty: no durability (benchmarks)
     checkpoint_every: int = 10      # clocks of c_global between checkpoints (the push log covers the rest)
     max_pull_wait_s: float = 600.0  # a pull with no deadline of its own waits at most this long
+    trace_dir: str = ""             # the job's trace/ (output.trace): each push and pull to trace/ps/shard{j}.jsonl
 
 
 def parse_args(argv: list[str] | None = None) -> ShardConfig:
@@ -25,8 +26,10 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
                     help="checkpoint + push log directory; restored from at start")
     ap.add_argument("--checkpoint-every", type=int, default=int(env("HETPIPE_CHECKPOINT_EVERY", "10")),
                     help="checkpoint every M clocks")
+    ap.add_argument("--trace-dir", default=env("HETPIPE_TRACE_DIR", ""),
+                    help="the job's trace directory: one line per push applied and pull answered (default: none)")
     ns = ap.parse_args(argv)
     if ns.checkpoint_every < 1:
         ap.error(f"--checkpoint-every must be >= 1, got {ns.checkpoint_every}")
     return ShardConfig(service=service_flags(ns), checkpoint_dir=ns.checkpoint_dir,
-                       checkpoint_every=ns.checkpoint_every)
+                       checkpoint_every=ns.checkpoint_every, trace_dir=ns.trace_dir)

@@ -1,4 +1,5 @@
-"""Shard durability: a checkpoint every M clocks plus a log of every push acknowledged since."""
+"""Shard durability: a checkpoint every M clocks plus a log of every push (and elastic exchange)
+acknowledged since."""
 
 from __future__ import annotations
 
@@ -47,7 +48,10 @@ class Durability:
             if seq <= covered:
                 continue
             record = torch.load(entry, map_location="cpu", weights_only=True)
-            if shard.push(int(record["vw"]), int(record["clock"]), list(record["deltas"].items())):
+            if "replica" in record:  # an elastic exchange: replayed in order, it gives the same deltas
+                if shard.exchange(int(record["vw"]), int(record["clock"]), list(record["replica"].items())).applied:
+                    replayed += 1
+            elif shard.push(int(record["vw"]), int(record["clock"]), list(record["deltas"].items())):
                 replayed += 1
         self._seq = max(self._seq, covered)
         return replayed
@@ -55,6 +59,11 @@ class Durability:
     def log_push(self, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> None:
         self._seq += 1
         save_atomically({"vw": vw, "clock": clock, "deltas": dict(deltas)}, self.log_dir / f"{self._seq:012d}.pt",
+                        durable=True)
+
+    def log_exchange(self, vw: int, clock: int, replica: list[tuple[str, torch.Tensor]]) -> None:
+        self._seq += 1
+        save_atomically({"vw": vw, "clock": clock, "replica": dict(replica)}, self.log_dir / f"{self._seq:012d}.pt",
                         durable=True)
 
     def checkpoint(self, shard: Shard) -> None:

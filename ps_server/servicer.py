@@ -16,7 +16,8 @@ from hetpipe.rpc import handler
 from hetpipe.v1 import ps_pb2, wire_pb2
 from ps_server.durability import Durability
 from ps_server.metrics import ShardSnapshot
-from ps_server.shard import Shard, ShardError
+from ps_server.shard import Shard, ShardError, SyncRule
+from ps_server.trace import ShardTrace
 
 _CODES = {
     ShardError.Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -24,6 +25,7 @@ _CODES = {
     ShardError.Kind.CLOCK: grpc.StatusCode.FAILED_PRECONDITION,
     ShardError.Kind.NOT_READY: grpc.StatusCode.FAILED_PRECONDITION,
     ShardError.Kind.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+    ShardError.Kind.MODE: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -35,8 +37,19 @@ def _rejected(exc: ShardError) -> Rejected:
     return Rejected(_CODES[exc.kind], str(exc))
 
 
+def _sync_rule(tag: wire_pb2.InitTag) -> SyncRule:
+    """The InitTag's sync fields, those of its mode only (an unknown mode is refused by check_init)."""
+    mode = tag.sync or "wsp"
+    if mode == "quorum":
+        return SyncRule(mode, quorum=tag.quorum, total_waves=tag.total_waves)
+    if mode == "elastic":
+        return SyncRule(mode, alpha=tag.alpha, period=tag.period, total_waves=tag.total_waves)
+    return SyncRule(mode)
+
+
 class ShardServicer:
-    def __init__(self, shard: Shard, durability: Durability | None, *, max_pull_wait_s: float = 600.0) -> None:
+    def __init__(self, shard: Shard, durability: Durability | None, *, max_pull_wait_s: float = 600.0,
+                 trace_dir: str = "") -> None:
         self.shard = shard
         self.durability = durability
         self.max_pull_wait_s = max_pull_wait_s
@@ -46,6 +59,7 @@ class ShardServicer:
         self.received_bytes = 0  # push payloads
         self.sent_bytes = 0      # pull payloads
         self.index: int | None = None  # this shard's place in the plan, from Init (the `shard` label)
+        self.trace = ShardTrace(trace_dir)  # written under self._cv, which every push and pull holds anyway
 
     def _index_path(self) -> Path | None:
         return None if self.durability is None else self.durability.dir / "shard_index"
@@ -57,6 +71,11 @@ class ShardServicer:
                 path = self._index_path()
                 if path is not None and path.exists():  # a restart: Init came before it
                     self.index = int(path.read_text())
+                    self.trace.open(self.index, append=True)
+
+    def flush_trace(self) -> None:
+        with self._cv:
+            self.trace.flush()
 
     def checkpoint(self) -> None:
         if self.durability is not None:
@@ -67,7 +86,7 @@ class ShardServicer:
         if stream.header.WhichOneof("header") != "init":
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Init: first frame lacks the init tag")
         try:
-            self.shard.check_init(stream.header.init.virtual_workers)
+            self.shard.check_init(stream.header.init.virtual_workers, _sync_rule(stream.header.init))
         except ShardError as exc:
             raise _rejected(exc) from None
 
@@ -88,12 +107,13 @@ class ShardServicer:
         with self._cv:
             try:
                 fresh = self.shard.init(bundle.header.init.virtual_workers, bundle.tensors,
-                                        list(bundle.header.init.clocks))
+                                        list(bundle.header.init.clocks), _sync_rule(bundle.header.init))
             except ShardError as exc:
                 raise _rejected(exc) from None
             if fresh and self.durability is not None:
                 self.durability.checkpoint(self.shard)
             self.index = int(bundle.header.init.shard)
+            self.trace.open(self.index, append=False)
             path = self._index_path()
             if path is not None:
                 path.write_text(f"{self.index}\n")
@@ -101,6 +121,7 @@ class ShardServicer:
 
     @handler
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushReply:
+        received = time.time()
         bundle = wire.decode(request_iterator, check=self._check_push)
         tag = bundle.header.push
         durability = self.durability
@@ -108,15 +129,56 @@ class ShardServicer:
         # and a push whose log write failed is not applied (so its retry is no "duplicate").
         journal = None if durability is None else (lambda: durability.log_push(tag.vw, tag.clock, bundle.tensors))
         with self._cv:
+            start = time.time()
             try:
                 applied = self.shard.push(tag.vw, tag.clock, bundle.tensors, journal=journal)
             except ShardError as exc:
                 raise _rejected(exc) from None
+            checkpointed = False
             if applied and durability is not None:
-                durability.maybe_checkpoint(self.shard)
+                checkpointed = durability.maybe_checkpoint(self.shard)
+            self.trace.record("push", tag.vw, tag.clock, start, time.time(), received=received,
+                              duplicate=not applied, checkpoint=checkpointed)
             self.received_bytes += _payload_bytes(bundle.tensors)
             self._cv.notify_all()
             return ps_pb2.PushReply(duplicate=not applied, c_global=self.shard.c_global())
+
+    def _check_exchange(self, stream: wire.Stream) -> None:
+        """Everything an exchange is refused for that its header shows, before its tensors arrive."""
+        if stream.header.WhichOneof("header") != "exchange":
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Exchange: first frame lacks the exchange tag")
+        metas = [(name, dtype, tuple(shape)) for name, (dtype, shape, _) in zip(stream.names, stream.specs)]
+        with self._cv:
+            try:
+                self.shard.check_exchange(stream.header.exchange.vw, metas)
+            except ShardError as exc:
+                raise _rejected(exc) from None
+
+    @handler
+    def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """sync elastic: a VW's replica values in, delta = alpha * (replica - master) out (and into the master)."""
+        received = time.time()
+        bundle = wire.decode(request_iterator, check=self._check_exchange)
+        tag = bundle.header.exchange
+        durability = self.durability
+        # As for a push: logged once validated and before the master changes.
+        journal = None if durability is None else (lambda: durability.log_exchange(tag.vw, tag.clock, bundle.tensors))
+        with self._cv:
+            start = time.time()
+            try:
+                result = self.shard.exchange(tag.vw, tag.clock, bundle.tensors, journal=journal)
+            except ShardError as exc:
+                raise _rejected(exc) from None
+            checkpointed = False
+            if result.applied and durability is not None:
+                checkpointed = durability.maybe_checkpoint(self.shard)
+            self.trace.record("exchange", tag.vw, tag.clock, start, time.time(), received=received,
+                              duplicate=not result.applied, checkpoint=checkpointed)
+            self.received_bytes += _payload_bytes(bundle.tensors)
+            self.sent_bytes += _payload_bytes(result.deltas)
+            self._cv.notify_all()  # the final pulls wait for every VW's last exchange
+        reply = wire_pb2.ExchangeTag(vw=tag.vw, clock=tag.clock, duplicate=not result.applied)
+        return wire.encode(result.deltas, exchange=reply)
 
     @handler
     def Evict(self, request: ps_pb2.EvictRequest, context: grpc.ServicerContext) -> wire_pb2.Ack:
@@ -140,7 +202,7 @@ class ShardServicer:
             remaining -= min(1.0, 0.2 * remaining)
         budget = self.max_pull_wait_s if remaining is None else min(remaining, self.max_pull_wait_s)
         deadline = time.monotonic() + budget
-        started = time.monotonic()
+        started, requested = time.monotonic(), time.time()
         with self._cv:
             try:
                 self.shard.check_pull(request.vw, keys)
@@ -154,9 +216,12 @@ class ShardServicer:
                             f"(vw clocks {self.shard.vw_clocks(keys)})",
                         )
                     self._cv.wait(min(left, 0.5))
+                answering = time.time()
                 result = self.shard.pull(request.vw, keys)
             except ShardError as exc:
                 raise _rejected(exc) from None
+            self.trace.record("pull", request.vw, request.min_clock, answering, time.time(), requested=requested,
+                              c_global=result.c_global)
             self.pull_wait_seconds += time.monotonic() - started
             self.sent_bytes += _payload_bytes(result.values)
         tag = wire_pb2.PullTag(c_global=result.c_global, own_clock=result.own_clock, vw_clocks=result.vw_clocks)
@@ -188,12 +253,13 @@ class ShardServicer:
                 pushes_applied=s.pushes_applied, pushes_duplicate=s.pushes_duplicate,
                 max_clock_distance=s.max_clock_distance, restored_pushes=self.restored_pushes,
                 peak_rss_bytes=devices.peak_rss_bytes(), evicted=sorted(s.evicted),
+                sync=s.rule.mode, exchanges_applied=s.exchanges_applied,
             )
             if s.ready:
                 status.c_global = s.c_global()
                 status.clock_distance = s.clock_distance()
                 status.values_digest = s.digest()
                 for vw in range(s.virtual_workers):
-                    per_key = [c[vw] for c in s.clocks.values()]
+                    per_key = s.key_clocks(vw)
                     status.clocks.add(vw=vw, min_clock=min(per_key), max_clock=max(per_key))
             return status

@@ -1,16 +1,20 @@
-"""One shard's global weights and per-(key, VW) clocks: the WSP push/pull rules, no I/O."""
+"""One shard's global weights and per-(key, VW) clocks: the WSP push/pull rules (and quorum's
+rounds, elastic averaging's master), no I/O."""
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hetpipe.config import MAX_VIRTUAL_WORKERS
+from hetpipe import elastic
+from hetpipe.config import MAX_STEPS, MAX_VIRTUAL_WORKERS
 from hetpipe.wsp import clock_distance
+from ps_server.quorum import KeyRounds
 
 
 class ShardError(Exception):
@@ -22,10 +26,46 @@ class ShardError(Exception):
         CLOCK = "clock"              # a clock that goes backwards or skips ahead
         NOT_READY = "not_ready"      # used before Init
         CONFLICT = "conflict"        # re-Init with different keys or values
+        MODE = "mode"                # a call the shard's sync mode does not take (a push under elastic)
 
     def __init__(self, kind: Kind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+SYNC_MODES = ("wsp", "quorum", "elastic")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncRule:
+    """parallel.sync and its arguments, as Init brings them: how pushes (or exchanges) reach w_global."""
+
+    mode: str = "wsp"
+    quorum: int = 0          # quorum: on-time VWs that close a round; 0 = a majority of the live VWs
+    alpha: float = 0.0       # elastic: the elastic force
+    period: int = 1          # elastic: waves between a VW's exchanges
+    total_waves: int = 0     # quorum, elastic: waves per VW in the job
+
+    def check(self, virtual_workers: int) -> None:
+        def invalid(what: str) -> ShardError:
+            return ShardError(ShardError.Kind.INVALID, f"sync {self.mode}: {what}")
+
+        if self.mode not in SYNC_MODES:
+            raise ShardError(ShardError.Kind.INVALID, f"sync {self.mode!r}: expected one of {', '.join(SYNC_MODES)}")
+        if self.mode != "wsp" and not 1 <= self.total_waves <= MAX_STEPS:
+            raise invalid(f"total_waves must be in [1, {MAX_STEPS}], got {self.total_waves}")
+        if self.mode == "quorum" and self.quorum > virtual_workers:
+            raise invalid(f"quorum {self.quorum} is more than the {virtual_workers} virtual workers")
+        if self.mode == "elastic" and not (math.isfinite(self.alpha) and 0 < self.alpha <= elastic.MAX_ALPHA):
+            raise invalid(f"alpha must be in (0, {elastic.MAX_ALPHA}], got {self.alpha}")
+        if self.mode == "elastic" and not 1 <= self.period <= MAX_STEPS:
+            raise invalid(f"period must be in [1, {MAX_STEPS}], got {self.period}")
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeResult:
+    deltas: list[tuple[str, torch.Tensor]]   # alpha * (replica - master) per key, added to the master
+    applied: bool                             # False: a retry, answered with the stored deltas
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +89,9 @@ class Shard:
     A push of wave c by VW v for key k is applied iff clock[k][v] == c, which then becomes
     c + 1. clock[k][v] == c + 1 means it was applied already: a retry, answered as a no-op.
     Anything else is a clock that goes backwards or skips ahead, and is refused.
+
+    Under sync quorum an accepted push waits in its key's round (ps_server/quorum.py) until the
+    round closes; under sync elastic the values are the master x~, which only exchanges change.
     """
 
     def __init__(self) -> None:
@@ -59,27 +102,35 @@ class Shard:
         self.pushes_duplicate = 0
         self.max_clock_distance = 0
         self.evicted: set[int] = set()  # VWs that left the job: c_global no longer waits for them
+        self.rule = SyncRule()
+        self.rounds: dict[str, KeyRounds] = {}                  # quorum: per key
+        self.exchanged: dict[str, list[int]] = {}               # elastic: exchanges per (key, VW)
+        self.last_delta: dict[str, list[torch.Tensor | None]] = {}  # elastic: each VW's latest, for its retry
+        self.exchanges_applied = 0
 
     @property
     def ready(self) -> bool:
         return self.virtual_workers > 0
 
-    def check_init(self, virtual_workers: int) -> None:
+    def check_init(self, virtual_workers: int, rule: SyncRule = SyncRule()) -> None:
         if not 1 <= virtual_workers <= MAX_VIRTUAL_WORKERS:
             raise ShardError(ShardError.Kind.INVALID,
                              f"virtual_workers must be in [1, {MAX_VIRTUAL_WORKERS}], got {virtual_workers}")
+        rule.check(virtual_workers)
 
     def init(self, virtual_workers: int, tensors: Sequence[tuple[str, torch.Tensor]],
-             clocks: Sequence[int] = ()) -> bool:
+             clocks: Sequence[int] = (), rule: SyncRule = SyncRule()) -> bool:
         """Registers keys with their initial values (w0); each stage of VW 0 brings its own. A job
         resumed from a checkpoint brings the checkpoint's values and each VW's clock.
 
         A key already registered must come with the same value: a retried Init is a no-op.
         Returns whether any key was new. New keys are refused once a push has been applied.
         """
-        self.check_init(virtual_workers)
+        self.check_init(virtual_workers, rule)
         if clocks and len(clocks) != virtual_workers:
             raise ShardError(ShardError.Kind.INVALID, f"{len(clocks)} clocks for {virtual_workers} virtual workers")
+        if clocks and rule.mode != "wsp":  # a checkpoint holds no open rounds, no exchange counts
+            raise ShardError(ShardError.Kind.INVALID, f"resuming with clocks is for sync wsp, not {rule.mode}")
         _check_finite("w0", tensors)
         named = dict(tensors)
         if len(named) != len(tensors) or not named:
@@ -87,16 +138,24 @@ class Shard:
         if self.ready and virtual_workers != self.virtual_workers:
             raise ShardError(ShardError.Kind.CONFLICT, f"shard already initialised for {self.virtual_workers} "
                                                        f"virtual workers, not {virtual_workers}")
+        if self.ready and rule != self.rule:
+            raise ShardError(ShardError.Kind.CONFLICT, f"shard already initialised for {self.rule}, not {rule}")
         clashing = [k for k, v in named.items() if k in self.values and not self._same_tensor(self.values[k], v)]
         if clashing:
             raise ShardError(ShardError.Kind.CONFLICT, f"shard already initialised with other values for {clashing[:5]}")
         new = {k: v for k, v in named.items() if k not in self.values}
-        if new and self.pushes_applied:
+        if new and (self.pushes_applied or self.exchanges_applied):
             raise ShardError(ShardError.Kind.CONFLICT, f"new keys {sorted(new)[:5]} after training began")
         self.virtual_workers = virtual_workers
+        self.rule = rule
         for key, value in new.items():
             self.values[key] = value.clone()
             self.clocks[key] = [int(c) for c in clocks] if clocks else [0] * virtual_workers
+            if rule.mode == "quorum":
+                self.rounds[key] = KeyRounds(virtual_workers)
+            elif rule.mode == "elastic":
+                self.exchanged[key] = [0] * virtual_workers
+                self.last_delta[key] = [None] * virtual_workers
         return bool(new)
 
     @staticmethod
@@ -127,6 +186,7 @@ class Shard:
         if self._live() == [vw]:
             raise ShardError(ShardError.Kind.CLOCK, f"vw {vw} is the last one left: the job cannot go on without it")
         self.evicted.add(vw)
+        self._settle(list(self.rounds))  # quorum: a round may now have the quorum of the VWs left
         return True
 
     def _check_keys(self, keys: Sequence[str]) -> None:
@@ -142,6 +202,12 @@ class Shard:
         """What a push must name: a known VW, keys of this shard, each once, in the key's dtype and
         shape. Callable on the header alone, before any tensor is received."""
         self._require_ready()
+        if self.rule.mode == "elastic":
+            raise ShardError(ShardError.Kind.MODE, f"push of vw {vw}: this shard runs sync elastic, whose "
+                                                   "replicas exchange with the master (Exchange) and push nothing")
+        self._check_metas(vw, metas, "delta")
+
+    def _check_metas(self, vw: int, metas: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], what: str) -> None:
         self._check_vw(vw)
         self._check_keys([k for k, _, _ in metas])
         for key, dtype, shape in metas:
@@ -149,7 +215,7 @@ class Shard:
             if dtype != want.dtype or shape != tuple(want.shape):
                 raise ShardError(
                     ShardError.Kind.INVALID,
-                    f"{key}: delta is {dtype} {list(shape)}, the key is {want.dtype} {list(want.shape)}",
+                    f"{key}: {what} is {dtype} {list(shape)}, the key is {want.dtype} {list(want.shape)}",
                 )
 
     def push(self, vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]],
@@ -173,24 +239,101 @@ class Shard:
                 ShardError.Kind.CLOCK,
                 f"push of vw {vw} for clock {clock} {direction}: its clock for these keys is {have}",
             )
+        if self.rule.mode == "quorum" and clock >= self.rule.total_waves:
+            raise ShardError(ShardError.Kind.CLOCK, f"push of vw {vw} for clock {clock}: the job has "
+                                                    f"{self.rule.total_waves} waves per virtual worker")
         if journal is not None:
             journal()
         for key, delta in deltas:
-            self.values[key].add_(delta)
+            if self.rule.mode == "quorum":
+                self.rounds[key].add(vw, clock, delta)
+            else:
+                self.values[key].add_(delta)
             self.clocks[key][vw] = clock + 1
+        self._settle(keys if self.rule.mode == "quorum" else [])
         self.pushes_applied += 1
         self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
         return True
 
-    def c_global(self, keys: Sequence[str] | None = None) -> int:
-        """Min over keys and VWs of the pushed clock: waves < c_global of every VW are included."""
-        self._require_ready()
+    def _settle(self, keys: Sequence[str]) -> None:
+        """quorum: closes every round of these keys that has its quorum; once every live VW has
+        pushed its last wave for a key, applies all that still waits (the final flush)."""
         live = self._live()
-        return min(min(self.clocks[k][v] for v in live) for k in (keys if keys is not None else self.clocks))
+        for key in keys:
+            book = self.rounds[key]
+            book.close_ready(self.values[key], self.rule.quorum, live)
+            if all(self.clocks[key][v] >= self.rule.total_waves for v in live):
+                book.flush(self.values[key], self.rule.total_waves)
+
+    # ---- elastic averaging ---------------------------------------------------------------------
+
+    def check_exchange(self, vw: int, metas: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        """What an exchange must name, like a push: checkable on the header alone."""
+        self._require_ready()
+        if self.rule.mode != "elastic":
+            raise ShardError(ShardError.Kind.MODE, f"exchange of vw {vw}: this shard runs sync {self.rule.mode}; "
+                                                   "exchanges are for sync elastic")
+        self._check_metas(vw, metas, "value")
+
+    def exchange(self, vw: int, clock: int, replica: Sequence[tuple[str, torch.Tensor]],
+                 journal: Callable[[], None] | None = None) -> ExchangeResult:
+        """Exchange `clock` of VW vw: delta = alpha * (x_i - x~) per key, x~ += delta, once per
+        (vw, key, clock); the VW subtracts delta from its replica. A retry of its latest exchange
+        gets the stored deltas and changes nothing. Validated whole first; `journal` as for push."""
+        self.check_exchange(vw, [(k, t.dtype, tuple(t.shape)) for k, t in replica])
+        _check_finite(f"exchange of vw {vw} for clock {clock}", replica)
+        keys = [k for k, _ in replica]
+        current = {self.exchanged[k][vw] for k in keys}
+        if current == {clock + 1}:
+            stored = [(k, self.last_delta[k][vw]) for k in keys]
+            return ExchangeResult([(k, d.clone()) for k, d in stored if d is not None], applied=False)
+        if current != {clock}:
+            have = sorted(current)
+            direction = "skips ahead" if clock > max(have) else "goes backwards"
+            raise ShardError(ShardError.Kind.CLOCK, f"exchange of vw {vw} for clock {clock} {direction}: "
+                                                    f"its exchanges for these keys are {have}")
+        last = elastic.total_exchanges(self.rule.total_waves, self.rule.period)
+        if clock >= last:
+            raise ShardError(ShardError.Kind.CLOCK, f"exchange of vw {vw} for clock {clock}: the job has {last} "
+                                                    "exchanges per virtual worker")
+        if journal is not None:
+            journal()
+        deltas = []
+        for key, value in replica:
+            delta = elastic.elastic_delta(value, self.values[key], self.rule.alpha)
+            self.values[key].add_(delta)
+            self.exchanged[key][vw] = clock + 1
+            self.last_delta[key][vw] = delta
+            deltas.append((key, delta.clone()))
+        self.exchanges_applied += 1
+        self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
+        return ExchangeResult(deltas, applied=True)
+
+    # ---- clocks ----------------------------------------------------------------------------------
+
+    def _clock(self, key: str, vw: int) -> int:
+        """vw's clock for key: its waves pushed, or (elastic) the waves its exchanges followed."""
+        if self.rule.mode == "elastic":
+            return elastic.waves_covered(self.exchanged[key][vw], self.rule.period, self.rule.total_waves)
+        return self.clocks[key][vw]
+
+    def key_clocks(self, vw: int) -> list[int]:
+        """vw's clock for every key of this shard."""
+        return [self._clock(k, vw) for k in self.clocks]
+
+    def c_global(self, keys: Sequence[str] | None = None) -> int:
+        """Min over keys and VWs of the pushed clock: waves < c_global of every VW are included.
+        quorum: the min over keys of the rounds closed (every VW's waves < c_global included)."""
+        self._require_ready()
+        ks = keys if keys is not None else self.clocks
+        if self.rule.mode == "quorum":
+            return min(self.rounds[k].closed for k in ks)
+        live = self._live()
+        return min(min(self._clock(k, v) for v in live) for k in ks)
 
     def vw_clocks(self, keys: Sequence[str] | None = None) -> list[int]:
         ks = list(keys if keys is not None else self.clocks)
-        return [min(self.clocks[k][v] for k in ks) for v in range(self.virtual_workers)]
+        return [min(self._clock(k, v) for k in ks) for v in range(self.virtual_workers)]
 
     def clock_distance(self) -> int:
         """G4: spread between the fastest and slowest VW (each VW's clock = min over keys)."""
@@ -207,9 +350,12 @@ class Shard:
     def pull(self, vw: int, keys: Sequence[str]) -> PullResult:
         """G2/G3: current values with exactly what they include (call when c_global is enough)."""
         self.check_pull(vw, keys)
+        # G3 adds the puller's own waves >= own_clock: under quorum those not yet in a closed round.
+        quorum = self.rule.mode == "quorum"
+        own = [self.rounds[k].applied[vw] if quorum else self._clock(k, vw) for k in keys]
         return PullResult(
             values=[(k, self.values[k].clone()) for k in keys],
-            own_clock=[self.clocks[k][vw] for k in keys],
+            own_clock=own,
             vw_clocks=self.vw_clocks(keys),
             c_global=self.c_global(keys),
         )
@@ -221,6 +367,14 @@ class Shard:
             h.update(self.values[key].contiguous().view(torch.uint8).numpy().tobytes())
             h.update(str(self.clocks[key]).encode())
         h.update(str(sorted(self.evicted)).encode())
+        if self.rule.mode != "wsp":
+            h.update(str(self.rule).encode())
+            for key in sorted(self.rounds):
+                self.rounds[key].feed(h)
+            for key in sorted(self.exchanged):
+                h.update(f"{key}:{self.exchanged[key]}".encode())
+                for delta in self.last_delta[key]:
+                    h.update(b"-" if delta is None else delta.contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
     # ---- durability ------------------------------------------------------------------------
@@ -234,6 +388,12 @@ class Shard:
             "pushes_applied": self.pushes_applied,
             "max_clock_distance": self.max_clock_distance,
             "evicted": torch.tensor(sorted(self.evicted), dtype=torch.int64),
+            "sync": {"mode": self.rule.mode, "quorum": self.rule.quorum, "alpha": self.rule.alpha,
+                     "period": self.rule.period, "total_waves": self.rule.total_waves},
+            "rounds": {k: book.snapshot() for k, book in self.rounds.items()},
+            "exchanged": {k: torch.tensor(c, dtype=torch.int64) for k, c in self.exchanged.items()},
+            "last_delta": {k: [None if d is None else d.clone() for d in ds] for k, ds in self.last_delta.items()},
+            "exchanges_applied": self.exchanges_applied,
         }
 
     def restore(self, snap: Mapping[str, object]) -> None:
@@ -247,3 +407,12 @@ class Shard:
         self.max_clock_distance = int(snap["max_clock_distance"])  # type: ignore[call-overload]
         evicted = snap.get("evicted")
         self.evicted = {int(v) for v in evicted.tolist()} if isinstance(evicted, torch.Tensor) else set()
+        rule, rounds = snap.get("sync") or {}, snap.get("rounds") or {}
+        exchanged, last_delta = snap.get("exchanged") or {}, snap.get("last_delta") or {}
+        assert isinstance(rule, dict) and isinstance(rounds, dict)
+        assert isinstance(exchanged, dict) and isinstance(last_delta, dict)
+        self.rule = SyncRule(**rule)
+        self.rounds = {k: KeyRounds.restored(book) for k, book in rounds.items()}
+        self.exchanged = {k: [int(c) for c in t.tolist()] for k, t in exchanged.items()}
+        self.last_delta = {k: [None if d is None else d.clone() for d in ds] for k, ds in last_delta.items()}
+        self.exchanges_applied = int(snap.get("exchanges_applied", 0))  # type: ignore[call-overload]

@@ -43,6 +43,10 @@ class TensorSpec:
         if tuple(tensor.shape) != self.shape:
             raise _invalid(f"{what}: shape {list(tensor.shape)}, expected {list(self.shape)}")
 
+    def split(self, parts: int) -> TensorSpec:
+        """One of `parts` equal micro-batches of a minibatch's tensor (its first dimension split)."""
+        return TensorSpec(self.dtype, (self.shape[0] // parts, *self.shape[1:]))
+
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize

@@ -19,15 +19,15 @@ from stage_worker.stage import Grads
 Send = tuple[Link, Outgoing]
 
 
-def tag(s: Loaded, p: int, version: int, evaluation: int = 0) -> wire_pb2.MinibatchTag:
-    """Names minibatch p (or evaluation's batch p) and the weight version it ran on."""
+def tag(s: Loaded, p: int, version: int, evaluation: int = 0, micro: int = 0) -> wire_pb2.MinibatchTag:
+    """Names minibatch p (or evaluation's batch p), its micro-batch, and the weight version it ran on."""
     return wire_pb2.MinibatchTag(vw=s.setup.vw, minibatch=p, weight_version=version, stage=s.setup.stage,
-                                 eval=evaluation)
+                                 eval=evaluation, micro=micro)
 
 
-def activation(s: Loaded, p: int, version: int, out: torch.Tensor, evaluation: int = 0) -> Send:
+def activation(s: Loaded, p: int, version: int, out: torch.Tensor, evaluation: int = 0, *, micro: int = 0) -> Send:
     """An activation for the next stage; with fp16 it carries the verdicts it has not had yet."""
-    header = tag(s, p, version, evaluation)
+    header = tag(s, p, version, evaluation, micro)
     if s.scaling is not None:
         header.verdicts.CopyFrom(_news(s))
     assert s.next is not None
@@ -87,12 +87,12 @@ def scaled_backward(s: Loaded, p: int, grads: Grads, grad_in: torch.Tensor | Non
 
 
 def gradient(s: Loaded, p: int, version: int, grad_in: torch.Tensor | None, scale: float = 0.0,
-             overflow: bool = False) -> list[Send]:
+             overflow: bool = False, *, micro: int = 0) -> list[Send]:
     """The gradient for the previous stage; with fp16, p's loss scale and whether p overflowed
     here or later."""
     if s.prev is None:
         return []
     assert grad_in is not None
-    header = tag(s, p, version)
+    header = tag(s, p, version, micro=micro)
     header.loss_scale, header.overflow = scale, overflow
     return [(s.prev, Outgoing(header, [("gradient", grad_in)]))]

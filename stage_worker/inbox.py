@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Hashable
 
 import grpc
 import torch
@@ -15,6 +15,7 @@ from hetpipe.errors import Rejected
 from hetpipe.v1 import wire_pb2
 from hetpipe.wire import Bundle
 from stage_worker.loaded import Loaded
+from stage_worker.micro_schedule import MicroSchedule
 from stage_worker.schedule import Rejection, ScheduleError
 
 _SCHEDULE_CODES = {
@@ -28,8 +29,9 @@ _SCHEDULE_CODES = {
 
 class Inbox:
     def __init__(self) -> None:
-        self.forward: dict[int, torch.Tensor] = {}      # minibatch -> activation
-        self.backward: dict[int, torch.Tensor] = {}     # minibatch -> gradient
+        # minibatch p -> activation or gradient; micro-batch schedules: (p, micro) ->
+        self.forward: dict[Hashable, torch.Tensor] = {}
+        self.backward: dict[Hashable, torch.Tensor] = {}
         self.evals: deque[tuple[int, int, torch.Tensor]] = deque()   # (evaluation, minibatch, x)
         self.received = 0
 
@@ -43,14 +45,17 @@ class Inbox:
             return
         p, k = _check(s, bundle, s.setup.stage - 1, "activation", training)
         x = bundle.tensors[0][1]
-        s.setup.specs.activation.check("activation", x)
+        m = _micro(s, bundle, "activation", training=not k)
+        spec = s.setup.specs.activation
+        if m and isinstance(s.schedule, MicroSchedule):
+            spec = spec.split(s.schedule.micro)
+        spec.check("activation", x)
         verdicts = bundle.header.minibatch.verdicts
         _check_verdicts(s, verdicts, "activation")
         if k:
             self.evals.append((k, p, x.to(s.compute.device)))
         else:
-            _accept(s.schedule.accept_forward, p)
-            self.forward[p] = x.to(s.compute.device)
+            self.forward[_accept(s, p, m, "forward")] = x.to(s.compute.device)
         if s.scaling is not None:
             s.scaling.verdicts.learn(verdicts.through, verdicts.skipped)
         self.received += 1
@@ -75,13 +80,16 @@ class Inbox:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the last stage computes the loss and takes no gradients")
         p, _ = _check(s, bundle, s.setup.stage + 1, "gradient", training)
         grad = bundle.tensors[0][1]
-        s.setup.specs.output.check("gradient", grad)
+        m = _micro(s, bundle, "gradient", training=True)
+        spec = s.setup.specs.output
+        if m and isinstance(s.schedule, MicroSchedule):
+            spec = spec.split(s.schedule.micro)
+        spec.check("gradient", grad)
         tag = bundle.header.minibatch
         if s.scaling is not None and not (math.isfinite(tag.loss_scale) and tag.loss_scale >= 1.0):
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                            f"gradient: loss_scale {tag.loss_scale} of minibatch {p}: expected a finite scale >= 1")
-        _accept(s.schedule.accept_backward, p)
-        self.backward[p] = grad.to(s.compute.device)
+        self.backward[_accept(s, p, m, "backward")] = grad.to(s.compute.device)
         if s.scaling is not None:
             s.scaling.incoming[p] = (tag.loss_scale, tag.overflow)
         self.received += 1
@@ -108,6 +116,22 @@ def _check(s: Loaded, bundle: Bundle, from_stage: int, what: str, training: bool
     return int(tag.minibatch), int(tag.eval)
 
 
+def _micro(s: Loaded, bundle: Bundle, what: str, *, training: bool) -> int:
+    """The micro-batch an input names: only the micro-batch schedules' training traffic has one
+    (their schedule checks its range)."""
+    m = int(bundle.header.minibatch.micro)
+    if training and isinstance(s.schedule, MicroSchedule):
+        try:
+            s.schedule.check_unit(int(bundle.header.minibatch.minibatch), m, what)
+        except ScheduleError as exc:
+            raise Rejected(_SCHEDULE_CODES[exc.reason], str(exc)) from None
+    elif m:
+        whose = "an evaluation's" if not training else f"schedule {s.job.parallel.schedule}'s"
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"{what}: micro-batch {m}, but {whose} {what}s carry whole minibatches")
+    return m
+
+
 def _check_verdicts(s: Loaded, verdicts: wire_pb2.Verdicts, what: str) -> None:
     if s.scaling is None:
         return
@@ -117,8 +141,14 @@ def _check_verdicts(s: Loaded, verdicts: wire_pb2.Verdicts, what: str) -> None:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {exc}") from None
 
 
-def _accept(accept: Callable[[int], None], p: int) -> None:
+def _accept(s: Loaded, p: int, m: int, kind: str) -> Hashable:
+    """Offers the input to the schedule; returns the key it is held under until it runs."""
+    sched = s.schedule
     try:
-        accept(p)
+        if isinstance(sched, MicroSchedule):
+            (sched.accept_forward if kind == "forward" else sched.accept_backward)(p, m)
+            return (p, m)
+        (sched.accept_forward if kind == "forward" else sched.accept_backward)(p)
+        return p
     except ScheduleError as exc:
         raise Rejected(_SCHEDULE_CODES[exc.reason], str(exc)) from None

@@ -11,16 +11,19 @@ from pathlib import Path
 import torch
 
 from hetpipe import data, faults, models, outputs
+from hetpipe.config import MICRO_SCHEDULES
 from hetpipe.optim import compute_loss
 from stage_worker import checkpoint, metrics
 from stage_worker.assignment import Setup
 from stage_worker.evaluation import Schedule, Totals
 from stage_worker.links import Link
 from stage_worker.scaling import Scaling
+from stage_worker.micro_schedule import MicroSchedule
 from stage_worker.schedule import StageSchedule
 from stage_worker.stage import StageCompute
 from stage_worker.sync import LocalSync, Sync
 from stage_worker.trace import MinibatchTrace
+from stage_worker.elastic_sync import ElasticSync
 from stage_worker.wsp_sync import SyncCallbacks, SyncConfig, WspSync
 
 
@@ -83,8 +86,11 @@ class Loaded:
             models.initialise_from(layers, models.load_init(job, keys), "model.init")
         # No update can come between a minibatch's forward and backward on the last stage (one
         # task) or at nm 1: those forwards run on the live weights, not on a stashed copy.
+        # The micro-batch schedules run on the live weights: gpipe and 1f1b step between minibatches,
+        # nf1b's backward recomputes on the weights current then.
+        micro = job.parallel.schedule in MICRO_SCHEDULES
         self.compute = StageCompute(layers, job.train.optimizer, loss=job.train.loss, device=setup.device.name,
-                                    track_updates=setup.synced, stash=not setup.last and job.nm > 1,
+                                    track_updates=setup.synced, stash=not setup.last and job.nm > 1 and not micro,
                                     precision=job.train.precision)
         if setup.synced and len(setup.key_shards) != len(self.compute.params):
             raise LoadError(f"key_shards: {len(setup.key_shards)} entries for {len(self.compute.params)} parameters")
@@ -92,8 +98,11 @@ class Loaded:
         start = setup.resume_wave * job.nm + 1
         self.cuts = checkpoint.Cuts(job.train.checkpoint_every if setup.checkpoint_dir else 0, job.nm, job.train.steps,
                                     saved=setup.resume_wave, continued=setup.resume_wave)
-        self.schedule = StageSchedule(stage=setup.stage, num_stages=setup.num_stages, nm=job.nm, steps=job.train.steps,
-                                      start=start)
+        self.schedule: StageSchedule | MicroSchedule = (
+            MicroSchedule(schedule=job.parallel.schedule, stage=setup.stage, num_stages=setup.num_stages, nm=job.nm,
+                          micro=job.parallel.microbatches, steps=job.train.steps) if micro else
+            StageSchedule(stage=setup.stage, num_stages=setup.num_stages, nm=job.nm, steps=job.train.steps,
+                          start=start))
         pin = setup.device.kind == "cuda"
         progress("opening its data")
         self.inputs = self.targets = None
@@ -136,10 +145,13 @@ class Loaded:
             key_shards=setup.key_shards, addresses=setup.ps_addresses, push_hold_s=setup.push_seconds,
             pull_hold_s=setup.pull_seconds, trace_dir=str(trace.parent) if trace else "",
             trace_name=trace.name if trace else "", repeat_push=faults.from_env().repeat_push, seed=job.train.seed,
+            sync=job.parallel.sync, quorum=job.parallel.sync_settings.quorum, alpha=job.parallel.sync_settings.alpha,
+            period=job.parallel.sync_settings.period,
         )
         callbacks = SyncCallbacks(on_failure=on_failure, wake=wake, next_forward=next_forward,
                                   observe_push=self.observe.push.observe, observe_pull=self.observe.pull.observe)
-        return WspSync(config, callbacks, self.compute.params)
+        # quorum is WSP at the stage (the shards close the rounds); elastic exchanges instead.
+        return (ElasticSync if job.parallel.sync == "elastic" else WspSync)(config, callbacks, self.compute.params)
 
     def save_cut(self, wave: int) -> None:
         """Its part of the checkpoint after `wave`; it then waits there until continued."""

@@ -23,6 +23,8 @@ from stage_worker.lifecycle import StageState
 from stage_worker.commit import Send
 from stage_worker.links import Link
 from stage_worker.loaded import Loaded
+from stage_worker.micro import MicroTasks
+from stage_worker.micro_schedule import MicroSchedule
 from stage_worker.progress import Progress
 from stage_worker.schedule import Task, TaskKind
 
@@ -206,7 +208,8 @@ class StageRuntime:
                     self._wait_idle_seconds += now - idle_since
                 self._idle_seconds += now - idle_since
                 idle_since = now
-                s.sync.apply_pending(s.compute)
+                if not s.compute.holds_live_graph:  # a pull merges in place: not under a kept graph
+                    s.sync.apply_pending(s.compute)
                 commit.commit_decided(s)
                 wave = s.cuts.due(s.schedule.completed, s.sync.acked_waves)
                 if wave is not None:
@@ -227,6 +230,10 @@ class StageRuntime:
         run = {TaskKind.FORWARD: self._forward, TaskKind.BACKWARD: self._backward,
                TaskKind.FORWARD_BACKWARD: self._forward_backward, TaskKind.EVAL: self._evaluate,
                TaskKind.MERGE_FINAL: self._merge_final}
+        if isinstance(s.schedule, MicroSchedule):
+            micro = MicroTasks(self._inbox, self._cv, self._losses)
+            run |= {TaskKind.FORWARD: micro.forward, TaskKind.BACKWARD: micro.backward,
+                    TaskKind.FORWARD_BACKWARD: micro.forward_backward}
         try:
             while (task := self._next_task(s)) is not None:
                 started = time.monotonic()
@@ -303,9 +310,10 @@ class StageRuntime:
         forward = (end - start) * s.setup.forward_seconds / padded if padded > 0 else forward_end - start
         with self._cv:
             self._losses.append(loss)
-        s.trace.forward(p, local_version=version, min_clock=min_clock, fwd_start=start, fwd_end=forward_end)
+        # The trace splits the task where the forward's share ends (emulated: the planned share).
+        s.trace.forward(p, local_version=version, min_clock=min_clock, fwd_start=start, fwd_end=start + forward)
         if s.trace.enabled:
-            s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=forward_end, bwd_end=end,
+            s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=start + forward, bwd_end=end,
                              loss=float(loss))
         if s.scaling is None:
             commit.commit(s, p, grads)
@@ -375,7 +383,7 @@ class StageRuntime:
                 forwards_done=sched.next_forward - 1,
                 backwards_done=sched.completed, samples=sched.completed * s.job.data.batch_size,
                 local_version=s.compute.version, in_flight=sched.in_flight,
-                queue_depth=sched.ready - (1 if self._busy else 0), waiting=s.sync.waiting,
+                queue_depth=max(0, sched.ready - (1 if self._busy else 0)), waiting=s.sync.waiting,
                 cut=s.cuts.waiting_at,
                 received=self._inbox.received,
                 last_loss=last_loss, recent_loss=recent_loss,

@@ -22,6 +22,7 @@ class Task:
     kind: TaskKind
     p: int
     eval: int = 0            # which evaluation an EVAL task belongs to
+    micro: int = 0           # schedules gpipe, 1f1b, nf1b: the micro-batch of p, from 1 (0: all of p)
 
 
 class Rejection(enum.Enum):

@@ -60,6 +60,11 @@ class StageCompute:
         self.version = 0  # own minibatch updates applied so far
         self._stash: dict[int, _Stashed] = {}
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        # Micro-batch schedules: graphs kept for their own backward, keyed (p, micro), the inputs
+        # kept for a backward that recomputes (nf1b), and the gradients summed over p's micro-batches.
+        self._micro: dict[tuple[int, int], _Stashed] = {}
+        self._inputs: dict[int, list[torch.Tensor]] = {}
+        self._summed: Grads | None = None
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         if self.compute_dtype is None:
@@ -127,6 +132,85 @@ class StageCompute:
         stashed = _Stashed(self.version, leaves, x, loss * scale if scale != 1.0 else loss)
         grad_in, grads = self._grads(stashed, stashed.out, None)
         return loss.detach(), grad_in, stashed.version, grads, forward_end
+
+    # ---- micro-batch schedules (gpipe, 1f1b, nf1b): always on the live weights ------------------
+
+    @property
+    def holds_live_graph(self) -> bool:
+        """A graph on the live weights waits for its backward: they must not change in place
+        (a pull's merge waits until it has run)."""
+        return bool(self._micro) or (not self.stash and bool(self._stash))
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.params))
+
+    def forward_micro(self, unit: tuple[int, int], x: torch.Tensor, *, keep: bool) -> tuple[torch.Tensor, int]:
+        """A micro-batch's forward on the live weights. keep: its graph waits for its own backward
+        (gpipe, 1f1b); else only its input is kept, for a backward that recomputes (nf1b)."""
+        if not keep:
+            self._inputs.setdefault(unit[0], []).append(x)
+            with torch.no_grad(), self._autocast():
+                return self._wire(self.module(x)), self.version
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        with self._autocast():
+            out = self._wire(self.module(x))
+        self._micro[unit] = _Stashed(self.version, self._live(), x, out)
+        return out.detach(), self.version
+
+    def loss_micro(self, unit: tuple[int, int], x: torch.Tensor, target: torch.Tensor, weight: float) -> torch.Tensor:
+        """The last stage: a micro-batch's forward and loss (times weight, 1/micro-batches); its
+        graph waits for its backward. Returns the unweighted loss."""
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        with self._autocast():
+            out = self.module(x)
+            loss = compute_loss(self.loss_kind, out.float() if self.compute_dtype is not None else out, target)
+        self._micro[unit] = _Stashed(self.version, self._live(), x, loss * weight)
+        return loss.detach()
+
+    def backward_micro(self, unit: tuple[int, int], grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+        """A micro-batch's backward on the graph its forward kept; its weights' gradients are
+        summed into p's. Returns (gradient to send back, the version it ran on)."""
+        kept = self._micro.pop(unit)
+        grad_in, grads = self._grads(kept, kept.out, grad_out)
+        self._add(grads)
+        return grad_in, kept.version
+
+    def backward_losses(self, p: int) -> torch.Tensor | None:
+        """nf1b's last stage: the backward of p's summed micro-batch losses, one task; returns
+        the gradient of all of p's input (the micro-batches' in order)."""
+        units = sorted(u for u in self._micro if u[0] == p)
+        kept = [self._micro.pop(u) for u in units]
+        total = torch.stack([k.out for k in kept]).sum()
+        xs = [k.x for k in kept]
+        wants_x = xs[0].requires_grad
+        got = torch.autograd.grad(total, self.params + (xs if wants_x else []), allow_unused=True)
+        self._add(list(got[: len(self.params)]))
+        return self._wire(torch.cat(list(got[len(self.params):]))) if wants_x else None
+
+    def backward_recompute(self, p: int, grad_out: torch.Tensor) -> torch.Tensor | None:
+        """nf1b: p's backward on the weights current now, not those its forwards ran on (no weight
+        stashing): its kept inputs run forward again, then backward."""
+        x = torch.cat(self._inputs.pop(p))
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        with self._autocast():
+            out = self._wire(self.module(x))
+        grad_in, grads = self._grads(_Stashed(self.version, self._live(), x, out), out, grad_out)
+        self._add(grads)
+        return grad_in
+
+    def _add(self, grads: Grads) -> None:
+        if self._summed is None:
+            self._summed = list(grads)
+            return
+        self._summed = [a if b is None else b if a is None else a + b for a, b in zip(self._summed, grads)]
+
+    def take_summed(self) -> Grads:
+        """The gradients summed over p's micro-batches, for its step; starts a new sum."""
+        grads, self._summed = self._summed, None
+        return grads if grads is not None else [None] * len(self.params)
 
     @staticmethod
     def finite(grads: Grads, grad_in: torch.Tensor | None) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import IO
+from typing import IO, Any
 
 
 class MinibatchTrace:
@@ -13,7 +13,7 @@ class MinibatchTrace:
     def __init__(self, path: str, vw: int, stage: int) -> None:
         self.vw, self.stage = vw, stage
         self._file: IO[str] | None = open(path, "w") if path else None
-        self._open: dict[int, dict[str, float | int | bool]] = {}
+        self._open: dict[int, dict[str, Any]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -22,6 +22,19 @@ class MinibatchTrace:
     def forward(self, p: int, **fields: float | int) -> None:
         if self._file is not None:
             self._open[p] = dict(fields)
+
+    def micro(self, p: int, phase: str, m: int, start: float, end: float, **fields: float | int) -> None:
+        """A micro-batch's forward or backward (phase "fwd" or "bwd"; m 0: all of p): p's row spans
+        them all, lists each as [m, start, end] under micro_fwd or micro_bwd, and keeps the
+        other fields of the first."""
+        if self._file is None:
+            return
+        row = self._open.setdefault(p, {})
+        row.setdefault(f"{phase}_start", start)
+        row[f"{phase}_end"] = end
+        row.setdefault(f"micro_{phase}", []).append([m, start, end])  # type: ignore[union-attr]
+        for key, value in fields.items():
+            row.setdefault(key, value)
 
     def backward(self, p: int, wave: int, **fields: float | int) -> None:
         """The backward of p ended (its line is written when p is committed)."""

@@ -46,6 +46,10 @@ class SyncConfig:
     trace_name: str = ""            # e.g. vw0_stage1.jsonl
     repeat_push: float = 0.0        # fault injection: resend an acknowledged push with this probability
     seed: int = 0
+    sync: str = "wsp"               # parallel.sync: wsp, quorum (the shards close rounds), elastic (ElasticSync)
+    quorum: int = 0                 # quorum: on-time VWs that close a round (0: a majority)
+    alpha: float = 0.0              # elastic: the elastic force
+    period: int = 1                 # elastic: waves between exchanges
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,6 +115,8 @@ class WspSync:
         self._pulling: int | None = None   # min_clock of the pull in flight
         self._wait_started: float | None = None
         self._wait_seconds = 0.0
+        # The blocking wait under way, for the sync trace: (p, min_clock it needs, wall-clock start).
+        self._wait_traced: tuple[int, int, float] | None = None
         self._acked_waves = 0
         self._failure: str | None = None   # why a push or pull gave up
         self._closed = threading.Event()
@@ -134,7 +140,9 @@ class WspSync:
     def initialise(self, virtual_workers: int, values: Sequence[torch.Tensor]) -> None:
         """Gives this stage's shards their keys' initial values (VW 0's stages do, while loading)."""
         for shard, idx in self._by_shard().items():
-            tag = wire_pb2.InitTag(virtual_workers=virtual_workers, shard=shard)
+            tag = wire_pb2.InitTag(virtual_workers=virtual_workers, shard=shard, sync=self.cfg.sync,
+                                   quorum=self.cfg.quorum, alpha=self.cfg.alpha, period=self.cfg.period,
+                                   total_waves=self.total_waves)
             tensors = [(self.keys[i], values[i].detach().cpu()) for i in idx]
             stub = self._stubs[shard]
             self._retrying(f"init of {len(idx)} keys", shard, PUSH_GIVE_UP_S,
@@ -164,6 +172,7 @@ class WspSync:
             with self._lock:
                 if self._wait_started is None:
                     self._wait_started = time.monotonic()
+                    self._wait_traced = (p, decision.pull or 0, time.time())
         if decision.pull is not None:
             self._request(decision.pull)
         return decision.allowed
@@ -212,6 +221,12 @@ class WspSync:
             if self._wait_started is not None and need <= self._have:
                 self._wait_seconds += time.monotonic() - self._wait_started
                 self._wait_started = None
+                waited, self._wait_traced = self._wait_traced, None
+            else:
+                waited = None
+        if waited is not None:  # a forward was blocked on G2 from start until this merge let it go
+            self._write_sync({"event": "pull_wait", "p": waited[0], "min_clock": waited[1], "start": waited[2],
+                              "end": time.time(), "c_global": self._have})
 
     @property
     def min_clock(self) -> int:

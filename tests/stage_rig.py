@@ -145,8 +145,8 @@ class Rig:
 
 
 def frames(tensors: list[tuple[str, torch.Tensor]], p: int, *, vw: int = 0, stage: int, version: int = 0,
-           eval: int = 0) -> list[wire_pb2.TensorFrame]:
-    tag = wire_pb2.MinibatchTag(vw=vw, minibatch=p, weight_version=version, stage=stage, eval=eval)
+           eval: int = 0, micro: int = 0) -> list[wire_pb2.TensorFrame]:
+    tag = wire_pb2.MinibatchTag(vw=vw, minibatch=p, weight_version=version, stage=stage, eval=eval, micro=micro)
     return messages(wire.encode(tensors, minibatch=tag))
 
 
@@ -158,11 +158,12 @@ def unlimited_channel(address: str) -> grpc.Channel:
 
 
 @contextmanager
-def middle_stage(make_job: Callable[..., JobConfig], **train: Any) -> Iterator[Rig]:
+def middle_stage(make_job: Callable[..., JobConfig], parallel: dict[str, Any] | None = None,
+                 **train: Any) -> Iterator[Rig]:
     """The middle stage of a 3-stage job, running, between two fake neighbours (make_job: the
-    conftest fixture; train: more train keys, e.g. precision)."""
-    job = make_job({"train": {"steps": STEPS, **train}, "parallel": {"stages_per_vw": 3, "nm": NM},
-                    "output": {"trace": False}})
+    conftest fixture; parallel: more parallel keys, e.g. schedule; train: more train keys)."""
+    job = make_job({"train": {"steps": STEPS, **train},
+                    "parallel": {"stages_per_vw": 3, "nm": NM, **(parallel or {})}, "output": {"trace": False}})
     runtime = StageRuntime()
     prev, nxt = FakeNeighbour(), FakeNeighbour()
     middle = _Recording(runtime, on_stop=lambda: None)

@@ -42,7 +42,7 @@ class VwClock(_message.Message):
     def __init__(self, vw: _Optional[int] = ..., min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("virtual_workers", "keys", "clocks", "c_global", "clock_distance", "max_clock_distance", "pushes_applied", "pushes_duplicate", "restored_pushes", "values_digest", "peak_rss_bytes", "evicted")
+    __slots__ = ("virtual_workers", "keys", "clocks", "c_global", "clock_distance", "max_clock_distance", "pushes_applied", "pushes_duplicate", "restored_pushes", "values_digest", "peak_rss_bytes", "evicted", "sync", "exchanges_applied")
     VIRTUAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class ShardStatus(_message.Message):
     VALUES_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     virtual_workers: int
     keys: int
     clocks: _containers.RepeatedCompositeFieldContainer[VwClock]
@@ -67,4 +69,6 @@ class ShardStatus(_message.Message):
     values_digest: str
     peak_rss_bytes: int
     evicted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, virtual_workers: _Optional[int] = ..., keys: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[VwClock, _Mapping]]] = ..., c_global: _Optional[int] = ..., clock_distance: _Optional[int] = ..., max_clock_distance: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., restored_pushes: _Optional[int] = ..., values_digest: _Optional[str] = ..., peak_rss_bytes: _Optional[int] = ..., evicted: _Optional[_Iterable[int]] = ...) -> None: ...
+    sync: str
+    exchanges_applied: int
+    def __init__(self, virtual_workers: _Optional[int] = ..., keys: _Optional[int] = ..., clocks: _Optional[_Iterable[_Union[VwClock, _Mapping]]] = ..., c_global: _Optional[int] = ..., clock_distance: _Optional[int] = ..., max_clock_distance: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., restored_pushes: _Optional[int] = ..., values_digest: _Optional[str] = ..., peak_rss_bytes: _Optional[int] = ..., evicted: _Optional[_Iterable[int]] = ..., sync: _Optional[str] = ..., exchanges_applied: _Optional[int] = ...) -> None: ...

@@ -60,6 +60,11 @@ class ParameterServerStub:
                 request_serializer=hetpipe_dot_v1_dot_ps__pb2.EvictRequest.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Exchange = channel.stream_stream(
+                '/hetpipe.v1.ParameterServer/Exchange',
+                request_serializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
+                response_deserializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -99,6 +104,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request_iterator, context):
+        """parallel.sync elastic: ExchangeTag + a VW's replica values of one exchange; answered with the
+        same tag + delta = alpha * (replica - master) per key, which the shard added to its master
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Evict,
                     request_deserializer=hetpipe_dot_v1_dot_ps__pb2.EvictRequest.FromString,
                     response_serializer=hetpipe_dot_v1_dot_wire__pb2.Ack.SerializeToString,
+            ),
+            'Exchange': grpc.stream_stream_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.FromString,
+                    response_serializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +281,33 @@ class ParameterServer:
             '/hetpipe.v1.ParameterServer/Evict',
             hetpipe_dot_v1_dot_ps__pb2.EvictRequest.SerializeToString,
             hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetpipe.v1.ParameterServer/Exchange',
+            hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
+            hetpipe_dot_v1_dot_wire__pb2.TensorFrame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,33 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15hetpipe/v1/wire.proto\x12\nhetpipe.v1\"K\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.hetpipe.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xb0\x01\n\x0cMinibatchTag\x12\n\n\x02vw\x18\x01 \x01(\r\x12\x11\n\tminibatch\x18\x02 \x01(\x04\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\r\n\x05stage\x18\x04 \x01(\r\x12\x0c\n\x04\x65val\x18\x05 \x01(\r\x12&\n\x08verdicts\x18\x06 \x01(\x0b\x32\x14.hetpipe.v1.Verdicts\x12\x12\n\nloss_scale\x18\x07 \x01(\x01\x12\x10\n\x08overflow\x18\x08 \x01(\x08\",\n\x08Verdicts\x12\x0f\n\x07through\x18\x01 \x01(\x04\x12\x0f\n\x07skipped\x18\x02 \x03(\x04\"N\n\tCommitTag\x12\n\n\x02vw\x18\x01 \x01(\r\x12\r\n\x05stage\x18\x02 \x01(\r\x12&\n\x08verdicts\x18\x03 \x01(\x0b\x32\x14.hetpipe.v1.Verdicts\"$\n\x07PushTag\x12\n\n\x02vw\x18\x01 \x01(\r\x12\r\n\x05\x63lock\x18\x02 \x01(\x04\"A\n\x07InitTag\x12\x17\n\x0fvirtual_workers\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x0e\n\x06\x63locks\x18\x03 \x03(\x04\"A\n\x07PullTag\x12\x10\n\x08\x63_global\x18\x01 \x01(\x04\x12\x11\n\town_clock\x18\x02 \x03(\x04\x12\x11\n\tvw_clocks\x18\x03 \x03(\x04\"\x95\x02\n\x0bTensorFrame\x12-\n\tminibatch\x18\x01 \x01(\x0b\x32\x18.hetpipe.v1.MinibatchTagH\x00\x12#\n\x04push\x18\x02 \x01(\x0b\x32\x13.hetpipe.v1.PushTagH\x00\x12#\n\x04init\x18\x03 \x01(\x0b\x32\x13.hetpipe.v1.InitTagH\x00\x12#\n\x04pull\x18\x04 \x01(\x0b\x32\x13.hetpipe.v1.PullTagH\x00\x12\'\n\x06\x63ommit\x18\x05 \x01(\x0b\x32\x15.hetpipe.v1.CommitTagH\x00\x12\'\n\x07tensors\x18\x08 \x03(\x0b\x32\x16.hetpipe.v1.TensorMeta\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x42\x08\n\x06header\"\x16\n\x03\x41\x63k\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x07\n\x05\x45mpty*~\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\x08\n\x04\x42OOL\x10\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15hetpipe/v1/wire.proto\x12\nhetpipe.v1\"K\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.hetpipe.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xbf\x01\n\x0cMinibatchTag\x12\n\n\x02vw\x18\x01 \x01(\r\x12\x11\n\tminibatch\x18\x02 \x01(\x04\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\r\n\x05stage\x18\x04 \x01(\r\x12\x0c\n\x04\x65val\x18\x05 \x01(\r\x12&\n\x08verdicts\x18\x06 \x01(\x0b\x32\x14.hetpipe.v1.Verdicts\x12\x12\n\nloss_scale\x18\x07 \x01(\x01\x12\x10\n\x08overflow\x18\x08 \x01(\x08\x12\r\n\x05micro\x18\t \x01(\r\",\n\x08Verdicts\x12\x0f\n\x07through\x18\x01 \x01(\x04\x12\x0f\n\x07skipped\x18\x02 \x03(\x04\"N\n\tCommitTag\x12\n\n\x02vw\x18\x01 \x01(\r\x12\r\n\x05stage\x18\x02 \x01(\r\x12&\n\x08verdicts\x18\x03 \x01(\x0b\x32\x14.hetpipe.v1.Verdicts\"$\n\x07PushTag\x12\n\n\x02vw\x18\x01 \x01(\r\x12\r\n\x05\x63lock\x18\x02 \x01(\x04\"\x93\x01\n\x07InitTag\x12\x17\n\x0fvirtual_workers\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x0e\n\x06\x63locks\x18\x03 \x03(\x04\x12\x0c\n\x04sync\x18\x04 \x01(\t\x12\x0e\n\x06quorum\x18\x05 \x01(\r\x12\r\n\x05\x61lpha\x18\x06 \x01(\x01\x12\x0e\n\x06period\x18\x07 \x01(\r\x12\x13\n\x0btotal_waves\x18\x08 \x01(\x04\";\n\x0b\x45xchangeTag\x12\n\n\x02vw\x18\x01 \x01(\r\x12\r\n\x05\x63lock\x18\x02 \x01(\x04\x12\x11\n\tduplicate\x18\x03 \x01(\x08\"A\n\x07PullTag\x12\x10\n\x08\x63_global\x18\x01 \x01(\x04\x12\x11\n\town_clock\x18\x02 \x03(\x04\x12\x11\n\tvw_clocks\x18\x03 \x03(\x04\"\xc2\x02\n\x0bTensorFrame\x12-\n\tminibatch\x18\x01 \x01(\x0b\x32\x18.hetpipe.v1.MinibatchTagH\x00\x12#\n\x04push\x18\x02 \x01(\x0b\x32\x13.hetpipe.v1.PushTagH\x00\x12#\n\x04init\x18\x03 \x01(\x0b\x32\x13.hetpipe.v1.InitTagH\x00\x12#\n\x04pull\x18\x04 \x01(\x0b\x32\x13.hetpipe.v1.PullTagH\x00\x12\'\n\x06\x63ommit\x18\x05 \x01(\x0b\x32\x15.hetpipe.v1.CommitTagH\x00\x12+\n\x08\x65xchange\x18\x06 \x01(\x0b\x32\x17.hetpipe.v1.ExchangeTagH\x00\x12\'\n\x07tensors\x18\x08 \x03(\x0b\x32\x16.hetpipe.v1.TensorMeta\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x42\x08\n\x06header\"\x16\n\x03\x41\x63k\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x07\n\x05\x45mpty*~\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\x08\n\x04\x42OOL\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hetpipe.v1.wire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=904
-  _globals['_DTYPE']._serialized_end=1030
+  _globals['_DTYPE']._serialized_start=1108
+  _globals['_DTYPE']._serialized_end=1234
   _globals['_TENSORMETA']._serialized_start=37
   _globals['_TENSORMETA']._serialized_end=112
   _globals['_MINIBATCHTAG']._serialized_start=115
-  _globals['_MINIBATCHTAG']._serialized_end=291
-  _globals['_VERDICTS']._serialized_start=293
-  _globals['_VERDICTS']._serialized_end=337
-  _globals['_COMMITTAG']._serialized_start=339
-  _globals['_COMMITTAG']._serialized_end=417
-  _globals['_PUSHTAG']._serialized_start=419
-  _globals['_PUSHTAG']._serialized_end=455
-  _globals['_INITTAG']._serialized_start=457
-  _globals['_INITTAG']._serialized_end=522
-  _globals['_PULLTAG']._serialized_start=524
-  _globals['_PULLTAG']._serialized_end=589
-  _globals['_TENSORFRAME']._serialized_start=592
-  _globals['_TENSORFRAME']._serialized_end=869
-  _globals['_ACK']._serialized_start=871
-  _globals['_ACK']._serialized_end=893
-  _globals['_EMPTY']._serialized_start=895
-  _globals['_EMPTY']._serialized_end=902
+  _globals['_MINIBATCHTAG']._serialized_end=306
+  _globals['_VERDICTS']._serialized_start=308
+  _globals['_VERDICTS']._serialized_end=352
+  _globals['_COMMITTAG']._serialized_start=354
+  _globals['_COMMITTAG']._serialized_end=432
+  _globals['_PUSHTAG']._serialized_start=434
+  _globals['_PUSHTAG']._serialized_end=470
+  _globals['_INITTAG']._serialized_start=473
+  _globals['_INITTAG']._serialized_end=620
+  _globals['_EXCHANGETAG']._serialized_start=622
+  _globals['_EXCHANGETAG']._serialized_end=681
+  _globals['_PULLTAG']._serialized_start=683
+  _globals['_PULLTAG']._serialized_end=748
+  _globals['_TENSORFRAME']._serialized_start=751
+  _globals['_TENSORFRAME']._serialized_end=1073
+  _globals['_ACK']._serialized_start=1075
+  _globals['_ACK']._serialized_end=1097
+  _globals['_EMPTY']._serialized_start=1099
+  _globals['_EMPTY']._serialized_end=1106
 # @@protoc_insertion_point(module_scope)

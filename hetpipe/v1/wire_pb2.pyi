@@ -39,7 +39,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MinibatchTag(_message.Message):
-    __slots__ = ("vw", "minibatch", "weight_version", "stage", "eval", "verdicts", "loss_scale", "overflow")
+    __slots__ = ("vw", "minibatch", "weight_version", "stage", "eval", "verdicts", "loss_scale", "overflow", "micro")
     VW_FIELD_NUMBER: _ClassVar[int]
     MINIBATCH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class MinibatchTag(_message.Message):
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     OVERFLOW_FIELD_NUMBER: _ClassVar[int]
+    MICRO_FIELD_NUMBER: _ClassVar[int]
     vw: int
     minibatch: int
     weight_version: int
@@ -56,7 +57,8 @@ class MinibatchTag(_message.Message):
     verdicts: Verdicts
     loss_scale: float
     overflow: bool
-    def __init__(self, vw: _Optional[int] = ..., minibatch: _Optional[int] = ..., weight_version: _Optional[int] = ..., stage: _Optional[int] = ..., eval: _Optional[int] = ..., verdicts: _Optional[_Union[Verdicts, _Mapping]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ...) -> None: ...
+    micro: int
+    def __init__(self, vw: _Optional[int] = ..., minibatch: _Optional[int] = ..., weight_version: _Optional[int] = ..., stage: _Optional[int] = ..., eval: _Optional[int] = ..., verdicts: _Optional[_Union[Verdicts, _Mapping]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., micro: _Optional[int] = ...) -> None: ...
 
 class Verdicts(_message.Message):
     __slots__ = ("through", "skipped")
@@ -85,14 +87,34 @@ class PushTag(_message.Message):
     def __init__(self, vw: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
 
 class InitTag(_message.Message):
-    __slots__ = ("virtual_workers", "shard", "clocks")
+    __slots__ = ("virtual_workers", "shard", "clocks", "sync", "quorum", "alpha", "period", "total_waves")
     VIRTUAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     CLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WAVES_FIELD_NUMBER: _ClassVar[int]
     virtual_workers: int
     shard: int
     clocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, virtual_workers: _Optional[int] = ..., shard: _Optional[int] = ..., clocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    sync: str
+    quorum: int
+    alpha: float
+    period: int
+    total_waves: int
+    def __init__(self, virtual_workers: _Optional[int] = ..., shard: _Optional[int] = ..., clocks: _Optional[_Iterable[int]] = ..., sync: _Optional[str] = ..., quorum: _Optional[int] = ..., alpha: _Optional[float] = ..., period: _Optional[int] = ..., total_waves: _Optional[int] = ...) -> None: ...
+
+class ExchangeTag(_message.Message):
+    __slots__ = ("vw", "clock", "duplicate")
+    VW_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    vw: int
+    clock: int
+    duplicate: bool
+    def __init__(self, vw: _Optional[int] = ..., clock: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class PullTag(_message.Message):
     __slots__ = ("c_global", "own_clock", "vw_clocks")
@@ -105,12 +127,13 @@ class PullTag(_message.Message):
     def __init__(self, c_global: _Optional[int] = ..., own_clock: _Optional[_Iterable[int]] = ..., vw_clocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorFrame(_message.Message):
-    __slots__ = ("minibatch", "push", "init", "pull", "commit", "tensors", "data")
+    __slots__ = ("minibatch", "push", "init", "pull", "commit", "exchange", "tensors", "data")
     MINIBATCH_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     minibatch: MinibatchTag
@@ -118,9 +141,10 @@ class TensorFrame(_message.Message):
     init: InitTag
     pull: PullTag
     commit: CommitTag
+    exchange: ExchangeTag
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     data: bytes
-    def __init__(self, minibatch: _Optional[_Union[MinibatchTag, _Mapping]] = ..., push: _Optional[_Union[PushTag, _Mapping]] = ..., init: _Optional[_Union[InitTag, _Mapping]] = ..., pull: _Optional[_Union[PullTag, _Mapping]] = ..., commit: _Optional[_Union[CommitTag, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, minibatch: _Optional[_Union[MinibatchTag, _Mapping]] = ..., push: _Optional[_Union[PushTag, _Mapping]] = ..., init: _Optional[_Union[InitTag, _Mapping]] = ..., pull: _Optional[_Union[PullTag, _Mapping]] = ..., commit: _Optional[_Union[CommitTag, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeTag, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("message",)

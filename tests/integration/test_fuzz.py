@@ -1,4 +1,4 @@
-"""Fuzz: 1000 malformed or hostile requests to each of the 20 RPCs of a real coordinator, shard
+"""Fuzz: 1000 malformed or hostile requests to each of the 21 RPCs of a real coordinator, shard
 and stage process (`python -m ...`, as a launcher starts them). For every request: an answer
 before the deadline with a status that names a refusal (never INTERNAL or UNKNOWN), the state
 the service reports unchanged when the request was refused, and the service still answering
@@ -111,6 +111,14 @@ def _tensor_stream(method: str) -> Send:
     return send
 
 
+def _tensor_bidi(method: str) -> Send:
+    def send(service: Service, rnd: random.Random) -> None:
+        for _ in service.call(method, "stream_stream")(iter(tensor_stream(rnd)), timeout=CALL_S):
+            pass
+
+    return send
+
+
 def _submit(service: Service, rnd: random.Random) -> None:
     data = (malformed(rnd) if rnd.random() < 0.2
             else coordinator_pb2.SubmitRequest(job_json=job_json(rnd)).SerializeToString())
@@ -125,6 +133,7 @@ RPCS: dict[str, tuple[str, Callable[[Service], Any], Send]] = {
     "PS.Pull": ("shard", _shard_state, _unary_stream("Pull", ps_pb2.PullRequest.DESCRIPTOR, timeout=0.5)),
     "PS.Status": ("shard", _shard_state, _unary("Status", Empty)),
     "PS.Evict": ("evicting_shard", _shard_state, _unary("Evict", ps_pb2.EvictRequest.DESCRIPTOR)),
+    "PS.Exchange": ("shard", _shard_state, _tensor_bidi("Exchange")),
     "Stage.Assign": ("stage", _stage_state, _unary("Assign", stage_pb2.StageAssignment.DESCRIPTOR)),
     "Stage.Start": ("stage", _stage_state, _unary("Start", Empty)),
     "Stage.Forward": ("stage", _stage_state, _tensor_stream("Forward")),

@@ -71,3 +71,70 @@ def test_nm_beyond_the_steps_is_a_warning(capsys: pytest.CaptureFixture[str], tm
     code, _, err = _plan(capsys, tmp_path, deep_update(EMULATED, {"parallel": {"nm": 40}}))
     assert code == 0
     assert "warning: parallel.nm 40 > train.steps 30: at most 30 minibatches are ever in flight" in err
+
+
+PROJECTION = Path(__file__).resolve().parents[2] / "examples" / "projection-inception-v3.yaml"
+
+
+def test_plan_projection_prints_the_papers_inception_v3_figure(capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
+    # Pal et al. §5: growing from 32 to 64 GPUs, 32-way DP x 2-way MP beats 64-way DP by 15.5%.
+    import json
+
+    from conftest import example_job
+
+    job = example_job(tmp_path, "quickstart")
+    assert cli.main(["plan", str(job), "--projection", str(PROJECTION)]) == 0
+    out = capsys.readouterr().out
+    rows = {int(line.split()[0]): line for line in out.splitlines() if re.match(r"\s+\d+\s+\d+ x 2\s", line)}
+    assert sorted(rows) == [32, 64, 128, 256], out
+    assert re.search(r"\s1\.155\s+hybrid: 32-way DP x 2-way MP$", rows[64]), rows[64]
+    assert rows[32].endswith("DP: 32-way"), rows[32]
+    assert cli.main(["plan", str(job), "--json", "--projection", str(PROJECTION)]) == 0
+    projected = {r["devices"]: r for r in json.loads(capsys.readouterr().out)["projection"]}
+    assert f"{projected[64]['ratio']:.3f}" == "1.155" and projected[64]["n"] == 32
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"su_mp": {2: -1}}, r"su_mp\.2: expected a finite number > 0, got -1"),
+    ({"devices": [512]}, r"epochs: no epoch count for global batch 32768 \(512 devices x mini_batch 64\)"),
+    ({"epochs": "fast"}, r"epochs: expected a mapping with integer keys, got 'fast'"),
+])
+def test_a_broken_projection_file_exits_2_naming_the_problem(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                             change: dict[str, Any], message: str) -> None:
+    bad = tmp_path / "projection.yaml"
+    bad.write_text(yaml.safe_dump({**yaml.safe_load(PROJECTION.read_text()), **change}))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(BASE_JOB))
+    assert cli.main(["plan", str(job), "--projection", str(bad)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, (out, err)
+    assert re.fullmatch(rf"hetpipe: error: projection file {re.escape(str(bad))}: {message}.*\n", err), err
+
+
+def test_su_mp_left_out_is_the_plans_k_stage_over_one_stage_throughput(capsys: pytest.CaptureFixture[str],
+                                                                       tmp_path: Path) -> None:
+    projection = tmp_path / "projection.yaml"
+    projection.write_text(yaml.safe_dump({"mini_batch": 16, "devices": [4, 8], "se": 0.9,
+                                          "epochs": {16: 3, 128: 3}}))
+    raw = deep_update(BASE_JOB, EMULATED)
+    two = make_plan(parse_job(raw)).predicted_samples_per_second
+    one = make_plan(parse_job(deep_update(raw, {"parallel": {"stages_per_vw": 1, "nm": 1}}))).predicted_samples_per_second
+    code, out, _ = _plan_with(capsys, tmp_path, raw, "--projection", str(projection))
+    assert code == 0
+    assert f"su_mp 2: {two / one:.3f} from the plan's predicted throughput" in out, out
+    rows = [line for line in out.splitlines() if re.match(r"\s+[48]\s+[24] x 2\s", line)]
+    assert len(rows) == 2 and all(f"{two / one / 2:.3f}" in r for r in rows), rows  # flat E, same SE: SU^2/2
+    # One stage per VW: nothing to take it from.
+    code, _, err = _plan_with(capsys, tmp_path, deep_update(raw, {"parallel": {"stages_per_vw": 1}}),
+                              "--projection", str(projection))
+    assert code == 2 and "su_mp: missing, and the job's plan has 1 stage per VW" in err, err
+
+
+def _plan_with(capsys: pytest.CaptureFixture[str], tmp_path: Path, raw: dict[str, Any],
+               *options: str) -> tuple[int, str, str]:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    code = cli.main(["plan", str(path), *options])
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -201,3 +201,35 @@ def test_bytes_that_are_not_a_frame_are_refused(rig: Rig) -> None:
         channel.close()
     assert rig.snapshot() == before
 
+
+
+def test_micro_batches_are_checked_against_the_schedule(make_job, rig: Rig) -> None:
+    """A hetpipe stage takes whole minibatches; a gpipe stage micro-batches of the right shape
+    and index, each once, in its window; an nf1b stage's gradients are of whole minibatches."""
+    before = rig.snapshot()
+    refused(rig.stub.Forward, iter(rig.activation(1, micro=2)), Code.INVALID_ARGUMENT,
+            "micro-batch 2, but schedule hetpipe's activations carry whole minibatches")
+    assert rig.snapshot() == before
+    with middle_stage(make_job, {"schedule": "gpipe", "nm": 1, "microbatches": 2}) as gpipe:
+        half = [gpipe.in_spec.shape[0] // 2, *gpipe.in_spec.shape[1:]]
+        x = torch.randn(half, dtype=gpipe.in_spec.dtype)
+        start = gpipe.snapshot()
+        for frames_, code, match in [
+            (gpipe.activation(1, micro=1), Code.INVALID_ARGUMENT, r"activation: shape \[16, 32\], expected \[8, 32\]"),
+            (frames([("activation", x)], 1, stage=0, micro=3), Code.INVALID_ARGUMENT,
+             r"micro-batch 3 of minibatch 1: expected 1\.\.2"),
+            (frames([("activation", x)], 1, stage=0), Code.INVALID_ARGUMENT,
+             r"micro-batch 0 of minibatch 1: expected 1\.\.2"),
+            (frames([("activation", x)], 2, stage=0, micro=1), Code.FAILED_PRECONDITION, "at most nm=1"),
+        ]:
+            refused(gpipe.stub.Forward, iter(frames_), code, match)
+            assert gpipe.snapshot() == start, f"refused {match} changed the stage"
+        gpipe.stub.Forward(iter(frames([("activation", x)], 1, stage=0, micro=1)), timeout=10)
+        refused(gpipe.stub.Forward, iter(frames([("activation", x)], 1, stage=0, micro=1)), Code.ALREADY_EXISTS,
+                "micro-batch 1 of minibatch 1 was already received")
+    with middle_stage(make_job, {"schedule": "nf1b", "nm": 2, "microbatches": 2}) as nf1b:
+        g = torch.randn([nf1b.out_spec.shape[0] // 2, *nf1b.out_spec.shape[1:]], dtype=nf1b.out_spec.dtype)
+        refused(nf1b.stub.Backward, iter(frames([("gradient", g)], 1, stage=2, micro=1)), Code.INVALID_ARGUMENT,
+                r"gradient for micro-batch 1 of minibatch 1: expected 0 \(the whole minibatch\)")
+        refused(nf1b.stub.Backward, iter(frames([("gradient", g)], 1, stage=2)), Code.INVALID_ARGUMENT,
+                r"gradient: shape \[8, 32\], expected \[16, 32\]")

@@ -63,7 +63,7 @@ parallel:
   ps_shards: 2
   placement: default                        # or local
   mode: hetpipe                             # or ddp (Horovod-style allreduce baseline), torch-pipeline (torch.distributed.pipelining baseline)
-  schedule: hetpipe                         # later: gpipe, 1f1b, nf1b
+  schedule: hetpipe                         # or gpipe, 1f1b, nf1b
   sync: wsp                                 # later: quorum, elastic
 output:
   dir: runs/quickstart
@@ -145,9 +145,9 @@ BAD_VALUES = [
     ("parallel.policy", "XX", "one of NP, ED, HD, auto"),
     ("parallel.placement", "remote", "one of default, local"),
     ("parallel.mode", "horovod", "one of hetpipe, ddp, torch-pipeline"),
-    ("parallel.schedule", "nf1b", "one of hetpipe, gpipe, 1f1b"),
+    ("parallel.schedule", "zb-v", "one of hetpipe, gpipe, 1f1b, nf1b"),
     ("parallel.microbatches", 0, "integer >= 1"),
-    ("parallel.sync", "quorum", "one of wsp"),
+    ("parallel.sync", "gossip", "one of wsp, quorum, elastic"),
     ("train.optimizer.name", "rmsprop", "one of sgd, adam"),
     ("train.optimizer.lr", -0.1, "number >= 0"),
     ("train.optimizer.momentum", "high", "number >= 0"),
@@ -213,8 +213,16 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"parallel": {"schedule": "gpipe"}}, "parallel.schedule: gpipe runs with parallel.mode torch-pipeline"),
-    ({"parallel": {"microbatches": 2}}, "parallel.microbatches: 2 applies to parallel.mode torch-pipeline only"),
+    ({"parallel": {"schedule": "gpipe", "nm": 2}}, "parallel.nm: 2, but schedule gpipe flushes the pipeline"),
+    ({"parallel": {"schedule": "1f1b", "nm": 4}}, "set nm 1"),
+    ({"parallel": {"schedule": "gpipe", "mode": "ddp"}}, "parallel.schedule: gpipe needs a pipeline"),
+    ({"parallel": {"schedule": "nf1b", "mode": "torch-pipeline"}}, "nf1b runs on HetPipe's own stages"),
+    ({"parallel": {"schedule": "nf1b", "microbatches": 5}}, "parallel.microbatches: 5 must divide data.batch_size"),
+    ({"parallel": {"schedule": "nf1b", "microbatches": 2}, "train": {"precision": "fp16"}},
+     "train.precision: not with parallel.schedule nf1b yet"),
+    ({"parallel": {"schedule": "gpipe", "nm": 1}, "train": {"checkpoint_every": 2}},
+     "train.checkpoint_every: not with parallel.schedule gpipe yet"),
+    ({"parallel": {"microbatches": 2}}, "parallel.microbatches: 2 applies to the schedules gpipe, 1f1b and nf1b"),
     ({"parallel": {"mode": "torch-pipeline", "microbatches": 3}}, "must divide data.batch_size 32"),
     ({"parallel": {"mode": "torch-pipeline", "schedule": "1f1b", "stages_per_vw": 4, "microbatches": 2}},
      "Schedule1F1B needs at least one micro-batch per stage"),
@@ -230,6 +238,12 @@ def test_keys_that_do_not_go_together_are_refused(overrides: dict[str, Any], mes
         raw.setdefault(section, {}).update(values)
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_job(raw)
+
+
+def test_flushed_schedules_take_nm_auto_as_one() -> None:
+    raw = base()
+    raw.setdefault("parallel", {}).update({"schedule": "1f1b", "nm": "auto", "microbatches": 4})
+    assert parse_job(raw).parallel.nm == 1
 
 
 def test_defaults_are_the_dataclasses_defaults() -> None:
@@ -348,3 +362,70 @@ def test_json_round_trip_is_identity(raw: dict[str, Any]) -> None:
     assert again == job
     # YAML is only a carrier: dumping and re-reading the mapping gives the same job.
     assert parse_job(yaml.safe_load(yaml.safe_dump(raw)), base_dir="/some/where") == job
+
+
+# ---- parallel.sync quorum | elastic with parallel.sync_args --------------------------------------
+
+
+def sync_job(sync: str, sync_args: Any = None, **parallel: Any) -> dict[str, Any]:
+    raw = base()
+    raw["parallel"].update({"sync": sync, "D": 0, **parallel})
+    if sync_args is not None:
+        raw["parallel"]["sync_args"] = sync_args
+    return raw
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (sync_job("quorum", mode="ddp"), "parallel.sync: quorum runs on HetPipe's virtual workers and parameter servers "
+                                     "(parallel.mode hetpipe); parallel.mode ddp has only sync wsp"),
+    (sync_job("elastic", mode="torch-pipeline", schedule="gpipe"), "parallel.mode torch-pipeline has only sync wsp"),
+    (sync_job("quorum", virtual_workers=1), "parallel.sync: quorum needs 2 or more parallel.virtual_workers"),
+    (sync_job("elastic", virtual_workers=1), "parallel.sync: elastic needs 2 or more parallel.virtual_workers"),
+    (sync_job("elastic", D=1), "parallel.D: 1 has no meaning under parallel.sync elastic"),
+    (sync_job("quorum", {"quorum": 3}), "parallel.sync_args.quorum: 3 is more than the 2 virtual workers"),
+    (sync_job("quorum", {"quorum": 0}), "parallel.sync_args.quorum: expected majority, all, solo or an integer >= 1"),
+    (sync_job("quorum", {"quorum": True}), "parallel.sync_args.quorum: expected majority, all, solo"),
+    (sync_job("quorum", {"quorum": "most"}), "parallel.sync_args.quorum: expected majority, all, solo"),
+    (sync_job("wsp", {"quorum": 1}), "parallel.sync_args.quorum: unknown key: parallel.sync wsp takes no sync_args; "
+                                     "it is an argument of parallel.sync quorum"),
+    (sync_job("quorum", {"alpha": 0.1}), "parallel.sync_args.alpha: unknown key: parallel.sync quorum takes quorum; "
+                                         "it is an argument of parallel.sync elastic"),
+    (sync_job("elastic", {"quorum": 1}), "parallel.sync_args.quorum: unknown key: parallel.sync elastic takes alpha, "
+                                         "period; it is an argument of parallel.sync quorum"),
+    (sync_job("elastic", {"beta": 1}), "parallel.sync_args.beta: unknown key: parallel.sync elastic takes alpha, period"),
+    (sync_job("elastic", {"alpha": 0}), "parallel.sync_args.alpha: expected a number in (0, 0.5]"),
+    (sync_job("elastic", {"alpha": 0.75}), "parallel.sync_args.alpha: expected a number in (0, 0.5]"),
+    (sync_job("elastic", {"alpha": "strong"}), "parallel.sync_args.alpha: expected a number in (0, 0.5]"),
+    (sync_job("elastic", {"period": 0}), "parallel.sync_args.period: expected an integer >= 1"),
+    (sync_job("elastic", [1]), "parallel.sync_args: expected a mapping"),
+    ({**sync_job("quorum"), "train": {**base()["train"], "checkpoint_every": 2}},
+     "train.checkpoint_every: not with parallel.sync quorum yet: a checkpoint does not hold the open quorum rounds"),
+    ({**sync_job("elastic"), "train": {**base()["train"], "checkpoint_every": 2}},
+     "train.checkpoint_every: not with parallel.sync elastic yet"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_sync_combinations_that_make_no_sense_are_refused(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_job(raw)
+    assert message in str(err.value), str(err.value)
+    assert "\n" not in str(err.value), "one line"
+
+
+def test_sync_args_are_normalised_and_survive_the_trip_to_the_stages() -> None:
+    quorum = parse_job(sync_job("quorum")).parallel
+    assert quorum.sync_args == {"quorum": "majority"} and quorum.sync_settings.quorum == 0
+    assert parse_job(sync_job("quorum", {"quorum": "solo"})).parallel.sync_settings.quorum == 1
+    assert parse_job(sync_job("quorum", {"quorum": "all"}, virtual_workers=2)).parallel.sync_settings.quorum == 2
+    assert parse_job(sync_job("quorum", {"quorum": 2}, D=3)).parallel.sync_settings.quorum == 2
+    el = parse_job(sync_job("elastic")).parallel
+    assert el.sync_args == {"alpha": 0.1, "period": 1}, "EA-Pipe's defaults"
+    el = parse_job(sync_job("elastic", {"alpha": 0.5, "period": 4}, on_vw_failure="continue")).parallel
+    assert (el.sync_settings.alpha, el.sync_settings.period) == (0.5, 4)
+    assert parse_job(base()).parallel.sync_args == {}, "wsp takes none"
+    for raw in (sync_job("quorum", {"quorum": "all"}), sync_job("elastic", {"alpha": 0.25, "period": 2})):
+        job = parse_job(raw, base_dir="/x")
+        assert JobConfig.from_json(job.to_json()) == job
+    # fp16 with elastic: the loss scale depends only on the VW's own verdicts, and an exchange
+    # changes the weights between tasks as a WSP pull does.
+    fp16 = sync_job("elastic")
+    fp16["train"]["precision"] = "fp16"
+    assert parse_job(fp16).train.precision == "fp16"

@@ -1,0 +1,111 @@
+"""A stage's tasks under the micro-batch schedules (gpipe, 1f1b, nf1b): each minibatch is split
+into parallel.microbatches equal parts along its first dimension; each micro-batch's loss is
+weighted 1/microbatches, so p's summed gradient is that of the whole minibatch. gpipe and 1f1b
+keep each micro-batch's graph for its own backward and step once all of p is back; nf1b keeps
+only the inputs and runs p's one backward on the weights current then (stage_worker/stage.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import torch
+
+from hetpipe.wsp import wave_of
+from stage_worker import commit
+from stage_worker.commit import Send
+from stage_worker.inbox import Inbox
+from stage_worker.loaded import Loaded
+from stage_worker.micro_schedule import MicroSchedule
+from stage_worker.schedule import Task
+
+
+class MicroTasks:
+    """Runs one stage's micro-batch tasks; called by the compute thread only."""
+
+    def __init__(self, inbox: Inbox, lock: threading.Condition, losses: deque[torch.Tensor]) -> None:
+        self._inbox, self._lock, self._losses = inbox, lock, losses
+        self._x: dict[int, list[torch.Tensor]] = {}   # stage 0: p's micro-batches of x
+        self._y: dict[int, list[torch.Tensor]] = {}   # the last stage: of y
+        self._loss: dict[int, torch.Tensor] = {}      # the last stage: p's loss so far
+
+    @staticmethod
+    def _schedule(s: Loaded) -> MicroSchedule:
+        assert isinstance(s.schedule, MicroSchedule)
+        return s.schedule
+
+    def _input(self, s: Loaded, p: int, m: int) -> torch.Tensor:
+        if s.inputs is None:
+            with self._lock:
+                return self._inbox.forward.pop((p, m))
+        if m == 1:
+            x = s.inputs.next()[0].to(s.compute.device, non_blocking=True)
+            self._x[p] = list(x.chunk(self._schedule(s).micro))
+        return self._x[p][m - 1] if m < self._schedule(s).micro else self._x.pop(p)[m - 1]
+
+    def _target(self, s: Loaded, p: int, m: int) -> torch.Tensor:
+        assert s.targets is not None
+        if m == 1:
+            y = s.targets.next()[1].to(s.compute.device, non_blocking=True)
+            self._y[p] = list(y.chunk(self._schedule(s).micro))
+        return self._y[p][m - 1] if m < self._schedule(s).micro else self._y.pop(p)[m - 1]
+
+    def forward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+        p, m, sched = task.p, task.micro, self._schedule(s)
+        x = self._input(s, p, m)
+        start, min_clock = time.time(), s.sync.min_clock
+        if s.setup.last:
+            loss = s.compute.loss_micro((p, m), x, self._target(s, p, m), 1.0 / sched.micro)
+            self._loss[p] = self._loss.get(p, 0.0) + loss / sched.micro
+            sends, version = [], s.compute.version
+        else:
+            out, version = s.compute.forward_micro((p, m), x, keep=sched.flushed)
+            s.setup.specs.output.split(sched.micro).check_output(s.setup.name, out)
+            sends = [commit.activation(s, p, version, out, micro=m)]
+        if m == 1:
+            s.observe.forward(p, version, s.sync.clock, min_clock)
+        s.padder.pad(start, s.setup.forward_seconds / sched.micro)
+        s.trace.micro(p, "fwd", m, start, time.time(), local_version=version, min_clock=min_clock)
+        return sends, 0.0
+
+    def backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+        p, m, sched = task.p, task.micro, self._schedule(s)
+        grad = None
+        if not s.setup.last:
+            with self._lock:
+                grad = self._inbox.backward.pop((p, m))
+        start, version = time.time(), s.compute.version
+        if sched.flushed:
+            grad_in, version = s.compute.backward_micro((p, m), grad)
+            s.padder.pad(start, s.setup.backward_seconds / sched.micro)
+        else:
+            assert grad is not None
+            grad_in = s.compute.backward_recompute(p, grad)
+            s.padder.pad(start, s.setup.backward_seconds)
+        s.trace.micro(p, "bwd", m, start, time.time())
+        self._end(s, task, version)
+        return commit.gradient(s, p, version, grad_in, micro=m), 0.0
+
+    def forward_backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+        """nf1b's last stage: the last micro-batch's forward, then p's one backward."""
+        began = time.time()
+        sends, _ = self.forward(s, task)
+        start = time.time()
+        grad_in = s.compute.backward_losses(task.p)
+        s.padder.pad(start, s.setup.backward_seconds)
+        s.trace.micro(task.p, "bwd", 0, start, time.time())
+        version = s.compute.version
+        self._end(s, task, version)
+        return sends + commit.gradient(s, task.p, version, grad_in), start - began
+
+    def _end(self, s: Loaded, task: Task, version: int) -> None:
+        """p's step once its last backward here is done (L3), and its wave's update (G1)."""
+        if not self._schedule(s).ends_minibatch(task):
+            return
+        p = task.p
+        if s.setup.last:
+            with self._lock:
+                self._losses.append(self._loss.pop(p))
+        s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version)
+        commit.commit(s, p, s.compute.take_summed())

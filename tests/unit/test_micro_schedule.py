@@ -1,0 +1,121 @@
+"""The micro-batch schedules' pure task order (stage_worker/micro_schedule.py): TiMePReSt's
+version difference in the unit-time model, every schedule free of deadlock and in its stated
+order, inputs refused as they should be, and the trace checkers failing on broken traces."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from stage_worker.micro_schedule import MicroSchedule, simulate_unit, unit_version_differences
+from stage_worker.schedule import Rejection, ScheduleError, TaskKind
+from tests import schedule_rules
+
+
+@pytest.mark.parametrize("stages", range(2, 9))
+@pytest.mark.parametrize("micro", range(1, 7))
+def test_nf1b_version_difference_matches_the_papers_notes(stages: int, micro: int) -> None:
+    """v = 1 for every minibatch iff W <= N + 1; the steady v is ceil(W / (N + 1)) (TiMePReSt
+    §4.4 with W stages and N micro-batches; its closed form for v is not used: measured here)."""
+    v = unit_version_differences(stages, micro, 40)
+    assert (set(v.values()) == {1}) == (stages <= micro + 1)
+    assert v[40] == math.ceil(stages / (micro + 1))
+    assert v[1] == 1 and max(v.values()) == v[40], "v grows to its steady value and stays"
+
+
+def rows_from_spans(schedule: str, stages: int, micro: int, steps: int) -> list[dict[str, Any]]:
+    """The trace rows a unit-time run would write (one VW)."""
+    spans = simulate_unit(schedule, stages, micro, steps if schedule == "nf1b" else 1, steps)
+    rows = []
+    for q, stage in enumerate(spans):
+        ends = sorted(end for _, end, t in stage if t.kind != TaskKind.FORWARD
+                      and (schedule == "nf1b" or t.micro == micro))
+        by_p: dict[int, dict[str, Any]] = {}
+        for start, end, task in stage:
+            r = by_p.setdefault(task.p, {"vw": 0, "stage": q, "p": task.p, "micro_fwd": [], "micro_bwd": []})
+            if task.kind == TaskKind.FORWARD_BACKWARD:
+                r["micro_fwd"].append([task.micro, start, start + 1])
+                r["micro_bwd"].append([0, start + 1, end])
+            elif task.kind == TaskKind.FORWARD:
+                r["micro_fwd"].append([task.micro, start, end])
+            else:
+                r["micro_bwd"].append([task.micro, start, end])
+        for r in by_p.values():
+            r["fwd_start"], r["bwd_end"] = r["micro_fwd"][0][1], r["micro_bwd"][-1][2]
+            r["local_version"] = sum(1 for t in ends if t <= r["fwd_start"])
+            r["bwd_version"] = sum(1 for t in ends if t <= r["micro_bwd"][0][1])
+            rows.append(r)
+    return rows
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", range(1, 7))
+@pytest.mark.parametrize("micro", range(1, 9))
+def test_flushed_schedules_run_their_order(schedule: str, stages: int, micro: int) -> None:
+    schedule_rules.check_flushed(rows_from_spans(schedule, stages, micro, 3), schedule, stages, micro)
+
+
+@pytest.mark.parametrize("stages", range(1, 7))
+@pytest.mark.parametrize("micro", range(1, 6))
+def test_nf1b_keeps_its_rules(stages: int, micro: int) -> None:
+    schedule_rules.check_nf1b(rows_from_spans("nf1b", stages, micro, 8), 8, micro)
+
+
+def test_1f1b_keeps_fewer_micro_batches_in_flight_than_gpipe() -> None:
+    """1f1b's point: stage 0 holds at most k micro-batches' activations, gpipe all M."""
+    def most_open(schedule: str) -> int:
+        open_ = best = 0
+        for _, _, task in simulate_unit(schedule, 4, 8, 1, 2)[0]:
+            open_ += 1 if task.kind == TaskKind.FORWARD else -1
+            best = max(best, open_)
+        return best
+    assert most_open("gpipe") == 8 and most_open("1f1b") == 4
+
+
+def test_flushed_checker_catches_a_swap_and_a_stale_version() -> None:
+    rows = rows_from_spans("1f1b", 3, 4, 2)
+    row = next(r for r in rows if r["stage"] == 0 and r["p"] == 2)
+    (a, b) = row["micro_fwd"][2], row["micro_bwd"][0]  # F 2.3 and B 2.1 trade places
+    a[1], a[2], b[1], b[2] = b[1], b[2], a[1], a[2]
+    with pytest.raises(AssertionError, match="1f1b runs"):
+        schedule_rules.check_flushed(rows, "1f1b", 3, 4)
+    rows = rows_from_spans("gpipe", 2, 2, 2)
+    rows[-1]["local_version"] = 0
+    with pytest.raises(AssertionError, match="synchronous"):
+        schedule_rules.check_flushed(rows, "gpipe", 2, 2)
+
+
+def test_nf1b_checker_catches_stashed_weights_and_a_wide_window() -> None:
+    rows = rows_from_spans("nf1b", 3, 2, 6)
+    next(r for r in rows if r["p"] == 4)["bwd_version"] = 2
+    with pytest.raises(AssertionError, match="current weights"):
+        schedule_rules.check_nf1b(rows, 6, 2)
+    with pytest.raises(AssertionError, match="L1 violated"):
+        schedule_rules.check_nf1b(rows_from_spans("nf1b", 3, 2, 6), 1, 2)
+
+
+def test_inputs_are_refused_by_reason() -> None:
+    s = MicroSchedule(schedule="gpipe", stage=1, num_stages=2, nm=1, micro=2, steps=3)
+    s.accept_forward(1, 1)
+    cases = [
+        (lambda: s.accept_forward(1, 1), Rejection.DUPLICATE),
+        (lambda: s.accept_forward(1, 3), Rejection.UNKNOWN),
+        (lambda: s.accept_forward(4, 1), Rejection.UNKNOWN),
+        (lambda: s.accept_forward(2, 1), Rejection.WINDOW),
+    ]
+    for offer, reason in cases:
+        with pytest.raises(ScheduleError) as err:
+            offer()
+        assert err.value.reason == reason
+    first = MicroSchedule(schedule="nf1b", stage=0, num_stages=2, nm=2, micro=2, steps=3)
+    with pytest.raises(ScheduleError) as err:
+        first.accept_backward(1, 0)
+    assert err.value.reason == Rejection.ORDER, "a gradient for a minibatch not forwarded here"
+    with pytest.raises(ScheduleError) as err:
+        first.accept_backward(1, 1)
+    assert err.value.reason == Rejection.UNKNOWN, "nf1b's gradients are of whole minibatches"
+    with pytest.raises(ScheduleError) as err:
+        first.accept_forward(1, 1)
+    assert err.value.reason == Rejection.NOT_ACCEPTED
