@@ -135,9 +135,15 @@ def main() -> None:
                   f"bubble (idle / span) {bubbles}; mean {100 * statistics.mean(got.bubble.values()):.1f}%")
             if got.version_difference:
                 values = [got.version_difference[p] for p in sorted(got.version_difference)]
-                print(f"  nf1b version difference v per minibatch (measured): {values}; unit-time model with "
-                      f"{args.stages} stages, {got.microbatches} micro-batches: steady v = "
-                      f"{unit_version_differences(args.stages, got.microbatches, args.steps)[args.steps]}")
+                # The same schedule code simulated with these emulated times (ms: a micro-batch's
+                # forward, a minibatch's backward) and with TiMePReSt's unit times.
+                forward = max(1, round(args.forward_ms / got.microbatches))
+                simulated = unit_version_differences(args.stages, got.microbatches, args.steps, forward=forward,
+                                                     backward=max(1, round(args.backward_ms)))
+                unit = unit_version_differences(args.stages, got.microbatches, args.steps)
+                print(f"  nf1b version difference v per minibatch: measured {values}; simulated with these times "
+                      f"{[simulated[p] for p in sorted(simulated)]}; TiMePReSt's unit times (steady "
+                      f"ceil(W/(N+1))) {[unit[p] for p in sorted(unit)]}")
             results.append(got)
     if not results:
         print("no schedule ran; nothing drawn")

@@ -180,10 +180,11 @@ class MicroSchedule:
 Span = tuple[int, int, Task]  # (start, end, task) in time points
 
 
-def simulate_unit(schedule: str, num_stages: int, micro: int, nm: int, steps: int) -> list[list[Span]]:
-    """Every stage's tasks when each forward of a micro-batch and each backward takes one time
-    point (nf1b: one per minibatch, as in TiMePReSt's figures) and messages take none. The last
-    stage's fused forward+backward takes two: the backward starts one point later."""
+def simulate_unit(schedule: str, num_stages: int, micro: int, nm: int, steps: int, *, forward: int = 1,
+                  backward: int = 1) -> list[list[Span]]:
+    """Every stage's tasks when each forward of a micro-batch takes `forward` time points and each
+    backward `backward` (nf1b: one per minibatch; 1 and 1 are TiMePReSt's figures) and messages
+    take none. The last stage's fused forward+backward takes both: the backward starts after."""
     stages = [MicroSchedule(schedule=schedule, stage=q, num_stages=num_stages, nm=nm, micro=micro, steps=steps)
               for q in range(num_stages)]
     spans: list[list[Span]] = [[] for _ in stages]
@@ -201,11 +202,12 @@ def simulate_unit(schedule: str, num_stages: int, micro: int, nm: int, steps: in
                 stages[q - 1].accept_backward(task.p, 0 if task.kind == TaskKind.FORWARD_BACKWARD else task.micro)
         for q, s in enumerate(stages):
             if running[q] is None and (ready := s.next_task()) is not None:
-                span = (t, t + (2 if ready.kind == TaskKind.FORWARD_BACKWARD else 1), ready)
+                took = {TaskKind.FORWARD: forward, TaskKind.BACKWARD: backward}.get(ready.kind, forward + backward)
+                span = (t, t + took, ready)
                 running[q] = span
                 spans[q].append(span)
         t += 1
-        if t > 10 * (steps * (micro + 2) + num_stages) + 100:
+        if t > 10 * (forward + backward) * (steps * (micro + 2) + num_stages) + 100:
             raise RuntimeError(f"{schedule} with {num_stages} stages and {micro} micro-batches deadlocked")
     return spans
 
@@ -222,9 +224,10 @@ def version_differences(first_backward_end: Mapping[int, float], last_backward_s
     return out
 
 
-def unit_version_differences(num_stages: int, micro: int, steps: int) -> dict[int, int]:
+def unit_version_differences(num_stages: int, micro: int, steps: int, *, forward: int = 1,
+                             backward: int = 1) -> dict[int, int]:
     """v per minibatch of an nf1b pipeline in the unit-time model (nm never binding)."""
-    spans = simulate_unit("nf1b", num_stages, micro, steps, steps)
+    spans = simulate_unit("nf1b", num_stages, micro, steps, steps, forward=forward, backward=backward)
     first = {task.p: end for _, end, task in spans[0] if task.kind != TaskKind.FORWARD}
-    last = {task.p: start + 1 for start, _, task in spans[-1] if task.kind == TaskKind.FORWARD_BACKWARD}
+    last = {task.p: start + forward for start, _, task in spans[-1] if task.kind == TaskKind.FORWARD_BACKWARD}
     return version_differences(first, last)
