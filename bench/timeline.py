@@ -25,7 +25,7 @@ from hetpipe.config import ConfigError, parse_job
 from hetpipe.errors import JobFailed
 from hetpipe.timeline import Span
 from launch.local import run_local
-from stage_worker.micro_schedule import unit_version_differences, version_differences
+from stage_worker.micro_schedule import unit_version_differences
 
 SCHEDULES = ["hetpipe", "gpipe", "1f1b", "nf1b"]
 # (nm, microbatches): gpipe and 1f1b flush after every minibatch (nm 1), its micro-batches fill
@@ -64,11 +64,8 @@ def run(schedule: str, out_dir: Path, *, steps: int, forward_s: float, backward_
     rows = timeline.load(out_dir).stages
     for row in rows:
         spans.setdefault(int(row["stage"]), []).extend(timeline.compute_spans(row))
-    v: dict[int, int] = {}
-    if schedule == "nf1b":  # TiMePReSt's v: stage 0's backward ends against the last stage's starts
-        first = {int(r["p"]): float(r["bwd_end"]) for r in rows if r["stage"] == 0}
-        last = {int(r["p"]): float(r["bwd_start"]) for r in rows if r["stage"] == stages - 1}
-        v = version_differences(first, last)
+    # nf1b: TiMePReSt's v, stage 0's backward ends against the last stage's starts
+    v = {p: d for (_, p), d in timeline.nf1b_version_differences(rows).items()}
     return Result(schedule, nm, micro, spans, {q: timeline.idle_fraction(s) for q, s in spans.items()},
                   float(summary["samples_per_second"]), v)
 

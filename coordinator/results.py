@@ -67,6 +67,10 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         "idle_seconds": sum(h.last.idle_seconds for h in d.stages),
         "plan": plan.describe(),
         "mode": job.parallel.mode,
+        "schedule": job.parallel.schedule,
+        "microbatches": job.parallel.microbatches,
+        "sync": job.parallel.sync,
+        "sync_args": dict(job.parallel.sync_args),
         "ps_shards": len(d.shards),
         "evicted": d.evicted,
     }

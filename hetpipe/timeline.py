@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,9 +176,37 @@ class _Slice:
     args: dict[str, Any]
 
 
+def version_differences(first_backward_end: Mapping[int, float], last_backward_start: Mapping[int, float]) -> dict[int, int]:
+    """TiMePReSt's version difference v of each minibatch p: p - q, where q is the latest minibatch
+    whose backward had finished at stage 0 (so its update is in every stage's weights) when p's
+    backward began at the last stage. v = 1 iff consecutive backward passes never overlap."""
+    ends = sorted(first_backward_end.items())
+    out = {}
+    for p, start in sorted(last_backward_start.items()):
+        done = [q for q, end in ends if q < p and end <= start]
+        out[p] = p - (max(done) if done else 0)
+    return out
+
+
+
+def nf1b_version_differences(rows: Sequence[Row]) -> dict[tuple[int, int], int]:
+    """(vw, p) -> v, from the rows of runs whose backwards are of whole minibatches (nf1b)."""
+    out: dict[tuple[int, int], int] = {}
+    for v in sorted({int(r["vw"]) for r in rows}):
+        mine = [r for r in rows if int(r["vw"]) == v and r.get("micro_bwd")]
+        if not mine or any(m != 0 for r in mine for m, _, _ in r["micro_bwd"]):
+            continue
+        last = max(int(r["stage"]) for r in mine)
+        first_end = {int(r["p"]): float(r["bwd_end"]) for r in mine if int(r["stage"]) == 0}
+        last_start = {int(r["p"]): float(r["bwd_start"]) for r in mine if int(r["stage"]) == last}
+        out |= {(v, p): d for p, d in version_differences(first_end, last_start).items()}
+    return out
+
+
 def _stage_slices(data: TraceData) -> list[_Slice]:
     out: list[_Slice] = []
     busy: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    differences = nf1b_version_differences(data.stages)
     for r in data.stages:
         v, q = int(r["vw"]), int(r["stage"])
         common = {k: r[k] for k in ("p", "wave", "local_version", "min_clock") if k in r}
@@ -186,6 +214,8 @@ def _stage_slices(data: TraceData) -> list[_Slice]:
             args = {**common, **({"m": s.m} if s.m is not None else {})}
             if s.kind == "B" and "bwd_version" in r:
                 args["bwd_version"] = r["bwd_version"]
+            if s.kind == "B" and (v, int(r["p"])) in differences:  # nf1b: TiMePReSt's v
+                args["version_difference"] = differences[(v, int(r["p"]))]
             out.append(_Slice(vw_pid(v), compute_tid(q), s.name, "forward" if s.kind == "F" else "backward",
                               s.start, s.end, args))
             busy.setdefault((v, q), []).append((s.start, s.end))

@@ -12,8 +12,9 @@ of p+1: one minibatch is in flight (nm 1). Pure: no gRPC, no threads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
+from hetpipe.timeline import version_differences
 from hetpipe.wsp import may_inject
 from stage_worker.schedule import Rejection, ScheduleError, Task, TaskKind
 
@@ -210,18 +211,6 @@ def simulate_unit(schedule: str, num_stages: int, micro: int, nm: int, steps: in
         if t > 10 * (forward + backward) * (steps * (micro + 2) + num_stages) + 100:
             raise RuntimeError(f"{schedule} with {num_stages} stages and {micro} micro-batches deadlocked")
     return spans
-
-
-def version_differences(first_backward_end: Mapping[int, float], last_backward_start: Mapping[int, float]) -> dict[int, int]:
-    """TiMePReSt's version difference v of each minibatch p: p - q, where q is the latest minibatch
-    whose backward had finished at stage 0 (so its update is in every stage's weights) when p's
-    backward began at the last stage. v = 1 iff consecutive backward passes never overlap."""
-    ends = sorted(first_backward_end.items())
-    out = {}
-    for p, start in sorted(last_backward_start.items()):
-        done = [q for q, end in ends if q < p and end <= start]
-        out[p] = p - (max(done) if done else 0)
-    return out
 
 
 def unit_version_differences(num_stages: int, micro: int, steps: int, *, forward: int = 1,

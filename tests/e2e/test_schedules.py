@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from hetpipe import outputs
+from hetpipe import outputs, timeline
 from hetpipe.reference import initial_model, train_reference
 from launch.local import run_local
 from tests import schedule_rules, trace_rules
@@ -66,8 +66,12 @@ def test_schedule_trace_rules(make_job, inject_faults, tmp_path: Path, schedule:
     trace_rules.check_complete(rows, vws=vws, stages=k, steps=steps)
     trace_rules.check_min_clock(rows, nm, 1)
     if schedule == "nf1b":
+        exported = timeline.chrome_trace(timeline.load(tmp_path / "out"))["traceEvents"]
+        recorded = {(e["pid"], e["args"]["p"]): e["args"]["version_difference"] for e in exported
+                    if e["ph"] == "X" and "version_difference" in e.get("args", {})}
         for v, diffs in schedule_rules.check_nf1b(rows, nm, micro).items():
             assert all(1 <= d <= nm for d in diffs.values()), f"vw {v}: version differences {diffs} outside 1..{nm}"
+            assert {p: recorded[(timeline.vw_pid(v), p)] for p in diffs} == diffs, "the export records v per minibatch"
     else:
         schedule_rules.check_flushed(rows, schedule, k, micro)
 
