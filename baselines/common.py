@@ -221,7 +221,7 @@ def watch_parent() -> None:
     """Exit at once if the launcher dies: a killed `hetpipe run` leaves no worker behind."""
     from hetpipe import rpc
 
-    rpc.exit_with_parent(os.getppid(), lambda: os._exit(3))
+    rpc.exit_with_parent(rpc.launcher_pid(), lambda: os._exit(3))
 
 
 def recent_mean(losses: Sequence[float]) -> float:

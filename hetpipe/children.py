@@ -103,7 +103,8 @@ def start(args: list[str], log_path: Path, *, env: Mapping[str, str] | None = No
     if len(args) < 3 or args[1] != "-m":
         raise ValueError(f"expected [python, '-m', module, ...], got {args[:3]}")
     context = _context()
-    environment = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+    # The worker follows this process, not the fork server it is forked from (rpc.launcher_pid).
+    environment = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", HETPIPE_LAUNCHER_PID=str(os.getpid()))
     process = context.Process(
         target=_run_module, name=args[2],
         args=(args[2], args[3:], str(log_path), append, environment, os.getcwd(), list(sys.path)),

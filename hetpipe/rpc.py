@@ -13,6 +13,7 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
+import psutil
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 from google.protobuf.descriptor import ServiceDescriptor
@@ -373,13 +374,33 @@ def wait_ready(address: str, timeout: float = CONTROL_DEADLINE_S) -> None:
             time.sleep(0.05)
 
 
+LAUNCHER_PID_ENV = "HETPIPE_LAUNCHER_PID"
+
+
+def launcher_pid() -> int:
+    """The process whose death ends this one: the launcher that started it (hetpipe.children sets
+    it: a forked worker's own parent is the fork server, which lives as long as its workers hold
+    its pipe, so watching it would keep a killed launcher's workers alive for good), else the parent."""
+    return int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
+
+
+def _born(pid: int) -> float | None:
+    """When pid started; None once it is gone or a zombie (a PID reused later starts later)."""
+    try:
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
+    except psutil.Error:
+        return None
+
+
 def exit_with_parent(parent_pid: int, on_orphaned: Callable[[], None]) -> None:
-    """Calls on_orphaned once the parent process is gone, so a killed launcher leaves no orphans."""
+    """Calls on_orphaned once parent_pid is gone, so a killed launcher leaves no orphans."""
+    born = _born(parent_pid)
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while born is not None and _born(parent_pid) == born:
             time.sleep(0.5)
-        log.warning("parent %d is gone: exiting", parent_pid)
+        log.warning("launcher %d is gone: exiting", parent_pid)
         on_orphaned()
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

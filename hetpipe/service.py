@@ -66,7 +66,7 @@ def run_server(
     server.start()
     server.stop_on_signals(shutdown)
     if flags.exit_with_parent:
-        rpc.exit_with_parent(os.getppid(), shutdown)
+        rpc.exit_with_parent(rpc.launcher_pid(), shutdown)
     address = flags.advertise or server.address
     what = "coordinator" if role is None else coordinator_pb2.WorkerInfo.Role.Name(role).lower()
     logging.info("%s serving on %s (metrics :%d)", what, address, metrics_port)

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -74,13 +75,16 @@ def test_kill_9_of_hetpipe_run_then_resume(make_job, tmp_path: Path) -> None:
     run = _hetpipe(tmp_path, "run", "-q", "job.yaml")
     try:
         _first_cut(tmp_path / "out", run)
+        family = psutil.Process(run.pid).children(recursive=True)  # the fork server and the workers
         os.kill(run.pid, signal.SIGKILL)  # the launcher alone: its workers follow it (exit with parent)
         run.wait(30)
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     assert not (tmp_path / "out" / "summary.json").exists(), "the run finished before the kill"
-    time.sleep(2)  # its workers notice their parent is gone within a second
+    # Every worker notices within a second that its launcher is gone, and the fork server then exits.
+    _, alive = psutil.wait_procs(family, timeout=20)
+    assert not alive, f"left behind by the killed launcher: {[(p.pid, p.cmdline()[:3]) for p in alive]}"
     _resume_and_compare(job, tmp_path)
 
 
