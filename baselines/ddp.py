@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -166,6 +167,12 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
         "mode": "ddp",
         **{k: v for k, v in results[0].items() if k.startswith("eval_")},
     }
+    if "eval_loss" in results[0]:  # the final evaluation's line, as HetPipe's eval.jsonl ends
+        outputs.append_evals(out_dir, [{
+            "id": (job.train.steps - 1) // job.eval.every + 1 if job.eval and job.eval.every else 1,
+            "final": True, "minibatches": job.train.steps, "samples": samples, "seconds": wall,
+            "rows": results[0]["eval_rows"], "loss": results[0]["eval_loss"],
+            "accuracy": results[0]["eval_accuracy"]}])
     return outputs.write_summary(out_dir, fields)
 
 
@@ -199,6 +206,8 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     padding = pad_s > 0 or padder.high > 0
     allreduce_s = float(spec.get("allreduce_seconds", 0.0))
 
+    every = job.eval.every if job.eval is not None else 0
+    out_dir = Path(spec["work_dir"]).parent  # common.WORK_DIR is under output.dir
     common.init_process_group(spec, rank)
     progress = common.Progress(spec["work_dir"], rank)
     losses: list[float] = []
@@ -237,6 +246,14 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         progress.write(p, losses[-1], force=p == job.train.steps)
+        if every and p % every == 0 and p < job.train.steps and rank == 0:
+            # eval.every, as HetPipe's VW 0 does it: rank 0's weights (every rank's) after p steps;
+            # the other ranks wait for it at the next allreduce.
+            scored = common.evaluate(job, model, device)
+            outputs.append_evals(out_dir, [{
+                "id": p // every, "final": False, "minibatches": p, "samples": p * n * job.data.batch_size,
+                "seconds": time.monotonic() - start, "rows": scored["eval_rows"], "loss": scored["eval_loss"],
+                "accuracy": scored["eval_accuracy"]}])
     dist.barrier()
     wall = time.monotonic() - start
     recent = torch.tensor([common.recent_mean(losses)], dtype=torch.float64)

@@ -10,6 +10,7 @@ one torch.distributed.pipelining pipeline (`parallel.mode: torch-pipeline`), on 
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from pathlib import Path
@@ -169,6 +170,18 @@ def test_ddp_on_an_emulated_cluster_is_paced_by_its_devices(make_job) -> None:
                                                                  ("n1", "rtx-2060 (emulated)")]
     assert summary["wall_seconds"] >= steps * step_s * 0.95
     assert 0 <= summary["wait_seconds"] and 0 < summary["eval_accuracy"] <= 1 and summary["eval_rows"] == 64
+
+
+def test_ddp_evaluates_every_eval_every_steps(make_job, tmp_path: Path) -> None:
+    """eval.every holds for ddp as for HetPipe: rank 0 appends an evaluation every `every` steps
+    and the final one last, in eval.jsonl's format; the final one is the summary's."""
+    job = emulated_job(make_job, 10, 0.01)
+    job = with_overrides(job, eval={"every": 4, "rows": 64})
+    summary = run_local(job, quiet=True)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "eval.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["minibatches"], r["final"]) for r in rows] == [(1, 4, False), (2, 8, False), (3, 10, True)]
+    assert all(r["rows"] == 64 and 0 <= r["accuracy"] <= 1 for r in rows)
+    assert rows[0]["seconds"] <= rows[1]["seconds"] and rows[-1]["accuracy"] == summary["eval_accuracy"]
 
 
 def test_ddp_allreduce_crosses_the_emulated_network(make_job) -> None:
