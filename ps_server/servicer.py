@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import torch
@@ -18,6 +19,8 @@ from ps_server.durability import Durability
 from ps_server.metrics import ShardSnapshot
 from ps_server.shard import Shard, ShardError, SyncRule
 from ps_server.trace import ShardTrace
+
+R = TypeVar("R")
 
 _CODES = {
     ShardError.Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -90,14 +93,16 @@ class ShardServicer:
         except ShardError as exc:
             raise _rejected(exc) from None
 
-    def _check_push(self, stream: wire.Stream) -> None:
-        """Everything a push is refused for that its header shows, before its tensors arrive."""
-        if stream.header.WhichOneof("header") != "push":
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Push: first frame lacks the push tag")
+    def _check_update(self, stream: wire.Stream, kind: str) -> None:
+        """Everything a push or an exchange is refused for that its header shows, before its
+        tensors arrive."""
+        if stream.header.WhichOneof("header") != kind:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{kind.capitalize()}: first frame lacks the {kind} tag")
         metas = [(name, dtype, tuple(shape)) for name, (dtype, shape, _) in zip(stream.names, stream.specs)]
+        check = self.shard.check_push if kind == "push" else self.shard.check_exchange
         with self._cv:
             try:
-                self.shard.check_push(stream.header.push.vw, metas)
+                check(getattr(stream.header, kind).vw, metas)
             except ShardError as exc:
                 raise _rejected(exc) from None
 
@@ -119,66 +124,52 @@ class ShardServicer:
                 path.write_text(f"{self.index}\n")
         return wire_pb2.Ack(message="initialised" if fresh else "already initialised")
 
-    @handler
-    def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushReply:
+    def _update(self, kind: str, request_iterator: Iterator[bytes], apply: Callable[..., tuple[bool, R]]) -> R:
+        """A push or an exchange: decoded and checked, then apply(tag, tensors, journal) under the
+        lock, which answers (whether it was new, the reply); checkpointed when due, traced."""
         received = time.time()
-        bundle = wire.decode(request_iterator, check=self._check_push)
-        tag = bundle.header.push
+        bundle = wire.decode(request_iterator, check=lambda stream: self._check_update(stream, kind))
+        tag = getattr(bundle.header, kind)
         durability = self.durability
-        # Logged once validated and before it is applied: an acknowledged push survives a kill -9,
-        # and a push whose log write failed is not applied (so its retry is no "duplicate").
-        journal = None if durability is None else (lambda: durability.log_push(tag.vw, tag.clock, bundle.tensors))
+        # Logged once validated and before it is applied: an acknowledged update survives a kill -9,
+        # and one whose log write failed is not applied (so its retry is no "duplicate").
+        log = None if durability is None else durability.log_push if kind == "push" else durability.log_exchange
+        journal = None if log is None else (lambda: log(tag.vw, tag.clock, bundle.tensors))
         with self._cv:
             start = time.time()
             try:
-                applied = self.shard.push(tag.vw, tag.clock, bundle.tensors, journal=journal)
+                applied, reply = apply(tag, bundle.tensors, journal)
             except ShardError as exc:
                 raise _rejected(exc) from None
             checkpointed = False
             if applied and durability is not None:
                 checkpointed = durability.maybe_checkpoint(self.shard)
-            self.trace.record("push", tag.vw, tag.clock, start, time.time(), received=received,
+            self.trace.record(kind, tag.vw, tag.clock, start, time.time(), received=received,
                               duplicate=not applied, checkpoint=checkpointed)
             self.received_bytes += _payload_bytes(bundle.tensors)
-            self._cv.notify_all()
-            return ps_pb2.PushReply(duplicate=not applied, c_global=self.shard.c_global())
+            self._cv.notify_all()  # pulls wait on pushes, the final pulls on every VW's last exchange
+            return reply
 
-    def _check_exchange(self, stream: wire.Stream) -> None:
-        """Everything an exchange is refused for that its header shows, before its tensors arrive."""
-        if stream.header.WhichOneof("header") != "exchange":
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Exchange: first frame lacks the exchange tag")
-        metas = [(name, dtype, tuple(shape)) for name, (dtype, shape, _) in zip(stream.names, stream.specs)]
-        with self._cv:
-            try:
-                self.shard.check_exchange(stream.header.exchange.vw, metas)
-            except ShardError as exc:
-                raise _rejected(exc) from None
+    @handler
+    def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushReply:
+        def push(tag: wire_pb2.PushTag, deltas: list[tuple[str, torch.Tensor]],
+                 journal: Callable[[], None] | None) -> tuple[bool, ps_pb2.PushReply]:
+            applied = self.shard.push(tag.vw, tag.clock, deltas, journal=journal)
+            return applied, ps_pb2.PushReply(duplicate=not applied, c_global=self.shard.c_global())
+
+        return self._update("push", request_iterator, push)
 
     @handler
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """sync elastic: a VW's replica values in, delta = alpha * (replica - master) out (and into the master)."""
-        received = time.time()
-        bundle = wire.decode(request_iterator, check=self._check_exchange)
-        tag = bundle.header.exchange
-        durability = self.durability
-        # As for a push: logged once validated and before the master changes.
-        journal = None if durability is None else (lambda: durability.log_exchange(tag.vw, tag.clock, bundle.tensors))
-        with self._cv:
-            start = time.time()
-            try:
-                result = self.shard.exchange(tag.vw, tag.clock, bundle.tensors, journal=journal)
-            except ShardError as exc:
-                raise _rejected(exc) from None
-            checkpointed = False
-            if result.applied and durability is not None:
-                checkpointed = durability.maybe_checkpoint(self.shard)
-            self.trace.record("exchange", tag.vw, tag.clock, start, time.time(), received=received,
-                              duplicate=not result.applied, checkpoint=checkpointed)
-            self.received_bytes += _payload_bytes(bundle.tensors)
+        def exchange(tag: wire_pb2.ExchangeTag, replica: list[tuple[str, torch.Tensor]],
+                     journal: Callable[[], None] | None) -> tuple[bool, Iterator[bytes]]:
+            result = self.shard.exchange(tag.vw, tag.clock, replica, journal=journal)
             self.sent_bytes += _payload_bytes(result.deltas)
-            self._cv.notify_all()  # the final pulls wait for every VW's last exchange
-        reply = wire_pb2.ExchangeTag(vw=tag.vw, clock=tag.clock, duplicate=not result.applied)
-        return wire.encode(result.deltas, exchange=reply)
+            reply = wire_pb2.ExchangeTag(vw=tag.vw, clock=tag.clock, duplicate=not result.applied)
+            return result.applied, wire.encode(result.deltas, exchange=reply)
+
+        return self._update("exchange", request_iterator, exchange)
 
     @handler
     def Evict(self, request: ps_pb2.EvictRequest, context: grpc.ServicerContext) -> wire_pb2.Ack:

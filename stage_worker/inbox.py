@@ -14,6 +14,7 @@ import torch
 from hetpipe.errors import Rejected
 from hetpipe.v1 import wire_pb2
 from hetpipe.wire import Bundle
+from stage_worker.assignment import TensorSpec
 from stage_worker.loaded import Loaded
 from stage_worker.micro_schedule import MicroSchedule
 from stage_worker.schedule import Rejection, ScheduleError
@@ -45,10 +46,7 @@ class Inbox:
             return
         p, k = _check(s, bundle, s.setup.stage - 1, "activation", training)
         x = bundle.tensors[0][1]
-        m = _micro(s, bundle, "activation", training=not k)
-        spec = s.setup.specs.activation
-        if m and isinstance(s.schedule, MicroSchedule):
-            spec = spec.split(s.schedule.micro)
+        m, spec = _micro(s, bundle, "activation", s.setup.specs.activation, training=not k)
         spec.check("activation", x)
         verdicts = bundle.header.minibatch.verdicts
         _check_verdicts(s, verdicts, "activation")
@@ -80,10 +78,7 @@ class Inbox:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the last stage computes the loss and takes no gradients")
         p, _ = _check(s, bundle, s.setup.stage + 1, "gradient", training)
         grad = bundle.tensors[0][1]
-        m = _micro(s, bundle, "gradient", training=True)
-        spec = s.setup.specs.output
-        if m and isinstance(s.schedule, MicroSchedule):
-            spec = spec.split(s.schedule.micro)
+        m, spec = _micro(s, bundle, "gradient", s.setup.specs.output, training=True)
         spec.check("gradient", grad)
         tag = bundle.header.minibatch
         if s.scaling is not None and not (math.isfinite(tag.loss_scale) and tag.loss_scale >= 1.0):
@@ -116,20 +111,21 @@ def _check(s: Loaded, bundle: Bundle, from_stage: int, what: str, training: bool
     return int(tag.minibatch), int(tag.eval)
 
 
-def _micro(s: Loaded, bundle: Bundle, what: str, *, training: bool) -> int:
-    """The micro-batch an input names: only the micro-batch schedules' training traffic has one
-    (their schedule checks its range)."""
+def _micro(s: Loaded, bundle: Bundle, what: str, whole: TensorSpec, *, training: bool) -> tuple[int, TensorSpec]:
+    """The micro-batch an input names, and the spec its tensor must meet (whole: a minibatch's):
+    only the micro-batch schedules' training traffic has one (their schedule checks its range)."""
     m = int(bundle.header.minibatch.micro)
     if training and isinstance(s.schedule, MicroSchedule):
         try:
             s.schedule.check_unit(int(bundle.header.minibatch.minibatch), m, what)
         except ScheduleError as exc:
             raise Rejected(_SCHEDULE_CODES[exc.reason], str(exc)) from None
-    elif m:
+        return m, whole.split(s.schedule.micro) if m else whole
+    if m:
         whose = "an evaluation's" if not training else f"schedule {s.job.parallel.schedule}'s"
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                        f"{what}: micro-batch {m}, but {whose} {what}s carry whole minibatches")
-    return m
+    return m, whole
 
 
 def _check_verdicts(s: Loaded, verdicts: wire_pb2.Verdicts, what: str) -> None:

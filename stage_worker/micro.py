@@ -12,6 +12,7 @@ from collections import deque
 
 import torch
 
+from hetpipe import data
 from hetpipe.wsp import wave_of
 from stage_worker import commit
 from stage_worker.commit import Send
@@ -35,21 +36,22 @@ class MicroTasks:
         assert isinstance(s.schedule, MicroSchedule)
         return s.schedule
 
+    def _part(self, s: Loaded, split: dict[int, list[torch.Tensor]], reader: data.Minibatches, which: int,
+              p: int, m: int) -> torch.Tensor:
+        """Micro-batch m of p's x (which 0) or y (1): read and split at m 1, dropped after the last."""
+        if m == 1:
+            split[p] = list(reader.next()[which].to(s.compute.device, non_blocking=True).chunk(self._schedule(s).micro))
+        return split[p][m - 1] if m < self._schedule(s).micro else split.pop(p)[m - 1]
+
     def _input(self, s: Loaded, p: int, m: int) -> torch.Tensor:
         if s.inputs is None:
             with self._lock:
                 return self._inbox.forward.pop((p, m))
-        if m == 1:
-            x = s.inputs.next()[0].to(s.compute.device, non_blocking=True)
-            self._x[p] = list(x.chunk(self._schedule(s).micro))
-        return self._x[p][m - 1] if m < self._schedule(s).micro else self._x.pop(p)[m - 1]
+        return self._part(s, self._x, s.inputs, 0, p, m)
 
     def _target(self, s: Loaded, p: int, m: int) -> torch.Tensor:
         assert s.targets is not None
-        if m == 1:
-            y = s.targets.next()[1].to(s.compute.device, non_blocking=True)
-            self._y[p] = list(y.chunk(self._schedule(s).micro))
-        return self._y[p][m - 1] if m < self._schedule(s).micro else self._y.pop(p)[m - 1]
+        return self._part(s, self._y, s.targets, 1, p, m)
 
     def forward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
         p, m, sched = task.p, task.micro, self._schedule(s)
