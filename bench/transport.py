@@ -63,7 +63,7 @@ def _grpc_receiver(conn: Connection) -> None:
 
     torch.set_num_threads(1)
     server = rpc.Server("127.0.0.1", 0)
-    rpc.add_service(server.grpc, "Stage", StageServicer(_SinkRuntime(), lambda: None))  # type: ignore[arg-type]
+    server.add("Stage", StageServicer(_SinkRuntime(), lambda: None))  # type: ignore[arg-type]
     server.start()
     conn.send(server.address)
     conn.recv()  # until told to stop

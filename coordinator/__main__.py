@@ -7,9 +7,9 @@ import os
 import shutil
 import sys
 
-from hetpipe import outputs, rpc
+from hetpipe import outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig, load_job, with_overrides
-from hetpipe.service import exit_now, return_large_buffers, run_server
+from hetpipe.service import exit_now, return_large_buffers, run_server, secure
 from coordinator import metrics as coordinator_metrics
 from coordinator.config import CoordinatorConfig, parse_args
 from coordinator.job import JobRunner
@@ -17,14 +17,19 @@ from coordinator.registry import Registry
 from coordinator.servicer import CoordinatorServicer
 
 
-def build(host: str, port: int, *, heartbeat_interval_s: float = 1.0,
-          claim_timeout_s: float = 120.0) -> tuple[rpc.Server, CoordinatorServicer]:
-    """The coordinator's gRPC server and servicer, not yet started (`hetpipe run` embeds it)."""
+def build(host: str, port: int, *, heartbeat_interval_s: float = 1.0, claim_timeout_s: float = 120.0,
+          health_port: int = 0, output_root: str | None = None,
+          data_root: str | None = None) -> tuple[rpc.Server, CoordinatorServicer]:
+    """The coordinator's gRPC server and servicer, not yet started (`hetpipe run` embeds it).
+    output_root: where jobs submitted from other hosts write (None: their own output.dir);
+    data_root: where the files they name must lie (None: anywhere; default output_root)."""
     registry = Registry(heartbeat_interval_s)
-    servicer = CoordinatorServicer(registry, JobRunner(registry, claim_timeout_s=claim_timeout_s))
+    servicer = CoordinatorServicer(registry, JobRunner(registry, claim_timeout_s=claim_timeout_s,
+                                                       output_root=output_root),
+                                   data_root=data_root or output_root)
     coordinator_metrics.bind(servicer.metrics_snapshot)
-    server = rpc.Server(host, port, role="coordinator")
-    rpc.add_service(server.grpc, "Coordinator", servicer)
+    server = rpc.Server(host, port, role="coordinator", health_port=health_port)
+    server.add("Coordinator", servicer)
     return server, servicer
 
 
@@ -43,9 +48,11 @@ def startup_job(cfg: CoordinatorConfig) -> JobConfig:
 
 
 def serve(cfg: CoordinatorConfig) -> None:
+    secure(cfg.service, security.COORDINATOR)
     job = startup_job(cfg) if cfg.job else None
     server, servicer = build(cfg.service.host, cfg.service.port, heartbeat_interval_s=cfg.heartbeat_interval_s,
-                             claim_timeout_s=cfg.claim_timeout_s)
+                             claim_timeout_s=cfg.claim_timeout_s, health_port=cfg.service.health_port,
+                             output_root=cfg.service.output_root, data_root=cfg.data_root)
     if job is not None:
         servicer.runner.submit(job)  # plans, then waits up to --claim-timeout for the workers
 
@@ -61,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     return_large_buffers()  # the coordinator serves control messages and computes no tensors
     try:
         serve(parse_args(argv))
-    except ConfigError as exc:  # a bad --job file: refuse to start, saying why
+    except (ConfigError, security.SecurityError) as exc:  # a bad --job file or security: refuse to start
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
     exit_now()

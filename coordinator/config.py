@@ -18,6 +18,7 @@ class CoordinatorConfig:
     claim_timeout_s: float = 120.0
     job: str = ""           # a job file to submit at start (compose); empty = wait for `Submit`
     output_dir: str = ""    # with job: its outputs go here instead of the file's output.dir
+    data_root: str = ""     # files a submitted job names must lie here; empty = the output root
 
 
 def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
@@ -30,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                     help="seconds to wait for enough workers to register")
     ap.add_argument("--job", default=env("HETPIPE_JOB", ""),
                     help="job YAML file to submit at start, as `hetpipe run` would (compose.yaml uses it)")
+    ap.add_argument("--data-root", default=env("HETPIPE_DATA_ROOT", ""),
+                    help="the files a job submitted over gRPC names (data.path, model.init) must lie inside this "
+                         "folder (default: --output-root)")
     ap.add_argument("--output-dir", default=env("HETPIPE_OUTPUT_DIR", ""),
                     help="with --job: write the job's outputs here instead of its output.dir")
     ns = ap.parse_args(argv)
@@ -38,4 +42,5 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     if ns.output_dir and not ns.job:
         ap.error("--output-dir needs --job")
     return CoordinatorConfig(service=service_flags(ns), heartbeat_interval_s=ns.heartbeat_interval,
-                             claim_timeout_s=ns.claim_timeout, job=ns.job, output_dir=ns.output_dir)
+                             claim_timeout_s=ns.claim_timeout, job=ns.job, output_dir=ns.output_dir,
+                             data_root=ns.data_root)

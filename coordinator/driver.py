@@ -40,10 +40,16 @@ class StageHandle:
     channel: grpc.Channel
     stub: rpc.Stub
     last: stage_pb2.StageStatus = field(default_factory=stage_pb2.StageStatus)
+    node: str = ""   # the host it registered from, when known
 
     @property
     def name(self) -> str:
         return f"stage {self.plan.stage} of vw {self.plan.vw}"
+
+    @property
+    def at(self) -> str:
+        """Where it runs, for messages: its address, and its node when known."""
+        return f"{self.address} on node {self.node}" if self.node else self.address
 
     def progress(self) -> str:
         s = self.last
@@ -67,7 +73,11 @@ class JobDriver:
         ps_addresses: list[str] | None = None,
         check_processes: Callable[[], None] = lambda: None,
         resume_wave: int = 0,
+        nodes: list[str] | None = None,
+        trace_dir: str | None = None,
     ) -> None:
+        """nodes: each stage worker's host, for messages. trace_dir: where the stages write their
+        trace (default output.dir/trace; a job from another host: relative, on each stage's host)."""
         self.job = resolved_job(job, plan)
         self.plan = plan
         self.ps_addresses = ps_addresses or []
@@ -76,10 +86,11 @@ class JobDriver:
         # (a local launcher kills it); False fails the job.
         self.restart_hung_shard: Callable[[int, str, str], bool] = lambda index, address, why: False
         self.stages = []
-        for sp, address in zip(plan.stages, stage_addresses):
+        for sp, address, node in zip(plan.stages, stage_addresses, nodes or [""] * len(stage_addresses)):
             ch = rpc.channel(address)
-            self.stages.append(StageHandle(sp, address, ch, rpc.Stub(ch, "Stage")))
+            self.stages.append(StageHandle(sp, address, ch, rpc.Stub(ch, "Stage"), node=node))
         self.out_dir = Path(job.resolve(job.output.dir))
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else self.out_dir / "trace"
         self._ps_channels = [rpc.channel(a) for a in self.ps_addresses]
         self.shards = [rpc.Stub(ch, "ParameterServer") for ch in self._ps_channels]
         self._shard_health = [health_pb2_grpc.HealthStub(ch) for ch in self._ps_channels]
@@ -105,7 +116,7 @@ class JobDriver:
         (act_shape, act_dtype), (out_shape, out_dtype) = flows[sp.layer_begin], flows[sp.layer_end]
         vw_handles = [s for s in self.stages if s.plan.vw == sp.vw]
         keys = models.parameter_keys(self.model, sp.layer_begin, sp.layer_end)
-        trace = str(self.out_dir / "trace" / f"vw{sp.vw}_stage{sp.stage}.jsonl") if self.job.output.trace else ""
+        trace = str(self.trace_dir / f"vw{sp.vw}_stage{sp.stage}.jsonl") if self.job.output.trace else ""
         return stage_pb2.StageAssignment(
             vw=sp.vw, stage=sp.stage, num_stages=k, layer_begin=sp.layer_begin, layer_end=sp.layer_end,
             job_json=self.job.to_json(),
@@ -128,7 +139,9 @@ class JobDriver:
     def setup(self) -> None:
         """Assigns every stage (each loads its own layers, and VW 0's give the shards w0), waits
         until all have loaded, and starts them."""
-        (self.out_dir / "trace" if self.job.output.trace else self.out_dir).mkdir(parents=True, exist_ok=True)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.job.output.trace and self.trace_dir.parent == self.out_dir:  # not a folder on the stages' hosts
+            self.trace_dir.mkdir(exist_ok=True)
         self.model = models.structure(self.job.model, self.job.base_dir)   # meta: names and shapes only
         x, y = data.first_item(self.job)
         self.batch = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
@@ -158,13 +171,13 @@ class JobDriver:
             for h in self.stages:
                 h.last = self.call(h, "Status", stage_pb2.StatusRequest(), deadline=rpc.STATUS_DEADLINE_S)
                 if h.last.state == State.FAILED:
-                    raise JobFailed(h.last.error)
+                    raise JobFailed(f"{h.last.error} (at {h.at})" if h.node else h.last.error)
                 if h.last.state == State.LOADING:
                     loading.append(h)
             if not loading:
                 return
             if time.monotonic() > deadline:
-                what = "; ".join(f"{h.name} at {h.address} ({h.last.detail or 'loading'})" for h in loading[:4])
+                what = "; ".join(f"{h.name} at {h.at} ({h.last.detail or 'loading'})" for h in loading[:4])
                 raise JobFailed(f"stages still loading after train.setup_timeout_s "
                                 f"{self.job.train.setup_timeout_s:g}s: {what}")
             time.sleep(interval)
@@ -181,7 +194,7 @@ class JobDriver:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:  # a killed peer's socket closes just before it is reaped
             time.sleep(0.2)
             self.check_processes()
-        raise StageLost(h.plan.vw, f"{h.name} at {h.address}: {method} failed: {exc.code().name}: "
+        raise StageLost(h.plan.vw, f"{h.name} at {h.at}: {method} failed: {exc.code().name}: "
                                    f"{exc.details()} ({h.progress()})") from None
 
     # ---- running ---------------------------------------------------------------------------
@@ -240,7 +253,7 @@ class JobDriver:
                     self._failed(h, "Status", exc)
                 self.watch.unanswered(h.name, time.monotonic())
             if h.last.state == State.FAILED:
-                raise StageLost(h.plan.vw, f"{h.last.error} ({h.progress()})")
+                raise StageLost(h.plan.vw, f"{h.last.error} ({f'at {h.at}; ' if h.node else ''}{h.progress()})")
         self._probe_shards()
         self._name_the_silent()
         self._take_cut()
@@ -278,7 +291,7 @@ class JobDriver:
         for who, seconds in self.watch.not_responding(time.monotonic()):
             h = next((h for h in self.stages if h.name == who), None)
             if h is not None:
-                raise StageLost(h.plan.vw, f"{h.name} at {h.address} not responding: no answer to Status for "
+                raise StageLost(h.plan.vw, f"{h.name} at {h.at} not responding: no answer to Status for "
                                 f"{seconds:.0f}s ({h.progress()})")
             index = int(who.rsplit(" ", 1)[1])
             address, why = self.ps_addresses[index], f"not responding: no answer to health checks for {seconds:.0f}s"

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import shutil
+import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from hetpipe.config import ConfigError, JobConfig
+from hetpipe.config import ClusterConfig, ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, Rejected, StageLost
+from hetpipe import outputs
 from hetpipe.v1 import wire_pb2
-from coordinator import results
+from coordinator import remote, results
 from coordinator.driver import JobDriver, Progress
 from coordinator.planner import Plan, PlanError, make_plan
 from coordinator.registry import Registry, Role
@@ -44,9 +50,12 @@ class JobView:
 class JobRunner:
     """Owns the coordinator's one job at a time; all transitions go through JobStateMachine."""
 
-    def __init__(self, registry: Registry, *, claim_timeout_s: float = 120.0) -> None:
+    def __init__(self, registry: Registry, *, claim_timeout_s: float = 120.0, output_root: str | None = None) -> None:
         self.registry = registry
         self.claim_timeout_s = claim_timeout_s
+        # Where jobs submitted from other hosts write (--output-root); None: their own output.dir.
+        self.output_root = output_root
+        self.out_dir: Path | None = None  # the current (or last) job's output.dir, once known
         self.machine = JobStateMachine()
         self._progress: Progress | None = None
         self._plan: Plan | None = None
@@ -59,9 +68,11 @@ class JobRunner:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, job: JobConfig, plan: Plan | None = None, *, resume_wave: int = 0) -> None:
+    def submit(self, job: JobConfig, plan: Plan | None = None, *, resume_wave: int = 0, remote: bool = False) -> None:
         """Starts job (planned here unless the caller already did) in the background; resume_wave:
-        from the checkpoint of that wave in output.dir (0: from the beginning)."""
+        from the checkpoint of that wave in output.dir (0: from the beginning). remote: submitted
+        from another host (Submit): its outputs go under output_root, and without a cluster section
+        its cluster is the registered workers."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 what = "is stopping" if self.machine.terminal else f"is {self.machine.state.name}"
@@ -71,8 +82,9 @@ class JobRunner:
                                f"a job is already {self.machine.state.name}; stop it first")
             self._stop.clear()
             self._dead.clear()
-            self._progress, self._plan, self._summary = None, None, None
-            self._thread = threading.Thread(target=self._run, args=(job, plan, resume_wave), name="job", daemon=True)
+            self._progress, self._plan, self._summary, self.out_dir = None, None, None, None
+            self._thread = threading.Thread(target=self._run, args=(job, plan, resume_wave, remote), name="job",
+                                            daemon=True)
             self._thread.start()
 
     def stop(self, reason: str = "stopped by request") -> None:
@@ -139,9 +151,51 @@ class JobRunner:
         if self._stop.is_set() or not self.machine.try_to(new):
             raise JobStopped(self.machine.reason or "stopped by request")
 
-    def _run(self, job: JobConfig, plan: Plan | None, resume_wave: int) -> None:
+    def _remote_job(self, job: JobConfig) -> JobConfig:
+        """A job from another host: its outputs in a fresh folder under output_root, and without a
+        cluster section the registered stage workers as its cluster."""
+        if self.output_root is not None:
+            job = remote.place_outputs(job, self.output_root)
+            out = Path(job.output.dir)
+            out.mkdir(parents=True, exist_ok=True)
+            for stale in ("ps", outputs.CHECKPOINTS):  # an earlier job's shard and checkpoint state
+                shutil.rmtree(out / stale, ignore_errors=True)
+            outputs.clear(out)
+        if job.cluster is None:
+            job = dataclasses.replace(job, cluster=self._registered_cluster(job))
+        return job
+
+    def _registered_cluster(self, job: JobConfig) -> ClusterConfig | None:
+        """remote.cluster_from_workers, once as many stage workers as the job has stages are free
+        (up to the claim timeout)."""
+        par = job.parallel
+        need = par.virtual_workers * par.stages_per_vw
+        deadline = time.monotonic() + self.claim_timeout_s
+        while True:
+            entries = self.registry.listing().workers
+            cluster = remote.cluster_from_workers(entries)
+            have = (sum(g.count for n in cluster.nodes for g in n.gpus) if cluster is not None
+                    else len(remote.free_stage_workers(entries)))
+            if have >= need:
+                break
+            if self._stop.is_set():
+                raise JobStopped("stopped by request while waiting for workers")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the job needs {need} stage workers ({par.virtual_workers} virtual workers x {par.stages_per_vw} "
+                    f"stages); {have} free ones registered with this coordinator after {self.claim_timeout_s:.0f}s"
+                    + (f" ({remote.describe(cluster)})" if cluster is not None else ""))
+            time.sleep(0.2)
+        if cluster is not None:
+            log.info("planning over the registered workers: %s", remote.describe(cluster))
+        return cluster
+
+    def _run(self, job: JobConfig, plan: Plan | None, resume_wave: int, from_remote: bool = False) -> None:
         driver: JobDriver | None = None
         try:
+            if from_remote:
+                job = self._remote_job(job)
+            self.out_dir = Path(job.resolve(job.output.dir))
             plan = self._plan = plan or make_plan(job, cancel=self._stop)
             self._advance(JobState.PLANNED)
             stages = self.registry.claim(
@@ -152,7 +206,10 @@ class JobRunner:
             ps = self.registry.claim(Role.PS_SHARD, [(f"ps shard {i}", "", "") for i in range(shards)],
                                      self.claim_timeout_s, cancel=self._stop)
             driver = JobDriver(job, plan, [w.info.address for w in stages],
-                               ps_addresses=[w.info.address for w in ps], resume_wave=resume_wave)
+                               ps_addresses=[w.info.address for w in ps], resume_wave=resume_wave,
+                               nodes=[w.info.node for w in stages],
+                               # On each stage's host, under its --output-root (`hetpipe worker` runs there).
+                               trace_dir="trace" if from_remote else None)
             driver.check_processes = lambda: self._check_alive(driver)  # type: ignore[union-attr]
             driver.restart_hung_shard = self._restart_hung_shard
             driver.setup()
@@ -162,7 +219,10 @@ class JobRunner:
             self.machine.try_to(JobState.COMPLETED)
         except JobStopped as exc:
             self.machine.try_to(JobState.STOPPED, str(exc))
-        except (JobFailed, ConfigError, PlanError, TimeoutError) as exc:
+        except ConfigError as exc:  # the job's files and factories as found here, not on the client
+            where = f"on the coordinator host {socket.gethostname()}: " if from_remote else ""
+            self.machine.try_to(JobState.FAILED, f"{where}{exc}")
+        except (JobFailed, PlanError, TimeoutError) as exc:
             self.machine.try_to(JobState.FAILED, str(exc))
         except Exception as exc:  # a coordinator bug must still end the job visibly
             log.exception("job crashed")

@@ -29,6 +29,9 @@ class Worker:
     info: coordinator_pb2.WorkerInfo
     last_heartbeat: float
     assigned: str = ""
+    # Served a job (its stages were stopped, its shard holds that job's clocks): never claimed
+    # again. A restarted process registers with a new name (pid) and is fresh.
+    spent: bool = False
 
     @property
     def label(self) -> str:
@@ -69,6 +72,7 @@ class Registry:
     def __init__(self, heartbeat_interval_s: float = 1.0) -> None:
         self.interval = heartbeat_interval_s
         self._workers: dict[str, Worker] = {}
+        self._spent: set[tuple[str, str]] = set()  # (address, name) of processes that served a job
         self._lock = threading.Condition()
 
     def register(self, info: coordinator_pb2.WorkerInfo) -> str:
@@ -94,6 +98,9 @@ class Registry:
                 break
             else:
                 worker = Worker(uuid.uuid4().hex[:12], info, time.monotonic())
+            # The same process registering again (this registry forgot it) is still spent.
+            self._spent = {(a, n) for a, n in self._spent if a != info.address or n == info.name}
+            worker.spent = (info.address, info.name) in self._spent
             self._workers[worker.worker_id] = worker
             self._lock.notify_all()
             return worker.worker_id
@@ -154,13 +161,23 @@ class Registry:
                                        f"after {timeout:.0f}s: {_tally(self._free(role)) or 'none'}")
                 self._lock.wait(min(left, 0.2))
 
+    def listing(self) -> coordinator_pb2.WorkerList:
+        """Every worker as ListWorkers gives it."""
+        out = coordinator_pb2.WorkerList()
+        for w, silence, alive in self.workers():
+            out.workers.add(worker_id=w.worker_id, info=w.info, seconds_since_heartbeat=silence, alive=alive,
+                            assigned=w.assigned, spent=w.spent)
+        return out
+
+    def _claimable(self, w: Worker, role: int) -> bool:
+        return w.info.role == role and not w.assigned and not w.spent and self._alive(w)
+
     def _free(self, role: int) -> list[tuple[str, str, str]]:
         return [(w.info.address, w.info.node, w.info.gpu_type) for w in self._workers.values()
-                if w.info.role == role and not w.assigned and self._alive(w)]
+                if self._claimable(w, role)]
 
     def _match(self, role: int, wanted: list[tuple[str, str, str]]) -> list[Worker] | None:
-        free = sorted((w for w in self._workers.values() if w.info.role == role and not w.assigned
-                       and self._alive(w)), key=lambda w: w.info.address)
+        free = sorted((w for w in self._workers.values() if self._claimable(w, role)), key=lambda w: w.info.address)
         chosen: list[Worker] = []
         for _, node, gpu in wanted:
             exact = [w for w in free if w.info.gpu_type and w.info.node == node and w.info.gpu_type == gpu]
@@ -173,6 +190,10 @@ class Registry:
         return chosen
 
     def release(self) -> None:
+        """The job ended: its workers are free again, and spent (a process serves one job)."""
         with self._lock:
             for w in self._workers.values():
+                if w.assigned:
+                    w.spent = True
+                    self._spent.add((w.info.address, w.info.name))
                 w.assigned = ""

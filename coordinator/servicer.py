@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import Rejected
-from hetpipe.rpc import handler
+from hetpipe.rpc import handler, refuse
 from hetpipe.v1 import coordinator_pb2, wire_pb2
+from coordinator import remote
 from coordinator.job import JobRunner, JobView
 from coordinator.metrics import CoordinatorSnapshot
 from coordinator.registry import Registry
@@ -33,9 +36,10 @@ def job_status(view: JobView) -> coordinator_pb2.JobStatus:
 
 
 class CoordinatorServicer:
-    def __init__(self, registry: Registry, runner: JobRunner) -> None:
+    def __init__(self, registry: Registry, runner: JobRunner, data_root: str | None = None) -> None:
         self.registry = registry
         self.runner = runner
+        self.data_root = Path(data_root).resolve() if data_root else None
 
     @handler
     def Register(self, request: coordinator_pb2.WorkerInfo, context: grpc.ServicerContext) -> coordinator_pb2.RegisterReply:
@@ -48,11 +52,7 @@ class CoordinatorServicer:
 
     @handler
     def ListWorkers(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> coordinator_pb2.WorkerList:
-        out = coordinator_pb2.WorkerList()
-        for w, silence, alive in self.registry.workers():
-            out.workers.add(worker_id=w.worker_id, info=w.info, seconds_since_heartbeat=silence,
-                            alive=alive, assigned=w.assigned)
-        return out
+        return self.registry.listing()
 
     @handler
     def Submit(self, request: coordinator_pb2.SubmitRequest, context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
@@ -60,8 +60,21 @@ class CoordinatorServicer:
             job = JobConfig.from_json(request.job_json)
         except ConfigError as exc:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"job_json: {exc}") from None
-        self.runner.submit(job)
+        self._check_paths(job)
+        self.runner.submit(job, remote=True)
         return job_status(self.runner.view())
+
+    def _check_paths(self, job: JobConfig) -> None:
+        """PERMISSION_DENIED for a file the job names outside the data root (symbolic links
+        followed): a submitted job must not make this host's processes read anywhere else."""
+        if self.data_root is None:
+            return
+        named = {"data.path": job.data.path if job.data.name == "npz" else None, "model.init": job.model.init}
+        for field, path in named.items():
+            if path and not job.resolve(path).resolve().is_relative_to(self.data_root):
+                raise Rejected(grpc.StatusCode.PERMISSION_DENIED,
+                               f"{field} {path[:200]!r} resolves outside this coordinator's data root "
+                               f"{self.data_root} (--data-root)")
 
     @handler
     def GetJob(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
@@ -71,6 +84,23 @@ class CoordinatorServicer:
     def StopJob(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
         self.runner.stop()
         return job_status(self.runner.view())
+
+    @handler
+    def Results(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> Iterator[coordinator_pb2.OutputChunk]:
+        view = self.runner.view()
+        out_dir = self.runner.out_dir
+        if not view.state.is_terminal or out_dir is None:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"the job is {view.state.name}: its outputs are handed out once it has ended")
+
+        def chunks() -> Iterator[coordinator_pb2.OutputChunk]:
+            try:
+                for path, offset, data, last in remote.result_chunks(out_dir):
+                    yield coordinator_pb2.OutputChunk(path=path, offset=offset, data=data, last=last)
+            except OSError as exc:  # a file removed or unreadable under us: the client may ask again
+                refuse(context, "Results", grpc.StatusCode.UNAVAILABLE, f"Results: reading {out_dir}: {exc.strerror}")
+
+        return chunks()
 
     def metrics_snapshot(self) -> CoordinatorSnapshot:
         view = self.runner.view()

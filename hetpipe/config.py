@@ -145,6 +145,15 @@ class OutputConfig:
     max_shard_bytes: int = 2 << 30   # model.safetensors below this, else model-0000i-of-0000N files
 
 
+@dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """TLS files and the cluster token (hetpipe.security); paths relative to the job file."""
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+    token_file: str = ""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobConfig:
     model: ModelConfig
@@ -154,6 +163,7 @@ class JobConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     eval: EvalConfig | None = None       # None: no evaluation
     cluster: ClusterConfig | None = None
+    security: SecurityConfig | None = None  # None: a local run makes a per-run token
     base_dir: str = "."  # the job file's folder; relative paths resolve against it
 
     def resolve(self, path: str) -> Path:
@@ -163,6 +173,7 @@ class JobConfig:
     def to_json(self) -> str:
         raw = dataclasses.asdict(self)
         raw.pop("nm", None)  # a ResolvedJob's nm is parallel.nm
+        raw.pop("security", None)  # the submitting side's files: each process has its own flags
         return json.dumps(raw, sort_keys=True)
 
     @classmethod
@@ -472,11 +483,24 @@ def _check_together(job: JobConfig) -> None:
                               f"{need} GPUs, the cluster has {gpus}")
 
 
+def _parse_security(raw: Any) -> SecurityConfig | None:
+    if raw is None:
+        return None
+    sec = Section(raw, "security")
+    sec.check_known(("tls", "token_file"))
+    token = sec.optional_text("token_file") or ""
+    if sec.get("tls") is None:
+        return SecurityConfig(token_file=token)
+    tls = sec.section("tls")
+    tls.check_known(("cert", "key", "ca"))
+    return SecurityConfig(cert=tls.text("cert"), key=tls.text("key"), ca=tls.text("ca"), token_file=token)
+
+
 def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfig:
     """Validates a job mapping (the YAML's content) into a JobConfig. base_dir None: take the
     job's own base_dir key (a job that travelled as JSON)."""
     top = Section(raw, "")
-    top.check_known(("cluster", "model", "data", "eval", "train", "parallel", "output", "base_dir"))
+    top.check_known(("cluster", "model", "data", "eval", "train", "parallel", "output", "security", "base_dir"))
     out, do = top.section("output"), OutputConfig()
     out.check_known(("dir", "trace", "max_shard_bytes"))
     job = JobConfig(
@@ -488,6 +512,7 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfi
                             max_shard_bytes=out.integer("max_shard_bytes", do.max_shard_bytes, minimum=1 << 10)),
         eval=_parse_eval(top.get("eval")),
         cluster=_parse_cluster(top.get("cluster")),
+        security=_parse_security(top.get("security")),
         base_dir=top.text("base_dir", ".") if base_dir is None else base_dir,
     )
     _check_together(job)

@@ -18,7 +18,9 @@ from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
+from hetpipe import security
 from hetpipe.errors import Rejected
 from hetpipe.metrics import ServerMetricsInterceptor
 from hetpipe.v1 import coordinator_pb2, ps_pb2, stage_pb2, wire_pb2
@@ -149,23 +151,44 @@ def handler(fn: F) -> F:
 
 
 class Server:
-    """A gRPC server with the standard health service and the gRPC metrics interceptor, bound to
-    host:port (0 = any free port)."""
+    """A gRPC server with the standard health service, server reflection and the gRPC metrics
+    interceptor, bound to host:port (0 = any free port), with this process's security
+    (hetpipe.security.use): mutual TLS when it has certificates, tokens checked when it has a
+    token. health_port > 0 also serves health alone there, in plaintext, for probes that cannot
+    speak TLS (Kubernetes' gRPC probes)."""
 
-    def __init__(self, host: str, port: int, *, role: str = "unknown", workers: int = 16) -> None:
+    def __init__(self, host: str, port: int, *, role: str = "unknown", workers: int = 16,
+                 health_port: int = 0) -> None:
         # role: the `role` label of this server's gRPC metrics (coordinator, stage_worker, ps_shard).
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options(),
-                                interceptors=[ServerMetricsInterceptor(role)])
+                                interceptors=[ServerMetricsInterceptor(role), *security.server_interceptors()])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        self.port = self.grpc.add_insecure_port(f"{host}:{port}")
+        credentials = security.server_credentials()
+        self.port = (self.grpc.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+                     else self.grpc.add_insecure_port(f"{host}:{port}"))
         if self.port == 0:
             raise RuntimeError(f"could not bind {host}:{port}")
         self.address = f"{host}:{self.port}"
+        self._services: list[str] = [health.SERVICE_NAME]
+        self._health_only: grpc.Server | None = None
+        if health_port:
+            self._health_only = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_only)
+            if self._health_only.add_insecure_port(f"{host}:{health_port}") == 0:
+                raise RuntimeError(f"could not bind the health port {host}:{health_port}")
         self._stopped = threading.Event()
 
+    def add(self, name: str, servicer: object) -> None:
+        """Serves servicer as service `name` (SERVICES), listed by server reflection."""
+        add_service(self.grpc, name, servicer)
+        self._services.append(SERVICES[name].full_name)
+
     def start(self) -> None:
+        reflection.enable_server_reflection([*self._services, reflection.SERVICE_NAME], self.grpc)
         self.grpc.start()
+        if self._health_only is not None:
+            self._health_only.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
     def stop(self, grace: float = 0.5) -> None:
@@ -173,6 +196,8 @@ class Server:
             return
         self._stopped.set()
         self.health.enter_graceful_shutdown()
+        if self._health_only is not None:
+            self._health_only.stop(0)
         self.grpc.stop(grace).wait(grace + 1)
 
     def wait(self) -> None:
@@ -190,7 +215,12 @@ class Server:
 
 
 def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=options())
+    """A channel to address with this process's security: TLS when it has certificates, and its
+    token on every call."""
+    credentials = security.channel_credentials()
+    raw = (grpc.secure_channel(address, credentials, options=options()) if credentials is not None
+           else grpc.insecure_channel(address, options=options()))
+    return grpc.intercept_channel(raw, security.BEARER) if security.has_token() else raw
 
 
 # ---- services: TensorFrame streams travel as raw bytes both ways ---------------------------------

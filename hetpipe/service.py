@@ -11,8 +11,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hetpipe import metrics, rpc
+from hetpipe import metrics, rpc, security
 from hetpipe.registration import keep_registered
+from hetpipe.security import Security
 from hetpipe.v1 import coordinator_pb2
 
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters
@@ -29,6 +30,10 @@ class ServiceFlags:
     advertise: str = ""          # address peers should use; default host:port
     node: str = ""               # the host name the coordinator matches plans against
     gpu_type: str = ""           # catalog type this worker stands for; empty = generic
+    health_port: int = 0         # plaintext health-only gRPC port for probes; 0 = none
+    security: Security = Security()
+    insecure: bool = False       # allow binding beyond loopback without a token
+    output_root: str = "."       # where paths received over the network may point
 
 
 def add_service_flags(ap: argparse.ArgumentParser, *, default_port: int = 0, worker: bool = True) -> None:
@@ -41,6 +46,15 @@ def add_service_flags(ap: argparse.ArgumentParser, *, default_port: int = 0, wor
                     help="Prometheus port (0 = any free port)")
     ap.add_argument("--ready-file", default=env("HETPIPE_READY_FILE", ""), help="write host:port here when serving")
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
+    ap.add_argument("--health-port", type=int, default=int(env("HETPIPE_HEALTH_PORT", "0")),
+                    help="also serve gRPC health alone, in plaintext, on this port (probes); 0 = no")
+    ap.add_argument("--insecure", action="store_true", default=env("HETPIPE_INSECURE", "") == "1",
+                    help="allow serving beyond loopback without --token-file: anyone who reaches the port "
+                         "can read the model and stop the job")
+    ap.add_argument("--output-root", default=env("HETPIPE_OUTPUT_ROOT", "."),
+                    help="paths that arrive over the network (a stage's trace and checkpoint folder, a submitted "
+                         "job's output.dir) must lie inside this folder (default: the working folder)")
+    security.add_flags(ap)
     if not worker:
         ap.set_defaults(coordinator="", advertise="", node="", gpu_type="")
         return
@@ -53,7 +67,24 @@ def add_service_flags(ap: argparse.ArgumentParser, *, default_port: int = 0, wor
 def service_flags(ns: argparse.Namespace) -> ServiceFlags:
     return ServiceFlags(host=ns.host, port=ns.port, metrics_port=ns.metrics_port, ready_file=ns.ready_file,
                         exit_with_parent=ns.exit_with_parent, coordinator=ns.coordinator, advertise=ns.advertise,
-                        node=ns.node, gpu_type=ns.gpu_type)
+                        node=ns.node, gpu_type=ns.gpu_type, health_port=ns.health_port,
+                        security=security.from_namespace(ns), insecure=ns.insecure,
+                        output_root=ns.output_root)
+
+
+def loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def secure(flags: ServiceFlags, role: str) -> None:
+    """Makes flags' security this process's (before its server is built), presenting role's token.
+    Raises SecurityError for unusable settings, and for a server that would accept anyone beyond
+    loopback: without a token, binding another address needs --insecure."""
+    if not flags.security.token_file and not loopback(flags.host) and not flags.insecure:
+        raise security.SecurityError(
+            f"--host {flags.host} without --token-file would let anyone who reaches the port read the model "
+            "and stop the job: give --token-file (and --tls-cert/--tls-key/--tls-ca), or --insecure")
+    security.use(flags.security, role, flags.advertise or f"{flags.node or 'host'}-{os.getpid()}")
 
 
 def run_server(
@@ -62,7 +93,7 @@ def run_server(
     device: str = "cpu", memory_bytes: int = 0,
 ) -> None:
     """Starts server and metrics, handles signals and orphaning, registers, and blocks until stopped."""
-    metrics_port = metrics.serve(flags.metrics_port)
+    metrics_port = metrics.serve(flags.metrics_port, flags.host)  # where --host says, as gRPC
     server.start()
     server.stop_on_signals(shutdown)
     if flags.exit_with_parent:

@@ -1,4 +1,4 @@
-"""The `hetpipe` command line: plan, run, status, stop, compose."""
+"""The `hetpipe` command line: plan, run, status, stop, compose, k8s, coordinator, worker."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import yaml
 
-from hetpipe import rpc
+from hetpipe import rpc, security
 from hetpipe.config import ConfigError, JobConfig, load_job, with_overrides
 from hetpipe.errors import JobFailed, JobStopped
 from hetpipe.units import format_bytes, format_seconds
@@ -25,7 +25,9 @@ from coordinator.planner import Plan, PlanError, make_plan
 from coordinator.planner import projection
 from coordinator.planner.plan import NM_MEMORY_LIMIT
 from launch import compose
-from launch.local import ADDRESS_FILE, preflight, read_status, run_local
+from launch import k8s
+from launch import remote, worker
+from launch.local import ADDRESS_FILE, TOKEN_FILE, preflight, read_status, run_local
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -39,12 +41,21 @@ def _error(message: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.coordinator and args.resume:
+        _error("--resume: a job run on a coordinator elsewhere has no checkpoints to resume from yet")
+        return EXIT_USAGE
     try:
         job = load_job(args.config)
-        summary = run_local(job, quiet=args.quiet, resume=args.resume)
+        if args.coordinator:
+            summary = remote.run_remote(job, args.coordinator, quiet=args.quiet, flags=security.from_namespace(args))
+        else:
+            summary = run_local(job, quiet=args.quiet, resume=args.resume)
     except (ConfigError, PlanError) as exc:
         _error(str(exc))
         return EXIT_USAGE
+    except remote.CoordinatorUnreachable as exc:
+        print(f"hetpipe: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except JobFailed as exc:
         print(f"hetpipe: job failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -58,9 +69,31 @@ def _run(args: argparse.Namespace) -> int:
     print(json.dumps({k: summary[k] for k in ("steps", "samples_per_second", "final_loss", "eval_loss",
                                               "eval_accuracy") if k in summary}))
     weights = sorted(p.name for p in out.glob("model*.safetensors*"))
-    extras = ["eval.jsonl"] * (out / "eval.jsonl").exists() + ["trace/"] * job.output.trace
+    extras = ["eval.jsonl"] * (out / "eval.jsonl").exists() + ["trace/"] * (job.output.trace and not args.coordinator)
     print(f"results: {out}/ ({', '.join([*weights[:2], *(['...'] if len(weights) > 2 else []), 'summary.json', *extras])})")
+    if job.output.trace and args.coordinator:
+        print("trace: on each worker's host, in trace/ under its `hetpipe worker --output-root`")
     return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    """`hetpipe worker`: this host's stage workers and shards, registered with a coordinator elsewhere."""
+    try:
+        return worker.serve(worker.config(args))
+    except ConfigError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+
+
+def _coordinator(argv: list[str]) -> int:
+    """`hetpipe coordinator`: `python -m coordinator` with jobs from other hosts written under
+    --output-root (default ./runs)."""
+    from coordinator.__main__ import main as coordinator_main
+
+    given = any(a == "--output-root" or a.startswith("--output-root=") for a in argv)
+    if not given and not os.environ.get("HETPIPE_OUTPUT_ROOT"):
+        argv = [*argv, "--output-root", "runs"]
+    return coordinator_main(argv)
 
 
 def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] = make_plan) -> tuple[JobConfig, Plan] | int:
@@ -215,6 +248,29 @@ def _compose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _k8s(args: argparse.Namespace) -> int:
+    """Writes the Kubernetes manifests of the job's cluster spec and plan (launch/k8s.py)."""
+    planned = _plan_or_usage(args.config)
+    if isinstance(planned, int):
+        return planned
+    job, plan = planned
+    out = Path(args.output)
+    try:
+        files = k8s.render(job, plan, image=args.image, gpu_image=args.gpu_image, job_file=Path(args.config),
+                           certs=Path(args.certs) if args.certs else None)
+        written = k8s.write(files, out)
+    except ConfigError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except OSError as exc:
+        _error(f"cannot write {out}: {exc.strerror}")
+        return EXIT_USAGE
+    for path in written:
+        print(f"wrote {path}")
+    print(k8s.instructions(job, plan, out, files))
+    return 0
+
+
 def _ended(out_dir: Path, as_json: bool) -> int | None:
     """Reports how the last run into out_dir ended, from what it left there; None if it left nothing."""
     ending = read_status(out_dir)
@@ -255,6 +311,14 @@ def _status(args: argparse.Namespace) -> int:
         address = path.read_text().strip()
     else:
         address = os.environ.get("HETPIPE_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}")
+    credentials = security.from_namespace(args)
+    if out_dir is not None and not credentials.token_file and (out_dir / TOKEN_FILE).exists():
+        credentials = dataclasses.replace(credentials, token_file=str(out_dir / TOKEN_FILE))
+    try:
+        security.use(credentials, security.COORDINATOR, "cli")
+    except security.SecurityError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
     State = coordinator_pb2.JobStatus.State
     with rpc.channel(address) as channel:
         stub = rpc.Stub(channel, "Coordinator")
@@ -288,6 +352,20 @@ def _status(args: argparse.Namespace) -> int:
     return EXIT_FAILED if job_status.state == State.FAILED else 0
 
 
+def _certs(args: argparse.Namespace) -> int:
+    from launch import certs
+
+    try:
+        written = certs.make(Path(args.dir), args.hosts, args.san, args.password_file)
+    except OSError as exc:
+        _error(f"cannot write {args.dir}: {exc.strerror}")
+        return EXIT_USAGE
+    print("\n".join(str(p) for p in written))
+    print("give each host ca.pem, its NAME.pem and NAME.key, and token: --tls-ca, --tls-cert, --tls-key, "
+          "--token-file (keep ca.key off the cluster)", file=sys.stderr)
+    return 0
+
+
 def _trace(args: argparse.Namespace) -> int:
     """Writes a run's trace/ as Chrome trace-event JSON (hetpipe/timeline.py)."""
     from hetpipe import timeline
@@ -308,12 +386,22 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetpipe", description="HetPipe: train large models on heterogeneous GPUs")
     ap.add_argument("--version", action="version", version=f"hetpipe {version('hetpipe')}")
     sub = ap.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a job file with local processes")
+    run = sub.add_parser("run", help="run a job file with local processes (or on a coordinator's workers: --coordinator)")
     run.add_argument("config", help="job YAML file")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     run.add_argument("--resume", action="store_true",
                      help="go on from the latest checkpoint in output.dir (train.checkpoint_every)")
+    run.add_argument("--coordinator", metavar="HOST:PORT",
+                     help="run on the workers registered with this coordinator (`hetpipe coordinator`, `hetpipe "
+                          "worker`) instead of local processes; the outputs come back to output.dir here")
+    security.add_flags(run)  # with --coordinator, unless the job has a security section
     run.set_defaults(func=_run)
+    sub.add_parser("coordinator", add_help=False,
+                   help="serve the control plane on its own, for workers that join from any host "
+                        "(`hetpipe coordinator --help`: the flags of `python -m coordinator`)")
+    work = sub.add_parser("worker", help="this host's GPUs (or emulated ones) and shards join a coordinator")
+    worker.add_flags(work)
+    work.set_defaults(func=_worker)
     plan = sub.add_parser("plan", help="show the plan for a job file: VWs, GPUs, layers, memory, prediction")
     plan.add_argument("config", help="job YAML file")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
@@ -327,10 +415,27 @@ def parser() -> argparse.ArgumentParser:
                       "default: stdout, relative to the working folder")
     comp.add_argument("--context", help="repository root with docker/ (default: this source tree)")
     comp.set_defaults(func=_compose)
+    kube = sub.add_parser("k8s", help="write Kubernetes manifests for a job's cluster and plan")
+    kube.add_argument("config", help="job YAML file")
+    kube.add_argument("-o", "--output", required=True, metavar="DIR", help="write the manifests into this folder")
+    kube.add_argument("--image", default=compose.CPU_IMAGE,
+                      help=f"image of the coordinator, the shards and emulated stages (default {compose.CPU_IMAGE})")
+    kube.add_argument("--gpu-image", default=compose.GPU_IMAGE,
+                      help=f"image of the stages on real GPUs (default {compose.GPU_IMAGE})")
+    kube.add_argument("--certs", metavar="DIR", help="also write secrets.yaml from DIR's ca.pem, cluster.pem, "
+                      "cluster.key and token (`hetpipe certs`)")
+    kube.set_defaults(func=_k8s)
     trace = sub.add_parser("trace", help="a run's trace/ as a timeline for Perfetto or chrome://tracing")
     trace.add_argument("output_dir", metavar="OUTPUT_DIR", help="the job's output.dir (run with output.trace: true)")
     trace.add_argument("-o", "--output", help="write here (default: OUTPUT_DIR/trace.json)")
     trace.set_defaults(func=_trace)
+    certs = sub.add_parser("certs", help="make a CA, a certificate per host and a cluster token (quick start)")
+    certs.add_argument("dir", metavar="DIR", help="write the files here")
+    certs.add_argument("hosts", metavar="NAME", nargs="+", help="a host name or IP address per certificate")
+    certs.add_argument("--san", action="append", default=[], help="another name every certificate answers to")
+    certs.add_argument("--password-file", action="append", default=[], metavar="NAME",
+                       help="also write a random password into DIR/NAME (e.g. Grafana's admin password)")
+    certs.set_defaults(func=_certs)
     for name, text in (("status", "show the job and the workers (or how the last run ended)"),
                        ("stop", "stop the running job, in whatever state it is")):
         cmd = sub.add_parser(name, help=text)
@@ -338,11 +443,15 @@ def parser() -> argparse.ArgumentParser:
         where.add_argument("--coordinator", help="coordinator host:port (default $HETPIPE_COORDINATOR or :50050)")
         where.add_argument("--job", help="the job file a local `hetpipe run` is running (or ran)")
         cmd.add_argument("--json", action="store_true", help="machine-readable output")
+        security.add_flags(cmd)
         cmd.set_defaults(func=_status)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["coordinator"]:  # its own flags, parsed by coordinator.config
+        return _coordinator(argv[1:])
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -34,7 +34,11 @@ METRICS_PORT = 9100
 HOST_METRICS_BASE = 19100
 PROMETHEUS_PORT = 9090
 GRAFANA_PORT = 3000
-HOST_IP = "127.0.0.1"      # published on loopback only: the gRPC services have no authentication
+HOST_IP = "127.0.0.1"      # published on loopback only, though every gRPC service needs TLS and the token
+HEALTH_PORT = 50052        # plaintext gRPC health alone, for the healthchecks (hetpipe.service --health-port)
+CERTS = "/certs"           # named volume: the CA, the cluster certificate and token, made by the certs service
+CERT_NAME = "cluster"      # one certificate for every service, its names as subject alternative names
+GRAFANA_PASSWORD = "grafana-admin-password"
 JOB_MOUNT = "/etc/hetpipe/job.yaml"
 RUNS = "/runs"             # named volume: outputs and shard checkpoints
 CPU_PROFILE, GPU_PROFILE = "cpu", "gpu"
@@ -223,14 +227,18 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
         "enable both profiles: the two variants of a stage share its network name. Compose runs on one",
         "host: the cluster's nodes are groups of its GPUs, numbered in the job file's order.",
         "",
-        "The coordinator submits the job at start (--job) and waits for the workers, so `up` trains:",
-        f"  progress:  hetpipe status --coordinator {HOST_IP}:{COORDINATOR_PORT}",
+        "The coordinator submits the job at start (--job) and waits for the workers, so `up` trains.",
+        "Every gRPC call needs mutual TLS and the cluster token: the one-shot `certs` service makes a",
+        "CA, a certificate for every service name and a token in the volume `certs`. From the host:",
+        f"  docker compose cp certs:{CERTS} ./hetpipe-certs",
+        f"  progress:  hetpipe status --coordinator {HOST_IP}:{COORDINATOR_PORT} --tls-cert hetpipe-certs/{CERT_NAME}.pem \\",
+        f"               --tls-key hetpipe-certs/{CERT_NAME}.key --tls-ca hetpipe-certs/ca.pem --token-file hetpipe-certs/token",
         f"  results:   docker compose cp coordinator:{output_dir} ./runs/   (volume `runs`)",
         "  again:     docker compose down && docker compose up",
         f"Host ports, on {HOST_IP} only: coordinator gRPC {COORDINATOR_PORT}, Prometheus {PROMETHEUS_PORT}, "
         f"Grafana {GRAFANA_PORT}",
-        "(anonymous viewer; dashboards in the HetPipe folder), and metrics (container port "
-        f"{METRICS_PORT}) at:",
+        f"(user admin, password in hetpipe-certs/{GRAFANA_PASSWORD}; dashboards in the HetPipe folder), and",
+        f"metrics (container port {METRICS_PORT}) at:",
         f"  {'coordinator':<16}{ports['coordinator']}",
         *(f"  {s.name:<16}{ports[s.name]}   node {s.node}" for s in shards),
         *(f"  {s.name:<16}{ports[s.name]}   {s.name}-gpu {ports[s.name + '-gpu']}   node {s.node}"
@@ -256,8 +264,18 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
     out(2, f"HETPIPE_PORT: {_scalar(str(WORKER_PORT))}")
     out(2, f"HETPIPE_METRICS_PORT: {_scalar(str(METRICS_PORT))}")
     out(2, 'HETPIPE_THREADS: "1"')
+    out(2, f"HETPIPE_TLS_CERT: {CERTS}/{CERT_NAME}.pem")
+    out(2, f"HETPIPE_TLS_KEY: {CERTS}/{CERT_NAME}.key")
+    out(2, f"HETPIPE_TLS_CA: {CERTS}/ca.pem")
+    out(2, f"HETPIPE_TOKEN_FILE: {CERTS}/token")
+    out(2, f"HETPIPE_OUTPUT_ROOT: {RUNS}   # where assigned traces and checkpoints may go")
+    out(2, f"HETPIPE_HEALTH_PORT: {_scalar(str(HEALTH_PORT))}")
+    out(2, f"HETPIPE_HEALTH_ADDRESS: {_scalar(f'127.0.0.1:{HEALTH_PORT}')}")
+    out(1, "depends_on:")
+    out(2, "certs: {condition: service_completed_successfully}")
     out(1, "volumes:")
     out(2, f"- &runs {{type: volume, source: runs, target: {RUNS}}}")
+    out(2, f"- &certs {{type: volume, source: certs, target: {CERTS}, read_only: true}}")
     out(1, "healthcheck: &healthcheck")
     out(2, f"test: {_flow(['CMD', 'hetpipe-healthcheck'])}")
     out(2, "interval: 5s")
@@ -286,6 +304,16 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
 
     # ---- services -----------------------------------------------------------------------------
     out(0, "services:")
+    names = ["coordinator", *(s.name for s in shards), *(s.name for s in stages)]
+    out(1, "certs:   # one-shot: the CA, the certificate of every service name, the token (kept if there)")
+    out(2, f"image: {CPU_IMAGE}")
+    out(2, "build: *build")
+    certs_command = ["launch.cli", "certs", CERTS, CERT_NAME, *(a for n in names for a in ("--san", n)),
+                     "--password-file", GRAFANA_PASSWORD]
+    out(2, f"command: {_flow(certs_command)}")
+    out(2, "volumes:")
+    out(3, f"- {{type: volume, source: certs, target: {CERTS}}}")
+    out(0)
     coordinator_address = f"coordinator:{COORDINATOR_PORT}"
     command = ["coordinator", "--port", str(COORDINATOR_PORT), "--job", JOB_MOUNT, "--output-dir", output_dir,
                "--claim-timeout", str(CLAIM_TIMEOUT_S)]
@@ -294,15 +322,13 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
     out(2, f"command: {_flow(command)}")
     out(2, "volumes:")
     out(3, "- *runs")
+    out(3, "- *certs")
     _bind(out, 3, job_source, JOB_MOUNT)
     for m in mounts:
         _bind(out, 3, m.source, m.target)
     out(2, "ports:")
     _port(out, 3, COORDINATOR_PORT, COORDINATOR_PORT)
     _port(out, 3, METRICS_PORT, ports["coordinator"])
-    out(2, "healthcheck:")
-    out(3, "<<: *healthcheck")
-    out(3, f"test: {_flow(['CMD', 'hetpipe-healthcheck', f'127.0.0.1:{COORDINATOR_PORT}'])}")
 
     for shard in shards:
         out(0)
@@ -327,6 +353,7 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
             if mounts:
                 out(2, "volumes:")
                 out(3, "- *runs")
+                out(3, "- *certs")
                 for m in mounts:
                     _bind(out, 3, m.source, m.target)
             out(2, "ports:")
@@ -354,17 +381,20 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
     out(2, f"image: {GRAFANA_IMAGE}")
     out(2, "depends_on:")
     out(3, "prometheus: {condition: service_healthy}")
+    out(3, "certs: {condition: service_completed_successfully}")
     out(2, "environment:")
-    out(3, 'GF_AUTH_ANONYMOUS_ENABLED: "true"')
-    out(3, "GF_AUTH_ANONYMOUS_ORG_ROLE: Viewer")
+    out(3, 'GF_AUTH_ANONYMOUS_ENABLED: "false"')
+    out(3, f"GF_SECURITY_ADMIN_PASSWORD__FILE: {CERTS}/{GRAFANA_PASSWORD}")
     out(2, "volumes:")
     _bind(out, 3, f"{docker_dir}/grafana/provisioning", "/etc/grafana/provisioning")
+    out(3, f"- {{type: volume, source: certs, target: {CERTS}, read_only: true}}")
     out(2, "ports:")
     _port(out, 3, GRAFANA_PORT, GRAFANA_PORT)
     _http_healthcheck(out, f"http://127.0.0.1:{GRAFANA_PORT}/api/health", start_period="60s")
     out(0)
     out(0, "volumes:")
     out(1, "runs: {}")
+    out(1, "certs: {}")
     return out.text()
 
 

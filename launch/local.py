@@ -3,6 +3,7 @@ process that registers with it over gRPC, the job submitted at start as a compos
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hetpipe import children, data, devices, metrics, outputs, rpc
+from hetpipe import children, data, devices, metrics, outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped
 from hetpipe.v1 import coordinator_pb2, wire_pb2
@@ -27,6 +28,7 @@ from launch.processes import LocalProcesses
 
 MAX_SHARD_RESTARTS = 3
 ADDRESS_FILE = "coordinator.address"  # where `hetpipe status/stop --job` find the coordinator
+TOKEN_FILE = "coordinator.token"      # ... and the per-run token they need (owner-only, gone after the run)
 STATUS_FILE = "status.json"           # how the last run ended, for `hetpipe status --job` afterwards
 TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
 ROLES = {"stage_worker": "stage_worker", "ps_server": "ps_shard"}  # module -> `role` label (docs/metrics.md)
@@ -46,6 +48,11 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_status(out_dir: Path, state: str, reason: str) -> None:
+    """status.json: how the run ended, for `hetpipe status --job` once its coordinator is gone."""
+    _write_atomically(out_dir / STATUS_FILE, json.dumps({"state": state, "reason": reason, "finished": time.time()}) + "\n")
 
 
 def read_status(out_dir: Path) -> dict[str, Any] | None:
@@ -101,6 +108,18 @@ def preflight(job: JobConfig) -> Plan:
     return make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
 
 
+def local_security(job: JobConfig, out_dir: Path) -> security.Security:
+    """The job's security section, else a fresh per-run token in out_dir (loopback, no TLS)."""
+    if job.security is not None:
+        s = job.security
+        resolved = {k: str(job.resolve(getattr(s, k))) if getattr(s, k) else "" for k in ("cert", "key", "ca",
+                                                                                           "token_file")}
+        return security.Security(**resolved)
+    path = out_dir / TOKEN_FILE
+    security.write_secret(path, security.new_secret())
+    return security.Security(token_file=str(path))
+
+
 def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: float = 1.0,
               resume: bool = False) -> dict[str, Any]:
     """Trains job on this machine; returns the summary. Stops every process it started. resume:
@@ -120,6 +139,20 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     outputs.clear(out_dir)  # a failed run must not leave an earlier run's results beside its own
     for stale in (TARGETS_FILE, STATUS_FILE):  # an earlier job's endpoints and ending are gone
         (out_dir / stale).unlink(missing_ok=True)
+    credentials = local_security(job, out_dir)
+    try:
+        credentials.check()
+    except security.SecurityError as exc:
+        raise ConfigError(f"security: {exc}") from None
+    with security.using(credentials, security.COORDINATOR, "hetpipe run"):
+        return _run_coordinated(job, plan, out_dir, credentials, quiet=quiet, resume_wave=resume_wave,
+                                heartbeat_interval_s=heartbeat_interval_s)
+
+
+def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: security.Security, *, quiet: bool,
+                     resume_wave: int, heartbeat_interval_s: float) -> dict[str, Any]:
+    """run_local once the output folder and the credentials are ready: the coordinator in this
+    process, a process per worker, progress until the job ends."""
     server, servicer = build("127.0.0.1", 0, heartbeat_interval_s=heartbeat_interval_s)
     server.start()
     runner = servicer.runner
@@ -136,7 +169,8 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         threads = devices.threads_for(par.virtual_workers * par.stages_per_vw)
         with LocalProcesses(out_dir / "logs", env={devices.THREADS_ENV: threads}) as procs:
             runner.kill_hung = lambda address, why: _kill_hung(procs, address, why)
-            register = ["--coordinator", server.address, "--node", "local"]
+            register = ["--coordinator", server.address, "--node", "local", "--output-root", str(out_dir),
+                        *security.child_args(credentials)]
             # Neutral names: the coordinator decides which worker serves which stage, and says so
             # in the worker's log ("stage q of vw v assigned ...") and in every error.
             for i in range(par.virtual_workers * par.stages_per_vw):
@@ -151,8 +185,9 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
             targets = out_dir / TARGETS_FILE
             write_targets(targets, metrics_server.port, procs)
             try:
-                status = _follow(stub, procs, runner, quiet=quiet,
-                                 on_restart=lambda: write_targets(targets, metrics_server.port, procs))
+                restarted = functools.partial(write_targets, targets, metrics_server.port, procs)
+                status = follow(lambda: stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S), quiet=quiet,
+                                on_status=lambda _: _watch_processes(procs, runner, restarted))
             except KeyboardInterrupt:
                 # Give the runner a moment to stop the stages cleanly; the processes are terminated
                 # right after anyway, and Ctrl-C must end the run within seconds even on a busy host.
@@ -168,9 +203,10 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         channel.close()
         server.stop()
         metrics_server.close()
+        if job.security is None:
+            (out_dir / TOKEN_FILE).unlink(missing_ok=True)
         view = runner.view()
-        ending = {"state": view.state.name, "reason": view.reason, "finished": time.time()}
-        _write_atomically(out_dir / STATUS_FILE, json.dumps(ending) + "\n")
+        write_status(out_dir, view.state.name, view.reason)
     assert status is not None
     if runner.machine.state == JobState.COMPLETED:
         summary: dict[str, Any] = json.loads(status.summary_json)
@@ -180,17 +216,18 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     raise JobFailed(status.reason)
 
 
-def _follow(stub: rpc.Stub, procs: LocalProcesses, runner: JobRunner, *,
-            quiet: bool, on_restart: Callable[[], None]) -> coordinator_pb2.JobStatus:
-    """Shows progress until the job ends; returns its final status."""
+def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
+           on_status: Callable[[coordinator_pb2.JobStatus], None] = lambda status: None) -> coordinator_pb2.JobStatus:
+    """Shows progress until the job ends; returns its final status. on_status sees each status of
+    the job while it is under way (a local launcher watches its processes there)."""
     bar: tqdm[Any] | None = None
     running = PROTO_STATE[JobState.RUNNING]
     try:
         while True:
-            status: coordinator_pb2.JobStatus = stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            status = get_status()
             if status.state in TERMINAL:
                 return status
-            _watch_processes(procs, runner, on_restart)
+            on_status(status)
             if status.state == running and bar is None:
                 bar = tqdm(total=status.total_samples, unit="sample", disable=quiet, file=sys.stderr,
                            dynamic_ncols=True, desc="train (emulated GPUs)" if status.emulated else "train")

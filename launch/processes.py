@@ -43,13 +43,15 @@ class LocalProcesses:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix="hetpipe-")
 
-    def spawn(self, module: str, name: str, extra: list[str] | None = None) -> Process:
+    def spawn(self, module: str, name: str, extra: list[str] | None = None, *, port: int = 0) -> Process:
+        """Starts `python -m module` on port (0: any free one; a fixed one when it must be known
+        beforehand, as for --advertise)."""
         slug = name.replace(" ", "_")
         ready = Path(self._tmp.name) / f"{slug}.ready"
         log_path = self.log_dir / f"{slug}.log"
         args = [sys.executable, "-m", module, "--host", self.host, "--metrics-port", "0",
                 "--ready-file", str(ready), "--exit-with-parent", *(extra or [])]
-        proc = Process(name, children.start([*args, "--port", "0"], log_path, env=self._environment()), log_path,
+        proc = Process(name, children.start([*args, "--port", str(port)], log_path, env=self._environment()), log_path,
                        ready, args)
         self.processes.append(proc)
         return proc

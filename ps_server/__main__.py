@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from hetpipe import rpc
-from hetpipe.service import exit_now, run_server
+from hetpipe import rpc, security
+from hetpipe.service import exit_now, run_server, secure
 from hetpipe.v1 import coordinator_pb2
 from ps_server import metrics as shard_metrics
 from ps_server.config import ShardConfig, parse_args
@@ -19,6 +19,7 @@ from ps_server.shard import Shard
 
 def serve(cfg: ShardConfig) -> None:
     torch.set_num_threads(1)
+    secure(cfg.service, security.SHARD)
     durability = Durability(cfg.checkpoint_dir, cfg.checkpoint_every) if cfg.checkpoint_dir else None
     servicer = ShardServicer(Shard(), durability, max_pull_wait_s=cfg.max_pull_wait_s, trace_dir=cfg.trace_dir)
     servicer.restore()
@@ -27,21 +28,25 @@ def serve(cfg: ShardConfig) -> None:
                      servicer.restored_pushes, cfg.checkpoint_dir)
     # Pulls block a thread each while they wait for slower VWs: size the pool for that.
     server = rpc.Server(cfg.service.host, cfg.service.port, role="ps_shard",
-                        workers=rpc.server_threads("ParameterServer"))
+                        workers=rpc.server_threads("ParameterServer"), health_port=cfg.service.health_port)
 
     def shutdown() -> None:
         servicer.flush_trace()  # before the checkpoint, which may outlast the launcher's grace
         servicer.checkpoint()
         server.stop()
 
-    rpc.add_service(server.grpc, "ParameterServer", servicer)
+    server.add("ParameterServer", servicer)
     shard_metrics.bind(servicer.metrics_snapshot)
     run_server(cfg.service, server, shutdown, role=coordinator_pb2.WorkerInfo.PS_SHARD)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(parse_args(argv))
+    try:
+        serve(parse_args(argv))
+    except security.SecurityError as exc:
+        print(f"ps_server: error: {exc}", file=sys.stderr)
+        return 2
     exit_now()  # state is checkpointed
     return 0
 

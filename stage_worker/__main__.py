@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
-from hetpipe import devices, rpc
-from hetpipe.service import ServiceFlags, exit_now, run_server
+from hetpipe import devices, rpc, security
+from hetpipe.service import ServiceFlags, exit_now, run_server, secure
 from hetpipe.v1 import coordinator_pb2
 from stage_worker.config import parse_args
 from stage_worker.runtime import StageRuntime
@@ -15,14 +16,16 @@ from stage_worker.servicer import StageServicer
 
 def serve(cfg: ServiceFlags) -> None:
     devices.set_threads()
-    runtime = StageRuntime()
-    server = rpc.Server(cfg.host, cfg.port, role="stage_worker", workers=rpc.server_threads("Stage"))
+    secure(cfg, security.STAGE)
+    runtime = StageRuntime(Path(cfg.output_root))
+    server = rpc.Server(cfg.host, cfg.port, role="stage_worker", workers=rpc.server_threads("Stage"),
+                        health_port=cfg.health_port)
 
     def shutdown() -> None:
         runtime.stop()
         server.stop()
 
-    rpc.add_service(server.grpc, "Stage", StageServicer(runtime, shutdown))
+    server.add("Stage", StageServicer(runtime, shutdown))
     device = devices.pick("")
     run_server(cfg, server, shutdown, role=coordinator_pb2.WorkerInfo.STAGE_WORKER,
                device=device.name, memory_bytes=device.memory_bytes if device.kind == "cuda" else 0)
@@ -31,7 +34,11 @@ def serve(cfg: ServiceFlags) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(parse_args(argv))
+    try:
+        serve(parse_args(argv))
+    except security.SecurityError as exc:
+        print(f"stage_worker: error: {exc}", file=sys.stderr)
+        return 2
     exit_now()
     return 0
 

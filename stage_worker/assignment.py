@@ -5,6 +5,7 @@ Everything here is checked without building the model: Assign answers at once, w
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import re
 from dataclasses import dataclass
 
@@ -131,10 +132,28 @@ def _spec(a: stage_pb2.StageAssignment, name: str, batch: int) -> TensorSpec:
         raise _invalid(f"{name}_dtype: {exc}") from None
 
 
-def validate(a: stage_pb2.StageAssignment) -> Setup:
+def _inside(field: str, path: str, root: Path | None) -> str:
+    """path, a relative one taken from root; PERMISSION_DENIED unless it lies inside root,
+    symbolic links followed: an assignment must not make a stage write anywhere else (truncate
+    a file by naming it as the trace)."""
+    if not path or root is None:
+        return path
+    try:
+        resolved = (root / path).resolve()  # an absolute path stays itself
+    except (ValueError, OSError) as exc:  # a NUL byte, a path too long
+        raise _invalid(f"{field} {path[:200]!r}: {exc}") from None
+    if not resolved.is_relative_to(root.resolve()):
+        raise Rejected(grpc.StatusCode.PERMISSION_DENIED,
+                       f"{field} {path[:200]!r} is outside this stage's output root {root} (--output-root)")
+    return str(resolved)
+
+
+def validate(a: stage_pb2.StageAssignment, output_root: Path | None = None) -> Setup:
     """The assignment as a Setup; Rejected (INVALID_ARGUMENT, or FAILED_PRECONDITION for a device
-    this machine lacks, RESOURCE_EXHAUSTED for a minibatch larger than the stage's GPU) naming
-    the first field that is wrong."""
+    this machine lacks, RESOURCE_EXHAUSTED for a minibatch larger than the stage's GPU,
+    PERMISSION_DENIED for a path outside output_root) naming the first field that is wrong."""
+    trace_path = _inside("trace_path", a.trace_path, output_root)
+    checkpoint_dir = _inside("checkpoint_dir", a.checkpoint_dir, output_root)
     try:
         job = ResolvedJob.from_json(a.job_json)
     except ConfigError as exc:
@@ -172,10 +191,10 @@ def validate(a: stage_pb2.StageAssignment) -> Setup:
         job=job, vw=a.vw, stage=a.stage, num_stages=k, layer_begin=a.layer_begin, layer_end=a.layer_end,
         device=device, label=label, gpu_type=a.gpu_type, emulated=a.emulated,
         prev_address=a.prev_address, next_address=a.next_address, ps_addresses=tuple(a.ps_addresses),
-        key_shards=tuple(a.key_shards), trace_path=a.trace_path,
+        key_shards=tuple(a.key_shards), trace_path=trace_path,
         **{field: float(getattr(a, field)) for field in _SECONDS},
         memory_bytes=a.memory_bytes, capacity_bytes=a.capacity_bytes,
-        specs=_specs(a, job.data.batch_size), checkpoint_dir=a.checkpoint_dir, resume_wave=a.resume_wave,
+        specs=_specs(a, job.data.batch_size), checkpoint_dir=checkpoint_dir, resume_wave=a.resume_wave,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 import time
 from collections import deque
 
@@ -39,7 +40,10 @@ def _refused(state: StageState, what: str) -> Rejected:
 class StageRuntime:
     """Owns one stage. gRPC handler threads offer inputs; one compute thread runs tasks in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, output_root: Path | None = None) -> None:
+        # Where an assignment's trace_path and checkpoint_dir may point; None: anywhere (tests
+        # that drive a runtime in-process). A stage process always has one (--output-root).
+        self.output_root = output_root
         self._cv = threading.Condition()
         self.state = StageState.IDLE
         self.error = ""
@@ -74,7 +78,7 @@ class StageRuntime:
         with self._cv:
             if self.state != StageState.IDLE:
                 raise _refused(self.state, "stage already assigned")
-            setup = self._setup = validate(a)
+            setup = self._setup = validate(a, self.output_root)
             self._to(StageState.LOADING)
         log.info("%s assigned layers [%d, %d) on %s", setup.name, setup.layer_begin, setup.layer_end, setup.device.name)
         threading.Thread(target=self._load, args=(setup,), name="loader", daemon=True).start()

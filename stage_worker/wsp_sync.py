@@ -17,7 +17,7 @@ from typing import IO, Any, TypeVar, cast
 import grpc
 import torch
 
-from hetpipe import outputs, rpc, wire
+from hetpipe import outputs, rpc, security, wire
 from hetpipe.v1 import ps_pb2, wire_pb2
 from hetpipe.wsp import g2_decision, merge_pulled, required_min_clock, total_waves, wave_of, waves_included
 from stage_worker.sync import Weights
@@ -145,8 +145,11 @@ class WspSync:
                                    total_waves=self.total_waves)
             tensors = [(self.keys[i], values[i].detach().cpu()) for i in idx]
             stub = self._stubs[shard]
+            # The seed credential: a stage's own token may push and pull, not (re)initialise a shard.
+            seed = security.role_metadata(security.SEED, f"vw{self.cfg.vw}")
             self._retrying(f"init of {len(idx)} keys", shard, PUSH_GIVE_UP_S,
-                           lambda: stub.Init(wire.encode(tensors, init=tag), timeout=rpc.DATA_DEADLINE_S))
+                           lambda: stub.Init(wire.encode(tensors, init=tag), timeout=rpc.DATA_DEADLINE_S,
+                                             metadata=seed))
 
     def pull_now(self, weights: Weights, min_clock: int) -> None:
         """Merges w_global at c_global >= min_clock before it returns (the final evaluation's

@@ -6,6 +6,7 @@ import random
 import shutil
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from hetpipe import faults
+from hetpipe import faults, security
 from hetpipe.config import JobConfig, load_job
 
 
@@ -128,3 +129,15 @@ def run_beside(job: JobConfig, interfere: Callable[[Path, threading.Event, list[
         done.set()
         thread.join()
     return summary, found
+
+
+@contextmanager
+def run_token(out_dir: Path) -> Iterator[None]:
+    """Calls from this process present the per-run token of the `hetpipe run` writing out_dir
+    (a subprocess; an in-process run_local's token is this process's already)."""
+    token = out_dir / "coordinator.token"
+    if not token.exists():  # not yet written, or the run is over: calls go without it
+        yield
+        return
+    with security.using(security.Security(token_file=str(token)), security.COORDINATOR, "test"):
+        yield

@@ -25,6 +25,7 @@ class Service:
     proc: subprocess.Popen[bytes]
     channel: grpc.Channel
     log: Path
+    address: str = ""
 
     def call(self, method: str, kind: str = "unary_unary") -> Callable[..., Any]:
         """This service's `method`, raw bytes both ways; kind: the channel's unary_unary,
@@ -36,19 +37,20 @@ class Service:
         return psutil.Process(self.proc.pid).memory_info().rss
 
 
-def start(module: str, service: str, tmp: Path) -> Iterator[Service]:
+def start(module: str, service: str, tmp: Path, extra: tuple[str, ...] = ()) -> Iterator[Service]:
     ready, log = tmp / f"{module}.ready", tmp / f"{module}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0",
-                                 "--metrics-port", "0", "--ready-file", str(ready), "--exit-with-parent"],
+                                 "--metrics-port", "0", "--ready-file", str(ready), "--exit-with-parent", *extra],
                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while not (ready.exists() and ready.read_text().strip()):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.05)
-        channel = rpc.channel(ready.read_text().split()[0])
-        yield Service(service, proc, channel, log)
+        address = ready.read_text().split()[0]
+        channel = rpc.channel(address)
+        yield Service(service, proc, channel, log, address)
         channel.close()
     finally:
         proc.kill()

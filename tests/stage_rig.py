@@ -87,7 +87,7 @@ class Recorder(FakeNeighbour):
 def serve(servicer: Any) -> rpc.Server:
     """An in-process server of the Stage service, registered as `python -m stage_worker` does."""
     server = rpc.Server("127.0.0.1", 0, workers=8)
-    rpc.add_service(server.grpc, "Stage", servicer)
+    server.add("Stage", servicer)
     server.start()
     return server
 

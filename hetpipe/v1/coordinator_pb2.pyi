@@ -59,18 +59,20 @@ class HeartbeatReply(_message.Message):
 class WorkerList(_message.Message):
     __slots__ = ("workers",)
     class Entry(_message.Message):
-        __slots__ = ("worker_id", "info", "seconds_since_heartbeat", "alive", "assigned")
+        __slots__ = ("worker_id", "info", "seconds_since_heartbeat", "alive", "assigned", "spent")
         WORKER_ID_FIELD_NUMBER: _ClassVar[int]
         INFO_FIELD_NUMBER: _ClassVar[int]
         SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
         ALIVE_FIELD_NUMBER: _ClassVar[int]
         ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+        SPENT_FIELD_NUMBER: _ClassVar[int]
         worker_id: str
         info: WorkerInfo
         seconds_since_heartbeat: float
         alive: bool
         assigned: str
-        def __init__(self, worker_id: _Optional[str] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., alive: _Optional[bool] = ..., assigned: _Optional[str] = ...) -> None: ...
+        spent: bool
+        def __init__(self, worker_id: _Optional[str] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., alive: _Optional[bool] = ..., assigned: _Optional[str] = ..., spent: _Optional[bool] = ...) -> None: ...
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerList.Entry]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerList.Entry, _Mapping]]] = ...) -> None: ...
@@ -120,3 +122,15 @@ class JobStatus(_message.Message):
     summary_json: str
     emulated: bool
     def __init__(self, state: _Optional[_Union[JobStatus.State, str]] = ..., reason: _Optional[str] = ..., plan_json: _Optional[str] = ..., samples: _Optional[int] = ..., total_samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., summary_json: _Optional[str] = ..., emulated: _Optional[bool] = ...) -> None: ...
+
+class OutputChunk(_message.Message):
+    __slots__ = ("path", "offset", "data", "last")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    data: bytes
+    last: bool
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...

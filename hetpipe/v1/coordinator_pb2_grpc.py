@@ -65,6 +65,11 @@ class CoordinatorStub:
                 request_serializer=hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_coordinator__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.Results = channel.unary_stream(
+                '/hetpipe.v1.Coordinator/Results',
+                request_serializer=hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+                response_deserializer=hetpipe_dot_v1_dot_coordinator__pb2.OutputChunk.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -106,6 +111,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Results(self, request, context):
+        """the ended job's outputs, file by file
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +150,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.StopJob,
                     request_deserializer=hetpipe_dot_v1_dot_wire__pb2.Empty.FromString,
                     response_serializer=hetpipe_dot_v1_dot_coordinator__pb2.JobStatus.SerializeToString,
+            ),
+            'Results': grpc.unary_stream_rpc_method_handler(
+                    servicer.Results,
+                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.Empty.FromString,
+                    response_serializer=hetpipe_dot_v1_dot_coordinator__pb2.OutputChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -302,6 +319,33 @@ class Coordinator:
             '/hetpipe.v1.Coordinator/StopJob',
             hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
             hetpipe_dot_v1_dot_coordinator__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Results(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hetpipe.v1.Coordinator/Results',
+            hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+            hetpipe_dot_v1_dot_coordinator__pb2.OutputChunk.FromString,
             options,
             channel_credentials,
             insecure,

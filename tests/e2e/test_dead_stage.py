@@ -16,6 +16,7 @@ import pytest
 
 from hetpipe import rpc
 from hetpipe.v1 import stage_pb2, stage_pb2_grpc, wire_pb2
+from conftest import run_token
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -78,7 +79,7 @@ class Run:
             if "stage_worker" not in cmd or "--ready-file" not in cmd:
                 continue
             address = Path(cmd[cmd.index("--ready-file") + 1]).read_text().split()[0]
-            with rpc.channel(address) as channel:
+            with run_token(self.trace.parent), rpc.channel(address) as channel:
                 s = stage_pb2_grpc.StageStub(channel).Status(stage_pb2.StatusRequest(), timeout=10)
             assert s.state == stage_pb2.StageStatus.RUNNING, s
             out[f"stage {s.stage} of vw {s.vw}"] = child

@@ -27,7 +27,7 @@ State = stage_pb2.StageStatus.State
 
 def _serve(servicer: Any) -> rpc.Server:
     server = rpc.Server("127.0.0.1", 0, workers=8)
-    rpc.add_service(server.grpc, "Stage", servicer)
+    server.add("Stage", servicer)
     server.start()
     return server
 

@@ -104,7 +104,7 @@ def test_a_stream_without_deadline_is_cut_at_the_cap(monkeypatch: pytest.MonkeyP
     from stage_worker.servicer import StageServicer
 
     server = rpc.Server("127.0.0.1", 0, workers=rpc.server_threads("Stage"))
-    rpc.add_service(server.grpc, "Stage", StageServicer(StageRuntime(), lambda: None))
+    server.add("Stage", StageServicer(StageRuntime(), lambda: None))
     server.start()
     never = threading.Event()
 

@@ -30,7 +30,7 @@ RSS_GROWTH_PER_1000 = 1 << 20
 # Codes that say "your request": anything else (INTERNAL, UNKNOWN, a client-side deadline) is a bug.
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
-            grpc.StatusCode.UNIMPLEMENTED}
+            grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED}
 SHAPES = {"l0.weight": (2, 3), "l0.bias": (3,)}
 
 

@@ -46,7 +46,7 @@ class Neighbour:
 
 def _serve(neighbour: Neighbour, port: int = 0) -> rpc.Server:
     server = rpc.Server("127.0.0.1", port, workers=4)
-    rpc.add_service(server.grpc, "Stage", neighbour)
+    server.add("Stage", neighbour)
     server.start()
     return server
 

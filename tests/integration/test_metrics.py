@@ -21,8 +21,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from launch.local import ADDRESS_FILE, TARGETS_FILE
-from hetpipe import rpc, wire
+from launch.local import ADDRESS_FILE, TARGETS_FILE, TOKEN_FILE
+from conftest import run_token
+from hetpipe import rpc, security, wire
 from hetpipe.catalog import gpu_type
 from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, ps_pb2, wire_pb2
 from tests.prometheus_tools import ensure_promtool, promtool_check_metrics
@@ -178,14 +179,17 @@ def test_every_process_exports_the_documented_metrics(make_job) -> None:
     try:
         while proc.poll() is None:
             if not endpoints:
-                endpoints = _discover(out_dir)
+                with run_token(out_dir):
+                    endpoints = _discover(out_dir)
             elif not provoked and _running(out_dir):
                 stage = next(e for e in endpoints.values() if e.assigned == "stage 1 of vw 0")
                 shard = next(e for e in endpoints.values() if e.assigned == "ps shard 0")
                 for e in endpoints.values():
                     e.before = e.text
-                _provoke_invalid_argument((out_dir / ADDRESS_FILE).read_text().strip(), stage.address,
-                                          shard.address)
+                with security.using(security.Security(token_file=str(out_dir / TOKEN_FILE)), security.STAGE,
+                                    "test"):  # Register, Forward and Pull are a worker's calls
+                    _provoke_invalid_argument((out_dir / ADDRESS_FILE).read_text().strip(), stage.address,
+                                              shard.address)
                 provoked = True
             for e in endpoints.values():
                 try:
@@ -247,7 +251,7 @@ def _discover(out_dir: Path) -> dict[str, Endpoint]:
 
 
 def _running(out_dir: Path) -> bool:
-    with rpc.channel((out_dir / ADDRESS_FILE).read_text().strip()) as ch:
+    with run_token(out_dir), rpc.channel((out_dir / ADDRESS_FILE).read_text().strip()) as ch:
         try:
             state = coordinator_pb2_grpc.CoordinatorStub(ch).GetJob(wire_pb2.Empty(), timeout=5).state
             return bool(state == coordinator_pb2.JobStatus.RUNNING)
@@ -368,7 +372,7 @@ def test_interceptor_counts_every_kind_of_rpc_with_its_final_code(tmp_path: Path
 
     servicer = ShardServicer(Shard(), None, max_pull_wait_s=30.0)
     server = rpc.Server("127.0.0.1", 0, role=role, workers=8)
-    rpc.add_service(server.grpc, "ParameterServer", servicer)
+    server.add("ParameterServer", servicer)
     shard_metrics.bind(servicer.metrics_snapshot)
     server.start()
     w = [("w", torch.ones(3))]

@@ -106,7 +106,7 @@ def ps(tmp_path: Path) -> Iterator[InProcess]:
     """A shard with 2 VWs and two float32 keys; vw 0 has pushed waves 0 and 1, vw 1 wave 0."""
     servicer = ShardServicer(Shard(), Durability(str(tmp_path / "ckpt")), max_pull_wait_s=30.0)
     server = rpc.Server("127.0.0.1", 0, workers=16)
-    rpc.add_service(server.grpc, "ParameterServer", servicer)
+    server.add("ParameterServer", servicer)
     server.start()
     ch = rpc.channel(server.address)
     try:

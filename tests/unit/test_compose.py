@@ -53,6 +53,11 @@ def _project(service: dict[str, Any]) -> bool:
     return "build" in service
 
 
+def _one_shot(service: dict[str, Any]) -> bool:
+    """The certs service: runs `hetpipe certs` and exits; the others wait for it to succeed."""
+    return service.get("command", [""])[0] == "launch.cli"
+
+
 @pytest.fixture(scope="module", autouse=True)
 def help_runs() -> Iterator[dict[str, subprocess.Popen[str]]]:
     """`python -m MODULE ARGS --help` for the first service of each entry point, started before the
@@ -60,7 +65,7 @@ def help_runs() -> Iterator[dict[str, subprocess.Popen[str]]]:
     parses its flags, which takes seconds."""
     first: dict[str, list[str]] = {}
     for service in _services().values():
-        if _project(service):
+        if _project(service) and not _one_shot(service):
             first.setdefault(service["command"][0], service["command"])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = {module: subprocess.Popen([sys.executable, "-m", *command, "--help"], cwd=ROOT, env=env,
@@ -94,7 +99,8 @@ def test_services_coordinator_shards_stages_prometheus_grafana() -> None:
     stages = [f"vw{s.vw}-stage{s.stage}" for s in plan.stages]
     shards = [f"ps-{i}" for i in range(plan.shards)]
     assert job.cluster is not None and len(stages) == 4 and len(shards) == 2
-    assert list(services) == ["coordinator", *shards, *stages, *(f"{s}-gpu" for s in stages), "prometheus", "grafana"]
+    assert list(services) == ["certs", "coordinator", *shards, *stages, *(f"{s}-gpu" for s in stages), "prometheus",
+                              "grafana"]
     assert services["prometheus"]["image"].startswith("prom/prometheus:")
     assert services["grafana"]["image"].startswith("grafana/grafana:")
 
@@ -102,26 +108,51 @@ def test_services_coordinator_shards_stages_prometheus_grafana() -> None:
 def test_every_service_has_a_healthcheck_and_every_dependency_is_on_health() -> None:
     services = _services()
     for name, service in services.items():
+        if _one_shot(service):
+            continue
         assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
         assert not service["healthcheck"].get("disable"), name
         for target, dep in service.get("depends_on", {}).items():
             assert target in services, f"{name} depends on unknown {target}"
+            if _one_shot(services[target]):
+                assert dep == {"condition": "service_completed_successfully"}, f"{name} -> {target}: {dep}"
+                continue
             assert services[target].get("healthcheck", {}).get("test"), f"{name} -> {target}: no healthcheck"
             assert dep == {"condition": "service_healthy"}, f"{name} -> {target}: {dep}"
     for name, service in services.items():
-        if name != "coordinator" and _project(service):
+        if name != "coordinator" and _project(service) and not _one_shot(service):
             assert "coordinator" in service["depends_on"], f"{name} registers with the coordinator"
     assert "prometheus" in services["grafana"]["depends_on"]
 
 
 def test_project_healthchecks_call_the_grpc_health_script() -> None:
+    """On the plaintext health-only port: the gRPC port itself needs TLS and the token."""
     for name, service in _services().items():
-        if _project(service):
+        if _project(service) and not _one_shot(service):
             test = service["healthcheck"]["test"]
-            assert test[:2] == ["CMD", "hetpipe-healthcheck"], (name, test)
-    coordinator = _services()["coordinator"]
-    port = coordinator["command"][coordinator["command"].index("--port") + 1]
-    assert coordinator["healthcheck"]["test"][2] == f"127.0.0.1:{port}"
+            assert test == ["CMD", "hetpipe-healthcheck"], (name, test)
+            env = service["environment"]
+            assert env["HETPIPE_HEALTH_ADDRESS"] == f"127.0.0.1:{env['HETPIPE_HEALTH_PORT']}", name
+
+
+def test_every_project_service_has_tls_and_the_token_and_grafana_a_password() -> None:
+    services = _services()
+    for name, service in services.items():
+        if not _project(service) or _one_shot(service):
+            continue
+        env = service["environment"]
+        assert {env[k] for k in ("HETPIPE_TLS_CERT", "HETPIPE_TLS_KEY", "HETPIPE_TLS_CA", "HETPIPE_TOKEN_FILE")} == {
+            "/certs/cluster.pem", "/certs/cluster.key", "/certs/ca.pem", "/certs/token"}, name
+        certs = [v for v in service["volumes"] if isinstance(v, dict) and v["source"] == "certs"]
+        assert certs == [{"type": "volume", "source": "certs", "target": "/certs", "read_only": True}], name
+    command = services["certs"]["command"]
+    sans = {command[i + 1] for i, a in enumerate(command) if a == "--san"}
+    assert sans == {n for n in services if _project(services[n]) and not _one_shot(services[n])
+                    and not n.endswith("-gpu")}  # the -gpu twins answer to their twin's name
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/certs/grafana-admin-password"
+    assert "grafana-admin-password" in command
 
 
 def test_host_ports_are_unique() -> None:
@@ -137,7 +168,7 @@ def test_host_ports_are_unique() -> None:
     assert numbers[50050] == "coordinator" and numbers[9090] == "prometheus" and numbers[3000] == "grafana"
     # Every project service publishes its metrics port, each on its own host port.
     for name, service in _services().items():
-        if _project(service):
+        if _project(service) and not _one_shot(service):
             assert any(p["target"] == compose.METRICS_PORT for p in service["ports"]), name
 
 
@@ -149,6 +180,9 @@ def test_every_command_is_an_entry_point_whose_help_exits_0(help_runs: dict[str,
         if not _project(service):
             continue
         module, *args = service["command"]
+        if _one_shot(service):
+            assert cli.parser().parse_args(args).func.__name__ == "_certs", name
+            continue
         assert module in CONFIG_MODULES, f"{name}: {module} is not an entry point of this project"
         assert importlib.util.find_spec(f"{module}.__main__") is not None, module
         importlib.import_module(CONFIG_MODULES[module]).parse_args(args)  # SystemExit(2) on a bad flag

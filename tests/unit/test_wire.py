@@ -290,7 +290,7 @@ class _Recorder:
 def stage_server() -> Iterator[tuple[str, _Recorder]]:
     recorder = _Recorder()
     server = rpc.Server("127.0.0.1", 0, workers=2)
-    rpc.add_service(server.grpc, "Stage", StageServicer(recorder, lambda: None))  # type: ignore[arg-type]
+    server.add("Stage", StageServicer(recorder, lambda: None))  # type: ignore[arg-type]
     server.start()
     try:
         yield server.address, recorder

@@ -1,0 +1,102 @@
+"""`hetpipe certs DIR NAME...`: a CA, a certificate per host and a cluster token, for a quick start.
+
+Each certificate is the host's identity for mutual TLS, as client and as server: its subject
+alternative names are the host's name (or IP address) and any --san, plus localhost and
+127.0.0.1 so that the same files serve a run on one machine. Keys are ECDSA P-256. For a real
+cluster, certificates from your own PKI work the same way (--tls-cert, --tls-key, --tls-ca).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from hetpipe import security
+
+VALID_DAYS = 365
+CA_NAME = "hetpipe cluster CA"
+
+
+def _name(common: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+
+def _alt_name(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_bytes(pem)
+
+
+def _new_ca(out: Path, start: datetime.datetime, end: datetime.datetime) -> tuple[x509.Certificate, Any]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(_name(CA_NAME)).issuer_name(_name(CA_NAME))
+          .public_key(key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(start).not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .sign(key, hashes.SHA256()))
+    (out / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    _write_key(out / "ca.key", key)
+    return ca, key
+
+
+def make(out: Path, hosts: list[str], sans: list[str] | None = None,
+         passwords: list[str] | None = None) -> list[Path]:
+    """Writes ca.pem (+ ca.key), NAME.pem and NAME.key for each host, and token; returns the files
+    written. Idempotent: a CA and token already in out are kept (a new host's certificate must
+    be from the cluster's CA), and so is a host's existing pair. passwords: files to write a random
+    password into (Grafana's admin password, for compose)."""
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
+    written: list[Path] = []
+    if (out / "ca.pem").exists() and (out / "ca.key").exists():
+        ca = x509.load_pem_x509_certificate((out / "ca.pem").read_bytes())
+        ca_key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), password=None)
+    else:
+        ca, ca_key = _new_ca(out, start, end)
+        written += [out / "ca.pem", out / "ca.key"]
+    for host in hosts:
+        if (out / f"{host}.pem").exists() and (out / f"{host}.key").exists():
+            continue
+        key = ec.generate_private_key(ec.SECP256R1())
+        names = list(dict.fromkeys([host, *(sans or []), "localhost", "127.0.0.1"]))
+        cert = (x509.CertificateBuilder().subject_name(_name(host)).issuer_name(ca.subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(start).not_valid_after(end)
+                .add_extension(x509.SubjectAlternativeName([_alt_name(n) for n in names]), critical=False)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+        (out / f"{host}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _write_key(out / f"{host}.key", key)
+        written += [out / f"{host}.pem", out / f"{host}.key"]
+    for name in passwords or ():
+        if not (out / name).exists():  # readable by other users: Grafana's container runs as its own
+            (out / name).write_text(security.new_secret() + "\n")
+            (out / name).chmod(0o644)
+            written.append(out / name)
+    token = out / "token"
+    if not token.exists():
+        security.write_secret(token, security.new_secret())
+        written.append(token)
+    return written

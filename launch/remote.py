@@ -1,0 +1,259 @@
+"""`hetpipe run JOB --coordinator HOST:PORT`: the job submitted to a coordinator that runs on its
+own (`hetpipe coordinator`), planned over the workers registered there (`hetpipe worker`),
+followed with the same progress bar as a local run, and its outputs written here, in output.dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from hetpipe import outputs, rpc, security
+from hetpipe.config import ConfigError, JobConfig
+from hetpipe.errors import JobFailed, JobStopped
+from hetpipe.v1 import coordinator_pb2, wire_pb2
+from launch.local import ADDRESS_FILE, STATUS_FILE, follow, write_status
+
+# What a client accepts from a coordinator's Results stream: names, count and sizes bounded, so
+# that a coordinator (or whoever answers at its address) cannot write outside output.dir or fill
+# the disk without limit.
+MAX_RESULT_FILES = 100_000
+MAX_RESULT_BYTES = 1 << 40        # 1 TiB: the weights of the largest models, in safetensors shards
+MAX_NAME_CHARS = 255
+_COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # no ".", "..", hidden names or odd characters
+GIVE_UP_S = 30.0                  # a coordinator silent this long while the job runs is gone
+
+
+class CoordinatorUnreachable(Exception):
+    """The coordinator did not answer (exit 69, as `hetpipe status`)."""
+
+
+def output_path(out_dir: Path, name: str) -> Path:
+    """Where a result file the coordinator names goes: a plain relative path inside out_dir.
+    ValueError for an absolute path, `..`, an empty, hidden or odd component, or a path that a
+    symbolic link would take outside out_dir."""
+    parts = name.split("/")
+    if not name or len(name) > MAX_NAME_CHARS or name.startswith("/") or not all(_COMPONENT.match(p) for p in parts):
+        raise ValueError(f"file name {name[:MAX_NAME_CHARS]!r}: expected a plain relative path of at most "
+                         f"{MAX_NAME_CHARS} characters (letters, digits, '.', '_', '-'; no '..')")
+    path = out_dir.joinpath(*parts)
+    if not path.resolve().is_relative_to(out_dir.resolve()):
+        raise ValueError(f"file name {name!r}: leads outside {out_dir} (a symbolic link)")
+    return path
+
+
+class ResultWriter:
+    """Writes the chunks of a Results stream into out_dir: each file to NAME.part in order, then
+    renamed once its last chunk came. ValueError for a chunk out of order, a name refused by
+    output_path, or more files or bytes than the bounds."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.written: list[str] = []
+        self.total = 0
+        self._name = ""
+        self._path = Path()
+        self._fd = -1
+        self._offset = 0
+
+    def add(self, chunk: coordinator_pb2.OutputChunk) -> None:
+        if chunk.path != self._name:
+            if self._fd >= 0:
+                raise ValueError(f"{self._name}: ended at byte {self._offset} without its last chunk")
+            if chunk.path in self.written:
+                raise ValueError(f"{chunk.path}: sent twice")
+            if len(self.written) >= MAX_RESULT_FILES:
+                raise ValueError(f"more than {MAX_RESULT_FILES} files")
+            self._path = output_path(self.out_dir, chunk.path)
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            part = self._path.with_name(self._path.name + ".part")
+            self._fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            self._name, self._offset = chunk.path, 0
+        if chunk.offset != self._offset:
+            raise ValueError(f"{chunk.path}: a chunk at byte {chunk.offset}, expected {self._offset}")
+        self.total += len(chunk.data)
+        if self.total > MAX_RESULT_BYTES:
+            raise ValueError(f"more than {MAX_RESULT_BYTES} bytes in all")
+        os.write(self._fd, chunk.data)
+        self._offset += len(chunk.data)
+        if chunk.last:
+            os.close(self._fd)
+            self._fd = -1
+            os.replace(self._path.with_name(self._path.name + ".part"), self._path)
+            self.written.append(chunk.path)
+            self._name = ""
+
+    def close(self) -> list[str]:
+        """The files written; ValueError if the stream stopped inside one."""
+        if self._fd >= 0:
+            self.abort()
+            raise ValueError(f"{self._name}: the stream ended at byte {self._offset}, before its last chunk")
+        return self.written
+
+    def abort(self) -> None:
+        """Leaves no half-written file behind."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._path.with_name(self._path.name + ".part").unlink(missing_ok=True)
+
+
+def receive(chunks: Iterable[coordinator_pb2.OutputChunk], out_dir: Path) -> list[str]:
+    """Writes a Results stream into out_dir; returns the names written (ValueError: see ResultWriter)."""
+    writer = ResultWriter(out_dir)
+    try:
+        for chunk in chunks:
+            writer.add(chunk)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def check_remote(job: JobConfig) -> None:
+    """What a job submitted to a coordinator elsewhere cannot do (yet), refused before submitting."""
+    if job.parallel.mode != "hetpipe":
+        raise ConfigError(f"parallel.mode: {job.parallel.mode} runs on this machine only; `hetpipe run "
+                          "--coordinator` runs parallel.mode hetpipe")
+    if job.train.checkpoint_every:
+        raise ConfigError(f"train.checkpoint_every: {job.train.checkpoint_every}, but a job run on a coordinator "
+                          "elsewhere cannot checkpoint yet (each host would keep its part of a cut): set it to 0")
+
+
+def credentials(job: JobConfig, flags: security.Security) -> security.Security:
+    """The job's security section (paths relative to the job file), else the flags (--token-file,
+    --tls-*; their defaults are $HETPIPE_TOKEN_FILE and $HETPIPE_TLS_CERT/KEY/CA)."""
+    if job.security is None:
+        return flags
+    s = job.security
+    return security.Security(**{k: str(job.resolve(getattr(s, k))) if getattr(s, k) else ""
+                                for k in ("cert", "key", "ca", "token_file")})
+
+
+def remote_files(job: JobConfig) -> str:
+    """The files a remote run reads on the coordinator's and the workers' hosts, in one line ('' if none)."""
+    named = []
+    if job.data.name == "npz" and job.data.path:
+        named.append(f"data.path {job.resolve(job.data.path)}")
+    if job.model.init:
+        named.append(f"model.init {job.resolve(job.model.init)}")
+    factories = [f for f in (job.model.factory, job.data.factory, job.data.eval_factory) if f]
+    if factories:
+        named.append(f"the modules of {', '.join(factories)} (from {job.base_dir} or installed)")
+    if not named:
+        return ""
+    return (f"the coordinator and the workers read {'; '.join(named)} on their own hosts: the same paths must "
+            "hold the same files there")
+
+
+def _get_job(stub: rpc.Stub, address: str) -> coordinator_pb2.JobStatus:
+    try:
+        status: coordinator_pb2.JobStatus = rpc.retrying(
+            lambda: stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S), give_up_s=GIVE_UP_S)
+    except grpc.RpcError as exc:
+        raise CoordinatorUnreachable(f"coordinator {address} unreachable: {exc.code().name}: {exc.details()}") from None
+    return status
+
+
+def _submit(stub: rpc.Stub, job: JobConfig, address: str) -> None:
+    try:
+        stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=rpc.CONTROL_DEADLINE_S)
+    except grpc.RpcError as exc:
+        code, details = exc.code(), exc.details()
+        if code in rpc.RETRYABLE:
+            raise CoordinatorUnreachable(f"coordinator {address} unreachable: {code.name}: {details}") from None
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise ConfigError(f"coordinator {address} refused the job: {details}") from None
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            raise ConfigError(f"coordinator {address} refused the job: {details} (give the job a security section, "
+                              "or set HETPIPE_TOKEN_FILE)") from None
+        raise JobFailed(f"coordinator {address} did not take the job: {code.name}: {details}") from None
+
+
+class _Announcer:
+    """Says once where the job was planned, and that emulated workers run at time_scale 1 when the
+    job left cluster.emulate to the coordinator."""
+
+    def __init__(self, job: JobConfig, quiet: bool) -> None:
+        self.job, self.quiet, self.done = job, quiet, False
+
+    def __call__(self, status: coordinator_pb2.JobStatus) -> None:
+        if self.done or not status.plan_json:
+            return
+        self.done = True
+        if self.job.cluster is None and status.emulated:
+            print("hetpipe: the registered workers are emulated GPUs and the job has no cluster section: "
+                  "cluster.emulate time_scale 1 (give a cluster section naming their nodes to choose)", file=sys.stderr)
+        if not self.quiet:
+            stages = json.loads(status.plan_json)
+            print("hetpipe: planned " + "; ".join(f"vw {s['vw']} stage {s['stage']}: {s['gpu']} on {s['node']}"
+                                                  for s in stages), file=sys.stderr)
+
+
+def fetch_results(stub: rpc.Stub, out_dir: Path, address: str) -> list[str]:
+    """The ended job's outputs from the coordinator into out_dir; JobFailed naming what went wrong."""
+    try:
+        return receive(stub.Results(wire_pb2.Empty(), timeout=rpc.DATA_DEADLINE_S), out_dir)
+    except grpc.RpcError as exc:
+        raise JobFailed(f"fetching the outputs from coordinator {address}: {exc.code().name}: {exc.details()}") from None
+    except (ValueError, OSError) as exc:
+        raise JobFailed(f"fetching the outputs from coordinator {address}: {exc}") from None
+
+
+def run_remote(job: JobConfig, address: str, *, quiet: bool = False,
+               flags: security.Security = security.Security()) -> dict[str, Any]:
+    """Runs job on the cluster of the coordinator at address; returns the summary, with the final
+    weights, summary.json, eval.jsonl and status.json in this host's output.dir. Raises ConfigError,
+    JobFailed, JobStopped or CoordinatorUnreachable; Ctrl-C stops the job there too."""
+    check_remote(job)
+    out_dir = Path(job.resolve(job.output.dir))
+    outputs.check_dir(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outputs.clear(out_dir)  # a failed run must not leave an earlier run's results beside its own
+    (out_dir / STATUS_FILE).unlink(missing_ok=True)
+    files = remote_files(job)
+    if files:
+        print(f"hetpipe: {files}", file=sys.stderr)
+    try:
+        with security.using(credentials(job, flags), security.COORDINATOR, "hetpipe run"):
+            return _run_submitted(job, address, out_dir, quiet)
+    except security.SecurityError as exc:
+        raise ConfigError(f"security: {exc}") from None
+
+
+def _run_submitted(job: JobConfig, address: str, out_dir: Path, quiet: bool) -> dict[str, Any]:
+    with rpc.channel(address) as channel:
+        stub = rpc.Stub(channel, "Coordinator")
+        _submit(stub, job, address)
+        (out_dir / ADDRESS_FILE).write_text(address + "\n")  # `hetpipe status/stop --job` find it there
+        try:
+            final = follow(lambda: _get_job(stub, address), quiet=quiet, on_status=_Announcer(job, quiet))
+        except KeyboardInterrupt:
+            try:
+                stub.StopJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            except grpc.RpcError:
+                pass
+            write_status(out_dir, "STOPPED", "interrupted (Ctrl-C)")
+            raise
+        State = coordinator_pb2.JobStatus.State
+        state = State.Name(final.state)
+        try:
+            fetch_results(stub, out_dir, address)
+        except JobFailed as exc:
+            if final.state == State.COMPLETED:
+                write_status(out_dir, "FAILED", str(exc))
+                raise
+            # A failed job may have left nothing to fetch; its own reason is what matters.
+    write_status(out_dir, state, final.reason)
+    if final.state == State.COMPLETED:
+        summary: dict[str, Any] = json.loads(final.summary_json)
+        return summary
+    if final.state == State.STOPPED:
+        raise JobStopped(final.reason)
+    raise JobFailed(final.reason)

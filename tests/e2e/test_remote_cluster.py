@@ -1,0 +1,214 @@
+"""Workers that join from any host, on loopback: `hetpipe coordinator`, two `hetpipe worker` hosts
+and `hetpipe run JOB --coordinator`, each a real process started as a user types it. The outputs
+land in the client's output.dir and equal the reference (O2); a file missing where the workers
+run, and a worker host that dies, fail the job naming the host."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+import yaml
+
+from conftest import BASE_JOB, deep_update
+from hetpipe import outputs, rpc
+from hetpipe.config import load_job
+from hetpipe.reference import initial_model, train_reference
+from hetpipe.v1 import coordinator_pb2, wire_pb2
+
+pytestmark = pytest.mark.timeout(150)
+HETPIPE = [sys.executable, "-m", "launch.cli"]
+REPO = Path(__file__).resolve().parents[2]
+State = coordinator_pb2.JobStatus.State
+
+
+@dataclass
+class Cluster:
+    """A coordinator and worker hosts, each `hetpipe ...` in a session of its own."""
+
+    tmp: Path
+    address: str
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, *args: str) -> None:
+        (self.tmp / name).mkdir(exist_ok=True)
+        with open(self.tmp / f"{name}.log", "wb") as log:
+            self.procs[name] = subprocess.Popen([*HETPIPE, *args], cwd=self.tmp / name, stdin=subprocess.DEVNULL,
+                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                                env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def workers(self) -> list[coordinator_pb2.WorkerList.Entry]:
+        with rpc.channel(self.address) as channel:
+            return list(rpc.Stub(channel, "Coordinator").ListWorkers(wire_pb2.Empty(), timeout=5).workers)
+
+    def registered(self) -> list[coordinator_pb2.WorkerList.Entry]:
+        """workers(), or none while the coordinator is still starting."""
+        try:
+            return self.workers()
+        except grpc.RpcError:
+            return []
+
+    def job(self) -> coordinator_pb2.JobStatus:
+        with rpc.channel(self.address) as channel:
+            status: coordinator_pb2.JobStatus = rpc.Stub(channel, "Coordinator").GetJob(wire_pb2.Empty(), timeout=5)
+            return status
+
+    def kill(self, name: str) -> None:
+        """The host's processes, all of them at once (its session), as a host that dies."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():  # whatever is left of each session, the workers included
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """hosta: an emulated T4 and the parameter-server shard; hostb: an emulated T4."""
+    with socket.socket() as s:  # a port known up front: the three start at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = Cluster(tmp_path, f"127.0.0.1:{port}")
+    try:
+        c.start("coordinator", "coordinator", "--port", str(port), "--heartbeat-interval", "0.5",
+                "--output-root", str(tmp_path / "coordinator" / "runs"), "--data-root", str(tmp_path))
+        c.start("hosta", "worker", "--coordinator", c.address, "--emulate", "t4", "--shards", "1", "--node", "hosta")
+        c.start("hostb", "worker", "--coordinator", c.address, "--emulate", "t4", "--node", "hostb")
+        deadline = time.monotonic() + 60
+        while len([w for w in c.registered() if w.alive]) < 3:
+            for name, proc in c.procs.items():
+                assert proc.poll() is None, c.log(name)
+            assert time.monotonic() < deadline, f"workers did not register: {c.registered()}"
+            time.sleep(0.1)
+        yield c
+    finally:
+        c.stop()
+
+
+def _job_file(tmp_path: Path, name: str, overrides: dict[str, Any]) -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(deep_update(BASE_JOB, overrides)))
+    return path
+
+
+def _run(job: Path, address: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HETPIPE, "run", "-q", str(job), "--coordinator", address], cwd=job.parent,
+                          capture_output=True, text=True, timeout=90)
+
+
+def test_a_job_runs_on_the_registered_hosts_and_its_outputs_come_back(cluster: Cluster, tmp_path: Path) -> None:
+    job_file = _job_file(tmp_path, "job.yaml", {
+        "data": {"eval_fraction": 0.2}, "eval": {"every": 0},
+        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02}, "steps": 20},
+        "parallel": {"virtual_workers": 2, "stages_per_vw": 1, "nm": 1, "D": 0},  # no cluster: the registered one
+    })
+    run = _run(job_file, cluster.address)
+    assert run.returncode == 0, run.stderr + cluster.log("coordinator")
+    assert "cluster.emulate time_scale 1" in run.stderr, run.stderr
+
+    out = tmp_path / "out"  # the client's output.dir
+    assert sorted(p.name for p in out.iterdir()) == ["coordinator.address", "eval.jsonl", "model.safetensors",
+                                                     "status.json", "summary.json"]
+    assert json.loads((out / "status.json").read_text())["state"] == "COMPLETED"
+    summary = json.loads((out / "summary.json").read_text())
+    printed = json.loads(run.stdout.splitlines()[0])
+    assert printed["steps"] == 20 and all(summary[k] == v for k, v in printed.items())
+    assert summary["virtual_workers"] == 2 and summary["ps_shards"] == 1 and summary["emulated"]
+    assert sorted(s["node"] for s in summary["plan"]) == ["hosta", "hostb"]
+    assert [json.loads(line)["final"] for line in (out / "eval.jsonl").read_text().splitlines()] == [True]
+    # O2 across the hosts: the final w_global equals synchronous DP with the 2 updates summed.
+    job = load_job(job_file)
+    got, want, w0 = outputs.read_weights(out), train_reference(job).state_dict(), initial_model(job).state_dict()
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+    assert max(float((want[k] - w0[k]).abs().max()) for k in want) > 1e-3
+    # Written where it ran too; the traces stay on the hosts that wrote them.
+    assert (tmp_path / "coordinator" / "runs" / "out" / "model.safetensors").exists()
+    lines = {host: [len(p.read_text().splitlines()) for p in (tmp_path / host / "runs" / "trace").glob("vw*.jsonl")]
+             for host in ("hosta", "hostb")}
+    assert lines == {"hosta": [20], "hostb": [20]}, lines
+
+    # The same hosts take the next job (fresh processes); a file the workers lack is named with the host.
+    missing = _job_file(tmp_path, "missing.yaml", {"model": {"init": "no-such-init.pt"}, "output": {"dir": "out2"},
+                                                   "parallel": {"virtual_workers": 2, "stages_per_vw": 1}})
+    run = _run(missing, cluster.address)
+    assert run.returncode == 1, run.stderr
+    assert f"model.init: {tmp_path / 'no-such-init.pt'} does not exist" in run.stderr, run.stderr
+    assert re.search(r"stage 0 of vw \d: .*model\.init: .* does not exist \(at 127\.0\.0\.1:\d+ on node host[ab]\)",
+                     run.stderr), run.stderr
+    assert "model.init" in run.stderr.splitlines()[0], "the client says first where the files are read"
+    assert json.loads((tmp_path / "out2" / "status.json").read_text())["state"] == "FAILED"
+
+    # A file outside the coordinator's --data-root is refused at Submit, before anything reads it.
+    outside = load_job(_job_file(tmp_path, "outside.yaml", {"model": {"init": "/etc/hostname"}}))
+    with rpc.channel(cluster.address) as ch:
+        before = rpc.Stub(ch, "Coordinator").GetJob(wire_pb2.Empty(), timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            rpc.Stub(ch, "Coordinator").Submit(coordinator_pb2.SubmitRequest(job_json=outside.to_json()), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--data-root" in err.value.details()
+        assert rpc.Stub(ch, "Coordinator").GetJob(wire_pb2.Empty(), timeout=10) == before
+
+
+def test_a_worker_host_that_dies_fails_the_job_fast_naming_it(cluster: Cluster, tmp_path: Path) -> None:
+    job_file = _job_file(tmp_path, "long.yaml", {
+        "cluster": {"nodes": [{"name": "hosta", "gpus": [{"type": "t4"}]}, {"name": "hostb", "gpus": [{"type": "t4"}]}],
+                    "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.02}},
+        "train": {"steps": 20000}, "parallel": {"virtual_workers": 2, "stages_per_vw": 1, "nm": 1},
+        "output": {"trace": False},
+    })
+    with open(tmp_path / "client.err", "wb") as err_file:
+        client = subprocess.Popen([*HETPIPE, "run", "-q", str(job_file), "--coordinator", cluster.address],
+                                  cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (status := cluster.job()).state != State.RUNNING or status.samples < 5 * 16:
+            assert client.poll() is None and time.monotonic() < deadline, (tmp_path / "client.err").read_text()
+            time.sleep(0.1)
+        (victim,) = [w.info.address for w in cluster.workers()
+                     if w.info.node == "hostb" and w.info.role == coordinator_pb2.WorkerInfo.STAGE_WORKER]
+        cluster.kill("hostb")
+        killed = time.monotonic()
+        code = client.wait(30)
+        took = time.monotonic() - killed
+    finally:
+        if client.poll() is None:
+            os.killpg(client.pid, signal.SIGKILL)
+            client.wait()
+    err = (tmp_path / "client.err").read_text()
+    assert code == 1 and took < 10, (code, took, err)
+    assert re.search(rf"stage 0 of vw \d at {re.escape(victim)} on node hostb: Status failed", err), err
+    assert "forwards and" in err and "Traceback" not in err, err
+    assert cluster.procs["hosta"].poll() is None, "the other host serves on"

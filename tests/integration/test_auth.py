@@ -1,0 +1,172 @@
+"""TLS, tokens and roles against real service processes: without the token, or in plaintext to
+a TLS server, every method of every service is refused and changes nothing; a stage's token may
+not stop a stage or initialise a shard; paths from the network stay inside the output root."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from hetpipe import rpc, security
+from hetpipe.v1 import stage_pb2, wire_pb2
+from launch import certs
+from tests import service_process
+
+pytestmark = pytest.mark.timeout(120)
+SERVICES = {"stage_worker": "Stage", "ps_server": "ParameterServer", "coordinator": "Coordinator"}
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    credentials: security.Security
+    addresses: dict[str, str]      # module -> host:port
+
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("secure")
+    certs.make(tmp / "certs", ["localhost"])
+    credentials = security.Security(cert=str(tmp / "certs/localhost.pem"), key=str(tmp / "certs/localhost.key"),
+                                    ca=str(tmp / "certs/ca.pem"), token_file=str(tmp / "certs/token"))
+    flags = (*security.child_args(credentials), "--output-root", str(tmp / "out"))
+    with security.using(credentials, security.COORDINATOR, "test"):
+        gens = [service_process.start(m, s, tmp, flags) for m, s in SERVICES.items()]
+        try:
+            services = {m: next(g) for m, g in zip(SERVICES, gens)}
+            yield Cluster(tmp, credentials, {m: s.address for m, s in services.items()})
+        finally:
+            for g in gens:
+                g.close()
+
+
+def _empty_request(method: object) -> object:
+    """An empty request of method's kind: no frames for a stream of them."""
+    return iter(()) if method.client_streaming else b""  # type: ignore[attr-defined]
+
+
+def _call_every_method(address: str, service: str, channel: grpc.Channel) -> dict[str, grpc.StatusCode]:
+    """Each method of service called once with an empty request: its status code."""
+    codes = {}
+    for method in rpc.SERVICES[service].methods:
+        kind = f"{'stream' if method.client_streaming else 'unary'}_{'stream' if method.server_streaming else 'unary'}"
+        call = getattr(channel, kind)(f"/{rpc.SERVICES[service].full_name}/{method.name}",
+                                      request_serializer=None, response_deserializer=None)
+        try:
+            reply = call(_empty_request(method), timeout=5)
+            if method.server_streaming:
+                list(reply)
+            codes[method.name] = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            codes[method.name] = exc.code()
+    return codes
+
+
+def _state(cluster: Cluster) -> tuple[object, ...]:
+    """What the refused calls must not change: the stage's, shard's and coordinator's status."""
+    with security.using(cluster.credentials, security.COORDINATOR, "test"):
+        with rpc.channel(cluster.addresses["stage_worker"]) as ch:
+            stage = rpc.Stub(ch, "Stage").Status(stage_pb2.StatusRequest(), timeout=5)
+        with rpc.channel(cluster.addresses["ps_server"]) as ch:
+            shard = rpc.Stub(ch, "ParameterServer").Status(wire_pb2.Empty(), timeout=5)
+        with rpc.channel(cluster.addresses["coordinator"]) as ch:
+            job = rpc.Stub(ch, "Coordinator").GetJob(wire_pb2.Empty(), timeout=5)
+            workers = rpc.Stub(ch, "Coordinator").ListWorkers(wire_pb2.Empty(), timeout=5)
+    return stage.state, stage.vw, shard.SerializeToString(), job.state, len(workers.workers)
+
+
+def test_without_token_every_method_is_unauthenticated_and_changes_nothing(cluster: Cluster) -> None:
+    before = _state(cluster)
+    tls_only = security.Security(cert=cluster.credentials.cert, key=cluster.credentials.key,
+                                 ca=cluster.credentials.ca)
+    with security.using(tls_only, security.COORDINATOR, "test"):
+        for module, service in SERVICES.items():
+            with rpc.channel(cluster.addresses[module]) as ch:
+                codes = _call_every_method(cluster.addresses[module], service, ch)
+            assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, (module, codes)
+            with rpc.channel(cluster.addresses[module]) as ch:  # health stays open: probes need it
+                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert _state(cluster) == before
+
+
+def test_plaintext_to_a_tls_server_fails_the_handshake_for_every_method(cluster: Cluster) -> None:
+    before = _state(cluster)
+    for module, service in SERVICES.items():
+        with grpc.insecure_channel(cluster.addresses[module]) as ch:
+            codes = _call_every_method(cluster.addresses[module], service, ch)
+        assert set(codes.values()) == {grpc.StatusCode.UNAVAILABLE}, (module, codes)
+    assert _state(cluster) == before
+
+
+def test_a_forged_token_is_unauthenticated(cluster: Cluster, tmp_path: Path) -> None:
+    other = tmp_path / "token"
+    security.write_secret(other, security.new_secret())
+    forged = security.Security(cert=cluster.credentials.cert, key=cluster.credentials.key,
+                               ca=cluster.credentials.ca, token_file=str(other))
+    with security.using(forged, security.COORDINATOR, "test"), rpc.channel(cluster.addresses["stage_worker"]) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            rpc.Stub(ch, "Stage").Stop(wire_pb2.Empty(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_stages_token_may_not_stop_a_stage_or_init_a_shard(cluster: Cluster) -> None:
+    before = _state(cluster)
+    with security.using(cluster.credentials, security.STAGE, "vw0-stage1"):
+        with rpc.channel(cluster.addresses["stage_worker"]) as ch:
+            stage = rpc.Stub(ch, "Stage")
+            for call in (lambda: stage.Stop(wire_pb2.Empty(), timeout=5),
+                         lambda: stage.Assign(stage_pb2.StageAssignment(), timeout=5),
+                         lambda: stage.GetWeights(stage_pb2.WeightsRequest(), timeout=5).next()):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+        with rpc.channel(cluster.addresses["ps_server"]) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                rpc.Stub(ch, "ParameterServer").Init(iter(()), timeout=5)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with rpc.channel(cluster.addresses["coordinator"]) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                rpc.Stub(ch, "Coordinator").StopJob(wire_pb2.Empty(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert _state(cluster) == before
+
+
+def test_reflection_lists_the_services_behind_the_token(cluster: Cluster) -> None:
+    with security.using(cluster.credentials, security.COORDINATOR, "test"), \
+            rpc.channel(cluster.addresses["ps_server"]) as ch:
+        assert "hetpipe.v1.ParameterServer" in set(ProtoReflectionDescriptorDatabase(ch).get_services())
+    tls_only = security.Security(cert=cluster.credentials.cert, key=cluster.credentials.key, ca=cluster.credentials.ca)
+    with security.using(tls_only, security.COORDINATOR, "test"), rpc.channel(cluster.addresses["ps_server"]) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(ProtoReflectionDescriptorDatabase(ch).get_services())
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_assign_may_not_write_outside_the_output_root(cluster: Cluster) -> None:
+    victim = cluster.tmp / "victim.txt"
+    victim.write_text("keep me")
+    with security.using(cluster.credentials, security.COORDINATOR, "test"), \
+            rpc.channel(cluster.addresses["stage_worker"]) as ch:
+        for field in ("trace_path", "checkpoint_dir"):
+            with pytest.raises(grpc.RpcError) as err:
+                rpc.Stub(ch, "Stage").Assign(stage_pb2.StageAssignment(**{field: str(victim)}), timeout=5)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "output root" in err.value.details()
+    assert victim.read_text() == "keep me"
+
+
+def test_a_service_refuses_to_serve_beyond_loopback_without_a_token(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "ps_server", "--host", "0.0.0.0", "--port", "0"],
+                          capture_output=True, text=True, timeout=60, cwd=service_process.REPO)
+    assert proc.returncode == 2
+    assert "--token-file" in proc.stderr and "--insecure" in proc.stderr

@@ -1,0 +1,76 @@
+"""`hetpipe worker`'s flags and devices (launch/worker.py): which stage workers a host starts, the
+GPU each is pinned to and the type it registers with; what it refuses before starting anything."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hetpipe.config import ConfigError
+from launch import worker
+
+GiB = 1 << 30
+
+
+def _config(*flags: str) -> worker.WorkerConfig:
+    ap = argparse.ArgumentParser()
+    worker.add_flags(ap)
+    return worker.config(ap.parse_args(["--coordinator", "hosta:50050", *flags]))
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process sees two CUDA devices, the system's 3 and 5: an H100 and a card not in the catalog."""
+    props = [SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * GiB),
+             SimpleNamespace(name="Some Future GPU", total_memory=8 * GiB)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+
+
+def test_each_gpu_gets_a_worker_pinned_to_it_and_registered_as_its_catalog_type(two_gpus: None) -> None:
+    devices = worker.stage_devices(_config())
+    assert [(d.gpu_type, d.env) for d in devices] == [("h100-80gb", {"CUDA_VISIBLE_DEVICES": "3"}),
+                                                      ("", {"CUDA_VISIBLE_DEVICES": "5"})]
+    assert "not in the catalog" in devices[1].label
+    assert [d.env for d in worker.stage_devices(_config("--gpus", "1"))] == [{"CUDA_VISIBLE_DEVICES": "5"}]
+    with pytest.raises(ConfigError, match="this host has 2 visible CUDA devices"):
+        worker.stage_devices(_config("--gpus", "0,2"))
+
+
+def test_emulated_workers_see_no_gpu(two_gpus: None) -> None:
+    devices = worker.stage_devices(_config("--emulate", "titan-v", "--count", "3"))
+    assert [(d.gpu_type, d.env) for d in devices] == [("titan-v", {"CUDA_VISIBLE_DEVICES": ""})] * 3
+
+
+def test_without_a_gpu_one_generic_cpu_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (d,) = worker.stage_devices(_config())
+    assert d.gpu_type == "" and d.label.startswith("cpu")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--gpus", "0,x"), "--gpus 0,x: expected device indices"),
+    (("--gpus", "1,1"), "distinct device indices"),
+    (("--emulate", "gtx-9999"), "--emulate gtx-9999: expected one of"),
+    (("--count", "2"), "--count: only with --emulate"),
+    (("--shards", "-1"), "expected numbers >= 0"),
+])
+def test_bad_flags_are_refused_naming_them(flags: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _config(*flags)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ((), "reachable from this host only"),                          # loopback, the coordinator elsewhere
+    (("--host", "0.0.0.0"), "without --token-file"),                # open to anyone
+])
+def test_what_cannot_work_or_would_be_open_is_refused_before_starting(flags: tuple[str, ...], message: str) -> None:
+    cfg = _config(*flags)
+    with pytest.raises(ConfigError, match=message):
+        worker.check_reachable(cfg, worker.Launcher(cfg, root=Path(".")).advertise_host)

@@ -1,0 +1,102 @@
+"""Role tokens, the method table and `hetpipe certs`: pure checks, no processes."""
+
+from __future__ import annotations
+
+import ipaddress
+import stat
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from hetpipe import security
+from launch import certs
+
+SECRET = "s" * 20
+ROLES = (security.COORDINATOR, security.STAGE, security.SEED, security.SHARD)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_minted_token_identifies_its_role_and_nothing_forged_does(role: str) -> None:
+    token = security.mint(SECRET, role, "vw0-stage1")
+    assert security.identify(SECRET, token) == (role, "vw0-stage1")
+    prefix, _, subject, mac = token.split(".")
+    others = [r for r in ROLES if r != role]
+    forged = [
+        f"{prefix}.{others[0]}.{subject}.{mac}",             # another role, same MAC
+        f"{prefix}.{role}.vw1-stage0.{mac}",                  # another subject
+        f"{prefix}.{role}.{subject}.{mac[:-1]}A",             # a changed MAC
+        security.mint("t" * 20, role, "vw0-stage1"),          # another cluster's secret
+        f"{prefix}.admin.{subject}.{security._mac(SECRET, 'admin', subject)}",  # a role that does not exist
+        "", SECRET[:-1], f"Bearer {SECRET}",
+    ]
+    assert [security.identify(SECRET, f) for f in forged] == [None] * len(forged)
+
+
+def test_the_secret_itself_is_the_jobs_token() -> None:
+    assert security.identify(SECRET, SECRET) == (security.COORDINATOR, "job token")
+
+
+def test_subjects_are_sanitised_into_the_token() -> None:
+    token = security.mint(SECRET, security.STAGE, "10.0.0.2:50051 / x.y")
+    assert security.identify(SECRET, token) == (security.STAGE, "10-0-0-2:50051---x-y")
+
+
+# (method, roles that may call it): the rules of docs/design.md, written out separately.
+RULES = {
+    "/hetpipe.v1.Stage/Assign": {"coordinator"}, "/hetpipe.v1.Stage/Start": {"coordinator"},
+    "/hetpipe.v1.Stage/Stop": {"coordinator"}, "/hetpipe.v1.Stage/Continue": {"coordinator"},
+    "/hetpipe.v1.Stage/GetWeights": {"coordinator"}, "/hetpipe.v1.Stage/Status": {"coordinator"},
+    "/hetpipe.v1.Stage/Evaluate": {"coordinator"},
+    "/hetpipe.v1.Stage/Forward": {"stage"}, "/hetpipe.v1.Stage/Backward": {"stage"},
+    "/hetpipe.v1.ParameterServer/Init": {"coordinator", "seed"},
+    "/hetpipe.v1.ParameterServer/Push": {"stage"}, "/hetpipe.v1.ParameterServer/Exchange": {"stage"},
+    "/hetpipe.v1.ParameterServer/Pull": {"stage", "coordinator"},
+    "/hetpipe.v1.ParameterServer/Status": {"coordinator"}, "/hetpipe.v1.ParameterServer/Evict": {"coordinator"},
+    "/hetpipe.v1.Coordinator/Register": {"stage", "shard"}, "/hetpipe.v1.Coordinator/Heartbeat": {"stage", "shard"},
+    "/hetpipe.v1.Coordinator/Submit": {"coordinator"}, "/hetpipe.v1.Coordinator/StopJob": {"coordinator"},
+    "/hetpipe.v1.Coordinator/GetJob": {"coordinator"}, "/hetpipe.v1.Coordinator/ListWorkers": {"coordinator"},
+    "/hetpipe.v1.Coordinator/Results": {"coordinator"},
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": set(ROLES),
+}
+
+
+@pytest.mark.parametrize("method", sorted(RULES))
+def test_each_method_admits_exactly_its_roles(method: str) -> None:
+    assert {r for r in ROLES if security.allowed(method, r)} == RULES[method]
+
+
+def test_every_rpc_of_every_service_has_a_rule_here() -> None:
+    from hetpipe import rpc
+
+    names = {f"/{d.full_name}/{m.name}" for d in rpc.SERVICES.values() for m in d.methods}
+    assert names <= set(RULES), names - set(RULES)
+
+
+def test_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(security.SecurityError, match="together"):
+        security.Security(cert="a.pem").check()
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    with pytest.raises(security.SecurityError, match="at least 16"):
+        security.Security(token_file=str(short)).check()
+    with pytest.raises(security.SecurityError, match="cannot be read"):
+        security.Security(token_file=str(tmp_path / "missing")).check()
+
+
+def test_certs_are_issued_by_the_ca_for_their_host_and_keys_are_private(tmp_path: Path) -> None:
+    certs.make(tmp_path, ["n0", "10.13.0.2"], ["coordinator"])
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
+    for host, expected in (("n0", x509.DNSName("n0")), ("10.13.0.2", x509.IPAddress(ipaddress.ip_address("10.13.0.2")))):
+        cert = x509.load_pem_x509_certificate((tmp_path / f"{host}.pem").read_bytes())
+        cert.verify_directly_issued_by(ca)
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert expected in names and x509.DNSName("coordinator") in names
+        assert x509.IPAddress(ipaddress.ip_address("127.0.0.1")) in names
+        assert stat.S_IMODE((tmp_path / f"{host}.key").stat().st_mode) == 0o600
+    token = (tmp_path / "token").read_text()
+    security.Security(token_file=str(tmp_path / "token")).check()
+    n0 = (tmp_path / "n0.pem").read_bytes()
+    assert certs.make(tmp_path, ["n0", "n1"]) == [tmp_path / "n1.pem", tmp_path / "n1.key"]
+    assert (tmp_path / "token").read_text() == token and (tmp_path / "n0.pem").read_bytes() == n0
+    x509.load_pem_x509_certificate((tmp_path / "n1.pem").read_bytes()).verify_directly_issued_by(ca)
