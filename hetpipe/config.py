@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from hetpipe.network import Network
+from hetpipe.security import Security
 from hetpipe.validate import ConfigError, Section, fail, is_number
 
 __all__ = ["ConfigError", "JobConfig", "ResolvedJob", "load_job", "parse_job", "resolve", "with_overrides"]
@@ -145,15 +146,6 @@ class OutputConfig:
     max_shard_bytes: int = 2 << 30   # model.safetensors below this, else model-0000i-of-0000N files
 
 
-@dataclass(frozen=True, slots=True)
-class SecurityConfig:
-    """TLS files and the cluster token (hetpipe.security); paths relative to the job file."""
-    cert: str = ""
-    key: str = ""
-    ca: str = ""
-    token_file: str = ""
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobConfig:
     model: ModelConfig
@@ -163,12 +155,20 @@ class JobConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     eval: EvalConfig | None = None       # None: no evaluation
     cluster: ClusterConfig | None = None
-    security: SecurityConfig | None = None  # None: a local run makes a per-run token
+    security: Security | None = None  # paths relative to the job file; None: a local run makes a per-run token
     base_dir: str = "."  # the job file's folder; relative paths resolve against it
 
     def resolve(self, path: str) -> Path:
         p = Path(path)
         return p if p.is_absolute() else Path(self.base_dir) / p
+
+    def security_files(self) -> Security | None:
+        """security with its paths resolved against the job file's folder."""
+        if self.security is None:
+            return None
+        s = self.security
+        return Security(**{k: str(self.resolve(getattr(s, k))) if getattr(s, k) else ""
+                           for k in ("cert", "key", "ca", "token_file")})
 
     def to_json(self) -> str:
         raw = dataclasses.asdict(self)
@@ -483,17 +483,17 @@ def _check_together(job: JobConfig) -> None:
                               f"{need} GPUs, the cluster has {gpus}")
 
 
-def _parse_security(raw: Any) -> SecurityConfig | None:
+def _parse_security(raw: Any) -> Security | None:
     if raw is None:
         return None
     sec = Section(raw, "security")
     sec.check_known(("tls", "token_file"))
     token = sec.optional_text("token_file") or ""
     if sec.get("tls") is None:
-        return SecurityConfig(token_file=token)
+        return Security(token_file=token)
     tls = sec.section("tls")
     tls.check_known(("cert", "key", "ca"))
-    return SecurityConfig(cert=tls.text("cert"), key=tls.text("key"), ca=tls.text("ca"), token_file=token)
+    return Security(cert=tls.text("cert"), key=tls.text("key"), ca=tls.text("ca"), token_file=token)
 
 
 def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfig:

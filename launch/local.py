@@ -110,11 +110,9 @@ def preflight(job: JobConfig) -> Plan:
 
 def local_security(job: JobConfig, out_dir: Path) -> security.Security:
     """The job's security section, else a fresh per-run token in out_dir (loopback, no TLS)."""
-    if job.security is not None:
-        s = job.security
-        resolved = {k: str(job.resolve(getattr(s, k))) if getattr(s, k) else "" for k in ("cert", "key", "ca",
-                                                                                           "token_file")}
-        return security.Security(**resolved)
+    given = job.security_files()
+    if given is not None:
+        return given
     path = out_dir / TOKEN_FILE
     security.write_secret(path, security.new_secret())
     return security.Security(token_file=str(path))

@@ -129,11 +129,7 @@ def check_remote(job: JobConfig) -> None:
 def credentials(job: JobConfig, flags: security.Security) -> security.Security:
     """The job's security section (paths relative to the job file), else the flags (--token-file,
     --tls-*; their defaults are $HETPIPE_TOKEN_FILE and $HETPIPE_TLS_CERT/KEY/CA)."""
-    if job.security is None:
-        return flags
-    s = job.security
-    return security.Security(**{k: str(job.resolve(getattr(s, k))) if getattr(s, k) else ""
-                                for k in ("cert", "key", "ca", "token_file")})
+    return job.security_files() or flags
 
 
 def remote_files(job: JobConfig) -> str:
