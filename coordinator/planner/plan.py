@@ -144,8 +144,10 @@ def _emulated_model(job: JobConfig, model: torch.nn.Sequential) -> torch.nn.Sequ
 
 
 def default_cache_dir() -> str:
-    """Profiles are cached across runs: measuring a model's layers on this machine takes seconds."""
-    return os.environ.get("HETPIPE_CACHE", str(Path.home() / ".cache" / "hetpipe" / "profiles"))
+    """Profiles are cached across runs: measuring a model's layers on this machine takes seconds.
+    $HETPIPE_CACHE, else under $XDG_CACHE_HOME (a container with a read-only home sets it), else ~/.cache."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return os.environ.get("HETPIPE_CACHE", str(Path(cache) / "hetpipe" / "profiles"))
 
 
 @dataclass(frozen=True, slots=True)
