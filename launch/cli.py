@@ -49,7 +49,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.coordinator:
             summary = remote.run_remote(job, args.coordinator, quiet=args.quiet, flags=security.from_namespace(args))
         else:
-            summary = run_local(job, quiet=args.quiet, resume=args.resume)
+            summary = run_local(job, quiet=args.quiet, resume=args.resume, flags=security.from_namespace(args))
     except (ConfigError, PlanError) as exc:
         _error(str(exc))
         return EXIT_USAGE
@@ -394,7 +394,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--coordinator", metavar="HOST:PORT",
                      help="run on the workers registered with this coordinator (`hetpipe coordinator`, `hetpipe "
                           "worker`) instead of local processes; the outputs come back to output.dir here")
-    security.add_flags(run)  # with --coordinator, unless the job has a security section
+    security.add_flags(run)  # unless the job has a security section; a local run without any makes a per-run token
     run.set_defaults(func=_run)
     sub.add_parser("coordinator", add_help=False,
                    help="serve the control plane on its own, for workers that join from any host "

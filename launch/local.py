@@ -108,9 +108,10 @@ def preflight(job: JobConfig) -> Plan:
     return make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
 
 
-def local_security(job: JobConfig, out_dir: Path) -> security.Security:
-    """The job's security section, else a fresh per-run token in out_dir (loopback, no TLS)."""
-    given = job.security_files()
+def local_security(job: JobConfig, out_dir: Path, flags: security.Security = security.Security()) -> security.Security:
+    """The job's security section, else the command line's (--token-file, --tls-*), else a fresh
+    per-run token in out_dir (loopback, no TLS)."""
+    given = job.security_files() or (flags if flags.token_file or flags.tls else None)
     if given is not None:
         return given
     path = out_dir / TOKEN_FILE
@@ -119,7 +120,7 @@ def local_security(job: JobConfig, out_dir: Path) -> security.Security:
 
 
 def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: float = 1.0,
-              resume: bool = False) -> dict[str, Any]:
+              resume: bool = False, flags: security.Security = security.Security()) -> dict[str, Any]:
     """Trains job on this machine; returns the summary. Stops every process it started. resume:
     from the latest checkpoint in output.dir (ConfigError if there is none)."""
     if job.parallel.mode != "hetpipe":  # the baselines (DESIGN §7): ddp, torch-pipeline
@@ -137,7 +138,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     outputs.clear(out_dir)  # a failed run must not leave an earlier run's results beside its own
     for stale in (TARGETS_FILE, STATUS_FILE):  # an earlier job's endpoints and ending are gone
         (out_dir / stale).unlink(missing_ok=True)
-    credentials = local_security(job, out_dir)
+    credentials = local_security(job, out_dir, flags)
     try:
         credentials.check()
     except security.SecurityError as exc:
@@ -201,7 +202,7 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
         channel.close()
         server.stop()
         metrics_server.close()
-        if job.security is None:
+        if credentials.token_file == str(out_dir / TOKEN_FILE):  # the per-run token, not the user's file
             (out_dir / TOKEN_FILE).unlink(missing_ok=True)
         view = runner.view()
         write_status(out_dir, view.state.name, view.reason)

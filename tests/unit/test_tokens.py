@@ -100,3 +100,15 @@ def test_certs_are_issued_by_the_ca_for_their_host_and_keys_are_private(tmp_path
     assert certs.make(tmp_path, ["n0", "n1"]) == [tmp_path / "n1.pem", tmp_path / "n1.key"]
     assert (tmp_path / "token").read_text() == token and (tmp_path / "n0.pem").read_bytes() == n0
     x509.load_pem_x509_certificate((tmp_path / "n1.pem").read_bytes()).verify_directly_issued_by(ca)
+
+
+def test_a_local_run_takes_the_jobs_security_then_the_flags_then_makes_a_token(make_job, tmp_path: Path) -> None:
+    from launch.local import TOKEN_FILE, local_security
+
+    flags = security.Security(token_file=str(tmp_path / "flag-token"))
+    made = local_security(make_job(), tmp_path)
+    assert made.token_file == str(tmp_path / TOKEN_FILE) and not made.tls
+    assert stat.S_IMODE((tmp_path / TOKEN_FILE).stat().st_mode) == 0o600
+    assert local_security(make_job(), tmp_path, flags) == flags
+    job = make_job({"security": {"token_file": "job-token"}})
+    assert local_security(job, tmp_path, flags) == security.Security(token_file=str(job.resolve("job-token")))
