@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 
 from hetpipe import outputs, rpc, security
@@ -40,10 +39,7 @@ def startup_job(cfg: CoordinatorConfig) -> JobConfig:
     job = load_job(cfg.job)
     if cfg.output_dir:
         job = with_overrides(job, output={"dir": os.path.abspath(cfg.output_dir)})
-    out = job.resolve(job.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / "ps", ignore_errors=True)
-    outputs.clear(out)
+    outputs.start_fresh(job.resolve(job.output.dir), keep_checkpoints=True)
     return job
 
 

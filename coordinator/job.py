@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import shutil
 import socket
 import threading
 import time
@@ -156,11 +155,7 @@ class JobRunner:
         cluster section the registered stage workers as its cluster."""
         if self.output_root is not None:
             job = remote.place_outputs(job, self.output_root)
-            out = Path(job.output.dir)
-            out.mkdir(parents=True, exist_ok=True)
-            for stale in ("ps", outputs.CHECKPOINTS):  # an earlier job's shard and checkpoint state
-                shutil.rmtree(out / stale, ignore_errors=True)
-            outputs.clear(out)
+            outputs.start_fresh(Path(job.output.dir), keep_checkpoints=False)
         if job.cluster is None:
             job = dataclasses.replace(job, cluster=self._registered_cluster(job))
         return job

@@ -29,9 +29,6 @@ class Worker:
     info: coordinator_pb2.WorkerInfo
     last_heartbeat: float
     assigned: str = ""
-    # Served a job (its stages were stopped, its shard holds that job's clocks): never claimed
-    # again. A restarted process registers with a new name (pid) and is fresh.
-    spent: bool = False
 
     @property
     def label(self) -> str:
@@ -72,7 +69,10 @@ class Registry:
     def __init__(self, heartbeat_interval_s: float = 1.0) -> None:
         self.interval = heartbeat_interval_s
         self._workers: dict[str, Worker] = {}
-        self._spent: set[tuple[str, str]] = set()  # (address, name) of processes that served a job
+        # (address, name) of processes that served a job (its stages were stopped, its shard holds
+        # that job's clocks): never claimed again. A restarted process registers with a new name
+        # (pid) and is fresh.
+        self._spent: set[tuple[str, str]] = set()
         self._lock = threading.Condition()
 
     def register(self, info: coordinator_pb2.WorkerInfo) -> str:
@@ -100,7 +100,6 @@ class Registry:
                 worker = Worker(uuid.uuid4().hex[:12], info, time.monotonic())
             # The same process registering again (this registry forgot it) is still spent.
             self._spent = {(a, n) for a, n in self._spent if a != info.address or n == info.name}
-            worker.spent = (info.address, info.name) in self._spent
             self._workers[worker.worker_id] = worker
             self._lock.notify_all()
             return worker.worker_id
@@ -166,11 +165,14 @@ class Registry:
         out = coordinator_pb2.WorkerList()
         for w, silence, alive in self.workers():
             out.workers.add(worker_id=w.worker_id, info=w.info, seconds_since_heartbeat=silence, alive=alive,
-                            assigned=w.assigned, spent=w.spent)
+                            assigned=w.assigned, spent=self._is_spent(w))
         return out
 
     def _claimable(self, w: Worker, role: int) -> bool:
-        return w.info.role == role and not w.assigned and not w.spent and self._alive(w)
+        return w.info.role == role and not w.assigned and not self._is_spent(w) and self._alive(w)
+
+    def _is_spent(self, w: Worker) -> bool:
+        return (w.info.address, w.info.name) in self._spent
 
     def _free(self, role: int) -> list[tuple[str, str, str]]:
         return [(w.info.address, w.info.node, w.info.gpu_type) for w in self._workers.values()
@@ -194,6 +196,5 @@ class Registry:
         with self._lock:
             for w in self._workers.values():
                 if w.assigned:
-                    w.spent = True
                     self._spent.add((w.info.address, w.info.name))
                 w.assigned = ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -97,6 +98,17 @@ def check_dir(out_dir: Path) -> None:
         raise ConfigError(f"output.dir: {out_dir}: cannot write in {existing}: {exc.strerror}") from None
     os.close(fd)
     os.unlink(probe)
+
+
+def start_fresh(out_dir: Path, *, keep_checkpoints: bool) -> None:
+    """Readies out_dir for a new job: made if missing, without an earlier job's shard state (ps/,
+    which a shard would restore) or results, and without its checkpoints unless kept (--resume
+    goes on from them)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out_dir / "ps", ignore_errors=True)
+    if not keep_checkpoints:  # nor may a later --resume take an earlier job's checkpoint
+        shutil.rmtree(out_dir / CHECKPOINTS, ignore_errors=True)
+    clear(out_dir)
 
 
 def clear(out_dir: Path) -> None:

@@ -130,12 +130,8 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     children.warm_up()  # the fork server imports torch while this process plans
     plan = preflight(job)
     out_dir = Path(job.resolve(job.output.dir))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out_dir / "ps", ignore_errors=True)  # a fresh job must not restore an old one's shards
+    outputs.start_fresh(out_dir, keep_checkpoints=resume)
     resume_wave = _resume_wave(out_dir) if resume else 0
-    if not resume:  # nor a later --resume an earlier job's checkpoint
-        shutil.rmtree(out_dir / outputs.CHECKPOINTS, ignore_errors=True)
-    outputs.clear(out_dir)  # a failed run must not leave an earlier run's results beside its own
     for stale in (TARGETS_FILE, STATUS_FILE):  # an earlier job's endpoints and ending are gone
         (out_dir / stale).unlink(missing_ok=True)
     credentials = local_security(job, out_dir, flags)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.trace_rules import Row, by_stage
+from tests.trace_rules import Row, by_stage, neighbour_rows
 
 Event = tuple[float, float, str, int, int]  # start, end, "F" | "B", p, micro
 
@@ -127,19 +127,13 @@ def version_differences(rows: list[Row], vw: int) -> dict[int, int]:
 def check_micro_causality(rows: list[Row]) -> None:
     """Stage q+1 forwards micro-batch (p, m) only after stage q's forward of it ended; stage q's
     backward of a unit starts only after stage q+1's backward of it ended."""
-    stages = by_stage(rows)
-    for (v, q), rs in stages.items():
-        nxt = {r["p"]: r for r in stages.get((v, q + 1), [])}
-        for r in rs:
-            n = nxt.get(r["p"])
-            if n is None:
-                continue
-            ends = {m: e for m, _, e in r["micro_fwd"]}
-            for m, s, _ in n["micro_fwd"]:
-                assert s >= ends[m], f"{_at(n)}: forward of micro-batch {m} before stage {q} sent it"
-            later = {m: e for m, _, e in n["micro_bwd"]}
-            for m, s, _ in r["micro_bwd"]:
-                assert s >= later[m], f"{_at(r)}: backward of micro-batch {m} before stage {q + 1} sent it"
+    for q, r, n in neighbour_rows(rows):
+        ends = {m: e for m, _, e in r["micro_fwd"]}
+        for m, s, _ in n["micro_fwd"]:
+            assert s >= ends[m], f"{_at(n)}: forward of micro-batch {m} before stage {q} sent it"
+        later = {m: e for m, _, e in n["micro_bwd"]}
+        for m, s, _ in r["micro_bwd"]:
+            assert s >= later[m], f"{_at(r)}: backward of micro-batch {m} before stage {q + 1} sent it"
 
 
 def summary_of(v: dict[int, int]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,22 +125,27 @@ def check_order(rows: list[Row]) -> None:
             assert e0 <= s1, f"vw {v} stage {q}: task {n1} started at {s1} while task {n0} ran until {e0}"
 
 
-def check_causality(rows: list[Row]) -> None:
-    """Between neighbour stages: stage q+1 forwards p only after stage q's forward of p ended,
-    and stage q's backward of p starts only after stage q+1's backward of p ended."""
+def neighbour_rows(rows: list[Row]) -> Iterator[tuple[int, Row, Row]]:
+    """(q, r, n) for each minibatch both stage q and stage q+1 of a VW traced: r is q's row, n
+    q+1's."""
     stages = by_stage(rows)
     for (v, q), rs in stages.items():
         nxt = {r["p"]: r for r in stages.get((v, q + 1), [])}
         for r in rs:
-            n = nxt.get(r["p"])
-            if n is None:
-                continue
-            assert n["fwd_start"] >= r["fwd_end"], (
-                f"{_at(n)}: forward started before stage {q} finished the forward that feeds it"
-            )
-            assert r["bwd_start"] >= n["bwd_end"], (
-                f"{_at(r)}: backward started before stage {q + 1} finished the backward that feeds it"
-            )
+            if (n := nxt.get(r["p"])) is not None:
+                yield q, r, n
+
+
+def check_causality(rows: list[Row]) -> None:
+    """Between neighbour stages: stage q+1 forwards p only after stage q's forward of p ended,
+    and stage q's backward of p starts only after stage q+1's backward of p ended."""
+    for q, r, n in neighbour_rows(rows):
+        assert n["fwd_start"] >= r["fwd_end"], (
+            f"{_at(n)}: forward started before stage {q} finished the forward that feeds it"
+        )
+        assert r["bwd_start"] >= n["bwd_end"], (
+            f"{_at(r)}: backward started before stage {q + 1} finished the backward that feeds it"
+        )
 
 
 # ---- L1: at most nm in flight ---------------------------------------------------------------------
