@@ -16,7 +16,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hetpipe import data, models, outputs, rpc, wire
+from hetpipe import data, models, outputs, rpc, shm, wire
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed, StageLost
 from hetpipe.optim import compute_dtype
@@ -41,6 +41,7 @@ class StageHandle:
     stub: rpc.Stub
     last: stage_pb2.StageStatus = field(default_factory=stage_pb2.StageStatus)
     node: str = ""   # the host it registered from, when known
+    host_id: str = ""  # hetpipe.shm.host_id() of its process, when known
 
     @property
     def name(self) -> str:
@@ -75,20 +76,26 @@ class JobDriver:
         resume_wave: int = 0,
         nodes: list[str] | None = None,
         trace_dir: str | None = None,
+        host_ids: list[str] | None = None,
+        ps_host_ids: list[str] | None = None,
     ) -> None:
         """nodes: each stage worker's host, for messages. trace_dir: where the stages write their
-        trace (default output.dir/trace; a job from another host: relative, on each stage's host)."""
+        trace (default output.dir/trace; a job from another host: relative, on each stage's host).
+        host_ids, ps_host_ids: each stage's and shard's shm.host_id(), for parallel.transport
+        (unknown: gRPC only)."""
         self.job = resolved_job(job, plan)
         self.plan = plan
         self.ps_addresses = ps_addresses or []
+        self.ps_host_ids = ps_host_ids or [""] * len(self.ps_addresses)
         self.check_processes = check_processes
         # A shard that stopped answering (index, address, why): True once it is being restarted
         # (a local launcher kills it); False fails the job.
         self.restart_hung_shard: Callable[[int, str, str], bool] = lambda index, address, why: False
         self.stages = []
-        for sp, address, node in zip(plan.stages, stage_addresses, nodes or [""] * len(stage_addresses)):
+        unknown = [""] * len(stage_addresses)
+        for sp, address, node, host in zip(plan.stages, stage_addresses, nodes or unknown, host_ids or unknown):
             ch = rpc.channel(address)
-            self.stages.append(StageHandle(sp, address, ch, rpc.Stub(ch, "Stage"), node=node))
+            self.stages.append(StageHandle(sp, address, ch, rpc.Stub(ch, "Stage"), node=node, host_id=host))
         self.out_dir = Path(job.resolve(job.output.dir))
         self.trace_dir = Path(trace_dir) if trace_dir is not None else self.out_dir / "trace"
         self._ps_channels = [rpc.channel(a) for a in self.ps_addresses]
@@ -110,6 +117,14 @@ class JobDriver:
 
     # ---- setup ---------------------------------------------------------------------------
 
+    def _shared(self, h: StageHandle, host_id: str, other: str) -> bool:
+        """Whether h sends to `other` (a stage or a shard, at host_id) through shared memory."""
+        try:
+            return shm.shared(self.job.parallel.transport, h.host_id, host_id)
+        except ValueError as exc:
+            raise JobFailed(f"parallel.transport is shm, but {h.name} at {h.at} and {other} cannot use it: {exc} "
+                            f"(transport auto uses shared memory where it can, gRPC elsewhere)") from None
+
     def _assignment(self, h: StageHandle, flows: list[TensorShape]) -> stage_pb2.StageAssignment:
         sp, k = h.plan, self.plan.stages_per_vw
         (x_shape, x_dtype), (y_shape, y_dtype) = self.batch
@@ -117,6 +132,7 @@ class JobDriver:
         vw_handles = [s for s in self.stages if s.plan.vw == sp.vw]
         keys = models.parameter_keys(self.model, sp.layer_begin, sp.layer_end)
         trace = str(self.trace_dir / f"vw{sp.vw}_stage{sp.stage}.jsonl") if self.job.output.trace else ""
+        prev, next_ = (vw_handles[sp.stage + d] if 0 <= sp.stage + d < k else None for d in (-1, 1))
         return stage_pb2.StageAssignment(
             vw=sp.vw, stage=sp.stage, num_stages=k, layer_begin=sp.layer_begin, layer_end=sp.layer_end,
             job_json=self.job.to_json(),
@@ -134,6 +150,10 @@ class JobDriver:
             activation_shape=list(act_shape), activation_dtype=wire.wire_dtype(act_dtype),
             output_shape=list(out_shape), output_dtype=wire.wire_dtype(out_dtype),
             checkpoint_dir=str(self.checkpoint_dir or ""), resume_wave=self.resume_wave,
+            prev_shm=prev is not None and self._shared(h, prev.host_id, prev.name),
+            next_shm=next_ is not None and self._shared(h, next_.host_id, next_.name),
+            ps_shm=[self._shared(h, host, f"ps shard {i} at {address}")
+                    for i, (host, address) in enumerate(zip(self.ps_host_ids, self.ps_addresses))],
         )
 
     def setup(self) -> None:

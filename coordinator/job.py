@@ -203,6 +203,7 @@ class JobRunner:
             driver = JobDriver(job, plan, [w.info.address for w in stages],
                                ps_addresses=[w.info.address for w in ps], resume_wave=resume_wave,
                                nodes=[w.info.node for w in stages],
+                               host_ids=[w.info.host_id for w in stages], ps_host_ids=[w.info.host_id for w in ps],
                                # On each stage's host, under its --output-root (`hetpipe worker` runs there).
                                trace_dir="trace" if from_remote else None)
             driver.check_processes = lambda: self._check_alive(driver)  # type: ignore[union-attr]

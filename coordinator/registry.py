@@ -18,7 +18,7 @@ Role = coordinator_pb2.WorkerInfo.Role
 MISSED_HEARTBEATS = 3  # a worker silent this many intervals is dead
 FORGET_AFTER_MISSED = 30  # an unassigned worker silent this many intervals is forgotten
 MAX_WORKERS = 4096
-MAX_FIELD_CHARS = 256  # address, node, device, gpu_type, name
+MAX_FIELD_CHARS = 256  # address, node, device, gpu_type, name, host_id
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
 _DEVICE = re.compile(r"^(cpu|cuda:\d{1,3})$")
 
@@ -38,7 +38,7 @@ class Worker:
 
 def validate(info: coordinator_pb2.WorkerInfo) -> None:
     """Refuses a registration that names no role, a bad address, device or GPU type."""
-    for field in ("address", "node", "device", "gpu_type", "name"):
+    for field in ("address", "node", "device", "gpu_type", "name", "host_id"):
         if len(getattr(info, field)) > MAX_FIELD_CHARS:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{field}: {len(getattr(info, field))} characters, at most {MAX_FIELD_CHARS}")

@@ -65,6 +65,8 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         "wait_seconds": sum(h.last.wait_seconds for h in d.stages),
         "wait_idle_seconds": sum(h.last.wait_idle_seconds for h in d.stages),
         "idle_seconds": sum(h.last.idle_seconds for h in d.stages),
+        "transport": job.parallel.transport,
+        "shm_bytes": sum(h.last.shm_bytes for h in d.stages),
         "plan": plan.describe(),
         "mode": job.parallel.mode,
         "schedule": job.parallel.schedule,

@@ -120,6 +120,7 @@ class ParallelConfig:
     sync_args: Mapping[str, Any] = field(default_factory=dict)
     microbatches: int = 1      # schedules gpipe, 1f1b, nf1b (and mode torch-pipeline): micro-batches per minibatch
     on_vw_failure: str = "fail"  # continue: a VW whose stage fails leaves, the others train on
+    transport: str = "auto"    # tensors between processes on one host: auto (shared memory), grpc, shm (required)
 
     @property
     def sync_settings(self) -> SyncSettings:
@@ -228,6 +229,7 @@ SCHEDULES = ("hetpipe", "gpipe", "1f1b", "nf1b")
 MICRO_SCHEDULES = ("gpipe", "1f1b", "nf1b")  # split each minibatch into parallel.microbatches
 FLUSHED_SCHEDULES = ("gpipe", "1f1b")        # one minibatch in flight: its update before the next
 SYNCS = ("wsp", "quorum", "elastic")
+TRANSPORTS = ("auto", "grpc", "shm")
 SYNC_ARGS = {"wsp": (), "quorum": ("quorum",), "elastic": ("alpha", "period")}
 # EA-Pipe's setting for its largest experiment (ImageNet): elastic force 0.1, an exchange after every
 # wave. Its analysis takes 0 < alpha < 1; above 0.5 one exchange overshoots (the replica and the
@@ -384,6 +386,7 @@ def _parse_parallel(p: Section) -> ParallelConfig:
         sync_args=_parse_sync_args(p, p.choice("sync", d.sync, SYNCS)),
         microbatches=p.integer("microbatches", d.microbatches, minimum=1, maximum=1 << 20),
         on_vw_failure=p.choice("on_vw_failure", d.on_vw_failure, ("fail", "continue")),
+        transport=p.choice("transport", d.transport, TRANSPORTS),
     )
 
 

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hetpipe import metrics, rpc, security
+from hetpipe import metrics, rpc, security, shm
 from hetpipe.registration import keep_registered
 from hetpipe.security import Security
 from hetpipe.v1 import coordinator_pb2
@@ -106,6 +106,7 @@ def run_server(
         info = coordinator_pb2.WorkerInfo(
             role=role, address=address, node=flags.node, device=device, gpu_type=flags.gpu_type,
             memory_bytes=memory_bytes, metrics_port=metrics_port, name=f"pid {os.getpid()}",
+            host_id=shm.host_id(),
         )
         keep_registered(flags.coordinator, info, stopped)
     if flags.ready_file:
@@ -133,5 +134,6 @@ def return_large_buffers() -> None:
 
 def exit_now() -> None:
     """Everything is flushed and closed; interpreter teardown of torch and gRPC only adds seconds."""
+    shm.unlink_owned()
     logging.shutdown()
     os._exit(0)

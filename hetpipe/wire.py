@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
+from hetpipe import shm
 from hetpipe.errors import Rejected
 from hetpipe.v1 import wire_pb2
 
@@ -125,16 +126,23 @@ def encode(
     commit: wire_pb2.CommitTag | None = None,
     exchange: wire_pb2.ExchangeTag | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    ring: shm.Ring | None = None,
 ) -> Iterator[bytes]:
     """The frames of one tensor bundle, serialized: the first carries the header and metas.
 
     Byte for byte what the TensorFrame messages serialize to, but each payload is copied once,
     straight from the tensor into the outgoing message, instead of through a protobuf object.
     Calls and replies that carry them skip gRPC's serializer (hetpipe.rpc registers and calls
-    every TensorFrame stream that way).
+    every TensorFrame stream that way). With a ring (a peer on this host), the bytes go into its
+    next shared-memory slot instead and the one frame carries the handle.
     """
-    # Field 9 is the highest-numbered field, so appending it keeps the canonical field order.
-    head: bytes | None = _first_frame(tensors, minibatch, push, init, pull, commit, exchange).SerializeToString()
+    first = _first_frame(tensors, minibatch, push, init, pull, commit, exchange)
+    if ring is not None:
+        first.shm.CopyFrom(ring.write([_raw_bytes(t) for _, t in tensors]))
+        yield first.SerializeToString()
+        return
+    # Field 9 is the highest-numbered field written here, so appending it keeps the canonical order.
+    head: bytes | None = first.SerializeToString()
     for piece in _pieces(tensors, chunk_bytes):
         yield b"".join((head or b"", _DATA_TAG_BYTE, _varint(len(piece)), piece))
         head = None
@@ -241,11 +249,36 @@ class Stream:
         return [m.name for m in self.header.tensors]
 
 
-def read(frames: Iterable[wire_pb2.TensorFrame | bytes]) -> Stream:
+def _shared(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | bytes], reader: shm.Reader | None,
+            total: int) -> Iterator[memoryview]:
+    """The payload of a bundle whose bytes are in the sender's shared memory; checked once they are read."""
+    if first.data:
+        raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "a frame carries both data and a shared-memory handle")
+    if reader is None:
+        raise WireError(grpc.StatusCode.FAILED_PRECONDITION, "this call takes no shared-memory handles")
+    try:
+        view, mapping = reader.open(first.shm, total)
+    except shm.HandleError as exc:
+        raise WireError(exc.code, str(exc)) from None
+
+    def payloads() -> Iterator[memoryview]:
+        yield view
+        if next(it, None) is not None:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "frames after a shared-memory handle")
+        try:
+            reader.verify(first.shm, mapping)   # the copy is done: was it overwritten meanwhile?
+        except shm.HandleError as exc:
+            raise WireError(exc.code, str(exc)) from None
+
+    return payloads()
+
+
+def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | None = None) -> Stream:
     """Opens one bundle; WireError on any inconsistency, from here or while the pieces are read.
 
     Frames are TensorFrame messages, or their serialized bytes (from a call registered with
     request_deserializer=None), whose data-only frames are then read without a protobuf parse.
+    A bundle in shared memory is read through reader (None: refused with FAILED_PRECONDITION).
     """
     it = iter(frames)
     raw_first = next(it, None)
@@ -259,15 +292,19 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes]) -> Stream:
     header = wire_pb2.TensorFrame()
     header.CopyFrom(first)
     header.ClearField("data")
+    header.ClearField("shm")
     sizes = [s[2] for s in specs]
 
     def payloads() -> Iterator[memoryview]:
+        if first.HasField("shm"):
+            yield from shared
+            return
         yield memoryview(first.data)
         for frame in it:
             payload = _data_only(frame) if isinstance(frame, bytes) else None
             if payload is None:
                 parsed = _parsed(frame)
-                if parsed.tensors or parsed.WhichOneof("header") is not None:
+                if parsed.tensors or parsed.WhichOneof("header") is not None or parsed.HasField("shm"):
                     raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "header fields repeated after the first frame")
                 payload = memoryview(parsed.data)
             yield payload
@@ -293,17 +330,19 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes]) -> Stream:
             raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"byte length {received} does not match the shapes in the header ({total} bytes)")
 
+    # A handle is checked now, before a receiver's check() and allocation: a bad one changes nothing.
+    shared = _shared(first, it, reader, total) if first.HasField("shm") else iter(())
     return Stream(header, specs, pieces())
 
 
 def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu",
-           check: Callable[[Stream], None] | None = None) -> Bundle:
+           check: Callable[[Stream], None] | None = None, reader: shm.Reader | None = None) -> Bundle:
     """Reassembles one bundle into preallocated tensors; raises WireError on any inconsistency.
 
     check(stream) runs once the header is read, before anything is allocated or received: a
     receiver refuses there what it would refuse anyway (an unknown key, a wrong shape), so a
     256 MiB push under a foreign key costs one frame."""
-    stream = read(frames)
+    stream = read(frames, reader)
     if check is not None:
         check(stream)
     tensors = [empty(shape, dtype) for dtype, shape, _ in stream.specs]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from hetpipe import children
+from hetpipe import children, shm
 from hetpipe.children import Child
 from hetpipe.errors import JobFailed
 
@@ -62,6 +62,7 @@ class LocalProcesses:
     def restart(self, proc: Process, timeout: float = 60.0) -> None:
         """Starts a dead process again on the same port, so its peers reconnect to it."""
         proc.ready_file.unlink(missing_ok=True)
+        shm.sweep([proc.popen.pid])  # what a killed process left in /dev/shm
         port = proc.address.rsplit(":", 1)[1]
         proc.popen = children.start([*proc.args, "--port", port], proc.log_path, env=self._environment(),
                                     append=True)
@@ -103,6 +104,8 @@ class LocalProcesses:
     def stop_all(self, grace: float = 3.0) -> None:
         """SIGTERM, then SIGKILL whatever is still alive after grace seconds."""
         children.stop(self.processes, grace)
+        # A process that was killed (or crashed) could not remove its shared-memory segments.
+        shm.sweep(p.popen.pid for p in self.processes)
         self._tmp.cleanup()
 
     def __enter__(self) -> LocalProcesses:

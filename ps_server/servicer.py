@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -11,7 +12,7 @@ from typing import TypeVar
 import grpc
 import torch
 
-from hetpipe import devices, wire
+from hetpipe import devices, shm, wire
 from hetpipe.errors import Rejected
 from hetpipe.rpc import handler
 from hetpipe.v1 import ps_pb2, wire_pb2
@@ -21,6 +22,7 @@ from ps_server.shard import Shard, ShardError, SyncRule
 from ps_server.trace import ShardTrace
 
 R = TypeVar("R")
+MAX_PULL_RINGS = 256  # far more pullers than a job has stages; bounds what a caller can make it keep
 
 _CODES = {
     ShardError.Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -63,6 +65,9 @@ class ShardServicer:
         self.sent_bytes = 0      # pull payloads
         self.index: int | None = None  # this shard's place in the plan, from Init (the `shard` label)
         self.trace = ShardTrace(trace_dir)  # written under self._cv, which every push and pull holds anyway
+        self.reader = shm.Reader()  # pushes from stages on this host
+        # Pull replies to stages on this host, a ring per puller (its VW and keys), the most recent kept.
+        self._pull_rings: OrderedDict[tuple[int, tuple[str, ...]], shm.Ring] = OrderedDict()
 
     def _index_path(self) -> Path | None:
         return None if self.durability is None else self.durability.dir / "shard_index"
@@ -128,7 +133,8 @@ class ShardServicer:
         """A push or an exchange: decoded and checked, then apply(tag, tensors, journal) under the
         lock, which answers (whether it was new, the reply); checkpointed when due, traced."""
         received = time.time()
-        bundle = wire.decode(request_iterator, check=lambda stream: self._check_update(stream, kind))
+        bundle = wire.decode(request_iterator, check=lambda stream: self._check_update(stream, kind),
+                             reader=self.reader)
         tag = getattr(bundle.header, kind)
         durability = self.durability
         # Logged once validated and before it is applied: an acknowledged update survives a kill -9,
@@ -216,7 +222,16 @@ class ShardServicer:
             self.pull_wait_seconds += time.monotonic() - started
             self.sent_bytes += _payload_bytes(result.values)
         tag = wire_pb2.PullTag(c_global=result.c_global, own_clock=result.own_clock, vw_clocks=result.vw_clocks)
-        return wire.encode(result.values, pull=tag)
+        return wire.encode(result.values, pull=tag, ring=self._pull_ring(request.vw, keys) if request.shm else None)
+
+    def _pull_ring(self, vw: int, keys: list[str]) -> shm.Ring:
+        """The ring a puller's replies go through (its keys were checked: at most one per stage)."""
+        with self._cv:
+            ring = self._pull_rings.pop((vw, tuple(keys)), None) or shm.Ring()
+            self._pull_rings[(vw, tuple(keys))] = ring
+            while len(self._pull_rings) > MAX_PULL_RINGS:
+                self._pull_rings.popitem(last=False)[1].close()
+            return ring
 
     @handler
     def Status(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> ps_pb2.ShardStatus:

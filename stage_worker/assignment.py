@@ -97,6 +97,9 @@ class Setup:
     specs: Specs
     checkpoint_dir: str = ""    # where it saves its part of each checkpoint; "" = none
     resume_wave: int = 0        # the checkpoint it starts from (0: the beginning)
+    next_shm: bool = False      # parallel.transport: the next stage shares this host (shared memory)
+    prev_shm: bool = False
+    ps_shm: tuple[bool, ...] = ()  # per shard; () = none shares it
 
     @property
     def first(self) -> bool:
@@ -175,6 +178,8 @@ def validate(a: stage_pb2.StageAssignment, output_root: Path | None = None) -> S
     if (a.stage > 0) != bool(a.prev_address) or (a.stage < k - 1) != bool(a.next_address):
         raise _invalid(f"stage {a.stage} of {k}: needs prev_address exactly when it is not the first stage "
                        f"and next_address exactly when it is not the last")
+    if a.ps_shm and len(a.ps_shm) != len(a.ps_addresses):
+        raise _invalid(f"ps_shm: {len(a.ps_shm)} flags for {len(a.ps_addresses)} shard addresses")
     if any(s >= len(a.ps_addresses) for s in a.key_shards) or (a.key_shards and not a.ps_addresses):
         raise _invalid(f"key_shards: shards {sorted(set(a.key_shards))[-3:]} for {len(a.ps_addresses)} shard addresses")
     if not _DEVICE.match(a.device):
@@ -195,6 +200,8 @@ def validate(a: stage_pb2.StageAssignment, output_root: Path | None = None) -> S
         **{field: float(getattr(a, field)) for field in _SECONDS},
         memory_bytes=a.memory_bytes, capacity_bytes=a.capacity_bytes,
         specs=_specs(a, job.data.batch_size), checkpoint_dir=checkpoint_dir, resume_wave=a.resume_wave,
+        next_shm=a.next_shm and bool(a.next_address), prev_shm=a.prev_shm and bool(a.prev_address),
+        ps_shm=tuple(a.ps_shm),
     )
 
 

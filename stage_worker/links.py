@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from hetpipe import rpc, wire
+from hetpipe import rpc, shm, wire
 from hetpipe.v1 import wire_pb2
 
 
@@ -19,10 +19,10 @@ class Outgoing:
     tag: wire_pb2.MinibatchTag | wire_pb2.CommitTag   # a commit: fp16 verdicts alone, no tensors
     tensors: list[tuple[str, torch.Tensor]]
 
-    def encode(self) -> Iterator[bytes]:
+    def encode(self, ring: shm.Ring | None) -> Iterator[bytes]:
         if isinstance(self.tag, wire_pb2.CommitTag):
-            return wire.encode(self.tensors, commit=self.tag)
-        return wire.encode(self.tensors, minibatch=self.tag)
+            return wire.encode(self.tensors, commit=self.tag, ring=ring)
+        return wire.encode(self.tensors, minibatch=self.tag, ring=ring)
 
     @property
     def what(self) -> str:
@@ -37,14 +37,18 @@ class Link:
     A send that keeps failing for longer than give_up_s calls on_failure with a message naming
     the peer and the minibatch, so a dead neighbour fails the stage fast instead of hanging it.
     With hold_s (an emulated network), each bundle is held that long before it goes out; the one
-    sender thread makes bundles queue behind each other as on a real link.
+    sender thread makes bundles queue behind each other as on a real link. With shared_memory
+    (the peer shares this host), the bytes go through a ring of shared-memory slots and the call
+    carries only their handle; the peer copies them out before it answers, so a slot is free
+    again once the next call is acknowledged.
     """
 
     def __init__(
         self, *, address: str, method: str, peer: str, on_failure: Callable[[str], None],
-        give_up_s: float = 10.0, hold_s: float = 0.0,
+        give_up_s: float = 10.0, hold_s: float = 0.0, shared_memory: bool = False,
     ) -> None:
         self.address, self.method, self.peer = address, method, peer
+        self.ring = shm.Ring() if shared_memory else None
         self._hold_s = hold_s
         self._on_failure = on_failure
         self._give_up_s = give_up_s
@@ -64,6 +68,8 @@ class Link:
         self._queue.put(None)
         self._thread.join(timeout=5)
         self._channel.close()
+        if self.ring is not None:
+            self.ring.close()
 
     @property
     def backlog(self) -> int:
@@ -79,7 +85,7 @@ class Link:
     def _deliver(self, item: Outgoing) -> bool:
         what = "activation" if self.method == "Forward" else "gradient"
         try:
-            rpc.retrying(lambda: self._call(item.encode(), timeout=rpc.DATA_DEADLINE_S),
+            rpc.retrying(lambda: self._call(item.encode(self.ring), timeout=rpc.DATA_DEADLINE_S),
                          give_up_s=self._give_up_s, closing=self._closing)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # else an earlier attempt landed

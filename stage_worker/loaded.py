@@ -146,7 +146,7 @@ class Loaded:
             pull_hold_s=setup.pull_seconds, trace_dir=str(trace.parent) if trace else "",
             trace_name=trace.name if trace else "", repeat_push=faults.from_env().repeat_push, seed=job.train.seed,
             sync=job.parallel.sync, quorum=job.parallel.sync_settings.quorum, alpha=job.parallel.sync_settings.alpha,
-            period=job.parallel.sync_settings.period,
+            period=job.parallel.sync_settings.period, shared_memory=setup.ps_shm,
         )
         callbacks = SyncCallbacks(on_failure=on_failure, wake=wake, next_forward=next_forward,
                                   observe_push=self.observe.push.observe, observe_pull=self.observe.pull.observe)

@@ -104,6 +104,8 @@ class StageCollector(Collector):
         yield by(CounterMetricFamily, "hetpipe_stage_sent_bytes",
                  "Tensor bytes sent: activations (forward) and gradients (backward)",
                  "phase", {"forward": s.sent_forward_bytes, "backward": s.sent_backward_bytes})
+        yield counter("hetpipe_stage_shm_bytes",
+                      "Tensor bytes sent, pushed or pulled through shared memory (parallel.transport)", s.shm_bytes)
         yield counter("hetpipe_stage_pull_wait_seconds", "Seconds forwards were blocked on the clock bound (G2)",
                       s.wait_seconds)
         yield counter("hetpipe_stage_pull_wait_idle_seconds",

@@ -44,6 +44,7 @@ class Progress:
     wait_idle_seconds: float = 0.0      # the part of it with no other task to run
     sent_forward_bytes: int = 0
     sent_backward_bytes: int = 0
+    shm_bytes: int = 0          # of those and of pushes and pulls, what went through shared memory
     clock: int = 0
     min_clock: int = 0
     evals: tuple[EvalResult, ...] = ()  # the last stage of VW 0: evaluations finished so far

@@ -116,9 +116,11 @@ class StageRuntime:
             s, setup = self._s, self._s.setup
             if not setup.last:
                 s.next = Link(address=setup.next_address, method="Forward", hold_s=setup.next_send_seconds,
+                              shared_memory=setup.next_shm,
                               peer=f"stage {setup.stage + 1} of vw {setup.vw}", on_failure=self.fail)
             if not setup.first:
                 s.prev = Link(address=setup.prev_address, method="Backward", hold_s=setup.prev_send_seconds,
+                              shared_memory=setup.prev_shm,
                               peer=f"stage {setup.stage - 1} of vw {setup.vw}", on_failure=self.fail)
             self._to(StageState.RUNNING)
             self._thread = threading.Thread(target=self._loop, args=(s,), name="compute", daemon=True)
@@ -396,6 +398,8 @@ class StageRuntime:
                 wait_idle_seconds=self._wait_idle_seconds,
                 sent_forward_bytes=links[0].bytes_sent if links[0] is not None else 0,
                 sent_backward_bytes=links[1].bytes_sent if links[1] is not None else 0,
+                shm_bytes=s.sync.shm_bytes + sum(link.ring.bytes_written for link in links
+                                                 if link is not None and link.ring is not None),
                 clock=s.sync.clock, min_clock=s.sync.min_clock,
                 evals=tuple(s.evals.totals.results) if s.evals is not None else (),
                 weights_digest=s.compute.digest() if weights_digest else "",

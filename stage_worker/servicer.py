@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from hetpipe import wire
+from hetpipe import shm, wire
 from hetpipe.rpc import handler
 from hetpipe.v1 import stage_pb2, wire_pb2
 from stage_worker.lifecycle import StageState
@@ -33,6 +33,7 @@ def status_message(p: Progress) -> stage_pb2.StageStatus:
     s.forwards_done, s.backwards_done, s.local_version = p.forwards_done, p.backwards_done, p.local_version
     s.in_flight, s.received, s.queue_depth, s.waiting = p.in_flight, p.received, p.queue_depth, p.waiting
     s.cut = p.cut
+    s.shm_bytes = p.shm_bytes
     s.last_loss, s.recent_loss = p.last_loss, p.recent_loss
     s.wait_seconds, s.wait_idle_seconds, s.idle_seconds = p.wait_seconds, p.wait_idle_seconds, p.idle_seconds
     s.compute_seconds = p.compute_seconds
@@ -50,6 +51,7 @@ class StageServicer:
     def __init__(self, runtime: StageRuntime, on_stop: Callable[[], None]) -> None:
         self.runtime = runtime
         self._on_stop = on_stop
+        self.reader = shm.Reader()  # activations and gradients from stages on this host
 
     @handler
     def Assign(self, request: stage_pb2.StageAssignment, context: grpc.ServicerContext) -> wire_pb2.Ack:
@@ -63,12 +65,12 @@ class StageServicer:
 
     @handler
     def Forward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_forward(wire.decode(request_iterator))
+        self.runtime.offer_forward(wire.decode(request_iterator, reader=self.reader))
         return wire_pb2.Ack()
 
     @handler
     def Backward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_backward(wire.decode(request_iterator))
+        self.runtime.offer_backward(wire.decode(request_iterator, reader=self.reader))
         return wire_pb2.Ack()
 
     @handler

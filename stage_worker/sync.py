@@ -51,6 +51,11 @@ class Sync(Protocol):
         ...
 
     @property
+    def shm_bytes(self) -> int:
+        """Tensor bytes pushed or pulled through shared memory (a shard on this host)."""
+        ...
+
+    @property
     def waiting(self) -> bool:
         """A forward is blocked on a pull right now."""
         ...
@@ -113,6 +118,10 @@ class LocalSync:
     @property
     def wait_seconds(self) -> float:
         return 0.0
+
+    @property
+    def shm_bytes(self) -> int:
+        return 0
 
     @property
     def waiting(self) -> bool:

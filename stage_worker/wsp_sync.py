@@ -17,7 +17,7 @@ from typing import IO, Any, TypeVar, cast
 import grpc
 import torch
 
-from hetpipe import outputs, rpc, security, wire
+from hetpipe import outputs, rpc, security, shm, wire
 from hetpipe.v1 import ps_pb2, wire_pb2
 from hetpipe.wsp import g2_decision, merge_pulled, required_min_clock, total_waves, wave_of, waves_included
 from stage_worker.sync import Weights
@@ -50,6 +50,7 @@ class SyncConfig:
     quorum: int = 0                 # quorum: on-time VWs that close a round (0: a majority)
     alpha: float = 0.0              # elastic: the elastic force
     period: int = 1                 # elastic: waves between exchanges
+    shared_memory: tuple[bool, ...] = ()  # per shard: it shares this host, pushes and pulls go through /dev/shm
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,6 +107,10 @@ class WspSync:
         self.shard_of = dict(zip(self.keys, config.key_shards))
         self._channels = [rpc.channel(addr) for addr in config.addresses]
         self._stubs = [rpc.Stub(ch, "ParameterServer") for ch in self._channels]
+        # A shard on this host: pushes through a ring of ours, pull replies through one of its own.
+        shared = config.shared_memory or (False,) * len(config.addresses)
+        self._rings = [shm.Ring() if on else None for on in shared]
+        self._reader = shm.Reader()
         self.total_waves = total_waves(config.steps, config.nm)
         self._acc: dict[int, list[torch.Tensor]] = {}   # own wave -> summed updates not yet in w_global
         self._clock = 0
@@ -240,6 +245,10 @@ class WspSync:
         return self._clock
 
     @property
+    def shm_bytes(self) -> int:
+        return sum(r.bytes_written for r in self._rings if r is not None) + self._reader.bytes_read
+
+    @property
     def wait_seconds(self) -> float:
         with self._lock:
             ongoing = time.monotonic() - self._wait_started if self._wait_started is not None else 0.0
@@ -271,6 +280,9 @@ class WspSync:
         self._pusher.join(timeout=5)
         for ch in self._channels:
             ch.close()
+        for ring in self._rings:
+            if ring is not None:
+                ring.close()
         with self._trace_lock:
             if self._sync_trace is not None:
                 self._sync_trace.close()
@@ -338,10 +350,10 @@ class WspSync:
     def _push(self, shard: int, wave: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """G1: one wave's update to one shard, retried until acknowledged."""
         tag = wire_pb2.PushTag(vw=self.cfg.vw, clock=wave)
-        stub = self._stubs[shard]
+        stub, ring = self._stubs[shard], self._rings[shard]
 
         def call() -> ps_pb2.PushReply:
-            reply: ps_pb2.PushReply = stub.Push(wire.encode(tensors, push=tag), timeout=rpc.DATA_DEADLINE_S)
+            reply: ps_pb2.PushReply = stub.Push(wire.encode(tensors, push=tag, ring=ring), timeout=rpc.DATA_DEADLINE_S)
             return reply
 
         self._retrying(f"push of wave {wave}", shard, PUSH_GIVE_UP_S, call)
@@ -355,10 +367,23 @@ class WspSync:
         started, sent = time.perf_counter(), time.time()
 
         def pull_one(shard: int, idx: list[int]) -> wire.Bundle:
-            request = ps_pb2.PullRequest(vw=self.cfg.vw, keys=[self.keys[i] for i in idx], min_clock=min_clock)
+            request = ps_pb2.PullRequest(vw=self.cfg.vw, keys=[self.keys[i] for i in idx], min_clock=min_clock,
+                                         shm=self._rings[shard] is not None)
             stub = self._stubs[shard]
-            return self._retrying(f"pull for min_clock {min_clock}", shard, PULL_GIVE_UP_S,
-                                  lambda: wire.decode(stub.Pull(request, timeout=PULL_CALL_S)))
+
+            def call() -> wire.Bundle:
+                try:
+                    return wire.decode(stub.Pull(request, timeout=PULL_CALL_S), reader=self._reader)
+                except wire.WireError as exc:
+                    if not request.shm or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                    # The shard reused the slot while we copied it out (it answers pulls in turn
+                    # from a small ring): ask again, this time in gRPC frames.
+                    log.warning("pull reply from shard %d: %s; pulling again over gRPC", shard, exc)
+                    request.shm = False
+                    return wire.decode(stub.Pull(request, timeout=PULL_CALL_S))
+
+            return self._retrying(f"pull for min_clock {min_clock}", shard, PULL_GIVE_UP_S, call)
 
         try:
             groups = self._by_shard()

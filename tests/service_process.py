@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import psutil
 
-from hetpipe import rpc
+from hetpipe import rpc, shm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,5 +55,6 @@ def start(module: str, service: str, tmp: Path, extra: tuple[str, ...] = ()) -> 
     finally:
         proc.kill()
         proc.wait(10)
+        shm.sweep([proc.pid])  # a launcher's duty: kill -9 left its shared-memory segments behind
 
 

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "address", "node", "device", "gpu_type", "memory_bytes", "metrics_port", "name")
+    __slots__ = ("role", "address", "node", "device", "gpu_type", "memory_bytes", "metrics_port", "name", "host_id")
     class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ROLE_UNSPECIFIED: _ClassVar[WorkerInfo.Role]
@@ -26,6 +26,7 @@ class WorkerInfo(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     role: WorkerInfo.Role
     address: str
     node: str
@@ -34,7 +35,8 @@ class WorkerInfo(_message.Message):
     memory_bytes: int
     metrics_port: int
     name: str
-    def __init__(self, role: _Optional[_Union[WorkerInfo.Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., gpu_type: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., metrics_port: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    host_id: str
+    def __init__(self, role: _Optional[_Union[WorkerInfo.Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., gpu_type: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., metrics_port: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hetpipe.v1 import wire_pb2 as hetpipe_dot_v1_dot_wire__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13hetpipe/v1/ps.proto\x12\nhetpipe.v1\x1a\x15hetpipe/v1/wire.proto\":\n\x0bPullRequest\x12\n\n\x02vw\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x11\n\tmin_clock\x18\x03 \x01(\x04\"\x1a\n\x0c\x45victRequest\x12\n\n\x02vw\x18\x01 \x01(\r\"0\n\tPushReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x10\n\x08\x63_global\x18\x02 \x01(\x04\";\n\x07VwClock\x12\n\n\x02vw\x18\x01 \x01(\r\x12\x11\n\tmin_clock\x18\x02 \x01(\x04\x12\x11\n\tmax_clock\x18\x03 \x01(\x04\"\xd3\x02\n\x0bShardStatus\x12\x17\n\x0fvirtual_workers\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x01(\r\x12#\n\x06\x63locks\x18\x03 \x03(\x0b\x32\x13.hetpipe.v1.VwClock\x12\x10\n\x08\x63_global\x18\x04 \x01(\x04\x12\x16\n\x0e\x63lock_distance\x18\x05 \x01(\x04\x12\x1a\n\x12max_clock_distance\x18\x06 \x01(\x04\x12\x16\n\x0epushes_applied\x18\x07 \x01(\x04\x12\x18\n\x10pushes_duplicate\x18\x08 \x01(\x04\x12\x17\n\x0frestored_pushes\x18\t \x01(\x04\x12\x15\n\rvalues_digest\x18\n \x01(\t\x12\x16\n\x0epeak_rss_bytes\x18\x0b \x01(\x04\x12\x0f\n\x07\x65victed\x18\x0c \x03(\r\x12\x0c\n\x04sync\x18\r \x01(\t\x12\x19\n\x11\x65xchanges_applied\x18\x0e \x01(\x04\x32\xe7\x02\n\x0fParameterServer\x12\x32\n\x04Init\x12\x17.hetpipe.v1.TensorFrame\x1a\x0f.hetpipe.v1.Ack(\x01\x12\x38\n\x04Push\x12\x17.hetpipe.v1.TensorFrame\x1a\x15.hetpipe.v1.PushReply(\x01\x12:\n\x04Pull\x12\x17.hetpipe.v1.PullRequest\x1a\x17.hetpipe.v1.TensorFrame0\x01\x12\x34\n\x06Status\x12\x11.hetpipe.v1.Empty\x1a\x17.hetpipe.v1.ShardStatus\x12\x32\n\x05\x45vict\x12\x18.hetpipe.v1.EvictRequest\x1a\x0f.hetpipe.v1.Ack\x12@\n\x08\x45xchange\x12\x17.hetpipe.v1.TensorFrame\x1a\x17.hetpipe.v1.TensorFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13hetpipe/v1/ps.proto\x12\nhetpipe.v1\x1a\x15hetpipe/v1/wire.proto\"G\n\x0bPullRequest\x12\n\n\x02vw\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x11\n\tmin_clock\x18\x03 \x01(\x04\x12\x0b\n\x03shm\x18\x04 \x01(\x08\"\x1a\n\x0c\x45victRequest\x12\n\n\x02vw\x18\x01 \x01(\r\"0\n\tPushReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x10\n\x08\x63_global\x18\x02 \x01(\x04\";\n\x07VwClock\x12\n\n\x02vw\x18\x01 \x01(\r\x12\x11\n\tmin_clock\x18\x02 \x01(\x04\x12\x11\n\tmax_clock\x18\x03 \x01(\x04\"\xd3\x02\n\x0bShardStatus\x12\x17\n\x0fvirtual_workers\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x01(\r\x12#\n\x06\x63locks\x18\x03 \x03(\x0b\x32\x13.hetpipe.v1.VwClock\x12\x10\n\x08\x63_global\x18\x04 \x01(\x04\x12\x16\n\x0e\x63lock_distance\x18\x05 \x01(\x04\x12\x1a\n\x12max_clock_distance\x18\x06 \x01(\x04\x12\x16\n\x0epushes_applied\x18\x07 \x01(\x04\x12\x18\n\x10pushes_duplicate\x18\x08 \x01(\x04\x12\x17\n\x0frestored_pushes\x18\t \x01(\x04\x12\x15\n\rvalues_digest\x18\n \x01(\t\x12\x16\n\x0epeak_rss_bytes\x18\x0b \x01(\x04\x12\x0f\n\x07\x65victed\x18\x0c \x03(\r\x12\x0c\n\x04sync\x18\r \x01(\t\x12\x19\n\x11\x65xchanges_applied\x18\x0e \x01(\x04\x32\xe7\x02\n\x0fParameterServer\x12\x32\n\x04Init\x12\x17.hetpipe.v1.TensorFrame\x1a\x0f.hetpipe.v1.Ack(\x01\x12\x38\n\x04Push\x12\x17.hetpipe.v1.TensorFrame\x1a\x15.hetpipe.v1.PushReply(\x01\x12:\n\x04Pull\x12\x17.hetpipe.v1.PullRequest\x1a\x17.hetpipe.v1.TensorFrame0\x01\x12\x34\n\x06Status\x12\x11.hetpipe.v1.Empty\x1a\x17.hetpipe.v1.ShardStatus\x12\x32\n\x05\x45vict\x12\x18.hetpipe.v1.EvictRequest\x1a\x0f.hetpipe.v1.Ack\x12@\n\x08\x45xchange\x12\x17.hetpipe.v1.TensorFrame\x1a\x17.hetpipe.v1.TensorFrame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hetpipe.v1.ps_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PULLREQUEST']._serialized_start=58
-  _globals['_PULLREQUEST']._serialized_end=116
-  _globals['_EVICTREQUEST']._serialized_start=118
-  _globals['_EVICTREQUEST']._serialized_end=144
-  _globals['_PUSHREPLY']._serialized_start=146
-  _globals['_PUSHREPLY']._serialized_end=194
-  _globals['_VWCLOCK']._serialized_start=196
-  _globals['_VWCLOCK']._serialized_end=255
-  _globals['_SHARDSTATUS']._serialized_start=258
-  _globals['_SHARDSTATUS']._serialized_end=597
-  _globals['_PARAMETERSERVER']._serialized_start=600
-  _globals['_PARAMETERSERVER']._serialized_end=959
+  _globals['_PULLREQUEST']._serialized_end=129
+  _globals['_EVICTREQUEST']._serialized_start=131
+  _globals['_EVICTREQUEST']._serialized_end=157
+  _globals['_PUSHREPLY']._serialized_start=159
+  _globals['_PUSHREPLY']._serialized_end=207
+  _globals['_VWCLOCK']._serialized_start=209
+  _globals['_VWCLOCK']._serialized_end=268
+  _globals['_SHARDSTATUS']._serialized_start=271
+  _globals['_SHARDSTATUS']._serialized_end=610
+  _globals['_PARAMETERSERVER']._serialized_start=613
+  _globals['_PARAMETERSERVER']._serialized_end=972
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PullRequest(_message.Message):
-    __slots__ = ("vw", "keys", "min_clock")
+    __slots__ = ("vw", "keys", "min_clock", "shm")
     VW_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     vw: int
     keys: _containers.RepeatedScalarFieldContainer[str]
     min_clock: int
-    def __init__(self, vw: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., min_clock: _Optional[int] = ...) -> None: ...
+    shm: bool
+    def __init__(self, vw: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., min_clock: _Optional[int] = ..., shm: _Optional[bool] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("vw",)

@@ -126,8 +126,18 @@ class PullTag(_message.Message):
     vw_clocks: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, c_global: _Optional[int] = ..., own_clock: _Optional[_Iterable[int]] = ..., vw_clocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ShmRef(_message.Message):
+    __slots__ = ("name", "version", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
 class TensorFrame(_message.Message):
-    __slots__ = ("minibatch", "push", "init", "pull", "commit", "exchange", "tensors", "data")
+    __slots__ = ("minibatch", "push", "init", "pull", "commit", "exchange", "tensors", "data", "shm")
     MINIBATCH_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +146,7 @@ class TensorFrame(_message.Message):
     EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     minibatch: MinibatchTag
     push: PushTag
     init: InitTag
@@ -144,7 +155,8 @@ class TensorFrame(_message.Message):
     exchange: ExchangeTag
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     data: bytes
-    def __init__(self, minibatch: _Optional[_Union[MinibatchTag, _Mapping]] = ..., push: _Optional[_Union[PushTag, _Mapping]] = ..., init: _Optional[_Union[InitTag, _Mapping]] = ..., pull: _Optional[_Union[PullTag, _Mapping]] = ..., commit: _Optional[_Union[CommitTag, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeTag, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shm: ShmRef
+    def __init__(self, minibatch: _Optional[_Union[MinibatchTag, _Mapping]] = ..., push: _Optional[_Union[PushTag, _Mapping]] = ..., init: _Optional[_Union[InitTag, _Mapping]] = ..., pull: _Optional[_Union[PullTag, _Mapping]] = ..., commit: _Optional[_Union[CommitTag, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeTag, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("message",)

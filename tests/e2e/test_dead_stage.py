@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from hetpipe import rpc
+from hetpipe import rpc, shm
 from hetpipe.v1 import stage_pb2, stage_pb2_grpc, wire_pb2
 from conftest import run_token
 
@@ -103,6 +103,12 @@ class Run:
             self.popen.wait()
 
 
+def segments_of(procs: list[psutil.Process]) -> list[str]:
+    """The shared-memory segments in /dev/shm that these processes created."""
+    pids = {p.pid for p in procs}
+    return [name for name in shm.segments() if int(name.split("-")[1]) in pids]
+
+
 def assert_all_gone(procs: list[psutil.Process]) -> None:
     """Every process exited. One orphaned by the launcher's exit (its fork server) may stay a
     zombie until init reaps it: it has exited and holds nothing."""
@@ -115,6 +121,7 @@ def assert_all_gone(procs: list[psutil.Process]) -> None:
         except psutil.NoSuchProcess:
             pass
     assert not running, f"processes of the job left behind: {running}"
+    assert not segments_of(procs), "shared-memory segments of the job left in /dev/shm"
 
 
 @pytest.fixture
@@ -130,8 +137,10 @@ def test_killed_stage_fails_the_job_fast_and_names_it(run: Run) -> None:
     workers = run.stage_workers()
     assert sorted(workers) == [f"stage {q} of vw 0" for q in range(4)], workers
     everything = run.me.children(recursive=True)
-
     victim = workers["stage 2 of vw 0"]
+    # transport auto on one host: the stages send through shared memory, the victim's included.
+    assert segments_of([victim]) and segments_of([workers["stage 1 of vw 0"]]), shm.segments()
+
     victim.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     code = run.wait_exit(killed_at)

@@ -1,4 +1,5 @@
-"""O1: one VW over gRPC with Nm=1 equals plain single-process training (float64, 1e-9)."""
+"""O1: one VW over gRPC with Nm=1 equals plain single-process training (float64, 1e-9), with the
+stages' tensors in shared memory (parallel.transport shm) and in gRPC frames (grpc)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("k", [2, 3, 4])
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_pipeline_matches_single_process(make_job, tmp_path: Path, k: int, optimizer: str) -> None:
+@pytest.mark.parametrize(("k", "optimizer", "transport"), [
+    (2, "sgd-momentum", "shm"), (2, "sgd-momentum", "grpc"), (2, "adam", "shm"), (3, "sgd-momentum", "grpc"),
+    (3, "adam", "shm"), (4, "sgd-momentum", "shm"), (4, "adam", "grpc"),
+])
+def test_pipeline_matches_single_process(make_job, tmp_path: Path, k: int, optimizer: str, transport: str) -> None:
     # A model.init that differs from the seeded init proves init is honoured.
     init = build(parse_job({"model": {"name": "mlp", "args": {"in_features": 64, "hidden": [32, 32, 32]}},
                             "train": {"seed": 123, "dtype": "float64"}}))
@@ -31,7 +34,7 @@ def test_pipeline_matches_single_process(make_job, tmp_path: Path, k: int, optim
     job = make_job({
         "model": {"init": "init.pt"},
         "train": {"dtype": "float64", "optimizer": OPTIMIZERS[optimizer], "steps": 30},
-        "parallel": {"stages_per_vw": k, "nm": 1},
+        "parallel": {"stages_per_vw": k, "nm": 1, "transport": transport},
         "output": {"trace": False},
     })
     summary = run_local(job, quiet=True)
@@ -39,6 +42,7 @@ def test_pipeline_matches_single_process(make_job, tmp_path: Path, k: int, optim
     want = train_reference(job).state_dict()
     assert sorted(got) == sorted(want), "the safetensors hold every key of the model's state_dict"
     assert len(summary["plan"]) == k
+    assert (summary["shm_bytes"] > 0) == (transport == "shm"), summary["shm_bytes"]
     for key in want:
         assert got[key].dtype == torch.float64
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")

@@ -17,11 +17,14 @@ pytestmark = pytest.mark.timeout(150)
 
 # n=3 also writes the weights split in files of at most 10 kB (a larger tensor gets a file of its
 # own): the transformers convention, model-0000i-of-0000N.safetensors and an index.
-@pytest.mark.parametrize(("n", "max_shard_bytes"), [(2, None), (3, 10_000)])
-def test_wsp_d0_equals_summed_sync_dp(make_job, tmp_path: Path, n: int, max_shard_bytes: int | None) -> None:
+# Pushes, pulls and the stages' tensors through shared memory (shm) or gRPC frames (grpc).
+@pytest.mark.parametrize(("n", "max_shard_bytes", "transport"), [(2, None, "shm"), (2, None, "grpc"), (3, 10_000, "shm")])
+def test_wsp_d0_equals_summed_sync_dp(make_job, tmp_path: Path, n: int, max_shard_bytes: int | None,
+                                      transport: str) -> None:
     job = make_job({
         "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02}, "steps": 20},
-        "parallel": {"virtual_workers": n, "stages_per_vw": 2, "nm": 1, "D": 0, "ps_shards": 2},
+        "parallel": {"virtual_workers": n, "stages_per_vw": 2, "nm": 1, "D": 0, "ps_shards": 2,
+                     "transport": transport},
         "output": {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {},
     })
     summary = run_local(job, quiet=True)
@@ -50,3 +53,4 @@ def test_wsp_d0_equals_summed_sync_dp(make_job, tmp_path: Path, n: int, max_shar
     assert max(float((want[k] - w0[k]).abs().max()) for k in want) > 1e-3
     assert summary["virtual_workers"] == n and summary["ps_shards"] == 2
     assert summary["max_clock_distance"] <= 1  # G4 with D=0
+    assert (summary["shm_bytes"] > 0) == (transport == "shm"), summary["shm_bytes"]

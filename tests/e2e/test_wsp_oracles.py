@@ -52,16 +52,19 @@ def _kill_shard_when_busy(out: Path, done: threading.Event, killed: list[int]) -
 
 
 @pytest.mark.timeout(300)
-def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tmp_path: Path, transport: str) -> None:
     inject_faults(task_delay=(0.0, 0.01), repeat_push=0.3)
     job = make_job({
         "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}, "steps": 60},
-        "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": 2, "D": 1, "ps_shards": 2},
+        "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": 2, "D": 1, "ps_shards": 2,
+                     "transport": transport},
         "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 6}]}],
                     "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.01}},
     })
     out = tmp_path / "out"
-    _, killed = run_beside(job, _kill_shard_when_busy)
+    summary, killed = run_beside(job, _kill_shard_when_busy)
+    assert (summary["shm_bytes"] > 0) == (transport == "shm"), summary["shm_bytes"]
     assert killed, "the shard was never killed: the test proved nothing"
     log = (out / "logs" / "ps_server_0.log").read_text()
     assert "restored" in log, "the restarted shard must restore its checkpoint and push log"

@@ -165,7 +165,7 @@ def _provoke_invalid_argument(coordinator: str, stage: str, shard: str) -> None:
 def test_every_process_exports_the_documented_metrics(make_job) -> None:
     promtool = ensure_promtool()
     docs = contract()
-    assert {k: len(v) for k, v in docs.items()} == {"stage": 17, "ps": 7, "coordinator": 5, "grpc": 2}, docs
+    assert {k: len(v) for k, v in docs.items()} == {"stage": 18, "ps": 7, "coordinator": 5, "grpc": 2}, docs
     job = make_job(JOB)
     out_dir = Path(job.resolve(job.output.dir))
     # `hetpipe run` in its own process, as a user runs it: the coordinator's registry then holds
@@ -302,6 +302,9 @@ def _check_stage(s: Samples, e: Endpoint, docs: dict[str, list[Documented]]) -> 
     sent = "backward" if last else "forward"
     assert s.one("hetpipe_stage_sent_bytes_total", phase=sent, **labels) > 0
     assert s.one("hetpipe_stage_sent_bytes_total", phase="forward" if last else "backward", **labels) == 0
+    # transport auto, every process on this host: what it sent and pushed went through shared memory
+    assert s.one("hetpipe_stage_shm_bytes_total", **labels) >= s.one("hetpipe_stage_sent_bytes_total", phase=sent,
+                                                                      **labels)
     wait = s.one("hetpipe_stage_pull_wait_seconds_total", **labels)
     assert 0 <= s.one("hetpipe_stage_pull_wait_idle_seconds_total", **labels) <= wait + 0.5
     clock = s.one("hetpipe_stage_local_clock", **labels)

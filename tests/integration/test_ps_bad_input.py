@@ -26,9 +26,10 @@ import grpc
 import pytest
 import torch
 
-from hetpipe import rpc, wire
+from hetpipe import rpc, shm, wire
 from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
 from messages import messages
+from shm_handles import forged_handles
 from ps_server.durability import Durability
 from ps_server.servicer import ShardServicer
 from ps_server.shard import Shard
@@ -379,3 +380,37 @@ def test_kill_9_loses_no_acknowledged_push(tmp_path: Path) -> None:
         if ch is not None:
             ch.close()
         shard.stop()
+
+
+def test_bad_shared_memory_handles_are_refused_and_change_nothing(ps: InProcess) -> None:
+    """parallel.transport shm: a push whose bytes a handle names in /dev/shm, and pulls answered
+    through the shard's own segments. A forged, stale or malformed handle is refused before the
+    push is logged or applied; a current one is applied once, like gRPC frames."""
+    c = ps.client
+    before = state(c.status())
+    assert ps.servicer.durability is not None
+    logged = sorted(ps.servicer.durability.log_dir.glob("*.pt"))
+    with forged_handles(delta(0, 2), push=wire_pb2.PushTag(vw=0, clock=2)) as handles:
+        for name, (frames, code, pattern) in handles.bad.items():
+            try:
+                refused(lambda: c.stub.Push(iter(frames), timeout=CALL_S), code, pattern)
+                assert state(c.status()) == before, "a refused handle changed the shard"
+            except AssertionError as exc:
+                raise AssertionError(f"{name}: {exc}") from None
+        assert sorted(ps.servicer.durability.log_dir.glob("*.pt")) == logged, "a refused push was logged"
+        assert not c.stub.Push(iter(handles.good), timeout=CALL_S).duplicate
+    assert c.status().pushes_applied == before[3] + 1
+    for k, d in delta(0, 2):
+        ps.expected[k] = ps.expected[k] + d
+    # A pull through shared memory answers the same values as one in gRPC frames.
+    reader = shm.Reader()
+    request = ps_pb2.PullRequest(vw=1, keys=KEYS, shm=True)
+    first = list(c.stub.Pull(request, timeout=CALL_S))
+    assert len(first) == 1 and first[0].shm.name.startswith(shm.PREFIX)
+    pulled = wire.decode(iter(first), reader=reader).named()
+    for k in KEYS:
+        assert torch.equal(pulled[k], ps.expected[k]), k
+        assert torch.equal(pulled[k], c.pull(1, KEYS).named()[k]), k
+    # Without a reader the client cannot take such an answer: it must ask in gRPC frames.
+    with pytest.raises(wire.WireError, match="takes no shared-memory handles"):
+        wire.decode(iter(first))

@@ -17,8 +17,9 @@ import grpc
 import pytest
 import torch
 
-from hetpipe import rpc
+from hetpipe import rpc, wire
 from hetpipe.v1 import stage_pb2, wire_pb2
+from shm_handles import forged_handles
 from stage_rig import NM, STEPS, Code, Rig, State, frames, middle_stage, refused, unlimited_channel
 
 pytestmark = pytest.mark.timeout(120)
@@ -233,3 +234,22 @@ def test_micro_batches_are_checked_against_the_schedule(make_job, rig: Rig) -> N
                 r"gradient for micro-batch 1 of minibatch 1: expected 0 \(the whole minibatch\)")
         refused(nf1b.stub.Backward, iter(frames([("gradient", g)], 1, stage=2)), Code.INVALID_ARGUMENT,
                 r"gradient: shape \[8, 32\], expected \[16, 32\]")
+
+
+def test_bad_shared_memory_handles_are_refused_and_change_nothing(rig: Rig) -> None:
+    """parallel.transport shm: an activation whose bytes a handle names in /dev/shm. A handle that
+    is forged, stale or malformed is refused before anything is read into the stage; a current
+    one is taken like gRPC frames."""
+    bundle = wire.decode(rig.activation(1))
+    before = rig.snapshot()
+    with forged_handles(bundle.tensors, minibatch=bundle.header.minibatch) as handles:
+        for name, (request, code, match) in handles.bad.items():
+            try:
+                refused(rig.stub.Forward, iter(request), code, match)
+                assert rig.snapshot() == before, "a refused handle changed the stage's state"
+            except AssertionError as exc:
+                raise AssertionError(f"{name}: {exc}") from None
+        rig.stub.Forward(iter(handles.good), timeout=10)
+    rig.wait_until("forwards_done", 1)
+    rig.next.wait_for(1)
+    assert rig.snapshot()["received"] == 1

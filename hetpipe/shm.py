@@ -1,0 +1,263 @@
+"""Same-host fast path: tensor bytes in shared-memory segments, named by a small handle over gRPC.
+
+A sender owns a Ring of segments per peer (files under /dev/shm, `hetpipe-<pid>-<random>`), writes
+a bundle's bytes into the next slot and sends only the handle (name, version, size). The receiver
+maps the segment read-only, copies the bytes out and checks the version again afterwards: the
+slot's version is a seqlock (odd while written), so a handle that is stale, or a slot overwritten
+while it was read, is refused instead of read torn. Nothing the receiver does depends on the
+sender's goodwill: names, owners, sizes and versions are all checked.
+
+Segments are unlinked by their owner when it closes them or exits, and by the launcher for a
+child that was killed (sweep); nothing else removes them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import mmap
+import os
+import re
+import secrets
+import stat
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import grpc
+
+from hetpipe.errors import Rejected
+from hetpipe.v1 import wire_pb2
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "hetpipe-"
+_NAME = re.compile(r"hetpipe-(\d+)-[0-9a-f]{16}")
+_MAGIC = b"HPSHM\x01\x00\x00"
+_HEADER = struct.Struct("<8sQQ")       # magic, version (seqlock: odd while being written), capacity
+HEADER_BYTES = 64                      # data starts on its own cache line
+_PAGE = mmap.PAGESIZE
+
+
+class HandleError(Rejected):
+    """A shared-memory handle refused: INVALID_ARGUMENT (malformed) or FAILED_PRECONDITION (stale, gone)."""
+
+
+def available() -> bool:
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def host_id() -> str:
+    """Equal for two processes exactly when they may share tensors through /dev/shm: same boot of
+    the same kernel, same /dev/shm mount (a container's private one differs) and same network
+    namespace (processes behind different addresses are treated as different hosts). Empty where
+    there is no /dev/shm."""
+    if not available():
+        return ""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        net = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return ""
+    raw = f"{boot}/{os.stat(SHM_DIR).st_dev}/{net}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def shared(transport: str, a: str, b: str) -> bool:
+    """Whether two processes with host ids a and b exchange tensors through shared memory under
+    parallel.transport; ValueError where `shm` is required and they cannot."""
+    same = bool(a) and a == b
+    if transport == "shm" and not same:
+        raise ValueError("they do not share a host's memory" if a and b else "a host identity is unknown")
+    return transport != "grpc" and same
+
+
+# Every segment this process created and has not unlinked: removed at exit, however the process
+# leaves through Python (a kill -9 is the launcher's to sweep).
+_OWNED: set[Path] = set()
+_OWNED_LOCK = threading.Lock()
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    with _OWNED_LOCK:
+        _OWNED.discard(path)
+
+
+@atexit.register
+def unlink_owned() -> None:
+    """Removes every segment this process still owns (exit_now skips atexit, so it calls this)."""
+    with _OWNED_LOCK:
+        owned = list(_OWNED)
+    for path in owned:
+        _unlink(path)
+
+
+def sweep(pids: Iterable[int]) -> list[str]:
+    """Removes the segments of these (ended) processes; returns their names."""
+    removed = []
+    for pid in pids:
+        for path in SHM_DIR.glob(f"{PREFIX}{int(pid)}-*"):
+            if _NAME.fullmatch(path.name):
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+    return removed
+
+
+def segments() -> list[str]:
+    """The names of every hetpipe segment on this host now."""
+    return sorted(p.name for p in SHM_DIR.glob(f"{PREFIX}*") if _NAME.fullmatch(p.name)) if SHM_DIR.is_dir() else []
+
+
+class _Segment:
+    """One writable segment, owned by this process."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        self.path = SHM_DIR / self.name
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with _OWNED_LOCK:
+            _OWNED.add(self.path)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + capacity)
+            self.map = mmap.mmap(fd, HEADER_BYTES + capacity)
+        except OSError:
+            _unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.version = 0
+        self._set_version(0)
+
+    def _set_version(self, version: int) -> None:
+        self.map[: _HEADER.size] = _HEADER.pack(_MAGIC, version, self.capacity)
+
+    def write(self, pieces: Sequence[memoryview]) -> int:
+        """Copies the pieces in order; returns the (even) version that names this content."""
+        self._set_version(self.version + 1)  # odd: a reader that overlaps this write sees it changed
+        pos = HEADER_BYTES
+        for piece in pieces:
+            self.map[pos : pos + len(piece)] = piece
+            pos += len(piece)
+        self.version += 2
+        self._set_version(self.version)
+        return self.version
+
+    def close(self) -> None:
+        _unlink(self.path)
+        self.map.close()
+
+
+class Ring:
+    """A sender's segments for one peer, used in turn: with `slots` of them a slot is rewritten
+    only after that many later bundles, by which time the peer has long copied it out (a sender
+    that waits for each ack needs one; the receiver's version check catches any other case)."""
+
+    def __init__(self, slots: int = 2) -> None:
+        if slots < 1:
+            raise ValueError(f"a ring needs at least one slot, got {slots}")
+        self._slots: list[_Segment | None] = [None] * slots
+        self._turn = 0
+        self._lock = threading.Lock()
+        self.bytes_written = 0
+
+    def write(self, pieces: Sequence[memoryview]) -> wire_pb2.ShmRef:
+        nbytes = sum(len(p) for p in pieces)
+        with self._lock:
+            i = self._turn
+            self._turn = (i + 1) % len(self._slots)
+            segment = self._slots[i]
+            if segment is None or segment.capacity < nbytes:
+                if segment is not None:
+                    segment.close()
+                # Whole pages, with room to grow a little, so a slightly larger bundle reuses it.
+                capacity = -(-max(nbytes + nbytes // 8, _PAGE) // _PAGE) * _PAGE
+                segment = self._slots[i] = _Segment(capacity)
+            version = segment.write(pieces)
+            self.bytes_written += nbytes
+            return wire_pb2.ShmRef(name=segment.name, version=version, nbytes=nbytes)
+
+    def close(self) -> None:
+        with self._lock:
+            for segment in self._slots:
+                if segment is not None:
+                    segment.close()
+            self._slots = [None] * len(self._slots)
+
+
+class Reader:
+    """A receiver's read-only mappings of its peers' segments, the most recently used kept open."""
+
+    def __init__(self, keep: int = 32) -> None:
+        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._keep = keep
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def _map(self, name: str) -> mmap.mmap:
+        with self._lock:
+            found = self._maps.get(name)
+            if found is not None:
+                self._maps.move_to_end(name)
+                return found
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"shared-memory segment {name} does not exist (its owner ended or replaced it)") from None
+        except OSError as exc:
+            raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"shared-memory segment {name} cannot be opened: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"shared-memory segment {name} is not a file of this user")
+            if st.st_size < HEADER_BYTES:
+                raise HandleError(grpc.StatusCode.INVALID_ARGUMENT, f"shared-memory segment {name} has no header")
+            mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._maps[name] = mapped
+            while len(self._maps) > self._keep:
+                self._maps.popitem(last=False)  # views still in use keep their mapping alive
+        return mapped
+
+    def open(self, ref: wire_pb2.ShmRef, nbytes: int) -> tuple[memoryview, mmap.mmap]:
+        """The bundle's bytes, checked against the handle, and their mapping: pass it to
+        verify(ref, mapping) once they are copied."""
+        if not _NAME.fullmatch(ref.name):
+            raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"shared-memory handle names no hetpipe segment: {ref.name[:80]!r}")
+        if ref.version == 0 or ref.version % 2:
+            raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"shared-memory handle of {ref.name}: version {ref.version} is not a written one")
+        if ref.nbytes != nbytes:
+            raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"shared-memory handle of {ref.name} holds {ref.nbytes} bytes, "
+                              f"the shapes in the header {nbytes}")
+        mapped = self._map(ref.name)
+        magic, _, capacity = _HEADER.unpack_from(mapped, 0)
+        if magic != _MAGIC or HEADER_BYTES + capacity > len(mapped):
+            raise HandleError(grpc.StatusCode.INVALID_ARGUMENT, f"shared-memory segment {ref.name} is not a hetpipe segment")
+        if nbytes > capacity:
+            raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"shared-memory handle of {ref.name} claims {nbytes} bytes of a {capacity}-byte segment")
+        _check_version(ref, mapped)
+        return memoryview(mapped)[HEADER_BYTES : HEADER_BYTES + nbytes], mapped
+
+    def verify(self, ref: wire_pb2.ShmRef, mapped: mmap.mmap) -> None:
+        """FAILED_PRECONDITION if the bytes were overwritten while they were copied out."""
+        _check_version(ref, mapped)
+        self.bytes_read += ref.nbytes
+
+
+def _check_version(ref: wire_pb2.ShmRef, mapped: mmap.mmap) -> None:
+    version = _HEADER.unpack_from(mapped, 0)[1]
+    if version != ref.version:
+        raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"stale shared-memory handle: segment {ref.name} holds version {version}, "
+                          f"the handle names {ref.version}")

@@ -1,0 +1,75 @@
+"""Forged, stale and malformed shared-memory handles for one bundle (hetpipe/shm.py), to send a
+stage or a shard: each must be refused with its status and change nothing."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from hetpipe import shm, wire
+from hetpipe.v1 import wire_pb2
+from messages import messages
+
+Code = grpc.StatusCode
+Case = tuple[list[wire_pb2.TensorFrame], grpc.StatusCode, str]   # frames, status, regex of the message
+
+
+@dataclass
+class Handles:
+    bad: dict[str, Case]
+    good: list[wire_pb2.TensorFrame]   # the same bundle, through a handle that is current
+
+
+def _edited(frames: list[wire_pb2.TensorFrame], **ref: Any) -> list[wire_pb2.TensorFrame]:
+    first = wire_pb2.TensorFrame()
+    first.CopyFrom(frames[0])
+    for key, value in ref.items():
+        setattr(first.shm, key, value)
+    return [first]
+
+
+@contextmanager
+def forged_handles(tensors: list[tuple[str, torch.Tensor]], **tag: Any) -> Iterator[Handles]:
+    """The bad handles of a bundle of these tensors under this tag, and a good one; every segment
+    made here is removed on exit."""
+    ring = shm.Ring(slots=1)
+    junk = shm.SHM_DIR / f"{shm.PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    try:
+        stale = messages(wire.encode(tensors, ring=ring, **tag))
+        good = messages(wire.encode(tensors, ring=ring, **tag))   # the one slot moves on: `stale` is
+        nbytes = good[0].shm.nbytes
+        junk.write_bytes(b"\x00not a segment" * 100)
+        grpc_frames = messages(wire.encode(tensors, **tag))
+        both = _edited(good)
+        both[0].data = grpc_frames[0].data
+        bad = {
+            "a path, not a segment name": (_edited(good, name="../../etc/passwd"), Code.INVALID_ARGUMENT,
+                                           "names no hetpipe segment"),
+            "another file in /dev/shm": (_edited(good, name="libpod_lock"), Code.INVALID_ARGUMENT,
+                                         "names no hetpipe segment"),
+            "a segment that does not exist": (_edited(good, name=f"{shm.PREFIX}1-{'0' * 16}"),
+                                              Code.FAILED_PRECONDITION, "does not exist"),
+            "a file that is no segment": (_edited(good, name=junk.name), Code.INVALID_ARGUMENT,
+                                          "is not a hetpipe segment"),
+            "a stale version": (stale, Code.FAILED_PRECONDITION, "stale shared-memory handle"),
+            "a version never written": (_edited(good, version=good[0].shm.version + 1), Code.INVALID_ARGUMENT,
+                                        "is not a written one"),
+            "a future version": (_edited(good, version=good[0].shm.version + 2), Code.FAILED_PRECONDITION,
+                                 "stale shared-memory handle"),
+            "fewer bytes than the shapes": (_edited(good, nbytes=nbytes - 4), Code.INVALID_ARGUMENT,
+                                            f"holds {nbytes - 4} bytes, the shapes in the header {nbytes}"),
+            "data beside the handle": (both, Code.INVALID_ARGUMENT, "both data and a shared-memory handle"),
+            "frames after the handle": (good + [wire_pb2.TensorFrame(data=b"\x00" * 8)], Code.INVALID_ARGUMENT,
+                                        "frames after a shared-memory handle"),
+        }
+        yield Handles(bad, good)
+    finally:
+        ring.close()
+        junk.unlink(missing_ok=True)

@@ -1,0 +1,114 @@
+"""The same-host fast path's segments (hetpipe/shm.py): bundles round-trip through a ring, a slot
+overwritten while read is caught, segments never outlive their owner, and the transport rule."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from hetpipe import shm, wire
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bundle() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [("w", torch.randn(3, 5, generator=g, dtype=torch.float64)), ("empty", torch.zeros(0, 4)),
+            ("bf16", torch.randn(7, generator=g).to(torch.bfloat16)), ("mask", torch.tensor([True, False])),
+            ("ids", torch.arange(6, dtype=torch.int64).view(2, 3))]
+
+
+def test_bundles_round_trip_and_slots_are_reused() -> None:
+    ring, reader = shm.Ring(slots=2), shm.Reader()
+    try:
+        names = []
+        for _ in range(4):
+            frames = list(wire.encode(_bundle(), ring=ring))
+            assert len(frames) == 1, "the bytes travel in shared memory, the call carries one frame"
+            got = wire.decode(frames, reader=reader).tensors
+            assert [n for n, _ in got] == [n for n, _ in _bundle()]
+            for (_, a), (_, b) in zip(got, _bundle()):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+            names.append(wire.decode(frames, reader=reader).header)  # the header carries no handle
+            assert not names[-1].HasField("shm")
+        assert len(shm.segments()) >= 2 and all(s.startswith(f"{shm.PREFIX}{os.getpid()}-") for s in shm.segments())
+        mine = set(shm.segments())
+        list(wire.encode([("big", torch.zeros(1 << 16))], ring=ring))  # larger than the slot: a new segment
+        assert len(set(shm.segments()) - mine) == 1 and len(set(shm.segments()) & mine) == 1
+    finally:
+        ring.close()
+    assert not [s for s in shm.segments() if s.startswith(f"{shm.PREFIX}{os.getpid()}-")]
+
+
+def test_a_slot_overwritten_while_it_is_read_is_refused() -> None:
+    ring, reader = shm.Ring(slots=1), shm.Reader()
+    try:
+        frames = list(wire.encode(_bundle(), ring=ring))
+        stream = wire.read(frames, reader)              # the handle is current when opened ...
+        list(wire.encode(_bundle(), ring=ring))         # ... and the sender reuses the slot meanwhile
+        with pytest.raises(wire.WireError, match="stale shared-memory handle") as info:
+            for _ in stream.pieces:
+                pass
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        ring.close()
+
+
+def test_a_killed_owner_leaves_segments_that_sweep_removes() -> None:
+    """The launcher's part: a process killed with -9 cannot unlink its segments."""
+    code = ("import sys, torch; from hetpipe import shm, wire; r = shm.Ring();"
+            "list(wire.encode([('x', torch.ones(100))], ring=r)); print(shm.segments(), flush=True);"
+            "sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        theirs = [s for s in shm.segments() if s.startswith(f"{shm.PREFIX}{proc.pid}-")]
+        assert len(theirs) == 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert theirs[0] in shm.segments(), "kill -9 leaves the segment behind"
+        assert shm.sweep([os.getpid() + 10**6]) == [] and theirs[0] in shm.segments(), "sweep removes only its pids'"
+        assert shm.sweep([proc.pid]) == theirs
+        assert theirs[0] not in shm.segments()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_an_owner_that_exits_unlinks_its_segments() -> None:
+    code = ("import torch; from hetpipe import shm, service, wire; r = shm.Ring();"
+            "list(wire.encode([('x', torch.ones(100))], ring=r)); print(shm.segments(), flush=True);"
+            "service.exit_now()")   # os._exit: atexit does not run, exit_now must unlink them itself
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    assert f"{shm.PREFIX}" in out.stdout
+    assert not [s for s in shm.segments() if s in out.stdout]
+
+
+@pytest.mark.parametrize(("transport", "a", "b", "want"), [
+    ("auto", "h1", "h1", True), ("auto", "h1", "h2", False), ("auto", "", "", False), ("auto", "h1", "", False),
+    ("grpc", "h1", "h1", False), ("grpc", "h1", "h2", False),
+    ("shm", "h1", "h1", True), ("shm", "h1", "h2", "do not share"), ("shm", "", "h1", "unknown"),
+])
+def test_transport_rule(transport: str, a: str, b: str, want: bool | str) -> None:
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want):
+            shm.shared(transport, a, b)
+    else:
+        assert shm.shared(transport, a, b) is want
+
+
+def test_host_identity_is_shared_by_processes_on_this_host() -> None:
+    here = shm.host_id()
+    there = subprocess.run([sys.executable, "-c", "from hetpipe import shm; print(shm.host_id())"], cwd=REPO,
+                           capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert here and here == there
