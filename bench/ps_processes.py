@@ -41,13 +41,16 @@ def _client_main(conn: Connection) -> None:
 def _client_run(conn: Connection, cfg: dict[str, Any]) -> None:
     import torch
 
-    from hetpipe import rpc, wire
+    from hetpipe import rpc, shm, wire
     from hetpipe.v1 import ps_pb2, wire_pb2
     from stage_worker.wsp_sync import PULL_CALL_S
 
     vw: int = cfg["vw"]
     channels = [rpc.channel(address) for address in cfg["addresses"]]
     stubs = [rpc.Stub(ch, "ParameterServer") for ch in channels]
+    # parallel.transport shm: pushes through a ring per shard, pull replies through the shard's.
+    rings = [shm.Ring() if cfg["shm"] else None for _ in channels]
+    reader = shm.Reader()
     groups: dict[int, list[str]] = {}
     for key, shard in cfg["placement"].items():
         groups.setdefault(shard, []).append(key)
@@ -60,13 +63,13 @@ def _client_run(conn: Connection, cfg: dict[str, Any]) -> None:
         # Exactly WspSync._push's call.
         tag = wire_pb2.PushTag(vw=vw, clock=wave)
         tensors = [(key, update[key]) for key in groups[shard]]
-        reply = stubs[shard].Push(wire.encode(tensors, push=tag), timeout=rpc.DATA_DEADLINE_S)
+        reply = stubs[shard].Push(wire.encode(tensors, push=tag, ring=rings[shard]), timeout=rpc.DATA_DEADLINE_S)
         if reply.duplicate:
             raise RuntimeError(f"vw {vw}: push of wave {wave} to shard {shard} was taken for a duplicate")
 
     def pull(shard: int, min_clock: int) -> float:
         """WspSync._pull's call for one shard; returns the seconds until the first frame arrived."""
-        request = ps_pb2.PullRequest(vw=vw, keys=groups[shard], min_clock=min_clock)
+        request = ps_pb2.PullRequest(vw=vw, keys=groups[shard], min_clock=min_clock, shm=cfg["shm"])
         start = time.perf_counter()
         first: list[float] = []
 
@@ -76,7 +79,7 @@ def _client_run(conn: Connection, cfg: dict[str, Any]) -> None:
                     first.append(time.perf_counter() - start)
                 yield frame
 
-        bundle = wire.decode(timed(stubs[shard].Pull(request, timeout=PULL_CALL_S)))
+        bundle = wire.decode(timed(stubs[shard].Pull(request, timeout=PULL_CALL_S)), reader=reader)
         tag = bundle.header.pull
         if tag.c_global < min_clock:
             raise RuntimeError(f"vw {vw}: pull for min_clock {min_clock} answered at c_global {tag.c_global}")
@@ -105,6 +108,9 @@ def _client_run(conn: Connection, cfg: dict[str, Any]) -> None:
         pool.shutdown()
         for ch in channels:
             ch.close()
+        for ring in rings:
+            if ring is not None:
+                ring.close()
 
 
 class Clients:

@@ -1,4 +1,5 @@
-"""Push+pull throughput of the parameter-server shards (production codec and RPCs) against raw TCP loopback."""
+"""Push+pull throughput of the parameter-server shards (production codec and RPCs), in gRPC frames
+and through shared memory (parallel.transport shm), against raw TCP loopback."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Row:
     n: int
     s: int
     durable: bool
+    shm: bool
     moved: int                 # push + pull payload bytes in the timed rounds
     wall: float
     tcp_wall: float
@@ -57,7 +59,7 @@ class Row:
 
     @property
     def label(self) -> str:
-        return f"N={self.n} S={self.s}" + (" durable" if self.durable else "")
+        return f"N={self.n} S={self.s}" + (" shm" if self.shm else "") + (" durable" if self.durable else "")
 
     @property
     def rate(self) -> float:
@@ -68,7 +70,7 @@ class Row:
         return self.moved / self.tcp_wall
 
 
-def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: int, durable: bool,
+def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: int, durable: bool, shm: bool,
                keys: list[str], rounds: int) -> Row:
     import torch
 
@@ -85,7 +87,7 @@ def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: in
             rpc.Stub(ch, "ParameterServer").Init(
                 wire.encode(tensors, init=wire_pb2.InitTag(virtual_workers=n)), timeout=rpc.DATA_DEADLINE_S)
     conns = clients.conns[:n]
-    cfg = {"addresses": addresses, "placement": place, "elems": elems, "rounds": rounds}
+    cfg = {"addresses": addresses, "placement": place, "elems": elems, "rounds": rounds, "shm": shm}
     for vw, conn in enumerate(conns):
         conn.send(("config", {**cfg, "vw": vw}))
     for conn in conns:
@@ -110,7 +112,7 @@ def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: in
         if (status.pushes_applied, status.pushes_duplicate, status.c_global) != (n * (rounds + 1), 0, rounds + 1):
             raise RuntimeError(f"shard {address}: unexpected state after the run:\n{status}")
     tcp_after = tcp.move(moved - moved // 2)
-    row = Row(n, s, durable, moved, wall, tcp_before[0] + tcp_after[0], client_cpu, shard_cpu,
+    row = Row(n, s, durable, shm, moved, wall, tcp_before[0] + tcp_after[0], client_cpu, shard_cpu,
               tcp_before[1] + tcp_after[1])
     for rounds_of_vw in per_vw:
         for push_s, pull_s, first_s in rounds_of_vw:
@@ -238,15 +240,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vws", type=int, nargs="+", default=list(VWS))
     parser.add_argument("--shards", type=int, nargs="+", default=list(SHARDS))
     parser.add_argument("--no-durable", action="store_true", help="skip the N=1 S=1 row with durability on")
+    parser.add_argument("--transports", nargs="+", default=["grpc", "shm"], choices=["grpc", "shm"],
+                        help="gRPC frames, or shared memory (the shards and VWs share this host)")
     args = parser.parse_args(argv)
     model_mib = args.model_mib or (40 if args.quick else 100)
     rounds = args.rounds or (1 if args.quick else 2)
     keys = key_names(model_mib)
     if not keys or model_mib % KEY_MIB or len(keys) < max(args.shards):
         parser.error(f"--model-mib must be a multiple of {KEY_MIB} with at least one key per shard")
-    configs = [(n, s, False) for s in args.shards for n in args.vws]
+    configs = [(n, s, False, t == "shm") for t in args.transports for s in args.shards for n in args.vws]
     if not args.no_durable:
-        configs.append((1, 1, True))
+        configs += [(1, 1, True, t == "shm") for t in args.transports]
 
     began = time.perf_counter()
     load_start = os.getloadavg()
@@ -263,11 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     tcp: TcpPair | None = None
     try:
         # Each configuration needs fresh shards: Init fixes the VW count and the keys for good.
-        for i, (n, s, durable) in enumerate(configs):
+        for i, (n, s, durable, _) in enumerate(configs):
             sub = workdir / f"config{i}"
             sub.mkdir()
             shard_sets.append(ShardProcs(ctx, s, sub, durable))
-        clients = Clients(ctx, max(n for n, _, _ in configs))
+        clients = Clients(ctx, max(n for n, _, _, _ in configs))
         tcp = TcpPair(ctx, len(keys) * KEY_MIB * MIB)
         clients.wait_started()
         for shards in shard_sets:
@@ -276,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"started {sum(len(p.procs) for p in shard_sets)} shard, {len(clients.procs)} VW and 2 TCP "
               f"processes in {started:.1f}s; load average {load_start[0]:.1f} on {os.cpu_count()} CPUs",
               flush=True)
-        for (n, s, durable), shards in zip(configs, shard_sets):
-            row = run_config(clients, tcp, shards, n, s, durable, keys, rounds)
+        for (n, s, durable, shm), shards in zip(configs, shard_sets):
+            row = run_config(clients, tcp, shards, n, s, durable, shm, keys, rounds)
             shards.close()  # frees its memory before the next configuration
             rows.append(row)
             print(f"  {row.label}: {row.rate / MIB:.0f} MiB/s aggregate, raw TCP {row.tcp_rate / MIB:.0f} MiB/s",

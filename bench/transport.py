@@ -1,4 +1,5 @@
-"""Loopback throughput of the stage-to-stage gRPC path against raw TCP and torch.distributed gloo."""
+"""Same-host throughput of the stage-to-stage paths, gRPC frames and shared memory (parallel.transport
+grpc and shm), against raw TCP and torch.distributed gloo on loopback."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from children import stop_children  # noqa: E402
 
 MIB = 1 << 20
 SIZES_MIB = (1, 16, 64)
-TRANSPORTS = ("grpc", "raw_tcp", "gloo")
+TRANSPORTS = ("grpc", "shm", "raw_tcp", "gloo")
+OURS = ("grpc", "shm")
 # Every receiver allocates a fresh tensor per message with wire.empty, as wire.decode must (the
 # stage keeps what it receives), and every sender sends from one tensor made once: the same
 # policy for all three transports.
@@ -70,14 +72,15 @@ def _grpc_receiver(conn: Connection) -> None:
     server.stop()
 
 
-def _grpc_sender(address: str) -> Callable[[Any], None]:
+def _grpc_sender(address: str, shared_memory: bool = False) -> Callable[[Any], None]:
     from hetpipe.v1 import wire_pb2
     from stage_worker.links import Link, Outgoing
 
     def fail(message: str) -> None:
         raise RuntimeError(message)
 
-    link = Link(address=address, method="Forward", peer="bench receiver", on_failure=fail)
+    link = Link(address=address, method="Forward", peer="bench receiver", on_failure=fail,
+                shared_memory=shared_memory)
     tag = wire_pb2.MinibatchTag(vw=0, minibatch=1, weight_version=0, stage=0)
 
     def send(tensor: Any) -> None:
@@ -193,7 +196,8 @@ def _sender_main(conn: Connection, transport: str, address: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    factory = {"grpc": _grpc_sender, "raw_tcp": _tcp_sender, "gloo": _gloo_sender}[transport]
+    factory = {"grpc": _grpc_sender, "shm": lambda address: _grpc_sender(address, shared_memory=True),
+               "raw_tcp": _tcp_sender, "gloo": _gloo_sender}[transport]
     send = factory(address)
     tensors: dict[int, Any] = {}
     conn.send("ready")
@@ -234,7 +238,7 @@ class Pair:
             address = f"127.0.0.1:{_free_port()}"
             receiver = ctx.Process(target=_gloo_receiver, args=(child_recv, address), daemon=True)
         else:
-            target = _grpc_receiver if transport == "grpc" else _tcp_receiver
+            target = _grpc_receiver if transport in OURS else _tcp_receiver
             receiver = ctx.Process(target=target, args=(child_recv,), daemon=True)
         self.procs = [receiver]
         receiver.start()
@@ -304,12 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     gibs = {key: (key[1] / 1024) / statistics.median(secs) for key, secs in samples.items()}
     print(f"one-directional loopback throughput, median GiB/s ({BUFFER_POLICY})")
     names = [p.transport for p in pairs]
-    ratios = [r for r in ("raw_tcp", "gloo") if "grpc" in names and r in names]
-    header = f"{'size':>8}" + "".join(f"{n:>10}" for n in names) + "".join(f"{'grpc/' + r:>14}" for r in ratios)
+    ratios = [(o, r) for o in OURS for r in ("raw_tcp", "gloo") if o in names and r in names]
+    header = f"{'size':>8}" + "".join(f"{n:>10}" for n in names) + "".join(f"{o + '/' + r:>14}" for o, r in ratios)
     print(header)
     for mib in args.sizes:
         row = f"{str(mib) + ' MiB':>8}" + "".join(f"{gibs[(n, mib)]:>10.2f}" for n in names)
-        row += "".join(f"{gibs[('grpc', mib)] / gibs[(r, mib)]:>14.2f}" for r in ratios)
+        row += "".join(f"{gibs[(o, mib)] / gibs[(r, mib)]:>14.2f}" for o, r in ratios)
         print(row)
     # Wall-clock figures swing with whatever else runs on the machine; CPU time per GiB much less.
     print("CPU seconds per GiB moved, sender + receiver (every thread)")

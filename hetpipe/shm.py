@@ -7,13 +7,16 @@ slot's version is a seqlock (odd while written), so a handle that is stale, or a
 while it was read, is refused instead of read torn. Nothing the receiver does depends on the
 sender's goodwill: names, owners, sizes and versions are all checked.
 
-Segments are unlinked by their owner when it closes them or exits, and by the launcher for a
-child that was killed (sweep); nothing else removes them.
+Segments are unlinked by their owner when it closes them or exits. An owner holds a shared
+flock on each of its segments for as long as it lives, and the kernel drops it when the process
+dies however it dies: sweep() removes exactly the segments nobody holds (a killed process's),
+whatever pid namespace their owner ran in. Launchers sweep when they start and stop processes.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import hashlib
 import mmap
 import os
@@ -23,7 +26,7 @@ import stat
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -34,6 +37,7 @@ from hetpipe.v1 import wire_pb2
 SHM_DIR = Path("/dev/shm")
 PREFIX = "hetpipe-"
 _NAME = re.compile(r"hetpipe-(\d+)-[0-9a-f]{16}")
+_CREATING = ".new"   # a segment being made: locked, then renamed to its name
 _MAGIC = b"HPSHM\x01\x00\x00"
 _HEADER = struct.Struct("<8sQQ")       # magic, version (seqlock: odd while being written), capacity
 HEADER_BYTES = 64                      # data starts on its own cache line
@@ -94,14 +98,26 @@ def unlink_owned() -> None:
         _unlink(path)
 
 
-def sweep(pids: Iterable[int]) -> list[str]:
-    """Removes the segments of these (ended) processes; returns their names."""
+def sweep() -> list[str]:
+    """Removes every hetpipe segment whose owner has ended (no process holds its lock); returns
+    their names. Safe beside live owners: theirs are locked."""
     removed = []
-    for pid in pids:
-        for path in SHM_DIR.glob(f"{PREFIX}{int(pid)}-*"):
-            if _NAME.fullmatch(path.name):
-                path.unlink(missing_ok=True)
-                removed.append(path.name)
+    for path in SHM_DIR.glob(f"{PREFIX}*") if SHM_DIR.is_dir() else []:
+        if not _NAME.fullmatch(path.name.removesuffix(_CREATING)):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its owner lives
+        else:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -117,17 +133,20 @@ class _Segment:
         self.capacity = capacity
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         self.path = SHM_DIR / self.name
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with _OWNED_LOCK:
-            _OWNED.add(self.path)
+        # Made under a name no reader accepts, locked, then renamed: sweep() never sees it unlocked.
+        creating = self.path.with_name(self.name + _CREATING)
+        self._fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, HEADER_BYTES + capacity)
-            self.map = mmap.mmap(fd, HEADER_BYTES + capacity)
+            fcntl.flock(self._fd, fcntl.LOCK_SH)   # held until this process ends
+            os.ftruncate(self._fd, HEADER_BYTES + capacity)
+            self.map = mmap.mmap(self._fd, HEADER_BYTES + capacity)
+            with _OWNED_LOCK:
+                _OWNED.add(self.path)
+            os.rename(creating, self.path)
         except OSError:
-            _unlink(self.path)
+            creating.unlink(missing_ok=True)
+            os.close(self._fd)
             raise
-        finally:
-            os.close(fd)
         self.version = 0
         self._set_version(0)
 
@@ -148,6 +167,7 @@ class _Segment:
     def close(self) -> None:
         _unlink(self.path)
         self.map.close()
+        os.close(self._fd)
 
 
 class Ring:

@@ -42,6 +42,7 @@ class LocalProcesses:
     def __post_init__(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix="hetpipe-")
+        shm.sweep()  # what an earlier run on this host left when it was killed whole (kill -9 of its group)
 
     def spawn(self, module: str, name: str, extra: list[str] | None = None, *, port: int = 0) -> Process:
         """Starts `python -m module` on port (0: any free one; a fixed one when it must be known
@@ -62,7 +63,7 @@ class LocalProcesses:
     def restart(self, proc: Process, timeout: float = 60.0) -> None:
         """Starts a dead process again on the same port, so its peers reconnect to it."""
         proc.ready_file.unlink(missing_ok=True)
-        shm.sweep([proc.popen.pid])  # what a killed process left in /dev/shm
+        shm.sweep()  # what the dead process left in /dev/shm
         port = proc.address.rsplit(":", 1)[1]
         proc.popen = children.start([*proc.args, "--port", port], proc.log_path, env=self._environment(),
                                     append=True)
@@ -105,7 +106,7 @@ class LocalProcesses:
         """SIGTERM, then SIGKILL whatever is still alive after grace seconds."""
         children.stop(self.processes, grace)
         # A process that was killed (or crashed) could not remove its shared-memory segments.
-        shm.sweep(p.popen.pid for p in self.processes)
+        shm.sweep()
         self._tmp.cleanup()
 
     def __enter__(self) -> LocalProcesses:

@@ -55,6 +55,6 @@ def start(module: str, service: str, tmp: Path, extra: tuple[str, ...] = ()) -> 
     finally:
         proc.kill()
         proc.wait(10)
-        shm.sweep([proc.pid])  # a launcher's duty: kill -9 left its shared-memory segments behind
+        shm.sweep()  # a launcher's duty: kill -9 left its shared-memory segments behind
 
 

@@ -3,6 +3,7 @@ overwritten while read is caught, segments never outlive their owner, and the tr
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -26,8 +27,13 @@ def _bundle() -> list[tuple[str, torch.Tensor]]:
             ("ids", torch.arange(6, dtype=torch.int64).view(2, 3))]
 
 
+def _mine() -> set[str]:
+    return {s for s in shm.segments() if s.startswith(f"{shm.PREFIX}{os.getpid()}-")}
+
+
 def test_bundles_round_trip_and_slots_are_reused() -> None:
     ring, reader = shm.Ring(slots=2), shm.Reader()
+    before = _mine()   # in-process servers of earlier tests may own some
     try:
         names = []
         for _ in range(4):
@@ -39,13 +45,13 @@ def test_bundles_round_trip_and_slots_are_reused() -> None:
                 assert a.dtype == b.dtype and torch.equal(a, b)
             names.append(wire.decode(frames, reader=reader).header)  # the header carries no handle
             assert not names[-1].HasField("shm")
-        assert len(shm.segments()) >= 2 and all(s.startswith(f"{shm.PREFIX}{os.getpid()}-") for s in shm.segments())
-        mine = set(shm.segments())
+        ours = _mine() - before
+        assert len(ours) == 2, "two slots, each written twice: two segments"
         list(wire.encode([("big", torch.zeros(1 << 16))], ring=ring))  # larger than the slot: a new segment
-        assert len(set(shm.segments()) - mine) == 1 and len(set(shm.segments()) & mine) == 1
+        assert len(_mine() - before - ours) == 1 and len(_mine() & ours) == 1
     finally:
         ring.close()
-    assert not [s for s in shm.segments() if s.startswith(f"{shm.PREFIX}{os.getpid()}-")]
+    assert _mine() == before
 
 
 def test_a_slot_overwritten_while_it_is_read_is_refused() -> None:
@@ -62,36 +68,45 @@ def test_a_slot_overwritten_while_it_is_read_is_refused() -> None:
         ring.close()
 
 
-def test_a_killed_owner_leaves_segments_that_sweep_removes() -> None:
+def test_sweep_removes_a_killed_owners_segments_and_no_live_ones() -> None:
     """The launcher's part: a process killed with -9 cannot unlink its segments."""
     code = ("import sys, torch; from hetpipe import shm, wire; r = shm.Ring();"
             "list(wire.encode([('x', torch.ones(100))], ring=r)); print(shm.segments(), flush=True);"
             "sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    mine = shm.Ring()
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
     try:
-        assert proc.stdout is not None
-        proc.stdout.readline()
-        theirs = [s for s in shm.segments() if s.startswith(f"{shm.PREFIX}{proc.pid}-")]
-        assert len(theirs) == 1
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        assert theirs[0] in shm.segments(), "kill -9 leaves the segment behind"
-        assert shm.sweep([os.getpid() + 10**6]) == [] and theirs[0] in shm.segments(), "sweep removes only its pids'"
-        assert shm.sweep([proc.pid]) == theirs
-        assert theirs[0] not in shm.segments()
+        list(wire.encode([("x", torch.ones(10))], ring=mine))
+        for proc in procs:
+            assert proc.stdout is not None
+            proc.stdout.readline()
+        theirs = [[s for s in shm.segments() if s.startswith(f"{shm.PREFIX}{p.pid}-")] for p in procs]
+        assert [len(t) for t in theirs] == [1, 1]
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(10)
+        assert theirs[0][0] in shm.segments(), "kill -9 leaves the segment behind"
+        removed = shm.sweep()
+        assert theirs[0][0] in removed and theirs[0][0] not in shm.segments()
+        # The live owners' segments stay, this process's included: their owners hold the lock.
+        assert theirs[1][0] in shm.segments() and _mine() and not set(removed) & _mine()
     finally:
-        proc.kill()
-        proc.wait(10)
+        mine.close()
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+        shm.sweep()
 
 
 def test_an_owner_that_exits_unlinks_its_segments() -> None:
-    code = ("import torch; from hetpipe import shm, service, wire; r = shm.Ring();"
-            "list(wire.encode([('x', torch.ones(100))], ring=r)); print(shm.segments(), flush=True);"
+    code = ("import os, torch; from hetpipe import shm, service, wire; r = shm.Ring();"
+            "list(wire.encode([('x', torch.ones(100))], ring=r));"
+            "print([s for s in shm.segments() if s.startswith(f'hetpipe-{os.getpid()}-')], flush=True);"
             "service.exit_now()")   # os._exit: atexit does not run, exit_now must unlink them itself
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
-    assert f"{shm.PREFIX}" in out.stdout
-    assert not [s for s in shm.segments() if s in out.stdout]
+    theirs = ast.literal_eval(out.stdout)
+    assert len(theirs) == 1
+    assert theirs[0] not in shm.segments()
 
 
 @pytest.mark.parametrize(("transport", "a", "b", "want"), [
