@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -43,8 +44,8 @@ DATA_DEADLINE_S = 120.0
 # thread: RESERVED_THREADS stay for Status and health checks. Legitimate traffic stays far below:
 # one link per neighbour stage, one pull and one push per stage and shard at a time.
 LANES: dict[str, dict[str, int]] = {
-    "Stage": {"Forward": 3, "Backward": 3, "GetWeights": 1, "Evaluate": 1},
-    "ParameterServer": {"Pull": 56, "Push": 56, "Init": 8, "Exchange": 56},
+    "Stage": {"Forward": 3, "Backward": 3, "ForwardFrame": 3, "BackwardFrame": 3, "GetWeights": 1, "Evaluate": 1},
+    "ParameterServer": {"Pull": 56, "Push": 56, "PushFrame": 56, "Init": 8, "Exchange": 56},
 }
 RESERVED_THREADS = 8
 # A client stream with no deadline (or a longer one) is cancelled after this long: one that opens
@@ -251,7 +252,7 @@ def add_service(server: grpc.Server, name: str, servicer: object) -> None:
     service = SERVICES[name]
     handlers = {}
     for method in service.methods:
-        raw_in = method.client_streaming and method.input_type is _FRAME
+        raw_in = method.input_type is _FRAME   # one frame (XFrame methods) or a stream of them
         raw_out = method.server_streaming and method.output_type is _FRAME
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
@@ -343,7 +344,7 @@ class Stub:
     def __init__(self, channel: grpc.Channel, name: str) -> None:
         service = SERVICES[name]
         for method in service.methods:
-            raw_in = method.client_streaming and method.input_type is _FRAME
+            raw_in = method.input_type is _FRAME
             raw_out = method.server_streaming and method.output_type is _FRAME
             request = message_factory.GetMessageClass(method.input_type)
             response = message_factory.GetMessageClass(method.output_type)
@@ -357,6 +358,17 @@ class Stub:
 
     def __getattr__(self, name: str) -> Any:  # for type checkers: the methods are set in __init__
         raise AttributeError(name)
+
+
+def send_bundle(stub: Stub, method: str, frames: Iterator[bytes], **kwargs: Any) -> Any:
+    """Calls `method` with a TensorFrame stream, or its unary twin `methodFrame` when the bundle
+    is one frame (in shared memory, or small): a stream call costs a thread to feed it and about
+    twice a unary call's latency."""
+    first = next(frames)   # wire.encode yields at least the header
+    second = next(frames, None)
+    if second is None:
+        return getattr(stub, f"{method}Frame")(first, **kwargs)
+    return getattr(stub, method)(itertools.chain([first, second], frames), **kwargs)
 
 
 R = TypeVar("R")

@@ -39,8 +39,10 @@ HEADER = "authorization"
 # a service not listed (server reflection) is open to every valid token; health needs none.
 METHOD_ROLES: dict[str, dict[str, frozenset[str]]] = {
     "hetpipe.v1.Coordinator": {"Register": frozenset({STAGE, SHARD}), "Heartbeat": frozenset({STAGE, SHARD})},
-    "hetpipe.v1.Stage": {"Forward": frozenset({STAGE}), "Backward": frozenset({STAGE})},
-    "hetpipe.v1.ParameterServer": {"Push": frozenset({STAGE}), "Exchange": frozenset({STAGE}),
+    "hetpipe.v1.Stage": {"Forward": frozenset({STAGE}), "Backward": frozenset({STAGE}),
+                         "ForwardFrame": frozenset({STAGE}), "BackwardFrame": frozenset({STAGE})},
+    "hetpipe.v1.ParameterServer": {"Push": frozenset({STAGE}), "PushFrame": frozenset({STAGE}),
+                                   "Exchange": frozenset({STAGE}),
                                    "Pull": frozenset({STAGE, COORDINATOR}), "Init": frozenset({COORDINATOR, SEED})},
 }
 OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})

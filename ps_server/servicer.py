@@ -166,6 +166,10 @@ class ShardServicer:
         return self._update("push", request_iterator, push)
 
     @handler
+    def PushFrame(self, request: bytes, context: grpc.ServicerContext) -> ps_pb2.PushReply:
+        return self.Push(iter([request]), context)  # type: ignore[no-any-return]
+
+    @handler
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """sync elastic: a VW's replica values in, delta = alpha * (replica - master) out (and into the master)."""
         def exchange(tag: wire_pb2.ExchangeTag, replica: list[tuple[str, torch.Tensor]],

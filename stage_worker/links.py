@@ -53,7 +53,7 @@ class Link:
         self._on_failure = on_failure
         self._give_up_s = give_up_s
         self._channel = rpc.channel(address)
-        self._call = getattr(rpc.Stub(self._channel, "Stage"), method)
+        self._stub = rpc.Stub(self._channel, "Stage")
         self._queue: queue.Queue[Outgoing | None] = queue.Queue()
         self._closing = threading.Event()
         self.bytes_sent = 0
@@ -85,7 +85,8 @@ class Link:
     def _deliver(self, item: Outgoing) -> bool:
         what = "activation" if self.method == "Forward" else "gradient"
         try:
-            rpc.retrying(lambda: self._call(item.encode(self.ring), timeout=rpc.DATA_DEADLINE_S),
+            rpc.retrying(lambda: rpc.send_bundle(self._stub, self.method, item.encode(self.ring),
+                                                 timeout=rpc.DATA_DEADLINE_S),
                          give_up_s=self._give_up_s, closing=self._closing)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # else an earlier attempt landed

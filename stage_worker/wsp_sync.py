@@ -353,7 +353,8 @@ class WspSync:
         stub, ring = self._stubs[shard], self._rings[shard]
 
         def call() -> ps_pb2.PushReply:
-            reply: ps_pb2.PushReply = stub.Push(wire.encode(tensors, push=tag, ring=ring), timeout=rpc.DATA_DEADLINE_S)
+            reply: ps_pb2.PushReply = rpc.send_bundle(stub, "Push", wire.encode(tensors, push=tag, ring=ring),
+                                                      timeout=rpc.DATA_DEADLINE_S)
             return reply
 
         self._retrying(f"push of wave {wave}", shard, PUSH_GIVE_UP_S, call)

@@ -68,6 +68,13 @@ class FakeNeighbour(stage_pb2_grpc.StageServicer):
     def Backward(self, request_iterator: Iterator[Any], context: Any) -> wire_pb2.Ack:
         return self._record("Backward", request_iterator)
 
+    # A one-frame bundle comes by the unary twin; recorded under the stream method's name.
+    def ForwardFrame(self, request: bytes, context: Any) -> wire_pb2.Ack:
+        return self._record("Forward", iter([request]))
+
+    def BackwardFrame(self, request: bytes, context: Any) -> wire_pb2.Ack:
+        return self._record("Backward", iter([request]))
+
     def wait_for(self, n: int, timeout: float = 10.0) -> None:
         with self.cv:
             assert self.cv.wait_for(lambda: len(self.got) >= n, timeout), f"got {len(self.got)} messages, want {n}"

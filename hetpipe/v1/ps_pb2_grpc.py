@@ -45,6 +45,11 @@ class ParameterServerStub:
                 request_serializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_ps__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.PushFrame = channel.unary_unary(
+                '/hetpipe.v1.ParameterServer/PushFrame',
+                request_serializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
+                response_deserializer=hetpipe_dot_v1_dot_ps__pb2.PushReply.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/hetpipe.v1.ParameterServer/Pull',
                 request_serializer=hetpipe_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
@@ -79,6 +84,13 @@ class ParameterServerServicer:
 
     def Push(self, request_iterator, context):
         """PushTag + deltas of one wave
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushFrame(self, request, context):
+        """the same in one frame (shared memory, or small): one unary call
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +134,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
+                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.FromString,
+                    response_serializer=hetpipe_dot_v1_dot_ps__pb2.PushReply.SerializeToString,
+            ),
+            'PushFrame': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushFrame,
                     request_deserializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.FromString,
                     response_serializer=hetpipe_dot_v1_dot_ps__pb2.PushReply.SerializeToString,
             ),
@@ -198,6 +215,33 @@ class ParameterServer:
             request_iterator,
             target,
             '/hetpipe.v1.ParameterServer/Push',
+            hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
+            hetpipe_dot_v1_dot_ps__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushFrame(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetpipe.v1.ParameterServer/PushFrame',
             hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
             hetpipe_dot_v1_dot_ps__pb2.PushReply.FromString,
             options,

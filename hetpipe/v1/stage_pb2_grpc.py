@@ -55,6 +55,16 @@ class StageStub:
                 request_serializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
                 _registered_method=True)
+        self.ForwardFrame = channel.unary_unary(
+                '/hetpipe.v1.Stage/ForwardFrame',
+                request_serializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
+                response_deserializer=hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
+                _registered_method=True)
+        self.BackwardFrame = channel.unary_unary(
+                '/hetpipe.v1.Stage/BackwardFrame',
+                request_serializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
+                response_deserializer=hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/hetpipe.v1.Stage/Status',
                 request_serializer=hetpipe_dot_v1_dot_stage__pb2.StatusRequest.SerializeToString,
@@ -112,6 +122,20 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForwardFrame(self, request, context):
+        """The same, for a bundle in one frame (in shared memory, or small): a unary call costs half a
+        stream's latency (the client needs no thread to feed the stream).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BackwardFrame(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -165,6 +189,16 @@ def add_StageServicer_to_server(servicer, server):
             ),
             'Backward': grpc.stream_unary_rpc_method_handler(
                     servicer.Backward,
+                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.FromString,
+                    response_serializer=hetpipe_dot_v1_dot_wire__pb2.Ack.SerializeToString,
+            ),
+            'ForwardFrame': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForwardFrame,
+                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.FromString,
+                    response_serializer=hetpipe_dot_v1_dot_wire__pb2.Ack.SerializeToString,
+            ),
+            'BackwardFrame': grpc.unary_unary_rpc_method_handler(
+                    servicer.BackwardFrame,
                     request_deserializer=hetpipe_dot_v1_dot_wire__pb2.TensorFrame.FromString,
                     response_serializer=hetpipe_dot_v1_dot_wire__pb2.Ack.SerializeToString,
             ),
@@ -300,6 +334,60 @@ class Stage:
             request_iterator,
             target,
             '/hetpipe.v1.Stage/Backward',
+            hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
+            hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardFrame(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetpipe.v1.Stage/ForwardFrame',
+            hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
+            hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BackwardFrame(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetpipe.v1.Stage/BackwardFrame',
             hetpipe_dot_v1_dot_wire__pb2.TensorFrame.SerializeToString,
             hetpipe_dot_v1_dot_wire__pb2.Ack.FromString,
             options,

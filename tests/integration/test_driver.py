@@ -88,6 +88,10 @@ class _Failing:
         return self.LoadWeights(request_iterator, context)
 
     @handler
+    def ForwardFrame(self, request: bytes, context: grpc.ServicerContext) -> wire_pb2.Ack:
+        return wire_pb2.Ack()
+
+    @handler
     def Status(self, request: Any, context: grpc.ServicerContext) -> stage_pb2.StageStatus:
         self.polls += 1
         if self.polls < 3:

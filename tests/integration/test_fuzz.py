@@ -1,4 +1,4 @@
-"""Fuzz: 1000 malformed or hostile requests to each of the 21 RPCs of a real coordinator, shard
+"""Fuzz: 1000 malformed or hostile requests to each of the 24 RPCs of a real coordinator, shard
 and stage process (`python -m ...`, as a launcher starts them). For every request: an answer
 before the deadline with a status that names a refusal (never INTERNAL or UNKNOWN), the state
 the service reports unchanged when the request was refused, and the service still answering
@@ -111,6 +111,14 @@ def _tensor_stream(method: str) -> Send:
     return send
 
 
+def _tensor_frame(method: str) -> Send:
+    """The unary twin of a TensorFrame stream method: the stream's first frame alone."""
+    def send(service: Service, rnd: random.Random) -> None:
+        service.call(method, "unary_unary")(tensor_stream(rnd)[0], timeout=CALL_S)
+
+    return send
+
+
 def _tensor_bidi(method: str) -> Send:
     def send(service: Service, rnd: random.Random) -> None:
         for _ in service.call(method, "stream_stream")(iter(tensor_stream(rnd)), timeout=CALL_S):
@@ -129,6 +137,7 @@ Empty = wire_pb2.Empty.DESCRIPTOR
 RPCS: dict[str, tuple[str, Callable[[Service], Any], Send]] = {
     "PS.Init": ("shard", _shard_state, _tensor_stream("Init")),
     "PS.Push": ("shard", _shard_state, _tensor_stream("Push")),
+    "PS.PushFrame": ("shard", _shard_state, _tensor_frame("PushFrame")),
     # A pull of known keys for a clock not reached waits (G2) until just before its deadline.
     "PS.Pull": ("shard", _shard_state, _unary_stream("Pull", ps_pb2.PullRequest.DESCRIPTOR, timeout=0.5)),
     "PS.Status": ("shard", _shard_state, _unary("Status", Empty)),
@@ -138,6 +147,8 @@ RPCS: dict[str, tuple[str, Callable[[Service], Any], Send]] = {
     "Stage.Start": ("stage", _stage_state, _unary("Start", Empty)),
     "Stage.Forward": ("stage", _stage_state, _tensor_stream("Forward")),
     "Stage.Backward": ("stage", _stage_state, _tensor_stream("Backward")),
+    "Stage.ForwardFrame": ("stage", _stage_state, _tensor_frame("ForwardFrame")),
+    "Stage.BackwardFrame": ("stage", _stage_state, _tensor_frame("BackwardFrame")),
     "Stage.Status": ("stage", _stage_state, _unary("Status", stage_pb2.StatusRequest.DESCRIPTOR)),
     "Stage.GetWeights": ("stage", _stage_state, _unary_stream("GetWeights", stage_pb2.WeightsRequest.DESCRIPTOR)),
     "Stage.Evaluate": ("stage", _stage_state, _unary("Evaluate", stage_pb2.EvalRequest.DESCRIPTOR)),

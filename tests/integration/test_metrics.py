@@ -321,7 +321,8 @@ def _check_stage(s: Samples, e: Endpoint, docs: dict[str, list[Documented]]) -> 
     info = [(ls, v) for _, name, ls, v in s.rows if name == "hetpipe_stage_info"]
     assert len(info) == 1 and info[0][1] == 1
     assert info[0][0] == {**labels, "gpu": "t4", "device": "cpu", "emulated": "true"}, info
-    method = "Backward" if not last else "Forward"
+    # Through shared memory every bundle is one frame: it comes by the unary twin (ForwardFrame).
+    method = ("Backward" if not last else "Forward") + "Frame"
     assert _handled(s, method, "OK") >= 1, method
     if e.assigned == "stage 1 of vw 0":
         assert _handled(s, "Forward", "INVALID_ARGUMENT") == 1
@@ -342,12 +343,12 @@ def _check_shard(s: Samples, e: Endpoint, docs: dict[str, list[Documented]]) -> 
     assert min(clocks) >= 1 and s.one("hetpipe_ps_global_clock", shard=shard) == min(clocks)
     distance = s.one("hetpipe_ps_clock_distance", shard=shard)
     assert distance == max(clocks) - min(clocks) and distance <= D + 1
-    for method in ("Init", "Push", "Pull"):
+    for method in ("Init", "PushFrame", "Pull"):
         assert _handled(s, method, "OK") >= 1, method
     if e.assigned == "ps shard 0":
         assert _handled(s, "Pull", "INVALID_ARGUMENT") == 1
     assert math.isfinite(s.one("hetpipe_grpc_server_handling_seconds_sum", grpc_service="hetpipe.v1.ParameterServer",
-                               grpc_method="Push"))
+                               grpc_method="PushFrame"))
 
 
 # ---- the interceptor alone, in process (fast) ---------------------------------------------------
