@@ -13,7 +13,7 @@ from pathlib import Path
 from emulated import Run, covered, job_dict, load_average, median_ms, run_job, stage_tasks
 
 K = 4
-TARGET_NM, TARGET_RATIO = 4, 0.9
+TARGET_NM, TARGET_RATIO = 4, 0.95  # issue 12 (0.9 before)
 # A task this far past its emulated time was starved of CPU by other processes: a sign of noise.
 LATE_S = 0.005
 

@@ -137,16 +137,28 @@ class ShardServicer:
                              reader=self.reader)
         tag = getattr(bundle.header, kind)
         durability = self.durability
-        # Logged once validated and before it is applied: an acknowledged update survives a kill -9,
-        # and one whose log write failed is not applied (so its retry is no "duplicate").
-        log = None if durability is None else durability.log_push if kind == "push" else durability.log_exchange
-        journal = None if log is None else (lambda: log(tag.vw, tag.clock, bundle.tensors))
+        # Logged before it is applied: an acknowledged update survives a kill -9, and one whose log
+        # write failed is not applied (so its retry is no "duplicate"). Under WSP a push is logged
+        # before the lock, so that concurrent pushes write their logs at once: sums commute, so
+        # the order of entries does not matter (quorum rounds and elastic exchanges log in order,
+        # once validated, under the lock).
+        logged: int | None = None
+        journal: Callable[[], None] | None = None
+        if durability is not None and kind == "push" and self.shard.rule.mode == "wsp":
+            logged = durability.log_push(tag.vw, tag.clock, bundle.tensors)
+        elif durability is not None:
+            log = durability.journal_push if kind == "push" else durability.journal_exchange
+            journal = lambda: log(tag.vw, tag.clock, bundle.tensors)  # noqa: E731
+        applied = False
         with self._cv:
             start = time.time()
             try:
                 applied, reply = apply(tag, bundle.tensors, journal)
             except ShardError as exc:
                 raise _rejected(exc) from None
+            finally:
+                if logged is not None and durability is not None:
+                    durability.settle(logged, applied=applied)
             checkpointed = False
             if applied and durability is not None:
                 checkpointed = durability.maybe_checkpoint(self.shard)

@@ -149,20 +149,20 @@ def test_restore_survives_crash_between_checkpoint_and_log_cleanup(tmp_path: Pat
     for c in range(3):
         for vw in range(2):
             assert shard.push(vw, c, [ones("a", shard), ones("b", shard)])
-            dur.log_push(vw, c, [ones("a", shard), ones("b", shard)])
+            dur.journal_push(vw, c, [ones("a", shard), ones("b", shard)])
     saved = {p: p.read_bytes() for p in dur.log_dir.glob("*.pt")}
     dur.checkpoint(shard)
     assert not list(dur.log_dir.glob("*.pt"))
     for p, raw in saved.items():
         p.write_bytes(raw)
     assert shard.push(0, 3, [ones("a", shard)])
-    dur.log_push(0, 3, [ones("a", shard)])
+    dur.journal_push(0, 3, [ones("a", shard)])
     again, dur2 = Shard(), Durability(str(tmp_path), every_clocks=100)
     assert dur2.restore(again) == 1
     assert again.digest() == shard.digest() and again.pushes_applied == 7
     # New log entries continue after the highest sequence number on disk.
     assert again.push(1, 3, [ones("a", shard)])
-    dur2.log_push(1, 3, [ones("a", shard)])
+    dur2.journal_push(1, 3, [ones("a", shard)])
     third = Shard()
     Durability(str(tmp_path)).restore(third)
     assert third.digest() == again.digest() and third.pushes_applied == 8
@@ -207,3 +207,25 @@ def test_an_evicted_vw_no_longer_holds_c_global_back(tmp_path: Path) -> None:
     assert shard.evict(0)
     assert "vw 2 is the last one left" in str(assert_refused(Kind.CLOCK, shard.evict, 2))
     assert shard.c_global() == 2
+
+
+def test_a_push_logged_outside_the_lock_survives_a_checkpoint_taken_before_it_is_applied(tmp_path: Path) -> None:
+    """WSP logs a push before taking the shard's lock: a checkpoint in between must not delete its
+    entry (the snapshot lacks it); a push refused after logging leaves no entry to replay."""
+    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
+    dur.checkpoint(shard)
+    pending = dur.log_push(0, 0, [ones("a", shard)])           # logged, not yet applied
+    dur.journal_push(1, 0, [ones("b", shard)])
+    assert shard.push(1, 0, [ones("b", shard)])
+    dur.checkpoint(shard)                                       # another push's checkpoint
+    assert (dur.log_dir / f"{pending:012d}.pt").exists(), "the checkpoint deleted an unapplied push's entry"
+    assert shard.push(0, 0, [ones("a", shard)])
+    dur.settle(pending, applied=True)
+    refused = dur.log_push(0, 5, [ones("a", shard)])            # a clock the shard refuses
+    dur.settle(refused, applied=False)
+    assert not (dur.log_dir / f"{refused:012d}.pt").exists()
+    again = Shard()
+    Durability(str(tmp_path)).restore(again)                    # a kill -9 now
+    assert again.digest() == shard.digest() and again.pushes_applied == shard.pushes_applied == 2
+    dur.checkpoint(shard)                                       # settled: now covered and removed
+    assert not list(dur.log_dir.glob("*.pt"))

@@ -2,7 +2,7 @@
 
 A hypothesis state machine drives `ps_server.shard.Shard`, made durable with
 `ps_server.durability.Durability` the way the servicer does (Init -> checkpoint; every push ->
-log_push once validated and before it is applied, then maybe_checkpoint), through random
+journal_push once validated and before it is applied, then maybe_checkpoint), through random
 interleavings of:
 
 - pushes of the next wave for a random VW and a random subset of keys (stages of one VW own
@@ -94,7 +94,7 @@ class ShardMachine(RuleBasedStateMachine):
         logged: list[int] = []
 
         def journal() -> None:  # the servicer's: the push log, written before the push is applied
-            self.dur.log_push(vw, c, deltas)
+            self.dur.journal_push(vw, c, deltas)
             logged.append(1)
 
         if isinstance(want, Kind):

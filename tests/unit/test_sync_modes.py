@@ -141,7 +141,7 @@ def run_quorum_scenario(seed: int, tmp: Path) -> tuple[int, int]:
             keys = [rnd.choice(keys)]   # a stage owning one key; else both keys at once
         wave = nxt[(vw, keys[0])]
         deltas = [(k, contribution(vw, wave, total)) for k in keys]
-        applied = shard.push(vw, wave, deltas, journal=lambda: durability.log_push(vw, wave, deltas))
+        applied = shard.push(vw, wave, deltas, journal=lambda: durability.journal_push(vw, wave, deltas))
         assert applied
         durability.maybe_checkpoint(shard)
         for k in keys:
@@ -409,7 +409,7 @@ def test_elastic_state_survives_snapshot_and_log_replay(tmp_path: Path) -> None:
         replica = [("w", dyadic(100 + 10 * vw + done[vw])), ("b", dyadic(200 + 10 * vw + done[vw], (3,)))]
         clock = done[vw]
         last[vw] = shard.exchange(vw, clock, replica,
-                                  journal=lambda: durability.log_exchange(vw, clock, replica)).deltas
+                                  journal=lambda: durability.journal_exchange(vw, clock, replica)).deltas
         durability.maybe_checkpoint(shard)
         done[vw] += 1
     restored = Shard()
