@@ -76,9 +76,16 @@ class PullResult:
     c_global: int
 
 
+def _finite(t: torch.Tensor) -> bool:
+    # NaN and Inf propagate through a sum (Inf - Inf is NaN), so a finite sum proves every element
+    # finite in one cheap pass (isfinite().all() costs 7x a memcpy); only a sum that is not finite,
+    # which finite values can reach by overflowing, needs the element-wise check.
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def _check_finite(what: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     """NaN or Inf would poison w_global for every VW for good: refused, naming the keys."""
-    bad = [k for k, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = [k for k, t in tensors if t.is_floating_point() and not _finite(t)]
     if bad:
         raise ShardError(ShardError.Kind.INVALID, f"{what}: NaN or Inf in {bad[:5]}")
 

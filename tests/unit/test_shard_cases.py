@@ -229,3 +229,18 @@ def test_a_push_logged_outside_the_lock_survives_a_checkpoint_taken_before_it_is
     assert again.digest() == shard.digest() and again.pushes_applied == shard.pushes_applied == 2
     dur.checkpoint(shard)                                       # settled: now covered and removed
     assert not list(dur.log_dir.glob("*.pt"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_finite_values_whose_sum_overflows_are_not_taken_for_non_finite(dtype: torch.dtype) -> None:
+    """The finiteness check sums first: an overflowing sum of finite values must not refuse a push."""
+    from ps_server.shard import _finite
+
+    big = torch.full((64,), torch.finfo(dtype).max / 2, dtype=dtype)
+    assert not torch.isfinite(big.sum()) and _finite(big)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = big.clone()
+        poisoned[7] = bad
+        assert not _finite(poisoned)
+        poisoned[8] = -poisoned[7] if bad != bad else bad  # Inf - Inf: the sum is NaN, still caught
+        assert not _finite(poisoned)
