@@ -52,6 +52,8 @@ def _check(tensor: Any, nbytes: int) -> None:
 class _SinkRuntime:
     """Stands in for StageRuntime behind the real StageServicer: checks and drops each activation."""
 
+    on_gpu = False
+
     def offer_forward(self, bundle: Any) -> None:
         (_, x), = bundle.tensors
         _check(x, x.numel() * 4)

@@ -100,6 +100,21 @@ def _pieces(tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> It
             yield raw[start : start + chunk_bytes]
 
 
+def _groups(tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> Iterator[list[memoryview]]:
+    """The pieces, gathered into frames of at most chunk_bytes: small tensors share a frame (a
+    one-frame bundle then goes by a unary call, see rpc.send_bundle)."""
+    group: list[memoryview] = []
+    size = 0
+    for piece in _pieces(tensors, chunk_bytes):
+        if group and size + len(piece) > chunk_bytes:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += len(piece)
+    if group:
+        yield group
+
+
 # A serialized TensorFrame holding only `data` is this tag byte (field 9, length-delimited), the
 # payload length as a varint, then the payload: cheap to write and to recognise by hand.
 _DATA_TAG = 0x4A
@@ -143,8 +158,8 @@ def encode(
         return
     # Field 9 is the highest-numbered field written here, so appending it keeps the canonical order.
     head: bytes | None = first.SerializeToString()
-    for piece in _pieces(tensors, chunk_bytes):
-        yield b"".join((head or b"", _DATA_TAG_BYTE, _varint(len(piece)), piece))
+    for group in _groups(tensors, chunk_bytes):
+        yield b"".join((head or b"", _DATA_TAG_BYTE, _varint(sum(len(p) for p in group)), *group))
         head = None
     if head is not None:  # bundle with no bytes at all (empty tensors, or none)
         yield head
@@ -188,12 +203,15 @@ HUGE_PAGES_FROM_BYTES = 32 << 20
 _ANONYMOUS_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
-def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def empty(shape: Sequence[int], dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
     """An uninitialised contiguous tensor to receive data into; decode allocates with it.
 
     Large ones live in a private anonymous mapping advised for huge pages (the tensor keeps it
-    alive); their storage cannot be resized, which received tensors never need.
+    alive); their storage cannot be resized, which received tensors never need. pinned: page-
+    locked (torch's caching host allocator), for a copy to a GPU that does not block.
     """
+    if pinned:
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGES_FROM_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(tuple(shape), dtype=dtype)
@@ -336,8 +354,10 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | No
 
 
 def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu",
-           check: Callable[[Stream], None] | None = None, reader: shm.Reader | None = None) -> Bundle:
+           check: Callable[[Stream], None] | None = None, reader: shm.Reader | None = None,
+           pinned: bool = False) -> Bundle:
     """Reassembles one bundle into preallocated tensors; raises WireError on any inconsistency.
+    pinned: into page-locked memory (the receiver moves them to a GPU).
 
     check(stream) runs once the header is read, before anything is allocated or received: a
     receiver refuses there what it would refuse anyway (an unknown key, a wrong shape), so a
@@ -345,7 +365,7 @@ def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu
     stream = read(frames, reader)
     if check is not None:
         check(stream)
-    tensors = [empty(shape, dtype) for dtype, shape, _ in stream.specs]
+    tensors = [empty(shape, dtype, pinned=pinned) for dtype, shape, _ in stream.specs]
     sinks = [t.reshape(-1).view(torch.uint8).numpy().data for t in tensors]
     for index, offset, piece in stream.pieces:
         sinks[index][offset:offset + len(piece)] = piece

@@ -51,9 +51,9 @@ class Inbox:
         verdicts = bundle.header.minibatch.verdicts
         _check_verdicts(s, verdicts, "activation")
         if k:
-            self.evals.append((k, p, x.to(s.compute.device)))
+            self.evals.append((k, p, x.to(s.compute.device, non_blocking=True)))
         else:
-            self.forward[_accept(s, p, m, "forward")] = x.to(s.compute.device)
+            self.forward[_accept(s, p, m, "forward")] = x.to(s.compute.device, non_blocking=True)
         if s.scaling is not None:
             s.scaling.verdicts.learn(verdicts.through, verdicts.skipped)
         self.received += 1
@@ -84,7 +84,7 @@ class Inbox:
         if s.scaling is not None and not (math.isfinite(tag.loss_scale) and tag.loss_scale >= 1.0):
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                            f"gradient: loss_scale {tag.loss_scale} of minibatch {p}: expected a finite scale >= 1")
-        self.backward[_accept(s, p, m, "backward")] = grad.to(s.compute.device)
+        self.backward[_accept(s, p, m, "backward")] = grad.to(s.compute.device, non_blocking=True)
         if s.scaling is not None:
             s.scaling.incoming[p] = (tag.loss_scale, tag.overflow)
         self.received += 1

@@ -6,6 +6,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -18,6 +19,7 @@ from hetpipe.v1 import wire_pb2
 class Outgoing:
     tag: wire_pb2.MinibatchTag | wire_pb2.CommitTag   # a commit: fp16 verdicts alone, no tensors
     tensors: list[tuple[str, torch.Tensor]]
+    ready: Any = None   # a torch.cuda.Event: the tensors' copies to the host are done once it is
 
     def encode(self, ring: shm.Ring | None) -> Iterator[bytes]:
         if isinstance(self.tag, wire_pb2.CommitTag):
@@ -29,6 +31,36 @@ class Outgoing:
         if isinstance(self.tag, wire_pb2.CommitTag):
             return f"verdicts through minibatch {self.tag.verdicts.through}"
         return f"minibatch {self.tag.minibatch}"
+
+
+_COPY_STREAMS: dict[torch.device, Any] = {}
+
+
+def to_host(item: Outgoing) -> Outgoing:
+    """item with its GPU tensors copied to pinned host memory on a side stream, started now and
+    ready once item.ready is: the compute thread goes on with its next task meanwhile, and the
+    copy waits only for the kernels that made the tensors (a plain .cpu() on the default stream
+    would block the caller, and on the sender thread it would queue behind the next task)."""
+    devices = {t.device for _, t in item.tensors if t.is_cuda}
+    if not devices:
+        return item
+    (device,) = devices   # a stage computes on one device
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    host: list[tuple[str, torch.Tensor]] = []
+    with torch.cuda.stream(stream):
+        for name, t in item.tensors:
+            if t.is_cuda:
+                pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                pinned.copy_(t, non_blocking=True)
+                t.record_stream(stream)   # its memory is not reused before the copy has read it
+                t = pinned
+            host.append((name, t))
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    return Outgoing(item.tag, host, ready)
 
 
 class Link:
@@ -61,7 +93,7 @@ class Link:
         self._thread.start()
 
     def send(self, item: Outgoing) -> None:
-        self._queue.put(item)
+        self._queue.put(to_host(item))
 
     def close(self) -> None:
         self._closing.set()  # a send that is retrying gives up now: closing must not wait out give_up_s
@@ -77,6 +109,8 @@ class Link:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
+            if item.ready is not None:
+                item.ready.synchronize()
             if self._hold_s > 0 and self._closing.wait(self._hold_s):
                 return
             if not self._deliver(item):

@@ -157,6 +157,12 @@ class StageRuntime:
             raise _refused(self.state, f"{what} refused: the stage is not running")
         return self._s
 
+    @property
+    def on_gpu(self) -> bool:
+        """Its inputs go to a GPU: received into pinned memory, copied without blocking."""
+        setup = self._setup
+        return setup is not None and setup.device.kind == "cuda"
+
     def offer_forward(self, bundle: Bundle) -> None:
         """Validates an activation from the previous stage and queues it."""
         with self._cv:

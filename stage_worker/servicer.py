@@ -65,22 +65,22 @@ class StageServicer:
 
     @handler
     def Forward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_forward(wire.decode(request_iterator, reader=self.reader))
+        self.runtime.offer_forward(wire.decode(request_iterator, reader=self.reader, pinned=self.runtime.on_gpu))
         return wire_pb2.Ack()
 
     @handler
     def ForwardFrame(self, request: bytes, context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_forward(wire.decode([request], reader=self.reader))
+        self.runtime.offer_forward(wire.decode([request], reader=self.reader, pinned=self.runtime.on_gpu))
         return wire_pb2.Ack()
 
     @handler
     def Backward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_backward(wire.decode(request_iterator, reader=self.reader))
+        self.runtime.offer_backward(wire.decode(request_iterator, reader=self.reader, pinned=self.runtime.on_gpu))
         return wire_pb2.Ack()
 
     @handler
     def BackwardFrame(self, request: bytes, context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_backward(wire.decode([request], reader=self.reader))
+        self.runtime.offer_backward(wire.decode([request], reader=self.reader, pinned=self.runtime.on_gpu))
         return wire_pb2.Ack()
 
     @handler

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from hetpipe import rpc, wire
+from hetpipe import rpc, shm, wire
 from hetpipe.errors import Rejected
 from hetpipe.rpc import handler
 from hetpipe.v1 import wire_pb2
@@ -25,18 +25,23 @@ class Neighbour:
 
     def __init__(self) -> None:
         self.got: list[int] = []
+        self.reader = shm.Reader()
         self.refuse: list[grpc.StatusCode] = []
         self.cv = threading.Condition()
 
     @handler
     def Forward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        bundle = wire.decode(request_iterator)
+        bundle = wire.decode(request_iterator, reader=self.reader)
         with self.cv:
             if self.refuse:
                 raise Rejected(self.refuse.pop(0), "not now")
             self.got.append(int(bundle.header.minibatch.minibatch))
             self.cv.notify_all()
         return wire_pb2.Ack()
+
+    @handler
+    def ForwardFrame(self, request: bytes, context: grpc.ServicerContext) -> wire_pb2.Ack:
+        return self.Forward(iter([request]), context)  # type: ignore[no-any-return]
 
     def wait_for(self, n: int, timeout: float = 10) -> list[int]:
         with self.cv:
@@ -152,6 +157,43 @@ def test_an_emulated_link_holds_each_message() -> None:
         neighbour.wait_for(3)
         # One sender: the three holds queue behind each other, as on one wire.
         assert time.monotonic() - started >= 0.6
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_tensors_are_copied_to_pinned_memory_off_the_compute_stream() -> None:
+    from stage_worker.links import to_host
+
+    tag = wire_pb2.MinibatchTag(vw=0, minibatch=1, stage=0)
+    x = torch.randn(1 << 20, device="cuda") * 3   # queued on the compute (current) stream
+    staged = to_host(Outgoing(tag, [("activation", x)]))
+    (_, host), = staged.tensors
+    assert staged.ready is not None and host.device.type == "cpu" and host.is_pinned()
+    staged.ready.synchronize()
+    assert torch.equal(host, x.cpu())
+    # Received into pinned memory, a copy to the GPU does not block and lands intact.
+    bundle = wire.decode(wire.encode([("activation", host)], minibatch=tag), pinned=True)
+    (_, got), = bundle.tensors
+    assert got.is_pinned() and torch.equal(got.to("cuda", non_blocking=True), x)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_link_delivers_gpu_tensors_through_shared_memory() -> None:
+    neighbour = Neighbour()
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
+                shared_memory=True)
+    try:
+        for p in range(1, 4):
+            link.send(Outgoing(wire_pb2.MinibatchTag(vw=0, minibatch=p, stage=0),
+                               [("activation", torch.full((1 << 18,), float(p), device="cuda"))]))
+        assert neighbour.wait_for(3) == [1, 2, 3] and not failures
+        assert link.ring is not None and link.ring.bytes_written == 3 * (1 << 20)
     finally:
         link.close()
         server.stop(grace=0)

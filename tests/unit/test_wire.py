@@ -33,12 +33,19 @@ def _messages(frames: Iterable[bytes]) -> list[wire_pb2.TensorFrame]:
 def _reference_frames(tensors: list[tuple[str, torch.Tensor]], chunk_bytes: int = wire.CHUNK_BYTES,
                       **tags: Any) -> list[bytes]:
     """The frames as the protobuf library itself writes them, built from the .proto's description
-    (header and metas in the first frame, data in chunks that never span two tensors)."""
+    (header and metas in the first frame; each tensor's bytes cut every chunk_bytes, and
+    consecutive pieces sharing a frame while they fit in chunk_bytes)."""
     first = wire_pb2.TensorFrame(tensors=[wire_pb2.TensorMeta(name=n, dtype=wire.wire_dtype(t.dtype),
                                                               shape=list(t.shape)) for n, t in tensors], **tags)
-    chunks = [raw[start:start + chunk_bytes] for _, t in tensors
+    pieces = [raw[start:start + chunk_bytes] for _, t in tensors
               for raw in [t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()]
               for start in range(0, len(raw), chunk_bytes)]
+    chunks: list[bytes] = []
+    for piece in pieces:
+        if chunks and len(chunks[-1]) + len(piece) <= chunk_bytes:
+            chunks[-1] += piece
+        else:
+            chunks.append(piece)
     if chunks:
         first.data = chunks[0]
     frames = [first] + [wire_pb2.TensorFrame(data=c) for c in chunks[1:]]
@@ -278,6 +285,8 @@ def test_malformed_bytes_are_rejected() -> None:
 
 class _Recorder:
     """Stands in for StageRuntime: keeps what arrives."""
+
+    on_gpu = False
 
     def __init__(self) -> None:
         self.bundles: list[wire.Bundle] = []
