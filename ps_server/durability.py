@@ -4,15 +4,19 @@ acknowledged since."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from hetpipe.outputs import save_atomically
 from ps_server.shard import Shard, ShardError
 
 log = logging.getLogger(__name__)
+LOG_SUFFIX = ".safetensors"
 
 
 class Durability:
@@ -21,7 +25,7 @@ class Durability:
     A checkpoint (every `every_clocks` of c_global, on Init and on SIGTERM) captures the whole
     shard and lets the log entries it covers be deleted. Restore = checkpoint + log replay;
     replaying a push the checkpoint already holds is a duplicate and a no-op by the clock rule.
-    Everything is loaded with torch.load(weights_only=True).
+    The checkpoint is loaded with torch.load(weights_only=True); log entries are safetensors files.
 
     Under WSP a push may be logged outside the shard's lock (its sum commutes with the others'):
     such an entry is unsettled until settle() says whether it was applied, and a checkpoint
@@ -43,6 +47,13 @@ class Durability:
     def checkpoint_path(self) -> Path:
         return self.dir / "checkpoint.pt"
 
+    def entry_path(self, seq: int) -> Path:
+        return self.log_dir / f"{seq:012d}{LOG_SUFFIX}"
+
+    def entries(self) -> list[Path]:
+        """The log's entries, oldest first."""
+        return sorted(self.log_dir.glob(f"*{LOG_SUFFIX}"))
+
     def restore(self, shard: Shard) -> int:
         """Loads the checkpoint and replays the log into shard; returns pushes replayed."""
         covered = 0
@@ -52,18 +63,20 @@ class Durability:
             covered = int(snap["log_seq"])
             self._checkpointed_clock = shard.c_global() if shard.ready else 0
         replayed = 0
-        entries = sorted(self.log_dir.glob("*.pt"))
-        for entry in entries:
-            seq = int(entry.stem)
+        for entry in self.entries():
+            seq = int(entry.name.split(".")[0])
             self._seq = max(self._seq, seq)
             if seq <= covered:
                 continue
-            record = torch.load(entry, map_location="cpu", weights_only=True)
+            with safe_open(entry, framework="pt") as f:
+                meta = f.metadata()
+                tensors = [(key, f.get_tensor(key)) for key in f.keys()]
+            vw, clock = int(meta["vw"]), int(meta["clock"])
             try:
-                if "replica" in record:  # an elastic exchange: replayed in order, it gives the same deltas
-                    if shard.exchange(int(record["vw"]), int(record["clock"]), list(record["replica"].items())).applied:
+                if meta["kind"] == "exchange":  # an elastic exchange: replayed in order, it gives the same deltas
+                    if shard.exchange(vw, clock, tensors).applied:
                         replayed += 1
-                elif shard.push(int(record["vw"]), int(record["clock"]), list(record["deltas"].items())):
+                elif shard.push(vw, clock, tensors):
                     replayed += 1
             except ShardError as exc:
                 # Logged before it was checked (WSP, outside the lock), refused, and the process
@@ -72,21 +85,30 @@ class Durability:
         self._seq = max(self._seq, covered)
         return replayed
 
-    def _entry(self, record: dict[str, object]) -> int:
+    def _entry(self, kind: str, vw: int, clock: int, tensors: list[tuple[str, torch.Tensor]]) -> int:
         with self._lock:
             self._seq += 1
             seq = self._seq
             self._unsettled.add(seq)
+        path = self.entry_path(seq)
+        tmp = path.with_name(path.name + ".tmp")
         try:
-            save_atomically(record, self.log_dir / f"{seq:012d}.pt", durable=True)
+            # safetensors: raw bytes and a small header, about 1.5x faster to write than torch.save's
+            # zip of pickles (which was a third of a shard's time under two pushing VWs), and no
+            # pickle to read back. Renamed into place once on disk: a kill leaves it whole or absent.
+            save_file(dict(tensors), tmp, metadata={"kind": kind, "vw": str(vw), "clock": str(clock)})
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
         except BaseException:
+            tmp.unlink(missing_ok=True)
             self.settle(seq, applied=False)
             raise
         return seq
 
     def log_push(self, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> int:
         """Logs a push before it is applied; returns its entry's number for settle()."""
-        return self._entry({"vw": vw, "clock": clock, "deltas": dict(deltas)})
+        return self._entry("push", vw, clock, deltas)
 
     def journal_push(self, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> None:
         """Logs a push that the caller, holding the shard's lock, applies right after (Shard.push's journal)."""
@@ -94,13 +116,13 @@ class Durability:
 
     def journal_exchange(self, vw: int, clock: int, replica: list[tuple[str, torch.Tensor]]) -> None:
         """Logs an elastic exchange, as journal_push."""
-        self.settle(self._entry({"vw": vw, "clock": clock, "replica": dict(replica)}), applied=True)
+        self.settle(self._entry("exchange", vw, clock, replica), applied=True)
 
     def settle(self, seq: int, *, applied: bool) -> None:
         """Entry seq's update was applied, or not (refused, or a duplicate): then it is removed,
         so that no restore applies it."""
         if not applied:
-            (self.log_dir / f"{seq:012d}.pt").unlink(missing_ok=True)
+            self.entry_path(seq).unlink(missing_ok=True)
         with self._lock:
             self._unsettled.discard(seq)
 
@@ -110,8 +132,8 @@ class Durability:
         with self._lock:  # entries logged but not yet applied are not in the snapshot: keep them
             covered = min(self._unsettled) - 1 if self._unsettled else self._seq
         save_atomically({**shard.snapshot(), "log_seq": covered}, self.checkpoint_path, durable=True)
-        for entry in self.log_dir.glob("*.pt"):
-            if int(entry.stem) <= covered:
+        for entry in self.entries():
+            if int(entry.name.split(".")[0]) <= covered:
                 entry.unlink(missing_ok=True)
         self._checkpointed_clock = shard.c_global()
 

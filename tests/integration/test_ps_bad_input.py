@@ -341,7 +341,7 @@ def test_kill_9_loses_no_acknowledged_push(tmp_path: Path) -> None:
         push(1, 4, ["l0.bias"])   # half of vw 1's wave 4: keys of one VW at different clocks
         before = c.status()
         assert before.c_global == 4 and before.pushes_applied == len(acked) == 10
-        assert len(list((ckpt / "log").glob("*.pt"))) == 2, "the last two pushes are only in the log"
+        assert len(list((ckpt / "log").glob("*.safetensors"))) == 2, "the last two pushes are only in the log"
 
         assert shard.proc is not None
         shard.proc.send_signal(signal.SIGKILL)
@@ -389,7 +389,7 @@ def test_bad_shared_memory_handles_are_refused_and_change_nothing(ps: InProcess)
     c = ps.client
     before = state(c.status())
     assert ps.servicer.durability is not None
-    logged = sorted(ps.servicer.durability.log_dir.glob("*.pt"))
+    logged = ps.servicer.durability.entries()
     with forged_handles(delta(0, 2), push=wire_pb2.PushTag(vw=0, clock=2)) as handles:
         for name, (frames, code, pattern) in handles.bad.items():
             try:
@@ -399,7 +399,7 @@ def test_bad_shared_memory_handles_are_refused_and_change_nothing(ps: InProcess)
                 assert state(c.status()) == before, "a refused handle changed the shard"
             except AssertionError as exc:
                 raise AssertionError(f"{name}: {exc}") from None
-        assert sorted(ps.servicer.durability.log_dir.glob("*.pt")) == logged, "a refused push was logged"
+        assert ps.servicer.durability.entries() == logged, "a refused push was logged"
         assert not c.stub.PushFrame(handles.good[0], timeout=CALL_S).duplicate
     assert c.status().pushes_applied == before[3] + 1
     for k, d in delta(0, 2):

@@ -150,9 +150,9 @@ def test_restore_survives_crash_between_checkpoint_and_log_cleanup(tmp_path: Pat
         for vw in range(2):
             assert shard.push(vw, c, [ones("a", shard), ones("b", shard)])
             dur.journal_push(vw, c, [ones("a", shard), ones("b", shard)])
-    saved = {p: p.read_bytes() for p in dur.log_dir.glob("*.pt")}
+    saved = {p: p.read_bytes() for p in dur.entries()}
     dur.checkpoint(shard)
-    assert not list(dur.log_dir.glob("*.pt"))
+    assert not list(dur.entries())
     for p, raw in saved.items():
         p.write_bytes(raw)
     assert shard.push(0, 3, [ones("a", shard)])
@@ -218,17 +218,17 @@ def test_a_push_logged_outside_the_lock_survives_a_checkpoint_taken_before_it_is
     dur.journal_push(1, 0, [ones("b", shard)])
     assert shard.push(1, 0, [ones("b", shard)])
     dur.checkpoint(shard)                                       # another push's checkpoint
-    assert (dur.log_dir / f"{pending:012d}.pt").exists(), "the checkpoint deleted an unapplied push's entry"
+    assert dur.entry_path(pending).exists(), "the checkpoint deleted an unapplied push's entry"
     assert shard.push(0, 0, [ones("a", shard)])
     dur.settle(pending, applied=True)
     refused = dur.log_push(0, 5, [ones("a", shard)])            # a clock the shard refuses
     dur.settle(refused, applied=False)
-    assert not (dur.log_dir / f"{refused:012d}.pt").exists()
+    assert not dur.entry_path(refused).exists()
     again = Shard()
     Durability(str(tmp_path)).restore(again)                    # a kill -9 now
     assert again.digest() == shard.digest() and again.pushes_applied == shard.pushes_applied == 2
     dur.checkpoint(shard)                                       # settled: now covered and removed
-    assert not list(dur.log_dir.glob("*.pt"))
+    assert not list(dur.entries())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

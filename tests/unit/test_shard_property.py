@@ -253,7 +253,7 @@ class ShardMachine(RuleBasedStateMachine):
     def checkpoint_cut_short(self) -> None:
         """A crash after the checkpoint is renamed into place but before the old log entries are deleted."""
         log = self.dur.log_dir
-        saved = {p.name: p.read_bytes() for p in log.glob("*.pt")}
+        saved = {p.name: p.read_bytes() for p in log.glob("*.safetensors")}
         self.dur.checkpoint(self.shard)
         for name, raw in saved.items():
             (log / name).write_bytes(raw)
