@@ -10,6 +10,7 @@ import struct
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,17 @@ from typing import Any
 import psutil
 
 from children import stop_children
+from netns import enter
 
 # Generous: on a loaded 2-core box even a forked process can take many seconds to come up.
+@dataclass(frozen=True)
+class Far:
+    """Another "host": a network namespace, and the address the processes there bind."""
+
+    namespace: str
+    host: str
+
+
 START_TIMEOUT_S = 180.0
 STEP_TIMEOUT_S = 300.0
 
@@ -148,11 +158,14 @@ def expect(conn: Connection, kind: str, timeout: float) -> Any:
 # --- shards: the production entry point, one process each ----------------------------------------
 
 
-def _shard_main(argv: list[str], log_path: str) -> None:
+def _shard_main(argv: list[str], log_path: str, namespace: str | None) -> None:
     """Runs the shard's real entry point, `python -m ps_server ARGV`, in a process forked from the
-    forkserver: only the interpreter start and imports are shared, not any gRPC state."""
+    forkserver: only the interpreter start and imports are shared, not any gRPC state. namespace:
+    the network namespace it runs in (another "host"; None: this one)."""
     from ps_server.__main__ import main
 
+    if namespace is not None:
+        enter(namespace)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -166,7 +179,7 @@ def _shard_main(argv: list[str], log_path: str) -> None:
 class ShardProcs:
     """S ps_server processes; the address comes from the ready file, as the launcher does."""
 
-    def __init__(self, ctx: Any, count: int, workdir: Path, durable: bool) -> None:
+    def __init__(self, ctx: Any, count: int, workdir: Path, durable: bool, far: Far | None = None) -> None:
         self.workdir = workdir
         self.ready_files = [workdir / f"shard{i}.ready" for i in range(count)]
         self.logs = [workdir / f"shard{i}.log" for i in range(count)]
@@ -176,7 +189,9 @@ class ShardProcs:
             argv = ["--port", "0", "--metrics-port", "0", "--ready-file", str(ready), "--exit-with-parent"]
             if self.checkpoint_dirs[i] is not None:
                 argv += ["--checkpoint-dir", str(self.checkpoint_dirs[i])]
-            proc = ctx.Process(target=_shard_main, args=(argv, str(self.logs[i])), daemon=True)
+            if far is not None:  # a namespace of its own, with nothing else in it
+                argv += ["--host", far.host, "--insecure"]
+            proc = ctx.Process(target=_shard_main, args=(argv, str(self.logs[i]), far and far.namespace), daemon=True)
             proc.start()
             self.procs.append(proc)
         self.addresses: list[str] = []
@@ -227,10 +242,13 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _tcp_receiver(conn: Connection, buffer_bytes: int) -> None:
+def _tcp_receiver(conn: Connection, buffer_bytes: int, far: Far | None) -> None:
+    host = "127.0.0.1" if far is None else far.host
+    if far is not None:
+        enter(far.namespace)
     buffer = memoryview(bytearray(buffer_bytes))
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        conn.send(("ready", f"127.0.0.1:{listener.getsockname()[1]}"))
+    with socket.create_server((host, 0)) as listener:
+        conn.send(("ready", f"{host}:{listener.getsockname()[1]}"))
         sock, _ = listener.accept()
     with sock:
         prefix = bytearray(8)
@@ -267,9 +285,9 @@ def _tcp_sender(conn: Connection, address: str, buffer_bytes: int) -> None:
 
 
 class TcpPair:
-    def __init__(self, ctx: Any, buffer_bytes: int) -> None:
+    def __init__(self, ctx: Any, buffer_bytes: int, far: Far | None = None) -> None:
         self._recv_conn, child = ctx.Pipe()
-        receiver = ctx.Process(target=_tcp_receiver, args=(child, buffer_bytes), daemon=True)
+        receiver = ctx.Process(target=_tcp_receiver, args=(child, buffer_bytes, far), daemon=True)
         receiver.start()
         address = expect(self._recv_conn, "ready", START_TIMEOUT_S)
         self._send_conn, child = ctx.Pipe()

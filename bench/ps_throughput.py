@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # The VW, shard and raw TCP processes; bench/ (this script's directory) is on sys.path.
-from ps_processes import STEP_TIMEOUT_S, Clients, ShardProcs, TcpPair, cpu_seconds, expect  # noqa: E402
+from netns import veth_pair  # noqa: E402
+from ps_processes import STEP_TIMEOUT_S, Clients, Far, ShardProcs, TcpPair, cpu_seconds, expect  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -240,14 +241,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vws", type=int, nargs="+", default=list(VWS))
     parser.add_argument("--shards", type=int, nargs="+", default=list(SHARDS))
     parser.add_argument("--no-durable", action="store_true", help="skip the N=1 S=1 row with durability on")
-    parser.add_argument("--transports", nargs="+", default=["grpc", "shm"], choices=["grpc", "shm"],
-                        help="gRPC frames, or shared memory (the shards and VWs share this host)")
+    parser.add_argument("--transports", nargs="+", choices=["grpc", "shm"],
+                        help="gRPC frames, or shared memory (the shards and VWs share this host); default both, "
+                             "--netns grpc")
+    parser.add_argument("--netns", action="store_true",
+                        help="shards and the raw TCP receiver in another network namespace, across a veth pair")
     args = parser.parse_args(argv)
+    args.transports = args.transports or (["grpc"] if args.netns else ["grpc", "shm"])
+    if args.netns and "shm" in args.transports:
+        parser.error("--netns: shared memory needs one host")
+    if args.netns:
+        with veth_pair() as veth:
+            return _measure(args, Far(veth.namespace, veth.far))
+    return _measure(args, None)
+
+
+def _measure(args: argparse.Namespace, far: Far | None) -> int:
     model_mib = args.model_mib or (40 if args.quick else 100)
     rounds = args.rounds or (1 if args.quick else 2)
     keys = key_names(model_mib)
     if not keys or model_mib % KEY_MIB or len(keys) < max(args.shards):
-        parser.error(f"--model-mib must be a multiple of {KEY_MIB} with at least one key per shard")
+        raise SystemExit(f"--model-mib must be a multiple of {KEY_MIB} with at least one key per shard")
     configs = [(n, s, False, t == "shm") for t in args.transports for s in args.shards for n in args.vws]
     if not args.no_durable:
         configs += [(1, 1, True, t == "shm") for t in args.transports]
@@ -270,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         for i, (n, s, durable, _) in enumerate(configs):
             sub = workdir / f"config{i}"
             sub.mkdir()
-            shard_sets.append(ShardProcs(ctx, s, sub, durable))
+            shard_sets.append(ShardProcs(ctx, s, sub, durable, far))
         clients = Clients(ctx, max(n for n, _, _, _ in configs))
-        tcp = TcpPair(ctx, len(keys) * KEY_MIB * MIB)
+        tcp = TcpPair(ctx, len(keys) * KEY_MIB * MIB, far)
         clients.wait_started()
         for shards in shard_sets:
             shards.wait_started()

@@ -1,5 +1,6 @@
-"""Same-host throughput of the stage-to-stage paths, gRPC frames and shared memory (parallel.transport
-grpc and shm), against raw TCP and torch.distributed gloo on loopback."""
+"""Throughput of the stage-to-stage paths, gRPC frames and shared memory (parallel.transport grpc
+and shm), against raw TCP and torch.distributed gloo: on one host over loopback, or (--netns)
+across two network namespaces joined by a veth pair, where shared memory does not apply."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from children import stop_children  # noqa: E402
+from netns import Veth, enter, veth_pair  # noqa: E402
 
 MIB = 1 << 20
 SIZES_MIB = (1, 16, 64)
@@ -31,6 +34,22 @@ OURS = ("grpc", "shm")
 # stage keeps what it receives), and every sender sends from one tensor made once: the same
 # policy for all three transports.
 BUFFER_POLICY = "sender reuses one tensor; receiver allocates a fresh one per message with wire.empty"
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a receiver runs: its network namespace (None: this one), the address it binds, and
+    the interface gloo should use."""
+
+    namespace: str | None = None
+    host: str = "127.0.0.1"
+    gloo_ifname: str = "lo"
+
+
+def _arrive(site: Site) -> None:
+    if site.namespace is not None:
+        enter(site.namespace)
+    os.environ["GLOO_SOCKET_IFNAME"] = site.gloo_ifname
 
 
 def _pattern(nbytes: int) -> Any:
@@ -59,14 +78,15 @@ class _SinkRuntime:
         _check(x, x.numel() * 4)
 
 
-def _grpc_receiver(conn: Connection) -> None:
+def _grpc_receiver(conn: Connection, site: Site) -> None:
+    _arrive(site)
     import torch
 
     from hetpipe import rpc
     from stage_worker.servicer import StageServicer
 
     torch.set_num_threads(1)
-    server = rpc.Server("127.0.0.1", 0)
+    server = rpc.Server(site.host, 0)
     server.add("Stage", StageServicer(_SinkRuntime(), lambda: None))  # type: ignore[arg-type]
     server.start()
     conn.send(server.address)
@@ -105,14 +125,15 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _tcp_receiver(conn: Connection) -> None:
+def _tcp_receiver(conn: Connection, site: Site) -> None:
+    _arrive(site)
     import torch
 
     from hetpipe import wire
 
     torch.set_num_threads(1)
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        conn.send(f"127.0.0.1:{listener.getsockname()[1]}")
+    with socket.create_server((site.host, 0)) as listener:
+        conn.send(f"{site.host}:{listener.getsockname()[1]}")
         sock, _ = listener.accept()
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -157,7 +178,8 @@ def _gloo_init(address: str, rank: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=2)
 
 
-def _gloo_receiver(conn: Connection, address: str) -> None:
+def _gloo_receiver(conn: Connection, site: Site, address: str) -> None:
+    _arrive(site)
     import torch
     import torch.distributed as dist
 
@@ -222,26 +244,27 @@ def _sender_main(conn: Connection, transport: str, address: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
 class Pair:
     """One transport's receiver and sender processes, driven over pipes."""
 
-    def __init__(self, ctx: Any, transport: str) -> None:
+    def __init__(self, ctx: Any, transport: str, far: Site = Site(), near: Site = Site()) -> None:
+        """far: where the receiver runs; near: the sender's side (this namespace)."""
         self.transport = transport
         self._recv_conn, child_recv = ctx.Pipe()
         self._send_conn, child_send = ctx.Pipe()
         if transport == "gloo":
             # Rank 0 (the sender) hosts the store, so both must start before either one returns.
-            address = f"127.0.0.1:{_free_port()}"
-            receiver = ctx.Process(target=_gloo_receiver, args=(child_recv, address), daemon=True)
+            address = f"{near.host}:{_free_port(near.host)}"
+            receiver = ctx.Process(target=_gloo_receiver, args=(child_recv, far, address), daemon=True)
         else:
             target = _grpc_receiver if transport in OURS else _tcp_receiver
-            receiver = ctx.Process(target=target, args=(child_recv,), daemon=True)
+            receiver = ctx.Process(target=target, args=(child_recv, far), daemon=True)
         self.procs = [receiver]
         receiver.start()
         if transport != "gloo":
@@ -277,10 +300,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a few seconds per transport)")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_MIB), help="tensor sizes in MiB")
-    parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
+    parser.add_argument("--transports", nargs="+", choices=TRANSPORTS,
+                        help=f"default: {' '.join(TRANSPORTS)} (--netns: no shm, which needs one host)")
+    parser.add_argument("--netns", action="store_true",
+                        help="receivers in another network namespace, across a veth pair (needs root and ip)")
     args = parser.parse_args(argv)
-    # Loopback only; gloo otherwise resolves the hostname and may pick another interface.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    transports = args.transports or [t for t in TRANSPORTS if not (args.netns and t == "shm")]
+    if args.netns:
+        with veth_pair() as veth:
+            return _measure(args, transports, veth)
+    return _measure(args, transports, None)
+
+
+def _measure(args: argparse.Namespace, transports: list[str], veth: Veth | None) -> int:
+    far = near = Site()
+    if veth is not None:
+        far = Site(veth.namespace, veth.far, veth.far_dev)
+        near = Site(None, veth.near, veth.near_dev)
+    # gloo otherwise resolves the hostname and may pick another interface.
+    os.environ["GLOO_SOCKET_IFNAME"] = near.gloo_ifname
     rounds = 3 if args.quick else 6
     # Repetitions per round: about 64 MiB per round and size, at least 2.
     reps = {mib: max(2, (16 if args.quick else 64) // mib) for mib in args.sizes}
@@ -288,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")  # gRPC does not survive fork
     pairs: list[Pair] = []
     try:
-        for transport in args.transports:
-            pairs.append(Pair(ctx, transport))
+        for transport in transports:
+            pairs.append(Pair(ctx, transport, far, near))
         for pair in pairs:  # warm-up: connections, first-touch of the sender's tensors
             for mib in args.sizes:
                 pair.run(mib * MIB, 2)
@@ -308,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             pair.close()
 
     gibs = {key: (key[1] / 1024) / statistics.median(secs) for key, secs in samples.items()}
-    print(f"one-directional loopback throughput, median GiB/s ({BUFFER_POLICY})")
+    path = "loopback" if veth is None else f"across a veth pair into namespace {veth.namespace}"
+    print(f"one-directional throughput {path}, median GiB/s ({BUFFER_POLICY})")
     names = [p.transport for p in pairs]
     ratios = [(o, r) for o in OURS for r in ("raw_tcp", "gloo") if o in names and r in names]
     header = f"{'size':>8}" + "".join(f"{n:>10}" for n in names) + "".join(f"{o + '/' + r:>14}" for o, r in ratios)
