@@ -230,24 +230,29 @@ class ShardServicer:
                         )
                     self._cv.wait(min(left, 0.5))
                 answering = time.time()
-                result = self.shard.pull(request.vw, keys)
+                # Through shared memory the values are written into the puller's slot right here,
+                # under the lock, instead of cloned here and copied again outside it.
+                result = self.shard.pull(request.vw, keys, copy=not request.shm)
+                tag = wire_pb2.PullTag(c_global=result.c_global, own_clock=result.own_clock,
+                                       vw_clocks=result.vw_clocks)
+                reply = (list(wire.encode(result.values, pull=tag, ring=self._pull_ring(request.vw, keys)))
+                         if request.shm else wire.encode(result.values, pull=tag))
             except ShardError as exc:
                 raise _rejected(exc) from None
             self.trace.record("pull", request.vw, request.min_clock, answering, time.time(), requested=requested,
                               c_global=result.c_global)
             self.pull_wait_seconds += time.monotonic() - started
             self.sent_bytes += _payload_bytes(result.values)
-        tag = wire_pb2.PullTag(c_global=result.c_global, own_clock=result.own_clock, vw_clocks=result.vw_clocks)
-        return wire.encode(result.values, pull=tag, ring=self._pull_ring(request.vw, keys) if request.shm else None)
+        return iter(reply)
 
     def _pull_ring(self, vw: int, keys: list[str]) -> shm.Ring:
-        """The ring a puller's replies go through (its keys were checked: at most one per stage)."""
-        with self._cv:
-            ring = self._pull_rings.pop((vw, tuple(keys)), None) or shm.Ring()
-            self._pull_rings[(vw, tuple(keys))] = ring
-            while len(self._pull_rings) > MAX_PULL_RINGS:
-                self._pull_rings.popitem(last=False)[1].close()
-            return ring
+        """The ring a puller's replies go through (its keys were checked: at most one per stage).
+        Called under the lock."""
+        ring = self._pull_rings.pop((vw, tuple(keys)), None) or shm.Ring()
+        self._pull_rings[(vw, tuple(keys))] = ring
+        while len(self._pull_rings) > MAX_PULL_RINGS:
+            self._pull_rings.popitem(last=False)[1].close()
+        return ring
 
     @handler
     def Status(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> ps_pb2.ShardStatus:

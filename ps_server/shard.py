@@ -354,14 +354,16 @@ class Shard:
         self._check_vw(vw)
         self._check_keys(keys)
 
-    def pull(self, vw: int, keys: Sequence[str]) -> PullResult:
-        """G2/G3: current values with exactly what they include (call when c_global is enough)."""
+    def pull(self, vw: int, keys: Sequence[str], *, copy: bool = True) -> PullResult:
+        """G2/G3: current values with exactly what they include (call when c_global is enough).
+        copy=False: the live tensors, for a caller that copies them out before it lets go of
+        the shard's lock."""
         self.check_pull(vw, keys)
         # G3 adds the puller's own waves >= own_clock: under quorum those not yet in a closed round.
         quorum = self.rule.mode == "quorum"
         own = [self.rounds[k].applied[vw] if quorum else self._clock(k, vw) for k in keys]
         return PullResult(
-            values=[(k, self.values[k].clone()) for k in keys],
+            values=[(k, self.values[k].clone() if copy else self.values[k]) for k in keys],
             own_clock=own,
             vw_clocks=self.vw_clocks(keys),
             c_global=self.c_global(keys),
