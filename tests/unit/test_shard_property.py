@@ -48,7 +48,7 @@ from hypothesis.stateful import (
 
 from hetpipe.wsp import clock_distance
 from ps_server.durability import Durability
-from ps_server.shard import Shard
+from ps_server.shard import Shard, ShardError
 from shard_reference import Deltas, Kind, RefShard, assert_refused, tensor
 
 pytestmark = pytest.mark.timeout(120)
@@ -146,6 +146,38 @@ class ShardMachine(RuleBasedStateMachine):
         assert self.shard.digest() == before
         assert self.ref.expect_push(vw, c, deltas) == "applied", "the retry is not a duplicate"
         self._push(vw, c, deltas)
+
+    @rule(data=st.data(), seed=st.integers(0, 2**16), ahead=st.booleans(),
+          between=st.sampled_from([None, None, "checkpoint", "restart"]))
+    def push_logged_before_the_lock(self, data: st.DataObject, seed: int, ahead: bool, between: str | None) -> None:
+        """The servicer's WSP path: the entry is written before the shard's lock is taken, then the
+        push is applied or refused and the entry settled; another push's checkpoint, or a kill -9,
+        may come in between. Killed there, the push was never acknowledged: the restored shard
+        replays a valid one (its retry is then a duplicate) and skips a refused one."""
+        vw = data.draw(st.integers(0, self.ref.n - 1), label="vw")
+        keys = self._keys(data)
+        c = self.ref.clock[(keys[0], vw)]
+        deltas = self._deltas([k for k in keys if self.ref.clock[(k, vw)] == c], seed)
+        c += 1 if ahead else 0   # skips a wave: refused once it is checked, after it was logged
+        want = self.ref.expect_push(vw, c, deltas)
+        seq = self.dur.log_push(vw, c, deltas)
+        if between == "checkpoint":
+            self.dur.checkpoint(self.shard)
+        elif between == "restart":
+            if want == "applied":
+                self.ref.apply(vw, c, deltas)
+            self.restart()
+            return
+        try:
+            applied = self.shard.push(vw, c, deltas)
+        except ShardError as exc:
+            assert want == exc.kind, f"refused with {exc.kind}, the reference says {want}"
+            applied = False
+        self.dur.settle(seq, applied=applied)
+        assert applied == (want == "applied")
+        if applied:
+            self.dur.maybe_checkpoint(self.shard)
+            self.ref.apply(vw, c, deltas)
 
     @precondition(lambda self: self.ref.acked)
     @rule(data=st.data(), latest=st.booleans())
@@ -258,7 +290,7 @@ class ShardMachine(RuleBasedStateMachine):
         for name, raw in saved.items():
             (log / name).write_bytes(raw)
         # ... and a torn write of the next log entry and the next checkpoint, never renamed.
-        (log / f"{self.dur._seq + 1:012d}.pt.tmp").write_bytes(b"torn")
+        (log / f"{self.dur._seq + 1:012d}.safetensors.tmp").write_bytes(b"torn")
         (self.dir / "checkpoint.pt.tmp").write_bytes(b"torn")
 
     def restart(self) -> None:
