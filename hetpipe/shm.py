@@ -138,7 +138,9 @@ class _Segment:
         self._fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_SH)   # held until this process ends
-            os.ftruncate(self._fd, HEADER_BYTES + capacity)
+            # Reserve the pages now: on a tmpfs that is full (a container's /dev/shm is 64 MiB by
+            # default) this fails with ENOSPC, where writing through the mapping would be SIGBUS.
+            os.posix_fallocate(self._fd, 0, HEADER_BYTES + capacity)
             self.map = mmap.mmap(self._fd, HEADER_BYTES + capacity)
             with _OWNED_LOCK:
                 _OWNED.add(self.path)
@@ -173,7 +175,8 @@ class _Segment:
 class Ring:
     """A sender's segments for one peer, used in turn: with `slots` of them a slot is rewritten
     only after that many later bundles, by which time the peer has long copied it out (a sender
-    that waits for each ack needs one; the receiver's version check catches any other case)."""
+    that waits for each ack needs one; the receiver's version check catches any other case).
+    write() raises OSError where /dev/shm has no room; the caller sends in gRPC frames instead."""
 
     def __init__(self, slots: int = 2) -> None:
         if slots < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import sys
@@ -100,6 +101,15 @@ def _pieces(tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> It
             yield raw[start : start + chunk_bytes]
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger(__name__).warning(message)
+
+
 def _groups(tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> Iterator[list[memoryview]]:
     """The pieces, gathered into frames of at most chunk_bytes: small tensors share a frame (a
     one-frame bundle then goes by a unary call, see rpc.send_bundle)."""
@@ -153,9 +163,13 @@ def encode(
     """
     first = _first_frame(tensors, minibatch, push, init, pull, commit, exchange)
     if ring is not None:
-        first.shm.CopyFrom(ring.write([_raw_bytes(t) for _, t in tensors]))
-        yield first.SerializeToString()
-        return
+        try:
+            first.shm.CopyFrom(ring.write([_raw_bytes(t) for _, t in tensors]))
+        except OSError as exc:  # /dev/shm is full: this bundle goes in frames
+            _warn_once(f"shared memory unavailable ({exc.strerror}); sending in gRPC frames")
+        else:
+            yield first.SerializeToString()
+            return
     # Field 9 is the highest-numbered field written here, so appending it keeps the canonical order.
     head: bytes | None = first.SerializeToString()
     for group in _groups(tensors, chunk_bytes):

@@ -248,7 +248,9 @@ class ShardServicer:
     def _pull_ring(self, vw: int, keys: list[str]) -> shm.Ring:
         """The ring a puller's replies go through (its keys were checked: at most one per stage).
         Called under the lock."""
-        ring = self._pull_rings.pop((vw, tuple(keys)), None) or shm.Ring()
+        # One slot: a puller pulls again only once it has copied the last reply out (and one that
+        # did not gets FAILED_PRECONDITION and pulls in frames): /dev/shm holds one copy per puller.
+        ring = self._pull_rings.pop((vw, tuple(keys)), None) or shm.Ring(slots=1)
         self._pull_rings[(vw, tuple(keys))] = ring
         while len(self._pull_rings) > MAX_PULL_RINGS:
             self._pull_rings.popitem(last=False)[1].close()

@@ -109,7 +109,7 @@ class WspSync:
         self._stubs = [rpc.Stub(ch, "ParameterServer") for ch in self._channels]
         # A shard on this host: pushes through a ring of ours, pull replies through one of its own.
         shared = config.shared_memory or (False,) * len(config.addresses)
-        self._rings = [shm.Ring() if on else None for on in shared]
+        self._rings = [shm.Ring(slots=1) if on else None for on in shared]  # one push at a time per shard
         self._reader = shm.Reader()
         self.total_waves = total_waves(config.steps, config.nm)
         self._acc: dict[int, list[torch.Tensor]] = {}   # own wave -> summed updates not yet in w_global

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hetpipe import shm, wire
+from hetpipe.v1 import wire_pb2
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
 REPO = Path(__file__).resolve().parents[2]
@@ -127,3 +128,24 @@ def test_host_identity_is_shared_by_processes_on_this_host() -> None:
     there = subprocess.run([sys.executable, "-c", "from hetpipe import shm; print(shm.host_id())"], cwd=REPO,
                            capture_output=True, text=True, timeout=60, check=True).stdout.strip()
     assert here and here == there
+
+
+def test_a_full_dev_shm_sends_in_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container's /dev/shm is small (64 MiB by default): where it has no room the segment is
+    refused at once (ENOSPC from fallocate, not SIGBUS on a later write) and the bundle travels
+    in gRPC frames instead."""
+    import errno
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    ring, before = shm.Ring(), set(shm.segments())
+    try:
+        frames = list(wire.encode(_bundle(), ring=ring))
+        assert not wire_pb2.TensorFrame.FromString(frames[0]).HasField("shm")
+        got = wire.decode(frames, reader=shm.Reader()).tensors
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, _bundle()))
+        assert set(shm.segments()) <= before and not list(shm.SHM_DIR.glob(f"{shm.PREFIX}{os.getpid()}-*.new"))
+    finally:
+        ring.close()
