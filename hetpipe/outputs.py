@@ -58,17 +58,26 @@ def file_names(count: int) -> list[str]:
     return [SINGLE_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def save_atomically(obj: Any, path: str | Path, *, durable: bool = False) -> None:
-    """torch.save(obj) to path so that a kill during the write leaves the old file or none, never
-    half of one; durable: also on disk before this returns (fsync), to outlive a power cut."""
+def write_atomically(path: str | Path, write: Callable[[Path], None], *, durable: bool = False) -> None:
+    """write(tmp) then rename it onto path, so that a kill during the write leaves the old file or
+    none, never half of one; durable: also on disk before this returns (fsync), to outlive a
+    power cut. A write that fails leaves no temporary file."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
+    try:
+        write(tmp)
         if durable:
-            f.flush()
-            os.fsync(f.fileno())
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
+
+
+def save_atomically(obj: Any, path: str | Path, *, durable: bool = False) -> None:
+    """torch.save(obj) to path, atomically (write_atomically)."""
+    write_atomically(path, lambda tmp: torch.save(obj, tmp), durable=durable)
 
 
 CHECKPOINTS = "checkpoints"  # train.checkpoint_every: the cuts a run can --resume from

@@ -98,13 +98,19 @@ def unlink_owned() -> None:
         _unlink(path)
 
 
+def _files(*, creating: bool) -> list[Path]:
+    """Every hetpipe segment in /dev/shm; creating: those still being made too."""
+    if not SHM_DIR.is_dir():
+        return []
+    return [p for p in SHM_DIR.glob(f"{PREFIX}*")
+            if _NAME.fullmatch(p.name.removesuffix(_CREATING) if creating else p.name)]
+
+
 def sweep() -> list[str]:
     """Removes every hetpipe segment whose owner has ended (no process holds its lock); returns
     their names. Safe beside live owners: theirs are locked."""
     removed = []
-    for path in SHM_DIR.glob(f"{PREFIX}*") if SHM_DIR.is_dir() else []:
-        if not _NAME.fullmatch(path.name.removesuffix(_CREATING)):
-            continue
+    for path in _files(creating=True):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
@@ -123,7 +129,7 @@ def sweep() -> list[str]:
 
 def segments() -> list[str]:
     """The names of every hetpipe segment on this host now."""
-    return sorted(p.name for p in SHM_DIR.glob(f"{PREFIX}*") if _NAME.fullmatch(p.name)) if SHM_DIR.is_dir() else []
+    return sorted(p.name for p in _files(creating=False))
 
 
 class _Segment:

@@ -328,7 +328,7 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | No
     sizes = [s[2] for s in specs]
 
     def payloads() -> Iterator[memoryview]:
-        if first.HasField("shm"):
+        if shared is not None:
             yield from shared
             return
         yield memoryview(first.data)
@@ -363,7 +363,7 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | No
                             f"byte length {received} does not match the shapes in the header ({total} bytes)")
 
     # A handle is checked now, before a receiver's check() and allocation: a bad one changes nothing.
-    shared = _shared(first, it, reader, total) if first.HasField("shm") else iter(())
+    shared = _shared(first, it, reader, total) if first.HasField("shm") else None
     return Stream(header, specs, pieces())
 
 

@@ -104,6 +104,11 @@ class Link:
             self.ring.close()
 
     @property
+    def shm_bytes(self) -> int:
+        """Bytes sent through shared memory."""
+        return 0 if self.ring is None else self.ring.bytes_written
+
+    @property
     def backlog(self) -> int:
         return self._queue.qsize()
 

@@ -404,8 +404,7 @@ class StageRuntime:
                 wait_idle_seconds=self._wait_idle_seconds,
                 sent_forward_bytes=links[0].bytes_sent if links[0] is not None else 0,
                 sent_backward_bytes=links[1].bytes_sent if links[1] is not None else 0,
-                shm_bytes=s.sync.shm_bytes + sum(link.ring.bytes_written for link in links
-                                                 if link is not None and link.ring is not None),
+                shm_bytes=s.sync.shm_bytes + sum(link.shm_bytes for link in links if link is not None),
                 clock=s.sync.clock, min_clock=s.sync.min_clock,
                 evals=tuple(s.evals.totals.results) if s.evals is not None else (),
                 weights_digest=s.compute.digest() if weights_digest else "",

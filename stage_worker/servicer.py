@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 
@@ -53,6 +53,10 @@ class StageServicer:
         self._on_stop = on_stop
         self.reader = shm.Reader()  # activations and gradients from stages on this host
 
+    def _decode(self, frames: Iterable[bytes]) -> wire.Bundle:
+        """An activation or gradient, in frames or through shared memory; pinned for a GPU stage."""
+        return wire.decode(frames, reader=self.reader, pinned=self.runtime.on_gpu)
+
     @handler
     def Assign(self, request: stage_pb2.StageAssignment, context: grpc.ServicerContext) -> wire_pb2.Ack:
         self.runtime.assign(request)
@@ -65,22 +69,22 @@ class StageServicer:
 
     @handler
     def Forward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_forward(wire.decode(request_iterator, reader=self.reader, pinned=self.runtime.on_gpu))
+        self.runtime.offer_forward(self._decode(request_iterator))
         return wire_pb2.Ack()
 
     @handler
     def ForwardFrame(self, request: bytes, context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_forward(wire.decode([request], reader=self.reader, pinned=self.runtime.on_gpu))
+        self.runtime.offer_forward(self._decode([request]))
         return wire_pb2.Ack()
 
     @handler
     def Backward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_backward(wire.decode(request_iterator, reader=self.reader, pinned=self.runtime.on_gpu))
+        self.runtime.offer_backward(self._decode(request_iterator))
         return wire_pb2.Ack()
 
     @handler
     def BackwardFrame(self, request: bytes, context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_backward(wire.decode([request], reader=self.reader, pinned=self.runtime.on_gpu))
+        self.runtime.offer_backward(self._decode([request]))
         return wire_pb2.Ack()
 
     @handler
