@@ -140,8 +140,8 @@ class ShardServicer:
         # Logged before it is applied: an acknowledged update survives a kill -9, and one whose log
         # write failed is not applied (so its retry is no "duplicate"). Under WSP a push is logged
         # before the lock, so that concurrent pushes write their logs at once: sums commute, so
-        # the order of entries does not matter (quorum rounds and elastic exchanges log in order,
-        # once validated, under the lock).
+        # the order of entries does not matter; it is fsynced after the lock (Durability). Quorum
+        # rounds and elastic exchanges log in order, once validated, under the lock, on disk.
         logged: int | None = None
         journal: Callable[[], None] | None = None
         if durability is not None and kind == "push" and self.shard.rule.mode == "wsp":
@@ -166,7 +166,11 @@ class ShardServicer:
                               duplicate=not applied, checkpoint=checkpointed)
             self.received_bytes += _payload_bytes(bundle.tensors)
             self._cv.notify_all()  # pulls wait on pushes, the final pulls on every VW's last exchange
-            return reply
+        if logged is not None and durability is not None:
+            # On disk before the acknowledgement, the pulls it released already on their way; a
+            # duplicate waits for its original's entry, which may still be on the way to disk.
+            durability.sync(logged if applied else None)
+        return reply
 
     @handler
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushReply:

@@ -248,7 +248,8 @@ class StageCompute:
         if self.optimizer is not None:
             self.optimizer.step([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)])
         self.version += 1
-        return [p.detach() - b for p, b in zip(self.params, before)]
+        # u = w_after - w_before, written over the copy: no second model-sized allocation per step.
+        return [torch.sub(p.detach(), b, out=b) for p, b in zip(self.params, before)]
 
     @torch.no_grad()
     def add_to_weights(self, deltas: list[torch.Tensor]) -> None:

@@ -25,7 +25,8 @@ class Sync(Protocol):
         ...
 
     def after_update(self, p: int, update: list[torch.Tensor]) -> None:
-        """L3/G1: u_p was applied locally; fold it into the current wave's sum."""
+        """L3/G1: u_p was applied locally; fold it into the current wave's sum. The sync owns
+        `update` from here on (the caller made it for this call and keeps no reference)."""
         ...
 
     def on_wave_end(self, wave: int) -> None:

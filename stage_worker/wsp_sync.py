@@ -200,7 +200,7 @@ class WspSync:
         wave = wave_of(p, self.cfg.nm)
         acc = self._acc.get(wave)
         if acc is None:
-            self._acc[wave] = [u.clone() for u in update]
+            self._acc[wave] = update  # ours (SyncStrategy.after_update): no copy
         else:
             for total, u in zip(acc, update):
                 total.add_(u)
@@ -208,7 +208,9 @@ class WspSync:
     def on_wave_end(self, wave: int) -> None:
         self._clock = wave + 1
         if self.keys:
-            self._pushes.put((wave, [t.clone() for t in self._acc[wave]], time.time()))
+            # The wave's sum is final: the pusher reads it while merges (G3) may read it too,
+            # and nothing writes it again, so it needs no copy.
+            self._pushes.put((wave, self._acc[wave], time.time()))
 
     def apply_pending(self, weights: Weights) -> None:
         with self._lock:
@@ -331,8 +333,9 @@ class WspSync:
                 return
             self.cb.observe_push(time.perf_counter() - started)
             self._write_sync({"event": "push", "wave": wave, "queued": queued, "start": start_wall, "end": time.time()})
-            for total, u in zip(self._ledger, update):
-                total.add_(u.cpu())
+            if self._ledger_path:  # only a traced job keeps the ledger (O3 reads it)
+                for total, u in zip(self._ledger, update):
+                    total.add_(u.cpu())
             self._acked_waves = wave + 1
             self._save_ledger(pending=None)
             self.cb.wake()

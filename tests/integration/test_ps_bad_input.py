@@ -233,6 +233,38 @@ def test_push_whose_log_write_fails_is_not_applied(ps: InProcess, tmp_path: Path
     assert restored.c_global() == 2
 
 
+def test_push_is_acknowledged_once_its_log_entry_is_on_disk(ps: InProcess, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under WSP a push's log entry is fsynced after the push is applied (off the path to the pulls
+    it releases) and before it is acknowledged. An fsync that fails leaves it applied but not
+    acknowledged; its retry, a duplicate, is acknowledged once the original's entry is on disk."""
+    c, durability = ps.client, ps.servicer.durability
+    assert durability is not None
+    durability.every_clocks = 10**6  # no checkpoint: it would cover the entry (and fsync itself)
+    synced: list[str] = []
+    fail = [OSError(5, "Input/output error")]
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if fail:
+            raise fail.pop()
+        real_fsync(fd)
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    refused(lambda: c.push(1, 1, delta(1, 1)), Code.UNAVAILABLE, r"Input/output error")
+    entry = durability.entries()[-1].name
+    assert c.status().c_global == 2, "applied before its fsync, so pulls need not wait for the disk"
+    assert not synced
+    assert c.push(1, 1, delta(1, 1)).duplicate
+    assert synced == [entry], "a duplicate was acknowledged before its original's entry was on disk"
+    assert not c.push(0, 2, delta(0, 2)).duplicate
+    assert synced[1:] == [durability.entries()[-1].name]
+    restored = Shard()
+    Durability(str(tmp_path / "ckpt")).restore(restored)
+    assert restored.digest() == ps.servicer.shard.digest()
+
+
 def test_pull_past_deadline_says_why(ps: InProcess) -> None:
     c = ps.client
     before = state(c.status())
