@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -17,6 +19,14 @@ from ps_server.shard import Shard, ShardError
 
 log = logging.getLogger(__name__)
 LOG_SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A checkpoint captured under the shard's lock, to be written outside it."""
+    state: dict[str, Any]
+    covered: int   # the log entries it holds: every one numbered up to this
+    number: int    # captures before it, so that an older one never overwrites a newer one
 
 
 def _seq_of(entry: Path) -> int:
@@ -52,6 +62,9 @@ class Durability:
         self._lock = threading.Lock()      # _seq, _unsettled and _unsynced, which pushes logging outside the shard lock share
         self._unsettled: set[int] = set()
         self._unsynced: set[int] = set()   # entries written but not yet on disk (log_push, before sync)
+        self._captured = 0                 # checkpoints captured; the number of the last one written:
+        self._written = 0
+        self._write_lock = threading.Lock()
 
     @property
     def checkpoint_path(self) -> Path:
@@ -162,20 +175,37 @@ class Durability:
             if not applied:
                 self._unsynced.discard(seq)
 
-    def checkpoint(self, shard: Shard) -> None:
+    def capture(self, shard: Shard) -> Snapshot | None:
+        """The checkpoint of shard as it is now (the caller holds the shard's lock), for write()."""
         if not shard.ready:
-            return
+            return None
         with self._lock:  # entries logged but not yet applied are not in the snapshot: keep them
             covered = min(self._unsettled) - 1 if self._unsettled else self._seq
-        save_atomically({**shard.snapshot(), "log_seq": covered}, self.checkpoint_path, durable=True)
-        for entry in self.entries():
-            if _seq_of(entry) <= covered:
-                entry.unlink(missing_ok=True)
+            self._captured += 1
+            number = self._captured
         self._checkpointed_clock = shard.c_global()
+        return Snapshot({**shard.snapshot(), "log_seq": covered}, covered, number)
 
-    def maybe_checkpoint(self, shard: Shard) -> bool:
-        """Checkpoints when c_global has advanced every_clocks past the last checkpoint."""
+    def write(self, snapshot: Snapshot) -> None:
+        """Puts a captured checkpoint on disk and deletes the log entries it covers; the shard's
+        lock need not be held, so pushes go on meanwhile. One captured later wins."""
+        with self._write_lock:
+            if snapshot.number < self._written:
+                return
+            save_atomically(snapshot.state, self.checkpoint_path, durable=True)
+            self._written = snapshot.number
+            for entry in self.entries():
+                if _seq_of(entry) <= snapshot.covered:
+                    entry.unlink(missing_ok=True)
+
+    def checkpoint(self, shard: Shard) -> None:
+        """capture() and write() at once."""
+        snapshot = self.capture(shard)
+        if snapshot is not None:
+            self.write(snapshot)
+
+    def maybe_capture(self, shard: Shard) -> Snapshot | None:
+        """A checkpoint to write() when c_global has advanced every_clocks past the last one."""
         if shard.c_global() - self._checkpointed_clock >= self.every_clocks:
-            self.checkpoint(shard)
-            return True
-        return False
+            return self.capture(shard)
+        return None

@@ -159,17 +159,17 @@ class ShardServicer:
             finally:
                 if logged is not None and durability is not None:
                     durability.settle(logged, applied=applied)
-            checkpointed = False
-            if applied and durability is not None:
-                checkpointed = durability.maybe_checkpoint(self.shard)
+            captured = durability.maybe_capture(self.shard) if applied and durability is not None else None
             self.trace.record(kind, tag.vw, tag.clock, start, time.time(), received=received,
-                              duplicate=not applied, checkpoint=checkpointed)
+                              duplicate=not applied, checkpoint=captured is not None)
             self.received_bytes += _payload_bytes(bundle.tensors)
             self._cv.notify_all()  # pulls wait on pushes, the final pulls on every VW's last exchange
         if logged is not None and durability is not None:
             # On disk before the acknowledgement, the pulls it released already on their way; a
             # duplicate waits for its original's entry, which may still be on the way to disk.
             durability.sync(logged if applied else None)
+        if captured is not None and durability is not None:
+            durability.write(captured)  # outside the lock: the checkpoint and its log cleanup are slow
         return reply
 
     @handler

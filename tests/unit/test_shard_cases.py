@@ -231,6 +231,30 @@ def test_a_push_logged_outside_the_lock_survives_a_checkpoint_taken_before_it_is
     assert not list(dur.entries())
 
 
+def test_a_checkpoint_written_late_never_overwrites_a_newer_one(tmp_path: Path) -> None:
+    """The servicer captures a checkpoint under the lock and writes it after: two pushes' captures
+    may be written in the other order, and the older must not replace the newer, whose write
+    deleted the entries the older one lacks."""
+    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=1)
+    dur.checkpoint(shard)
+    both = [ones("a", shard), ones("b", shard)]
+    for vw in (0, 1):
+        dur.journal_push(vw, 0, both)
+        assert shard.push(vw, 0, both)
+    older = dur.maybe_capture(shard)
+    for vw in (0, 1):
+        dur.journal_push(vw, 1, both)
+        assert shard.push(vw, 1, both)
+    newer = dur.maybe_capture(shard)
+    assert older is not None and newer is not None and older.covered < newer.covered
+    dur.write(newer)
+    assert not list(dur.entries())
+    dur.write(older)
+    again = Shard()
+    Durability(str(tmp_path)).restore(again)
+    assert again.digest() == shard.digest() and again.pushes_applied == 4
+
+
 def test_a_log_entry_cut_short_before_its_fsync_is_not_replayed(tmp_path: Path) -> None:
     """A power cut between a push's log write and its sync() can leave a torn entry: that push
     was never acknowledged (its retry brings it back), so restore skips the entry and replays

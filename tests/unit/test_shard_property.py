@@ -2,8 +2,8 @@
 
 A hypothesis state machine drives `ps_server.shard.Shard`, made durable with
 `ps_server.durability.Durability` the way the servicer does (Init -> checkpoint; every push ->
-journal_push once validated and before it is applied, then maybe_checkpoint), through random
-interleavings of:
+journal_push once validated and before it is applied, then maybe_capture, whose checkpoint is
+written later, outside the lock), through random interleavings of:
 
 - pushes of the next wave for a random VW and a random subset of keys (stages of one VW own
   different keys of the same shard, so keys of one VW legitimately run at different clocks);
@@ -14,7 +14,8 @@ interleavings of:
   shape, wrong dtype, a key named twice, no keys, keys at different clocks), which must raise
   ShardError of the right kind and change nothing (`digest()` before == after);
 - pulls, valid and invalid, whose values and clocks must match the reference;
-- checkpoints, including one whose log clean-up was cut short by a crash;
+- checkpoints, including one whose log clean-up was cut short by a crash, and captured ones
+  written late and out of order (an older one must not overwrite a newer one) or never (killed);
 - restarts: a fresh Shard restored by a fresh Durability from the same directory, after which
   every acknowledged push must be there exactly once.
 
@@ -47,7 +48,7 @@ from hypothesis.stateful import (
 )
 
 from hetpipe.wsp import clock_distance
-from ps_server.durability import Durability
+from ps_server.durability import Durability, Snapshot
 from ps_server.shard import Shard, ShardError
 from shard_reference import Deltas, Kind, RefShard, assert_refused, tensor
 
@@ -82,6 +83,7 @@ class ShardMachine(RuleBasedStateMachine):
         self.dur = Durability(str(self.dir), every)
         assert self.shard.init(n, init) is True
         self.dur.checkpoint(self.shard)  # as the servicer does on a fresh Init
+        self.captured: list[Snapshot] = []  # checkpoints captured and not yet written
         self.ref = RefShard(n, dict(init))
         assert self.shard.init(n, init) is False, "the same Init again is a no-op"
 
@@ -109,8 +111,14 @@ class ShardMachine(RuleBasedStateMachine):
             assert not logged, "a duplicate must not reach the log"
             return
         assert applied is True and logged == [1]
-        self.dur.maybe_checkpoint(self.shard)
+        self._capture()
         self.ref.apply(vw, c, deltas)
+
+    def _capture(self) -> None:
+        """The servicer's: a checkpoint captured under the lock when due, written after it."""
+        snapshot = self.dur.maybe_capture(self.shard)
+        if snapshot is not None:
+            self.captured.append(snapshot)
 
     def _keys(self, data: st.DataObject) -> list[str]:
         return data.draw(st.lists(st.sampled_from(sorted(self.shapes)), min_size=1, unique=True), label="keys")
@@ -176,7 +184,7 @@ class ShardMachine(RuleBasedStateMachine):
         self.dur.settle(seq, applied=applied)
         assert applied == (want == "applied")
         if applied:
-            self.dur.maybe_checkpoint(self.shard)
+            self._capture()
             self.ref.apply(vw, c, deltas)
 
     @precondition(lambda self: self.ref.acked)
@@ -282,6 +290,13 @@ class ShardMachine(RuleBasedStateMachine):
         else:
             getattr(self, action)()
 
+    @precondition(lambda self: getattr(self, "captured", None))
+    @rule(data=st.data())
+    def write_captured(self, data: st.DataObject) -> None:
+        """A checkpoint captured by some push, written now: maybe after one captured later."""
+        snapshot = self.captured.pop(data.draw(st.integers(0, len(self.captured) - 1), label="captured"))
+        self.dur.write(snapshot)
+
     def checkpoint_cut_short(self) -> None:
         """A crash after the checkpoint is renamed into place but before the old log entries are deleted."""
         log = self.dur.log_dir
@@ -297,6 +312,7 @@ class ShardMachine(RuleBasedStateMachine):
         """kill -9 and start again: a fresh shard restored from the directory alone."""
         self.shard = Shard()
         self.dur = Durability(str(self.dir), self.every)
+        self.captured = []  # killed before they were written
         self.dur.restore(self.shard)
         self.restarts += 1
         self.check_state()
