@@ -382,7 +382,7 @@ def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu
     tensors = [empty(shape, dtype, pinned=pinned) for dtype, shape, _ in stream.specs]
     sinks = [t.reshape(-1).view(torch.uint8).numpy().data for t in tensors]
     for index, offset, piece in stream.pieces:
-        sinks[index][offset:offset + len(piece)] = piece
+        shm.copy_bytes(sinks[index][offset:offset + len(piece)], piece)
     if device != "cpu":
         tensors = [t.to(device, non_blocking=True) for t in tensors]
     return Bundle(stream.header, [(m.name, t) for m, t in zip(stream.header.tensors, tensors)])

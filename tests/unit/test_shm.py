@@ -25,7 +25,8 @@ def _bundle() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [("w", torch.randn(3, 5, generator=g, dtype=torch.float64)), ("empty", torch.zeros(0, 4)),
             ("bf16", torch.randn(7, generator=g).to(torch.bfloat16)), ("mask", torch.tensor([True, False])),
-            ("ids", torch.arange(6, dtype=torch.int64).view(2, 3))]
+            ("ids", torch.arange(6, dtype=torch.int64).view(2, 3)),
+            ("large", torch.randn(20_000, generator=g))]  # copied without the GIL (shm.copy_bytes)
 
 
 def _mine() -> set[str]:
