@@ -219,9 +219,7 @@ def init_process_group(spec: dict[str, Any], rank: int) -> None:
 
 def watch_parent() -> None:
     """Exit at once if the launcher dies: a killed `hetpipe run` leaves no worker behind."""
-    from hetpipe import rpc
-
-    rpc.exit_with_parent(rpc.launcher_pid(), lambda: os._exit(3))
+    children.exit_with_parent(children.launcher_pid(), lambda: os._exit(3))
 
 
 def recent_mean(losses: Sequence[float]) -> float:

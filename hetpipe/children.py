@@ -8,18 +8,25 @@ object, so nothing that cannot survive fork() is ever forked.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+log = logging.getLogger(__name__)
+LAUNCHER_PID_ENV = "HETPIPE_LAUNCHER_PID"  # whose death ends a service process (launcher_pid)
 
 # What every service imports (never grpc). autograd.grad imports symbolic_shapes (and sympy, 0.4 s)
 # on its first call with grad_outputs: preloaded, no stage pays it inside its first backward.
@@ -103,8 +110,8 @@ def start(args: list[str], log_path: Path, *, env: Mapping[str, str] | None = No
     if len(args) < 3 or args[1] != "-m":
         raise ValueError(f"expected [python, '-m', module, ...], got {args[:3]}")
     context = _context()
-    # The worker follows this process, not the fork server it is forked from (rpc.launcher_pid).
-    environment = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", HETPIPE_LAUNCHER_PID=str(os.getpid()))
+    # The worker follows this process, not the fork server it is forked from (launcher_pid).
+    environment = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())})
     process = context.Process(
         target=_run_module, name=args[2],
         args=(args[2], args[3:], str(log_path), append, environment, os.getcwd(), list(sys.path)),
@@ -157,3 +164,34 @@ def stop(children: Iterable[Child], grace: float = 3.0) -> None:
         except subprocess.TimeoutExpired:
             c.popen.kill()
             c.popen.wait()
+
+
+# ---- the child's side: follow the launcher ----------------------------------------------------------
+
+def launcher_pid() -> int:
+    """The process whose death ends this one: the launcher that started it (hetpipe.children sets
+    it: a forked worker's own parent is the fork server, which lives as long as its workers hold
+    its pipe, so watching it would keep a killed launcher's workers alive for good), else the parent."""
+    return int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
+
+
+def _born(pid: int) -> float | None:
+    """When pid started; None once it is gone or a zombie (a PID reused later starts later)."""
+    try:
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
+    except psutil.Error:
+        return None
+
+
+def exit_with_parent(parent_pid: int, on_orphaned: Callable[[], None]) -> None:
+    """Calls on_orphaned once parent_pid is gone, so a killed launcher leaves no orphans."""
+    born = _born(parent_pid)
+
+    def watch() -> None:
+        while born is not None and _born(parent_pid) == born:
+            time.sleep(0.5)
+        log.warning("launcher %d is gone: exiting", parent_pid)
+        on_orphaned()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

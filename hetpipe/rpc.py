@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import signal
 import threading
 import time
@@ -14,7 +13,6 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
-import psutil
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 from google.protobuf.descriptor import ServiceDescriptor
@@ -414,43 +412,3 @@ def wait_ready(address: str, timeout: float = CONTROL_DEADLINE_S) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{address} did not become healthy within {timeout:.0f}s")
             time.sleep(0.05)
-
-
-LAUNCHER_PID_ENV = "HETPIPE_LAUNCHER_PID"
-
-
-def launcher_pid() -> int:
-    """The process whose death ends this one: the launcher that started it (hetpipe.children sets
-    it: a forked worker's own parent is the fork server, which lives as long as its workers hold
-    its pipe, so watching it would keep a killed launcher's workers alive for good), else the parent."""
-    return int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
-
-
-def _born(pid: int) -> float | None:
-    """When pid started; None once it is gone or a zombie (a PID reused later starts later)."""
-    try:
-        process = psutil.Process(pid)
-        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
-    except psutil.Error:
-        return None
-
-
-def exit_with_parent(parent_pid: int, on_orphaned: Callable[[], None]) -> None:
-    """Calls on_orphaned once parent_pid is gone, so a killed launcher leaves no orphans."""
-    born = _born(parent_pid)
-
-    def watch() -> None:
-        while born is not None and _born(parent_pid) == born:
-            time.sleep(0.5)
-        log.warning("launcher %d is gone: exiting", parent_pid)
-        on_orphaned()
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def write_ready_file(path: str, address: str) -> None:
-    """Atomically publishes the bound address for a launcher that asked for port 0."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(address)
-    os.replace(tmp, path)

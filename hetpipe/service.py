@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hetpipe import metrics, rpc, security, shm
+from hetpipe import children, metrics, rpc, security, shm
 from hetpipe.registration import keep_registered
 from hetpipe.security import Security
 from hetpipe.v1 import coordinator_pb2
@@ -97,7 +97,7 @@ def run_server(
     server.start()
     server.stop_on_signals(shutdown)
     if flags.exit_with_parent:
-        rpc.exit_with_parent(rpc.launcher_pid(), shutdown)
+        children.exit_with_parent(children.launcher_pid(), shutdown)
     address = flags.advertise or server.address
     what = "coordinator" if role is None else coordinator_pb2.WorkerInfo.Role.Name(role).lower()
     logging.info("%s serving on %s (metrics :%d)", what, address, metrics_port)
@@ -110,7 +110,7 @@ def run_server(
         )
         keep_registered(flags.coordinator, info, stopped)
     if flags.ready_file:
-        rpc.write_ready_file(flags.ready_file, f"{address} {metrics_port}")
+        _write_ready_file(flags.ready_file, f"{address} {metrics_port}")
     server.wait()
     stopped.set()
 
@@ -137,3 +137,11 @@ def exit_now() -> None:
     shm.unlink_owned()
     logging.shutdown()
     os._exit(0)
+
+
+def _write_ready_file(path: str, address: str) -> None:
+    """Atomically publishes the bound address for a launcher that asked for port 0."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(address)
+    os.replace(tmp, path)
