@@ -58,7 +58,7 @@ def file_names(count: int) -> list[str]:
     return [SINGLE_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def write_atomically(path: str | Path, write: Callable[[Path], None], *, durable: bool = False) -> None:
+def write_atomically(path: str | Path, write: Callable[[Path], object], *, durable: bool = False) -> None:
     """write(tmp) then rename it onto path, so that a kill during the write leaves the old file or
     none, never half of one; durable: also on disk before this returns (fsync), to outlive a
     power cut. A write that fails leaves no temporary file."""

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hetpipe import children, metrics, rpc, security, shm
+from hetpipe import children, metrics, outputs, rpc, security, shm
 from hetpipe.registration import keep_registered
 from hetpipe.security import Security
 from hetpipe.v1 import coordinator_pb2
@@ -110,7 +110,8 @@ def run_server(
         )
         keep_registered(flags.coordinator, info, stopped)
     if flags.ready_file:
-        _write_ready_file(flags.ready_file, f"{address} {metrics_port}")
+        # Atomically: a launcher that asked for port 0 polls for it and must never read half.
+        outputs.write_atomically(flags.ready_file, lambda tmp: tmp.write_text(f"{address} {metrics_port}"))
     server.wait()
     stopped.set()
 
@@ -137,11 +138,3 @@ def exit_now() -> None:
     shm.unlink_owned()
     logging.shutdown()
     os._exit(0)
-
-
-def _write_ready_file(path: str, address: str) -> None:
-    """Atomically publishes the bound address for a launcher that asked for port 0."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(address)
-    os.replace(tmp, path)

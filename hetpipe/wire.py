@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import mmap
@@ -101,13 +102,9 @@ def _pieces(tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> It
             yield raw[start : start + chunk_bytes]
 
 
-_warned: set[str] = set()
-
-
+@functools.cache
 def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        logging.getLogger(__name__).warning(message)
+    logging.getLogger(__name__).warning(message)
 
 
 def _groups(tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> Iterator[list[memoryview]]:

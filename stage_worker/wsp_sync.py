@@ -200,7 +200,7 @@ class WspSync:
         wave = wave_of(p, self.cfg.nm)
         acc = self._acc.get(wave)
         if acc is None:
-            self._acc[wave] = update  # ours (SyncStrategy.after_update): no copy
+            self._acc[wave] = update  # ours (Sync.after_update): no copy
         else:
             for total, u in zip(acc, update):
                 total.add_(u)
