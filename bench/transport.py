@@ -1,10 +1,14 @@
 """Throughput of the stage-to-stage paths, gRPC frames and shared memory (parallel.transport grpc
 and shm), against raw TCP and torch.distributed gloo: on one host over loopback, or (--netns)
-across two network namespaces joined by a veth pair, where shared memory does not apply."""
+across two network namespaces joined by a veth pair, where shared memory does not apply.
+
+--cuda (a CUDA machine): GPU tensors on both sides, CUDA IPC (`cuda_ipc`) and shared memory
+through pinned host buffers (`shm`) against a device-to-device copy in one process (`d2d`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import socket
@@ -29,7 +33,9 @@ from netns import Veth, enter, veth_pair  # noqa: E402
 MIB = 1 << 20
 SIZES_MIB = (1, 16, 64)
 TRANSPORTS = ("grpc", "shm", "raw_tcp", "gloo")
-OURS = ("grpc", "shm")
+CUDA_TRANSPORTS = ("cuda_ipc", "shm", "d2d")
+OURS = ("grpc", "shm", "cuda_ipc")
+BASELINES = ("raw_tcp", "gloo", "d2d")
 # Every receiver allocates a fresh tensor per message with wire.empty, as wire.decode must (the
 # stage keeps what it receives), and every sender sends from one tensor made once: the same
 # policy for all three transports.
@@ -71,14 +77,15 @@ def _check(tensor: Any, nbytes: int) -> None:
 class _SinkRuntime:
     """Stands in for StageRuntime behind the real StageServicer: checks and drops each activation."""
 
-    on_gpu = False
+    def __init__(self, gpu: Any = None) -> None:
+        self.gpu = gpu   # a torch.device: a GPU stage, which receives onto it
 
     def offer_forward(self, bundle: Any) -> None:
         (_, x), = bundle.tensors
         _check(x, x.numel() * 4)
 
 
-def _grpc_receiver(conn: Connection, site: Site) -> None:
+def _grpc_receiver(conn: Connection, site: Site, cuda: bool = False) -> None:
     _arrive(site)
     import torch
 
@@ -87,27 +94,34 @@ def _grpc_receiver(conn: Connection, site: Site) -> None:
 
     torch.set_num_threads(1)
     server = rpc.Server(site.host, 0)
-    server.add("Stage", StageServicer(_SinkRuntime(), lambda: None))  # type: ignore[arg-type]
+    runtime = _SinkRuntime(torch.device("cuda:0") if cuda else None)
+    server.add("Stage", StageServicer(runtime, lambda: None))  # type: ignore[arg-type]
     server.start()
     conn.send(server.address)
     conn.recv()  # until told to stop
     server.stop()
 
 
-def _grpc_sender(address: str, shared_memory: bool = False) -> Callable[[Any], None]:
+def _grpc_sender(address: str, shared_memory: bool = False, cuda_ipc: bool = False) -> Callable[[Any], None]:
     from hetpipe.v1 import wire_pb2
-    from stage_worker.links import Link, Outgoing
+    from stage_worker.links import Link, Outgoing, to_host
 
     def fail(message: str) -> None:
         raise RuntimeError(message)
 
     link = Link(address=address, method="Forward", peer="bench receiver", on_failure=fail,
-                shared_memory=shared_memory)
+                shared_memory=shared_memory, cuda_ipc=cuda_ipc)
     tag = wire_pb2.MinibatchTag(vw=0, minibatch=1, weight_version=0, stage=0)
 
     def send(tensor: Any) -> None:
-        # Link._deliver is the exact production send: wire encoding, deadline, retry policy.
-        if not link._deliver(Outgoing(tag, [("activation", tensor)])):
+        # Link.send's staging (a CUDA IPC slot, else pinned host memory for a GPU tensor), then
+        # Link._deliver, the exact production send: wire encoding, deadline, retry policy.
+        item = Outgoing(tag, [("activation", tensor)])
+        staged = link._stage(item)
+        item = dataclasses.replace(item, staged=staged) if staged is not None else to_host(item)
+        if item.ready is not None:
+            item.ready.synchronize()
+        if not link._deliver(item):
             raise RuntimeError("gRPC send failed")
 
     return send
@@ -216,19 +230,36 @@ def _gloo_sender(address: str) -> Callable[[Any], None]:
 # --- process plumbing ---------------------------------------------------------------------------
 
 
-def _sender_main(conn: Connection, transport: str, address: str) -> None:
+def _d2d_sender(address: str) -> Callable[[Any], None]:
+    """No peer: a device-to-device copy into a fresh tensor, in this process."""
+    import torch
+
+    def send(tensor: Any) -> None:
+        torch.empty_like(tensor).copy_(tensor)
+        torch.cuda.synchronize()
+
+    return send
+
+
+def _idle_receiver(conn: Connection, site: Site, cuda: bool = False) -> None:
+    conn.send("")   # d2d has no peer
+    conn.recv()
+
+
+def _sender_main(conn: Connection, transport: str, address: str, cuda: bool = False) -> None:
     import torch
 
     torch.set_num_threads(1)
     factory = {"grpc": _grpc_sender, "shm": lambda address: _grpc_sender(address, shared_memory=True),
-               "raw_tcp": _tcp_sender, "gloo": _gloo_sender}[transport]
+               "cuda_ipc": lambda address: _grpc_sender(address, shared_memory=True, cuda_ipc=True),
+               "raw_tcp": _tcp_sender, "gloo": _gloo_sender, "d2d": _d2d_sender}[transport]
     send = factory(address)
     tensors: dict[int, Any] = {}
     conn.send("ready")
     while (command := conn.recv()) is not None:
         nbytes, count = command
         if nbytes not in tensors:
-            tensors[nbytes] = _pattern(nbytes)
+            tensors[nbytes] = _pattern(nbytes).cuda() if cuda else _pattern(nbytes)
         tensor = tensors[nbytes]
         seconds = []
         for _ in range(count):
@@ -253,8 +284,8 @@ def _free_port(host: str) -> int:
 class Pair:
     """One transport's receiver and sender processes, driven over pipes."""
 
-    def __init__(self, ctx: Any, transport: str, far: Site = Site(), near: Site = Site()) -> None:
-        """far: where the receiver runs; near: the sender's side (this namespace)."""
+    def __init__(self, ctx: Any, transport: str, far: Site = Site(), near: Site = Site(), cuda: bool = False) -> None:
+        """far: where the receiver runs; near: the sender's side (this namespace); cuda: GPU tensors."""
         self.transport = transport
         self._recv_conn, child_recv = ctx.Pipe()
         self._send_conn, child_send = ctx.Pipe()
@@ -263,13 +294,14 @@ class Pair:
             address = f"{near.host}:{_free_port(near.host)}"
             receiver = ctx.Process(target=_gloo_receiver, args=(child_recv, far, address), daemon=True)
         else:
-            target = _grpc_receiver if transport in OURS else _tcp_receiver
-            receiver = ctx.Process(target=target, args=(child_recv, far), daemon=True)
+            target = _grpc_receiver if transport in OURS else _idle_receiver if transport == "d2d" else _tcp_receiver
+            receiver = ctx.Process(target=target, args=(child_recv, far, *((cuda,) if target != _tcp_receiver else ())),
+                                   daemon=True)
         self.procs = [receiver]
         receiver.start()
         if transport != "gloo":
             address = self._recv_conn.recv()
-        sender = ctx.Process(target=_sender_main, args=(child_send, transport, address), daemon=True)
+        sender = ctx.Process(target=_sender_main, args=(child_send, transport, address, cuda), daemon=True)
         self.procs.append(sender)
         sender.start()
         if transport == "gloo":
@@ -300,12 +332,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a few seconds per transport)")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_MIB), help="tensor sizes in MiB")
-    parser.add_argument("--transports", nargs="+", choices=TRANSPORTS,
-                        help=f"default: {' '.join(TRANSPORTS)} (--netns: no shm, which needs one host)")
+    parser.add_argument("--transports", nargs="+", choices=sorted({*TRANSPORTS, *CUDA_TRANSPORTS}),
+                        help=f"default: {' '.join(TRANSPORTS)} (--netns: no shm, which needs one host); "
+                             f"--cuda: {' '.join(CUDA_TRANSPORTS)}")
     parser.add_argument("--netns", action="store_true",
                         help="receivers in another network namespace, across a veth pair (needs root and ip)")
+    parser.add_argument("--cuda", action="store_true", help="GPU tensors on cuda:0 at both ends (a CUDA machine)")
     args = parser.parse_args(argv)
-    transports = args.transports or [t for t in TRANSPORTS if not (args.netns and t == "shm")]
+    if args.cuda and args.netns:
+        parser.error("--cuda measures one host's paths: it does not go with --netns")
+    if args.cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--cuda needs a CUDA device")
+    default = CUDA_TRANSPORTS if args.cuda else TRANSPORTS
+    transports = args.transports or [t for t in default if not (args.netns and t == "shm")]
     if args.netns:
         with veth_pair() as veth:
             return _measure(args, transports, veth)
@@ -327,7 +369,7 @@ def _measure(args: argparse.Namespace, transports: list[str], veth: Veth | None)
     pairs: list[Pair] = []
     try:
         for transport in transports:
-            pairs.append(Pair(ctx, transport, far, near))
+            pairs.append(Pair(ctx, transport, far, near, cuda=args.cuda))
         for pair in pairs:  # warm-up: connections, first-touch of the sender's tensors
             for mib in args.sizes:
                 pair.run(mib * MIB, 2)
@@ -347,9 +389,10 @@ def _measure(args: argparse.Namespace, transports: list[str], veth: Veth | None)
 
     gibs = {key: (key[1] / 1024) / statistics.median(secs) for key, secs in samples.items()}
     path = "loopback" if veth is None else f"across a veth pair into namespace {veth.namespace}"
-    print(f"one-directional throughput {path}, median GiB/s ({BUFFER_POLICY})")
+    tensors = "GPU tensors on cuda:0" if args.cuda else "CPU tensors"
+    print(f"one-directional throughput {path}, {tensors}, median GiB/s ({BUFFER_POLICY})")
     names = [p.transport for p in pairs]
-    ratios = [(o, r) for o in OURS for r in ("raw_tcp", "gloo") if o in names and r in names]
+    ratios = [(o, r) for o in OURS for r in BASELINES if o in names and r in names]
     header = f"{'size':>8}" + "".join(f"{n:>10}" for n in names) + "".join(f"{o + '/' + r:>14}" for o, r in ratios)
     print(header)
     for mib in args.sizes:

@@ -152,6 +152,8 @@ class JobDriver:
             checkpoint_dir=str(self.checkpoint_dir or ""), resume_wave=self.resume_wave,
             prev_shm=prev is not None and self._shared(h, prev.host_id, prev.name),
             next_shm=next_ is not None and self._shared(h, next_.host_id, next_.name),
+            # Shared memory between two GPU stages is CUDA IPC (Setup keeps it only with *_shm).
+            prev_cuda_ipc=prev is not None and _on_gpus(h, prev), next_cuda_ipc=next_ is not None and _on_gpus(h, next_),
             ps_shm=[self._shared(h, host, f"ps shard {i} at {address}")
                     for i, (host, address) in enumerate(zip(self.ps_host_ids, self.ps_addresses))],
         )
@@ -394,3 +396,7 @@ class JobDriver:
             time.sleep(0.05)
             self.poll()
         return next(e for e in self.evals.values() if e.final)
+
+
+def _on_gpus(*stages: StageHandle) -> bool:
+    return all(s.plan.device.startswith("cuda") for s in stages)

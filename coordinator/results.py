@@ -67,6 +67,7 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         "idle_seconds": sum(h.last.idle_seconds for h in d.stages),
         "transport": job.parallel.transport,
         "shm_bytes": sum(h.last.shm_bytes for h in d.stages),
+        "cuda_ipc_bytes": sum(h.last.cuda_ipc_bytes for h in d.stages),
         "plan": plan.describe(),
         "mode": job.parallel.mode,
         "schedule": job.parallel.schedule,

@@ -144,8 +144,9 @@ def segments() -> list[str]:
     return sorted(p.name for p in _files(creating=False))
 
 
-class _Segment:
-    """One writable segment, owned by this process."""
+class Segment:
+    """One writable segment, owned by this process. With capacity 0 it is only a header: the
+    seqlock version of bytes that lie elsewhere (a CUDA IPC slot, hetpipe/cuda_ipc.py)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -173,9 +174,19 @@ class _Segment:
     def _set_version(self, version: int) -> None:
         self.map[: _HEADER.size] = _HEADER.pack(_MAGIC, version, self.capacity)
 
+    def begin(self) -> None:
+        """The content is about to change: odd, so a reader that overlaps the write sees it changed."""
+        self._set_version(self.version + 1)
+
+    def end(self) -> int:
+        """The content is written; returns the (even) version that names it."""
+        self.version += 2
+        self._set_version(self.version)
+        return self.version
+
     def write(self, pieces: Sequence[memoryview]) -> int:
         """Copies the pieces in order; returns the (even) version that names this content."""
-        self._set_version(self.version + 1)  # odd: a reader that overlaps this write sees it changed
+        self.begin()
         pos = HEADER_BYTES
         whole = memoryview(self.map)
         try:
@@ -184,9 +195,7 @@ class _Segment:
                 pos += len(piece)
         finally:
             whole.release()  # an exported buffer would keep the mapping from closing
-        self.version += 2
-        self._set_version(self.version)
-        return self.version
+        return self.end()
 
     def close(self) -> None:
         _unlink(self.path)
@@ -203,7 +212,7 @@ class Ring:
     def __init__(self, slots: int = 2) -> None:
         if slots < 1:
             raise ValueError(f"a ring needs at least one slot, got {slots}")
-        self._slots: list[_Segment | None] = [None] * slots
+        self._slots: list[Segment | None] = [None] * slots
         self._turn = 0
         self._lock = threading.Lock()
         self.bytes_written = 0
@@ -219,7 +228,7 @@ class Ring:
                     segment.close()
                 # Whole pages, with room to grow a little, so a slightly larger bundle reuses it.
                 capacity = -(-max(nbytes + nbytes // 8, _PAGE) // _PAGE) * _PAGE
-                segment = self._slots[i] = _Segment(capacity)
+                segment = self._slots[i] = Segment(capacity)
             version = segment.write(pieces)
             self.bytes_written += nbytes
             return wire_pb2.ShmRef(name=segment.name, version=version, nbytes=nbytes)
@@ -271,9 +280,9 @@ class Reader:
                 self._maps.popitem(last=False)  # views still in use keep their mapping alive
         return mapped
 
-    def open(self, ref: wire_pb2.ShmRef, nbytes: int) -> tuple[memoryview, mmap.mmap]:
-        """The bundle's bytes, checked against the handle, and their mapping: pass it to
-        verify(ref, mapping) once they are copied."""
+    def header(self, ref: wire_pb2.ShmRef, nbytes: int) -> tuple[mmap.mmap, int]:
+        """The mapping of the segment the handle names, checked against it, and its capacity: pass
+        the mapping to verify(ref, mapping) once the bytes it versions are copied."""
         if not _NAME.fullmatch(ref.name):
             raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"shared-memory handle names no hetpipe segment: {ref.name[:80]!r}")
@@ -288,10 +297,16 @@ class Reader:
         magic, _, capacity = _HEADER.unpack_from(mapped, 0)
         if magic != _MAGIC or HEADER_BYTES + capacity > len(mapped):
             raise HandleError(grpc.StatusCode.INVALID_ARGUMENT, f"shared-memory segment {ref.name} is not a hetpipe segment")
+        _check_version(ref, mapped)
+        return mapped, capacity
+
+    def open(self, ref: wire_pb2.ShmRef, nbytes: int) -> tuple[memoryview, mmap.mmap]:
+        """The bundle's bytes, checked against the handle, and their mapping: pass it to
+        verify(ref, mapping) once they are copied."""
+        mapped, capacity = self.header(ref, nbytes)
         if nbytes > capacity:
             raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"shared-memory handle of {ref.name} claims {nbytes} bytes of a {capacity}-byte segment")
-        _check_version(ref, mapped)
         return memoryview(mapped)[HEADER_BYTES : HEADER_BYTES + nbytes], mapped
 
     def verify(self, ref: wire_pb2.ShmRef, mapped: mmap.mmap) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from hetpipe import shm
+from hetpipe import cuda_ipc, shm
 from hetpipe.errors import Rejected
 from hetpipe.v1 import wire_pb2
 
@@ -149,6 +149,7 @@ def encode(
     exchange: wire_pb2.ExchangeTag | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     ring: shm.Ring | None = None,
+    cuda: tuple[wire_pb2.ShmRef, wire_pb2.CudaRef] | None = None,
 ) -> Iterator[bytes]:
     """The frames of one tensor bundle, serialized: the first carries the header and metas.
 
@@ -156,9 +157,15 @@ def encode(
     straight from the tensor into the outgoing message, instead of through a protobuf object.
     Calls and replies that carry them skip gRPC's serializer (hetpipe.rpc registers and calls
     every TensorFrame stream that way). With a ring (a peer on this host), the bytes go into its
-    next shared-memory slot instead and the one frame carries the handle.
+    next shared-memory slot instead and the one frame carries the handle. With cuda (the bytes
+    already lie in a CUDA IPC slot, hetpipe/cuda_ipc.py), the one frame carries its handles.
     """
     first = _first_frame(tensors, minibatch, push, init, pull, commit, exchange)
+    if cuda is not None:
+        first.shm.CopyFrom(cuda[0])
+        first.cuda.CopyFrom(cuda[1])
+        yield first.SerializeToString()
+        return
     if ring is not None:
         try:
             first.shm.CopyFrom(ring.write([_raw_bytes(t) for _, t in tensors]))
@@ -272,6 +279,7 @@ class Stream:
     header: wire_pb2.TensorFrame
     specs: list[Spec]
     pieces: Iterator[tuple[int, int, memoryview]]
+    gpu: cuda_ipc.Source | None = None   # the bytes are in a peer's GPU memory; `pieces` then has none
 
     @property
     def names(self) -> list[str]:
@@ -302,12 +310,37 @@ def _shared(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | byt
     return payloads()
 
 
-def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | None = None) -> Stream:
+def _gpu(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | bytes], ipc: cuda_ipc.Opener | None,
+         total: int) -> tuple[cuda_ipc.Source, Iterator[tuple[int, int, memoryview]]]:
+    """A bundle whose bytes are in a peer's GPU memory, opened; and its pieces, none, which check
+    that nothing follows the one frame."""
+    if first.data:
+        raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "a frame carries both data and a CUDA IPC handle")
+    if not first.HasField("shm"):
+        raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "a CUDA IPC handle without its slot's header")
+    if ipc is None:
+        raise WireError(grpc.StatusCode.FAILED_PRECONDITION, "this call takes no CUDA IPC handles (not a GPU stage)")
+    try:
+        source = ipc.open(first.cuda, first.shm, total)
+    except shm.HandleError as exc:
+        raise WireError(exc.code, str(exc)) from None
+
+    def nothing_follows() -> Iterator[tuple[int, int, memoryview]]:
+        if next(it, None) is not None:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "frames after a CUDA IPC handle")
+        yield from ()
+
+    return source, nothing_follows()
+
+
+def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | None = None,
+         ipc: cuda_ipc.Opener | None = None) -> Stream:
     """Opens one bundle; WireError on any inconsistency, from here or while the pieces are read.
 
     Frames are TensorFrame messages, or their serialized bytes (from a call registered with
     request_deserializer=None), whose data-only frames are then read without a protobuf parse.
-    A bundle in shared memory is read through reader (None: refused with FAILED_PRECONDITION).
+    A bundle in shared memory is read through reader, one in a peer's GPU memory through ipc
+    (None: refused with FAILED_PRECONDITION); `gpu` then holds it and `pieces` checks the rest.
     """
     it = iter(frames)
     raw_first = next(it, None)
@@ -322,6 +355,7 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | No
     header.CopyFrom(first)
     header.ClearField("data")
     header.ClearField("shm")
+    header.ClearField("cuda")
     sizes = [s[2] for s in specs]
 
     def payloads() -> Iterator[memoryview]:
@@ -360,22 +394,34 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | No
                             f"byte length {received} does not match the shapes in the header ({total} bytes)")
 
     # A handle is checked now, before a receiver's check() and allocation: a bad one changes nothing.
+    if first.HasField("cuda"):
+        gpu, nothing = _gpu(first, it, ipc, total)
+        return Stream(header, specs, nothing, gpu)
     shared = _shared(first, it, reader, total) if first.HasField("shm") else None
     return Stream(header, specs, pieces())
 
 
 def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu",
            check: Callable[[Stream], None] | None = None, reader: shm.Reader | None = None,
-           pinned: bool = False) -> Bundle:
+           pinned: bool = False, ipc: cuda_ipc.Opener | None = None) -> Bundle:
     """Reassembles one bundle into preallocated tensors; raises WireError on any inconsistency.
-    pinned: into page-locked memory (the receiver moves them to a GPU).
+    pinned: into page-locked memory (the receiver moves them to a GPU). A bundle in a peer's GPU
+    memory (CUDA IPC, through ipc) lands on ipc's device.
 
     check(stream) runs once the header is read, before anything is allocated or received: a
     receiver refuses there what it would refuse anyway (an unknown key, a wrong shape), so a
     256 MiB push under a foreign key costs one frame."""
-    stream = read(frames, reader)
+    stream = read(frames, reader, ipc)
     if check is not None:
         check(stream)
+    if stream.gpu is not None:
+        for _ in stream.pieces:   # none: this checks that no frame follows the handle
+            pass
+        try:
+            gpu_tensors = stream.gpu.copy_out(stream.specs)
+        except shm.HandleError as exc:
+            raise WireError(exc.code, str(exc)) from None
+        return Bundle(stream.header, [(m.name, t) for m, t in zip(stream.header.tensors, gpu_tensors)])
     tensors = [empty(shape, dtype, pinned=pinned) for dtype, shape, _ in stream.specs]
     sinks = [t.reshape(-1).view(torch.uint8).numpy().data for t in tensors]
     for index, offset, piece in stream.pieces:

@@ -100,6 +100,8 @@ class Setup:
     next_shm: bool = False      # parallel.transport: the next stage shares this host (shared memory)
     prev_shm: bool = False
     ps_shm: tuple[bool, ...] = ()  # per shard; () = none shares it
+    next_cuda_ipc: bool = False  # the next stage shares this host's memory and both are on GPUs
+    prev_cuda_ipc: bool = False
 
     @property
     def first(self) -> bool:
@@ -202,6 +204,8 @@ def validate(a: stage_pb2.StageAssignment, output_root: Path | None = None) -> S
         specs=_specs(a, job.data.batch_size), checkpoint_dir=checkpoint_dir, resume_wave=a.resume_wave,
         next_shm=a.next_shm and bool(a.next_address), prev_shm=a.prev_shm and bool(a.prev_address),
         ps_shm=tuple(a.ps_shm),
+        next_cuda_ipc=a.next_cuda_ipc and a.next_shm and bool(a.next_address),
+        prev_cuda_ipc=a.prev_cuda_ipc and a.prev_shm and bool(a.prev_address),
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -11,8 +13,11 @@ from typing import Any
 import grpc
 import torch
 
+from hetpipe import cuda_ipc as ipc
 from hetpipe import rpc, shm, wire
 from hetpipe.v1 import wire_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,10 +25,13 @@ class Outgoing:
     tag: wire_pb2.MinibatchTag | wire_pb2.CommitTag   # a commit: fp16 verdicts alone, no tensors
     tensors: list[tuple[str, torch.Tensor]]
     ready: Any = None   # a torch.cuda.Event: the tensors' copies to the host are done once it is
+    staged: ipc.Staged | None = None   # the tensors are being copied into this CUDA IPC slot
 
-    def encode(self, ring: shm.Ring | None) -> Iterator[bytes]:
+    def encode(self, ring: shm.Ring | None, gpu: ipc.Ring | None = None) -> Iterator[bytes]:
         if isinstance(self.tag, wire_pb2.CommitTag):
             return wire.encode(self.tensors, commit=self.tag, ring=ring)
+        if self.staged is not None and gpu is not None:
+            return wire.encode(self.tensors, minibatch=self.tag, cuda=gpu.refs(self.staged))
         return wire.encode(self.tensors, minibatch=self.tag, ring=ring)
 
     @property
@@ -33,6 +41,8 @@ class Outgoing:
         return f"minibatch {self.tag.minibatch}"
 
 
+# How a receiver refuses a handle it cannot use (hetpipe/cuda_ipc.py's HandleError).
+_REFUSED_HANDLE = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
 _COPY_STREAMS: dict[torch.device, Any] = {}
 
 
@@ -72,15 +82,19 @@ class Link:
     sender thread makes bundles queue behind each other as on a real link. With shared_memory
     (the peer shares this host), the bytes go through a ring of shared-memory slots and the call
     carries only their handle; the peer copies them out before it answers, so a slot is free
-    again once the next call is acknowledged.
+    again once the next call is acknowledged. With cuda_ipc as well (both compute on GPUs), GPU
+    tensors go through a ring of GPU slots instead (hetpipe/cuda_ipc.py), never through the host.
     """
 
     def __init__(
         self, *, address: str, method: str, peer: str, on_failure: Callable[[str], None],
-        give_up_s: float = 10.0, hold_s: float = 0.0, shared_memory: bool = False,
+        give_up_s: float = 10.0, hold_s: float = 0.0, shared_memory: bool = False, cuda_ipc: bool = False,
     ) -> None:
         self.address, self.method, self.peer = address, method, peer
         self.ring = shm.Ring() if shared_memory else None
+        self._cuda_ipc = shared_memory and cuda_ipc
+        self.gpu_ring: ipc.Ring | None = None   # made for the first GPU bundle
+        self.cuda_ipc_bytes = 0   # delivered GPU to GPU
         self._hold_s = hold_s
         self._on_failure = on_failure
         self._give_up_s = give_up_s
@@ -93,7 +107,19 @@ class Link:
         self._thread.start()
 
     def send(self, item: Outgoing) -> None:
-        self._queue.put(to_host(item))
+        staged = self._stage(item)
+        self._queue.put(dataclasses.replace(item, staged=staged) if staged is not None else to_host(item))
+
+    def _stage(self, item: Outgoing) -> ipc.Staged | None:
+        """Starts copying a GPU bundle into a CUDA IPC slot; None: it goes through the host."""
+        if not self._cuda_ipc or not item.tensors or isinstance(item.tag, wire_pb2.CommitTag):
+            return None
+        devices = {t.device for _, t in item.tensors}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            return None
+        if self.gpu_ring is None:
+            self.gpu_ring = ipc.Ring(next(iter(devices)))
+        return self.gpu_ring.stage([t for _, t in item.tensors])   # None while every slot is in flight
 
     def close(self) -> None:
         self._closing.set()  # a send that is retrying gives up now: closing must not wait out give_up_s
@@ -102,11 +128,13 @@ class Link:
         self._channel.close()
         if self.ring is not None:
             self.ring.close()
+        if self.gpu_ring is not None:
+            self.gpu_ring.close()
 
     @property
     def shm_bytes(self) -> int:
-        """Bytes sent through shared memory."""
-        return 0 if self.ring is None else self.ring.bytes_written
+        """Bytes sent through shared memory, host or GPU."""
+        return (0 if self.ring is None else self.ring.bytes_written) + self.cuda_ipc_bytes
 
     @property
     def backlog(self) -> int:
@@ -124,14 +152,34 @@ class Link:
     def _deliver(self, item: Outgoing) -> bool:
         what = "activation" if self.method == "Forward" else "gradient"
         try:
-            rpc.retrying(lambda: rpc.send_bundle(self._stub, self.method, item.encode(self.ring),
+            rpc.retrying(lambda: rpc.send_bundle(self._stub, self.method, item.encode(self.ring, self.gpu_ring),
                                                  timeout=rpc.DATA_DEADLINE_S),
                          give_up_s=self._give_up_s, closing=self._closing)
         except grpc.RpcError as exc:
+            if item.staged is not None and exc.code() in _REFUSED_HANDLE:
+                # The peer cannot map our GPU memory (no peer access, another driver's rules): this
+                # link goes through host memory from now on, and so does this bundle.
+                log.warning("%s refused a CUDA IPC handle (%s: %s); sending through host memory",
+                            self.peer, exc.code().name, exc.details())
+                self._cuda_ipc = False
+                self._release(item)
+                host = to_host(Outgoing(item.tag, item.tensors))
+                if host.ready is not None:
+                    host.ready.synchronize()
+                return self._deliver(host)
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # else an earlier attempt landed
                 if not self._closing.is_set():
                     self._on_failure(f"could not send the {what} of {item.what} to {self.peer} "
                                      f"at {self.address}: {exc.code().name}: {exc.details()}")
+                self._release(item)
                 return False
-        self.bytes_sent += sum(t.numel() * t.element_size() for _, t in item.tensors)
+        self._release(item)
+        nbytes = sum(t.numel() * t.element_size() for _, t in item.tensors)
+        self.bytes_sent += nbytes
+        if item.staged is not None:
+            self.cuda_ipc_bytes += nbytes
         return True
+
+    def _release(self, item: Outgoing) -> None:
+        if item.staged is not None and self.gpu_ring is not None:
+            self.gpu_ring.release(item.staged)

@@ -45,6 +45,7 @@ class Progress:
     sent_forward_bytes: int = 0
     sent_backward_bytes: int = 0
     shm_bytes: int = 0          # of those and of pushes and pulls, what went through shared memory
+    cuda_ipc_bytes: int = 0     # of that, activations and gradients sent GPU to GPU (CUDA IPC)
     clock: int = 0
     min_clock: int = 0
     evals: tuple[EvalResult, ...] = ()  # the last stage of VW 0: evaluations finished so far

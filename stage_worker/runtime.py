@@ -116,11 +116,11 @@ class StageRuntime:
             s, setup = self._s, self._s.setup
             if not setup.last:
                 s.next = Link(address=setup.next_address, method="Forward", hold_s=setup.next_send_seconds,
-                              shared_memory=setup.next_shm,
+                              shared_memory=setup.next_shm, cuda_ipc=setup.next_cuda_ipc,
                               peer=f"stage {setup.stage + 1} of vw {setup.vw}", on_failure=self.fail)
             if not setup.first:
                 s.prev = Link(address=setup.prev_address, method="Backward", hold_s=setup.prev_send_seconds,
-                              shared_memory=setup.prev_shm,
+                              shared_memory=setup.prev_shm, cuda_ipc=setup.prev_cuda_ipc,
                               peer=f"stage {setup.stage - 1} of vw {setup.vw}", on_failure=self.fail)
             self._to(StageState.RUNNING)
             self._thread = threading.Thread(target=self._loop, args=(s,), name="compute", daemon=True)
@@ -158,10 +158,10 @@ class StageRuntime:
         return self._s
 
     @property
-    def on_gpu(self) -> bool:
-        """Its inputs go to a GPU: received into pinned memory, copied without blocking."""
+    def gpu(self) -> torch.device | None:
+        """The GPU its inputs go to (received into pinned memory or by CUDA IPC); None on the CPU."""
         setup = self._setup
-        return setup is not None and setup.device.kind == "cuda"
+        return torch.device(setup.device.name) if setup is not None and setup.device.kind == "cuda" else None
 
     def offer_forward(self, bundle: Bundle) -> None:
         """Validates an activation from the previous stage and queues it."""
@@ -405,6 +405,7 @@ class StageRuntime:
                 sent_forward_bytes=links[0].bytes_sent if links[0] is not None else 0,
                 sent_backward_bytes=links[1].bytes_sent if links[1] is not None else 0,
                 shm_bytes=s.sync.shm_bytes + sum(link.shm_bytes for link in links if link is not None),
+                cuda_ipc_bytes=sum(link.cuda_ipc_bytes for link in links if link is not None),
                 clock=s.sync.clock, min_clock=s.sync.min_clock,
                 evals=tuple(s.evals.totals.results) if s.evals is not None else (),
                 weights_digest=s.compute.digest() if weights_digest else "",

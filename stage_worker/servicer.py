@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 
-from hetpipe import shm, wire
+from hetpipe import cuda_ipc, shm, wire
 from hetpipe.rpc import handler
 from hetpipe.v1 import stage_pb2, wire_pb2
 from stage_worker.lifecycle import StageState
@@ -33,7 +33,7 @@ def status_message(p: Progress) -> stage_pb2.StageStatus:
     s.forwards_done, s.backwards_done, s.local_version = p.forwards_done, p.backwards_done, p.local_version
     s.in_flight, s.received, s.queue_depth, s.waiting = p.in_flight, p.received, p.queue_depth, p.waiting
     s.cut = p.cut
-    s.shm_bytes = p.shm_bytes
+    s.shm_bytes, s.cuda_ipc_bytes = p.shm_bytes, p.cuda_ipc_bytes
     s.last_loss, s.recent_loss = p.last_loss, p.recent_loss
     s.wait_seconds, s.wait_idle_seconds, s.idle_seconds = p.wait_seconds, p.wait_idle_seconds, p.idle_seconds
     s.compute_seconds = p.compute_seconds
@@ -52,10 +52,16 @@ class StageServicer:
         self.runtime = runtime
         self._on_stop = on_stop
         self.reader = shm.Reader()  # activations and gradients from stages on this host
+        self._ipc: cuda_ipc.Opener | None = None   # and from GPU stages on this host, to our GPU
 
     def _decode(self, frames: Iterable[bytes]) -> wire.Bundle:
-        """An activation or gradient, in frames or through shared memory; pinned for a GPU stage."""
-        return wire.decode(frames, reader=self.reader, pinned=self.runtime.on_gpu)
+        """An activation or gradient, in frames, through shared memory or by CUDA IPC; a GPU
+        stage receives host bytes into pinned memory."""
+        device = self.runtime.gpu
+        if device is not None and (self._ipc is None or self._ipc.device != device):
+            self._ipc = cuda_ipc.Opener(self.reader, device)
+        return wire.decode(frames, reader=self.reader, pinned=device is not None,
+                           ipc=self._ipc if device is not None else None)
 
     @handler
     def Assign(self, request: stage_pb2.StageAssignment, context: grpc.ServicerContext) -> wire_pb2.Ack:

@@ -35,6 +35,17 @@ def _edited(frames: list[wire_pb2.TensorFrame], **ref: Any) -> list[wire_pb2.Ten
     return [first]
 
 
+def _with_cuda(frames: list[wire_pb2.TensorFrame], header: bool = True) -> list[wire_pb2.TensorFrame]:
+    """The first frame with a well-formed CUDA IPC handle beside (or instead of) its shm handle."""
+    first = wire_pb2.TensorFrame()
+    first.CopyFrom(frames[0])
+    first.cuda.CopyFrom(wire_pb2.CudaRef(handle=b"\x01" * 64, storage_bytes=1 << 20,
+                                         ref_counter_handle=b"/torch_1_2_3", event_handle=b"\x00" * 64))
+    if not header:
+        first.ClearField("shm")
+    return [first]
+
+
 @contextmanager
 def forged_handles(tensors: list[tuple[str, torch.Tensor]], **tag: Any) -> Iterator[Handles]:
     """The bad handles of a bundle of these tensors under this tag, and a good one; every segment
@@ -68,6 +79,13 @@ def forged_handles(tensors: list[tuple[str, torch.Tensor]], **tag: Any) -> Itera
             "data beside the handle": (both, Code.INVALID_ARGUMENT, "both data and a shared-memory handle"),
             "frames after the handle": (good + [wire_pb2.TensorFrame(data=b"\x00" * 8)], Code.INVALID_ARGUMENT,
                                         "frames after a shared-memory handle"),
+            # A CUDA IPC handle (hetpipe/cuda_ipc.py) goes only from a GPU stage to a GPU stage.
+            "a CUDA IPC handle to a process off the GPU": (_with_cuda(good), Code.FAILED_PRECONDITION,
+                                                           "takes no CUDA IPC handles"),
+            "a CUDA IPC handle without its slot's header": (_with_cuda(good, header=False), Code.INVALID_ARGUMENT,
+                                                            "without its slot's header"),
+            "a CUDA IPC handle beside data": (_with_cuda(grpc_frames[:1]), Code.INVALID_ARGUMENT,
+                                              "both data and a CUDA IPC handle"),
         }
         yield Handles(bad, good)
     finally:

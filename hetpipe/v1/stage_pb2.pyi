@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StageAssignment(_message.Message):
-    __slots__ = ("vw", "stage", "num_stages", "layer_begin", "layer_end", "job_json", "prev_address", "next_address", "ps_addresses", "key_shards", "trace_path", "forward_seconds", "backward_seconds", "device", "device_label", "input_shape", "input_dtype", "target_shape", "target_dtype", "memory_bytes", "capacity_bytes", "gpu_type", "emulated", "next_send_seconds", "prev_send_seconds", "push_seconds", "pull_seconds", "activation_shape", "activation_dtype", "output_shape", "output_dtype", "checkpoint_dir", "resume_wave", "next_shm", "prev_shm", "ps_shm")
+    __slots__ = ("vw", "stage", "num_stages", "layer_begin", "layer_end", "job_json", "prev_address", "next_address", "ps_addresses", "key_shards", "trace_path", "forward_seconds", "backward_seconds", "device", "device_label", "input_shape", "input_dtype", "target_shape", "target_dtype", "memory_bytes", "capacity_bytes", "gpu_type", "emulated", "next_send_seconds", "prev_send_seconds", "push_seconds", "pull_seconds", "activation_shape", "activation_dtype", "output_shape", "output_dtype", "checkpoint_dir", "resume_wave", "next_shm", "prev_shm", "ps_shm", "next_cuda_ipc", "prev_cuda_ipc")
     VW_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,8 @@ class StageAssignment(_message.Message):
     NEXT_SHM_FIELD_NUMBER: _ClassVar[int]
     PREV_SHM_FIELD_NUMBER: _ClassVar[int]
     PS_SHM_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    PREV_CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     vw: int
     stage: int
     num_stages: int
@@ -82,10 +84,12 @@ class StageAssignment(_message.Message):
     next_shm: bool
     prev_shm: bool
     ps_shm: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, vw: _Optional[int] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., job_json: _Optional[str] = ..., prev_address: _Optional[str] = ..., next_address: _Optional[str] = ..., ps_addresses: _Optional[_Iterable[str]] = ..., key_shards: _Optional[_Iterable[int]] = ..., trace_path: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., device: _Optional[str] = ..., device_label: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., target_shape: _Optional[_Iterable[int]] = ..., target_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., memory_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., gpu_type: _Optional[str] = ..., emulated: _Optional[bool] = ..., next_send_seconds: _Optional[float] = ..., prev_send_seconds: _Optional[float] = ..., push_seconds: _Optional[float] = ..., pull_seconds: _Optional[float] = ..., activation_shape: _Optional[_Iterable[int]] = ..., activation_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., output_shape: _Optional[_Iterable[int]] = ..., output_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., checkpoint_dir: _Optional[str] = ..., resume_wave: _Optional[int] = ..., next_shm: _Optional[bool] = ..., prev_shm: _Optional[bool] = ..., ps_shm: _Optional[_Iterable[bool]] = ...) -> None: ...
+    next_cuda_ipc: bool
+    prev_cuda_ipc: bool
+    def __init__(self, vw: _Optional[int] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., job_json: _Optional[str] = ..., prev_address: _Optional[str] = ..., next_address: _Optional[str] = ..., ps_addresses: _Optional[_Iterable[str]] = ..., key_shards: _Optional[_Iterable[int]] = ..., trace_path: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., device: _Optional[str] = ..., device_label: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., input_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., target_shape: _Optional[_Iterable[int]] = ..., target_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., memory_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., gpu_type: _Optional[str] = ..., emulated: _Optional[bool] = ..., next_send_seconds: _Optional[float] = ..., prev_send_seconds: _Optional[float] = ..., push_seconds: _Optional[float] = ..., pull_seconds: _Optional[float] = ..., activation_shape: _Optional[_Iterable[int]] = ..., activation_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., output_shape: _Optional[_Iterable[int]] = ..., output_dtype: _Optional[_Union[_wire_pb2.DType, str]] = ..., checkpoint_dir: _Optional[str] = ..., resume_wave: _Optional[int] = ..., next_shm: _Optional[bool] = ..., prev_shm: _Optional[bool] = ..., ps_shm: _Optional[_Iterable[bool]] = ..., next_cuda_ipc: _Optional[bool] = ..., prev_cuda_ipc: _Optional[bool] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("state", "vw", "stage", "forwards_done", "backwards_done", "local_version", "in_flight", "received", "last_loss", "recent_loss", "error", "wait_seconds", "idle_seconds", "compute_seconds", "clock", "min_clock", "weights_digest", "device", "wait_idle_seconds", "detail", "evals", "memory_used_bytes", "memory_capacity_bytes", "peak_rss_bytes", "device_peak_bytes", "queue_depth", "waiting", "shm_bytes", "cut")
+    __slots__ = ("state", "vw", "stage", "forwards_done", "backwards_done", "local_version", "in_flight", "received", "last_loss", "recent_loss", "error", "wait_seconds", "idle_seconds", "compute_seconds", "clock", "min_clock", "weights_digest", "device", "wait_idle_seconds", "detail", "evals", "memory_used_bytes", "memory_capacity_bytes", "peak_rss_bytes", "device_peak_bytes", "queue_depth", "waiting", "shm_bytes", "cuda_ipc_bytes", "cut")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[StageStatus.State]
@@ -130,6 +134,7 @@ class StageStatus(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_BYTES_FIELD_NUMBER: _ClassVar[int]
     CUT_FIELD_NUMBER: _ClassVar[int]
     state: StageStatus.State
     vw: int
@@ -159,8 +164,9 @@ class StageStatus(_message.Message):
     queue_depth: int
     waiting: bool
     shm_bytes: int
+    cuda_ipc_bytes: int
     cut: int
-    def __init__(self, state: _Optional[_Union[StageStatus.State, str]] = ..., vw: _Optional[int] = ..., stage: _Optional[int] = ..., forwards_done: _Optional[int] = ..., backwards_done: _Optional[int] = ..., local_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., received: _Optional[int] = ..., last_loss: _Optional[float] = ..., recent_loss: _Optional[float] = ..., error: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., clock: _Optional[int] = ..., min_clock: _Optional[int] = ..., weights_digest: _Optional[str] = ..., device: _Optional[str] = ..., wait_idle_seconds: _Optional[float] = ..., detail: _Optional[str] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., waiting: _Optional[bool] = ..., shm_bytes: _Optional[int] = ..., cut: _Optional[int] = ...) -> None: ...
+    def __init__(self, state: _Optional[_Union[StageStatus.State, str]] = ..., vw: _Optional[int] = ..., stage: _Optional[int] = ..., forwards_done: _Optional[int] = ..., backwards_done: _Optional[int] = ..., local_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., received: _Optional[int] = ..., last_loss: _Optional[float] = ..., recent_loss: _Optional[float] = ..., error: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., clock: _Optional[int] = ..., min_clock: _Optional[int] = ..., weights_digest: _Optional[str] = ..., device: _Optional[str] = ..., wait_idle_seconds: _Optional[float] = ..., detail: _Optional[str] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., waiting: _Optional[bool] = ..., shm_bytes: _Optional[int] = ..., cuda_ipc_bytes: _Optional[int] = ..., cut: _Optional[int] = ...) -> None: ...
 
 class EvalResult(_message.Message):
     __slots__ = ("id", "minibatches", "final", "time", "rows", "loss", "accuracy")

@@ -136,8 +136,26 @@ class ShmRef(_message.Message):
     nbytes: int
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
+class CudaRef(_message.Message):
+    __slots__ = ("handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
 class TensorFrame(_message.Message):
-    __slots__ = ("minibatch", "push", "init", "pull", "commit", "exchange", "tensors", "data", "shm")
+    __slots__ = ("minibatch", "push", "init", "pull", "commit", "exchange", "tensors", "data", "shm", "cuda")
     MINIBATCH_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +165,7 @@ class TensorFrame(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
     minibatch: MinibatchTag
     push: PushTag
     init: InitTag
@@ -156,7 +175,8 @@ class TensorFrame(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     data: bytes
     shm: ShmRef
-    def __init__(self, minibatch: _Optional[_Union[MinibatchTag, _Mapping]] = ..., push: _Optional[_Union[PushTag, _Mapping]] = ..., init: _Optional[_Union[InitTag, _Mapping]] = ..., pull: _Optional[_Union[PullTag, _Mapping]] = ..., commit: _Optional[_Union[CommitTag, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeTag, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
+    cuda: CudaRef
+    def __init__(self, minibatch: _Optional[_Union[MinibatchTag, _Mapping]] = ..., push: _Optional[_Union[PushTag, _Mapping]] = ..., init: _Optional[_Union[InitTag, _Mapping]] = ..., pull: _Optional[_Union[PullTag, _Mapping]] = ..., commit: _Optional[_Union[CommitTag, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeTag, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., cuda: _Optional[_Union[CudaRef, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("message",)

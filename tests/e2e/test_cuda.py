@@ -32,10 +32,13 @@ def assert_equal_to_reference(out: Path, want: dict[str, torch.Tensor], w0: dict
     assert max(float((want[k].cpu() - w0[k]).abs().max()) for k in want) > 1e-3, "training moved the weights"
 
 
-def test_o1_on_cuda_in_float64(make_job, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_o1_on_cuda_in_float64(make_job, tmp_path: Path, transport: str) -> None:
+    """Two stages on one GPU: auto sends activations and gradients GPU to GPU by CUDA IPC."""
     job = make_job({"train": {"dtype": "float64", "optimizer": MOMENTUM, "steps": 20},
-                    "parallel": {"stages_per_vw": 2, "nm": 1}, "output": {"trace": False}})
+                    "parallel": {"stages_per_vw": 2, "nm": 1, "transport": transport}, "output": {"trace": False}})
     summary = run_local(job, quiet=True)
+    assert (summary["cuda_ipc_bytes"] > 0) == (transport == "auto"), summary["cuda_ipc_bytes"]
     assert_equal_to_reference(tmp_path / "out", train_reference(job, device="cuda").state_dict(),
                               initial_model(job).state_dict())
     stages = [p for p in summary["processes"] if p["process"].startswith("stage")]

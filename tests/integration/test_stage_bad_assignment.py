@@ -255,3 +255,14 @@ def test_layers_that_do_not_produce_the_planned_output_fail_at_the_first_forward
     finally:
         runtime.stop()
         server.stop(grace=0)
+
+
+def test_cuda_ipc_is_kept_only_where_the_link_shares_memory(idle: Any) -> None:
+    """The driver asks CUDA IPC of two GPU neighbours only (none here: the stages are on the CPU);
+    a stage keeps it only for a link through shared memory, to a neighbour it has."""
+    good = idle[0]
+    assert good.prev_address and not good.next_address   # the last of two stages
+    assert not good.prev_cuda_ipc and not good.next_cuda_ipc
+    assert validate(assignment_variant(good, prev_cuda_ipc=True, prev_shm=True)).prev_cuda_ipc
+    assert not validate(assignment_variant(good, prev_cuda_ipc=True, prev_shm=False)).prev_cuda_ipc
+    assert not validate(assignment_variant(good, next_cuda_ipc=True, next_shm=True)).next_cuda_ipc

@@ -286,7 +286,7 @@ def test_malformed_bytes_are_rejected() -> None:
 class _Recorder:
     """Stands in for StageRuntime: keeps what arrives."""
 
-    on_gpu = False
+    gpu = None
 
     def __init__(self) -> None:
         self.bundles: list[wire.Bundle] = []

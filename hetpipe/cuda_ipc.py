@@ -1,0 +1,226 @@
+"""Same-host fast path between GPU stages: a bundle's bytes go GPU to GPU by CUDA IPC.
+
+A sender owns a Ring of slots in its GPU memory per peer. Each slot is shared once through torch's
+CUDA IPC (`_share_cuda_`), and has a header segment in /dev/shm (hetpipe/shm.py) that holds the
+slot's seqlock version. When a bundle is sent, it is copied into a free slot on a side stream,
+after the kernels that made it. The compute stream goes on meanwhile. The call carries only the
+tensor metas, the slot's handle and its version.
+
+The receiver maps a slot once and keeps it while the sender's handle stays the same. It copies the
+bytes onto its own device on a stream of its own, waits for that copy, and checks the version
+again. A stale or overwritten slot is refused, as with host shared memory. The sender frees a slot
+once the call that named it is acknowledged, and by then the receiver's copy is done.
+
+torch.multiprocessing shares CUDA tensors the same way, but through pickle. Here the handle's
+fields travel as protobuf, nothing is unpickled, and every field is checked before it is used.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from hetpipe import shm
+from hetpipe.shm import HandleError
+from hetpipe.v1 import wire_pb2
+
+# torch's shared reference counter, a POSIX shm name made by at::NewProcessWideShmHandle.
+_COUNTER = re.compile(rb"/torch_\d{1,10}_\d{1,20}_\d{1,20}")
+_MAX_HANDLE_BYTES = 256   # a cudaIpcMemHandle_t is 64 bytes; torch prefixes a few of its own
+_SLOT_ALIGN = 2 << 20     # slots are whole 2 MiB blocks, so a slightly larger bundle reuses one
+Spec = tuple[torch.dtype, Sequence[int], int]   # dtype, shape, bytes (wire.Spec)
+
+
+def _capacity(nbytes: int) -> int:
+    return -(-max(nbytes + nbytes // 8, 1) // _SLOT_ALIGN) * _SLOT_ALIGN
+
+
+class _Slot:
+    """A GPU buffer shared by CUDA IPC once, and the /dev/shm header that versions its content."""
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.capacity = capacity
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
+        (_, handle, size, offset, counter, counter_offset, event, event_sync) = self.buffer.untyped_storage()._share_cuda_()
+        self.ref = wire_pb2.CudaRef(handle=handle, storage_bytes=size, storage_offset=offset,
+                                    ref_counter_handle=counter, ref_counter_offset=counter_offset,
+                                    event_handle=event or b"", event_sync_required=bool(event_sync))
+        self.header = shm.Segment(0)
+        self.writing = False   # begun, not yet ended: the header's version is odd
+
+    def close(self) -> None:
+        self.header.close()
+        # torch keeps the allocation alive while a receiver still maps it (its shared counter).
+        del self.buffer
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A bundle being copied into slot `index`: written once `ready` has happened."""
+
+    index: int
+    nbytes: int
+    ready: Any   # torch.cuda.Event
+
+
+class Ring:
+    """A sender's GPU slots for one peer. stage() takes a free slot, refs() names it once written,
+    release() frees it once the peer has acknowledged the call. With every slot taken, stage()
+    returns None and the caller sends through host memory instead: it never blocks the compute
+    thread."""
+
+    def __init__(self, device: torch.device, slots: int = 4) -> None:
+        if slots < 1:
+            raise ValueError(f"a ring needs at least one slot, got {slots}")
+        self.device = device
+        self._slots: list[_Slot | None] = [None] * slots
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+        self._stream = torch.cuda.Stream(device)
+
+    def stage(self, tensors: Sequence[torch.Tensor]) -> Staged | None:
+        """Starts copying the tensors, in order, into a free slot, after the work queued on the
+        current stream; None when no slot is free."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        with self._lock:
+            if not self._free:
+                return None
+            index = self._free.pop()
+        slot = self._slots[index]
+        if slot is None or slot.capacity < nbytes:
+            if slot is not None:
+                self._stream.synchronize()   # nothing of ours still writes the old buffer
+                slot.close()
+            slot = self._slots[index] = _Slot(self.device, _capacity(nbytes))
+        slot.header.begin()   # odd until refs(): a receiver holding an older handle sees it moved on
+        slot.writing = True
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            pos = 0
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                slot.buffer[pos:pos + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+                t.record_stream(self._stream)   # its memory is not reused before the copy has read it
+                pos += n
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return Staged(index, nbytes, ready)
+
+    def refs(self, staged: Staged) -> tuple[wire_pb2.ShmRef, wire_pb2.CudaRef]:
+        """Waits until the staged copy is done; the slot's header handle and its CUDA IPC handle."""
+        staged.ready.synchronize()
+        slot = self._slots[staged.index]
+        assert slot is not None
+        if slot.writing:   # the first call for this bundle; a retry names the same version
+            slot.header.end()
+            slot.writing = False
+        return wire_pb2.ShmRef(name=slot.header.name, version=slot.header.version, nbytes=staged.nbytes), slot.ref
+
+    def release(self, staged: Staged) -> None:
+        with self._lock:
+            self._free.append(staged.index)
+
+    def close(self) -> None:
+        self._stream.synchronize()
+        with self._lock:
+            for slot in self._slots:
+                if slot is not None:
+                    slot.close()
+            self._slots = [None] * len(self._slots)
+
+
+def check_ref(ref: wire_pb2.CudaRef, nbytes: int) -> None:
+    """INVALID_ARGUMENT unless the handle's fields are well formed and hold nbytes; nothing is opened."""
+    if not 0 < len(ref.handle) <= _MAX_HANDLE_BYTES:
+        raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"CUDA IPC handle of {len(ref.handle)} bytes (1..{_MAX_HANDLE_BYTES})")
+    if nbytes > ref.storage_bytes:
+        raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"CUDA IPC handle claims {nbytes} bytes of a {ref.storage_bytes}-byte slot")
+    if not _COUNTER.fullmatch(ref.ref_counter_handle):
+        raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"CUDA IPC reference counter {ref.ref_counter_handle[:80]!r} is not torch's")
+    if len(ref.event_handle) > _MAX_HANDLE_BYTES:
+        raise HandleError(grpc.StatusCode.INVALID_ARGUMENT, f"CUDA IPC event handle of {len(ref.event_handle)} bytes")
+
+
+class Source:
+    """A bundle's bytes in a peer's slot, checked and mapped: copy_out() takes them."""
+
+    def __init__(self, opener: Opener, storage: Any, header: wire_pb2.ShmRef, mapped: Any) -> None:
+        self._opener, self._storage, self._header, self._mapped = opener, storage, header, mapped
+        self.nbytes = header.nbytes
+
+    def copy_out(self, specs: Sequence[Spec]) -> list[torch.Tensor]:
+        """The tensors on the receiver's device; FAILED_PRECONDITION if the slot moved on meanwhile."""
+        device, stream = self._opener.device, self._opener.stream
+        src = torch.empty(0, dtype=torch.uint8, device=device).set_(self._storage, 0, (self.nbytes,), (1,))
+        out: list[torch.Tensor] = []
+        with torch.cuda.stream(stream):
+            pos = 0
+            for dtype, shape, n in specs:
+                t = torch.empty(tuple(shape), dtype=dtype, device=device)
+                t.reshape(-1).view(torch.uint8).copy_(src[pos:pos + n], non_blocking=True)
+                out.append(t)
+                pos += n
+        stream.synchronize()   # the copy is done before the call is answered and the slot reused
+        compute = torch.cuda.default_stream(device)
+        for t in out:
+            t.record_stream(compute)   # allocated on our stream, used on the compute thread's
+        self._opener.reader.verify(self._header, self._mapped)   # FAILED_PRECONDITION if overwritten
+        return out
+
+
+class Opener:
+    """A GPU receiver's mappings of its peers' slots, the most recently used kept open. Slots are
+    mapped onto this process's device: CUDA reaches a peer device's memory from there."""
+
+    def __init__(self, reader: shm.Reader, device: torch.device, keep: int = 16) -> None:
+        self.reader, self.device = reader, device
+        self._maps: OrderedDict[tuple[bytes, int, bytes, int], Any] = OrderedDict()
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._stream: Any = None
+
+    @property
+    def stream(self) -> Any:
+        with self._lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            return self._stream
+
+    def open(self, ref: wire_pb2.CudaRef, header: wire_pb2.ShmRef, nbytes: int) -> Source:
+        """The bundle's bytes, checked against both handles: INVALID_ARGUMENT (malformed) or
+        FAILED_PRECONDITION (stale, or a slot this process cannot map)."""
+        check_ref(ref, nbytes)
+        mapped = self.reader.header(header, nbytes)[0]
+        return Source(self, self._map(ref), header, mapped)
+
+    def _map(self, ref: wire_pb2.CudaRef) -> Any:
+        # One share of a slot is mapped once: its reference counter is released when we drop it.
+        key = (ref.handle, ref.storage_offset, ref.ref_counter_handle, ref.ref_counter_offset)
+        with self._lock:
+            found = self._maps.get(key)
+            if found is not None:
+                self._maps.move_to_end(key)
+                return found
+        try:
+            torch.cuda._lazy_init()
+            storage = torch.UntypedStorage._new_shared_cuda(
+                self.device.index or 0, ref.handle, ref.storage_bytes, ref.storage_offset, ref.ref_counter_handle,
+                ref.ref_counter_offset, ref.event_handle, ref.event_sync_required)
+        except RuntimeError as exc:   # an unknown handle, a peer that ended, no peer access
+            raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"CUDA IPC handle cannot be opened on {self.device}: {exc}") from None
+        with self._lock:
+            self._maps[key] = storage
+            while len(self._maps) > self._keep:
+                self._maps.popitem(last=False)
+        return storage
