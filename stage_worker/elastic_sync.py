@@ -59,7 +59,7 @@ class ElasticSync(WspSync):
             return
         exchange, deltas, sent, replied = arrived
         weights.set_weights([p.detach() - d.to(p.device) for p, d in zip(self._params, deltas)])
-        for total, d in zip(self._ledger, deltas):
+        for total, d in zip(self._ledger, deltas):   # none unless traced
             total.add_(d)
         self._save_ledger(pending=None)
         self._merged += 1

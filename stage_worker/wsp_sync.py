@@ -127,7 +127,8 @@ class WspSync:
         self._closed = threading.Event()
         self._pushes: queue.Queue[tuple[int, list[torch.Tensor], float] | None] = queue.Queue()
         # Sum of every acknowledged push, written next to the trace: what O3 checks the shards against.
-        self._ledger = [torch.zeros_like(p, device="cpu") for p in params]
+        # Model-sized, so only a traced job keeps one.
+        self._ledger = [torch.zeros_like(p, device="cpu") for p in params] if config.trace_dir else []
         self._ledger_path = ""
         # The sync trace (trace/sync/vwV_stageQ.jsonl): when each push and pull was queued, sent,
         # answered and merged; what explains a wait that the minibatch trace only shows the end of.
@@ -265,7 +266,7 @@ class WspSync:
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps (nothing is in flight at a cut): the clocks, the own waves not
-        yet seen in a pull (G3 adds them to the next one), and the ledger."""
+        yet seen in a pull (G3 adds them to the next one), and the ledger (traced jobs; else empty)."""
         return {"clock": self._clock, "have": self._have, "acked_waves": self._acked_waves,
                 "acc": {str(w): [t.cpu() for t in ts] for w, ts in self._acc.items()},
                 "ledger": [t.clone() for t in self._ledger]}
@@ -274,7 +275,8 @@ class WspSync:
         self._clock, self._have = int(state["clock"]), int(state["have"])
         self._acked_waves = int(state["acked_waves"])
         self._acc = {int(w): [t.to(device) for t in ts] for w, ts in state["acc"].items()}
-        self._ledger = [t.clone() for t in state["ledger"]]
+        if self._ledger and state["ledger"]:  # traced now and then: the ledger goes on from the cut
+            self._ledger = [t.clone() for t in state["ledger"]]
 
     def close(self) -> None:
         self._closed.set()
