@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,9 @@ from hetpipe.v1 import wire_pb2
 
 # torch's shared reference counter, a POSIX shm name made by at::NewProcessWideShmHandle.
 _COUNTER = re.compile(rb"/torch_\d{1,10}_\d{1,20}_\d{1,20}")
-_MAX_HANDLE_BYTES = 256   # a cudaIpcMemHandle_t is 64 bytes; torch prefixes a few of its own
+_HANDLE_BYTES = 66        # torch's version byte, its kind, then the 64-byte cudaIpcMemHandle_t
+_PLAIN = b"c"             # the kind of a plain (not expandable-segment) allocation
+_COUNTERS = 10_000        # int64 counters in one torch counter file (CUDA_IPC_REF_COUNTER_FILE_SIZE)
 _SLOT_ALIGN = 2 << 20     # slots are whole 2 MiB blocks, so a slightly larger bundle reuses one
 Spec = tuple[torch.dtype, Sequence[int], int]   # dtype, shape, bytes (wire.Spec)
 
@@ -48,10 +49,10 @@ class _Slot:
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.capacity = capacity
         self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
-        (_, handle, size, offset, counter, counter_offset, event, event_sync) = self.buffer.untyped_storage()._share_cuda_()
+        (_, handle, size, offset, counter, counter_offset, _, _) = self.buffer.untyped_storage()._share_cuda_()
         self.ref = wire_pb2.CudaRef(handle=handle, storage_bytes=size, storage_offset=offset,
-                                    ref_counter_handle=counter, ref_counter_offset=counter_offset,
-                                    event_handle=event or b"", event_sync_required=bool(event_sync))
+                                    ref_counter_handle=counter, ref_counter_offset=counter_offset)
+        check_ref(self.ref, capacity)   # what the receiver takes (not an expandable segment's handle)
         self.header = shm.Segment(0)
         self.writing = False   # begun, not yet ended: the header's version is odd
 
@@ -87,7 +88,8 @@ class Ring:
 
     def stage(self, tensors: Sequence[torch.Tensor]) -> Staged | None:
         """Starts copying the tensors, in order, into a free slot, after the work queued on the
-        current stream; None when no slot is free."""
+        current stream; None when no slot is free. HandleError or RuntimeError where no slot can
+        be made (an allocator whose handles no receiver takes, no GPU memory left)."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         with self._lock:
             if not self._free:
@@ -98,7 +100,12 @@ class Ring:
             if slot is not None:
                 self._stream.synchronize()   # nothing of ours still writes the old buffer
                 slot.close()
-            slot = self._slots[index] = _Slot(self.device, _capacity(nbytes))
+                self._slots[index] = None
+            try:
+                slot = self._slots[index] = _Slot(self.device, _capacity(nbytes))
+            except BaseException:   # out of GPU memory, a handle no receiver takes: the caller falls back
+                self.release(Staged(index, 0, None))
+                raise
         slot.header.begin()   # odd until refs(): a receiver holding an older handle sees it moved on
         slot.writing = True
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -137,18 +144,26 @@ class Ring:
 
 
 def check_ref(ref: wire_pb2.CudaRef, nbytes: int) -> None:
-    """INVALID_ARGUMENT unless the handle's fields are well formed and hold nbytes; nothing is opened."""
-    if not 0 < len(ref.handle) <= _MAX_HANDLE_BYTES:
+    """INVALID_ARGUMENT unless the handle's fields are well formed and hold nbytes; nothing is opened.
+
+    Only a plain allocation's handle is taken (torch's version byte, `c`, the 64-byte cudaIpcMemHandle_t):
+    an expandable segment's handle names file descriptors to take out of the process its pid field
+    names, which no peer should be able to make us do. The reference counter is an int64 in torch's
+    80,000-byte counter file that the receiver decrements when it drops the slot: its offset is
+    bounded here, or a peer could aim that write anywhere."""
+    if len(ref.handle) != _HANDLE_BYTES or ref.handle[1:2] != _PLAIN:
         raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"CUDA IPC handle of {len(ref.handle)} bytes (1..{_MAX_HANDLE_BYTES})")
+                          f"CUDA IPC handle of {len(ref.handle)} bytes, not a plain allocation's "
+                          f"({_HANDLE_BYTES} bytes, kind {_PLAIN!r})")
     if nbytes > ref.storage_bytes:
         raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
                           f"CUDA IPC handle claims {nbytes} bytes of a {ref.storage_bytes}-byte slot")
     if not _COUNTER.fullmatch(ref.ref_counter_handle):
         raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
                           f"CUDA IPC reference counter {ref.ref_counter_handle[:80]!r} is not torch's")
-    if len(ref.event_handle) > _MAX_HANDLE_BYTES:
-        raise HandleError(grpc.StatusCode.INVALID_ARGUMENT, f"CUDA IPC event handle of {len(ref.event_handle)} bytes")
+    if ref.ref_counter_offset >= _COUNTERS:
+        raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"CUDA IPC reference counter offset {ref.ref_counter_offset}, at most {_COUNTERS - 1}")
 
 
 class Source:
@@ -161,16 +176,19 @@ class Source:
     def copy_out(self, specs: Sequence[Spec]) -> list[torch.Tensor]:
         """The tensors on the receiver's device; FAILED_PRECONDITION if the slot moved on meanwhile."""
         device, stream = self._opener.device, self._opener.stream
-        src = torch.empty(0, dtype=torch.uint8, device=device).set_(self._storage, 0, (self.nbytes,), (1,))
         out: list[torch.Tensor] = []
-        with torch.cuda.stream(stream):
-            pos = 0
-            for dtype, shape, n in specs:
-                t = torch.empty(tuple(shape), dtype=dtype, device=device)
-                t.reshape(-1).view(torch.uint8).copy_(src[pos:pos + n], non_blocking=True)
-                out.append(t)
-                pos += n
-        stream.synchronize()   # the copy is done before the call is answered and the slot reused
+        try:
+            src = torch.empty(0, dtype=torch.uint8, device=device).set_(self._storage, 0, (self.nbytes,), (1,))
+            with torch.cuda.stream(stream):
+                pos = 0
+                for dtype, shape, n in specs:
+                    t = torch.empty(tuple(shape), dtype=dtype, device=device)
+                    t.reshape(-1).view(torch.uint8).copy_(src[pos:pos + n], non_blocking=True)
+                    out.append(t)
+                    pos += n
+            stream.synchronize()   # the copy is done before the call is answered and the slot reused
+        except RuntimeError as exc:
+            raise HandleError(grpc.StatusCode.FAILED_PRECONDITION, f"CUDA IPC slot cannot be read: {exc}") from None
         compute = torch.cuda.default_stream(device)
         for t in out:
             t.record_stream(compute)   # allocated on our stream, used on the compute thread's
@@ -179,13 +197,22 @@ class Source:
 
 
 class Opener:
-    """A GPU receiver's mappings of its peers' slots, the most recently used kept open. Slots are
-    mapped onto this process's device: CUDA reaches a peer device's memory from there."""
+    """A GPU receiver's mappings of its peers' slots, onto this process's device (CUDA reaches a
+    peer device's memory from there).
 
-    def __init__(self, reader: shm.Reader, device: torch.device, keep: int = 16) -> None:
-        self.reader, self.device = reader, device
-        self._maps: OrderedDict[tuple[bytes, int, bytes, int], Any] = OrderedDict()
-        self._keep = keep
+    Each slot is mapped once and kept while its sender keeps it: torch's counter for one share is
+    decremented when we drop the mapping, so mapping a share twice, or again after dropping it,
+    would decrement it twice. A mapping is dropped once the slot's header has left /dev/shm (its
+    sender closed or regrew it), and a handle naming that share again is refused. At most `limit`
+    live mappings: a peer that makes more is refused (RESOURCE_EXHAUSTED).
+    """
+
+    def __init__(self, reader: shm.Reader, device: torch.device, limit: int = 64) -> None:
+        self.reader = reader
+        self.device = device if device.index is not None else torch.device("cuda", 0)
+        self._maps: dict[tuple[bytes, int, bytes, int], tuple[str, Any]] = {}   # key -> (header name, storage)
+        self._dropped: set[tuple[bytes, int, bytes, int]] = set()
+        self._limit = limit
         self._lock = threading.Lock()
         self._stream: Any = None
 
@@ -201,26 +228,39 @@ class Opener:
         FAILED_PRECONDITION (stale, or a slot this process cannot map)."""
         check_ref(ref, nbytes)
         mapped = self.reader.header(header, nbytes)[0]
-        return Source(self, self._map(ref), header, mapped)
+        return Source(self, self._map(ref, header.name), header, mapped)
 
-    def _map(self, ref: wire_pb2.CudaRef) -> Any:
-        # One share of a slot is mapped once: its reference counter is released when we drop it.
+    def _map(self, ref: wire_pb2.CudaRef, header: str) -> Any:
         key = (ref.handle, ref.storage_offset, ref.ref_counter_handle, ref.ref_counter_offset)
-        with self._lock:
-            found = self._maps.get(key)
-            if found is not None:
-                self._maps.move_to_end(key)
-                return found
+        dropped: list[Any] = []
         try:
-            torch.cuda._lazy_init()
-            storage = torch.UntypedStorage._new_shared_cuda(
-                self.device.index or 0, ref.handle, ref.storage_bytes, ref.storage_offset, ref.ref_counter_handle,
-                ref.ref_counter_offset, ref.event_handle, ref.event_sync_required)
-        except RuntimeError as exc:   # an unknown handle, a peer that ended, no peer access
-            raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"CUDA IPC handle cannot be opened on {self.device}: {exc}") from None
-        with self._lock:
-            self._maps[key] = storage
-            while len(self._maps) > self._keep:
-                self._maps.popitem(last=False)
-        return storage
+            # Under the lock: two calls naming one share (a retry beside its original) map it once.
+            with self._lock:
+                found = self._maps.get(key)
+                if found is not None:
+                    return found[1]
+                if key in self._dropped:
+                    raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      "stale CUDA IPC handle: its slot was closed by its sender")
+                for k, (name, storage) in list(self._maps.items()):
+                    if not (shm.SHM_DIR / name).exists():
+                        dropped.append(self._maps.pop(k)[1])
+                        self._dropped.add(k)   # a few per slot regrown: small for a whole run
+                if len(self._maps) >= self._limit:
+                    raise HandleError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"{len(self._maps)} CUDA IPC slots mapped already, at most {self._limit}")
+                try:
+                    torch.cuda._lazy_init()
+                    # The share's own event is not waited on: it was recorded when the slot was
+                    # made, and the sender waits for each bundle's copy before it names the slot.
+                    storage = torch.UntypedStorage._new_shared_cuda(
+                        self.device.index, ref.handle, ref.storage_bytes, ref.storage_offset, ref.ref_counter_handle,
+                        ref.ref_counter_offset, b"", False)
+                except RuntimeError as exc:   # an unknown handle, a peer that ended, no peer access
+                    raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"CUDA IPC handle cannot be opened on {self.device}: {exc}") from None
+                self._maps[key] = (header, storage)
+                return storage
+        finally:
+            # Dropping a mapping waits on this thread's current stream: outside the lock.
+            dropped.clear()

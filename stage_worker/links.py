@@ -119,7 +119,12 @@ class Link:
             return None
         if self.gpu_ring is None:
             self.gpu_ring = ipc.Ring(next(iter(devices)))
-        return self.gpu_ring.stage([t for _, t in item.tensors])   # None while every slot is in flight
+        try:
+            return self.gpu_ring.stage([t for _, t in item.tensors])   # None while every slot is in flight
+        except (ipc.HandleError, RuntimeError) as exc:
+            log.warning("no CUDA IPC slot for %s (%s); sending through host memory", self.peer, exc)
+            self._cuda_ipc = False
+            return None
 
     def close(self) -> None:
         self._closing.set()  # a send that is retrying gives up now: closing must not wait out give_up_s

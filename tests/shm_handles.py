@@ -39,8 +39,8 @@ def _with_cuda(frames: list[wire_pb2.TensorFrame], header: bool = True) -> list[
     """The first frame with a well-formed CUDA IPC handle beside (or instead of) its shm handle."""
     first = wire_pb2.TensorFrame()
     first.CopyFrom(frames[0])
-    first.cuda.CopyFrom(wire_pb2.CudaRef(handle=b"\x01" * 64, storage_bytes=1 << 20,
-                                         ref_counter_handle=b"/torch_1_2_3", event_handle=b"\x00" * 64))
+    first.cuda.CopyFrom(wire_pb2.CudaRef(handle=b"\x02c" + b"\x01" * 64, storage_bytes=1 << 20,
+                                         ref_counter_handle=b"/torch_1_2_3"))
     if not header:
         first.ClearField("shm")
     return [first]

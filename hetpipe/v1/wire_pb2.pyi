@@ -137,22 +137,18 @@ class ShmRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class CudaRef(_message.Message):
-    __slots__ = ("handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    __slots__ = ("handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
     REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
-    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     storage_bytes: int
     storage_offset: int
     ref_counter_handle: bytes
     ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-    def __init__(self, handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ...) -> None: ...
 
 class TensorFrame(_message.Message):
     __slots__ = ("minibatch", "push", "init", "pull", "commit", "exchange", "tensors", "data", "shm", "cuda")

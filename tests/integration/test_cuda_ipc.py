@@ -19,8 +19,8 @@ from hetpipe import cuda_ipc, shm
 from hetpipe.v1 import wire_pb2
 
 Code = grpc.StatusCode
-GOOD = wire_pb2.CudaRef(handle=b"\x01" * 64, storage_bytes=4096, ref_counter_handle=b"/torch_12_345_6",
-                        event_handle=b"\x00" * 64)
+GOOD = wire_pb2.CudaRef(handle=b"\x02c" + b"\x01" * 64, storage_bytes=4096, ref_counter_handle=b"/torch_12_345_6",
+                        ref_counter_offset=9999)
 
 
 def _ref(**fields: object) -> wire_pb2.CudaRef:
@@ -32,12 +32,15 @@ def _ref(**fields: object) -> wire_pb2.CudaRef:
 
 
 @pytest.mark.parametrize(("ref", "nbytes", "match"), [
-    (_ref(handle=b""), 16, "CUDA IPC handle of 0 bytes"),
-    (_ref(handle=b"\x01" * 257), 16, "CUDA IPC handle of 257 bytes"),
+    (_ref(handle=b""), 16, "CUDA IPC handle of 0 bytes, not a plain allocation's"),
+    (_ref(handle=b"\x01" * 64), 16, "CUDA IPC handle of 64 bytes"),
+    # An expandable segment's handle names file descriptors in the process its pid field names.
+    (_ref(handle=b"\x02e" + b"\x00" * 64), 16, "not a plain allocation's"),
     (GOOD, 4097, "claims 4097 bytes of a 4096-byte slot"),
     (_ref(ref_counter_handle=b"/dev/shm/../../etc/passwd"), 16, "reference counter .* is not torch's"),
     (_ref(ref_counter_handle=b"/torch_1_2"), 16, "is not torch's"),
-    (_ref(event_handle=b"\x00" * 300), 16, "event handle of 300 bytes"),
+    # The receiver decrements an int64 at this offset of an 80,000-byte file when it drops the slot.
+    (_ref(ref_counter_offset=10_000), 16, "reference counter offset 10000, at most 9999"),
 ])
 def test_a_malformed_cuda_handle_is_refused_before_anything_is_opened(ref: wire_pb2.CudaRef, nbytes: int,
                                                                       match: str) -> None:
@@ -66,6 +69,54 @@ def test_the_slot_header_is_checked_before_the_gpu_memory_is_mapped() -> None:
             opener.open(GOOD, wire_pb2.ShmRef(name=header.name, version=version + 1, nbytes=16), 16)
     finally:
         header.close()
+
+
+class _Mapped:
+    """Stands in for a mapped slot: counts the releases of torch's counter, as its deleter would."""
+
+    drops = 0
+
+    def __del__(self) -> None:
+        _Mapped.drops += 1
+
+
+def test_each_share_is_mapped_once_and_dropped_once_its_slot_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch decrements a share's counter when the receiver drops its mapping: mapping one share
+    twice (a retry beside its original), or again after dropping it, would decrement it twice and
+    leave the sender's block allocated for good. Without a GPU, the CUDA calls are stood in for."""
+    opened: list[bytes] = []
+
+    def new_shared_cuda(device: int, handle: bytes, *rest: object) -> _Mapped:
+        assert device == 0 and rest[-2:] == (b"", False), "the share's event is not waited on"
+        opened.append(handle)
+        return _Mapped()
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", staticmethod(new_shared_cuda), raising=False)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    opener = cuda_ipc.Opener(shm.Reader(), torch.device("cuda"), limit=2)
+    headers = [shm.Segment(0) for _ in range(3)]
+    try:
+        refs = []
+        for i, header in enumerate(headers):
+            header.begin()
+            refs.append((_ref(handle=b"\x02c" + bytes([i]) * 64), wire_pb2.ShmRef(name=header.name, version=header.end(),
+                                                                                 nbytes=16)))
+        _Mapped.drops = 0
+        for cuda, header_ref in refs[:2] * 3:
+            opener.open(cuda, header_ref, 16)
+        assert len(opened) == 2 and _Mapped.drops == 0, "each share mapped once, and kept"
+        with pytest.raises(cuda_ipc.HandleError, match="2 CUDA IPC slots mapped already, at most 2") as info:
+            opener.open(*refs[2], 16)
+        assert info.value.code == Code.RESOURCE_EXHAUSTED and len(opened) == 2
+        headers[0].close()   # its sender closed the slot: the mapping goes, and no handle can name it again
+        opener.open(*refs[2], 16)
+        assert len(opened) == 3 and _Mapped.drops == 1
+        with pytest.raises(cuda_ipc.HandleError, match="its slot was closed by its sender") as info:
+            opener.open(*refs[0], 16)
+        assert info.value.code == Code.FAILED_PRECONDITION and len(opened) == 3
+    finally:
+        for header in headers[1:]:
+            header.close()
 
 
 # --- on a GPU: a receiving process --------------------------------------------------------------
@@ -157,7 +208,7 @@ def test_a_bundle_crosses_to_another_process_and_a_stale_or_forged_handle_does_n
 
         forged = wire_pb2.CudaRef()
         forged.CopyFrom(fresh[1])
-        forged.handle = bytes(len(forged.handle))
+        forged.handle = forged.handle[:2] + bytes(len(forged.handle) - 2)   # well formed, names no allocation
         refused = _send(receiver, (fresh[0], forged))
         assert refused[0] == "refused" and refused[1] == "FAILED_PRECONDITION", refused
         ring.release(again)
