@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,33 +83,68 @@ def plain_loop(path: str) -> dict[str, Any]:
             "device_peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else 0}
 
 
+def _cpu_seconds(root: psutil.Process, seen: dict[int, float]) -> None:
+    """Records the user + system seconds of root and every descendant now (their own, not their
+    children's: those are descendants here too)."""
+    try:
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for proc in tree:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        seen[proc.pid] = times.user + times.system
+
+
 def run(name: str, job: dict[str, Any], work: Path, timeout: float) -> dict[str, Any]:
-    """Runs one job as its own process; its summary plus start_to_exit_seconds."""
+    """Runs one job as its own process; its summary plus start_to_exit_seconds and cpu_seconds,
+    the CPU time of every process of the run (sampled every 50 ms: a process's last 50 ms before
+    it exits may be missed)."""
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job))
     plain = name == "plain loop"
     cmd = ([sys.executable, __file__, "--plain", str(path)] if plain
            else [sys.executable, "-m", "launch.cli", "run", "--quiet", str(path)])
+    seen: dict[int, float] = {}
     start = time.monotonic()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    elapsed = time.monotonic() - start
-    if done.returncode != 0:
-        return {"name": name, "error": (done.stderr or done.stdout).strip().splitlines()[-5:]}
-    summary = json.loads(done.stdout) if plain else json.loads((Path(job["output"]["dir"]) / "summary.json").read_text())
-    summary.update(name=name, start_to_exit_seconds=elapsed)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True)
+        root = psutil.Process(proc.pid)
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - start > timeout:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                _cpu_seconds(root, seen)
+                time.sleep(0.05)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        elapsed = time.monotonic() - start
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        return {"name": name, "error": (stderr or stdout).strip().splitlines()[-5:]}
+    summary = json.loads(stdout) if plain else json.loads((Path(job["output"]["dir"]) / "summary.json").read_text())
+    summary.update(name=name, start_to_exit_seconds=elapsed, cpu_seconds=sum(seen.values()))
     return summary
 
 
 def report(results: list[dict[str, Any]]) -> None:
     base = next((r["samples_per_second"] for r in results if r["name"] == "plain loop" and "error" not in r), None)
-    print(f"{'run':<34}{'samples/s':>11}{'x plain':>9}{'train s':>9}{'start-to-exit s':>17}{'overhead s':>12}")
+    print(f"{'run':<34}{'samples/s':>11}{'x plain':>9}{'train s':>9}{'start-to-exit s':>17}{'overhead s':>12}"
+          f"{'CPU s':>8}")
     for r in results:
         if "error" in r:
             print(f"{r['name']:<34} FAILED: {' | '.join(r['error'])}")
             continue
         ratio = r["samples_per_second"] / base if base else float("nan")
         print(f"{r['name']:<34}{r['samples_per_second']:>11.1f}{ratio:>9.2f}{r['wall_seconds']:>9.1f}"
-              f"{r['start_to_exit_seconds']:>17.1f}{r['start_to_exit_seconds'] - r['wall_seconds']:>12.1f}")
+              f"{r['start_to_exit_seconds']:>17.1f}{r['start_to_exit_seconds'] - r['wall_seconds']:>12.1f}"
+              f"{r['cpu_seconds']:>8.1f}")
         for p in r.get("processes", []):
             print(f"    {p['process']:<22} peak RSS {p['peak_rss_bytes'] / 2**30:6.2f} GiB"
                   + (f"  GPU peak {p['device_peak_bytes'] / 2**30:6.2f} GiB" if p.get("device_peak_bytes") else "")

@@ -5,6 +5,7 @@ the ratios each is judged by: HetPipe 2x1 / ddp, HetPipe 1x2 / torch-pipeline, e
 
     python bench/peers.py                          # the issue's CPU job (below), 120 steps
     python bench/peers.py --job JOB.yaml --steps 50 --json peers.json
+    python bench/peers.py --per-step               # also CPU and wall per step of 2x1 and ddp
 
 The built-in job: an MLP 64 -> 4 x 1024 -> 10 on scikit-learn's digits, batch 128, plain SGD.
 --job takes any job file; each layout replaces its whole parallel section (its eval section and
@@ -114,6 +115,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="overrides train.steps")
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per run (default 1200)")
+    ap.add_argument("--per-step", action="store_true",
+                    help="also run HetPipe 2x1 and ddp at 3x the steps: CPU and wall seconds per step, start-up excluded")
     args = ap.parse_args()
     import torch
 
@@ -172,10 +175,39 @@ def main() -> None:
         value = table[label]
         print(f"    {label:<32} {'n/a' if value is None else f'{value:.2f}'}")
     print("samples/s counts every sample trained: ddp's 2 ranks and HetPipe's 2 VWs each train a minibatch "
-          "per step; start-to-exit is the whole process, interpreter and every worker included")
+          "per step; start-to-exit is the whole process, interpreter and every worker included; CPU s is "
+          "the user + system time of every process of the run")
+    per_step = per_step_costs(runs, results, folder, steps, args.timeout) if args.per_step else {}
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "job": raw, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-                                         "runs": results, "ratios": table}, indent=2))
+                                         "runs": results, "ratios": table, "per_step": per_step}, indent=2))
+
+
+def per_step_costs(runs: list[tuple[Layout, dict[str, Any]]], results: dict[str, dict[str, Any]], folder: Path,
+                   steps: int, timeout: float) -> dict[str, dict[str, float]]:
+    """HetPipe 2x1 and ddp again at 3x the steps: the differences, per step, are the CPU seconds
+    (every process) and wall seconds a step costs, with start-up and shutdown taken out."""
+    out: dict[str, dict[str, float]] = {}
+    print(f"per step, from runs of {steps} and {3 * steps} steps (the difference over {2 * steps} steps):")
+    print(f"    {'run':<32}{'wall ms':>9}{'CPU ms':>9}{'cores busy':>12}")
+    for layout, spec in runs:
+        if layout.tag not in ("hetpipe_2x1", "ddp") or "error" in results[layout.tag]:
+            continue
+        longer = {**spec, "train": {**spec["train"], "steps": 3 * steps},
+                  "output": {**spec["output"], "dir": spec["output"]["dir"] + "_long"}}
+        try:
+            long = run(layout.name, longer, folder, timeout=3 * timeout)
+        finally:
+            (folder / f"{layout.name}.yaml").unlink(missing_ok=True)
+        if "error" in long:
+            print(f"    {layout.name:<32} FAILED: {' | '.join(long['error'])}")
+            continue
+        short = results[layout.tag]
+        wall = (long["start_to_exit_seconds"] - short["start_to_exit_seconds"]) / (2 * steps)
+        cpu = (long["cpu_seconds"] - short["cpu_seconds"]) / (2 * steps)
+        out[layout.tag] = {"wall_seconds": wall, "cpu_seconds": cpu}
+        print(f"    {layout.name:<32}{wall * 1e3:>9.1f}{cpu * 1e3:>9.1f}{cpu / wall:>12.2f}")
+    return out
 
 
 if __name__ == "__main__":
