@@ -8,7 +8,6 @@ through pinned host buffers (`shm`) against a device-to-device copy in one proce
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import multiprocessing as mp
 import os
 import socket
@@ -104,7 +103,7 @@ def _grpc_receiver(conn: Connection, site: Site, cuda: bool = False) -> None:
 
 def _grpc_sender(address: str, shared_memory: bool = False, cuda_ipc: bool = False) -> Callable[[Any], None]:
     from hetpipe.v1 import wire_pb2
-    from stage_worker.links import Link, Outgoing, to_host
+    from stage_worker.links import Link, Outgoing
 
     def fail(message: str) -> None:
         raise RuntimeError(message)
@@ -116,9 +115,7 @@ def _grpc_sender(address: str, shared_memory: bool = False, cuda_ipc: bool = Fal
     def send(tensor: Any) -> None:
         # Link.send's staging (a CUDA IPC slot, else pinned host memory for a GPU tensor), then
         # Link._deliver, the exact production send: wire encoding, deadline, retry policy.
-        item = Outgoing(tag, [("activation", tensor)])
-        staged = link._stage(item)
-        item = dataclasses.replace(item, staged=staged) if staged is not None else to_host(item)
+        item = link.prepare(Outgoing(tag, [("activation", tensor)]))
         if item.ready is not None:
             item.ready.synchronize()
         if not link._deliver(item):
@@ -294,9 +291,11 @@ class Pair:
             address = f"{near.host}:{_free_port(near.host)}"
             receiver = ctx.Process(target=_gloo_receiver, args=(child_recv, far, address), daemon=True)
         else:
-            target = _grpc_receiver if transport in OURS else _idle_receiver if transport == "d2d" else _tcp_receiver
-            receiver = ctx.Process(target=target, args=(child_recv, far, *((cuda,) if target != _tcp_receiver else ())),
-                                   daemon=True)
+            if transport == "raw_tcp":
+                receiver = ctx.Process(target=_tcp_receiver, args=(child_recv, far), daemon=True)
+            else:   # ours, or d2d's stand-in: either takes GPU tensors
+                target = _idle_receiver if transport == "d2d" else _grpc_receiver
+                receiver = ctx.Process(target=target, args=(child_recv, far, cuda), daemon=True)
         self.procs = [receiver]
         receiver.start()
         if transport != "gloo":

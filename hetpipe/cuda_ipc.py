@@ -35,12 +35,8 @@ _COUNTER = re.compile(rb"/torch_\d{1,10}_\d{1,20}_\d{1,20}")
 _HANDLE_BYTES = 66        # torch's version byte, its kind, then the 64-byte cudaIpcMemHandle_t
 _PLAIN = b"c"             # the kind of a plain (not expandable-segment) allocation
 _COUNTERS = 10_000        # int64 counters in one torch counter file (CUDA_IPC_REF_COUNTER_FILE_SIZE)
-_SLOT_ALIGN = 2 << 20     # slots are whole 2 MiB blocks, so a slightly larger bundle reuses one
+_SLOT_UNIT = 2 << 20      # slots are whole 2 MiB blocks (shm.capacity)
 Spec = tuple[torch.dtype, Sequence[int], int]   # dtype, shape, bytes (wire.Spec)
-
-
-def _capacity(nbytes: int) -> int:
-    return -(-max(nbytes + nbytes // 8, 1) // _SLOT_ALIGN) * _SLOT_ALIGN
 
 
 class _Slot:
@@ -102,9 +98,10 @@ class Ring:
                 slot.close()
                 self._slots[index] = None
             try:
-                slot = self._slots[index] = _Slot(self.device, _capacity(nbytes))
+                slot = self._slots[index] = _Slot(self.device, shm.capacity(nbytes, _SLOT_UNIT))
             except BaseException:   # out of GPU memory, a handle no receiver takes: the caller falls back
-                self.release(Staged(index, 0, None))
+                with self._lock:
+                    self._free.append(index)
                 raise
         slot.header.begin()   # odd until refs(): a receiver holding an older handle sees it moved on
         slot.writing = True

@@ -60,6 +60,12 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
         np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
+def capacity(nbytes: int, unit: int) -> int:
+    """A slot's size for nbytes: whole units, with an eighth to grow into, so that a slightly
+    larger bundle reuses it."""
+    return -(-max(nbytes + nbytes // 8, unit) // unit) * unit
+
+
 def available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
@@ -226,9 +232,7 @@ class Ring:
             if segment is None or segment.capacity < nbytes:
                 if segment is not None:
                     segment.close()
-                # Whole pages, with room to grow a little, so a slightly larger bundle reuses it.
-                capacity = -(-max(nbytes + nbytes // 8, _PAGE) // _PAGE) * _PAGE
-                segment = self._slots[i] = Segment(capacity)
+                segment = self._slots[i] = Segment(capacity(nbytes, _PAGE))
             version = segment.write(pieces)
             self.bytes_written += nbytes
             return wire_pb2.ShmRef(name=segment.name, version=version, nbytes=nbytes)

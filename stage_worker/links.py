@@ -107,8 +107,13 @@ class Link:
         self._thread.start()
 
     def send(self, item: Outgoing) -> None:
+        self._queue.put(self.prepare(item))
+
+    def prepare(self, item: Outgoing) -> Outgoing:
+        """item on its way off the compute stream: being copied into a CUDA IPC slot, or its GPU
+        tensors into pinned host memory (to_host); ready to deliver once item.ready has happened."""
         staged = self._stage(item)
-        self._queue.put(dataclasses.replace(item, staged=staged) if staged is not None else to_host(item))
+        return dataclasses.replace(item, staged=staged) if staged is not None else to_host(item)
 
     def _stage(self, item: Outgoing) -> ipc.Staged | None:
         """Starts copying a GPU bundle into a CUDA IPC slot; None: it goes through the host."""
@@ -167,7 +172,6 @@ class Link:
                 log.warning("%s refused a CUDA IPC handle (%s: %s); sending through host memory",
                             self.peer, exc.code().name, exc.details())
                 self._cuda_ipc = False
-                self._release(item)
                 host = to_host(Outgoing(item.tag, item.tensors))
                 if host.ready is not None:
                     host.ready.synchronize()
@@ -176,15 +180,12 @@ class Link:
                 if not self._closing.is_set():
                     self._on_failure(f"could not send the {what} of {item.what} to {self.peer} "
                                      f"at {self.address}: {exc.code().name}: {exc.details()}")
-                self._release(item)
                 return False
-        self._release(item)
+        finally:
+            if item.staged is not None and self.gpu_ring is not None:
+                self.gpu_ring.release(item.staged)   # acknowledged, refused or given up: the peer is done with it
         nbytes = sum(t.numel() * t.element_size() for _, t in item.tensors)
         self.bytes_sent += nbytes
         if item.staged is not None:
             self.cuda_ipc_bytes += nbytes
         return True
-
-    def _release(self, item: Outgoing) -> None:
-        if item.staged is not None and self.gpu_ring is not None:
-            self.gpu_ring.release(item.staged)
