@@ -234,9 +234,12 @@ class Minibatches:
                  for p in range(start, steps + 1)]
         workers = job.data.workers
         # Workers are started, not forked: a process serving gRPC must not fork.
+        # A generator of its own: without one, each iterator draws its workers' base seed from
+        # torch's global generator, under a layer's seeded initialisation on another thread.
+        base_seed = torch.Generator().manual_seed(hash((job.train.seed, vw)) & (2**63 - 1))
         self._loader = DataLoader(dataset, batch_sampler=order, collate_fn=_collate, num_workers=workers,
                                   pin_memory=pin, multiprocessing_context="spawn" if workers else None,
-                                  persistent_workers=False)
+                                  persistent_workers=False, generator=base_seed)
         self._it: Iterator[_Batch] = iter(self._loader)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -63,23 +64,31 @@ def describe(cfg: ModelConfig) -> str:
     return cfg.factory or f"hetpipe.zoo:{cfg.name}"
 
 
+# Both ways a model is built change process-wide state: the patched register_parameter below, and
+# torch's one global generator, which reset_parameters() draws from. Two threads building at once
+# (two stages of one process, each loading in the background) would otherwise undo each other's
+# patch or draw each other's numbers: a layer then starts from another layer's values.
+_GLOBAL_STATE = threading.Lock()
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """While inside, every registered parameter is moved to the meta device: the factory's
     own initialisation touches no memory and draws no random numbers."""
-    register = nn.Module.register_parameter
+    with _GLOBAL_STATE:   # held from reading the original to putting it back
+        register = nn.Module.register_parameter
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
-                                 requires_grad=param.requires_grad)
-        register(module, name, param)
+        def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            if param is not None and param.device.type != "meta":
+                param = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                     requires_grad=param.requires_grad)
+            register(module, name, param)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = None) -> nn.Sequential:
@@ -141,7 +150,7 @@ def build_layers(job: JobConfig, begin: int, end: int, *, device: str = "cpu",
     stage: nn.Sequential = model[begin:end]  # type: ignore[assignment]
     for index, layer in zip(range(begin, end), list(stage)):
         _materialise(layer)
-        with torch.random.fork_rng(devices=[]):
+        with _GLOBAL_STATE, torch.random.fork_rng(devices=[]):
             torch.manual_seed(layer_seed(job.train.seed, index))
             _reset(layer)
         for name, p in layer.named_parameters():

@@ -256,6 +256,17 @@ def test_a_data_factory_is_read_in_the_design_order(tmp_path: Path) -> None:
         assert torch.equal(rx, ex) and torch.equal(ry, ey)
 
 
+def test_reading_minibatches_draws_nothing_from_torchs_global_generator(tmp_path: Path) -> None:
+    # Stage 0 opens its data while another stage of the process may be initialising its layers
+    # under a seed of the global generator: one draw there and that layer starts elsewhere.
+    job = factory_job(tmp_path)
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    reader = Minibatches(job, training_set(job), 0, steps=3)
+    reader.next()
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 @pytest.mark.parametrize(("spec", "match"), [
     ("nowhere:train_set", r"data\.factory: cannot import module 'nowhere'"),
     ("mydata:missing", r"data\.factory: module 'mydata' has no attribute 'missing'"),

@@ -3,6 +3,7 @@ the whole model, and a stage's slice of model.init."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,26 @@ def test_a_stages_layers_built_alone_equal_the_whole_models(tmp_path: Path) -> N
     assert torch.equal(whole["2.offset"], torch.arange(8, dtype=torch.float32)), "buffers are the factory's"
     other = build(parse_job({**_raw(j), "train": {"seed": 6}}, base_dir=j.base_dir)).state_dict()
     assert not torch.equal(other["3.weight"], whole["3.weight"]), "another seed, other values"
+
+
+def test_layers_built_on_threads_at_once_equal_those_built_alone(tmp_path: Path) -> None:
+    # Two stages of one process load at once (each Assign loads in the background): each
+    # layer's seeded draws must not interleave with another thread's.
+    j = job(tmp_path, args={"width": 256, "features": 256})
+    alone = build(j).state_dict()
+    found: list[str] = []
+
+    def load(begin: int, end: int) -> None:
+        for _ in range(30):
+            part = build_layers(j, begin, end).state_dict()
+            found.extend(key for key, value in part.items() if not torch.equal(value, alone[key]))
+
+    threads = [threading.Thread(target=load, args=span) for span in ((0, 2), (2, 4), (0, 4), (3, 4))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not found, f"layers drew other layers' random numbers: {sorted(set(found))}"
 
 
 def _raw(j: JobConfig) -> dict[str, Any]:
