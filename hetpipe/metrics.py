@@ -55,6 +55,12 @@ GRPC_HANDLED = Counter(
     "hetpipe_grpc_server_handled", "RPCs finished on this server, by method and status code",
     ["role", "grpc_service", "grpc_method", "grpc_code"], registry=REGISTRY,
 )
+# Per request message: a long-lived stream (a stage Link's one-frame bundles, hetpipe/duplex.py) counts
+# in GRPC_HANDLED once, when it ends, but here once per bundle as it arrives.
+GRPC_RECEIVED = Counter(
+    "hetpipe_grpc_server_msg_received", "Request messages received on this server, by method",
+    ["role", "grpc_service", "grpc_method"], registry=REGISTRY,
+)
 GRPC_SECONDS = Histogram(
     "hetpipe_grpc_server_handling_seconds", "Time from the handler's start to the RPC's last response",
     ["role", "grpc_service", "grpc_method"], buckets=LATENCY_BUCKETS, registry=REGISTRY,
@@ -67,6 +73,7 @@ class _MethodMetrics:
     def __init__(self, role: str, service: str, method: str) -> None:
         self._labels = (role, service, method)
         self.seconds = GRPC_SECONDS.labels(role, service, method)
+        self.received = GRPC_RECEIVED.labels(role, service, method)
         self._handled: dict[grpc.StatusCode, Any] = {}
 
     def record(self, code: grpc.StatusCode, started: float) -> None:
@@ -92,11 +99,25 @@ def _code_of(context: grpc.ServicerContext, exc: BaseException | None) -> grpc.S
     return grpc.StatusCode.OK
 
 
-def _unary_response(behavior: Callable[..., Any], m: _MethodMetrics) -> Callable[..., Any]:
+def _received(request: Any, m: _MethodMetrics, streaming: bool) -> Any:
+    """request, its messages counted as they are taken (a stream) or now (one message)."""
+    if not streaming:
+        m.received.inc()
+        return request
+
+    def counted() -> Iterator[Any]:
+        for message in request:
+            m.received.inc()
+            yield message
+
+    return counted()
+
+
+def _unary_response(behavior: Callable[..., Any], m: _MethodMetrics, streaming: bool) -> Callable[..., Any]:
     def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
         started = time.perf_counter()
         try:
-            response = behavior(request, context)
+            response = behavior(_received(request, m, streaming), context)
         except BaseException as exc:
             m.record(_code_of(context, exc), started)
             raise
@@ -106,12 +127,12 @@ def _unary_response(behavior: Callable[..., Any], m: _MethodMetrics) -> Callable
     return wrapped
 
 
-def _stream_response(behavior: Callable[..., Any], m: _MethodMetrics) -> Callable[..., Any]:
+def _stream_response(behavior: Callable[..., Any], m: _MethodMetrics, streaming: bool) -> Callable[..., Any]:
     def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         # A generator: the RPC ends when the last response has been taken, not when behavior returns.
         started = time.perf_counter()
         try:
-            yield from behavior(request, context)
+            yield from behavior(_received(request, m, streaming), context)
         except BaseException as exc:
             m.record(_code_of(context, exc), started)
             raise
@@ -148,13 +169,13 @@ class ServerMetricsInterceptor(grpc.ServerInterceptor):
         m = self._metrics(handler_call_details.method)
         h: Any = handler
         if h.unary_unary is not None:
-            return _replace(h, "unary_unary", _unary_response(h.unary_unary, m))
+            return _replace(h, "unary_unary", _unary_response(h.unary_unary, m, False))
         if h.stream_unary is not None:
-            return _replace(h, "stream_unary", _unary_response(h.stream_unary, m))
+            return _replace(h, "stream_unary", _unary_response(h.stream_unary, m, True))
         if h.unary_stream is not None:
-            return _replace(h, "unary_stream", _stream_response(h.unary_stream, m))
+            return _replace(h, "unary_stream", _stream_response(h.unary_stream, m, False))
         if h.stream_stream is not None:
-            return _replace(h, "stream_stream", _stream_response(h.stream_stream, m))
+            return _replace(h, "stream_stream", _stream_response(h.stream_stream, m, True))
         return handler
 
 

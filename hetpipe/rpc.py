@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import logging
 import signal
@@ -20,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hetpipe import security
+from hetpipe.duplex import Duplex
 from hetpipe.errors import Rejected
 from hetpipe.metrics import ServerMetricsInterceptor
 from hetpipe.v1 import coordinator_pb2, ps_pb2, stage_pb2, wire_pb2
@@ -42,7 +44,7 @@ DATA_DEADLINE_S = 120.0
 # thread: RESERVED_THREADS stay for Status and health checks. Legitimate traffic stays far below:
 # one link per neighbour stage, one pull and one push per stage and shard at a time.
 LANES: dict[str, dict[str, int]] = {
-    "Stage": {"Forward": 3, "Backward": 3, "ForwardFrame": 3, "BackwardFrame": 3, "GetWeights": 1, "Evaluate": 1},
+    "Stage": {"Forward": 3, "Backward": 3, "ForwardLink": 3, "BackwardLink": 3, "GetWeights": 1, "Evaluate": 1},
     "ParameterServer": {"Pull": 56, "Push": 56, "PushFrame": 56, "Init": 8, "Exchange": 56},
 }
 RESERVED_THREADS = 8
@@ -118,33 +120,48 @@ def refuse(context: grpc.ServicerContext, method: str, code: grpc.StatusCode, me
     context.abort(code, message)
 
 
+def _answer(name: str, exc: Exception, context: grpc.ServicerContext) -> None:
+    """Ends the call with exc's status: Rejected's own; other exceptions one without their text
+    (a bug is logged with its traceback, the caller learns no internals)."""
+    if isinstance(exc, Rejected):
+        refuse(context, name, exc.code, str(exc))
+    if isinstance(exc, grpc.RpcError) or context.code() is not None:
+        raise exc
+    # refuse() and abort() raise: exactly one of these answers.
+    if isinstance(exc, MemoryError):
+        refuse(context, name, grpc.StatusCode.RESOURCE_EXHAUSTED,
+               f"{name}: the request needs more memory than this process can allocate")
+    elif isinstance(exc, OSError):  # a full disk, a lost file: the same call may succeed later
+        refuse(context, name, grpc.StatusCode.UNAVAILABLE,
+               f"{name}: I/O error on the server: {exc.strerror or type(exc).__name__}")
+    elif isinstance(exc, RecursionError):
+        refuse(context, name, grpc.StatusCode.INVALID_ARGUMENT, f"{name}: the request is nested too deeply")
+    else:
+        log.exception("%s failed", name)  # a bug: it must not kill the server
+        context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error ({type(exc).__name__}; "
+                      "the server's log has the details)")
+
+
 def handler(fn: F) -> F:
-    """Turns Rejected raised by a servicer method into its gRPC status; other exceptions into a
-    status without their text (a bug is logged with its traceback, the caller learns no internals)."""
+    """Turns Rejected raised by a servicer method into its gRPC status, other exceptions into one
+    without their text (_answer). A generator method (a streamed reply) is covered while it runs."""
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def streamed(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                yield from fn(self, request, context)
+            except Exception as exc:
+                _answer(fn.__name__, exc, context)
+
+        return streamed  # type: ignore[return-value]
 
     @functools.wraps(fn)
     def wrapped(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return fn(self, request, context)
-        except Rejected as exc:
-            refuse(context, fn.__name__, exc.code, str(exc))
         except Exception as exc:
-            if isinstance(exc, grpc.RpcError) or context.code() is not None:
-                raise
-            # refuse() and abort() raise: exactly one of these answers.
-            if isinstance(exc, MemoryError):
-                refuse(context, fn.__name__, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"{fn.__name__}: the request needs more memory than this process can allocate")
-            elif isinstance(exc, OSError):  # a full disk, a lost file: the same call may succeed later
-                refuse(context, fn.__name__, grpc.StatusCode.UNAVAILABLE,
-                       f"{fn.__name__}: I/O error on the server: {exc.strerror or type(exc).__name__}")
-            elif isinstance(exc, RecursionError):
-                refuse(context, fn.__name__, grpc.StatusCode.INVALID_ARGUMENT,
-                       f"{fn.__name__}: the request is nested too deeply")
-            else:
-                log.exception("%s failed", fn.__name__)  # a bug: it must not kill the server
-                context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error ({type(exc).__name__}; "
-                              "the server's log has the details)")
+            _answer(fn.__name__, exc, context)
 
     return wrapped  # type: ignore[return-value]
 
@@ -358,14 +375,15 @@ class Stub:
         raise AttributeError(name)
 
 
-def send_bundle(stub: Stub, method: str, frames: Iterator[bytes], **kwargs: Any) -> Any:
-    """Calls `method` with a TensorFrame stream, or its unary twin `methodFrame` when the bundle
-    is one frame (in shared memory, or small): a stream call costs a thread to feed it and about
-    twice a unary call's latency."""
+def send_bundle(stub: Stub, method: str, frames: Iterator[bytes], duplex: Duplex | None = None,
+                **kwargs: Any) -> Any:
+    """Calls `method` with a TensorFrame stream; a bundle in one frame (in shared memory, or
+    small) goes through duplex when there is one, else by the unary twin `methodFrame`: a stream
+    call costs a thread to feed it and about twice a unary call's latency."""
     first = next(frames)   # wire.encode yields at least the header
     second = next(frames, None)
     if second is None:
-        return getattr(stub, f"{method}Frame")(first, **kwargs)
+        return duplex.call(first) if duplex is not None else getattr(stub, f"{method}Frame")(first, **kwargs)
     return getattr(stub, method)(itertools.chain([first, second], frames), **kwargs)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from hetpipe import cuda_ipc as ipc
 from hetpipe import rpc, shm, wire
+from hetpipe.duplex import Duplex
 from hetpipe.v1 import wire_pb2
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class Link:
         self._give_up_s = give_up_s
         self._channel = rpc.channel(address)
         self._stub = rpc.Stub(self._channel, "Stage")
+        self._duplex = Duplex(getattr(self._stub, f"{method}Link"), rpc.DATA_DEADLINE_S)   # one-frame bundles
         self._queue: queue.Queue[Outgoing | None] = queue.Queue()
         self._closing = threading.Event()
         self.bytes_sent = 0
@@ -135,6 +137,7 @@ class Link:
         self._closing.set()  # a send that is retrying gives up now: closing must not wait out give_up_s
         self._queue.put(None)
         self._thread.join(timeout=5)
+        self._duplex.close()
         self._channel.close()
         if self.ring is not None:
             self.ring.close()
@@ -163,7 +166,7 @@ class Link:
         what = "activation" if self.method == "Forward" else "gradient"
         try:
             rpc.retrying(lambda: rpc.send_bundle(self._stub, self.method, item.encode(self.ring, self.gpu_ring),
-                                                 timeout=rpc.DATA_DEADLINE_S),
+                                                 self._duplex, timeout=rpc.DATA_DEADLINE_S),
                          give_up_s=self._give_up_s, closing=self._closing)
         except grpc.RpcError as exc:
             if item.staged is not None and exc.code() in _REFUSED_HANDLE:

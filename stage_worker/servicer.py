@@ -79,9 +79,10 @@ class StageServicer:
         return wire_pb2.Ack()
 
     @handler
-    def ForwardFrame(self, request: bytes, context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_forward(self._decode([request]))
-        return wire_pb2.Ack()
+    def ForwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
+        for frame in frames:   # each a whole bundle
+            self.runtime.offer_forward(self._decode([frame]))
+            yield wire_pb2.Ack()
 
     @handler
     def Backward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
@@ -89,9 +90,10 @@ class StageServicer:
         return wire_pb2.Ack()
 
     @handler
-    def BackwardFrame(self, request: bytes, context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_backward(self._decode([request]))
-        return wire_pb2.Ack()
+    def BackwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
+        for frame in frames:
+            self.runtime.offer_backward(self._decode([frame]))
+            yield wire_pb2.Ack()
 
     @handler
     def Status(self, request: stage_pb2.StatusRequest, context: grpc.ServicerContext) -> stage_pb2.StageStatus:

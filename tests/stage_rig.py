@@ -68,12 +68,14 @@ class FakeNeighbour(stage_pb2_grpc.StageServicer):
     def Backward(self, request_iterator: Iterator[Any], context: Any) -> wire_pb2.Ack:
         return self._record("Backward", request_iterator)
 
-    # A one-frame bundle comes by the unary twin; recorded under the stream method's name.
-    def ForwardFrame(self, request: bytes, context: Any) -> wire_pb2.Ack:
-        return self._record("Forward", iter([request]))
+    # One-frame bundles come over the link's stream; recorded under the stream method's name.
+    def ForwardLink(self, frames: Iterator[bytes], context: Any) -> Iterator[wire_pb2.Ack]:
+        for frame in frames:
+            yield self._record("Forward", iter([frame]))
 
-    def BackwardFrame(self, request: bytes, context: Any) -> wire_pb2.Ack:
-        return self._record("Backward", iter([request]))
+    def BackwardLink(self, frames: Iterator[bytes], context: Any) -> Iterator[wire_pb2.Ack]:
+        for frame in frames:
+            yield self._record("Backward", iter([frame]))
 
     def wait_for(self, n: int, timeout: float = 10.0) -> None:
         with self.cv:

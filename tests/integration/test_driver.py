@@ -88,8 +88,11 @@ class _Failing:
         return self.LoadWeights(request_iterator, context)
 
     @handler
-    def ForwardFrame(self, request: bytes, context: grpc.ServicerContext) -> wire_pb2.Ack:
-        return wire_pb2.Ack()
+    def ForwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
+        # Stage 0's activations arrive here (one-frame bundles on the link's stream) until the job
+        # fails: without it stage 0 fails first, on UNIMPLEMENTED, and the race decides the message.
+        for _ in frames:
+            yield wire_pb2.Ack()
 
     @handler
     def Status(self, request: Any, context: grpc.ServicerContext) -> stage_pb2.StageStatus:

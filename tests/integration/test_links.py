@@ -40,8 +40,9 @@ class Neighbour:
         return wire_pb2.Ack()
 
     @handler
-    def ForwardFrame(self, request: bytes, context: grpc.ServicerContext) -> wire_pb2.Ack:
-        return self.Forward(iter([request]), context)  # type: ignore[no-any-return]
+    def ForwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
+        for frame in frames:
+            yield self.Forward(iter([frame]), context)
 
     def wait_for(self, n: int, timeout: float = 10) -> list[int]:
         with self.cv:

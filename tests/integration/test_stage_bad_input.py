@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from hetpipe import rpc, wire
+from hetpipe.duplex import Duplex
 from hetpipe.v1 import stage_pb2, wire_pb2
 from shm_handles import forged_handles
 from stage_rig import NM, STEPS, Code, Rig, State, frames, middle_stage, refused, unlimited_channel
@@ -242,16 +243,20 @@ def test_bad_shared_memory_handles_are_refused_and_change_nothing(rig: Rig) -> N
     one is taken like gRPC frames."""
     bundle = wire.decode(rig.activation(1))
     before = rig.snapshot()
+    # One-frame bundles take a link's long-lived stream: each refusal ends it with its status, the
+    # next call opens another, and the good handle goes through the same Duplex at the end.
+    link = Duplex(rig.stub.ForwardLink, deadline_s=10)
     with forged_handles(bundle.tensors, minibatch=bundle.header.minibatch) as handles:
         for name, (request, code, match) in handles.bad.items():
             try:
                 refused(rig.stub.Forward, iter(request), code, match)
-                if len(request) == 1:  # the unary twin, which one-frame bundles take, checks the same
-                    refused(rig.stub.ForwardFrame, request[0], code, match)
+                if len(request) == 1:
+                    refused(lambda frame, timeout: link.call(frame), request[0], code, match)
                 assert rig.snapshot() == before, "a refused handle changed the stage's state"
             except AssertionError as exc:
                 raise AssertionError(f"{name}: {exc}") from None
-        rig.stub.ForwardFrame(handles.good[0], timeout=10)
+        link.call(handles.good[0])
+        link.close()
     rig.wait_until("forwards_done", 1)
     rig.next.wait_for(1)
     assert rig.snapshot()["received"] == 1

@@ -199,7 +199,8 @@ def test_dashboards_cover_the_issue() -> None:
                                    "hetpipe_stage_push_seconds_bucket", "hetpipe_stage_pull_seconds_bucket",
                                    "hetpipe_ps_received_bytes_total", "hetpipe_ps_sent_bytes_total",
                                    "hetpipe_stage_staleness_minibatches_bucket"},
-        "grpc.json": {"hetpipe_grpc_server_handled_total", "hetpipe_grpc_server_handling_seconds_bucket"},
+        "grpc.json": {"hetpipe_grpc_server_handled_total", "hetpipe_grpc_server_handling_seconds_bucket",
+                      "hetpipe_grpc_server_msg_received_total"},
     }
     for name, metrics in need.items():
         assert metrics <= used[name], f"{name} lacks {sorted(metrics - used[name])}"

@@ -49,7 +49,7 @@ RULES = {
     "/hetpipe.v1.Stage/GetWeights": {"coordinator"}, "/hetpipe.v1.Stage/Status": {"coordinator"},
     "/hetpipe.v1.Stage/Evaluate": {"coordinator"},
     "/hetpipe.v1.Stage/Forward": {"stage"}, "/hetpipe.v1.Stage/Backward": {"stage"},
-    "/hetpipe.v1.Stage/ForwardFrame": {"stage"}, "/hetpipe.v1.Stage/BackwardFrame": {"stage"},
+    "/hetpipe.v1.Stage/ForwardLink": {"stage"}, "/hetpipe.v1.Stage/BackwardLink": {"stage"},
     "/hetpipe.v1.ParameterServer/Init": {"coordinator", "seed"},
     "/hetpipe.v1.ParameterServer/Push": {"stage"}, "/hetpipe.v1.ParameterServer/PushFrame": {"stage"},
     "/hetpipe.v1.ParameterServer/Exchange": {"stage"},

@@ -1,0 +1,146 @@
+"""Duplex: unary calls over one long-lived stream, against a real gRPC server.
+
+A stage's Link sends its one-frame bundles this way (ForwardLink/BackwardLink); these tests pin
+what it promises: one stream for many calls, answers in order, a refusal's exact status with the
+stream reopened after it, renewal before the deadline, a deadline on every wait, and no thread
+left behind by close().
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from hetpipe import rpc
+from hetpipe.duplex import Duplex
+from hetpipe.errors import Rejected
+from hetpipe.v1 import wire_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Echo:
+    """ForwardLink answers each request with its own bytes, refuses b"bad", and holds b"hold" unanswered."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.ended: list[str] = []
+        self.release = threading.Event()
+
+    @rpc.handler
+    def ForwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
+        self.opened += 1
+        try:
+            for frame in frames:
+                if frame == b"bad":
+                    raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "ForwardLink: frame 'bad' refused")
+                if frame == b"hold":
+                    self.release.wait(10)
+                    continue
+                yield wire_pb2.Ack(message=frame.decode())
+        finally:
+            self.ended.append("closed by the client" if context.is_active() else "cancelled")
+
+
+@pytest.fixture
+def echo() -> Iterator[tuple[Echo, rpc.Stub]]:
+    servicer = Echo()
+    server = rpc.Server("127.0.0.1", 0, workers=4)
+    server.add("Stage", servicer)
+    server.start()
+    channel = rpc.channel(server.address)
+    try:
+        yield servicer, rpc.Stub(channel, "Stage")
+    finally:
+        servicer.release.set()
+        channel.close()
+        server.stop()
+
+
+def test_many_calls_share_one_stream_and_are_answered_in_order(echo: tuple[Echo, rpc.Stub]) -> None:
+    servicer, stub = echo
+    duplex = Duplex(stub.ForwardLink, deadline_s=30)
+    answers = [duplex.call(f"m{i}".encode()).message for i in range(50)]
+    assert answers == [f"m{i}" for i in range(50)]
+    assert servicer.opened == 1
+    duplex.close()
+    assert servicer.ended == ["closed by the client"]   # ended in good order, not cancelled
+
+
+def test_a_refusal_has_its_status_and_the_next_call_opens_a_new_stream(echo: tuple[Echo, rpc.Stub]) -> None:
+    servicer, stub = echo
+    duplex = Duplex(stub.ForwardLink, deadline_s=30)
+    assert duplex.call(b"a").message == "a"
+    with pytest.raises(grpc.RpcError) as info:
+        duplex.call(b"bad")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "ForwardLink: frame 'bad' refused"
+    assert duplex.call(b"b").message == "b"
+    assert servicer.opened == 2
+    duplex.close()
+
+
+def test_the_stream_is_renewed_past_half_its_deadline(echo: tuple[Echo, rpc.Stub]) -> None:
+    servicer, stub = echo
+    duplex = Duplex(stub.ForwardLink, deadline_s=1.0)
+    duplex.call(b"a")
+    duplex.call(b"b")
+    assert servicer.opened == 1
+    time.sleep(0.6)
+    duplex.call(b"c")   # the first stream has under half its deadline left: a fresh one
+    assert servicer.opened == 2
+    duplex.close()
+    assert servicer.ended == ["closed by the client"] * 2   # the renewed one too: not cancelled
+
+
+def test_an_unanswered_call_ends_at_the_deadline_and_the_next_one_goes_through(echo: tuple[Echo, rpc.Stub]) -> None:
+    servicer, stub = echo
+    duplex = Duplex(stub.ForwardLink, deadline_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        duplex.call(b"hold")
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 5
+    assert info.value.code() in rpc.RETRYABLE
+    servicer.release.set()
+    assert duplex.call(b"after").message == "after"
+    duplex.close()
+
+
+def test_close_leaves_no_thread_behind(echo: tuple[Echo, rpc.Stub]) -> None:
+    _, stub = echo
+    warm = Duplex(stub.ForwardLink, deadline_s=30)
+    warm.call(b"x")   # the server's first handler thread, which its pool keeps
+    warm.close()
+    before = threading.active_count()
+    for _ in range(5):
+        duplex = Duplex(stub.ForwardLink, deadline_s=30)
+        duplex.call(b"x")
+        duplex.close()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+
+
+def test_close_cancels_a_stream_the_server_does_not_end(echo: tuple[Echo, rpc.Stub]) -> None:
+    """A peer that holds its side open does not hold up close() for more than its grace."""
+    servicer, stub = echo
+    duplex = Duplex(stub.ForwardLink, deadline_s=30)
+    duplex.call(b"a")
+    caller = threading.Thread(target=lambda: pytest.raises(grpc.RpcError, duplex.call, b"hold"), daemon=True)
+    caller.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    duplex.close(grace_s=0.3)
+    caller.join(5)
+    assert not caller.is_alive() and time.monotonic() - start < 3
+    servicer.release.set()
+    deadline = time.monotonic() + 5
+    while not servicer.ended and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert servicer.ended == ["cancelled"]
