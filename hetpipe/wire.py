@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import mmap
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from hetpipe import cuda_ipc, shm
+from hetpipe import buffers, cuda_ipc, shm
 from hetpipe.errors import Rejected
 from hetpipe.v1 import wire_pb2
 
@@ -109,7 +108,7 @@ def _warn_once(message: str) -> None:
 
 def _groups(tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> Iterator[list[memoryview]]:
     """The pieces, gathered into frames of at most chunk_bytes: small tensors share a frame (a
-    one-frame bundle then goes by a unary call, see rpc.send_bundle)."""
+    one-frame bundle then goes in one message, see rpc.send_bundle)."""
     group: list[memoryview] = []
     size = 0
     for piece in _pieces(tensors, chunk_bytes):
@@ -214,28 +213,26 @@ def _checked_meta(index: int, meta: wire_pb2.TensorMeta) -> tuple[torch.dtype, l
     return dtype, shape, nbytes
 
 
-# A received tensor is fresh memory, and above glibc's largest mmap threshold (32 MiB) every
-# allocation maps new pages: faulting them in 4 KiB at a time can cost more than the copy into
-# them. Transparent huge pages (where the kernel offers them) take 512 times fewer faults.
-HUGE_PAGES_FROM_BYTES = 32 << 20
-_ANONYMOUS_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+# Received tensors of this size and more land in the receive pool's mappings (hetpipe/buffers.py):
+# memory already faulted in, whichever thread receives and whatever sizes passed before.
+POOLED_FROM_BYTES = 1 << 20
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
     """An uninitialised contiguous tensor to receive data into; decode allocates with it.
 
-    Large ones live in a private anonymous mapping advised for huge pages (the tensor keeps it
-    alive); their storage cannot be resized, which received tensors never need. pinned: page-
-    locked (torch's caching host allocator), for a copy to a GPU that does not block.
+    Large ones live in a mapping of the receive pool, which the tensor keeps (and the pool does
+    not hand out again) while any view of it lives; their storage cannot be resized, which
+    received tensors never need. pinned: page-locked (torch's caching host allocator), for a copy
+    to a GPU that does not block.
     """
     if pinned:
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGES_FROM_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < POOLED_FROM_BYTES:
         return torch.empty(tuple(shape), dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=_ANONYMOUS_PRIVATE)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mapping, dtype=dtype).view(tuple(shape))
+    mapping = buffers.RECEIVE.take(nbytes)
+    return torch.frombuffer(mapping, dtype=dtype, count=nbytes // dtype.itemsize).view(tuple(shape))
 
 
 def _data_only(frame: bytes) -> memoryview | None:
@@ -424,8 +421,12 @@ def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu
         return Bundle(stream.header, [(m.name, t) for m, t in zip(stream.header.tensors, gpu_tensors)])
     tensors = [empty(shape, dtype, pinned=pinned) for dtype, shape, _ in stream.specs]
     sinks = [t.reshape(-1).view(torch.uint8).numpy().data for t in tensors]
-    for index, offset, piece in stream.pieces:
-        shm.copy_bytes(sinks[index][offset:offset + len(piece)], piece)
+    try:
+        for index, offset, piece in stream.pieces:
+            shm.copy_bytes(sinks[index][offset:offset + len(piece)], piece)
+    except BaseException:
+        buffers.RECEIVE.forget(tensors)   # a refused bundle changes nothing, the pool included
+        raise
     if device != "cpu":
         tensors = [t.to(device, non_blocking=True) for t in tensors]
     return Bundle(stream.header, [(m.name, t) for m, t in zip(stream.header.tensors, tensors)])

@@ -105,8 +105,8 @@ def test_frames_respect_chunk_bytes_and_only_the_first_has_a_header() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_large_tensors_decode_into_huge_page_mappings(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    monkeypatch.setattr(wire, "HUGE_PAGES_FROM_BYTES", 64)  # the real bound is 32 MiB: too slow here
+def test_large_tensors_decode_into_the_receive_pool(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    monkeypatch.setattr(wire, "POOLED_FROM_BYTES", 64)  # the real bound is 1 MiB
     tensors = [("big", _sample(dtype, (40, 9))), ("small", _sample(dtype, (3,)))]
     got = wire.decode(wire.encode(tensors, chunk_bytes=100)).tensors
     _assert_same(got, tensors)
