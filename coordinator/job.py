@@ -15,7 +15,8 @@ from typing import Any
 
 import grpc
 
-from hetpipe.config import ClusterConfig, ConfigError, JobConfig
+from hetpipe.cluster import ClusterConfig
+from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, Rejected, StageLost
 from hetpipe import outputs
 from hetpipe.v1 import wire_pb2

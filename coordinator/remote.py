@@ -11,7 +11,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from hetpipe import outputs
-from hetpipe.config import ClusterConfig, ConfigError, EmulateConfig, GpuGroup, JobConfig, NodeConfig
+from hetpipe.cluster import ClusterConfig, EmulateConfig, GpuGroup, NodeConfig
+from hetpipe.config import ConfigError, JobConfig
 from hetpipe.v1 import coordinator_pb2
 from hetpipe.wire import CHUNK_BYTES
 

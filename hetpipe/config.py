@@ -11,46 +11,11 @@ from typing import Any
 
 import yaml
 
-from hetpipe.network import Network
+from hetpipe.cluster import ClusterConfig, EmulateConfig, parse_cluster
 from hetpipe.security import Security
 from hetpipe.validate import ConfigError, Section, fail, is_number
 
 __all__ = ["ConfigError", "JobConfig", "ResolvedJob", "load_job", "parse_job", "resolve", "with_overrides"]
-
-
-@dataclass(frozen=True, slots=True)
-class GpuGroup:
-    type: str
-    count: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class NodeConfig:
-    name: str
-    gpus: tuple[GpuGroup, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class EmulateConfig:
-    time_scale: float = 1.0
-    # Fixed per-task times override the catalog, e.g. for pipeline benchmarks with equal stages.
-    forward_seconds: float = 0.0
-    backward_seconds: float = 0.0
-    # Emulated links between stages, to the shards and in the allreduce baseline; None = loopback as is.
-    network: Network | None = None
-    # Model args the emulated costs are taken at (times, memory, bytes moved), over model.args: a
-    # small stand-in computes while every task and transfer is timed as the full-size model's.
-    model_args: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def fixed_times(self) -> bool:
-        return bool(self.forward_seconds or self.backward_seconds)
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterConfig:
-    nodes: tuple[NodeConfig, ...]
-    emulate: EmulateConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,58 +213,6 @@ MAX_STAGES = 256
 MAX_NM = 1024
 MAX_SHARDS = 256
 MAX_STEPS = 10**9
-
-
-def _parse_network(em: Section) -> Network | None:
-    if em.get("network") is None:
-        return None
-    net = em.section("network")
-    net.check_known(("intra_node_gbs", "inter_node_gbs", "latency_s"))
-    paper = Network()
-    return Network(
-        intra_node_gbs=net.number("intra_node_gbs", paper.intra_node_gbs, minimum=1e-6),
-        inter_node_gbs=net.number("inter_node_gbs", paper.inter_node_gbs, minimum=1e-6),
-        latency_s=net.number("latency_s", paper.latency_s),
-    )
-
-
-def _parse_cluster(raw: Any) -> ClusterConfig | None:
-    if raw is None:
-        return None
-    sec = Section(raw, "cluster")
-    sec.check_known(("nodes", "emulate"))
-    nodes_raw = sec.get("nodes")
-    if not isinstance(nodes_raw, list) or not nodes_raw:
-        raise fail("cluster.nodes", nodes_raw, "a non-empty list of nodes")
-    nodes = []
-    for i, node_raw in enumerate(nodes_raw):
-        node = Section(node_raw, f"cluster.nodes[{i}]")
-        node.check_known(("name", "gpus"))
-        gpus_raw = node.get("gpus")
-        if not isinstance(gpus_raw, list) or not gpus_raw:
-            raise fail(f"cluster.nodes[{i}].gpus", gpus_raw, "a non-empty list of {type, count}")
-        gpus = []
-        for j, g_raw in enumerate(gpus_raw):
-            g = Section(g_raw, f"cluster.nodes[{i}].gpus[{j}]")
-            g.check_known(("type", "count"))
-            gpus.append(GpuGroup(type=g.text("type"), count=g.integer("count", GpuGroup("").count, minimum=1,
-                                                                      maximum=MAX_VIRTUAL_WORKERS * MAX_STAGES)))
-        nodes.append(NodeConfig(name=node.text("name", f"n{i}"), gpus=tuple(gpus)))
-    names = [n.name for n in nodes]
-    if len(set(names)) != len(names):
-        raise fail("cluster.nodes[].name", names, "unique node names")
-    emulate = None
-    if sec.get("emulate") is not None:
-        em, d = sec.section("emulate"), EmulateConfig()
-        em.check_known(("time_scale", "forward_seconds", "backward_seconds", "network", "model_args"))
-        emulate = EmulateConfig(
-            time_scale=em.number("time_scale", d.time_scale, minimum=1e-9),
-            forward_seconds=em.number("forward_seconds", d.forward_seconds, maximum=3600.0),
-            backward_seconds=em.number("backward_seconds", d.backward_seconds, maximum=3600.0),
-            network=_parse_network(em),
-            model_args=em.mapping("model_args"),
-        )
-    return ClusterConfig(nodes=tuple(nodes), emulate=emulate)
 
 
 def _parse_model(m: Section) -> ModelConfig:
@@ -514,7 +427,7 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfi
         output=OutputConfig(dir=out.text("dir", do.dir), trace=out.flag("trace", do.trace),
                             max_shard_bytes=out.integer("max_shard_bytes", do.max_shard_bytes, minimum=1 << 10)),
         eval=_parse_eval(top.get("eval")),
-        cluster=_parse_cluster(top.get("cluster")),
+        cluster=parse_cluster(top.get("cluster"), max_gpus=MAX_VIRTUAL_WORKERS * MAX_STAGES),
         security=_parse_security(top.get("security")),
         base_dir=top.text("base_dir", ".") if base_dir is None else base_dir,
     )

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from coordinator.planner.allocation import allocate
 from coordinator.planner.cluster import Gpu
 from hetpipe.catalog import CATALOG, GiB
-from hetpipe.config import ClusterConfig, ConfigError, load_job
+from hetpipe.cluster import ClusterConfig
+from hetpipe.config import ConfigError, load_job
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "paper-cluster.yaml"
 LETTER = {"titan-v": "V", "titan-rtx": "R", "rtx-2060": "G", "quadro-p4000": "Q"}

@@ -14,13 +14,11 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetpipe.cluster import EmulateConfig, GpuGroup, NodeConfig
 from hetpipe.config import (
     ConfigError,
     DataConfig,
-    EmulateConfig,
-    GpuGroup,
     JobConfig,
-    NodeConfig,
     OptimizerConfig,
     OutputConfig,
     ParallelConfig,

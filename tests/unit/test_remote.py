@@ -13,7 +13,8 @@ import pytest
 from coordinator import remote
 from coordinator.planner import make_plan
 from coordinator.registry import Registry
-from hetpipe.config import ConfigError, EmulateConfig, GpuGroup, NodeConfig
+from hetpipe.cluster import EmulateConfig, GpuGroup, NodeConfig
+from hetpipe.config import ConfigError
 from hetpipe.v1 import coordinator_pb2
 from launch.remote import MAX_NAME_CHARS, output_path, receive
 
