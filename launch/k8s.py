@@ -33,11 +33,12 @@ import yaml
 
 from hetpipe.config import ConfigError, JobConfig
 from coordinator.planner import Plan
-from launch.compose import (COORDINATOR_PORT, CPU_IMAGE, GPU_IMAGE, JOB_MOUNT, METRICS_PORT,
+from launch.compose import (COORDINATOR_PORT, CPU_IMAGE, GPU_IMAGE, JOB_MOUNT,
                             RUNS, WORKER_PORT, ShardService, StageService, job_file_mounts, shard_services,
                             stage_services)
+from launch import k8s_pod
+from launch.k8s_pod import TLS_SECRET, TOKEN_FILE, TOKEN_SECRET, Manifest
 
-Manifest = dict[str, Any]
 
 # What NVIDIA GPU feature discovery (the GPU operator's) writes into a node's nvidia.com/gpu.product
 # label: the device name the driver reports, spaces as dashes. Each catalog type lists the boards
@@ -63,21 +64,14 @@ GPU_PRODUCTS: dict[str, tuple[str, ...]] = {
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GPU_RESOURCE = "nvidia.com/gpu"
 
-# Every service also serves grpc.health.v1 alone, in plaintext, on HEALTH_PORT: the kubelet's
-# gRPC probes cannot present a client certificate or a token.
-HEALTH_PORT = 50052
 SHARDS = "ps"                 # the StatefulSet and its headless Service: pods ps-N answer as ps-N.ps
 JOB_CONFIGMAP = "hetpipe-job"
 RUNS_CLAIM = "hetpipe-runs"
 RUNS_SIZE = "10Gi"
 CHECKPOINT_SIZE = "10Gi"      # one shard's parameters, with their checkpoint and push log
 CHECKPOINT_MOUNT = "/var/lib/hetpipe"
-TLS_SECRET, TOKEN_SECRET = "hetpipe-tls", "hetpipe-token"
-TLS_DIR, TOKEN_DIR = "/var/run/secrets/hetpipe/tls", "/var/run/secrets/hetpipe/token"
 # Secret key -> the file of `hetpipe certs DIR` it holds: one certificate for the whole cluster.
 TLS_FILES = {"ca.pem": "ca.pem", "tls.pem": "cluster.pem", "tls.key": "cluster.key"}
-TOKEN_FILE = "token"
-UID = 10001                   # the image's user (docker/Dockerfile)
 # The coordinator waits this long for the planned workers: a node's first pull of the CUDA image
 # (several GB) and waiting for a free GPU both come before a stage can register.
 CLAIM_TIMEOUT_S = 1800
@@ -142,122 +136,6 @@ def _shared_runs(job: JobConfig) -> bool:
     return bool(job.train.checkpoint_every) or job.output.trace
 
 
-# ---- pieces of a pod ------------------------------------------------------------------------------
-
-
-def _security_flags() -> list[str]:
-    return ["--health-port", str(HEALTH_PORT),
-            "--tls-cert", f"{TLS_DIR}/tls.pem", "--tls-key", f"{TLS_DIR}/tls.key", "--tls-ca", f"{TLS_DIR}/ca.pem",
-            "--token-file", f"{TOKEN_DIR}/{TOKEN_FILE}"]
-
-
-def _container(name: str, image: str, module: str, args: list[str], *, grpc_port: int,
-               mounts: list[Manifest], env: list[Manifest] | None = None) -> Manifest:
-    grpc_probe = {"port": HEALTH_PORT}
-    return {
-        "name": name,
-        "image": image,
-        "command": ["python", "-m", module],
-        "args": [*args, *_security_flags()],
-        "env": [
-            {"name": "HETPIPE_HOST", "value": "0.0.0.0"},
-            {"name": "HETPIPE_PORT", "value": str(grpc_port)},
-            {"name": "HETPIPE_METRICS_PORT", "value": str(METRICS_PORT)},
-            {"name": "HETPIPE_OUTPUT_ROOT", "value": RUNS},  # where assigned traces and checkpoints may go
-            # The root filesystem is read-only: caches (CUDA's, torch's) go to the /tmp volume.
-            {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
-            *(env or []),
-        ],
-        "ports": [{"name": "grpc", "containerPort": grpc_port},
-                  {"name": "metrics", "containerPort": METRICS_PORT},
-                  {"name": "health", "containerPort": HEALTH_PORT}],
-        # Stage workers import torch before they serve: up to 5 minutes to start.
-        "startupProbe": {"grpc": dict(grpc_probe), "periodSeconds": 5, "failureThreshold": 60},
-        "readinessProbe": {"grpc": dict(grpc_probe), "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"grpc": dict(grpc_probe), "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3},
-        "volumeMounts": [
-            *mounts,
-            {"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
-            {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": UID,
-            "runAsGroup": UID,
-            "readOnlyRootFilesystem": True,
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-        },
-    }
-
-
-def _pod_spec(container: Manifest, volumes: list[Manifest], **extra: Any) -> Manifest:
-    return {
-        "automountServiceAccountToken": False,  # no process talks to the Kubernetes API
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": UID,
-            "runAsGroup": UID,
-            "fsGroup": UID,  # volumes and secrets readable (and the volumes writable) by the image's user
-            "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        **extra,
-        "containers": [container],
-        "volumes": [
-            *volumes,
-            # 0440 with fsGroup: the key is readable by the image's user and no one else.
-            {"name": "tls", "secret": {"secretName": TLS_SECRET, "defaultMode": 0o440}},
-            {"name": "token", "secret": {"secretName": TOKEN_SECRET, "defaultMode": 0o440}},
-            {"name": "tmp", "emptyDir": {}},
-        ],
-    }
-
-
-def _template(labels: dict[str, str], spec: Manifest) -> Manifest:
-    return {
-        "metadata": {
-            "labels": labels,
-            # For a Prometheus that discovers pods by annotation rather than by podmonitor.yaml.
-            "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT)},
-        },
-        "spec": spec,
-    }
-
-
-def _deployment(name: str, labels: dict[str, str], selector: dict[str, str], pod: Manifest) -> Manifest:
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "replicas": 1,
-            # Never two at once: a second coordinator would submit the job again, a second stage
-            # would register for the same stage (and wait for the first one's GPU).
-            "strategy": {"type": "Recreate"},
-            "selector": {"matchLabels": selector},
-            "template": _template(labels, pod),
-        },
-    }
-
-
-def _service(name: str, labels: dict[str, str], selector: dict[str, str], grpc_port: int, *,
-             headless: bool) -> Manifest:
-    spec: Manifest = {
-        "selector": selector,
-        "ports": [{"name": "grpc", "port": grpc_port, "targetPort": "grpc"},
-                  {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}],
-    }
-    if headless:
-        # The name resolves to the pod itself as soon as it exists: a worker advertises it when it
-        # registers, which may be before its readiness probe has passed.
-        spec = {"clusterIP": "None", "publishNotReadyAddresses": True, **spec}
-    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels}, "spec": spec}
-
-
 # ---- the objects ------------------------------------------------------------------------------------
 
 
@@ -292,14 +170,14 @@ def _coordinator(job: JobConfig, image: str, common: dict[str, str], file_mounts
     selector = {**common, COMPONENT: "coordinator"}
     args = ["--port", str(COORDINATOR_PORT), "--job", JOB_MOUNT, "--output-dir", output_dir(job),
             "--claim-timeout", str(CLAIM_TIMEOUT_S)]
-    container = _container("coordinator", image, "coordinator", args, grpc_port=COORDINATOR_PORT,
+    container = k8s_pod.container("coordinator", image, "coordinator", args, grpc_port=COORDINATOR_PORT,
                            mounts=[{"name": "runs", "mountPath": RUNS},
                                    {"name": "job", "mountPath": JOB_MOUNT, "subPath": "job.yaml", "readOnly": True},
                                    *file_mounts])
-    pod = _pod_spec(container, [{"name": "job", "configMap": {"name": JOB_CONFIGMAP}},
+    pod = k8s_pod.pod_spec(container, [{"name": "job", "configMap": {"name": JOB_CONFIGMAP}},
                                 {"name": "runs", "persistentVolumeClaim": {"claimName": RUNS_CLAIM}}])
-    return [_service("coordinator", labels, selector, COORDINATOR_PORT, headless=False),
-            _deployment("coordinator", labels, selector, pod)]
+    return [k8s_pod.service("coordinator", labels, selector, COORDINATOR_PORT, headless=False),
+            k8s_pod.deployment("coordinator", labels, selector, pod)]
 
 
 def _runs_claim(common: dict[str, str], shared: bool) -> Manifest:
@@ -321,7 +199,7 @@ def _shards(shards: list[ShardService], image: str, common: dict[str, str]) -> l
             "--node", "$(NODE_NAME)", "--checkpoint-dir", f"{CHECKPOINT_MOUNT}/shard"]
     env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
-    container = _container("ps-server", image, "ps_server", args, grpc_port=WORKER_PORT, env=env,
+    container = k8s_pod.container("ps-server", image, "ps_server", args, grpc_port=WORKER_PORT, env=env,
                            mounts=[{"name": "checkpoint", "mountPath": CHECKPOINT_MOUNT}])
     statefulset = {
         "apiVersion": "apps/v1",
@@ -335,14 +213,14 @@ def _shards(shards: list[ShardService], image: str, common: dict[str, str]) -> l
             # A restarted shard restores its checkpoint and push log from its volume; deleting the
             # cluster deletes them, so that the next one does not restore this run's state.
             "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Delete"},
-            "template": _template(labels, _pod_spec(container, [])),
+            "template": k8s_pod.template(labels, k8s_pod.pod_spec(container, [])),
             "volumeClaimTemplates": [{
                 "metadata": {"name": "checkpoint", "labels": selector},
                 "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": CHECKPOINT_SIZE}}},
             }],
         },
     }
-    return [_service(SHARDS, labels, selector, WORKER_PORT, headless=True), statefulset]
+    return [k8s_pod.service(SHARDS, labels, selector, WORKER_PORT, headless=True), statefulset]
 
 
 def _stage(s: StageService, image: str, common: dict[str, str], file_mounts: list[Manifest], *,
@@ -355,7 +233,7 @@ def _stage(s: StageService, image: str, common: dict[str, str], file_mounts: lis
     args = ["--coordinator", f"coordinator:{COORDINATOR_PORT}", "--advertise", f"{s.name}:{WORKER_PORT}",
             "--node", s.node, *(["--gpu-type", s.gpu] if s.gpu else [])]
     mounts = [*([{"name": "runs", "mountPath": RUNS}] if shared else []), *file_mounts]
-    container = _container("stage-worker", image, "stage_worker", args, grpc_port=WORKER_PORT, mounts=mounts)
+    container = k8s_pod.container("stage-worker", image, "stage_worker", args, grpc_port=WORKER_PORT, mounts=mounts)
     volumes = [*([{"name": "job", "configMap": {"name": JOB_CONFIGMAP}}] if file_mounts else []),
                *([{"name": "runs", "persistentVolumeClaim": {"claimName": RUNS_CLAIM}}] if shared else [])]
     extra: Manifest = {}
@@ -379,8 +257,8 @@ def _stage(s: StageService, image: str, common: dict[str, str], file_mounts: lis
         }
         # GPU nodes are often tainted so that only pods that ask for a GPU land there.
         extra["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-    pod = _pod_spec(container, volumes, **extra)
-    return [_service(s.name, labels, selector, WORKER_PORT, headless=True), _deployment(s.name, labels, selector, pod)]
+    pod = k8s_pod.pod_spec(container, volumes, **extra)
+    return [k8s_pod.service(s.name, labels, selector, WORKER_PORT, headless=True), k8s_pod.deployment(s.name, labels, selector, pod)]
 
 
 def _podmonitor(common: dict[str, str]) -> Manifest:

@@ -22,7 +22,7 @@ import yaml
 from coordinator.planner import make_plan
 from hetpipe import catalog
 from hetpipe.config import ConfigError, JobConfig, load_job
-from launch import cli, compose, k8s
+from launch import cli, compose, k8s, k8s_pod
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "compose-cluster.yaml"
@@ -244,7 +244,7 @@ def test_every_advertised_address_is_a_service_and_a_certificate_name() -> None:
 def test_secrets_are_mounted_and_their_flags_passed(certs: Path, tmp_path: Path) -> None:
     _, _, files = _render(EXAMPLE, certs=certs)
     secrets = _objects(files, "Secret")
-    assert set(secrets) == {k8s.TLS_SECRET, k8s.TOKEN_SECRET}
+    assert set(secrets) == {k8s_pod.TLS_SECRET, k8s_pod.TOKEN_SECRET}
     assert secrets["hetpipe-tls"]["stringData"] == {"ca.pem": (certs / "ca.pem").read_text(),
                                                     "tls.pem": (certs / "cluster.pem").read_text(),
                                                     "tls.key": (certs / "cluster.key").read_text()}
@@ -261,7 +261,7 @@ def test_secrets_are_mounted_and_their_flags_passed(certs: Path, tmp_path: Path)
             secret = volumes[mount["name"]]["secret"]
             assert key in secrets[secret["secretName"]]["stringData"], (workload, flag)
             assert secret["defaultMode"] == 0o440  # with fsGroup: the image's user, no one else
-        assert pod["spec"]["securityContext"]["fsGroup"] == k8s.UID
+        assert pod["spec"]["securityContext"]["fsGroup"] == k8s_pod.UID
 
     out = tmp_path / "out"
     k8s.write(k8s.render(load_job(EXAMPLE), make_plan(load_job(EXAMPLE)), job_file=EXAMPLE, certs=certs), out)
@@ -278,18 +278,18 @@ def test_probes_metrics_and_security_context() -> None:
     """gRPC probes on the plaintext health port the process is told to serve, metrics announced
     and collected by the PodMonitor, and a locked-down container as the image's user."""
     uid = int(re.search(r"useradd .*--uid (\d+)", (ROOT / "docker" / "Dockerfile").read_text()).group(1))  # type: ignore[union-attr]
-    assert uid == k8s.UID
+    assert uid == k8s_pod.UID
     _, _, files = _render(EXAMPLE)
     (monitor,) = files["podmonitor.yaml"]
     selector = monitor["spec"]["selector"]["matchLabels"]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     for workload, pod in _pods(files).items():
         (container,) = pod["spec"]["containers"]
-        assert _flags(container)["--health-port"] == str(k8s.HEALTH_PORT)
+        assert _flags(container)["--health-port"] == str(k8s_pod.HEALTH_PORT)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": k8s.HEALTH_PORT}, (workload, probe)
+            assert container[probe]["grpc"] == {"port": k8s_pod.HEALTH_PORT}, (workload, probe)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports["health"] == k8s.HEALTH_PORT and ports[endpoint["port"]] == compose.METRICS_PORT
+        assert ports["health"] == k8s_pod.HEALTH_PORT and ports[endpoint["port"]] == compose.METRICS_PORT
         assert pod["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "9100"}
         assert selector.items() <= pod["metadata"]["labels"].items()
         assert pod["metadata"]["labels"]["hetpipe.io/role"] in ("coordinator", "ps_shard", "stage_worker")
