@@ -60,8 +60,9 @@ def file_names(count: int) -> list[str]:
 
 def write_atomically(path: str | Path, write: Callable[[Path], object], *, durable: bool = False) -> None:
     """write(tmp) then rename it onto path, so that a kill during the write leaves the old file or
-    none, never half of one; durable: also on disk before this returns (fsync), to outlive a
-    power cut. A write that fails leaves no temporary file."""
+    none, never half of one; durable: also on disk before this returns (the file's fsync, then its
+    folder's, which holds the rename), to outlive a power cut. A write that fails leaves no
+    temporary file."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -73,6 +74,17 @@ def write_atomically(path: str | Path, write: Callable[[Path], object], *, durab
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
+    if durable:
+        fsync_folder(path.parent)
+
+
+def fsync_folder(folder: str | Path) -> None:
+    """Puts the folder's entries (a file created, renamed or removed in it) on disk."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_atomically(obj: Any, path: str | Path, *, durable: bool = False) -> None:

@@ -57,7 +57,9 @@ def torch_dtype(code: int) -> torch.dtype:
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown dtype code {code}") from None
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes as they go on the wire (little-endian, C order), without a copy where it
+    is a contiguous CPU tensor."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().data
 
@@ -96,7 +98,7 @@ def _pieces(tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> It
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     for _, tensor in tensors:
-        raw = _raw_bytes(tensor)
+        raw = raw_bytes(tensor)
         for start in range(0, len(raw), chunk_bytes):
             yield raw[start : start + chunk_bytes]
 
@@ -167,7 +169,7 @@ def encode(
         return
     if ring is not None:
         try:
-            first.shm.CopyFrom(ring.write([_raw_bytes(t) for _, t in tensors]))
+            first.shm.CopyFrom(ring.write([raw_bytes(t) for _, t in tensors]))
         except OSError as exc:  # /dev/shm is full: this bundle goes in frames
             _warn_once(f"shared memory unavailable ({exc.strerror}); sending in gRPC frames")
         else:

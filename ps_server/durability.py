@@ -3,8 +3,10 @@ acknowledged since."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,13 +14,23 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from hetpipe.outputs import save_atomically, write_atomically
+from hetpipe.outputs import fsync_folder, save_atomically, write_atomically
+from hetpipe.wire import raw_bytes
 from ps_server.shard import Shard, ShardError
 
 log = logging.getLogger(__name__)
 LOG_SUFFIX = ".safetensors"
+# An entry's file goes from pending (being written: never replayed) to written (whole in the page
+# cache: replayed unless the machine restarted since) to its bare number (on disk).
+PENDING_SUFFIX = ".pending"
+WRITTEN_SUFFIX = ".written"
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")   # Linux: new at every boot
+SPARE_PREFIX = "spare-"       # a file a checkpoint freed, to be written over by a later entry
+# safetensors' names for the dtypes a shard holds (its format's header, written by _write_entry).
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,26 +42,31 @@ class Snapshot:
 
 
 def _seq_of(entry: Path) -> int:
-    return int(entry.name.removesuffix(LOG_SUFFIX))
+    return int(entry.name.split(".")[0])
 
 
 class Durability:
-    """Writes each push to the log before it is acknowledged, so a kill -9 loses nothing acked.
+    """Writes each push to the log before it is acknowledged, so that no acknowledged push is lost.
 
     A checkpoint (every `every_clocks` of c_global, on Init and on SIGTERM) captures the whole
-    shard and lets the log entries it covers be deleted. Restore = checkpoint + log replay;
-    replaying a push the checkpoint already holds is a duplicate and a no-op by the clock rule.
-    The checkpoint is loaded with torch.load(weights_only=True); log entries are safetensors files.
+    shard and frees the log entries it covers. Restore = checkpoint + log replay; replaying a push
+    the checkpoint already holds is a duplicate and a no-op by the clock rule. The checkpoint is
+    loaded with torch.load(weights_only=True); log entries are safetensors files.
 
-    Under WSP a push may be logged outside the shard's lock (its sum commutes with the others'):
-    such an entry is unsettled until settle() says whether it was applied, and a checkpoint
-    covers (and deletes) only the entries below the first unsettled one. Replayed, an entry whose
-    push was never acknowledged is applied, and its retry is then a duplicate: still exactly once.
+    An entry is written under a pending name, renamed "written" once whole, and renamed to its
+    bare number once fsynced (the folder fsynced too): restore replays numbered entries, and
+    written ones while the machine has not restarted since they were written (the page cache
+    still holds them whole); a pending one never. Under WSP a push is logged before the shard's
+    lock and applied before its entry is on disk (sync(), before the acknowledgement), so the disk
+    is off the path from a push to the pulls it releases: a kill -9 loses nothing, and a power
+    cut loses only entries whose push was never acknowledged, which their retries bring back.
+    Such an entry is unsettled until settle() says whether it was applied, and a checkpoint
+    covers only the entries below the first unsettled one.
 
-    Such an entry also reaches the disk after it is applied (sync(), before the acknowledgement):
-    the fsync is then off the path from a push to the pulls waiting on it. A kill -9 loses
-    nothing (the page cache outlives the process); a power cut may lose an entry a pull has seen,
-    but never one acknowledged, and its push is retried, so the sum is whole again.
+    Entries a checkpoint covered are written over, not deleted and made anew: on a disk, a file
+    made for every push (its blocks allocated, its pages new) and deleted after cost a shard about
+    twice the CPU of rewriting a kept one. The log's files never outnumber its entries at their
+    most; restore and close() delete the spares.
     """
 
     def __init__(self, directory: str, every_clocks: int = 1) -> None:
@@ -61,10 +78,14 @@ class Durability:
         self._checkpointed_clock = 0
         self._lock = threading.Lock()      # _seq, _unsettled and _unsynced, which pushes logging outside the shard lock share
         self._unsettled: set[int] = set()
-        self._unsynced: set[int] = set()   # entries written but not yet on disk (log_push, before sync)
+        self._unsynced: set[int] = set()   # entries not yet on disk (before sync)
+        self._spares: list[Path] = []      # files a checkpoint freed, for _entry to write over
         self._captured = 0                 # checkpoints captured; the number of the last one written:
         self._written = 0
         self._write_lock = threading.Lock()
+        # Read before this start's boot id replaces it: written entries outlive a process, not a machine.
+        self._machine_restarted = not _same_boot(self.boot_path)
+        write_atomically(self.boot_path, lambda tmp: tmp.write_text(_boot_id()), durable=True)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -73,12 +94,33 @@ class Durability:
     def entry_path(self, seq: int) -> Path:
         return self.log_dir / f"{seq:012d}{LOG_SUFFIX}"
 
+    def pending_path(self, seq: int) -> Path:
+        return self.log_dir / f"{seq:012d}{LOG_SUFFIX}{PENDING_SUFFIX}"
+
+    def written_path(self, seq: int) -> Path:
+        return self.log_dir / f"{seq:012d}{LOG_SUFFIX}{WRITTEN_SUFFIX}"
+
+    @property
+    def boot_path(self) -> Path:
+        return self.dir / "boot_id"
+
     def entries(self) -> list[Path]:
         """The log's entries, oldest first."""
         return sorted(self.log_dir.glob(f"*{LOG_SUFFIX}"))
 
     def restore(self, shard: Shard) -> int:
-        """Loads the checkpoint and replays the log into shard; returns pushes replayed."""
+        """Loads the checkpoint and replays the log into shard; returns pushes replayed. Pending
+        entries, spares, and written entries a restart of the machine may have torn are deleted
+        (none was acknowledged)."""
+        written = sorted(self.log_dir.glob(f"*{WRITTEN_SUFFIX}"))
+        if self._machine_restarted:
+            for entry in written:
+                log.warning("push log entry %s not replayed: the machine restarted before it was on disk", entry.name)
+            written = []
+        for left in self.log_dir.iterdir():
+            if left.name.endswith(PENDING_SUFFIX) or left.name.startswith(SPARE_PREFIX) or (
+                    left.name.endswith(WRITTEN_SUFFIX) and left not in written):
+                left.unlink()
         covered = 0
         if self.checkpoint_path.exists():
             snap = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
@@ -86,7 +128,7 @@ class Durability:
             covered = int(snap["log_seq"])
             self._checkpointed_clock = shard.c_global() if shard.ready else 0
         replayed = 0
-        for entry in self.entries():
+        for entry in sorted([*self.entries(), *written], key=_seq_of):
             seq = _seq_of(entry)
             self._seq = max(self._seq, seq)
             if seq <= covered:
@@ -96,7 +138,7 @@ class Durability:
                     meta = f.metadata()
                     tensors = [(key, f.get_tensor(key)) for key in f.keys()]
             except (OSError, SafetensorError) as exc:
-                # Cut short by a power cut before sync(): its push was never acknowledged.
+                # Damaged on the disk: nothing of ours leaves a numbered entry unfinished.
                 log.warning("push log entry %s unreadable, not replayed: %s", entry.name, exc)
                 continue
             vw, clock = int(meta["vw"]), int(meta["clock"])
@@ -119,15 +161,19 @@ class Durability:
             self._seq += 1
             seq = self._seq
             self._unsettled.add(seq)
-            if not durable:
-                self._unsynced.add(seq)
-        metadata = {"kind": kind, "vw": str(vw), "clock": str(clock)}
+            self._unsynced.add(seq)
+            spare = self._spares.pop() if self._spares else None
+        pending = self.pending_path(seq)
         try:
-            # safetensors: raw bytes and a small header, about 1.5x faster to write than torch.save's
-            # zip of pickles (which was a third of a shard's time under two pushing VWs), and no
-            # pickle to read back.
-            write_atomically(self.entry_path(seq), lambda tmp: save_file(dict(tensors), tmp, metadata=metadata),
-                             durable=durable)
+            if spare is not None:
+                try:
+                    os.replace(spare, pending)
+                except FileNotFoundError:   # deleted by another restore of this folder: a new file
+                    pass
+            _write_entry(pending, tensors, {"kind": kind, "vw": str(vw), "clock": str(clock)})
+            os.replace(pending, self.written_path(seq))
+            if durable:
+                self.sync(seq)
         except BaseException:
             self.settle(seq, applied=False)
             raise
@@ -139,41 +185,59 @@ class Durability:
         return self._entry("push", vw, clock, deltas, durable=False)
 
     def sync(self, seq: int | None = None) -> None:
-        """Puts entry seq on disk; None: every entry not yet there (a duplicate's acknowledgement
-        must not overtake its original's). An entry a checkpoint removed is on disk in it. An
-        fsync that fails raises and leaves the entry pending, so the push's retry tries again."""
+        """Puts entry seq on disk under its number; None: every entry not yet there (a duplicate's
+        acknowledgement must not overtake its original's). An fsync that fails raises and leaves
+        the entry written, so the push's retry tries again."""
         with self._lock:
             pending = sorted(self._unsynced) if seq is None else [seq] if seq in self._unsynced else []
         for entry in pending:
             try:
-                fd = os.open(self.entry_path(entry), os.O_RDONLY)
-            except FileNotFoundError:
-                pass
-            else:
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            with self._lock:
-                self._unsynced.discard(entry)
+                fd = os.open(self.written_path(entry), os.O_RDONLY)
+            except FileNotFoundError:   # refused meanwhile (settle): nothing to keep
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            with self._lock:   # settle() may have refused it meanwhile: then it is a spare
+                if entry in self._unsynced:
+                    os.replace(self.written_path(entry), self.entry_path(entry))
+                    self._unsynced.discard(entry)
+        # Even with nothing of its own: another call's rename may not be on disk yet.
+        fsync_folder(self.log_dir)
 
     def journal_push(self, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> None:
-        """Logs a push that the caller, holding the shard's lock, applies right after (Shard.push's journal)."""
-        self.settle(self.log_push(vw, clock, deltas), applied=True)
+        """Logs a push, on disk, that the caller, holding the shard's lock, applies right after
+        (Shard.push's journal)."""
+        self.settle(self._entry("push", vw, clock, deltas), applied=True)
 
     def journal_exchange(self, vw: int, clock: int, replica: list[tuple[str, torch.Tensor]]) -> None:
         """Logs an elastic exchange, as journal_push."""
         self.settle(self._entry("exchange", vw, clock, replica), applied=True)
 
     def settle(self, seq: int, *, applied: bool) -> None:
-        """Entry seq's update was applied, or not (refused, or a duplicate): then it is removed,
-        so that no restore applies it."""
-        if not applied:
-            self.entry_path(seq).unlink(missing_ok=True)
+        """Entry seq's update was applied, or not (refused, or a duplicate): then its file is a
+        spare, so that no restore applies it."""
         with self._lock:
             self._unsettled.discard(seq)
             if not applied:
                 self._unsynced.discard(seq)
+                for path in (self.pending_path(seq), self.written_path(seq), self.entry_path(seq)):
+                    if path.exists():
+                        self._spare(path)
+
+    def close(self) -> None:
+        """Deletes the spares (after the last checkpoint: a finished job's folder keeps no log)."""
+        with self._lock:
+            spares, self._spares = self._spares, []
+        for path in spares:
+            path.unlink(missing_ok=True)
+
+    def _spare(self, path: Path) -> None:
+        """path's entry is no longer needed: its file waits to be written over (caller holds _lock)."""
+        spare = self.log_dir / f"{SPARE_PREFIX}{path.name.split('.')[0]}"   # matches no entry's glob
+        os.replace(path, spare)
+        self._spares.append(spare)
 
     def capture(self, shard: Shard) -> Snapshot | None:
         """The checkpoint of shard as it is now (the caller holds the shard's lock), for write()."""
@@ -187,16 +251,17 @@ class Durability:
         return Snapshot({**shard.snapshot(), "log_seq": covered}, covered, number)
 
     def write(self, snapshot: Snapshot) -> None:
-        """Puts a captured checkpoint on disk and deletes the log entries it covers; the shard's
+        """Puts a captured checkpoint on disk and frees the log entries it covers; the shard's
         lock need not be held, so pushes go on meanwhile. One captured later wins."""
         with self._write_lock:
             if snapshot.number < self._written:
                 return
             save_atomically(snapshot.state, self.checkpoint_path, durable=True)
             self._written = snapshot.number
-            for entry in self.entries():
-                if _seq_of(entry) <= snapshot.covered:
-                    entry.unlink(missing_ok=True)
+            with self._lock:
+                for entry in self.entries():
+                    if _seq_of(entry) <= snapshot.covered:
+                        self._spare(entry)
 
     def checkpoint(self, shard: Shard) -> None:
         """capture() and write() at once."""
@@ -209,3 +274,47 @@ class Durability:
         if shard.c_global() - self._checkpointed_clock >= self.every_clocks:
             return self.capture(shard)
         return None
+
+
+def _boot_id() -> str:
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:   # not Linux: every start counts as a restart of the machine
+        return ""
+
+
+def _same_boot(recorded: Path) -> bool:
+    """Whether the machine has not restarted since recorded was written (by Durability())."""
+    try:
+        return bool(_boot_id()) and recorded.read_text() == _boot_id()
+    except FileNotFoundError:   # a first start: no written entry can exist
+        return False
+
+
+def _write_entry(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
+    """A safetensors file of tensors at path, written over what path holds (no new file where it
+    exists). The header is the format's own: 8 bytes of its length, then JSON padded to 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    views, offset = [], 0
+    for name, tensor in tensors:
+        if name in header:
+            raise ValueError(f"log entry: tensor {name!r} appears twice")
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"log entry: tensor {name!r} has dtype {tensor.dtype}, which the log does not hold")
+        view = raw_bytes(tensor)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + view.nbytes]}
+        views.append(view)
+        offset += view.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    position = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for chunk in (struct.pack("<Q", len(text)) + text, *views):
+            while chunk:   # one write moves at most about 2 GiB
+                written = os.pwrite(fd, chunk, position)
+                chunk, position = chunk[written:], position + written
+        os.ftruncate(fd, position)   # a spare may have been longer
+    finally:
+        os.close(fd)

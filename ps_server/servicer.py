@@ -86,9 +86,11 @@ class ShardServicer:
             self.trace.flush()
 
     def checkpoint(self) -> None:
+        """The last checkpoint, at shutdown: it covers the whole log, whose files are deleted."""
         if self.durability is not None:
             with self._cv:
                 self.durability.checkpoint(self.shard)
+                self.durability.close()
 
     def _check_init(self, stream: wire.Stream) -> None:
         if stream.header.WhichOneof("header") != "init":

@@ -236,8 +236,9 @@ def test_push_whose_log_write_fails_is_not_applied(ps: InProcess, tmp_path: Path
 def test_push_is_acknowledged_once_its_log_entry_is_on_disk(ps: InProcess, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Under WSP a push's log entry is fsynced after the push is applied (off the path to the pulls
-    it releases) and before it is acknowledged. An fsync that fails leaves it applied but not
-    acknowledged; its retry, a duplicate, is acknowledged once the original's entry is on disk."""
+    it releases) and before it is acknowledged, then renamed to its number and its folder fsynced.
+    An fsync that fails leaves it applied but not acknowledged; its retry, a duplicate, is
+    acknowledged once the original's entry is on disk."""
     c, durability = ps.client, ps.servicer.durability
     assert durability is not None
     durability.every_clocks = 10**6  # no checkpoint: it would cover the entry (and fsync itself)
@@ -253,13 +254,15 @@ def test_push_is_acknowledged_once_its_log_entry_is_on_disk(ps: InProcess, tmp_p
 
     monkeypatch.setattr(os, "fsync", fsync)
     refused(lambda: c.push(1, 1, delta(1, 1)), Code.UNAVAILABLE, r"Input/output error")
-    entry = durability.entries()[-1].name
+    (written,) = durability.log_dir.glob("*.written")
+    number = written.name.removesuffix(".written")
     assert c.status().c_global == 2, "applied before its fsync, so pulls need not wait for the disk"
     assert not synced
     assert c.push(1, 1, delta(1, 1)).duplicate
-    assert synced == [entry], "a duplicate was acknowledged before its original's entry was on disk"
+    assert synced == [written.name, "log"], "a duplicate was acknowledged before its original's entry was on disk"
+    assert durability.entries()[-1].name == number and not written.exists()
     assert not c.push(0, 2, delta(0, 2)).duplicate
-    assert synced[1:] == [durability.entries()[-1].name]
+    assert synced[2:] == [durability.entries()[-1].name + ".written", "log"]
     restored = Shard()
     Durability(str(tmp_path / "ckpt")).restore(restored)
     assert restored.digest() == ps.servicer.shard.digest()

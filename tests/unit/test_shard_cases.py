@@ -1,6 +1,7 @@
 """The shard's WSP clock logic (DESIGN §3 G1, G2, G4; O3) on hand-written cases: Init's idempotence
 and conflicts, c_global and the clock distance over keys and VWs, all-or-nothing pushes, the
-clock messages, and a restore after a crash between a checkpoint and its log clean-up.
+clock messages, and a restore after a crash between a checkpoint and its log clean-up. The push
+log's own cases are in test_push_log.py.
 
 The same rules against a reference model, on random interleavings, are in test_shard_property.py.
 """
@@ -218,17 +219,18 @@ def test_a_push_logged_outside_the_lock_survives_a_checkpoint_taken_before_it_is
     dur.journal_push(1, 0, [ones("b", shard)])
     assert shard.push(1, 0, [ones("b", shard)])
     dur.checkpoint(shard)                                       # another push's checkpoint
-    assert dur.entry_path(pending).exists(), "the checkpoint deleted an unapplied push's entry"
+    assert dur.written_path(pending).exists(), "the checkpoint freed an unapplied push's entry"
     assert shard.push(0, 0, [ones("a", shard)])
     dur.settle(pending, applied=True)
     refused = dur.log_push(0, 5, [ones("a", shard)])            # a clock the shard refuses
     dur.settle(refused, applied=False)
-    assert not dur.entry_path(refused).exists()
+    assert not any(path(refused).exists() for path in (dur.pending_path, dur.written_path, dur.entry_path))
     again = Shard()
     Durability(str(tmp_path)).restore(again)                    # a kill -9 now
     assert again.digest() == shard.digest() and again.pushes_applied == shard.pushes_applied == 2
-    dur.checkpoint(shard)                                       # settled: now covered and removed
-    assert not list(dur.entries())
+    dur.sync()
+    dur.checkpoint(shard)                                       # settled and on disk: now covered and freed
+    assert not list(dur.entries()) and not list(dur.log_dir.glob("*.written"))
 
 
 def test_a_checkpoint_written_late_never_overwrites_a_newer_one(tmp_path: Path) -> None:
@@ -253,22 +255,6 @@ def test_a_checkpoint_written_late_never_overwrites_a_newer_one(tmp_path: Path) 
     again = Shard()
     Durability(str(tmp_path)).restore(again)
     assert again.digest() == shard.digest() and again.pushes_applied == 4
-
-
-def test_a_log_entry_cut_short_before_its_fsync_is_not_replayed(tmp_path: Path) -> None:
-    """A power cut between a push's log write and its sync() can leave a torn entry: that push
-    was never acknowledged (its retry brings it back), so restore skips the entry and replays
-    the rest, which may be numbered after it."""
-    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
-    dur.checkpoint(shard)
-    torn = dur.log_push(0, 0, [ones("a", shard)])
-    dur.journal_push(1, 0, [ones("b", shard)])
-    assert shard.push(1, 0, [ones("b", shard)])
-    whole = dur.entry_path(torn).read_bytes()
-    dur.entry_path(torn).write_bytes(whole[: len(whole) // 2])
-    again = Shard()
-    assert Durability(str(tmp_path)).restore(again) == 1
-    assert again.digest() == shard.digest() and again.c_global() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

@@ -1,0 +1,160 @@
+"""The shard's push log (ps_server/durability.py): what restore replays after a kill -9 and after
+a restart of the machine, files written over once a checkpoint covers them, and the safetensors
+entries it writes itself."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from ps_server.durability import SAFETENSORS_DTYPES, Durability, _write_entry
+from ps_server.shard import Shard
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def two_key_shard(n: int = 2) -> Shard:
+    shard = Shard()
+    assert shard.init(n, [("a", torch.zeros(2, 3, dtype=torch.float64)), ("b", torch.ones(3, dtype=torch.float64))])
+    return shard
+
+
+def delta(key: str, shard: Shard, value: float = 1.0) -> tuple[str, torch.Tensor]:
+    return key, torch.full_like(shard.values[key], value)
+
+
+def push(shard: Shard, dur: Durability, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> None:
+    """The servicer's WSP path: logged, applied, settled, then on disk before the acknowledgement."""
+    seq = dur.log_push(vw, clock, deltas)
+    assert shard.push(vw, clock, deltas)
+    dur.settle(seq, applied=True)
+    dur.sync(seq)
+
+
+def files(dur: Durability) -> dict[str, int]:
+    return {p.name: p.stat().st_ino for p in dur.log_dir.iterdir()}
+
+
+def test_an_entry_not_yet_on_disk_is_replayed_after_a_kill_but_not_after_a_machine_restart(tmp_path: Path) -> None:
+    """A kill -9 leaves a written entry whole in the page cache: restore replays it. A power cut may
+    leave it torn (a spare's old pages mixed with new ones), so after a restart of the machine
+    restore skips it: its push was never acknowledged, and its retry brings it back. A write cut
+    short is never replayed, and an entry damaged on the disk is skipped, not fatal."""
+    shard, dur = two_key_shard(), Durability(str(tmp_path), every_clocks=100)
+    dur.checkpoint(shard)
+    unsynced = dur.log_push(0, 0, [delta("a", shard)])
+    assert shard.push(0, 0, [delta("a", shard)])
+    dur.settle(unsynced, applied=True)                         # applied; killed before sync()
+    push(shard, dur, 1, 0, [delta("b", shard)])
+    dur.pending_path(99).write_bytes(b"a write cut short")
+
+    killed = Shard()
+    assert Durability(str(tmp_path)).restore(killed) == 2
+    assert killed.digest() == shard.digest()
+    assert not dur.pending_path(99).exists()
+
+    dur.boot_path.write_text("a boot before this one\n")
+    rebooted = Shard()
+    assert Durability(str(tmp_path)).restore(rebooted) == 1
+    assert rebooted.clocks == {"a": [0, 0], "b": [0, 1]}, "vw 0's unacknowledged push was replayed after a power cut"
+    assert not dur.written_path(unsynced).exists()
+    assert rebooted.push(0, 0, [delta("a", shard)]), "its retry is applied"
+    assert rebooted.digest() == shard.digest()
+
+    (entry,) = dur.entries()
+    entry.write_bytes(entry.read_bytes()[:40])
+    damaged = Shard()
+    assert Durability(str(tmp_path)).restore(damaged) == 0
+    assert damaged.clocks == {"a": [0, 0], "b": [0, 0]}
+
+
+def test_entries_a_checkpoint_covered_are_written_over_then_deleted_at_close(tmp_path: Path) -> None:
+    """Once covered, an entry's file is a spare that a later entry is written into (same inode, no
+    new file), shorter or longer than before; restore reads them right; close() deletes spares."""
+    shard, dur = two_key_shard(), Durability(str(tmp_path), every_clocks=100)
+    dur.checkpoint(shard)
+    for vw in range(2):
+        push(shard, dur, vw, 0, [delta("a", shard), delta("b", shard)])
+    first = {name: ino for name, ino in files(dur).items() if name != "boot_id"}
+    assert len(first) == 2
+    dur.checkpoint(shard)
+    assert not dur.entries()
+    for vw in range(2):   # shorter entries (key b alone) into the longer files
+        push(shard, dur, vw, 1, [delta("b", shard, 2.0 + vw)])
+    second = files(dur)
+    assert sorted(second.values()) == sorted(first.values()), "new files were made instead of spares written over"
+    assert len(second) == 2
+    restored = Shard()
+    Durability(str(tmp_path)).restore(restored)
+    assert restored.digest() == shard.digest() and restored.pushes_applied == 4
+
+    dur.checkpoint(shard)
+    push(shard, dur, 0, 1, [delta("a", shard, 3.0)])   # longer than key b's entry, whose file it takes
+    again = Shard()
+    Durability(str(tmp_path)).restore(again)
+    assert again.digest() == shard.digest()
+
+    dur.checkpoint(shard)
+    dur.close()
+    assert not list(dur.log_dir.iterdir()), "a finished shard leaves log files behind"
+
+
+def test_an_entry_logged_under_the_lock_is_on_disk_before_it_is_applied(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quorum rounds and elastic exchanges journal under the shard's lock: on disk, numbered, and
+    the folder fsynced by the time journal_push or journal_exchange returns."""
+    shard, dur = two_key_shard(), Durability(str(tmp_path), every_clocks=100)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    dur.journal_push(0, 0, [delta("a", shard)])
+    dur.journal_exchange(1, 0, [delta("b", shard)])
+    assert [p.name for p in dur.entries()] == [dur.entry_path(1).name, dur.entry_path(2).name]
+    assert synced == [dur.written_path(1).name, "log", dur.written_path(2).name, "log"]
+
+
+def test_a_refused_push_frees_its_entry_for_the_next(tmp_path: Path) -> None:
+    shard, dur = two_key_shard(), Durability(str(tmp_path), every_clocks=100)
+    dur.checkpoint(shard)
+    refused = dur.log_push(0, 5, [delta("a", shard)])          # a clock the shard refuses
+    dur.settle(refused, applied=False)
+    (spare,) = dur.log_dir.glob("spare-*")
+    inode = spare.stat().st_ino
+    push(shard, dur, 0, 0, [delta("a", shard)])
+    assert [p.stat().st_ino for p in dur.entries()] == [inode]
+    restored = Shard()
+    assert Durability(str(tmp_path)).restore(restored) == 1
+    assert restored.digest() == shard.digest()
+
+
+@pytest.mark.parametrize("dtype", sorted(SAFETENSORS_DTYPES, key=str))
+def test_an_entry_is_a_safetensors_file_even_over_a_longer_one(tmp_path: Path, dtype: torch.dtype) -> None:
+    path = tmp_path / "entry"
+    path.write_bytes(os.urandom(4096))
+    source = torch.arange(-12, 12, dtype=torch.float64).reshape(2, 3, 4)
+    tensors = [("w", source.to(dtype)), ("scalar", torch.tensor(3).to(dtype)), ("empty", torch.zeros(0, 5, dtype=dtype)),
+               ("strided", source.to(dtype)[:, 1])]
+    _write_entry(path, tensors, {"kind": "push", "vw": "1"})
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata() == {"kind": "push", "vw": "1"}
+    loaded = load_file(path)
+    assert sorted(loaded) == sorted(name for name, _ in tensors)
+    for name, tensor in tensors:
+        assert loaded[name].dtype == dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_an_entry_refuses_what_safetensors_cannot_hold(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'w' appears twice"):
+        _write_entry(tmp_path / "e", [("w", torch.ones(2)), ("w", torch.ones(2))], {})
+    with pytest.raises(ValueError, match="complex64"):
+        _write_entry(tmp_path / "e", [("z", torch.ones(2, dtype=torch.complex64))], {})
