@@ -112,15 +112,18 @@ class Durability:
         """Loads the checkpoint and replays the log into shard; returns pushes replayed. Pending
         entries, spares, and written entries a restart of the machine may have torn are deleted
         (none was acknowledged)."""
-        written = sorted(self.log_dir.glob(f"*{WRITTEN_SUFFIX}"))
-        if self._machine_restarted:
-            for entry in written:
-                log.warning("push log entry %s not replayed: the machine restarted before it was on disk", entry.name)
-            written = []
         for left in self.log_dir.iterdir():
-            if left.name.endswith(PENDING_SUFFIX) or left.name.startswith(SPARE_PREFIX) or (
-                    left.name.endswith(WRITTEN_SUFFIX) and left not in written):
+            if left.name.endswith(PENDING_SUFFIX) or left.name.startswith(SPARE_PREFIX):
                 left.unlink()
+            elif left.name.endswith(WRITTEN_SUFFIX) and self._machine_restarted:
+                log.warning("push log entry %s not replayed: the machine restarted before it was on disk", left.name)
+                left.unlink()
+            elif left.name.endswith(WRITTEN_SUFFIX):
+                # Whole in the page cache: on disk now, as a numbered entry, so that the retry of
+                # its push, a duplicate, is acknowledged only once its entry is safe.
+                _fsync_file(left)
+                os.replace(left, self.entry_path(_seq_of(left)))
+        fsync_folder(self.log_dir)
         covered = 0
         if self.checkpoint_path.exists():
             snap = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
@@ -128,7 +131,7 @@ class Durability:
             covered = int(snap["log_seq"])
             self._checkpointed_clock = shard.c_global() if shard.ready else 0
         replayed = 0
-        for entry in sorted([*self.entries(), *written], key=_seq_of):
+        for entry in self.entries():
             seq = _seq_of(entry)
             self._seq = max(self._seq, seq)
             if seq <= covered:
@@ -192,13 +195,9 @@ class Durability:
             pending = sorted(self._unsynced) if seq is None else [seq] if seq in self._unsynced else []
         for entry in pending:
             try:
-                fd = os.open(self.written_path(entry), os.O_RDONLY)
-            except FileNotFoundError:   # refused meanwhile (settle): nothing to keep
+                _fsync_file(self.written_path(entry))
+            except FileNotFoundError:   # refused meanwhile (settle), or still being written (no duplicate waits on it)
                 continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
             with self._lock:   # settle() may have refused it meanwhile: then it is a spare
                 if entry in self._unsynced:
                     os.replace(self.written_path(entry), self.entry_path(entry))
@@ -274,6 +273,14 @@ class Durability:
         if shard.c_global() - self._checkpointed_clock >= self.every_clocks:
             return self.capture(shard)
         return None
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _boot_id() -> str:

@@ -41,10 +41,11 @@ def files(dur: Durability) -> dict[str, int]:
 
 
 def test_an_entry_not_yet_on_disk_is_replayed_after_a_kill_but_not_after_a_machine_restart(tmp_path: Path) -> None:
-    """A kill -9 leaves a written entry whole in the page cache: restore replays it. A power cut may
-    leave it torn (a spare's old pages mixed with new ones), so after a restart of the machine
-    restore skips it: its push was never acknowledged, and its retry brings it back. A write cut
-    short is never replayed, and an entry damaged on the disk is skipped, not fatal."""
+    """A kill -9 leaves a written entry whole in the page cache: restore replays it and puts it on
+    disk, so that its push's retry (a duplicate) is acknowledged safely. A power cut may leave it
+    torn (a spare's old pages mixed with new ones), so after a restart of the machine restore
+    skips it: its push was never acknowledged, and its retry brings it back. A write cut short is
+    never replayed, and an entry damaged on the disk is skipped, not fatal."""
     shard, dur = two_key_shard(), Durability(str(tmp_path), every_clocks=100)
     dur.checkpoint(shard)
     unsynced = dur.log_push(0, 0, [delta("a", shard)])
@@ -53,24 +54,28 @@ def test_an_entry_not_yet_on_disk_is_replayed_after_a_kill_but_not_after_a_machi
     push(shard, dur, 1, 0, [delta("b", shard)])
     dur.pending_path(99).write_bytes(b"a write cut short")
 
-    killed = Shard()
-    assert Durability(str(tmp_path)).restore(killed) == 2
+    killed, after_kill = Shard(), Durability(str(tmp_path))
+    assert after_kill.restore(killed) == 2
     assert killed.digest() == shard.digest()
     assert not dur.pending_path(99).exists()
+    assert dur.entry_path(unsynced).exists() and not dur.written_path(unsynced).exists(), "not put on disk"
 
-    dur.boot_path.write_text("a boot before this one\n")
+    unsynced = after_kill.log_push(0, 1, [delta("a", killed)])
+    assert killed.push(0, 1, [delta("a", killed)])
+    after_kill.settle(unsynced, applied=True)                  # applied; the machine lost power before sync()
+    after_kill.boot_path.write_text("a boot before this one\n")
     rebooted = Shard()
-    assert Durability(str(tmp_path)).restore(rebooted) == 1
-    assert rebooted.clocks == {"a": [0, 0], "b": [0, 1]}, "vw 0's unacknowledged push was replayed after a power cut"
+    assert Durability(str(tmp_path)).restore(rebooted) == 2
+    assert rebooted.clocks == {"a": [1, 0], "b": [0, 1]}, "vw 0's unacknowledged push was replayed after a power cut"
     assert not dur.written_path(unsynced).exists()
-    assert rebooted.push(0, 0, [delta("a", shard)]), "its retry is applied"
-    assert rebooted.digest() == shard.digest()
+    assert rebooted.push(0, 1, [delta("a", killed)]), "its retry is applied"
+    assert rebooted.digest() == killed.digest()
 
-    (entry,) = dur.entries()
+    entry = dur.entry_path(1)
     entry.write_bytes(entry.read_bytes()[:40])
     damaged = Shard()
-    assert Durability(str(tmp_path)).restore(damaged) == 0
-    assert damaged.clocks == {"a": [0, 0], "b": [0, 0]}
+    assert Durability(str(tmp_path)).restore(damaged) == 1
+    assert damaged.clocks == {"a": [0, 0], "b": [0, 1]}
 
 
 def test_entries_a_checkpoint_covered_are_written_over_then_deleted_at_close(tmp_path: Path) -> None:
