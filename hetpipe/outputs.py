@@ -68,19 +68,18 @@ def write_atomically(path: str | Path, write: Callable[[Path], object], *, durab
     try:
         write(tmp)
         if durable:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            fsync(tmp)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
     if durable:
-        fsync_folder(path.parent)
+        fsync(path.parent)
 
 
-def fsync_folder(folder: str | Path) -> None:
-    """Puts the folder's entries (a file created, renamed or removed in it) on disk."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+def fsync(path: str | Path) -> None:
+    """Puts a file's bytes on disk; of a folder, its entries (a file created, renamed or removed)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -193,6 +192,7 @@ class WeightsWriter:
         for i, name in enumerate(self.names):
             os.replace(self._tmp(i), self.out_dir / name)
             paths.append(self.out_dir / name)
+        fsync(self.out_dir)   # the renames, as the files' bytes above
         if len(self.names) > 1:
             index = {"metadata": {"total_size": sum(n for _, _, n in self._where.values())},
                      "weight_map": {k: self.names[f] for k, (f, _, _) in self._where.items()}}

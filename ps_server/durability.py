@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hetpipe.outputs import fsync_folder, save_atomically, write_atomically
+from hetpipe.outputs import fsync, save_atomically, write_atomically
 from hetpipe.wire import raw_bytes
 from ps_server.shard import Shard, ShardError
 
@@ -64,9 +64,9 @@ class Durability:
     covers only the entries below the first unsettled one.
 
     Entries a checkpoint covered are written over, not deleted and made anew: on a disk, a file
-    made for every push (its blocks allocated, its pages new) and deleted after cost a shard about
-    twice the CPU of rewriting a kept one. The log's files never outnumber its entries at their
-    most; restore and close() delete the spares.
+    made for every push (its blocks allocated, its pages new) and deleted after cost a shard
+    1.3-1.5 times the CPU a push (bench/push_log.py). The log's files never outnumber its entries
+    at their most; restore and close() delete the spares.
     """
 
     def __init__(self, directory: str, every_clocks: int = 1) -> None:
@@ -76,16 +76,19 @@ class Durability:
         self.every_clocks = max(1, every_clocks)
         self._seq = 0
         self._checkpointed_clock = 0
-        self._lock = threading.Lock()      # _seq, _unsettled and _unsynced, which pushes logging outside the shard lock share
+        self._lock = threading.Lock()      # _seq, _unsettled, _unsynced and _spares, which pushes logging outside the shard lock share
         self._unsettled: set[int] = set()
         self._unsynced: set[int] = set()   # entries not yet on disk (before sync)
         self._spares: list[Path] = []      # files a checkpoint freed, for _entry to write over
         self._captured = 0                 # checkpoints captured; the number of the last one written:
         self._written = 0
         self._write_lock = threading.Lock()
-        # Read before this start's boot id replaces it: written entries outlive a process, not a machine.
-        self._machine_restarted = not _same_boot(self.boot_path)
-        write_atomically(self.boot_path, lambda tmp: tmp.write_text(_boot_id()), durable=True)
+        # Read before this start's boot id replaces it: written entries outlive a process, not a
+        # machine. No boot id recorded: a first start, with no written entry.
+        boot = _boot_id()
+        recorded = self.boot_path.read_text() if self.boot_path.exists() else ""
+        self._machine_restarted = not boot or recorded != boot
+        write_atomically(self.boot_path, lambda tmp: tmp.write_text(boot), durable=True)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -121,9 +124,9 @@ class Durability:
             elif left.name.endswith(WRITTEN_SUFFIX):
                 # Whole in the page cache: on disk now, as a numbered entry, so that the retry of
                 # its push, a duplicate, is acknowledged only once its entry is safe.
-                _fsync_file(left)
+                fsync(left)
                 os.replace(left, self.entry_path(_seq_of(left)))
-        fsync_folder(self.log_dir)
+        fsync(self.log_dir)
         covered = 0
         if self.checkpoint_path.exists():
             snap = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
@@ -195,7 +198,7 @@ class Durability:
             pending = sorted(self._unsynced) if seq is None else [seq] if seq in self._unsynced else []
         for entry in pending:
             try:
-                _fsync_file(self.written_path(entry))
+                fsync(self.written_path(entry))
             except FileNotFoundError:   # refused meanwhile (settle), or still being written (no duplicate waits on it)
                 continue
             with self._lock:   # settle() may have refused it meanwhile: then it is a spare
@@ -203,7 +206,7 @@ class Durability:
                     os.replace(self.written_path(entry), self.entry_path(entry))
                     self._unsynced.discard(entry)
         # Even with nothing of its own: another call's rename may not be on disk yet.
-        fsync_folder(self.log_dir)
+        fsync(self.log_dir)
 
     def journal_push(self, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> None:
         """Logs a push, on disk, that the caller, holding the shard's lock, applies right after
@@ -234,7 +237,7 @@ class Durability:
 
     def _spare(self, path: Path) -> None:
         """path's entry is no longer needed: its file waits to be written over (caller holds _lock)."""
-        spare = self.log_dir / f"{SPARE_PREFIX}{path.name.split('.')[0]}"   # matches no entry's glob
+        spare = self.log_dir / f"{SPARE_PREFIX}{_seq_of(path):012d}"   # matches no entry's glob
         os.replace(path, spare)
         self._spares.append(spare)
 
@@ -275,27 +278,11 @@ class Durability:
         return None
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _boot_id() -> str:
     try:
         return BOOT_ID.read_text().strip()
     except OSError:   # not Linux: every start counts as a restart of the machine
         return ""
-
-
-def _same_boot(recorded: Path) -> bool:
-    """Whether the machine has not restarted since recorded was written (by Durability())."""
-    try:
-        return bool(_boot_id()) and recorded.read_text() == _boot_id()
-    except FileNotFoundError:   # a first start: no written entry can exist
-        return False
 
 
 def _write_entry(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:

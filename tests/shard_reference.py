@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hetpipe.wsp import clock_distance
-from ps_server.shard import ShardError
+from ps_server.shard import Shard, ShardError
 
 Kind = ShardError.Kind
 Deltas = list[tuple[str, torch.Tensor]]
@@ -68,6 +68,13 @@ class RefShard:
             for k, d in deltas:
                 w[k] = w[k] + d
         return w
+
+
+def two_key_shard(n: int = 3) -> Shard:
+    """A shard of n VWs holding a (2x3 zeros) and b (3 ones), float64."""
+    shard = Shard()
+    assert shard.init(n, [("a", torch.zeros(2, 3, dtype=torch.float64)), ("b", torch.ones(3, dtype=torch.float64))])
+    return shard
 
 
 def tensor(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -14,14 +14,9 @@ from safetensors.torch import load_file
 
 from ps_server.durability import SAFETENSORS_DTYPES, Durability, _write_entry
 from ps_server.shard import Shard
+from shard_reference import two_key_shard
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def two_key_shard(n: int = 2) -> Shard:
-    shard = Shard()
-    assert shard.init(n, [("a", torch.zeros(2, 3, dtype=torch.float64)), ("b", torch.ones(3, dtype=torch.float64))])
-    return shard
 
 
 def delta(key: str, shard: Shard, value: float = 1.0) -> tuple[str, torch.Tensor]:
@@ -46,7 +41,7 @@ def test_an_entry_not_yet_on_disk_is_replayed_after_a_kill_but_not_after_a_machi
     torn (a spare's old pages mixed with new ones), so after a restart of the machine restore
     skips it: its push was never acknowledged, and its retry brings it back. A write cut short is
     never replayed, and an entry damaged on the disk is skipped, not fatal."""
-    shard, dur = two_key_shard(), Durability(str(tmp_path), every_clocks=100)
+    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
     dur.checkpoint(shard)
     unsynced = dur.log_push(0, 0, [delta("a", shard)])
     assert shard.push(0, 0, [delta("a", shard)])
@@ -81,7 +76,7 @@ def test_an_entry_not_yet_on_disk_is_replayed_after_a_kill_but_not_after_a_machi
 def test_entries_a_checkpoint_covered_are_written_over_then_deleted_at_close(tmp_path: Path) -> None:
     """Once covered, an entry's file is a spare that a later entry is written into (same inode, no
     new file), shorter or longer than before; restore reads them right; close() deletes spares."""
-    shard, dur = two_key_shard(), Durability(str(tmp_path), every_clocks=100)
+    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
     dur.checkpoint(shard)
     for vw in range(2):
         push(shard, dur, vw, 0, [delta("a", shard), delta("b", shard)])
@@ -113,7 +108,7 @@ def test_an_entry_logged_under_the_lock_is_on_disk_before_it_is_applied(tmp_path
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Quorum rounds and elastic exchanges journal under the shard's lock: on disk, numbered, and
     the folder fsynced by the time journal_push or journal_exchange returns."""
-    shard, dur = two_key_shard(), Durability(str(tmp_path), every_clocks=100)
+    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -129,7 +124,7 @@ def test_an_entry_logged_under_the_lock_is_on_disk_before_it_is_applied(tmp_path
 
 
 def test_a_refused_push_frees_its_entry_for_the_next(tmp_path: Path) -> None:
-    shard, dur = two_key_shard(), Durability(str(tmp_path), every_clocks=100)
+    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
     dur.checkpoint(shard)
     refused = dur.log_push(0, 5, [delta("a", shard)])          # a clock the shard refuses
     dur.settle(refused, applied=False)

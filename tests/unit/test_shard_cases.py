@@ -15,15 +15,9 @@ import torch
 
 from ps_server.durability import Durability
 from ps_server.shard import Shard
-from shard_reference import Kind, assert_refused
+from shard_reference import Kind, assert_refused, two_key_shard
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def two_key_shard(n: int = 3) -> Shard:
-    shard = Shard()
-    assert shard.init(n, [("a", torch.zeros(2, 3, dtype=torch.float64)), ("b", torch.ones(3, dtype=torch.float64))])
-    return shard
 
 
 def ones(key: str, shard: Shard) -> tuple[str, torch.Tensor]:
