@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The GPU kit in one command: every test and benchmark that needs a CUDA machine, for a machine
+# that has PyTorch with CUDA but no package registry (an air-gapped cluster node, a lent box).
+#
+#   bench/gpu_kit.sh wheels [PYTHON_VERSION]   where PyPI is reachable: the wheels such a machine
+#                                              lacks, at constraints.txt's pins, into .whl/ (3.12)
+#   bench/gpu_kit.sh run OUT [STEP...]          on the CUDA machine, from the checkout: installs .whl/
+#                                              (if there) into a private folder, then runs each STEP,
+#                                              its output into OUT/STEP.txt; STEP_TIMEOUT (s) each
+#
+# Steps, in this order by default:
+#   env        nvidia-smi, the Python and package versions the steps run with
+#   tests      pytest -m cuda: CUDA IPC (tests/integration/test_cuda_ipc.py, test_links.py) and the
+#              oracles on the GPU (tests/e2e/test_cuda.py)
+#   transport  bench/transport.py --cuda: CUDA IPC and pinned shared memory vs a device-to-device copy
+#   gpu        bench/gpu.py: the 117.8M GPT in bf16, HetPipe layouts vs a plain loop, ddp, torch-pipeline
+#   peers      bench/peers.py: the CPU job's peers on this machine's GPUs
+# All five take about 15 minutes on one H100; split them over calls where a call is time-limited:
+#   bench/gpu_kit.sh run OUT env tests transport ; bench/gpu_kit.sh run OUT gpu peers
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WHEELS="$ROOT/.whl"
+# What a CUDA machine with PyTorch, numpy, scikit-learn, pytest and hypothesis lacks (pyproject's
+# dependencies and the test runner's timeout plugin); versions from constraints.txt.
+KIT="grpcio grpcio-health-checking grpcio-reflection protobuf cryptography cffi pycparser safetensors
+     setproctitle psutil tqdm prometheus-client PyYAML pytest-timeout"
+STEPS="env tests transport gpu peers"
+
+die() { echo "gpu_kit: $*" >&2; exit 2; }
+
+pin() {  # name==version from constraints.txt
+    grep -iE "^$1==" "$ROOT/constraints.txt" || die "$1 has no pin in constraints.txt"
+}
+
+wheels() {
+    local version=${1:-3.12}
+    local pins=()
+    for name in $KIT; do pins+=("$(pin "$name")") || exit 2; done
+    mkdir -p "$WHEELS"
+    # Every manylinux tag a CPython wheel of these may carry: pip matches each tag exactly.
+    local platforms=()
+    for tag in manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux_2_12 \
+               manylinux2010 manylinux_2_5 manylinux1; do
+        platforms+=(--platform "${tag}_x86_64")
+    done
+    python3 -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \
+        --python-version "$version" "${platforms[@]}" -d "$WHEELS" "${pins[@]}" || die "pip download failed"
+    echo "$(ls "$WHEELS"/*.whl | wc -l) wheels for CPython $version in $WHEELS ($(du -sh "$WHEELS" | cut -f1))"
+}
+
+step() {  # step NAME OUT: one step, its output into OUT/NAME.txt and on the terminal
+    local name=$1 out=$2 status
+    local -a cmd
+    case $name in
+        env)       cmd=(bash -c 'nvidia-smi; python3 -c "import sys, torch, grpc, google.protobuf as pb, safetensors
+print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())
+print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\", safetensors.__version__)"') ;;
+        tests)     cmd=(python3 -m pytest -q -p no:cacheprovider -m cuda tests/integration/test_cuda_ipc.py
+                        tests/integration/test_links.py tests/e2e/test_cuda.py) ;;
+        transport) cmd=(python3 bench/transport.py --cuda) ;;
+        gpu)       cmd=(python3 bench/gpu.py --json "$out/gpu.json") ;;
+        peers)     cmd=(python3 bench/peers.py --json "$out/peers.json") ;;
+        *)         die "no step '$name' (steps: $STEPS)" ;;
+    esac
+    echo "=== $name: ${cmd[*]}"
+    local start=$SECONDS
+    timeout --kill-after=10 "${STEP_TIMEOUT:-600}" "${cmd[@]}" 2>&1 | tee "$out/$name.txt"
+    status=${PIPESTATUS[0]}
+    echo "=== $name: exit $status after $((SECONDS - start)) s" | tee -a "$out/$name.txt"
+    return "$status"
+}
+
+run() {
+    local out=${1:?usage: bench/gpu_kit.sh run OUT [STEP...]}
+    shift
+    mkdir -p "$out"
+    out=$(cd "$out" && pwd)
+    if compgen -G "$WHEELS/*.whl" > /dev/null; then
+        local site=${KIT_SITE:-/tmp/hetpipe-kit-site}
+        python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$site" "$WHEELS"/*.whl || die "installing $WHEELS failed"
+        export PYTHONPATH="$ROOT:$site${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    export PYTHONUNBUFFERED=1
+    cd "$ROOT" || exit 2
+    local failed=()
+    for name in ${*:-$STEPS}; do
+        step "$name" "$out" || failed+=("$name")
+    done
+    if ((${#failed[@]})); then
+        echo "gpu_kit: failed: ${failed[*]} (outputs in $out)"
+        return 1
+    fi
+    echo "gpu_kit: every step passed (outputs in $out)"
+}
+
+case ${1:-} in
+    wheels) shift; wheels "$@" ;;
+    run)    shift; run "$@" ;;
+    *)      awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,60 @@
+"""bench/gpu_kit.sh: the one command a CUDA machine runs. Without a GPU its `tests` step runs the
+`cuda` tests, which skip; what is checked here is the kit's own plumbing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KIT = ROOT / "bench" / "gpu_kit.sh"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def kit(*args: str | Path, site: Path | None = None) -> subprocess.CompletedProcess[str]:
+    # The kit runs `python3`: this interpreter's, as on a CUDA machine the one that holds torch.
+    # Wheels in .whl/ (a checkout that fetched them) install under site, not a shared folder.
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if site is not None:
+        env["KIT_SITE"] = str(site)
+    return subprocess.run(["bash", str(KIT), *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=100)
+
+
+def test_the_tests_step_runs_every_cuda_test_file_and_keeps_its_output(tmp_path: Path) -> None:
+    done = kit("run", tmp_path / "out", "tests", site=tmp_path / "site")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = (tmp_path / "out" / "tests.txt").read_text()
+    for name in ("test_cuda_ipc.py", "test_links.py", "test_cuda.py"):
+        assert name in out
+    assert re.search(r"\d+ (skipped|passed)", out) and "=== tests: exit 0" in out
+    assert "every step passed" in done.stdout
+
+
+def test_an_unknown_step_is_named_and_fails(tmp_path: Path) -> None:
+    done = kit("run", tmp_path, "bogus", site=tmp_path / "site")
+    assert done.returncode == 2
+    assert "no step 'bogus'" in done.stderr and "env tests transport gpu peers" in done.stderr
+
+
+def test_without_a_command_it_prints_its_usage() -> None:
+    done = kit()
+    assert done.returncode == 2
+    assert "bench/gpu_kit.sh run OUT" in done.stdout and "set -uo" not in done.stdout
+
+
+def test_every_wheel_the_kit_carries_is_pinned() -> None:
+    """`wheels` downloads exactly constraints.txt's versions: an unpinned name would fail there,
+    on the machine with the registry, not later on the one without."""
+    names = re.search(r'^KIT="([^"]*)"', KIT.read_text(), re.M)
+    assert names is not None
+    pinned = {line.split("==")[0].lower() for line in (ROOT / "constraints.txt").read_text().splitlines()
+              if "==" in line}
+    assert {"grpcio", "safetensors", "protobuf"} <= set(names.group(1).lower().split())
+    assert set(names.group(1).lower().split()) <= pinned
