@@ -72,7 +72,7 @@ def allreduce_hook(backend: str, precision: str) -> CommHook | None:
     """The DDP communication hook the gradients' allreduce goes through: torch's bf16_compress_hook
     for a bf16 job over NCCL (half the bytes of an fp32 allreduce; NCCL reduces bf16 natively),
     else None: a plain allreduce in the gradients' own dtype. Gloo stays plain (its sums run on the
-    CPU, not on the GPU), and so does a job that asked for fp32 or fp16."""
+    CPU, not on the GPU), and so does an fp32 job (fp16 is refused)."""
     if backend != "nccl" or precision != "bf16":
         return None
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
@@ -262,7 +262,8 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         for b in buffers:  # like torch DDP: every rank's forward uses rank 0's buffers (BatchNorm stats)
             dist.broadcast(b, 0)
         x, y = minibatch(order, dataset, p, rank)
-        loss = compute_loss(job.train.loss, model(x.to(device)), y.to(device))
+        with common.autocast(job, device):
+            loss = compute_loss(job.train.loss, common.for_loss(job, model(x.to(device))), y.to(device))
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         flat = torch.cat([(torch.zeros_like(w) if g is None else g).reshape(-1) for w, g in zip(params, grads)])
         if device.type == "cuda":
@@ -293,7 +294,9 @@ def worker(spec: dict[str, Any], rank: int) -> None:
                 "accuracy": scored["eval_accuracy"]}])
     dist.barrier()
     wall = time.monotonic() - start
-    recent = torch.tensor([common.recent_mean(losses)], dtype=torch.float64)
+    # On the GPU under nccl, which has no CPU tensors; gloo takes CPU ones.
+    recent = torch.tensor([common.recent_mean(losses)], dtype=torch.float64,
+                          device=device if spec["backend"] == "nccl" else "cpu")
     dist.all_reduce(recent)
     result = {"wall_seconds": wall, "wait_seconds": wait, "compute_seconds": compute,
               "final_loss": float(recent) / n, "steps": job.train.steps}

@@ -118,10 +118,11 @@ class _Timed(nn.Module):
     with gloo), except the last stage's, which the loss reads where it was computed."""
 
     def __init__(self, layers: nn.Sequential, forward_s: float, backward_s: float, padder: faults.Padder,
-                 compute: torch.device, io: torch.device | None) -> None:
+                 compute: torch.device, io: torch.device | None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.layers = layers
         self.compute, self.io = compute, io
+        self.dtype = dtype   # train.precision's compute dtype (None: train.dtype throughout)
         self.forward_s, self.backward_s, self.padder = forward_s, backward_s, padder
         self.busy = 0.0
         self._bwd_started = 0.0
@@ -132,7 +133,14 @@ class _Timed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         started = time.time()
-        out = self.layers(x.to(self.compute))
+        if self.dtype is None:
+            out = self.layers(x.to(self.compute))
+        else:
+            # As HetPipe's stages: autocast, and the boundary in the compute dtype whatever autocast
+            # kept in float32 (a layer norm's output, say), so both ends agree on its dtype.
+            with torch.autocast(self.compute.type, dtype=self.dtype):
+                out = self.layers(x.to(self.compute))
+            out = out.to(self.dtype) if out.is_floating_point() else out
         if self.io is not None:
             out = out.to(self.io)
         if self._padding:
@@ -158,7 +166,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     from safetensors.torch import save_file
 
     from hetpipe import data, models
-    from hetpipe.optim import compute_loss, make_optimizer
+    from hetpipe.optim import compute_dtype, compute_loss, make_optimizer
     from hetpipe.reference import minibatch
 
     job = JobConfig.from_json(spec["job_json"])
@@ -178,7 +186,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     first, last = rank == 0, rank == k - 1
     timed = _Timed(layers, float(me["forward_seconds"]) / m, float(me["backward_seconds"]) / m,
                    faults.Padder(faults.from_env(), 0, (job.train.seed, "torch-pipeline", rank)),
-                   device, None if last or io == device else io)
+                   device, None if last or io == device else io, compute_dtype(job.train.precision))
     order = with_overrides(job, parallel={"virtual_workers": 1})  # one pipeline reads the whole stream
     dataset = data.training_set(job) if (first or last) else None
 
@@ -187,7 +195,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     kind = job.train.loss
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return compute_loss(kind, output, target)
+        return compute_loss(kind, common.for_loss(job, output), target)
 
     schedule_type = Schedule1F1B if spec["schedule"] == "1f1b" else ScheduleGPipe
     schedule = schedule_type(stage, m, loss_fn=loss_fn, scale_grads=True)

@@ -359,6 +359,9 @@ def _check_together(job: JobConfig) -> None:
     _check_sync(job)
     if job.train.checkpoint_every and job.train.precision == "fp16":  # its loss scale is not saved yet
         raise ConfigError("train.checkpoint_every: not with train.precision fp16 yet (use bf16 or fp32)")
+    if par.mode != "hetpipe" and job.train.precision == "fp16":
+        raise ConfigError(f"train.precision: fp16 needs loss scaling, which HetPipe's stages do and parallel.mode "
+                          f"{par.mode} does not; use bf16 or fp32")
     if par.mode == "ddp" and par.schedule != "hetpipe":
         raise ConfigError(f"parallel.schedule: {par.schedule} needs a pipeline; parallel.mode ddp has none")
     if par.mode == "torch-pipeline" and par.schedule == "nf1b":

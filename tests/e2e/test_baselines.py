@@ -115,6 +115,50 @@ def test_pipeline_equals_plain_training(make_job, tmp_path: Path, schedule: str,
     assert cuts[0][0] == 0 and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:])) and len(cuts) == k
 
 
+def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_ddp_computes_in_bf16_as_hetpipe_does(make_job, tmp_path: Path) -> None:
+    """train.precision bf16: ddp's ranks compute under autocast as HetPipe's stages do, so that
+    bench/gpu.py compares like with like; its weights stay float32."""
+    n, lr = 2, 0.05
+
+    def job(mode: str, precision: str, rate: float) -> Any:
+        return make_job({
+            "train": {"precision": precision, "optimizer": {"name": "sgd", "lr": rate}, "steps": 8},
+            "parallel": {"virtual_workers": n, "stages_per_vw": 1, "nm": 1, "D": 0, "ps_shards": 1, "mode": mode},
+            "output": {"dir": f"{mode}-{precision}", "trace": False},
+        }, name=f"{mode}-{precision}.yaml")
+
+    for spec in (job("ddp", "bf16", n * lr), job("ddp", "fp32", n * lr), job("hetpipe", "bf16", lr)):
+        run_local(spec, quiet=True)
+    ddp16, ddp32, het16 = (load_model(tmp_path / d) for d in ("ddp-bf16", "ddp-fp32", "hetpipe-bf16"))
+    assert all(t.dtype == torch.float32 for t in ddp16.values())
+    precision_effect = _largest_difference(ddp16, ddp32)
+    assert 0 < precision_effect < 1e-2, "bf16 changes the arithmetic, not what is learnt"
+    # Averaged gradients against summed updates: float32 rounding apart, far below bf16's effect.
+    assert _largest_difference(ddp16, het16) < precision_effect / 10
+
+
+def test_torch_pipeline_computes_in_bf16(make_job, tmp_path: Path) -> None:
+    """Two stages under autocast, the boundary activations and gradients in bf16 (shape inference
+    included), the weights float32."""
+    def job(precision: str) -> Any:
+        return make_job({
+            "train": {"precision": precision, "steps": 8},
+            "parallel": {"virtual_workers": 1, "stages_per_vw": 2, "mode": "torch-pipeline", "schedule": "gpipe",
+                         "microbatches": 2},
+            "output": {"dir": precision, "trace": False},
+        }, name=f"{precision}.yaml")
+
+    for precision in ("bf16", "fp32"):
+        run_local(job(precision), quiet=True)
+    bf16, fp32 = load_model(tmp_path / "bf16"), load_model(tmp_path / "fp32")
+    assert all(t.dtype == torch.float32 for t in bf16.values())
+    assert 0 < _largest_difference(bf16, fp32) < 1e-2
+
+
 def paper_cluster_job(types: list[str], out: str = "out") -> dict[str, Any]:
     return {
         "cluster": {"nodes": [{"name": f"n{i}", "gpus": [{"type": t, "count": 2}]} for i, t in enumerate(types)],

@@ -214,6 +214,8 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
     ({"parallel": {"schedule": "gpipe", "nm": 2}}, "parallel.nm: 2, but schedule gpipe flushes the pipeline"),
     ({"parallel": {"schedule": "1f1b", "nm": 4}}, "set nm 1"),
     ({"parallel": {"schedule": "gpipe", "mode": "ddp"}}, "parallel.schedule: gpipe needs a pipeline"),
+    ({"parallel": {"mode": "ddp"}, "train": {"precision": "fp16"}}, "fp16 needs loss scaling"),
+    ({"parallel": {"mode": "torch-pipeline"}, "train": {"precision": "fp16"}}, "parallel.mode torch-pipeline does not"),
     ({"parallel": {"schedule": "nf1b", "mode": "torch-pipeline"}}, "nf1b runs on HetPipe's own stages"),
     ({"parallel": {"schedule": "nf1b", "microbatches": 5}}, "parallel.microbatches: 5 must divide data.batch_size"),
     ({"parallel": {"schedule": "nf1b", "microbatches": 2}, "train": {"precision": "fp16"}},
