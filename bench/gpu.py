@@ -197,6 +197,9 @@ def main() -> None:
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    failed = [r["name"] for r in results if "error" in r]
+    if failed:  # the rows above say why; a script that runs this must not read success
+        sys.exit(f"bench/gpu.py: {len(failed)} of {len(results)} runs failed: {', '.join(failed)}")
 
 
 def _driver() -> str:

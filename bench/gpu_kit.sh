@@ -3,19 +3,21 @@
 # that has PyTorch with CUDA but no package registry (an air-gapped cluster node, a lent box).
 #
 #   bench/gpu_kit.sh wheels [PYTHON_VERSION]   where PyPI is reachable: the wheels such a machine
-#                                              lacks, at constraints.txt's pins, into .whl/ (3.12)
+#                                              lacks, at constraints.txt's pins, into .whl/ (3.12),
+#                                              in place of any there (one Python's wheels at a time)
 #   bench/gpu_kit.sh run OUT [STEP...]          on the CUDA machine, from the checkout: installs .whl/
 #                                              (if there) into a private folder, then runs each STEP,
-#                                              its output into OUT/STEP.txt; STEP_TIMEOUT (s) each
+#                                              its output into OUT/STEP.txt; STEP_TIMEOUT (s) each,
+#                                              540 by default: inside a 10-minute limit on a call
 #
 # Steps, in this order by default:
 #   env        nvidia-smi, the Python and package versions the steps run with
-#   tests      pytest -m cuda: CUDA IPC (tests/integration/test_cuda_ipc.py, test_links.py) and the
-#              oracles on the GPU (tests/e2e/test_cuda.py)
+#   tests      pytest -m cuda: pinned minibatches (tests/unit/test_data.py), CUDA IPC
+#              (tests/integration/test_cuda_ipc.py, test_links.py), the oracles on the GPU (tests/e2e/test_cuda.py)
 #   transport  bench/transport.py --cuda: CUDA IPC and pinned shared memory vs a device-to-device copy
 #   gpu        bench/gpu.py: the 117.8M GPT in bf16, HetPipe layouts vs a plain loop, ddp, torch-pipeline
 #   peers      bench/peers.py: the CPU job's peers on this machine's GPUs
-# All five take about 15 minutes on one H100; split them over calls where a call is time-limited:
+# Together they may outlast a time-limited call (never run on a GPU yet); split them over two:
 #   bench/gpu_kit.sh run OUT env tests transport ; bench/gpu_kit.sh run OUT gpu peers
 set -uo pipefail
 
@@ -38,6 +40,7 @@ wheels() {
     local pins=()
     for name in $KIT; do pins+=("$(pin "$name")") || exit 2; done
     mkdir -p "$WHEELS"
+    rm -f "$WHEELS"/*.whl   # another Python's wheels would make the install there refuse them all
     # Every manylinux tag a CPython wheel of these may carry: pip matches each tag exactly.
     local platforms=()
     for tag in manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux_2_12 \
@@ -53,11 +56,11 @@ step() {  # step NAME OUT: one step, its output into OUT/NAME.txt and on the ter
     local name=$1 out=$2 status
     local -a cmd
     case $name in
-        env)       cmd=(bash -c 'nvidia-smi; python3 -c "import sys, torch, grpc, google.protobuf as pb, safetensors
+        env)       cmd=(bash -c 'nvidia-smi; env | grep -E "^(CUDA_|PYTORCH_|NCCL_)" | sort; python3 -c "import sys, torch, grpc, google.protobuf as pb, safetensors
 print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())
 print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\", safetensors.__version__)"') ;;
-        tests)     cmd=(python3 -m pytest -q -p no:cacheprovider -m cuda tests/integration/test_cuda_ipc.py
-                        tests/integration/test_links.py tests/e2e/test_cuda.py) ;;
+        tests)     cmd=(python3 -m pytest -q -p no:cacheprovider -m cuda tests/unit/test_data.py
+                        tests/integration/test_cuda_ipc.py tests/integration/test_links.py tests/e2e/test_cuda.py) ;;
         transport) cmd=(python3 bench/transport.py --cuda) ;;
         gpu)       cmd=(python3 bench/gpu.py --json "$out/gpu.json") ;;
         peers)     cmd=(python3 bench/peers.py --json "$out/peers.json") ;;
@@ -65,7 +68,7 @@ print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\
     esac
     echo "=== $name: ${cmd[*]}"
     local start=$SECONDS
-    timeout --kill-after=10 "${STEP_TIMEOUT:-600}" "${cmd[@]}" 2>&1 | tee "$out/$name.txt"
+    timeout --kill-after=10 "${STEP_TIMEOUT:-540}" "${cmd[@]}" 2>&1 | tee "$out/$name.txt"
     status=${PIPESTATUS[0]}
     echo "=== $name: exit $status after $((SECONDS - start)) s" | tee -a "$out/$name.txt"
     return "$status"

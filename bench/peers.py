@@ -181,6 +181,9 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "job": raw, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
                                          "runs": results, "ratios": table, "per_step": per_step}, indent=2))
+    failed = [r["name"] for r in results.values() if "error" in r]
+    if failed:  # the rows above say why; a script that runs this must not read success
+        sys.exit(f"bench/peers.py: {len(failed)} of {len(results)} runs failed: {', '.join(failed)}")
 
 
 def per_step_costs(runs: list[tuple[Layout, dict[str, Any]]], results: dict[str, dict[str, Any]], folder: Path,

@@ -22,6 +22,13 @@ HUGE_PAGE = 2 << 20
 _ANONYMOUS_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes as they go on the wire and into digests (little-endian, C order), without a copy where it
+    is a contiguous CPU tensor."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().data
+
+
 def _fresh(size: int) -> mmap.mmap:
     mapping = mmap.mmap(-1, size, flags=_ANONYMOUS_PRIVATE)
     if size >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):  # 512 times fewer faults where the kernel has huge pages

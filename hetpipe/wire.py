@@ -15,6 +15,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from hetpipe import buffers, cuda_ipc, shm
+from hetpipe.buffers import raw_bytes
 from hetpipe.errors import Rejected
 from hetpipe.v1 import wire_pb2
 
@@ -55,13 +56,6 @@ def torch_dtype(code: int) -> torch.dtype:
         return _TO_TORCH[code]  # type: ignore[index]  # any int may arrive; unknown ones raise below
     except KeyError:
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown dtype code {code}") from None
-
-
-def raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes as they go on the wire (little-endian, C order), without a copy where it
-    is a contiguous CPU tensor."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().data
 
 
 def _first_frame(

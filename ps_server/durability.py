@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hetpipe.outputs import fsync, save_atomically, write_atomically
-from hetpipe.wire import raw_bytes
+from hetpipe.buffers import raw_bytes
 from ps_server.shard import Shard, ShardError
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hetpipe.buffers import raw_bytes
+
 
 def quorum_size(quorum: int, live: int) -> int:
     """On-time VWs that close a round: `quorum` (0: a majority, floor(live/2) + 1), at most the
@@ -103,4 +105,4 @@ class KeyRounds:
             pending = self.open[r]
             h.update(f"r{r}:{sorted(pending.on_time)}:{sorted(pending.waves.items())}".encode())
             if pending.total is not None:
-                h.update(pending.total.contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(raw_bytes(pending.total))

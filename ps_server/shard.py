@@ -13,6 +13,7 @@ import torch
 
 from hetpipe import elastic
 from hetpipe.config import MAX_STEPS, MAX_VIRTUAL_WORKERS
+from hetpipe.buffers import raw_bytes
 from hetpipe.wsp import clock_distance
 from ps_server.quorum import KeyRounds
 
@@ -373,7 +374,7 @@ class Shard:
         h = hashlib.sha256()
         for key in sorted(self.values):
             h.update(key.encode())
-            h.update(self.values[key].contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(raw_bytes(self.values[key]))
             h.update(str(self.clocks[key]).encode())
         h.update(str(sorted(self.evicted)).encode())
         if self.rule.mode != "wsp":
@@ -383,7 +384,7 @@ class Shard:
             for key in sorted(self.exchanged):
                 h.update(f"{key}:{self.exchanged[key]}".encode())
                 for delta in self.last_delta[key]:
-                    h.update(b"-" if delta is None else delta.contiguous().view(torch.uint8).numpy().tobytes())
+                    h.update(b"-" if delta is None else raw_bytes(delta))
         return h.hexdigest()
 
     # ---- durability ------------------------------------------------------------------------

@@ -53,15 +53,21 @@ class StageServicer:
         self._on_stop = on_stop
         self.reader = shm.Reader()  # activations and gradients from stages on this host
         self._ipc: cuda_ipc.Opener | None = None   # and from GPU stages on this host, to our GPU
+        # Forward and backward bundles decode on two server threads: one Opener, or a share
+        # mapped by both would have torch's counter of it lowered twice.
+        self._ipc_lock = threading.Lock()
 
     def _decode(self, frames: Iterable[bytes]) -> wire.Bundle:
         """An activation or gradient, in frames, through shared memory or by CUDA IPC; a GPU
         stage receives host bytes into pinned memory."""
         device = self.runtime.gpu
-        if device is not None and (self._ipc is None or self._ipc.device != device):
-            self._ipc = cuda_ipc.Opener(self.reader, device)
-        return wire.decode(frames, reader=self.reader, pinned=device is not None,
-                           ipc=self._ipc if device is not None else None)
+        ipc = None
+        if device is not None:
+            with self._ipc_lock:
+                if self._ipc is None or self._ipc.device != device:
+                    self._ipc = cuda_ipc.Opener(self.reader, device)
+                ipc = self._ipc
+        return wire.decode(frames, reader=self.reader, pinned=device is not None, ipc=ipc)
 
     @handler
     def Assign(self, request: stage_pb2.StageAssignment, context: grpc.ServicerContext) -> wire_pb2.Ack:

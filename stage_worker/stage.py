@@ -14,6 +14,7 @@ from torch.func import functional_call
 
 from hetpipe.config import OptimizerConfig
 from hetpipe.optim import StageOptimizer, compute_dtype, compute_loss
+from hetpipe.buffers import raw_bytes
 
 
 # torch.autograd.grad imports symbolic_shapes (with sympy: 0.4 s) on its first call with
@@ -271,7 +272,7 @@ class StageCompute:
         h = hashlib.sha256()
         for name, tensor in self.state():
             h.update(name.encode())
-            h.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(raw_bytes(tensor))
         return h.hexdigest()
 
     @property

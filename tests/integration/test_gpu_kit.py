@@ -31,7 +31,7 @@ def test_the_tests_step_runs_every_cuda_test_file_and_keeps_its_output(tmp_path:
     done = kit("run", tmp_path / "out", "tests", site=tmp_path / "site")
     assert done.returncode == 0, done.stdout + done.stderr
     out = (tmp_path / "out" / "tests.txt").read_text()
-    for name in ("test_cuda_ipc.py", "test_links.py", "test_cuda.py"):
+    for name in ("test_data.py", "test_cuda_ipc.py", "test_links.py", "test_cuda.py"):
         assert name in out
     assert re.search(r"\d+ (skipped|passed)", out) and "=== tests: exit 0" in out
     assert "every step passed" in done.stdout

@@ -256,6 +256,14 @@ def test_a_data_factory_is_read_in_the_design_order(tmp_path: Path) -> None:
         assert torch.equal(rx, ex) and torch.equal(ry, ey)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_minibatches_for_a_gpu_stage_arrive_in_pinned_memory(tmp_path: Path) -> None:
+    job = factory_job(tmp_path)
+    x, y = Minibatches(job, training_set(job), 0, steps=3, pin=True).next()
+    assert x.is_pinned() and y.is_pinned()
+
+
 def test_reading_minibatches_draws_nothing_from_torchs_global_generator(tmp_path: Path) -> None:
     # Stage 0 opens its data while another stage of the process may be initialising its layers
     # under a seed of the global generator: one draw there and that layer starts elsewhere.

@@ -136,3 +136,14 @@ def test_stage_optimizer_is_bit_for_bit_torch_optim(cfg: OptimizerConfig, dtype:
         reference.step()
         for a, b in zip(ours, theirs):
             assert torch.equal(a, b.detach())
+
+
+def test_the_weights_digest_covers_zero_dimensional_state() -> None:
+    """BatchNorm's num_batches_tracked is 0-d: a digest that viewed it as bytes without flattening
+    raised; it now counts in the digest like any other entry."""
+    model = nn.Sequential(nn.Linear(2, 2).double(), nn.BatchNorm1d(2).double())
+    c = StageCompute(model, SGD, loss="mse", device="cpu", track_updates=False)
+    before = c.digest()
+    with torch.no_grad():
+        model[1].num_batches_tracked.add_(1)
+    assert c.digest() != before and len(before) == 64
