@@ -42,8 +42,17 @@ class Outgoing:
         return f"minibatch {self.tag.minibatch}"
 
 
-# How a receiver refuses a handle it cannot use (hetpipe/cuda_ipc.py's HandleError).
+# How a receiver refuses a handle it cannot use (hetpipe/cuda_ipc.py's HandleError, and shm.py's
+# for the slot's header segment): these codes, with a message that names the handle.
 _REFUSED_HANDLE = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+_HANDLE_WORDS = ("CUDA IPC", "shared-memory")
+
+
+def handle_refused(exc: grpc.RpcError) -> bool:
+    """The peer could not use a CUDA IPC handle of ours, as against refusing the bundle itself
+    (out of its window, say), which the same codes answer and host memory would not mend."""
+    details = exc.details() or ""
+    return exc.code() in _REFUSED_HANDLE and any(word in details for word in _HANDLE_WORDS)
 _COPY_STREAMS: dict[torch.device, Any] = {}
 
 
@@ -169,7 +178,7 @@ class Link:
                                                  self._duplex, timeout=rpc.DATA_DEADLINE_S),
                          give_up_s=self._give_up_s, closing=self._closing)
         except grpc.RpcError as exc:
-            if item.staged is not None and exc.code() in _REFUSED_HANDLE:
+            if item.staged is not None and handle_refused(exc):
                 # The peer cannot map our GPU memory (no peer access, another driver's rules): this
                 # link goes through host memory from now on, and so does this bundle.
                 log.warning("%s refused a CUDA IPC handle (%s: %s); sending through host memory",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -15,7 +15,7 @@ from hetpipe import rpc, shm, wire
 from hetpipe.errors import Rejected
 from hetpipe.rpc import handler
 from hetpipe.v1 import wire_pb2
-from stage_worker.links import Link, Outgoing
+from stage_worker.links import Link, Outgoing, handle_refused
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -198,3 +198,43 @@ def test_a_link_delivers_gpu_tensors_through_shared_memory() -> None:
     finally:
         link.close()
         server.stop(grace=0)
+
+
+class _Answered(grpc.RpcError):
+    """The status a receiver answered a bundle with, as the Link's call raises it."""
+
+    def __init__(self, refused: Rejected) -> None:
+        self._code, self._details = refused.code, str(refused)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _refusal(check: Callable[[], object]) -> Rejected:
+    with pytest.raises(Rejected) as refused:
+        check()
+    return refused.value
+
+
+def test_only_a_refused_handle_sends_a_gpu_link_through_host_memory() -> None:
+    """A receiver's refusal of the handle itself (here: a forged CUDA IPC handle, a gone header
+    segment) turns CUDA IPC off for the link; the same codes refusing the bundle do not."""
+    from hetpipe import cuda_ipc
+    from stage_worker.inbox import _SCHEDULE_CODES
+    from stage_worker.schedule import ScheduleError, StageSchedule
+
+    forged = _refusal(lambda: cuda_ipc.check_ref(wire_pb2.CudaRef(handle=b"x" * 3), 4))
+    gone = _refusal(lambda: shm.Reader().header(wire_pb2.ShmRef(name="hetpipe-1-0123456789abcdef", version=2,
+                                                                nbytes=4), 4))
+    assert handle_refused(_Answered(forged)) and handle_refused(_Answered(gone))
+    schedule = StageSchedule(stage=1, num_stages=2, nm=1, steps=4)
+    for offer in (lambda: schedule.accept_forward(3), lambda: schedule.accept_backward(1),
+                  lambda: schedule.accept_forward(9)):   # out of the window, not forwarded, unknown
+        with pytest.raises(ScheduleError) as refused:
+            offer()
+        code = _SCHEDULE_CODES[refused.value.reason]
+        assert code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+        assert not handle_refused(_Answered(Rejected(code, str(refused.value))))
