@@ -188,6 +188,17 @@ def _burst(service: Service, state: Callable[[Service], Any] | None, send: Send,
         before = after
 
 
+def _floor_growth(service: Service, send: Send, rnd: random.Random, codes: Counter[str]) -> int:
+    """Bytes the RSS floor rose over LEAK_REQUESTS requests: the lowest RSS over the last 500
+    against the lowest over the first 500."""
+    samples = []
+    for _ in range(LEAK_REQUESTS // 50):
+        _burst(service, None, send, rnd, 50, codes)
+        samples.append(service.rss())
+    window = 500 // 50
+    return min(samples[-window:]) - min(samples[:window])
+
+
 @pytest.mark.parametrize("rpc_name", sorted(RPCS))
 def test_malformed_and_hostile_requests_are_refused_without_harm(rpc_name: str, shard: Service, evicting_shard: Service,
                                                                   stage: Service, coordinator: Service) -> None:
@@ -200,14 +211,14 @@ def test_malformed_and_hostile_requests_are_refused_without_harm(rpc_name: str, 
     # it started within the first 1000 requests and then swings by about 1 MiB either way, so
     # the floor is compared: the lowest RSS over the first and over the last 500 of 3000
     # requests, 2500 requests apart. (The parse-failure leak this suite caught: 19 MiB per 1000.)
-    samples = []
-    for _ in range(LEAK_REQUESTS // 50):
-        _burst(service, None, send, rnd, 50, codes)
-        samples.append(service.rss())
-    window = 500 // 50
-    growth = min(samples[-window:]) - min(samples[:window])
+    # Now and then the floor also jumps once, by 1.5 MiB or so (a thread of the server's pool
+    # taking its own malloc arena): a leak rises again over the next 3000, a jump does not.
+    bound = RSS_GROWTH_PER_1000 * 2.5
+    growth = _floor_growth(service, send, rnd, codes)
+    if growth >= bound:
+        growth = min(growth, _floor_growth(service, send, rnd, codes))
     print(rpc_name, dict(codes), f"{growth / 2**20:+.2f} MiB")
     assert service.proc.poll() is None, service.log.read_text()[-3000:]
-    assert growth < RSS_GROWTH_PER_1000 * 2.5, f"{rpc_name}: RSS floor rose {growth / 2**20:.2f} MiB over 2500 requests ({codes})"
+    assert growth < bound, f"{rpc_name}: RSS floor rose {growth / 2**20:.2f} MiB over 2500 requests, twice ({codes})"
     # 40% of the requests do not parse (all of them for Stop and StopJob): those at least are refused.
     assert sum(v for k, v in codes.items() if k != "OK") >= 0.3 * (REQUESTS + LEAK_REQUESTS), codes
