@@ -23,8 +23,8 @@ _ANONYMOUS_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYM
 
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes as they go on the wire and into digests (little-endian, C order), without a copy where it
-    is a contiguous CPU tensor."""
+    """The tensor's bytes as they go on the wire and into digests (little-endian, C order),
+    without a copy where it is a contiguous CPU tensor."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().data
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hetpipe.outputs import fsync, save_atomically, write_atomically
 from hetpipe.buffers import raw_bytes
+from hetpipe.outputs import fsync, save_atomically, write_atomically
 from ps_server.shard import Shard, ShardError
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from hetpipe import elastic
-from hetpipe.config import MAX_STEPS, MAX_VIRTUAL_WORKERS
 from hetpipe.buffers import raw_bytes
+from hetpipe.config import MAX_STEPS, MAX_VIRTUAL_WORKERS
 from hetpipe.wsp import clock_distance
 from ps_server.quorum import KeyRounds
 

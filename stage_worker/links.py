@@ -53,6 +53,8 @@ def handle_refused(exc: grpc.RpcError) -> bool:
     (out of its window, say), which the same codes answer and host memory would not mend."""
     details = exc.details() or ""
     return exc.code() in _REFUSED_HANDLE and any(word in details for word in _HANDLE_WORDS)
+
+
 _COPY_STREAMS: dict[torch.device, Any] = {}
 
 

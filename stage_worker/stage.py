@@ -12,9 +12,9 @@ import torch.fx.experimental.symbolic_shapes  # noqa: F401  # see below
 from torch import nn
 from torch.func import functional_call
 
+from hetpipe.buffers import raw_bytes
 from hetpipe.config import OptimizerConfig
 from hetpipe.optim import StageOptimizer, compute_dtype, compute_loss
-from hetpipe.buffers import raw_bytes
 
 
 # torch.autograd.grad imports symbolic_shapes (with sympy: 0.4 s) on its first call with
