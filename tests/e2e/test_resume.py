@@ -15,23 +15,21 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import yaml
 
+from conftest import BASE_JOB, deep_update
 from hetpipe import outputs
-from hetpipe.config import JobConfig
 from coordinator.checkpoints import latest
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 40
-
-
-def _job(make_job, name: str = "job.yaml", out: str = "out") -> JobConfig:
-    return make_job({
-        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}, "steps": STEPS, "checkpoint_every": 4},
-        "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": 1, "D": 0, "ps_shards": 2},
-        "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 4}]}],
-                    "emulate": {"forward_seconds": 0.02, "backward_seconds": 0.02}},
-        "output": {"trace": False, "dir": out},
-    }, name)
+JOB = deep_update(BASE_JOB, {
+    "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}, "steps": STEPS, "checkpoint_every": 4},
+    "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": 1, "D": 0, "ps_shards": 2},
+    "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 4}]}],
+                "emulate": {"forward_seconds": 0.02, "backward_seconds": 0.02}},
+    "output": {"trace": False, "dir": "out"},
+})
 
 
 def _hetpipe(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
@@ -48,31 +46,37 @@ def _first_cut(out: Path, run: subprocess.Popen[str]) -> int:
     return wave
 
 
-def _uninterrupted(tmp_path: Path) -> dict[str, torch.Tensor]:
-    """The same job, run to the end without a break (checkpoints included: they pause the stages)."""
-    run = _hetpipe(tmp_path, "run", "-q", "whole.yaml")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same job, run to the end without a break (checkpoints included: they pause the stages);
+    run once for both tests, each of which compares its resumed run with it."""
+    folder = tmp_path_factory.mktemp("whole")
+    (folder / "job.yaml").write_text(yaml.safe_dump(JOB))
+    run = _hetpipe(folder, "run", "-q", "job.yaml")
     _, err = run.communicate(timeout=240)
     assert run.returncode == 0, err
-    return outputs.read_weights(tmp_path / "whole")
+    return outputs.read_weights(folder / "out")
 
 
-def _resume_and_compare(job: JobConfig, tmp_path: Path) -> None:
+def _start(tmp_path: Path) -> subprocess.Popen[str]:
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(JOB))
+    return _hetpipe(tmp_path, "run", "-q", "job.yaml")
+
+
+def _resume_and_compare(tmp_path: Path, want: dict[str, torch.Tensor]) -> None:
     resumed = _hetpipe(tmp_path, "run", "-q", "--resume", "job.yaml")
     out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err
     wave = int(re.search(r"resuming from the checkpoint of wave (\d+)", err)[1])  # type: ignore[index]
     assert 0 < wave < STEPS
     final = outputs.read_weights(tmp_path / "out")
-    want = _uninterrupted(tmp_path)
     assert list(final) == list(want)
     for key in want:
         torch.testing.assert_close(final[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
 
 
-def test_kill_9_of_hetpipe_run_then_resume(make_job, tmp_path: Path) -> None:
-    job = _job(make_job)
-    _job(make_job, "whole.yaml", "whole")
-    run = _hetpipe(tmp_path, "run", "-q", "job.yaml")
+def test_kill_9_of_hetpipe_run_then_resume(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    run = _start(tmp_path)
     try:
         _first_cut(tmp_path / "out", run)
         family = psutil.Process(run.pid).children(recursive=True)  # the fork server and the workers
@@ -85,13 +89,11 @@ def test_kill_9_of_hetpipe_run_then_resume(make_job, tmp_path: Path) -> None:
     # Every worker notices within a second that its launcher is gone, and the fork server then exits.
     _, alive = psutil.wait_procs(family, timeout=20)
     assert not alive, f"left behind by the killed launcher: {[(p.pid, p.cmdline()[:3]) for p in alive]}"
-    _resume_and_compare(job, tmp_path)
+    _resume_and_compare(tmp_path, uninterrupted)
 
 
-def test_stop_then_resume(make_job, tmp_path: Path) -> None:
-    job = _job(make_job)
-    _job(make_job, "whole.yaml", "whole")
-    run = _hetpipe(tmp_path, "run", "-q", "job.yaml")
+def test_stop_then_resume(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    run = _start(tmp_path)
     try:
         _first_cut(tmp_path / "out", run)
         stop = subprocess.run([sys.executable, "-m", "launch.cli", "stop", "--job", "job.yaml"], cwd=tmp_path,
@@ -102,4 +104,4 @@ def test_stop_then_resume(make_job, tmp_path: Path) -> None:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     assert run.returncode != 0 and "stopped" in err, err
-    _resume_and_compare(job, tmp_path)
+    _resume_and_compare(tmp_path, uninterrupted)
