@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from itertools import cycle, islice
 from typing import Any
 
 from google.protobuf import message_factory
@@ -72,8 +73,9 @@ def hostile(descriptor: Descriptor, rnd: random.Random, depth: int = 0) -> Any:
                 target.SetInParent()
         elif repeated and count > 9 and field.type in (F.TYPE_STRING, F.TYPE_BYTES):  # many short names
             getattr(message, field.name).extend(f"key{i}" if field.type == F.TYPE_STRING else b"k" for i in range(count))
-        elif repeated:
-            getattr(message, field.name).extend(_scalar(field, rnd) for _ in range(count))
+        elif repeated:  # a long list repeats 9 drawn values: drawing 5000 makes the client the bottleneck
+            drawn = [_scalar(field, rnd) for _ in range(min(count, 9))]
+            getattr(message, field.name).extend(islice(cycle(drawn), count))
         else:
             setattr(message, field.name, _scalar(field, rnd))
     return message
