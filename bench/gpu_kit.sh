@@ -12,8 +12,8 @@
 #
 # Steps, in this order by default:
 #   env        nvidia-smi, the Python and package versions the steps run with
-#   tests      pytest -m cuda: pinned minibatches (tests/unit/test_data.py), CUDA IPC
-#              (tests/integration/test_cuda_ipc.py, test_links.py), the oracles on the GPU (tests/e2e/test_cuda.py)
+#   tests      pytest -m cuda over every test file that marks one: pinned minibatches, the device
+#              per thread, CUDA IPC, links, the oracles on the GPU (tests/e2e/test_cuda.py)
 #   transport  bench/transport.py --cuda: CUDA IPC and pinned shared memory vs a device-to-device copy
 #   gpu        bench/gpu.py: the 117.8M GPT in bf16, HetPipe layouts vs a plain loop, ddp, torch-pipeline
 #   peers      bench/peers.py: the CPU job's peers on this machine's GPUs
@@ -59,8 +59,8 @@ step() {  # step NAME OUT: one step, its output into OUT/NAME.txt and on the ter
         env)       cmd=(bash -c 'nvidia-smi; env | grep -E "^(CUDA_|PYTORCH_|NCCL_)" | sort; python3 -c "import sys, torch, grpc, google.protobuf as pb, safetensors
 print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())
 print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\", safetensors.__version__)"') ;;
-        tests)     cmd=(python3 -m pytest -q -p no:cacheprovider -m cuda tests/unit/test_data.py
-                        tests/integration/test_cuda_ipc.py tests/integration/test_links.py tests/e2e/test_cuda.py) ;;
+        tests)     mapfile -t files < <(grep -rlE --include='test_*.py' '^\s*@?pytest\.mark\.cuda\b' tests | sort)
+                   cmd=(python3 -m pytest -q -p no:cacheprovider -m cuda "${files[@]}") ;;
         transport) cmd=(python3 bench/transport.py --cuda) ;;
         gpu)       cmd=(python3 bench/gpu.py --json "$out/gpu.json") ;;
         peers)     cmd=(python3 bench/peers.py --json "$out/peers.json") ;;

@@ -48,6 +48,15 @@ def pick(requested: str) -> Device:
     raise ValueError(f"device {requested!r}: this machine has {have}")
 
 
+def make_current(device: Device) -> None:
+    """Makes device the calling thread's current CUDA device; nothing on the CPU. CUDA keeps the
+    current device per thread, 0 until set, so on a host of several GPUs anything that says only
+    "cuda" (a user's model factory, autocast, a stream asked for without a device) would reach
+    cuda:0 from a stage that computes on cuda:3."""
+    if device.kind == "cuda":
+        torch.cuda.set_device(device.name)
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
     import resource

@@ -90,6 +90,7 @@ class StageRuntime:
     def _load(self, setup: Setup) -> None:
         started = time.monotonic()
         try:
+            devices.make_current(setup.device)   # the user's factory runs here
             loaded = Loaded(setup, on_failure=self.fail, wake=self.wake, next_forward=self._next_forward,
                             progress=self._loading)
         except Exception as exc:  # a model that does not build, or does not fit the assignment
@@ -247,6 +248,7 @@ class StageRuntime:
             run |= {TaskKind.FORWARD: micro.forward, TaskKind.BACKWARD: micro.backward,
                     TaskKind.FORWARD_BACKWARD: micro.forward_backward}
         try:
+            devices.make_current(s.setup.device)
             while (task := self._next_task(s)) is not None:
                 started = time.monotonic()
                 outgoing, forward = run[task.kind](s, task)

@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "bench" / "gpu_kit.sh"
+CUDA_MARK = re.compile(r"^\s*@?pytest\.mark\.cuda\b", re.MULTILINE)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,8 +32,10 @@ def test_the_tests_step_runs_every_cuda_test_file_and_keeps_its_output(tmp_path:
     done = kit("run", tmp_path / "out", "tests", site=tmp_path / "site")
     assert done.returncode == 0, done.stdout + done.stderr
     out = (tmp_path / "out" / "tests.txt").read_text()
-    for name in ("test_data.py", "test_cuda_ipc.py", "test_links.py", "test_cuda.py"):
-        assert name in out
+    marked = [path.name for path in ROOT.glob("tests/**/test_*.py") if CUDA_MARK.search(path.read_text())]
+    assert {"test_data.py", "test_devices.py", "test_cuda_ipc.py", "test_links.py", "test_cuda.py"} <= set(marked)
+    for name in marked:
+        assert name in out, f"{name} has cuda tests the kit did not run"
     assert re.search(r"\d+ (skipped|passed)", out) and "=== tests: exit 0" in out
     assert "every step passed" in done.stdout
 
