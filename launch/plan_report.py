@@ -1,0 +1,90 @@
+"""What `hetpipe plan` prints: the plan's table, and Pal et al.'s DP-vs-hybrid projection."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from hetpipe.config import ConfigError, JobConfig, with_overrides
+from hetpipe.units import format_bytes, format_seconds
+from coordinator.planner import Plan, PlanError, make_plan
+from coordinator.planner import projection
+from coordinator.planner.plan import NM_MEMORY_LIMIT
+
+
+def planned_su_mp(job: JobConfig, plan: Plan) -> float:
+    """SU^M for M = stages_per_vw: the plan's predicted samples/s per VW over a one-stage plan's
+    (on the one GPU the planner picks). A HetPipe VW pipelines nm minibatches with stale weights,
+    so this is an upper bound on the per-step speedup the paper means: staleness is not counted."""
+    if plan.stages_per_vw < 2:
+        raise ConfigError("su_mp: missing, and the job's plan has 1 stage per VW to take it from")
+    try:
+        single = make_plan(with_overrides(job, parallel={"virtual_workers": 1, "stages_per_vw": 1, "nm": 1}))
+    except (ConfigError, PlanError) as exc:
+        raise ConfigError(f"su_mp: missing, and the job has no one-stage plan to compare with ({exc})") from None
+    return plan.predicted_samples_per_second / plan.virtual_workers / single.predicted_samples_per_second
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path: Path) -> str:
+    """The plan, a row per stage, and its predicted throughput beside a measured one (from
+    summary_path) when a run has left one."""
+    bound = min(plan.max_m)
+    shards = plan.shards if plan.virtual_workers > 1 else 0
+    lines = [
+        f"policy {plan.policy}, {_count(plan.virtual_workers, 'virtual worker')} x {_count(plan.stages_per_vw, 'stage')}, "
+        f"nm {plan.nm} (memory allows up to {bound}{'+' if bound >= NM_MEMORY_LIMIT else ''}), D {plan.D}, "
+        f"s_global {plan.s_global} minibatches, {_count(shards, 'ps shard')}" + (" (emulated GPUs)" if plan.emulated else "")
+    ]
+    network = job.emulate.network if job.emulate else None
+    if network is not None:
+        lines.append(f"emulated network: {network.intra_node_gbs:g} GB/s in a node, {network.inter_node_gbs:g} GB/s "
+                     f"between nodes, {network.latency_s * 1e6:g} us latency; send and push are per transfer")
+    times = ("forward", "backward", "receive") + (("send", "push") if network else ())
+    header = f"{'vw':>3} {'stage':>5}  {'node':<8}{'gpu':<24}{'layers':<34}{'memory (need / have)':>24}"
+    lines.append(header + "".join(f"{t:>10}" for t in times) + "   (times per minibatch)")
+    for s in plan.stages:
+        memory = f"{format_bytes(s.memory_bytes)} / {format_bytes(s.capacity_bytes)}"
+        layers = f"[{s.layer_begin},{s.layer_end}) {s.layer_names}"
+        values = [s.predicted_forward_seconds, s.predicted_backward_seconds, s.receive_seconds]
+        if network:
+            values += [s.next_send_seconds, s.push_seconds]
+        lines.append(f"{s.vw:>3} {s.stage:>5}  {s.node:<8}{s.label:<24}{layers:<34}{memory:>24}"
+                     + "".join(f"{format_seconds(v):>10}" for v in values))
+    lines.append(f"max nm per vw (memory): {list(plan.max_m)}")
+    for gpu, fits in sorted(plan.dp_only.items()):
+        if not fits:
+            lines.append(f"{gpu}: the whole model does not fit on one GPU; data parallelism alone cannot use it")
+    line = f"predicted throughput: {plan.predicted_samples_per_second:.1f} samples/s"
+    if job.parallel.schedule != "hetpipe":  # the simulator models L1-L4, not the micro-batch schedules
+        line += f" (as schedule hetpipe at nm {plan.nm}; schedule {job.parallel.schedule} is not simulated)"
+    if measured is not None:
+        ratio = plan.predicted_samples_per_second / measured if measured else float("nan")
+        line += f"; measured {measured:.1f} samples/s in {summary_path} (predicted/measured {ratio:.2f})"
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def projection_table(inputs: projection.Inputs, job: JobConfig,
+                     plan: Plan) -> tuple[str, list[dict[str, object]]]:
+    """The projection's table and its rows as JSON; ConfigError names what is wrong with inputs."""
+    source = "su_mp from the projection file"
+    if not inputs.su_mp:
+        k = plan.stages_per_vw
+        su = planned_su_mp(job, plan)
+        inputs = dataclasses.replace(inputs, su_mp={k: su})
+        source = (f"su_mp {k}: {su:.3f} from the plan's predicted throughput, {k}-stage VW over one stage "
+                  f"(pipelined, staleness not counted)")
+    rows = projection.project(inputs)
+    lines = [f"projection (Pal et al. 2019, Eq. 3-6){' for ' + inputs.model if inputs.model else ''}: "
+             f"mini-batch {inputs.mini_batch} per device; {source}",
+             f"{'devices':>7} {'DP x MP':>9} {'DP-only SU':>11} {'hybrid SU':>10} {'hybrid/DP':>10}  recommendation"]
+    for r in rows:
+        lines.append(f"{r.devices:>7} {f'{r.n} x {r.m}':>9} {r.su_dp:>11.2f} {r.su_hybrid:>10.2f} {r.ratio:>10.3f}"
+                     f"  {r.strategy}")
+    table = [{"devices": r.devices, "n": r.n, "m": r.m, "su_dp": r.su_dp, "su_hybrid": r.su_hybrid,
+              "ratio": r.ratio, "recommendation": r.strategy} for r in rows]
+    return "\n".join(lines), table
