@@ -3,7 +3,6 @@ progress files (worker side), emulated-time padding, and the outputs (model.safe
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -21,7 +20,7 @@ from hetpipe import children, devices
 from hetpipe.children import Child
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed
-from hetpipe.optim import compute_dtype
+from hetpipe.optim import autocast, compute_dtype
 
 # Hard limit (seconds) for the rendezvous and for every collective or point-to-point operation,
 # and for the launcher to see no progress at all; raised for long emulated steps.
@@ -229,19 +228,6 @@ def recent_mean(losses: Sequence[float]) -> float:
     return sum(tail) / len(tail) if tail else float("nan")
 
 
-def autocast(job: JobConfig, device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """train.precision as HetPipe's stages apply it: the forward under autocast to the compute
-    dtype, the weights and the optimizer in train.dtype."""
-    dtype = compute_dtype(job.train.precision)
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-
-
-def for_loss(job: JobConfig, out: torch.Tensor) -> torch.Tensor:
-    """A model's output as the loss reads it: in float32 under a 16-bit precision, as the last
-    stage's is (train.dtype otherwise: float64 stays float64)."""
-    return out.float() if compute_dtype(job.train.precision) is not None else out
-
-
 @torch.no_grad()
 def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> dict[str, Any]:
     """The held-out evaluation of a whole model (eval.rows rows, as the HetPipe stages read them):
@@ -257,7 +243,7 @@ def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> di
     with torch.no_grad():
         for batch in data.eval_batches(job, held_out, job.eval.rows):
             x, y = data.read_rows(job, held_out, batch)
-            with autocast(job, device):
+            with autocast(compute_dtype(job.train.precision), device.type):
                 out = model(x.to(device)).float()
             y = y.to(device)
             loss += float(compute_loss(job.train.loss, out, y)) * len(batch)

@@ -227,7 +227,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     from safetensors.torch import save_file
 
     from hetpipe import data
-    from hetpipe.optim import compute_loss, make_optimizer
+    from hetpipe.optim import autocast, compute_dtype, compute_loss, for_loss, make_optimizer
     from hetpipe.reference import initial_model, minibatch
 
     job = JobConfig.from_json(spec["job_json"])
@@ -255,6 +255,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     progress = common.Progress(spec["work_dir"], rank)
     losses: list[float] = []
     wait = compute = 0.0
+    dtype = compute_dtype(job.train.precision)
     dist.barrier()
     start = time.monotonic()
     for p in range(1, job.train.steps + 1):
@@ -262,8 +263,8 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         for b in buffers:  # like torch DDP: every rank's forward uses rank 0's buffers (BatchNorm stats)
             dist.broadcast(b, 0)
         x, y = minibatch(order, dataset, p, rank)
-        with common.autocast(job, device):
-            loss = compute_loss(job.train.loss, common.for_loss(job, model(x.to(device))), y.to(device))
+        with autocast(dtype, device.type):   # train.precision as the stages apply it; weights stay in train.dtype
+            loss = compute_loss(job.train.loss, for_loss(dtype, model(x.to(device))), y.to(device))
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         flat = torch.cat([(torch.zeros_like(w) if g is None else g).reshape(-1) for w, g in zip(params, grads)])
         if device.type == "cuda":

@@ -21,6 +21,7 @@ from torch import nn
 
 from hetpipe.config import ConfigError, JobConfig, with_overrides
 from hetpipe import faults, outputs
+from hetpipe.optim import autocast, to_compute
 from baselines import common
 
 SCHEDULE_NAMES = {"hetpipe": "gpipe", "gpipe": "gpipe", "1f1b": "1f1b"}  # unset (hetpipe) means GPipe
@@ -133,14 +134,8 @@ class _Timed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         started = time.time()
-        if self.dtype is None:
-            out = self.layers(x.to(self.compute))
-        else:
-            # As HetPipe's stages: autocast, and the boundary in the compute dtype whatever autocast
-            # kept in float32 (a layer norm's output, say), so both ends agree on its dtype.
-            with torch.autocast(self.compute.type, dtype=self.dtype):
-                out = self.layers(x.to(self.compute))
-            out = out.to(self.dtype) if out.is_floating_point() else out
+        with autocast(self.dtype, self.compute.type):   # as HetPipe's stages, boundary included
+            out = to_compute(self.dtype, self.layers(x.to(self.compute)))
         if self.io is not None:
             out = out.to(self.io)
         if self._padding:
@@ -166,7 +161,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     from safetensors.torch import save_file
 
     from hetpipe import data, models
-    from hetpipe.optim import compute_dtype, compute_loss, make_optimizer
+    from hetpipe.optim import compute_dtype, compute_loss, for_loss, make_optimizer
     from hetpipe.reference import minibatch
 
     job = JobConfig.from_json(spec["job_json"])
@@ -184,9 +179,10 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     params = list(layers.parameters())
     optimizer = make_optimizer(params, job.train.optimizer) if params else None
     first, last = rank == 0, rank == k - 1
+    dtype = compute_dtype(job.train.precision)
     timed = _Timed(layers, float(me["forward_seconds"]) / m, float(me["backward_seconds"]) / m,
                    faults.Padder(faults.from_env(), 0, (job.train.seed, "torch-pipeline", rank)),
-                   device, None if last or io == device else io, compute_dtype(job.train.precision))
+                   device, None if last or io == device else io, dtype)
     order = with_overrides(job, parallel={"virtual_workers": 1})  # one pipeline reads the whole stream
     dataset = data.training_set(job) if (first or last) else None
 
@@ -195,7 +191,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     kind = job.train.loss
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return compute_loss(kind, common.for_loss(job, output), target)
+        return compute_loss(kind, for_loss(dtype, output), target)
 
     schedule_type = Schedule1F1B if spec["schedule"] == "1f1b" else ScheduleGPipe
     schedule = schedule_type(stage, m, loss_fn=loss_fn, scale_grads=True)

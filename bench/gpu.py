@@ -58,7 +58,7 @@ def plain_loop(path: str) -> dict[str, Any]:
 
     from hetpipe import data
     from hetpipe.config import load_job
-    from hetpipe.optim import compute_dtype, compute_loss, make_optimizer
+    from hetpipe.optim import autocast, compute_dtype, compute_loss, make_optimizer
     from hetpipe.reference import initial_model, minibatch
 
     job = load_job(path)
@@ -71,7 +71,7 @@ def plain_loop(path: str) -> dict[str, Any]:
     for p in range(1, job.train.steps + 1):
         x, y = minibatch(job, dataset, p, 0)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+        with autocast(dtype, device):
             loss = compute_loss(job.train.loss, model(x), y)
         loss.backward()
         optimizer.step()

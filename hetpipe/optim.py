@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +21,23 @@ def compute_dtype(precision: str) -> torch.dtype | None:
     """The autocast dtype of train.precision (None: the model's own dtype); activations and
     gradients travel between stages in it."""
     return COMPUTE_DTYPES[precision]
+
+
+def autocast(dtype: torch.dtype | None, device_type: str) -> contextlib.AbstractContextManager[object]:
+    """The forward under autocast to compute dtype `dtype` (compute_dtype's); nothing for None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
+
+
+def to_compute(dtype: torch.dtype | None, t: torch.Tensor) -> torch.Tensor:
+    """A tensor as it crosses a stage boundary: floating ones in the compute dtype, whatever
+    autocast kept in float32 (a layer norm's output, say), so that both ends agree on it."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def for_loss(dtype: torch.dtype | None, out: torch.Tensor) -> torch.Tensor:
+    """A model's output as the loss reads it: float32 under a 16-bit compute dtype, its own
+    otherwise (float64 stays float64)."""
+    return out.float() if dtype is not None else out
 
 
 def use_foreach(params: Sequence[torch.Tensor]) -> bool:

@@ -14,7 +14,7 @@ from torch.func import functional_call
 
 from hetpipe.buffers import raw_bytes
 from hetpipe.config import OptimizerConfig
-from hetpipe.optim import StageOptimizer, compute_dtype, compute_loss
+from hetpipe.optim import StageOptimizer, autocast, compute_dtype, compute_loss, for_loss, to_compute
 
 
 # torch.autograd.grad imports symbolic_shapes (with sympy: 0.4 s) on its first call with
@@ -68,13 +68,11 @@ class StageCompute:
         self._summed: Grads | None = None
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
-        if self.compute_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self._device_type, dtype=self.compute_dtype)
+        return autocast(self.compute_dtype, self._device_type)
 
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         """What leaves the stage: floating tensors in the compute dtype."""
-        return t.to(self.compute_dtype) if self.compute_dtype is not None and t.is_floating_point() else t
+        return to_compute(self.compute_dtype, t)
 
     def _current_leaves(self) -> dict[str, torch.Tensor]:
         if not self.stash:
@@ -128,7 +126,7 @@ class StageCompute:
             x = x.detach().requires_grad_(True)
         with self._autocast():
             out = self._call(leaves, x)
-            loss = compute_loss(self.loss_kind, out.float() if self.compute_dtype is not None else out, target)
+            loss = compute_loss(self.loss_kind, for_loss(self.compute_dtype, out), target)
         forward_end = time.time()
         stashed = _Stashed(self.version, leaves, x, loss * scale if scale != 1.0 else loss)
         grad_in, grads = self._grads(stashed, stashed.out, None)
@@ -166,7 +164,7 @@ class StageCompute:
             x = x.detach().requires_grad_(True)
         with self._autocast():
             out = self.module(x)
-            loss = compute_loss(self.loss_kind, out.float() if self.compute_dtype is not None else out, target)
+            loss = compute_loss(self.loss_kind, for_loss(self.compute_dtype, out), target)
         self._micro[unit] = _Stashed(self.version, self._live(), x, loss * weight)
         return loss.detach()
 
