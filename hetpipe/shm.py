@@ -28,6 +28,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -42,7 +43,7 @@ _CREATING = ".new"   # a segment being made: locked, then renamed to its name
 _MAGIC = b"HPSHM\x01\x00\x00"
 _HEADER = struct.Struct("<8sQQ")       # magic, version (seqlock: odd while being written), capacity
 HEADER_BYTES = 64                      # data starts on its own cache line
-_PAGE = mmap.PAGESIZE
+PAGE = mmap.PAGESIZE
 _GIL_FREE_FROM = 1 << 16               # bytes: below, a slice assignment is cheaper than numpy's call
 
 
@@ -209,6 +210,12 @@ class Segment:
         os.close(self._fd)
 
 
+class Writer(Protocol):
+    """Where a sender puts a bundle's bytes for a peer on this host: a Ring, or a shard's pull slots."""
+
+    def write(self, pieces: Sequence[memoryview]) -> wire_pb2.ShmRef: ...
+
+
 class Ring:
     """A sender's segments for one peer, used in turn: with `slots` of them a slot is rewritten
     only after that many later bundles, by which time the peer has long copied it out (a sender
@@ -232,7 +239,7 @@ class Ring:
             if segment is None or segment.capacity < nbytes:
                 if segment is not None:
                     segment.close()
-                segment = self._slots[i] = Segment(capacity(nbytes, _PAGE))
+                segment = self._slots[i] = Segment(capacity(nbytes, PAGE))
             version = segment.write(pieces)
             self.bytes_written += nbytes
             return wire_pb2.ShmRef(name=segment.name, version=version, nbytes=nbytes)

@@ -143,7 +143,7 @@ def encode(
     commit: wire_pb2.CommitTag | None = None,
     exchange: wire_pb2.ExchangeTag | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-    ring: shm.Ring | None = None,
+    ring: shm.Writer | None = None,
     cuda: tuple[wire_pb2.ShmRef, wire_pb2.CudaRef] | None = None,
 ) -> Iterator[bytes]:
     """The frames of one tensor bundle, serialized: the first carries the header and metas.

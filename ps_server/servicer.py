@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -18,11 +17,11 @@ from hetpipe.rpc import handler
 from hetpipe.v1 import ps_pb2, wire_pb2
 from ps_server.durability import Durability
 from ps_server.metrics import ShardSnapshot
+from ps_server.pull_slots import PullSlots
 from ps_server.shard import Shard, ShardError, SyncRule
 from ps_server.trace import ShardTrace
 
 R = TypeVar("R")
-MAX_PULL_RINGS = 256  # far more pullers than a job has stages; bounds what a caller can make it keep
 
 _CODES = {
     ShardError.Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -66,8 +65,7 @@ class ShardServicer:
         self.index: int | None = None  # this shard's place in the plan, from Init (the `shard` label)
         self.trace = ShardTrace(trace_dir)  # written under self._cv, which every push and pull holds anyway
         self.reader = shm.Reader()  # pushes from stages on this host
-        # Pull replies to stages on this host, a ring per puller (its VW and keys), the most recent kept.
-        self._pull_rings: OrderedDict[tuple[int, tuple[str, ...]], shm.Ring] = OrderedDict()
+        self.pull_slots = PullSlots()  # pull replies to stages on this host
 
     def _index_path(self) -> Path | None:
         return None if self.durability is None else self.durability.dir / "shard_index"
@@ -236,13 +234,18 @@ class ShardServicer:
                         )
                     self._cv.wait(min(left, 0.5))
                 answering = time.time()
-                # Through shared memory the values are written into the puller's slot right here,
-                # under the lock, instead of cloned here and copied again outside it.
+                # Through shared memory the values are written into a slot right here, under the
+                # lock, instead of cloned here and copied again outside it; the VWs that pull the
+                # same generation after it share that slot.
                 result = self.shard.pull(request.vw, keys, copy=not request.shm)
                 tag = wire_pb2.PullTag(c_global=result.c_global, own_clock=result.own_clock,
                                        vw_clocks=result.vw_clocks)
-                reply = (list(wire.encode(result.values, pull=tag, ring=self._pull_ring(request.vw, keys)))
-                         if request.shm else wire.encode(result.values, pull=tag))
+                reply: Iterable[bytes]
+                if request.shm:
+                    slots = self.pull_slots.writer(request.vw, keys, self.shard.generation)
+                    reply = list(wire.encode(result.values, pull=tag, ring=slots))
+                else:
+                    reply = wire.encode(result.values, pull=tag)
             except ShardError as exc:
                 raise _rejected(exc) from None
             self.trace.record("pull", request.vw, request.min_clock, answering, time.time(), requested=requested,
@@ -250,17 +253,6 @@ class ShardServicer:
             self.pull_wait_seconds += time.monotonic() - started
             self.sent_bytes += _payload_bytes(result.values)
         return iter(reply)
-
-    def _pull_ring(self, vw: int, keys: list[str]) -> shm.Ring:
-        """The ring a puller's replies go through (its keys were checked: at most one per stage).
-        Called under the lock."""
-        # One slot: a puller pulls again only once it has copied the last reply out (and one that
-        # did not gets FAILED_PRECONDITION and pulls in frames): /dev/shm holds one copy per puller.
-        ring = self._pull_rings.pop((vw, tuple(keys)), None) or shm.Ring(slots=1)
-        self._pull_rings[(vw, tuple(keys))] = ring
-        while len(self._pull_rings) > MAX_PULL_RINGS:
-            self._pull_rings.popitem(last=False)[1].close()
-        return ring
 
     @handler
     def Status(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> ps_pb2.ShardStatus:

@@ -120,6 +120,13 @@ class Shard:
     def ready(self) -> bool:
         return self.virtual_workers > 0
 
+    @property
+    def generation(self) -> tuple[int, int, int]:
+        """Differs whenever the values may have changed since: only an applied push or exchange
+        changes them, or an eviction (a quorum round may close). Init adds keys and leaves the
+        values of the others; restore builds a new servicer."""
+        return self.pushes_applied, self.exchanges_applied, len(self.evicted)
+
     def check_init(self, virtual_workers: int, rule: SyncRule = SyncRule()) -> None:
         if not 1 <= virtual_workers <= MAX_VIRTUAL_WORKERS:
             raise ShardError(ShardError.Kind.INVALID,
