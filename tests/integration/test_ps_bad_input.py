@@ -451,3 +451,39 @@ def test_bad_shared_memory_handles_are_refused_and_change_nothing(ps: InProcess)
     # Without a reader the client cannot take such an answer: it must ask in gRPC frames.
     with pytest.raises(wire.WireError, match="takes no shared-memory handles"):
         wire.decode(iter(first))
+
+
+def test_pulls_through_shared_memory_share_a_generation_and_see_every_push(ps: InProcess) -> None:
+    """Two VWs that pull one generation of the values share the shard's one copy, each with its own
+    clocks; a duplicate push leaves that copy current, an applied one makes the next pull a new
+    copy, and the old one stays intact for a VW that may still be reading it."""
+    c, reader = ps.client, shm.Reader()
+
+    def shm_pull(vw: int) -> tuple[wire_pb2.TensorFrame, wire.Bundle]:
+        frames = list(c.stub.Pull(ps_pb2.PullRequest(vw=vw, keys=KEYS, shm=True), timeout=CALL_S))
+        assert len(frames) == 1
+        return frames[0], wire.decode(iter(frames), reader=reader)
+
+    def assert_values(bundle: wire.Bundle, expected: dict[str, torch.Tensor]) -> None:
+        for k, v in bundle.tensors:
+            assert torch.equal(v, expected[k]), k
+
+    written = ps.servicer.pull_slots.bytes_written
+    frame1, pulled1 = shm_pull(1)
+    frame0, pulled0 = shm_pull(0)
+    assert frame0.shm == frame1.shm, "the second VW's pull of one generation was copied again"
+    assert ps.servicer.pull_slots.bytes_written == written + frame0.shm.nbytes
+    assert list(pulled1.header.pull.own_clock) == [1, 1] and list(pulled0.header.pull.own_clock) == [2, 2]
+    assert_values(pulled0, ps.expected)
+    assert_values(pulled1, ps.expected)
+    old = dict(ps.expected)
+
+    assert c.push(0, 1, delta(0, 1)).duplicate
+    assert shm_pull(1)[0].shm == frame0.shm, "a duplicate push changed the generation"
+    assert not c.push(1, 1, delta(1, 1)).duplicate
+    for k, d in delta(1, 1):
+        ps.expected[k] = ps.expected[k] + d
+    frame1, pulled1 = shm_pull(1)
+    assert frame1.shm.name != frame0.shm.name, "a slot that VW 0 may still read was rewritten"
+    assert_values(pulled1, ps.expected)
+    assert_values(wire.decode(iter([frame0]), reader=reader), old)
