@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import multiprocessing.util
 import os
+import re
+import shutil
 import sys
 import tempfile
 import time
@@ -30,6 +34,54 @@ class Process(Child):
         return self.args[self.args.index("-m") + 1]
 
 
+class RunDir:
+    """A launcher's scratch folder (its workers' ready files), locked for as long as the launcher
+    lives. sweep() removes the folders of launchers that died without cleaning up (kill -9), with
+    the folder multiprocessing made for their fork server, which outlives them the same way."""
+
+    PREFIX = "hetpipe-run-"
+    _LOCK = "owner.lock"
+    _FORKSERVER_DIR = "forkserver_dir"
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix=self.PREFIX))
+        # Locked under another name, then renamed: sweep() never finds the lock file unlocked.
+        making = self.path / f"{self._LOCK}.new"
+        self._fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        os.rename(making, self.path / self._LOCK)
+        (self.path / self._FORKSERVER_DIR).write_text(multiprocessing.util.get_temp_dir())
+
+    def cleanup(self) -> None:
+        if self._fd >= 0:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.close(self._fd)
+            self._fd = -1
+
+    @classmethod
+    def sweep(cls) -> list[str]:
+        """Removes every run folder whose launcher has ended (nobody holds its lock); returns them."""
+        removed = []
+        root = Path(tempfile.gettempdir())
+        for path in root.glob(f"{cls.PREFIX}*"):
+            try:
+                fd = os.open(path / cls._LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue  # not a run folder, or one still being made
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its launcher lives
+            finally:
+                os.close(fd)
+            forkserver = Path((path / cls._FORKSERVER_DIR).read_text() if (path / cls._FORKSERVER_DIR).exists() else "")
+            if forkserver.parent == root and re.fullmatch(r"pymp-\w+", forkserver.name):
+                shutil.rmtree(forkserver, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+        return removed
+
+
 @dataclass
 class LocalProcesses:
     """A set of service processes on loopback, each with its own log file."""
@@ -41,14 +93,16 @@ class LocalProcesses:
 
     def __post_init__(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._tmp = tempfile.TemporaryDirectory(prefix="hetpipe-")
-        shm.sweep()  # what an earlier run on this host left when it was killed whole (kill -9 of its group)
+        # What an earlier run on this host left when it was killed whole (kill -9 of its group).
+        shm.sweep()
+        RunDir.sweep()
+        self._run_dir = RunDir()
 
     def spawn(self, module: str, name: str, extra: list[str] | None = None, *, port: int = 0) -> Process:
         """Starts `python -m module` on port (0: any free one; a fixed one when it must be known
         beforehand, as for --advertise)."""
         slug = name.replace(" ", "_")
-        ready = Path(self._tmp.name) / f"{slug}.ready"
+        ready = self._run_dir.path / f"{slug}.ready"
         log_path = self.log_dir / f"{slug}.log"
         args = [sys.executable, "-m", module, "--host", self.host, "--metrics-port", "0",
                 "--ready-file", str(ready), "--exit-with-parent", *(extra or [])]
@@ -107,7 +161,7 @@ class LocalProcesses:
         children.stop(self.processes, grace)
         # A process that was killed (or crashed) could not remove its shared-memory segments.
         shm.sweep()
-        self._tmp.cleanup()
+        self._run_dir.cleanup()
 
     def __enter__(self) -> LocalProcesses:
         return self

@@ -80,6 +80,9 @@ def test_kill_9_of_hetpipe_run_then_resume(uninterrupted: dict[str, torch.Tensor
     try:
         _first_cut(tmp_path / "out", run)
         family = psutil.Process(run.pid).children(recursive=True)  # the fork server and the workers
+        ready = next(Path(a).parent for p in family for a in p.cmdline() if a.endswith(".ready"))
+        left = [ready, Path((ready / "forkserver_dir").read_text())]  # the launcher's scratch folders
+        assert all(p.is_dir() for p in left)
         os.kill(run.pid, signal.SIGKILL)  # the launcher alone: its workers follow it (exit with parent)
         run.wait(30)
     finally:
@@ -90,6 +93,7 @@ def test_kill_9_of_hetpipe_run_then_resume(uninterrupted: dict[str, torch.Tensor
     _, alive = psutil.wait_procs(family, timeout=20)
     assert not alive, f"left behind by the killed launcher: {[(p.pid, p.cmdline()[:3]) for p in alive]}"
     _resume_and_compare(tmp_path, uninterrupted)
+    assert not any(p.exists() for p in left), f"the next launcher did not sweep {left}"
 
 
 def test_stop_then_resume(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
