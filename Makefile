@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/hetpipe run examples/quickstart.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
 
 # The compose cluster and the `hetpipe k8s` manifests brought up for real with podman, trained and
 # torn down (tests/containers/bringup.py; minutes, so not part of `make test`). Prints "SKIPPED: ..."
