@@ -53,10 +53,12 @@ def test_paper_cluster_learns(tmp_path: Path) -> None:
         "model": {"name": "resnet152", "args": {"in_shape": [1, 8, 8], "num_classes": 10, "width": 0.125}},
         "data": {"name": "digits", "shuffle": True, "eval_fraction": 0.2},
         "eval": {"rows": 352},
-        "train": {"steps": 100, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
+        "train": {"steps": 150, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
         "parallel": {"virtual_workers": 1},
     }))
     summary = run_local(job, quiet=True)
     assert sorted(s["gpu"] for s in summary["plan"]) == sorted(
         f"{t} (emulated)" for t in ("titan-v", "titan-rtx", "rtx-2060", "quadro-p4000"))
-    assert summary["eval_accuracy"] >= 0.25, summary["eval_accuracy"]  # chance: 0.1; the example states ~0.37
+    # Chance is 0.1. One VW's staleness follows the timing, so runs differ: after 100 steps the
+    # accuracy was 0.205-0.352 in 9 runs (one CI run failed at 0.230); after 150, 0.295-0.412 in 8.
+    assert summary["eval_accuracy"] >= 0.25, summary["eval_accuracy"]
