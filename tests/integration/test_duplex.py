@@ -30,10 +30,12 @@ class Echo:
         self.opened = 0
         self.ended: list[str] = []
         self.release = threading.Event()
+        self.contexts: list[grpc.ServicerContext] = []
 
     @rpc.handler
     def ForwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
         self.opened += 1
+        self.contexts.append(context)
         try:
             for frame in frames:
                 if frame == b"bad":
@@ -139,6 +141,13 @@ def test_close_cancels_a_stream_the_server_does_not_end(echo: tuple[Echo, rpc.St
     duplex.close(grace_s=0.3)
     caller.join(5)
     assert not caller.is_alive() and time.monotonic() - start < 3
+    # The cancellation reaches the server's side of the stream on gRPC's own threads: on a busy
+    # machine that can come after close() returns. Released before it, the handler would see the
+    # client's half-close first and end as if closed in good order.
+    deadline = time.monotonic() + 5
+    while servicer.contexts[-1].is_active() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not servicer.contexts[-1].is_active(), "close() did not cancel a stream the server held open"
     servicer.release.set()
     deadline = time.monotonic() + 5
     while not servicer.ended and time.monotonic() < deadline:
