@@ -74,7 +74,10 @@ class RunDir:
                 continue  # its launcher lives
             finally:
                 os.close(fd)
-            forkserver = Path((path / cls._FORKSERVER_DIR).read_text() if (path / cls._FORKSERVER_DIR).exists() else "")
+            try:
+                forkserver = Path((path / cls._FORKSERVER_DIR).read_text())
+            except OSError:
+                forkserver = Path()
             if forkserver.parent == root and re.fullmatch(r"pymp-\w+", forkserver.name):
                 shutil.rmtree(forkserver, ignore_errors=True)
             shutil.rmtree(path, ignore_errors=True)

@@ -24,8 +24,9 @@ class _Slot:
 class PullSlots:
     """The shard's slots per key set (one stage's keys). A slot is written only once every VW it
     went to has pulled these keys again, so has copied its last reply out: with D = 0 all the VWs
-    pull one generation and share one slot, and a group holds at most one slot per VW plus one.
-    Not thread-safe: the shard calls it under its lock, as it reads the values."""
+    pull one generation and share one slot. A VW holds one slot at most, and a new one is made
+    only when every slot is held, so a group holds at most one slot per VW. Not thread-safe: the
+    shard calls it under its lock, as it reads the values."""
 
     def __init__(self, max_groups: int = MAX_GROUPS) -> None:
         self._groups: OrderedDict[tuple[str, ...], list[_Slot]] = OrderedDict()
@@ -65,10 +66,10 @@ class _Writer:
     def write(self, pieces: Sequence[memoryview]) -> wire_pb2.ShmRef:
         """The handle of a slot holding pieces; OSError where /dev/shm has no room."""
         group = self._group
-        slot = next((s for s in group if s.ref is not None and s.generation == self._generation), None)
-        if slot is not None and slot.ref is not None:
-            slot.holders.add(self._vw)
-            return slot.ref
+        for held in group:
+            if held.ref is not None and held.generation == self._generation:
+                held.holders.add(self._vw)
+                return held.ref
         nbytes = sum(len(p) for p in pieces)
         slot = next((s for s in group if not s.holders), None)
         if slot is not None and slot.segment.capacity < nbytes:
