@@ -66,6 +66,7 @@ class ShardServicer:
         self.trace = ShardTrace(trace_dir)  # written under self._cv, which every push and pull holds anyway
         self.reader = shm.Reader()  # pushes from stages on this host
         self.pull_slots = PullSlots()  # pull replies to stages on this host
+        self._unsaved = False  # an Init or Evict is in memory but its checkpoint failed
 
     def _index_path(self) -> Path | None:
         return None if self.durability is None else self.durability.dir / "shard_index"
@@ -89,6 +90,14 @@ class ShardServicer:
             with self._cv:
                 self.durability.checkpoint(self.shard)
                 self.durability.close()
+
+    def _checkpoint_change(self, fresh: bool) -> None:
+        """Init and Evict are acknowledged once a checkpoint holds them. Their retries change
+        nothing, so a change whose checkpoint failed is checkpointed by the retry."""
+        if self.durability is not None and (fresh or self._unsaved):
+            self._unsaved = True
+            self.durability.checkpoint(self.shard)
+            self._unsaved = False
 
     def _check_init(self, stream: wire.Stream) -> None:
         if stream.header.WhichOneof("header") != "init":
@@ -120,8 +129,7 @@ class ShardServicer:
                                         list(bundle.header.init.clocks), _sync_rule(bundle.header.init))
             except ShardError as exc:
                 raise _rejected(exc) from None
-            if fresh and self.durability is not None:
-                self.durability.checkpoint(self.shard)
+            self._checkpoint_change(fresh)
             self.index = int(bundle.header.init.shard)
             self.trace.open(self.index, append=False)
             path = self._index_path()
@@ -204,8 +212,7 @@ class ShardServicer:
                 fresh = self.shard.evict(request.vw)
             except ShardError as exc:
                 raise _rejected(exc) from None
-            if fresh and self.durability is not None:  # a restarted shard must not wait for it again
-                self.durability.checkpoint(self.shard)
+            self._checkpoint_change(fresh)  # a restarted shard must not wait for it again
             self._cv.notify_all()  # pulls waiting on its clock may now be answered
         return wire_pb2.Ack(message=f"vw {request.vw} evicted" if fresh else f"vw {request.vw} was evicted already")
 

@@ -233,6 +233,45 @@ def test_push_whose_log_write_fails_is_not_applied(ps: InProcess, tmp_path: Path
     assert restored.c_global() == 2
 
 
+def test_an_init_or_evict_whose_checkpoint_fails_is_checkpointed_by_its_retry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Init and Evict change the shard, then checkpoint it. When that write fails the client gets
+    UNAVAILABLE and retries; the retry changes nothing, so it must write the checkpoint: without
+    one a restart would come back without keys (every logged push refused) or wait for the
+    evicted VW again."""
+    durability = Durability(str(tmp_path / "ckpt"))
+    servicer = ShardServicer(Shard(), durability, max_pull_wait_s=5.0)
+    server = rpc.Server("127.0.0.1", 0, workers=4)
+    server.add("ParameterServer", servicer)
+    server.start()
+    real = durability.checkpoint
+
+    def full_disk(*args: Any) -> None:
+        monkeypatch.setattr(durability, "checkpoint", real)
+        raise OSError(28, "No space left on device")
+
+    def restored() -> Shard:   # what a restart after kill -9 would see
+        shard = Shard()
+        Durability(str(tmp_path / "ckpt")).restore(shard)
+        return shard
+
+    try:
+        with rpc.channel(server.address) as ch:
+            c = Client(ps_pb2_grpc.ParameterServerStub(ch))
+            monkeypatch.setattr(durability, "checkpoint", full_disk)
+            refused(lambda: c.init(w0()), Code.UNAVAILABLE, r"Init: I/O error on the server: No space left")
+            assert c.init(w0()).message == "already initialised"
+            assert not c.push(0, 0, delta(0, 0)).duplicate
+            assert restored().digest() == servicer.shard.digest()
+            monkeypatch.setattr(durability, "checkpoint", full_disk)
+            refused(lambda: c.stub.Evict(ps_pb2.EvictRequest(vw=1), timeout=CALL_S), Code.UNAVAILABLE,
+                    r"Evict: I/O error on the server")
+            assert c.stub.Evict(ps_pb2.EvictRequest(vw=1), timeout=CALL_S).message == "vw 1 was evicted already"
+            assert restored().evicted == {1} and restored().c_global() == 1
+    finally:
+        server.stop(0)
+
+
 def test_push_is_acknowledged_once_its_log_entry_is_on_disk(ps: InProcess, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Under WSP a push's log entry is fsynced after the push is applied (off the path to the pulls
