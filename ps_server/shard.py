@@ -146,6 +146,12 @@ class Shard:
             raise ShardError(ShardError.Kind.INVALID, f"{len(clocks)} clocks for {virtual_workers} virtual workers")
         if clocks and rule.mode != "wsp":  # a checkpoint holds no open rounds, no exchange counts
             raise ShardError(ShardError.Kind.INVALID, f"resuming with clocks is for sync wsp, not {rule.mode}")
+        if any(not 0 <= c <= MAX_STEPS for c in clocks):
+            raise ShardError(ShardError.Kind.INVALID, f"resume clocks must be in [0, {MAX_STEPS}], got {list(clocks)[:8]}")
+        if rule.mode == "elastic":  # alpha * (replica - master) is a fraction
+            integral = [k for k, v in tensors if not v.is_floating_point()]
+            if integral:
+                raise ShardError(ShardError.Kind.INVALID, f"sync elastic needs floating-point keys, not {integral[:5]}")
         _check_finite("w0", tensors)
         named = dict(tensors)
         if len(named) != len(tensors) or not named:

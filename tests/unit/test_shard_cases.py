@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ps_server.durability import Durability
-from ps_server.shard import Shard
+from ps_server.shard import Shard, SyncRule
 from shard_reference import Kind, assert_refused, two_key_shard
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,6 +50,14 @@ def test_init_is_idempotent_and_conflicts_on_other_values() -> None:
     assert_refused(Kind.INVALID, Shard().init, 0, init)
     assert_refused(Kind.INVALID, Shard().init, 2, [])
     assert_refused(Kind.INVALID, Shard().init, 2, [init[0], init[0]])
+    for clocks in ([2**63, 0], [0, 10**9 + 1]):   # past int64, past any job: refused before anything is kept
+        fresh = Shard()
+        err = assert_refused(Kind.INVALID, fresh.init, 2, init, clocks)
+        assert "resume clocks must be in [0, 1000000000]" in str(err) and not fresh.ready
+    elastic = SyncRule("elastic", alpha=0.25, period=1, total_waves=4)
+    err = assert_refused(Kind.INVALID, Shard().init, 2, [init[0], ("n", torch.zeros(2, dtype=torch.int64))],
+                         (), elastic)
+    assert "sync elastic needs floating-point keys, not ['n']" in str(err)
     assert shard.digest() == digest
     # Each stage of VW 0 brings its own keys: they add up, until training begins.
     assert shard.init(2, [("c", torch.zeros(1, dtype=torch.float64))]) is True
