@@ -62,9 +62,7 @@ class Checkpoints:
             if any(c.min_clock != c.max_clock for c in status.clocks):
                 raise JobFailed(f"checkpoint of wave {wave}: ps shard {i}'s clocks differ between keys ({clocks})")
         text = json.dumps({"wave": wave, "clocks": clocks, "evicted": evicted, **self.job_shape}, indent=2)
-        tmp = where / (MANIFEST + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(where / MANIFEST)
+        outputs.write_text_atomically(where / MANIFEST, text + "\n")
         for old in self.folder.glob("cut*"):
             if old != where:
                 shutil.rmtree(old, ignore_errors=True)

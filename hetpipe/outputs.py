@@ -77,6 +77,11 @@ def write_atomically(path: str | Path, write: Callable[[Path], object], *, durab
         fsync(path.parent)
 
 
+def write_text_atomically(path: str | Path, text: str, *, durable: bool = False) -> None:
+    """path's text, all or nothing (write_atomically)."""
+    write_atomically(path, lambda tmp: tmp.write_text(text), durable=durable)
+
+
 def fsync(path: str | Path) -> None:
     """Puts a file's bytes on disk; of a folder, its entries (a file created, renamed or removed)."""
     fd = os.open(path, os.O_RDONLY)
@@ -196,7 +201,7 @@ class WeightsWriter:
         if len(self.names) > 1:
             index = {"metadata": {"total_size": sum(n for _, _, n in self._where.values())},
                      "weight_map": {k: self.names[f] for k, (f, _, _) in self._where.items()}}
-            (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            write_text_atomically(self.out_dir / INDEX_FILE, json.dumps(index, indent=2) + "\n")
         return paths
 
 
@@ -225,7 +230,7 @@ def _strict(value: Any) -> Any:
 
 def write_summary(out_dir: Path, fields: Mapping[str, Any]) -> dict[str, Any]:
     summary = _strict(dict(fields))
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    write_text_atomically(out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return summary  # type: ignore[no-any-return]
 
 

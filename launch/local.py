@@ -41,18 +41,12 @@ def write_targets(path: Path, coordinator_metrics_port: int, procs: LocalProcess
     entries = [{"targets": [f"127.0.0.1:{coordinator_metrics_port}"], "labels": {"role": "coordinator"}}]
     for p in procs.processes:
         entries.append({"targets": [f"{procs.host}:{p.metrics_port}"], "labels": {"role": ROLES[p.module]}})
-    _write_atomically(path, json.dumps(entries, indent=2) + "\n")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    outputs.write_text_atomically(path, json.dumps(entries, indent=2) + "\n")
 
 
 def write_status(out_dir: Path, state: str, reason: str) -> None:
     """status.json: how the run ended, for `hetpipe status --job` once its coordinator is gone."""
-    _write_atomically(out_dir / STATUS_FILE, json.dumps({"state": state, "reason": reason, "finished": time.time()}) + "\n")
+    outputs.write_text_atomically(out_dir / STATUS_FILE, json.dumps({"state": state, "reason": reason, "finished": time.time()}) + "\n")
 
 
 def read_status(out_dir: Path) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hetpipe.buffers import raw_bytes
-from hetpipe.outputs import fsync, save_atomically, write_atomically
+from hetpipe.outputs import fsync, save_atomically, write_text_atomically
 from ps_server.shard import Shard, ShardError
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class Durability:
         boot = _boot_id()
         recorded = self.boot_path.read_text() if self.boot_path.exists() else ""
         self._machine_restarted = not boot or recorded != boot
-        write_atomically(self.boot_path, lambda tmp: tmp.write_text(boot), durable=True)
+        write_text_atomically(self.boot_path, boot, durable=True)
 
     @property
     def checkpoint_path(self) -> Path:

@@ -80,7 +80,7 @@ class KeyRounds:
             "rounds": torch.tensor(rounds, dtype=torch.int64),
             # Cloned: the checkpoint is written after the lock is let go, and a later push adds
             # into an open round's total in place (its log entry, past the checkpoint, replays).
-            "totals": [None if self.open[r].total is None else self.open[r].total.clone() for r in rounds],
+            "totals": [None if (t := self.open[r].total) is None else t.clone() for r in rounds],
             "on_time": [torch.tensor(sorted(self.open[r].on_time), dtype=torch.int64) for r in rounds],
             "waves": [torch.tensor(sorted(self.open[r].waves.items()), dtype=torch.int64).reshape(-1, 2)
                       for r in rounds],

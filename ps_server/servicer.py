@@ -13,6 +13,7 @@ import torch
 
 from hetpipe import devices, shm, wire
 from hetpipe.errors import Rejected
+from hetpipe.outputs import write_text_atomically
 from hetpipe.rpc import handler
 from hetpipe.v1 import ps_pb2, wire_pb2
 from ps_server.durability import Durability
@@ -134,7 +135,7 @@ class ShardServicer:
             self.trace.open(self.index, append=False)
             path = self._index_path()
             if path is not None:
-                path.write_text(f"{self.index}\n")
+                write_text_atomically(path, f"{self.index}\n", durable=True)  # read by every restart
         return wire_pb2.Ack(message="initialised" if fresh else "already initialised")
 
     def _update(self, kind: str, request_iterator: Iterator[bytes], apply: Callable[..., tuple[bool, R]]) -> R:
