@@ -409,6 +409,9 @@ def _parse_security(raw: Any) -> Security | None:
     sec.check_known(("tls", "token_file"))
     token = sec.optional_text("token_file") or ""
     if sec.get("tls") is None:
+        if not token:  # a section that secures nothing must not turn off the per-run token
+            raise ConfigError("security: give token_file, tls or both (leave the section out for a local "
+                              "run's per-run token)")
         return Security(token_file=token)
     tls = sec.section("tls")
     tls.check_known(("cert", "key", "ca"))

@@ -5,11 +5,13 @@ from __future__ import annotations
 import ipaddress
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
 
 from hetpipe import security
+from hetpipe.config import ConfigError
 from launch import certs
 
 SECRET = "s" * 20
@@ -114,3 +116,10 @@ def test_a_local_run_takes_the_jobs_security_then_the_flags_then_makes_a_token(m
     assert local_security(make_job(), tmp_path, flags) == flags
     job = make_job({"security": {"token_file": "job-token"}})
     assert local_security(job, tmp_path, flags) == security.Security(token_file=str(job.resolve("job-token")))
+
+
+@pytest.mark.parametrize("section", [{}, {"token_file": None}])
+def test_a_security_section_that_secures_nothing_is_refused(make_job, section: dict[str, Any]) -> None:
+    """It would take the place of the per-run token and leave every method open."""
+    with pytest.raises(ConfigError, match=r"security: give token_file, tls or both"):
+        make_job({"security": section})
