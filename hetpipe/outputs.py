@@ -25,7 +25,8 @@ DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torc
           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-STALE = (SINGLE_FILE, INDEX_FILE, "model.pt", "summary.json", "eval.jsonl")
+SUMMARY_FILE = "summary.json"
+STALE = (SINGLE_FILE, INDEX_FILE, "model.pt", SUMMARY_FILE, "eval.jsonl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,8 +231,18 @@ def _strict(value: Any) -> Any:
 
 def write_summary(out_dir: Path, fields: Mapping[str, Any]) -> dict[str, Any]:
     summary = _strict(dict(fields))
-    write_text_atomically(out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    write_text_atomically(out_dir / SUMMARY_FILE, json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return summary  # type: ignore[no-any-return]
+
+
+def read_summary(out_dir: Path) -> dict[str, Any] | None:
+    """The last run's summary.json, or None where there is none or it is not a JSON object (a
+    file from elsewhere, or one an older version wrote in place and a kill cut short)."""
+    try:
+        summary = json.loads((out_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 def append_evals(out_dir: Path, rows: Iterable[Mapping[str, Any]]) -> None:

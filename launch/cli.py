@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import yaml
 
-from hetpipe import rpc, security
+from hetpipe import outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig, load_job
 from hetpipe.errors import JobFailed, JobStopped
 from hetpipe.v1 import coordinator_pb2, wire_pb2
@@ -117,10 +117,8 @@ def _plan(args: argparse.Namespace) -> int:
     projected = _project(args.projection, inputs, job, plan) if inputs is not None else None
     if isinstance(projected, int):
         return projected
-    measured = None
-    summary_path = Path(job.resolve(job.output.dir)) / "summary.json"
-    if summary_path.exists():
-        measured = json.loads(summary_path.read_text()).get("samples_per_second")
+    summary_path = Path(job.resolve(job.output.dir)) / outputs.SUMMARY_FILE
+    measured = (outputs.read_summary(summary_path.parent) or {}).get("samples_per_second")
     if args.json:
         print(json.dumps({**plan.to_dict(), "measured_samples_per_second": measured,
                           **({"projection": projected[1]} if projected else {})}, indent=2))
@@ -204,8 +202,7 @@ def _ended(out_dir: Path, as_json: bool) -> int | None:
     ending = read_status(out_dir)
     if ending is None:
         return None
-    summary_path = out_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if ending["state"] == "COMPLETED" and summary_path.exists() else None
+    summary = outputs.read_summary(out_dir) if ending["state"] == "COMPLETED" else None
     if as_json:
         print(json.dumps({"job": {**ending, "summary": summary}, "workers": []}, indent=2))
     else:
@@ -220,6 +217,7 @@ def _ended(out_dir: Path, as_json: bool) -> int | None:
 def _status(args: argparse.Namespace) -> int:
     """Prints the job and the workers; exits 0 unless the job failed or nothing can be reached."""
     out_dir: Path | None = None
+    job_security: security.Security | None = None
     if args.coordinator:
         address = str(args.coordinator)
     elif args.job:
@@ -228,7 +226,7 @@ def _status(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             _error(str(exc))
             return EXIT_USAGE
-        out_dir = Path(job.resolve(job.output.dir))
+        out_dir, job_security = Path(job.resolve(job.output.dir)), job.security_files()
         path = out_dir / ADDRESS_FILE
         if not path.exists():
             ended = _ended(out_dir, args.json)
@@ -239,8 +237,11 @@ def _status(args: argparse.Namespace) -> int:
         address = path.read_text().strip()
     else:
         address = os.environ.get("HETPIPE_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}")
+    # The flags, else the job's security section (which `hetpipe run` used), else the run's own token.
     credentials = security.from_namespace(args)
-    if out_dir is not None and not credentials.token_file and (out_dir / TOKEN_FILE).exists():
+    if not (credentials.token_file or credentials.tls) and job_security is not None:
+        credentials = job_security
+    elif out_dir is not None and not credentials.token_file and (out_dir / TOKEN_FILE).exists():
         credentials = dataclasses.replace(credentials, token_file=str(out_dir / TOKEN_FILE))
     try:
         security.use(credentials, security.COORDINATOR, "cli")

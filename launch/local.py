@@ -89,17 +89,27 @@ def preflight(job: JobConfig) -> Plan:
     """What must hold before any process starts, so that `hetpipe plan` finds what `hetpipe run`
     would: the model factory gives a model (built on the meta device); the data factories give
     datasets of (input, target) that the model takes and the loss can use, without NaN or Inf;
-    model.init has the model's keys and shapes, finite; output.dir can be written; the job has a
-    plan. Raises ConfigError or PlanError naming what is wrong, in one line."""
+    model.init has the model's keys and shapes, finite; output.dir can be written; the security
+    section's files can be read; the job has a plan. Raises ConfigError or PlanError naming what
+    is wrong, in one line."""
     from coordinator.planner.shapes import boundaries
     from hetpipe import models
 
+    _check_security(job.security_files())
     model = models.structure(job.model, job.base_dir)
     data.check(job, lambda x: boundaries(model, x)[-1][0])
     if job.model.init is not None:
         models.check_init(job, model)
     outputs.check_dir(Path(job.resolve(job.output.dir)))
     return make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
+
+
+def _check_security(given: security.Security | None) -> None:
+    try:
+        if given is not None:
+            given.check()
+    except security.SecurityError as exc:
+        raise ConfigError(f"security: {exc}") from None
 
 
 def local_security(job: JobConfig, out_dir: Path, flags: security.Security = security.Security()) -> security.Security:
@@ -124,15 +134,14 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     children.warm_up()  # the fork server imports torch while this process plans
     plan = preflight(job)
     out_dir = Path(job.resolve(job.output.dir))
-    outputs.start_fresh(out_dir, keep_checkpoints=resume)
+    # Every refusal comes before an earlier run's results are cleared: a refused run changes nothing.
     resume_wave = _resume_wave(out_dir) if resume else 0
-    for stale in (TARGETS_FILE, STATUS_FILE):  # an earlier job's endpoints and ending are gone
-        (out_dir / stale).unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     credentials = local_security(job, out_dir, flags)
-    try:
-        credentials.check()
-    except security.SecurityError as exc:
-        raise ConfigError(f"security: {exc}") from None
+    _check_security(credentials)
+    outputs.start_fresh(out_dir, keep_checkpoints=resume)
+    for stale in (TARGETS_FILE, STATUS_FILE, ADDRESS_FILE):  # an earlier job's endpoints and ending
+        (out_dir / stale).unlink(missing_ok=True)
     with security.using(credentials, security.COORDINATOR, "hetpipe run"):
         return _run_coordinated(job, plan, out_dir, credentials, quiet=quiet, resume_wave=resume_wave,
                                 heartbeat_interval_s=heartbeat_interval_s)
@@ -196,6 +205,7 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
             (out_dir / TOKEN_FILE).unlink(missing_ok=True)
         view = runner.view()
         write_status(out_dir, view.state.name, view.reason)
+        (out_dir / ADDRESS_FILE).unlink(missing_ok=True)  # the port is free now: another run may take it
     assert status is not None
     if runner.machine.state == JobState.COMPLETED:
         summary: dict[str, Any] = json.loads(status.summary_json)

@@ -210,9 +210,6 @@ def run_remote(job: JobConfig, address: str, *, quiet: bool = False,
     check_remote(job)
     out_dir = Path(job.resolve(job.output.dir))
     outputs.check_dir(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    outputs.clear(out_dir)  # a failed run must not leave an earlier run's results beside its own
-    (out_dir / STATUS_FILE).unlink(missing_ok=True)
     files = remote_files(job)
     if files:
         print(f"hetpipe: {files}", file=sys.stderr)
@@ -227,29 +224,45 @@ def _run_submitted(job: JobConfig, address: str, out_dir: Path, quiet: bool) -> 
     with rpc.channel(address) as channel:
         stub = rpc.Stub(channel, "Coordinator")
         _submit(stub, job, address)
+        # Cleared once the job is accepted: a refused run leaves an earlier run's results alone, and
+        # a failed one never leaves them beside its own.
+        out_dir.mkdir(parents=True, exist_ok=True)
+        outputs.clear(out_dir)
+        (out_dir / STATUS_FILE).unlink(missing_ok=True)
         (out_dir / ADDRESS_FILE).write_text(address + "\n")  # `hetpipe status/stop --job` find it there
         try:
-            final = follow(lambda: _get_job(stub, address), quiet=quiet, on_status=_Announcer(job, quiet))
-        except KeyboardInterrupt:
-            try:
-                stub.StopJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
-            except grpc.RpcError:
-                pass
-            write_status(out_dir, "STOPPED", "interrupted (Ctrl-C)")
-            raise
-        State = coordinator_pb2.JobStatus.State
-        state = State.Name(final.state)
-        try:
-            fetch_results(stub, out_dir, address)
-        except JobFailed as exc:
-            if final.state == State.COMPLETED:
-                write_status(out_dir, "FAILED", str(exc))
-                raise
-            # A failed job may have left nothing to fetch; its own reason is what matters.
-    write_status(out_dir, state, final.reason)
+            final = _follow_and_fetch(stub, job, address, out_dir, quiet)
+        finally:
+            # The coordinator may run someone else's job next: `hetpipe stop --job` must not stop it.
+            (out_dir / ADDRESS_FILE).unlink(missing_ok=True)
+    State = coordinator_pb2.JobStatus.State
     if final.state == State.COMPLETED:
         summary: dict[str, Any] = json.loads(final.summary_json)
         return summary
     if final.state == State.STOPPED:
         raise JobStopped(final.reason)
     raise JobFailed(final.reason)
+
+
+def _follow_and_fetch(stub: rpc.Stub, job: JobConfig, address: str, out_dir: Path,
+                      quiet: bool) -> coordinator_pb2.JobStatus:
+    """Follows the submitted job to its end, fetches its results and writes how it ended."""
+    try:
+        final = follow(lambda: _get_job(stub, address), quiet=quiet, on_status=_Announcer(job, quiet))
+    except KeyboardInterrupt:
+        try:
+            stub.StopJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+        except grpc.RpcError:
+            pass
+        write_status(out_dir, "STOPPED", "interrupted (Ctrl-C)")
+        raise
+    State = coordinator_pb2.JobStatus.State
+    try:
+        fetch_results(stub, out_dir, address)
+    except JobFailed as exc:
+        if final.state == State.COMPLETED:
+            write_status(out_dir, "FAILED", str(exc))
+            raise
+        # A failed job may have left nothing to fetch; its own reason is what matters.
+    write_status(out_dir, State.Name(final.state), final.reason)
+    return final

@@ -179,11 +179,19 @@ def test_the_job_itself_passes(tmp_path: Path) -> None:
 
 def test_a_run_that_fails_after_starting_leaves_no_earlier_summary(tmp_path: Path) -> None:
     """An earlier run's results are gone once a new run into the same output.dir has started,
-    even when it fails: nothing there can pass for the new run's."""
+    even when it fails: nothing there can pass for the new run's. A run refused before it
+    starts leaves them as they were."""
     out = tmp_path / "out"
     first = _cli("run", "-q", str(_job(tmp_path)), cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert (out / "summary.json").exists() and (out / "model.safetensors").exists()
+    assert not (out / "coordinator.address").exists(), "its port is free: `hetpipe stop --job` must not reach another run"
+    results = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    resumed = _cli("run", "-q", "--resume", str(_job(tmp_path)), cwd=tmp_path)
+    assert resumed.returncode == 2 and "--resume: no complete checkpoint" in resumed.stderr, resumed.stderr
+    locked = _cli("run", "-q", str(_job(tmp_path, security={"token_file": "no-such-token"})), cwd=tmp_path)
+    assert locked.returncode == 2 and "security: token file" in locked.stderr, locked.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == results, "a refused run changed them"
     # Item 0 reads (what the checks before the start read of a factory's data); row 1 does not.
     (tmp_path / "rows.py").write_text(
         "import torch\n\n"

@@ -251,7 +251,11 @@ def _discover(out_dir: Path) -> dict[str, Endpoint]:
 
 
 def _running(out_dir: Path) -> bool:
-    with run_token(out_dir), rpc.channel((out_dir / ADDRESS_FILE).read_text().strip()) as ch:
+    try:
+        address = (out_dir / ADDRESS_FILE).read_text().strip()
+    except FileNotFoundError:  # the run has ended: the launcher removes it
+        return False
+    with run_token(out_dir), rpc.channel(address) as ch:
         try:
             state = coordinator_pb2_grpc.CoordinatorStub(ch).GetJob(wire_pb2.Empty(), timeout=5).state
             return bool(state == coordinator_pb2.JobStatus.RUNNING)
