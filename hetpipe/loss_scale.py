@@ -83,10 +83,15 @@ class Verdicts:
             self.through = through
 
     def news(self) -> tuple[int, list[int]]:
-        """(through, skipped since the last news) for the next stage; marks them told."""
-        out = sorted(p for p in self.skipped if p > self.told)
-        self.told = self.through
-        return self.through, out
+        """(through, skipped since the last news) for the next stage; marks them told.
+
+        The compute thread asks while a gRPC thread may learn(): through is read once, before
+        the skipped (which learn() extends first), so news never claims a minibatch without its
+        skip. Copying the set is one step under the GIL."""
+        through = self.through
+        out = sorted(p for p in set(self.skipped) if self.told < p <= through)
+        self.told = through
+        return through, out
 
     def stepped(self, p: int) -> bool | None:
         """True: step p; False: skip it; None: not decided yet."""

@@ -238,6 +238,7 @@ class Ring:
             segment = self._slots[i]
             if segment is None or segment.capacity < nbytes:
                 if segment is not None:
+                    self._slots[i] = None  # closed: a new one that fails for room must not leave it here
                     segment.close()
                 segment = self._slots[i] = Segment(capacity(nbytes, PAGE))
             version = segment.write(pieces)

@@ -34,6 +34,7 @@ class Inbox:
         self.forward: dict[Hashable, torch.Tensor] = {}
         self.backward: dict[Hashable, torch.Tensor] = {}
         self.evals: deque[tuple[int, int, torch.Tensor]] = deque()   # (evaluation, minibatch, x)
+        self.eval_received: dict[int, set[int]] = {}   # evaluation -> its minibatches taken
         self.received = 0
 
     def offer_forward(self, s: Loaded, bundle: Bundle, *, training: bool) -> None:
@@ -45,12 +46,15 @@ class Inbox:
             self._offer_verdicts(s, bundle)
             return
         p, k = _check(s, bundle, s.setup.stage - 1, "activation", training)
+        if k and p in self.eval_received.get(k, ()):  # the last stage would count it twice
+            raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"activation: evaluation {k} minibatch {p} arrived already")
         x = bundle.tensors[0][1]
         m, spec = _micro(s, bundle, "activation", s.setup.specs.activation, training=not k)
         spec.check("activation", x)
         verdicts = bundle.header.minibatch.verdicts
         _check_verdicts(s, verdicts, "activation")
         if k:
+            self.eval_received.setdefault(k, set()).add(p)
             self.evals.append((k, p, x.to(s.compute.device, non_blocking=True)))
         else:
             self.forward[_accept(s, p, m, "forward")] = x.to(s.compute.device, non_blocking=True)

@@ -165,13 +165,21 @@ class Link:
         return self._queue.qsize()
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if item.ready is not None:
-                item.ready.synchronize()
-            if self._hold_s > 0 and self._closing.wait(self._hold_s):
-                return
-            if not self._deliver(item):
-                return
+        item: Outgoing | None = None
+        try:
+            while (item := self._queue.get()) is not None:
+                if item.ready is not None:
+                    item.ready.synchronize()
+                if self._hold_s > 0 and self._closing.wait(self._hold_s):
+                    return
+                if not self._deliver(item):
+                    return
+        except Exception as exc:  # a bug or a device error must fail the stage, not end the link quietly
+            log.exception("link to %s failed", self.peer)
+            if not self._closing.is_set():
+                what = "activation" if self.method == "Forward" else "gradient"
+                self._on_failure(f"could not send the {what} of {item.what if item else '?'} to {self.peer}: "
+                                 f"{type(exc).__name__}: {exc}")
 
     def _deliver(self, item: Outgoing) -> bool:
         what = "activation" if self.method == "Forward" else "gradient"

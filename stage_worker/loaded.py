@@ -12,7 +12,7 @@ import torch
 
 from hetpipe import data, faults, models, outputs
 from hetpipe.config import MICRO_SCHEDULES
-from hetpipe.optim import compute_loss
+from hetpipe.optim import compute_dtype, compute_loss, for_loss
 from stage_worker import checkpoint, metrics
 from stage_worker.assignment import Setup
 from stage_worker.evaluation import Schedule, Totals
@@ -60,7 +60,7 @@ class Evals:
         """The last stage: evaluation k's minibatch i came out as out; `trained` minibatches of VW 0
         had trained the weights it ran on."""
         y = self.read(i)[1].to(out.device)
-        logits = out.float()
+        logits = for_loss(compute_dtype(self.job.train.precision), out)  # as training's loss reads it
         loss = float(compute_loss(self.job.train.loss, logits, y))
         correct = int((logits.argmax(dim=-1) == y).sum()) if self.totals.classification else 0
         result = self.totals.add(k, loss=loss, correct=correct, predictions=y.numel(), rows=int(out.shape[0]),

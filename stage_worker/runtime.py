@@ -203,6 +203,10 @@ class StageRuntime:
             return Task(TaskKind.EVAL, 0, k) if k is not None else None
         if self._inbox.evals:
             k, p, _ = self._inbox.evals[0]
+            if k == s.evals.schedule.final_id and not self._final_merged:
+                # Stage 0 may be asked first and send the rows on before this stage is asked: the
+                # final evaluation waits for this stage's own merge, or it would score other weights.
+                return None
             return Task(TaskKind.EVAL, p, k)
         return None
 
@@ -249,7 +253,10 @@ class StageRuntime:
                     TaskKind.FORWARD_BACKWARD: micro.forward_backward}
         try:
             devices.make_current(s.setup.device)
-            while (task := self._next_task(s)) is not None:
+            while True:
+                task = None  # what fails in _next_task (a merge, a commit, a checkpoint) is no task's
+                if (task := self._next_task(s)) is None:
+                    break
                 started = time.monotonic()
                 outgoing, forward = run[task.kind](s, task)
                 with self._cv:
@@ -267,7 +274,8 @@ class StageRuntime:
                     link.send(message)
         except Exception as exc:  # any bug or device error fails the stage loudly, naming p
             log.exception("%s crashed", s.setup.name)
-            where = f" at {'evaluation' if task.kind == TaskKind.EVAL else 'minibatch'} {task.p}" if task else ""
+            where = (f" at {'evaluation' if task.kind == TaskKind.EVAL else 'minibatch'} {task.p}" if task
+                     else f" between tasks, after {s.schedule.completed} minibatches")
             self.fail(f"{type(exc).__name__}: {exc}{where}")
 
     def _forward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:

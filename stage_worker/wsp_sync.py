@@ -140,7 +140,8 @@ class WspSync:
             (trace / "sync").mkdir(exist_ok=True)
             self._sync_trace = open(trace / "sync" / config.trace_name, "w")
         self._rng = random.Random(hash((config.seed, config.vw, config.trace_name, "push")))
-        self._pusher = threading.Thread(target=self._push_loop, name="pusher", daemon=True)
+        self._pusher = threading.Thread(target=self._guarded, args=("pusher", self._push_loop), name="pusher",
+                                        daemon=True)
         self._pusher.start()
 
     def initialise(self, virtual_workers: int, values: Sequence[torch.Tensor]) -> None:
@@ -160,6 +161,8 @@ class WspSync:
     def pull_now(self, weights: Weights, min_clock: int) -> None:
         """Merges w_global at c_global >= min_clock before it returns (the final evaluation's
         weights: every VW's last push included). RuntimeError if the shards cannot answer."""
+        if not self.keys:  # parameter-free layers: nothing to merge (and no shard to ask)
+            return
         while self._have < min_clock:
             self._request(min_clock)
             while True:
@@ -191,7 +194,8 @@ class WspSync:
         with self._lock:
             if self._pulling is None and self._pending is None:
                 self._pulling = min_clock
-                threading.Thread(target=self._pull, args=(min_clock,), name="puller", daemon=True).start()
+                threading.Thread(target=self._guarded, args=("puller", self._pull, min_clock), name="puller",
+                                 daemon=True).start()
 
     @property
     def waiting(self) -> bool:
@@ -316,6 +320,17 @@ class WspSync:
         except grpc.RpcError as exc:
             raise RuntimeError(f"{what} to ps shard {shard} at {self.cfg.addresses[shard]} failed: "
                                f"{exc.code().name}: {exc.details()}") from None
+
+    def _guarded(self, name: str, work: Callable[..., None], *args: Any) -> None:
+        """A background thread's body: an error its work did not expect fails the stage, named,
+        instead of ending the thread silently while the compute thread waits for it."""
+        try:
+            work(*args)
+        except Exception as exc:
+            if not self._closed.is_set():
+                log.exception("%s thread failed", name)
+                self._failure = f"{name}: {type(exc).__name__}: {exc}"
+                self.cb.on_failure(self._failure)
 
     def _push_loop(self) -> None:
         groups = self._by_shard()

@@ -54,3 +54,35 @@ def test_wsp_d0_equals_summed_sync_dp(make_job, tmp_path: Path, n: int, max_shar
     assert summary["virtual_workers"] == n and summary["ps_shards"] == 2
     assert summary["max_clock_distance"] <= 1  # G4 with D=0
     assert (summary["shm_bytes"] > 0) == (transport == "shm"), summary["shm_bytes"]
+
+
+def test_the_final_evaluation_scores_the_model_written_out(make_job, tmp_path: Path) -> None:
+    """O2 on 3 stages whose middle one holds only a ReLU (no parameters, no shard keys), with a
+    final evaluation: it ends (the parameter-free stage has nothing to merge), and its loss is the
+    loss of the weights written out, on the held-out minibatches it reads."""
+    from coordinator.planner import make_plan
+    from hetpipe import data
+
+    job = make_job({
+        "model": {"args": {"hidden": [32]}},   # Linear | ReLU | Linear
+        "data": {"eval_fraction": 0.2}, "eval": {"every": 0, "rows": 64},
+        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02}, "steps": 12},
+        "parallel": {"virtual_workers": 2, "stages_per_vw": 3, "nm": 1, "D": 0},
+    })
+    plan = make_plan(job)
+    assert [(s.layer_begin, s.layer_end) for s in plan.stages if s.vw == 0] == [(0, 1), (1, 2), (2, 3)]
+    summary = run_local(job, quiet=True)
+    model = initial_model(job)
+    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))
+    want = train_reference(job).state_dict()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+    held_out = data.held_out_set(job)
+    assert held_out is not None
+    total = rows = 0.0
+    with torch.no_grad():
+        for batch in data.eval_batches(job, held_out, 64):
+            x, y = data.read_rows(job, held_out, batch)
+            total += float(torch.nn.functional.cross_entropy(model(x), y)) * len(y)
+            rows += len(y)
+    assert summary["eval_loss"] == pytest.approx(total / rows, rel=1e-12, abs=0)

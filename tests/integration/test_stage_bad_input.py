@@ -10,6 +10,7 @@ test_stage_bad_assignment.py.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -181,6 +182,36 @@ def test_duplicates_and_unexpected_gradients_are_refused(rig: Rig) -> None:
     refused(rig.stub.Backward, iter(rig.gradient(1)), Code.ALREADY_EXISTS, "gradient for minibatch 1 was already received")
     refused(rig.stub.Forward, iter(rig.activation(1)), Code.ALREADY_EXISTS, "activation for minibatch 1 was already received")
     assert rig.snapshot() == done
+
+
+def test_the_final_evaluation_waits_for_the_stages_merge_and_takes_each_minibatch_once(make_job) -> None:
+    """The driver asks VW 0's stages in turn, so stage 0's held-out rows may reach this stage before
+    its own Evaluate: they wait for its merge of w_global (else the evaluation scores other
+    weights than those written out). A repeated one is refused: the last stage would count it
+    twice and finish the evaluation a minibatch early."""
+    from conftest import deep_update
+
+    with_eval = {"data": {"eval_fraction": 0.2}, "eval": {"every": 0, "rows": 32}}
+    with middle_stage(lambda overrides: make_job(deep_update(overrides, with_eval))) as rig:
+        for p in range(1, STEPS + 1):
+            rig.stub.Forward(iter(rig.activation(p)), timeout=10)
+            rig.wait_until("forwards_done", p)
+            rig.stub.Backward(iter(rig.gradient(p)), timeout=10)
+            rig.wait_until("backwards_done", p)
+        rig.wait_until("backwards_done", STEPS)
+        evals = rig.runtime._s.evals if rig.runtime._s else None
+        assert evals is not None
+        final, sent = evals.schedule.final_id, len(rig.next.got)
+        rig.stub.Forward(iter(rig.activation(1, eval=final)), timeout=10)
+        refused(rig.stub.Forward, iter(rig.activation(1, eval=final)), Code.ALREADY_EXISTS,
+                rf"evaluation {final} minibatch 1 arrived already")
+        time.sleep(0.5)
+        assert len(rig.next.got) == sent, "the final evaluation ran before this stage merged w_global"
+        rig.stub.Evaluate(stage_pb2.EvalRequest(min_clock=0), timeout=10)
+        rig.next.wait_for(sent + 1)
+        time.sleep(0.2)
+        assert [(m, t.eval, t.minibatch) for m, t, _ in rig.next.got[sent:]] == [("Forward", final, 1)]
+        assert rig.runtime._final_merged
 
 
 def test_control_calls_out_of_turn_are_refused(rig: Rig) -> None:

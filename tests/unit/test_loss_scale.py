@@ -67,6 +67,29 @@ def test_verdicts_are_decided_in_order_and_relayed_once() -> None:
     assert stage0.news() == (3, [3]), "only what the next stage was not told yet"
 
 
+def test_news_told_while_a_verdict_arrives_loses_no_skip() -> None:
+    """A middle stage's compute thread builds its news while a gRPC thread learns more: a skip
+    that arrives meanwhile is either in this news or in the next, never in neither (the next
+    stage would step a minibatch stage 0 skipped)."""
+    armed = arrived = False
+
+    class Racing(Verdicts):
+        def __getattribute__(self, name: str) -> object:
+            nonlocal arrived
+            if name == "through" and armed and not arrived:
+                arrived = True
+                Verdicts.learn(self, 6, [5])   # lands while news reads
+            return object.__getattribute__(self, name)
+
+    middle = Racing()
+    middle.learn(4, [])
+    assert middle.news() == (4, [])
+    armed = True
+    told = [middle.news(), middle.news()]
+    assert arrived and told[-1][0] == 6
+    assert sorted(p for _, skipped in told for p in skipped) == [5]
+
+
 @pytest.mark.parametrize(("through", "skipped", "message"), [
     (11, [], "verdicts through minibatch 11, but the run has 10"),
     (5, [6], r"skipped minibatches \[6\] outside \(2, 5\]"),
