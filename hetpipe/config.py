@@ -218,7 +218,7 @@ MAX_STEPS = 10**9
 def _parse_model(m: Section) -> ModelConfig:
     m.check_known(("name", "factory", "args", "init"))
     init = m.get("init")
-    if init is not None and (not isinstance(init, str) or not init):
+    if init is not None and (not isinstance(init, str) or not init or "\0" in init):
         raise fail("model.init", init, "null or a path to weights (safetensors, or a state_dict saved with torch.save)")
     name, factory = m.optional_text("name"), m.optional_text("factory")
     if (name is None) == (factory is None):

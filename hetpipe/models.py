@@ -110,6 +110,10 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
                           f"whose children are the layers the pipeline is cut between")
     if len(model) == 0:
         raise ConfigError(f"model: {describe(cfg)} returned an empty nn.Sequential")
+    names = [name for name, _ in model.named_children()]
+    if names != [str(i) for i in range(len(model))]:  # weights are named by layer index ("3.weight")
+        raise ConfigError(f"model: {describe(cfg)} returned an nn.Sequential with named layers {names[:5]}; "
+                          "build it from a list of layers, numbered 0..n-1")
     return model
 
 

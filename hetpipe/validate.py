@@ -64,16 +64,16 @@ class Section:
 
     def text(self, name: str, default: str | None = None) -> str:
         value = self.raw.get(name, default)
-        if not isinstance(value, str) or not value:
-            raise fail(self.path(name), value, "a non-empty string")
+        if not isinstance(value, str) or not value or "\0" in value:  # NUL: no path or name holds one
+            raise fail(self.path(name), value, "a non-empty string without NUL bytes")
         return value
 
     def optional_text(self, name: str) -> str | None:
         value = self.raw.get(name)
         if value is None:
             return None
-        if not isinstance(value, str) or not value:
-            raise fail(self.path(name), value, "null or a non-empty string")
+        if not isinstance(value, str) or not value or "\0" in value:
+            raise fail(self.path(name), value, "null or a non-empty string without NUL bytes")
         return value
 
     def flag(self, name: str, default: bool) -> bool:

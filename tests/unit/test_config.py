@@ -163,6 +163,9 @@ BAD_VALUES = [
     ("model.name", "", "a non-empty string"),
     ("model.args", [1, 2], "a mapping"),
     ("model.init", 5, "null or a path"),
+    ("model.init", "w\0.safetensors", "null or a path"),   # Path.resolve() raises on a NUL
+    ("data.path", "d\0.npz", "a non-empty string without NUL bytes"),
+    ("output.dir", "out\0", "a non-empty string without NUL bytes"),
     ("output.trace", 1, "true or false"),
     ("output.dir", "", "a non-empty string"),
     ("cluster.nodes", [], "a non-empty list of nodes"),

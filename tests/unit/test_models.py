@@ -50,6 +50,10 @@ def raw_net():
 def not_sequential():
     return nn.Linear(4, 4)
 
+def named_layers():
+    from collections import OrderedDict
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(4, 8), act=nn.ReLU(), fc2=nn.Linear(8, 3)))
+
 def needs_args(width):
     return net(width)
 """
@@ -117,6 +121,8 @@ def test_float64_jobs_get_float64_layers(tmp_path: Path) -> None:
     ("nowhere:net", {}, r"model\.factory: cannot import module 'nowhere'"),
     ("mymodels:missing", {}, r"model\.factory: module 'mymodels' has no attribute 'missing'"),
     ("mymodels:not_sequential", {}, r"model: mymodels:not_sequential returned a Linear, expected an nn\.Sequential"),
+    ("mymodels:named_layers", {}, r"model: mymodels:named_layers returned an nn\.Sequential with named layers "
+                                  r"\['fc1', 'act', 'fc2'\]; build it from a list of layers, numbered 0\.\.n-1"),
     ("mymodels:needs_args", {}, r"model\.args: mymodels:needs_args: .*missing 1 required .*'width'"),
     ("mymodels:net", {"depth": 3}, r"model\.args: mymodels:net: .*unexpected keyword argument 'depth'"),
     ("mymodels:raw_net", {}, r"parameter 0\.weight of mymodels:raw_net is not initialised by any reset_parameters"),
