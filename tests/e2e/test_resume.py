@@ -108,4 +108,11 @@ def test_stop_then_resume(uninterrupted: dict[str, torch.Tensor], tmp_path: Path
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     assert run.returncode != 0 and "stopped" in err, err
+    # A checkpoint taken for another layout or dtype is refused at setup, naming what differs,
+    # and stays there for the resume that fits.
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(deep_update(JOB, {"parallel": {"ps_shards": 1},
+                                                                        "train": {"dtype": "float32"}})))
+    _, err = _hetpipe(tmp_path, "run", "-q", "--resume", "job.yaml").communicate(timeout=120)
+    assert "was taken for another job: ps_shards 2 there, 1 now, dtype float64 there, float32 now" in err, err
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(JOB))
     _resume_and_compare(tmp_path, uninterrupted)
