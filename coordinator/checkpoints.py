@@ -53,10 +53,10 @@ class Checkpoints:
             if not keys:
                 continue
             (where / f"shard{i}").mkdir(parents=True, exist_ok=True)
-            writer = outputs.WeightsWriter(where / f"shard{i}", [self.entries[k] for k in keys], 1 << 62)
-            request = ps_pb2.PullRequest(vw=lead_vw, keys=keys, min_clock=wave)
-            outputs.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
-            writer.close()
+            with outputs.WeightsWriter(where / f"shard{i}", [self.entries[k] for k in keys], 1 << 62) as writer:
+                request = ps_pb2.PullRequest(vw=lead_vw, keys=keys, min_clock=wave)
+                outputs.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
+                writer.close()
             status = stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
             clocks = [c.min_clock for c in status.clocks]
             if any(c.min_clock != c.max_clock for c in status.clocks):

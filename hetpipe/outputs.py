@@ -185,15 +185,30 @@ class WeightsWriter:
         os.pwrite(self._fds[file], piece, start + offset)
         self._written[key] += len(piece)
 
+    def __enter__(self) -> WeightsWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:  # a stream failed: no file descriptor or partial file is left behind
+            self.abort()
+
+    def abort(self) -> None:
+        """Gives up: closes the files and removes them."""
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+        for i in range(len(self.names)):
+            self._tmp(i).unlink(missing_ok=True)
+
     def close(self) -> list[Path]:
         missing = [k for k, (_, _, n) in self._where.items() if self._written[k] != n]
-        for fd in self._fds:
+        if missing:
+            self.abort()
+            raise ValueError(f"the weights of {missing[:5]} did not all arrive")
+        fds, self._fds = self._fds, []
+        for fd in fds:
             os.fsync(fd)
             os.close(fd)
-        if missing:
-            for i in range(len(self.names)):
-                self._tmp(i).unlink(missing_ok=True)
-            raise ValueError(f"the weights of {missing[:5]} did not all arrive")
         paths = []
         for i, name in enumerate(self.names):
             os.replace(self._tmp(i), self.out_dir / name)

@@ -44,3 +44,29 @@ def test_an_output_dir_under_a_file_is_refused(tmp_path: Path) -> None:
     for target in (tmp_path / "f", tmp_path / "f" / "out" / "deeper"):
         with pytest.raises(ConfigError, match=rf"^output\.dir: {target}: {tmp_path}/f is a file$"):
             outputs.check_dir(target)
+
+
+def test_a_weights_writer_whose_stream_fails_leaves_no_file_or_descriptor(tmp_path: Path) -> None:
+    """A long-lived coordinator writes the weights of job after job: one whose stream broke must
+    not keep a descriptor open or a full-size partial file in the folder."""
+    import os
+
+    import torch
+
+    entries = [outputs.Entry("a", torch.float32, (4,)), outputs.Entry("b", torch.float32, (1000,))]
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ConnectionError):
+        with outputs.WeightsWriter(tmp_path, entries, 64) as writer:   # two files: "b" alone in one
+            writer.write("a", 0, torch.ones(4).numpy().tobytes())
+            raise ConnectionError("the shard went away")
+    assert list(tmp_path.iterdir()) == [] and len(os.listdir("/proc/self/fd")) == fds
+    with pytest.raises(ValueError, match=r"the weights of \['b'\] did not all arrive"):
+        with outputs.WeightsWriter(tmp_path, entries, 64) as writer:
+            writer.write("a", 0, torch.ones(4).numpy().tobytes())
+            writer.close()
+    assert list(tmp_path.iterdir()) == [] and len(os.listdir("/proc/self/fd")) == fds
+    with outputs.WeightsWriter(tmp_path, entries, 64) as writer:
+        writer.write("a", 0, torch.ones(4).numpy().tobytes())
+        writer.write("b", 0, torch.zeros(1000).numpy().tobytes())
+        assert [p.name for p in writer.close()] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert torch.equal(outputs.read_weights(tmp_path)["a"], torch.ones(4))
