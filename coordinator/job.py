@@ -61,6 +61,7 @@ class JobRunner:
         self._plan: Plan | None = None
         self._summary: dict[str, Any] | None = None
         self._stop = threading.Event()
+        self._stop_reason = "stopped by request"  # the first stop()'s: a launcher's failure, Ctrl-C
         self._dead: dict[str, str] = {}  # address -> why, reported by a local launcher
         # Set by a local launcher: kills the process at an address, which it then restarts (a
         # shard) or reports dead. Without one (compose), a hung shard fails the job.
@@ -81,6 +82,7 @@ class JobRunner:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                                f"a job is already {self.machine.state.name}; stop it first")
             self._stop.clear()
+            self._stop_reason = "stopped by request"
             self._dead.clear()
             self._progress, self._plan, self._summary, self.out_dir = None, None, None, None
             self._thread = threading.Thread(target=self._run, args=(job, plan, resume_wave, remote), name="job",
@@ -89,17 +91,24 @@ class JobRunner:
 
     def stop(self, reason: str = "stopped by request") -> None:
         """Stops the job in whatever state it is: before it runs at once, while it runs as soon as
-        the job thread sees it (within a poll). A job that already ended stays as it ended."""
-        self._stop.set()
+        the job thread sees it (within a poll). A job that already ended stays as it ended. The
+        first reason given is the one the job ends with."""
+        with self._lock:
+            if not self._stop.is_set():
+                self._stop_reason = reason
+                self._stop.set()
         if self.machine.state in (JobState.NONE, JobState.PENDING, JobState.PLANNED):
-            self.machine.try_to(JobState.STOPPED, reason)
+            self.machine.try_to(JobState.STOPPED, self._stop_reason)
 
     def join(self, timeout: float) -> None:
         """Waits for the job thread to end (after stop, or after its processes went away): a
-        launcher that exits under a running job thread can abort inside torch."""
+        launcher that exits under a running job thread can abort inside torch. A job still not
+        ended then (its thread stuck in a call) ends STOPPED with the stop's reason."""
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
+        if self._stop.is_set():
+            self.machine.try_to(JobState.STOPPED, self._stop_reason)
 
     def report_dead(self, address: str, why: str) -> None:
         """A launcher saw a worker process die: fail fast instead of waiting for heartbeats."""
@@ -144,12 +153,12 @@ class JobRunner:
         for worker, silence in self.registry.silent(Role.PS_SHARD, SHARD_RESTART_GRACE_S):
             raise JobFailed(f"{worker.label} not responding: no heartbeat for {silence:.1f}s")
         if self._stop.is_set():
-            raise JobStopped("stopped by request")
+            raise JobStopped(self._stop_reason)
 
     def _advance(self, new: JobState) -> None:
         """Moves the job on, unless it was stopped meanwhile (then JobStopped ends the thread)."""
         if self._stop.is_set() or not self.machine.try_to(new):
-            raise JobStopped(self.machine.reason or "stopped by request")
+            raise JobStopped(self.machine.reason or self._stop_reason)
 
     def _remote_job(self, job: JobConfig) -> JobConfig:
         """A job from another host: its outputs in a fresh folder under output_root, and without a

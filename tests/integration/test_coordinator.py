@@ -132,9 +132,11 @@ def test_frozen_worker_fails_the_job_within_three_heartbeats(coordinator, make_j
 
 
 def test_stop_ends_a_running_job_and_its_stages(coordinator, make_job, tmp_path: Path) -> None:
-    stub, _, address = coordinator
+    stub, servicer, address = coordinator
     procs = _start_job(make_job, tmp_path, address, stub)
     try:
+        # A launcher's own stop comes first: its reason, not the later request's, ends the job.
+        servicer.runner.stop("the launcher failed")
         cli = subprocess.run([sys.executable, "-m", "launch.cli", "stop", "--coordinator", address],
                              capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0, cli.stderr
@@ -142,7 +144,7 @@ def test_stop_ends_a_running_job_and_its_stages(coordinator, make_job, tmp_path:
         while (job := stub.GetJob(wire_pb2.Empty(), timeout=5)).state == State.RUNNING:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert job.state == State.STOPPED, job.reason
+        assert job.state == State.STOPPED and job.reason == "the launcher failed", job.reason
         for p in procs.processes:  # the coordinator told every stage to stop: they exit by themselves
             p.popen.wait(timeout=15)
     finally:
