@@ -16,7 +16,7 @@ from hetpipe import devices
 from hetpipe.errors import Rejected
 from hetpipe.v1 import stage_pb2
 from hetpipe.wire import Bundle
-from hetpipe.wsp import wave_of
+from hetpipe.wsp import total_waves, wave_of
 from stage_worker import commit, lifecycle, metrics
 from stage_worker.assignment import Setup, validate
 from stage_worker.inbox import Inbox
@@ -148,6 +148,10 @@ class StageRuntime:
                 raise _refused(self.state, "evaluate: the final evaluation follows the run")
             if self._final is not None:
                 raise Rejected(grpc.StatusCode.ALREADY_EXISTS, "the final evaluation was asked for already")
+            last = total_waves(s.job.train.steps, s.job.nm)
+            if min_clock > last:  # no shard would ever reach it: the merge would wait out its deadline
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"evaluate: min_clock {min_clock} is past the "
+                                                                 f"job's last wave clock {last}")
             self._final = min_clock
             self._cv.notify_all()
 

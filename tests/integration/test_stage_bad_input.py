@@ -207,6 +207,8 @@ def test_the_final_evaluation_waits_for_the_stages_merge_and_takes_each_minibatc
                 rf"evaluation {final} minibatch 1 arrived already")
         time.sleep(0.5)
         assert len(rig.next.got) == sent, "the final evaluation ran before this stage merged w_global"
+        refused(rig.stub.Evaluate, stage_pb2.EvalRequest(min_clock=10**6), Code.INVALID_ARGUMENT,
+                r"min_clock 1000000 is past the job's last wave clock")
         rig.stub.Evaluate(stage_pb2.EvalRequest(min_clock=0), timeout=10)
         rig.next.wait_for(sent + 1)
         time.sleep(0.2)
