@@ -4,7 +4,6 @@ shards' master x~. The rules are hetpipe/elastic.py's and the shard's; this is t
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 
@@ -79,7 +78,7 @@ class ElasticSync(WspSync):
         exchange = self._due.pop(0)
         replica = [p.detach().to("cpu", copy=True) for p in self._params]
         self._sent = exchange
-        threading.Thread(target=self._exchange, args=(exchange, replica), name="exchanger", daemon=True).start()
+        self._start("exchanger", self._exchange, exchange, replica)
 
     def _exchange(self, exchange: int, replica: list[torch.Tensor]) -> None:
         started, sent = time.perf_counter(), time.time()
@@ -93,19 +92,12 @@ class ElasticSync(WspSync):
             return self._retrying(f"exchange {exchange}", shard, PUSH_GIVE_UP_S, lambda: wire.decode(
                 stub.Exchange(wire.encode(tensors, exchange=tag), timeout=rpc.DATA_DEADLINE_S)))
 
-        try:
-            bundles = _in_parallel(lambda item: one(*item), list(self._by_shard().items()))
-            deltas: dict[str, torch.Tensor] = {}
-            for bundle in bundles:
-                deltas.update(bundle.named())
-            missing = [k for k in self.keys if k not in deltas]
-            if missing:
-                raise RuntimeError(f"exchange {exchange}: the shards answered without deltas for {missing[:5]}")
-        except (RuntimeError, wire.WireError) as exc:
-            if not self._closed.is_set():
-                self._failure = str(exc)
-                self.cb.on_failure(str(exc))
-            return
+        deltas: dict[str, torch.Tensor] = {}
+        for bundle in _in_parallel(lambda item: one(*item), list(self._by_shard().items())):
+            deltas.update(bundle.named())
+        missing = [k for k in self.keys if k not in deltas]
+        if missing:
+            raise RuntimeError(f"exchange {exchange}: the shards answered without deltas for {missing[:5]}")
         if self.cfg.pull_hold_s > 0 and self._closed.wait(self.cfg.pull_hold_s):
             return
         self.cb.observe_push(time.perf_counter() - started)

@@ -140,9 +140,7 @@ class WspSync:
             (trace / "sync").mkdir(exist_ok=True)
             self._sync_trace = open(trace / "sync" / config.trace_name, "w")
         self._rng = random.Random(hash((config.seed, config.vw, config.trace_name, "push")))
-        self._pusher = threading.Thread(target=self._guarded, args=("pusher", self._push_loop), name="pusher",
-                                        daemon=True)
-        self._pusher.start()
+        self._pusher = self._start("pusher", self._push_loop)
 
     def initialise(self, virtual_workers: int, values: Sequence[torch.Tensor]) -> None:
         """Gives this stage's shards their keys' initial values (VW 0's stages do, while loading)."""
@@ -194,8 +192,7 @@ class WspSync:
         with self._lock:
             if self._pulling is None and self._pending is None:
                 self._pulling = min_clock
-                threading.Thread(target=self._guarded, args=("puller", self._pull, min_clock), name="puller",
-                                 daemon=True).start()
+                self._start("puller", self._pull, min_clock)
 
     @property
     def waiting(self) -> bool:
@@ -321,16 +318,26 @@ class WspSync:
             raise RuntimeError(f"{what} to ps shard {shard} at {self.cfg.addresses[shard]} failed: "
                                f"{exc.code().name}: {exc.details()}") from None
 
+    def _start(self, name: str, work: Callable[..., None], *args: Any) -> threading.Thread:
+        """A daemon thread that runs work(*args) and fails the stage with whatever it raises, so
+        that none ends silently while the compute thread waits for it."""
+        thread = threading.Thread(target=self._guarded, args=(name, work, *args), name=name, daemon=True)
+        thread.start()
+        return thread
+
     def _guarded(self, name: str, work: Callable[..., None], *args: Any) -> None:
-        """A background thread's body: an error its work did not expect fails the stage, named,
-        instead of ending the thread silently while the compute thread waits for it."""
         try:
             work(*args)
         except Exception as exc:
-            if not self._closed.is_set():
+            if self._closed.is_set():  # a call cut short by closing is not a failure
+                return
+            if isinstance(exc, (RuntimeError, wire.WireError)):
+                message = str(exc)  # a shard call that failed: _retrying's or the wire's message names it
+            else:
                 log.exception("%s thread failed", name)
-                self._failure = f"{name}: {type(exc).__name__}: {exc}"
-                self.cb.on_failure(self._failure)
+                message = f"{name}: {type(exc).__name__}: {exc}"
+            self._failure = message
+            self.cb.on_failure(message)
 
     def _push_loop(self) -> None:
         groups = self._by_shard()
@@ -341,13 +348,7 @@ class WspSync:
             if self.cfg.push_hold_s > 0 and self._closed.wait(self.cfg.push_hold_s):
                 return
             self._save_ledger(pending=update)
-            try:
-                _in_parallel(lambda item: self._push(item[0], wave, item[1]), list(batches.items()))
-            except RuntimeError as exc:
-                if not self._closed.is_set():  # a call cut short by closing is not a failure
-                    self._failure = str(exc)
-                    self.cb.on_failure(str(exc))
-                return
+            _in_parallel(lambda item: self._push(item[0], wave, item[1]), list(batches.items()))
             self.cb.observe_push(time.perf_counter() - started)
             self._write_sync({"event": "push", "wave": wave, "queued": queued, "start": start_wall, "end": time.time()})
             if self._ledger_path:  # only a traced job keeps the ledger (O3 reads it)
@@ -406,14 +407,7 @@ class WspSync:
 
             return self._retrying(f"pull for min_clock {min_clock}", shard, PULL_GIVE_UP_S, call)
 
-        try:
-            groups = self._by_shard()
-            bundles = _in_parallel(lambda item: pull_one(*item), list(groups.items()))
-        except (RuntimeError, wire.WireError) as exc:
-            if not self._closed.is_set():
-                self._failure = str(exc)
-                self.cb.on_failure(str(exc))
-            return
+        bundles = _in_parallel(lambda item: pull_one(*item), list(self._by_shard().items()))
         c_global = min(b.header.pull.c_global for b in bundles)
         values: dict[str, torch.Tensor] = {}
         own: dict[str, int] = {}
