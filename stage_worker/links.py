@@ -103,6 +103,7 @@ class Link:
         give_up_s: float = 10.0, hold_s: float = 0.0, shared_memory: bool = False, cuda_ipc: bool = False,
     ) -> None:
         self.address, self.method, self.peer = address, method, peer
+        self._what = "activation" if method == "Forward" else "gradient"
         self.ring = shm.Ring() if shared_memory else None
         self._cuda_ipc = shared_memory and cuda_ipc
         self.gpu_ring: ipc.Ring | None = None   # made for the first GPU bundle
@@ -177,12 +178,10 @@ class Link:
         except Exception as exc:  # a bug or a device error must fail the stage, not end the link quietly
             log.exception("link to %s failed", self.peer)
             if not self._closing.is_set():
-                what = "activation" if self.method == "Forward" else "gradient"
-                self._on_failure(f"could not send the {what} of {item.what if item else '?'} to {self.peer}: "
+                self._on_failure(f"could not send the {self._what} of {item.what if item else '?'} to {self.peer}: "
                                  f"{type(exc).__name__}: {exc}")
 
     def _deliver(self, item: Outgoing) -> bool:
-        what = "activation" if self.method == "Forward" else "gradient"
         try:
             rpc.retrying(lambda: rpc.send_bundle(self._stub, self.method, item.encode(self.ring, self.gpu_ring),
                                                  self._duplex, timeout=rpc.DATA_DEADLINE_S),
@@ -200,7 +199,7 @@ class Link:
                 return self._deliver(host)
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # else an earlier attempt landed
                 if not self._closing.is_set():
-                    self._on_failure(f"could not send the {what} of {item.what} to {self.peer} "
+                    self._on_failure(f"could not send the {self._what} of {item.what} to {self.peer} "
                                      f"at {self.address}: {exc.code().name}: {exc.details()}")
                 return False
         finally:
