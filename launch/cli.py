@@ -117,8 +117,9 @@ def _plan(args: argparse.Namespace) -> int:
     projected = _project(args.projection, inputs, job, plan) if inputs is not None else None
     if isinstance(projected, int):
         return projected
-    summary_path = Path(job.resolve(job.output.dir)) / outputs.SUMMARY_FILE
-    measured = (outputs.read_summary(summary_path.parent) or {}).get("samples_per_second")
+    out_dir = Path(job.resolve(job.output.dir))
+    measured = (outputs.read_summary(out_dir) or {}).get("samples_per_second")
+    summary_path = out_dir / outputs.SUMMARY_FILE
     if args.json:
         print(json.dumps({**plan.to_dict(), "measured_samples_per_second": measured,
                           **({"projection": projected[1]} if projected else {})}, indent=2))

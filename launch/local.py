@@ -105,9 +105,10 @@ def preflight(job: JobConfig) -> Plan:
 
 
 def _check_security(given: security.Security | None) -> None:
+    if given is None:
+        return
     try:
-        if given is not None:
-            given.check()
+        given.check()
     except security.SecurityError as exc:
         raise ConfigError(f"security: {exc}") from None
 

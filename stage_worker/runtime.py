@@ -259,7 +259,8 @@ class StageRuntime:
             devices.make_current(s.setup.device)
             while True:
                 task = None  # what fails in _next_task (a merge, a commit, a checkpoint) is no task's
-                if (task := self._next_task(s)) is None:
+                task = self._next_task(s)
+                if task is None:
                     break
                 started = time.monotonic()
                 outgoing, forward = run[task.kind](s, task)
