@@ -233,18 +233,19 @@ def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> di
     """The held-out evaluation of a whole model (eval.rows rows, as the HetPipe stages read them):
     eval_loss, eval_accuracy and eval_rows for the summary; nothing without an eval section."""
     from hetpipe import data
-    from hetpipe.optim import compute_loss
+    from hetpipe.optim import compute_loss, for_loss
 
     held_out = data.held_out_set(job) if job.eval is not None else None
     if held_out is None or job.eval is None:
         return {}
     loss = correct = predictions = rows = 0.0
+    dtype = compute_dtype(job.train.precision)
     model.eval()  # as the stages evaluate: dropout off, batch norm on its running statistics
     with torch.no_grad():
         for batch in data.eval_batches(job, held_out, job.eval.rows):
             x, y = data.read_rows(job, held_out, batch)
-            with autocast(compute_dtype(job.train.precision), device.type):
-                out = model(x.to(device)).float()
+            with autocast(dtype, device.type):
+                out = for_loss(dtype, model(x.to(device)))  # as the stages score it
             y = y.to(device)
             loss += float(compute_loss(job.train.loss, out, y)) * len(batch)
             correct += float((out.argmax(dim=-1) == y).sum()) if job.train.loss == "cross_entropy" else 0.0
