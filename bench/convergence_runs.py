@@ -18,7 +18,7 @@ import psutil
 from hetpipe import faults, rpc
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobStopped
-from hetpipe.v1 import coordinator_pb2, wire_pb2
+from hetpipe.v1 import coordinator_pb2
 from launch.local import ADDRESS_FILE, TARGETS_FILE, run_local
 
 State = coordinator_pb2.JobStatus.State
@@ -221,7 +221,7 @@ def _follow(out_dir: Path, thread: threading.Thread, budget: float, launched: fl
     with rpc.channel(address_file.read_text().strip()) as channel:
         stub = rpc.Stub(channel, "Coordinator")
         while True:
-            status = stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            status = stub.GetJob(coordinator_pb2.JobRef(), timeout=rpc.CONTROL_DEADLINE_S)
             if status.state == State.RUNNING:
                 break
             if status.state in TERMINAL or time.monotonic() - launched > SETUP_TIMEOUT_S:
@@ -233,17 +233,17 @@ def _follow(out_dir: Path, thread: threading.Thread, budget: float, launched: fl
             while (now := time.monotonic()) < start + budget:
                 if not thread.is_alive():
                     raise RuntimeError(f"{out_dir}: run_local ended during the budget")
-                status = stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+                status = stub.GetJob(coordinator_pb2.JobRef(), timeout=rpc.CONTROL_DEADLINE_S)
                 if status.state != State.RUNNING:
                     raise RuntimeError(f"{out_dir}: the job left RUNNING: {State.Name(status.state)} {status.reason}")
                 progress.append((now - start, int(status.samples)))
                 time.sleep(min(0.5, max(0.0, start + budget - time.monotonic())))
-            status = stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            status = stub.GetJob(coordinator_pb2.JobRef(), timeout=rpc.CONTROL_DEADLINE_S)
             progress.append((time.monotonic() - start, int(status.samples)))
             cpu = cores_between([(start, cpu_at_start), (time.monotonic(), worker_cpu_seconds())])
             stages, distance = _scrape(out_dir)
         finally:
-            stub.StopJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            stub.StopJob(coordinator_pb2.JobRef(), timeout=rpc.CONTROL_DEADLINE_S)
     return progress, stages, distance, start - launched, cpu
 
 

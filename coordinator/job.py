@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 # A shard is durable: the launcher (or compose) restarts it and it restores its checkpoint, so
 # it may be silent this much longer than a stage before the job gives up on it.
 SHARD_RESTART_GRACE_S = 60.0
+JOB_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex, as submit gives it
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,7 @@ class JobView:
     summary: dict[str, Any] | None       # summary.json's content, once completed
     virtual_workers: int = 0             # the plan's, once planned
     evicted: tuple[int, ...] = ()        # VWs that left the job (parallel.on_vw_failure: continue)
+    job_id: str = ""                     # given at submit; empty before any
 
 
 class JobRunner:
@@ -56,6 +60,7 @@ class JobRunner:
         # Where jobs submitted from other hosts write (--output-root); None: their own output.dir.
         self.output_root = output_root
         self.out_dir: Path | None = None  # the current (or last) job's output.dir, once known
+        self.job_id = ""  # the current (or last) job's, given at submit
         self.machine = JobStateMachine()
         self._progress: Progress | None = None
         self._plan: Plan | None = None
@@ -69,11 +74,11 @@ class JobRunner:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, job: JobConfig, plan: Plan | None = None, *, resume_wave: int = 0, remote: bool = False) -> None:
-        """Starts job (planned here unless the caller already did) in the background; resume_wave:
-        from the checkpoint of that wave in output.dir (0: from the beginning). remote: submitted
-        from another host (Submit): its outputs go under output_root, and without a cluster section
-        its cluster is the registered workers."""
+    def submit(self, job: JobConfig, plan: Plan | None = None, *, resume_wave: int = 0, remote: bool = False) -> str:
+        """Starts job (planned here unless the caller already did) in the background; returns its
+        job_id. resume_wave: from the checkpoint of that wave in output.dir (0: from the beginning).
+        remote: submitted from another host (Submit): its outputs go under output_root, and
+        without a cluster section its cluster is the registered workers."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 what = "is stopping" if self.machine.terminal else f"is {self.machine.state.name}"
@@ -85,15 +90,29 @@ class JobRunner:
             self._stop_reason = "stopped by request"
             self._dead.clear()
             self._progress, self._plan, self._summary, self.out_dir = None, None, None, None
+            self.job_id = uuid.uuid4().hex
             self._thread = threading.Thread(target=self._run, args=(job, plan, resume_wave, remote), name="job",
                                             daemon=True)
             self._thread.start()
+            return self.job_id
 
-    def stop(self, reason: str = "stopped by request") -> None:
+    def _check_id(self, job_id: str) -> None:
+        """Rejected unless job_id is empty (the current job) or the current job's. Under _lock, so
+        that a job submitted meanwhile is never the one acted on."""
+        if not job_id or job_id == self.job_id:
+            return
+        if not JOB_ID.fullmatch(job_id):
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"job_id {job_id[:64]!r}: expected the 32 hex digits Submit answered, or empty")
+        now = f"job {self.job_id} now" if self.job_id else "no job"
+        raise Rejected(grpc.StatusCode.NOT_FOUND, f"job_id {job_id}: this coordinator holds {now}")
+
+    def stop(self, reason: str = "stopped by request", job_id: str = "") -> None:
         """Stops the job in whatever state it is: before it runs at once, while it runs as soon as
         the job thread sees it (within a poll). A job that already ended stays as it ended. The
-        first reason given is the one the job ends with."""
+        first reason given is the one the job ends with. job_id: see _check_id."""
         with self._lock:
+            self._check_id(job_id)
             if not self._stop.is_set():
                 self._stop_reason = reason
                 self._stop.set()
@@ -120,8 +139,23 @@ class JobRunner:
         """The running (or last) job's latest progress; None before it runs."""
         return self._progress
 
-    def view(self) -> JobView:
-        """The job as the servicer and the metrics show it."""
+    def view(self, job_id: str = "") -> JobView:
+        """The job as the servicer and the metrics show it. job_id: see _check_id."""
+        with self._lock:
+            self._check_id(job_id)
+            return self._view()
+
+    def ended_outputs(self, job_id: str) -> Path:
+        """The output.dir of the job named (see _check_id), FAILED_PRECONDITION until it ended."""
+        with self._lock:
+            self._check_id(job_id)
+            state, out_dir = self.machine.state, self.out_dir
+            if not state.is_terminal or out_dir is None:
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"the job is {state.name}: its outputs are handed out once it has ended")
+            return out_dir
+
+    def _view(self) -> JobView:
         p = self._progress
         return JobView(
             state=self.machine.state, reason=self.machine.reason,
@@ -131,6 +165,7 @@ class JobRunner:
             samples_per_second=p.samples_per_second if p else 0.0, loss=p.loss if p else math.nan,
             summary=self._summary, evicted=p.evicted if p else (),
             virtual_workers=self._plan.virtual_workers if self._plan is not None else 0,
+            job_id=self.job_id,
         )
 
     # ---- the job thread -----------------------------------------------------------------------

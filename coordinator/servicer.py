@@ -25,6 +25,7 @@ PROTO_STATE = {state: ProtoState.Value(state.name) for state in JobState}
 
 def job_status(view: JobView) -> coordinator_pb2.JobStatus:
     s = coordinator_pb2.JobStatus(state=PROTO_STATE[view.state], reason=view.reason, emulated=view.emulated,
+                                  job_id=view.job_id,
                                   samples=view.samples, total_samples=view.total_samples,
                                   samples_per_second=view.samples_per_second,
                                   loss=0.0 if math.isnan(view.loss) else view.loss)
@@ -61,8 +62,8 @@ class CoordinatorServicer:
         except ConfigError as exc:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"job_json: {exc}") from None
         self._check_paths(job)
-        self.runner.submit(job, remote=True)
-        return job_status(self.runner.view())
+        job_id = self.runner.submit(job, remote=True)
+        return job_status(self.runner.view(job_id))
 
     def _check_paths(self, job: JobConfig) -> None:
         """PERMISSION_DENIED for a file the job names outside the data root (symbolic links
@@ -77,21 +78,17 @@ class CoordinatorServicer:
                                f"{self.data_root} (--data-root)")
 
     @handler
-    def GetJob(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
+    def GetJob(self, request: coordinator_pb2.JobRef, context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
+        return job_status(self.runner.view(request.job_id))
+
+    @handler
+    def StopJob(self, request: coordinator_pb2.JobRef, context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
+        self.runner.stop(job_id=request.job_id)
         return job_status(self.runner.view())
 
     @handler
-    def StopJob(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
-        self.runner.stop()
-        return job_status(self.runner.view())
-
-    @handler
-    def Results(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> Iterator[coordinator_pb2.OutputChunk]:
-        view = self.runner.view()
-        out_dir = self.runner.out_dir
-        if not view.state.is_terminal or out_dir is None:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"the job is {view.state.name}: its outputs are handed out once it has ended")
+    def Results(self, request: coordinator_pb2.JobRef, context: grpc.ServicerContext) -> Iterator[coordinator_pb2.OutputChunk]:
+        out_dir = self.runner.ended_outputs(request.job_id)
 
         def chunks() -> Iterator[coordinator_pb2.OutputChunk]:
             try:

@@ -25,7 +25,7 @@ from coordinator.planner import projection
 from launch import compose
 from launch import k8s
 from launch import plan_report, remote, worker
-from launch.local import ADDRESS_FILE, TOKEN_FILE, preflight, read_status, run_local
+from launch.local import ADDRESS_FILE, TOKEN_FILE, preflight, published_job_id, read_status, run_local
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -219,6 +219,7 @@ def _status(args: argparse.Namespace) -> int:
     """Prints the job and the workers; exits 0 unless the job failed or nothing can be reached."""
     out_dir: Path | None = None
     job_security: security.Security | None = None
+    job_ref = coordinator_pb2.JobRef()  # the coordinator's current job, unless --job names one
     if args.coordinator:
         address = str(args.coordinator)
     elif args.job:
@@ -236,6 +237,7 @@ def _status(args: argparse.Namespace) -> int:
                 return EXIT_USAGE
             return ended
         address = path.read_text().strip()
+        job_ref.job_id = published_job_id(out_dir)
     else:
         address = os.environ.get("HETPIPE_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}")
     # The flags, else the job's security section (which `hetpipe run` used), else the run's own token.
@@ -254,15 +256,18 @@ def _status(args: argparse.Namespace) -> int:
         stub = rpc.Stub(channel, "Coordinator")
         try:
             if args.command == "stop":
-                job_status = stub.StopJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+                job_status = stub.StopJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
             else:
-                job_status = stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+                job_status = stub.GetJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
             workers = stub.ListWorkers(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
         except grpc.RpcError as exc:
             # The run this file points at may have ended since: say how, from what it left.
             ended = _ended(out_dir, args.json) if out_dir is not None and args.command == "status" else None
             if ended is not None:
                 return ended
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # its coordinator moved on to another job
+                _error(f"the job of {args.job} has ended; coordinator {address}: {exc.details()}")
+                return EXIT_FAILED
             print(f"hetpipe: coordinator {address} unreachable: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return EXIT_UNAVAILABLE
     if args.json:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from hetpipe import children, data, devices, metrics, outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped
-from hetpipe.v1 import coordinator_pb2, wire_pb2
+from hetpipe.v1 import coordinator_pb2
 from coordinator import checkpoints
 from coordinator.__main__ import build
 from coordinator.job import JobRunner
@@ -28,11 +28,31 @@ from launch.processes import LocalProcesses
 
 MAX_SHARD_RESTARTS = 3
 ADDRESS_FILE = "coordinator.address"  # where `hetpipe status/stop --job` find the coordinator
+JOB_ID_FILE = "coordinator.job"       # ... and the job_id they name there, so as never to reach another job
 TOKEN_FILE = "coordinator.token"      # ... and the per-run token they need (owner-only, gone after the run)
 STATUS_FILE = "status.json"           # how the last run ended, for `hetpipe status --job` afterwards
 TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
 ROLES = {"stage_worker": "stage_worker", "ps_server": "ps_shard"}  # module -> `role` label (docs/metrics.md)
 TERMINAL = {PROTO_STATE[s] for s in JobState if s.is_terminal}
+
+
+def publish_address(out_dir: Path, address: str, job_id: str) -> None:
+    """Where `hetpipe status/stop --job` find the job: the coordinator's address and the job_id."""
+    outputs.write_text_atomically(out_dir / JOB_ID_FILE, job_id + "\n")
+    outputs.write_text_atomically(out_dir / ADDRESS_FILE, address + "\n")
+
+
+def unpublish_address(out_dir: Path) -> None:
+    for name in (ADDRESS_FILE, JOB_ID_FILE):
+        (out_dir / name).unlink(missing_ok=True)
+
+
+def published_job_id(out_dir: Path) -> str:
+    """The job_id publish_address left, or "" (the coordinator's current job)."""
+    try:
+        return (out_dir / JOB_ID_FILE).read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def write_targets(path: Path, coordinator_metrics_port: int, procs: LocalProcesses) -> None:
@@ -141,7 +161,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     credentials = local_security(job, out_dir, flags)
     _check_security(credentials)
     outputs.start_fresh(out_dir, keep_checkpoints=resume)
-    for stale in (TARGETS_FILE, STATUS_FILE, ADDRESS_FILE):  # an earlier job's endpoints and ending
+    for stale in (TARGETS_FILE, STATUS_FILE, ADDRESS_FILE, JOB_ID_FILE):  # an earlier job's endpoints and ending
         (out_dir / stale).unlink(missing_ok=True)
     with security.using(credentials, security.COORDINATOR, "hetpipe run"):
         return _run_coordinated(job, plan, out_dir, credentials, quiet=quiet, resume_wave=resume_wave,
@@ -156,8 +176,8 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
     server.start()
     runner = servicer.runner
     # Submitted before anyone can find the coordinator: a `hetpipe stop` from then on stops this job.
-    runner.submit(job, plan, resume_wave=resume_wave)
-    (out_dir / ADDRESS_FILE).write_text(server.address + "\n")
+    job_ref = coordinator_pb2.JobRef(job_id=runner.submit(job, plan, resume_wave=resume_wave))
+    publish_address(out_dir, server.address, job_ref.job_id)
     # The embedded coordinator serves this process's registry, as `python -m coordinator` does.
     metrics_server = metrics.start(0, "127.0.0.1")
     channel = rpc.channel(server.address)
@@ -185,7 +205,7 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
             write_targets(targets, metrics_server.port, procs)
             try:
                 restarted = functools.partial(write_targets, targets, metrics_server.port, procs)
-                status = follow(lambda: stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S), quiet=quiet,
+                status = follow(lambda: stub.GetJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S), quiet=quiet,
                                 on_status=lambda _: _watch_processes(procs, runner, restarted))
             except KeyboardInterrupt:
                 # Give the runner a moment to stop the stages cleanly; the processes are terminated
@@ -206,7 +226,7 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
             (out_dir / TOKEN_FILE).unlink(missing_ok=True)
         view = runner.view()
         write_status(out_dir, view.state.name, view.reason)
-        (out_dir / ADDRESS_FILE).unlink(missing_ok=True)  # the port is free now: another run may take it
+        unpublish_address(out_dir)  # the port is free now: another run may take it
     assert status is not None
     if runner.machine.state == JobState.COMPLETED:
         summary: dict[str, Any] = json.loads(status.summary_json)

@@ -17,8 +17,8 @@ import grpc
 from hetpipe import outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped
-from hetpipe.v1 import coordinator_pb2, wire_pb2
-from launch.local import ADDRESS_FILE, STATUS_FILE, follow, write_status
+from hetpipe.v1 import coordinator_pb2
+from launch.local import STATUS_FILE, follow, publish_address, unpublish_address, write_status
 
 # What a client accepts from a coordinator's Results stream: names, count and sizes bounded, so
 # that a coordinator (or whoever answers at its address) cannot write outside output.dir or fill
@@ -148,18 +148,22 @@ def remote_files(job: JobConfig) -> str:
             "hold the same files there")
 
 
-def _get_job(stub: rpc.Stub, address: str) -> coordinator_pb2.JobStatus:
+def _get_job(stub: rpc.Stub, job_id: str, address: str) -> coordinator_pb2.JobStatus:
+    ref = coordinator_pb2.JobRef(job_id=job_id)
     try:
         status: coordinator_pb2.JobStatus = rpc.retrying(
-            lambda: stub.GetJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S), give_up_s=GIVE_UP_S)
+            lambda: stub.GetJob(ref, timeout=rpc.CONTROL_DEADLINE_S), give_up_s=GIVE_UP_S)
     except grpc.RpcError as exc:
         raise CoordinatorUnreachable(f"coordinator {address} unreachable: {exc.code().name}: {exc.details()}") from None
     return status
 
 
-def _submit(stub: rpc.Stub, job: JobConfig, address: str) -> None:
+def _submit(stub: rpc.Stub, job: JobConfig, address: str) -> str:
+    """The job_id the coordinator gave the job; ConfigError, CoordinatorUnreachable or JobFailed."""
     try:
-        stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=rpc.CONTROL_DEADLINE_S)
+        status = stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=rpc.CONTROL_DEADLINE_S)
+        job_id: str = status.job_id
+        return job_id
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details()
         if code in rpc.RETRYABLE:
@@ -192,10 +196,10 @@ class _Announcer:
                                                   for s in stages), file=sys.stderr)
 
 
-def fetch_results(stub: rpc.Stub, out_dir: Path, address: str) -> list[str]:
+def fetch_results(stub: rpc.Stub, job_id: str, out_dir: Path, address: str) -> list[str]:
     """The ended job's outputs from the coordinator into out_dir; JobFailed naming what went wrong."""
     try:
-        return receive(stub.Results(wire_pb2.Empty(), timeout=rpc.DATA_DEADLINE_S), out_dir)
+        return receive(stub.Results(coordinator_pb2.JobRef(job_id=job_id), timeout=rpc.DATA_DEADLINE_S), out_dir)
     except grpc.RpcError as exc:
         raise JobFailed(f"fetching the outputs from coordinator {address}: {exc.code().name}: {exc.details()}") from None
     except (ValueError, OSError) as exc:
@@ -223,18 +227,17 @@ def run_remote(job: JobConfig, address: str, *, quiet: bool = False,
 def _run_submitted(job: JobConfig, address: str, out_dir: Path, quiet: bool) -> dict[str, Any]:
     with rpc.channel(address) as channel:
         stub = rpc.Stub(channel, "Coordinator")
-        _submit(stub, job, address)
+        job_id = _submit(stub, job, address)
         # Cleared once the job is accepted: a refused run leaves an earlier run's results alone, and
         # a failed one never leaves them beside its own.
         out_dir.mkdir(parents=True, exist_ok=True)
         outputs.clear(out_dir)
         (out_dir / STATUS_FILE).unlink(missing_ok=True)
-        (out_dir / ADDRESS_FILE).write_text(address + "\n")  # `hetpipe status/stop --job` find it there
+        publish_address(out_dir, address, job_id)
         try:
-            final = _follow_and_fetch(stub, job, address, out_dir, quiet)
+            final = _follow_and_fetch(stub, job, job_id, address, out_dir, quiet)
         finally:
-            # The coordinator may run someone else's job next: `hetpipe stop --job` must not stop it.
-            (out_dir / ADDRESS_FILE).unlink(missing_ok=True)
+            unpublish_address(out_dir)  # the coordinator may run someone else's job next
     State = coordinator_pb2.JobStatus.State
     if final.state == State.COMPLETED:
         summary: dict[str, Any] = json.loads(final.summary_json)
@@ -244,21 +247,21 @@ def _run_submitted(job: JobConfig, address: str, out_dir: Path, quiet: bool) -> 
     raise JobFailed(final.reason)
 
 
-def _follow_and_fetch(stub: rpc.Stub, job: JobConfig, address: str, out_dir: Path,
+def _follow_and_fetch(stub: rpc.Stub, job: JobConfig, job_id: str, address: str, out_dir: Path,
                       quiet: bool) -> coordinator_pb2.JobStatus:
     """Follows the submitted job to its end, fetches its results and writes how it ended."""
     try:
-        final = follow(lambda: _get_job(stub, address), quiet=quiet, on_status=_Announcer(job, quiet))
+        final = follow(lambda: _get_job(stub, job_id, address), quiet=quiet, on_status=_Announcer(job, quiet))
     except KeyboardInterrupt:
         try:
-            stub.StopJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+            stub.StopJob(coordinator_pb2.JobRef(job_id=job_id), timeout=rpc.CONTROL_DEADLINE_S)
         except grpc.RpcError:
             pass
         write_status(out_dir, "STOPPED", "interrupted (Ctrl-C)")
         raise
     State = coordinator_pb2.JobStatus.State
     try:
-        fetch_results(stub, out_dir, address)
+        fetch_results(stub, job_id, out_dir, address)
     except JobFailed as exc:
         if final.state == State.COMPLETED:
             write_status(out_dir, "FAILED", str(exc))

@@ -85,8 +85,14 @@ class SubmitRequest(_message.Message):
     job_json: str
     def __init__(self, job_json: _Optional[str] = ...) -> None: ...
 
+class JobRef(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
 class JobStatus(_message.Message):
-    __slots__ = ("state", "reason", "plan_json", "samples", "total_samples", "loss", "samples_per_second", "summary_json", "emulated")
+    __slots__ = ("state", "reason", "plan_json", "samples", "total_samples", "loss", "samples_per_second", "summary_json", "emulated", "job_id")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[JobStatus.State]
@@ -114,6 +120,7 @@ class JobStatus(_message.Message):
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_JSON_FIELD_NUMBER: _ClassVar[int]
     EMULATED_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     state: JobStatus.State
     reason: str
     plan_json: str
@@ -123,7 +130,8 @@ class JobStatus(_message.Message):
     samples_per_second: float
     summary_json: str
     emulated: bool
-    def __init__(self, state: _Optional[_Union[JobStatus.State, str]] = ..., reason: _Optional[str] = ..., plan_json: _Optional[str] = ..., samples: _Optional[int] = ..., total_samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., summary_json: _Optional[str] = ..., emulated: _Optional[bool] = ...) -> None: ...
+    job_id: str
+    def __init__(self, state: _Optional[_Union[JobStatus.State, str]] = ..., reason: _Optional[str] = ..., plan_json: _Optional[str] = ..., samples: _Optional[int] = ..., total_samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., summary_json: _Optional[str] = ..., emulated: _Optional[bool] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class OutputChunk(_message.Message):
     __slots__ = ("path", "offset", "data", "last")

@@ -57,17 +57,17 @@ class CoordinatorStub:
                 _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/hetpipe.v1.Coordinator/GetJob',
-                request_serializer=hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+                request_serializer=hetpipe_dot_v1_dot_coordinator__pb2.JobRef.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_coordinator__pb2.JobStatus.FromString,
                 _registered_method=True)
         self.StopJob = channel.unary_unary(
                 '/hetpipe.v1.Coordinator/StopJob',
-                request_serializer=hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+                request_serializer=hetpipe_dot_v1_dot_coordinator__pb2.JobRef.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_coordinator__pb2.JobStatus.FromString,
                 _registered_method=True)
         self.Results = channel.unary_stream(
                 '/hetpipe.v1.Coordinator/Results',
-                request_serializer=hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+                request_serializer=hetpipe_dot_v1_dot_coordinator__pb2.JobRef.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_coordinator__pb2.OutputChunk.FromString,
                 _registered_method=True)
 
@@ -143,17 +143,17 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
-                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.Empty.FromString,
+                    request_deserializer=hetpipe_dot_v1_dot_coordinator__pb2.JobRef.FromString,
                     response_serializer=hetpipe_dot_v1_dot_coordinator__pb2.JobStatus.SerializeToString,
             ),
             'StopJob': grpc.unary_unary_rpc_method_handler(
                     servicer.StopJob,
-                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.Empty.FromString,
+                    request_deserializer=hetpipe_dot_v1_dot_coordinator__pb2.JobRef.FromString,
                     response_serializer=hetpipe_dot_v1_dot_coordinator__pb2.JobStatus.SerializeToString,
             ),
             'Results': grpc.unary_stream_rpc_method_handler(
                     servicer.Results,
-                    request_deserializer=hetpipe_dot_v1_dot_wire__pb2.Empty.FromString,
+                    request_deserializer=hetpipe_dot_v1_dot_coordinator__pb2.JobRef.FromString,
                     response_serializer=hetpipe_dot_v1_dot_coordinator__pb2.OutputChunk.SerializeToString,
             ),
     }
@@ -290,7 +290,7 @@ class Coordinator:
             request,
             target,
             '/hetpipe.v1.Coordinator/GetJob',
-            hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+            hetpipe_dot_v1_dot_coordinator__pb2.JobRef.SerializeToString,
             hetpipe_dot_v1_dot_coordinator__pb2.JobStatus.FromString,
             options,
             channel_credentials,
@@ -317,7 +317,7 @@ class Coordinator:
             request,
             target,
             '/hetpipe.v1.Coordinator/StopJob',
-            hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+            hetpipe_dot_v1_dot_coordinator__pb2.JobRef.SerializeToString,
             hetpipe_dot_v1_dot_coordinator__pb2.JobStatus.FromString,
             options,
             channel_credentials,
@@ -344,7 +344,7 @@ class Coordinator:
             request,
             target,
             '/hetpipe.v1.Coordinator/Results',
-            hetpipe_dot_v1_dot_wire__pb2.Empty.SerializeToString,
+            hetpipe_dot_v1_dot_coordinator__pb2.JobRef.SerializeToString,
             hetpipe_dot_v1_dot_coordinator__pb2.OutputChunk.FromString,
             options,
             channel_credentials,

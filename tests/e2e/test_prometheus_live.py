@@ -21,7 +21,7 @@ import yaml
 from hetpipe.errors import JobStopped
 from launch.local import ADDRESS_FILE, TARGETS_FILE, run_local
 from hetpipe import rpc
-from hetpipe.v1 import coordinator_pb2_grpc, wire_pb2
+from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.prometheus_tools import ensure_prometheus, ensure_promtool, promtool_check_metrics
 from tests.unit.test_dashboards import PROMETHEUS_YML, contract, dashboards, expand, queries
 
@@ -185,7 +185,7 @@ def _stop_job(out: Path, trainer: threading.Thread, deadline_s: float = 60.0) ->
         if address_file.exists():
             channel = rpc.channel(address_file.read_text().strip())
             try:
-                coordinator_pb2_grpc.CoordinatorStub(channel).StopJob(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+                coordinator_pb2_grpc.CoordinatorStub(channel).StopJob(coordinator_pb2.JobRef(), timeout=rpc.CONTROL_DEADLINE_S)
             except grpc.RpcError:  # not serving yet, or already gone
                 pass
             finally:

@@ -66,7 +66,7 @@ class Cluster:
 
     def job(self) -> coordinator_pb2.JobStatus:
         with rpc.channel(self.address) as channel:
-            status: coordinator_pb2.JobStatus = rpc.Stub(channel, "Coordinator").GetJob(wire_pb2.Empty(), timeout=5)
+            status: coordinator_pb2.JobStatus = rpc.Stub(channel, "Coordinator").GetJob(coordinator_pb2.JobRef(), timeout=5)
             return status
 
     def kill(self, name: str) -> None:
@@ -176,11 +176,11 @@ def test_a_job_runs_on_the_registered_hosts_and_its_outputs_come_back(cluster: C
     # A file outside the coordinator's --data-root is refused at Submit, before anything reads it.
     outside = load_job(_job_file(tmp_path, "outside.yaml", {"model": {"init": "/etc/hostname"}}))
     with rpc.channel(cluster.address) as ch:
-        before = rpc.Stub(ch, "Coordinator").GetJob(wire_pb2.Empty(), timeout=10)
+        before = rpc.Stub(ch, "Coordinator").GetJob(coordinator_pb2.JobRef(), timeout=10)
         with pytest.raises(grpc.RpcError) as err:
             rpc.Stub(ch, "Coordinator").Submit(coordinator_pb2.SubmitRequest(job_json=outside.to_json()), timeout=10)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--data-root" in err.value.details()
-        assert rpc.Stub(ch, "Coordinator").GetJob(wire_pb2.Empty(), timeout=10) == before
+        assert rpc.Stub(ch, "Coordinator").GetJob(coordinator_pb2.JobRef(), timeout=10) == before
 
 
 def test_a_worker_host_that_dies_fails_the_job_fast_naming_it(cluster: Cluster, tmp_path: Path) -> None:

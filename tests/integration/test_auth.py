@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from hetpipe import rpc, security
-from hetpipe.v1 import stage_pb2, wire_pb2
+from hetpipe.v1 import coordinator_pb2, stage_pb2, wire_pb2
 from launch import certs
 from tests import service_process
 
@@ -79,7 +79,7 @@ def _state(cluster: Cluster) -> tuple[object, ...]:
         with rpc.channel(cluster.addresses["ps_server"]) as ch:
             shard = rpc.Stub(ch, "ParameterServer").Status(wire_pb2.Empty(), timeout=5)
         with rpc.channel(cluster.addresses["coordinator"]) as ch:
-            job = rpc.Stub(ch, "Coordinator").GetJob(wire_pb2.Empty(), timeout=5)
+            job = rpc.Stub(ch, "Coordinator").GetJob(coordinator_pb2.JobRef(), timeout=5)
             workers = rpc.Stub(ch, "Coordinator").ListWorkers(wire_pb2.Empty(), timeout=5)
     return stage.state, stage.vw, shard.SerializeToString(), job.state, len(workers.workers)
 
@@ -136,7 +136,7 @@ def test_a_stages_token_may_not_stop_a_stage_or_init_a_shard(cluster: Cluster) -
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with rpc.channel(cluster.addresses["coordinator"]) as ch:
             with pytest.raises(grpc.RpcError) as err:
-                rpc.Stub(ch, "Coordinator").StopJob(wire_pb2.Empty(), timeout=5)
+                rpc.Stub(ch, "Coordinator").StopJob(coordinator_pb2.JobRef(), timeout=5)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert _state(cluster) == before
 

@@ -83,7 +83,7 @@ def test_submit_refuses_bad_job_json(coordinator) -> None:
         with pytest.raises(grpc.RpcError) as err:
             stub.Submit(coordinator_pb2.SubmitRequest(job_json=text), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
-    assert stub.GetJob(wire_pb2.Empty(), timeout=5).state == State.NONE
+    assert stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state == State.NONE
 
 
 def _start_job(make_job, tmp_path: Path, address: str, stub) -> LocalProcesses:
@@ -100,7 +100,7 @@ def _start_job(make_job, tmp_path: Path, address: str, stub) -> LocalProcesses:
     procs.wait_ready()
     stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5)
     deadline = time.monotonic() + 60
-    while stub.GetJob(wire_pb2.Empty(), timeout=5).state != State.RUNNING:
+    while stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state != State.RUNNING:
         assert time.monotonic() < deadline, "job never started"
         time.sleep(0.05)
     return procs
@@ -115,7 +115,7 @@ def test_frozen_worker_fails_the_job_within_three_heartbeats(coordinator, make_j
         victim = next(p for p in procs.processes if p.address == address_of["stage 1 of vw 0"])
         os.kill(victim.popen.pid, signal.SIGSTOP)  # alive but silent: only heartbeats can tell
         frozen = time.monotonic()
-        while (job := stub.GetJob(wire_pb2.Empty(), timeout=5)).state == State.RUNNING:
+        while (job := stub.GetJob(coordinator_pb2.JobRef(), timeout=5)).state == State.RUNNING:
             time.sleep(0.05)
         detected = time.monotonic() - frozen
         os.kill(victim.popen.pid, signal.SIGCONT)
@@ -141,7 +141,7 @@ def test_stop_ends_a_running_job_and_its_stages(coordinator, make_job, tmp_path:
                              capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0, cli.stderr
         deadline = time.monotonic() + 15
-        while (job := stub.GetJob(wire_pb2.Empty(), timeout=5)).state == State.RUNNING:
+        while (job := stub.GetJob(coordinator_pb2.JobRef(), timeout=5)).state == State.RUNNING:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert job.state == State.STOPPED and job.reason == "the launcher failed", job.reason
@@ -153,7 +153,7 @@ def test_stop_ends_a_running_job_and_its_stages(coordinator, make_job, tmp_path:
 
 def test_stop_before_any_job_then_a_new_job_starts(coordinator, make_job) -> None:
     stub, servicer, _ = coordinator
-    assert stub.StopJob(wire_pb2.Empty(), timeout=5).state == State.STOPPED
+    assert stub.StopJob(coordinator_pb2.JobRef(), timeout=5).state == State.STOPPED
     job = make_job({"parallel": {"stages_per_vw": 1}, "output": {"trace": False}})
     assert stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5).state in (
         State.PENDING, State.PLANNED)
@@ -164,7 +164,7 @@ def test_stop_while_planning_or_waiting_for_workers_stops_at_once(coordinator, m
     job = make_job({"parallel": {"stages_per_vw": 2}, "output": {"trace": False}})
     stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5)
     started = time.monotonic()
-    assert stub.StopJob(wire_pb2.Empty(), timeout=5).state == State.STOPPED
+    assert stub.StopJob(coordinator_pb2.JobRef(), timeout=5).state == State.STOPPED
     # The job thread, waiting for workers that never come, ends within a poll, not at the claim timeout.
     assert servicer.runner.machine.wait_terminal(5)
     deadline = time.monotonic() + 10
@@ -176,4 +176,48 @@ def test_stop_while_planning_or_waiting_for_workers_stops_at_once(coordinator, m
             assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline, exc.details()
             time.sleep(0.05)
     assert time.monotonic() - started < 10
-    assert stub.GetJob(wire_pb2.Empty(), timeout=5).state in (State.PENDING, State.PLANNED)
+    assert stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state in (State.PENDING, State.PLANNED)
+
+
+def test_a_job_id_names_the_job_a_call_is_about(coordinator, make_job, tmp_path: Path) -> None:
+    """Stop, status and results name the job by the id Submit gave: a client whose job has
+    ended never stops or fetches the job the coordinator runs next (`hetpipe stop --job` with a
+    coordinator.address left by a run that was killed, or a slow Results after another Submit)."""
+    stub, servicer, address = coordinator
+    job = make_job({"parallel": {"stages_per_vw": 2}, "output": {"trace": False, "dir": str(tmp_path / "out")}})
+    first = stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5).job_id
+    assert len(first) == 32 and stub.GetJob(coordinator_pb2.JobRef(job_id=first), timeout=5).job_id == first
+    for method in (stub.GetJob, stub.StopJob, lambda ref, timeout: list(stub.Results(ref, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            method(coordinator_pb2.JobRef(job_id="../" + "x" * 100), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "job_id '../xxx" in err.value.details()
+    assert stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state in (State.PENDING, State.PLANNED)
+    assert stub.StopJob(coordinator_pb2.JobRef(job_id=first), timeout=5).state == State.STOPPED
+    assert servicer.runner.machine.wait_terminal(5)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            second = stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5).job_id
+            break
+        except grpc.RpcError as exc:  # FAILED_PRECONDITION while the stopped job's thread winds down
+            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline, exc.details()
+            time.sleep(0.05)
+    assert second != first
+    stale = coordinator_pb2.JobRef(job_id=first)
+    for method in (stub.GetJob, stub.StopJob, lambda ref, timeout: list(stub.Results(ref, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            method(stale, timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+        assert first in err.value.details() and second in err.value.details()
+    # The files a killed `hetpipe run` would have left: the CLI names the ended job, stops nothing.
+    (tmp_path / "out").mkdir(exist_ok=True)
+    (tmp_path / "out" / "coordinator.address").write_text(address + "\n")
+    (tmp_path / "out" / "coordinator.job").write_text(first + "\n")
+    cli = subprocess.run([sys.executable, "-m", "launch.cli", "stop", "--job", str(tmp_path / "job.yaml")],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 1 and "has ended" in cli.stderr and second in cli.stderr, cli.stderr
+    now = stub.GetJob(coordinator_pb2.JobRef(job_id=second), timeout=5)
+    assert now.job_id == second and now.state in (State.PENDING, State.PLANNED)
+    with pytest.raises(grpc.RpcError) as err:  # its own id: refused only until it has ended
+        list(stub.Results(coordinator_pb2.JobRef(job_id=second), timeout=5))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

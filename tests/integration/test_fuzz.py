@@ -134,6 +134,7 @@ def _submit(service: Service, rnd: random.Random) -> None:
 
 
 Empty = wire_pb2.Empty.DESCRIPTOR
+JobRef = coordinator_pb2.JobRef.DESCRIPTOR
 RPCS: dict[str, tuple[str, Callable[[Service], Any], Send]] = {
     "PS.Init": ("shard", _shard_state, _tensor_stream("Init")),
     "PS.Push": ("shard", _shard_state, _tensor_stream("Push")),
@@ -160,8 +161,10 @@ RPCS: dict[str, tuple[str, Callable[[Service], Any], Send]] = {
                               _unary("Heartbeat", coordinator_pb2.HeartbeatRequest.DESCRIPTOR)),
     "Coordinator.ListWorkers": ("coordinator", _coordinator_state, _unary("ListWorkers", Empty)),
     "Coordinator.Submit": ("coordinator", _coordinator_state, _submit),
-    "Coordinator.GetJob": ("coordinator", _coordinator_state, _unary("GetJob", Empty)),
-    "Coordinator.StopJob": ("coordinator", _coordinator_state, _unary("StopJob", Empty, parse_only=True)),
+    "Coordinator.GetJob": ("coordinator", _coordinator_state, _unary("GetJob", JobRef)),
+    # Malformed only: a JobRef that parses with an empty job_id is a well-formed stop of the job.
+    "Coordinator.StopJob": ("coordinator", _coordinator_state, _unary("StopJob", JobRef, parse_only=True)),
+    "Coordinator.Results": ("coordinator", _coordinator_state, _unary_stream("Results", JobRef)),
 }
 
 

@@ -257,7 +257,7 @@ def _running(out_dir: Path) -> bool:
         return False
     with run_token(out_dir), rpc.channel(address) as ch:
         try:
-            state = coordinator_pb2_grpc.CoordinatorStub(ch).GetJob(wire_pb2.Empty(), timeout=5).state
+            state = coordinator_pb2_grpc.CoordinatorStub(ch).GetJob(coordinator_pb2.JobRef(), timeout=5).state
             return bool(state == coordinator_pb2.JobStatus.RUNNING)
         except grpc.RpcError:  # the job ended and the coordinator with it
             return False
