@@ -90,13 +90,20 @@ def result_files(out_dir: Path) -> list[Path]:
     return found
 
 
-def result_chunks(out_dir: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[str, int, bytes, bool]]:
-    """(name, offset, data, last) for every result file, in order, chunk_bytes at a time; an
-    empty file is one empty last chunk."""
-    for path in result_files(out_dir):
-        size = path.stat().st_size
+def result_chunks(out_dir: Path, skip_files: int = 0, offset: int = 0,
+                  chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[str, int, bytes, bool]]:
+    """(name, offset, data, last) for every result file after the first skip_files, in order,
+    chunk_bytes at a time, the first from byte offset; an empty file is one empty last chunk.
+    ValueError (before any chunk) for a point past the files or past the end of its file."""
+    files = result_files(out_dir)
+    if skip_files > len(files) or (skip_files == len(files) and offset):
+        raise ValueError(f"skip_files {skip_files}, offset {offset}: there are {len(files)} result files")
+    sizes = [path.stat().st_size for path in files[skip_files:]]
+    if sizes and offset > sizes[0]:
+        raise ValueError(f"offset {offset}: {files[skip_files].name} has {sizes[0]} bytes")
+    for path, size in zip(files[skip_files:], sizes):
         with open(path, "rb") as f:
-            offset = 0
+            f.seek(offset)
             while True:
                 data = f.read(chunk_bytes)
                 last = offset + len(data) >= size or not data
@@ -104,3 +111,4 @@ def result_chunks(out_dir: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tup
                 offset += len(data)
                 if last:
                     break
+        offset = 0

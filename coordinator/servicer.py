@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -87,12 +88,20 @@ class CoordinatorServicer:
         return job_status(self.runner.view())
 
     @handler
-    def Results(self, request: coordinator_pb2.JobRef, context: grpc.ServicerContext) -> Iterator[coordinator_pb2.OutputChunk]:
+    def Results(self, request: coordinator_pb2.ResultsRequest,
+                context: grpc.ServicerContext) -> Iterator[coordinator_pb2.OutputChunk]:
         out_dir = self.runner.ended_outputs(request.job_id)
+        try:
+            pieces = remote.result_chunks(out_dir, request.skip_files, request.offset)
+            first = next(pieces, None)  # the resume point is checked before anything is sent
+        except ValueError as exc:
+            raise Rejected(grpc.StatusCode.OUT_OF_RANGE, f"Results: {exc}") from None
+        except OSError as exc:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, f"Results: reading {out_dir}: {exc.strerror}") from None
 
         def chunks() -> Iterator[coordinator_pb2.OutputChunk]:
             try:
-                for path, offset, data, last in remote.result_chunks(out_dir):
+                for path, offset, data, last in itertools.chain([first] if first else [], pieces):
                     yield coordinator_pb2.OutputChunk(path=path, offset=offset, data=data, last=last)
             except OSError as exc:  # a file removed or unreadable under us: the client may ask again
                 refuse(context, "Results", grpc.StatusCode.UNAVAILABLE, f"Results: reading {out_dir}: {exc.strerror}")

@@ -296,7 +296,7 @@ def add_service(server: grpc.Server, name: str, servicer: object) -> None:
 # Job files (Submit, Assign) and key lists (Pull, GetWeights) of large models are the big ones.
 REQUEST_BYTES = {
     "Empty": 1 << 10, "HeartbeatRequest": 1 << 10, "StatusRequest": 1 << 10, "EvalRequest": 1 << 10,
-    "EvictRequest": 1 << 10, "JobRef": 1 << 10,
+    "EvictRequest": 1 << 10, "JobRef": 1 << 10, "ResultsRequest": 1 << 10,
     "WorkerInfo": 16 << 10,
     "SubmitRequest": 1 << 20, "StageAssignment": 1 << 20,
     "PullRequest": MAX_MESSAGE_BYTES, "WeightsRequest": MAX_MESSAGE_BYTES,

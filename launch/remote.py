@@ -8,7 +8,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,10 @@ class ResultWriter:
             self.written.append(chunk.path)
             self._name = ""
 
+    def resume_point(self) -> tuple[int, int]:
+        """(files complete, bytes into the next): where a Results call that was cut resumes."""
+        return len(self.written), self._offset if self._fd >= 0 else 0
+
     def close(self) -> list[str]:
         """The files written; ValueError if the stream stopped inside one."""
         if self._fd >= 0:
@@ -104,16 +108,29 @@ class ResultWriter:
             self._path.with_name(self._path.name + ".part").unlink(missing_ok=True)
 
 
-def receive(chunks: Iterable[coordinator_pb2.OutputChunk], out_dir: Path) -> list[str]:
-    """Writes a Results stream into out_dir; returns the names written (ValueError: see ResultWriter)."""
+Results = Callable[[coordinator_pb2.ResultsRequest], Iterable[coordinator_pb2.OutputChunk]]
+
+
+def receive(results: Results, job_id: str, out_dir: Path) -> list[str]:
+    """The job's Results streams into out_dir; returns the names written (ValueError: see
+    ResultWriter). A stream cut by its call's deadline, or by a coordinator restarting its
+    server, resumes where it got to, as long as it brought something: a large model crosses a
+    slow link in as many calls as it takes. grpc.RpcError for a call that brought nothing."""
     writer = ResultWriter(out_dir)
     try:
-        for chunk in chunks:
-            writer.add(chunk)
+        while True:
+            skip_files, offset = point = writer.resume_point()
+            try:
+                for chunk in results(coordinator_pb2.ResultsRequest(job_id=job_id, skip_files=skip_files,
+                                                                    offset=offset)):
+                    writer.add(chunk)
+                return writer.close()
+            except grpc.RpcError as exc:
+                if exc.code() not in rpc.RETRYABLE or writer.resume_point() == point:
+                    raise
     except BaseException:
         writer.abort()
         raise
-    return writer.close()
 
 
 def check_remote(job: JobConfig) -> None:
@@ -199,7 +216,7 @@ class _Announcer:
 def fetch_results(stub: rpc.Stub, job_id: str, out_dir: Path, address: str) -> list[str]:
     """The ended job's outputs from the coordinator into out_dir; JobFailed naming what went wrong."""
     try:
-        return receive(stub.Results(coordinator_pb2.JobRef(job_id=job_id), timeout=rpc.DATA_DEADLINE_S), out_dir)
+        return receive(lambda request: stub.Results(request, timeout=rpc.DATA_DEADLINE_S), job_id, out_dir)
     except grpc.RpcError as exc:
         raise JobFailed(f"fetching the outputs from coordinator {address}: {exc.code().name}: {exc.details()}") from None
     except (ValueError, OSError) as exc:

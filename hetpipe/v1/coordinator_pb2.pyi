@@ -133,6 +133,16 @@ class JobStatus(_message.Message):
     job_id: str
     def __init__(self, state: _Optional[_Union[JobStatus.State, str]] = ..., reason: _Optional[str] = ..., plan_json: _Optional[str] = ..., samples: _Optional[int] = ..., total_samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., summary_json: _Optional[str] = ..., emulated: _Optional[bool] = ..., job_id: _Optional[str] = ...) -> None: ...
 
+class ResultsRequest(_message.Message):
+    __slots__ = ("job_id", "skip_files", "offset")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FILES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    skip_files: int
+    offset: int
+    def __init__(self, job_id: _Optional[str] = ..., skip_files: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
 class OutputChunk(_message.Message):
     __slots__ = ("path", "offset", "data", "last")
     PATH_FIELD_NUMBER: _ClassVar[int]

@@ -67,7 +67,7 @@ class CoordinatorStub:
                 _registered_method=True)
         self.Results = channel.unary_stream(
                 '/hetpipe.v1.Coordinator/Results',
-                request_serializer=hetpipe_dot_v1_dot_coordinator__pb2.JobRef.SerializeToString,
+                request_serializer=hetpipe_dot_v1_dot_coordinator__pb2.ResultsRequest.SerializeToString,
                 response_deserializer=hetpipe_dot_v1_dot_coordinator__pb2.OutputChunk.FromString,
                 _registered_method=True)
 
@@ -153,7 +153,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'Results': grpc.unary_stream_rpc_method_handler(
                     servicer.Results,
-                    request_deserializer=hetpipe_dot_v1_dot_coordinator__pb2.JobRef.FromString,
+                    request_deserializer=hetpipe_dot_v1_dot_coordinator__pb2.ResultsRequest.FromString,
                     response_serializer=hetpipe_dot_v1_dot_coordinator__pb2.OutputChunk.SerializeToString,
             ),
     }
@@ -344,7 +344,7 @@ class Coordinator:
             request,
             target,
             '/hetpipe.v1.Coordinator/Results',
-            hetpipe_dot_v1_dot_coordinator__pb2.JobRef.SerializeToString,
+            hetpipe_dot_v1_dot_coordinator__pb2.ResultsRequest.SerializeToString,
             hetpipe_dot_v1_dot_coordinator__pb2.OutputChunk.FromString,
             options,
             channel_credentials,

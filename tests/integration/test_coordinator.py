@@ -221,3 +221,50 @@ def test_a_job_id_names_the_job_a_call_is_about(coordinator, make_job, tmp_path:
     with pytest.raises(grpc.RpcError) as err:  # its own id: refused only until it has ended
         list(stub.Results(coordinator_pb2.JobRef(job_id=second), timeout=5))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_results_cut_by_their_deadline_resume_where_they_got_to(coordinator, make_job, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model larger than one call's deadline can carry (a slow link) arrives byte for byte in
+    several Results calls, each resuming at the point the last one reached; a resume point past
+    the files is OUT_OF_RANGE, and a call that brings nothing fails without a partial file."""
+    from launch import remote as client
+
+    stub, servicer, _ = coordinator
+    job = make_job({"parallel": {"stages_per_vw": 2}, "output": {"trace": False, "dir": str(tmp_path / "out")},
+                    "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "t4", "count": 2}]}]}})
+    job_id = stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5).job_id
+    stub.StopJob(coordinator_pb2.JobRef(job_id=job_id), timeout=5)  # waiting for workers: it ends STOPPED
+    servicer.runner.join(10)
+    assert servicer.runner.out_dir == tmp_path / "out"
+    served = {"model.safetensors": os.urandom(6 << 20), "summary.json": b'{"steps": 3}'}
+    (tmp_path / "out").mkdir()
+    for name, data in served.items():
+        (tmp_path / "out" / name).write_bytes(data)
+    for skip_files, offset, why in ((3, 0, "there are 2 result files"), (2, 1, "there are 2 result files"),
+                                    (0, (6 << 20) + 1, "model.safetensors has 6291456 bytes")):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Results(coordinator_pb2.ResultsRequest(job_id=job_id, skip_files=skip_files, offset=offset),
+                              timeout=5))
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE and why in err.value.details(), err.value.details()
+    tail = list(stub.Results(coordinator_pb2.ResultsRequest(job_id=job_id, skip_files=0, offset=(6 << 20) - 5),
+                             timeout=5))
+    assert [(c.path, c.offset, c.data, c.last) for c in tail][0] == (
+        "model.safetensors", (6 << 20) - 5, served["model.safetensors"][-5:], True)
+
+    calls = []
+
+    def results(request: coordinator_pb2.ResultsRequest):
+        calls.append((request.skip_files, request.offset))
+        return stub.Results(request, timeout=2.0)
+
+    add = client.ResultWriter.add
+    monkeypatch.setattr(client.ResultWriter, "add", lambda self, chunk: (time.sleep(0.5), add(self, chunk)))
+    got = client.receive(results, job_id, tmp_path / "client")
+    assert sorted(got) == sorted(served) and len(calls) >= 2, calls
+    assert calls[0] == (0, 0) and all(offset % (1 << 20) == 0 for _, offset in calls), calls
+    assert {p.name: p.read_bytes() for p in (tmp_path / "client").iterdir()} == served
+    with pytest.raises(grpc.RpcError) as err:  # no progress at all: the error, not a loop
+        client.receive(lambda request: stub.Results(request, timeout=0.001), job_id, tmp_path / "none")
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not (tmp_path / "none").exists() or not list((tmp_path / "none").iterdir())

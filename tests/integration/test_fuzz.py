@@ -164,7 +164,7 @@ RPCS: dict[str, tuple[str, Callable[[Service], Any], Send]] = {
     "Coordinator.GetJob": ("coordinator", _coordinator_state, _unary("GetJob", JobRef)),
     # Malformed only: a JobRef that parses with an empty job_id is a well-formed stop of the job.
     "Coordinator.StopJob": ("coordinator", _coordinator_state, _unary("StopJob", JobRef, parse_only=True)),
-    "Coordinator.Results": ("coordinator", _coordinator_state, _unary_stream("Results", JobRef)),
+    "Coordinator.Results": ("coordinator", _coordinator_state, _unary_stream("Results", coordinator_pb2.ResultsRequest.DESCRIPTOR)),
 }
 
 

@@ -158,7 +158,7 @@ def test_the_coordinators_result_files_arrive_byte_for_byte(tmp_path: Path) -> N
     os.symlink(served / "summary.json", served / "model.safetensors")  # a link is not handed out
     chunks = [_chunk(*c) for c in remote.result_chunks(served, chunk_bytes=1024)]
     assert len(chunks) == 5 + 4  # the 5000-byte file in 5 pieces, each of the 4 others in one
-    got = receive(chunks, tmp_path / "client")
+    got = receive(lambda _: chunks, "", tmp_path / "client")
     assert sorted(got) == sorted(files)
     assert {p.name: p.read_bytes() for p in (tmp_path / "client").iterdir()} == files
 
@@ -173,12 +173,12 @@ def test_the_coordinators_result_files_arrive_byte_for_byte(tmp_path: Path) -> N
 def test_a_stream_out_of_order_is_refused_and_leaves_no_partial_file(tmp_path: Path, chunks: list[object],
                                                                     why: str) -> None:
     with pytest.raises(ValueError, match=why):
-        receive(chunks, tmp_path)  # type: ignore[arg-type]
+        receive(lambda _: chunks, "", tmp_path)  # type: ignore[arg-type,return-value]
     assert not list(tmp_path.glob("*.part")) and not (tmp_path.parent / "a.json").exists()
 
 
 def test_the_bytes_in_all_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("launch.remote.MAX_RESULT_BYTES", 10)
     with pytest.raises(ValueError, match="more than 10 bytes in all"):
-        receive([_chunk("a.json", 0, b"x" * 8, True), _chunk("b.json", 0, b"x" * 8, True)], tmp_path)
+        receive(lambda _: [_chunk("a.json", 0, b"x" * 8, True), _chunk("b.json", 0, b"x" * 8, True)], "", tmp_path)
     assert not (tmp_path / "b.json").exists() and not (tmp_path / "b.json.part").exists()
