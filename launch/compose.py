@@ -113,8 +113,10 @@ def _relative(path: Path, start: Path) -> str:
 
 
 def job_file_mounts(job: JobConfig, compose_dir: Path) -> list[Mount]:
-    """Files the job names (data.path, model.init), mounted where the job, read from JOB_MOUNT,
-    resolves them: the coordinator and stage 0 read the data, the coordinator the init."""
+    """Files the job names (data.path, model.init) and the modules of its factories that sit
+    beside the job file (a package folder or NAME.py; others must be installed in the image),
+    mounted where the job, read from JOB_MOUNT, resolves them: the coordinator and the stages
+    read the data and build the model, the coordinator reads the init."""
     mounts = []
     for path in (job.data.path if job.data.name == "npz" else None, job.model.init):
         if not path:
@@ -122,7 +124,23 @@ def job_file_mounts(job: JobConfig, compose_dir: Path) -> list[Mount]:
         target = path if posixpath.isabs(path) else posixpath.normpath(
             posixpath.join(posixpath.dirname(JOB_MOUNT), path))
         mounts.append(Mount(_relative(job.resolve(path), compose_dir), target))
+    for module in sorted(factory_modules(job)):
+        mounts.append(Mount(_relative(Path(job.base_dir) / module, compose_dir),
+                            posixpath.join(posixpath.dirname(JOB_MOUNT), module)))
     return mounts
+
+
+def factory_modules(job: JobConfig) -> set[str]:
+    """The top-level packages (folders) and modules (NAME.py) beside the job file that its
+    factories import: what a container needs besides the image to build the model and data."""
+    found = set()
+    for spec in (job.model.factory, job.data.factory, job.data.eval_factory):
+        top = spec.partition(":")[0].partition(".")[0] if spec else ""
+        for name in (top, f"{top}.py") if top else ():
+            if (Path(job.base_dir) / name).exists():
+                found.add(name)
+                break
+    return found
 
 
 def _scalar(value: object) -> str:

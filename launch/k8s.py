@@ -34,7 +34,7 @@ import yaml
 from hetpipe.config import ConfigError, JobConfig
 from coordinator.planner import Plan
 from launch.compose import (COORDINATOR_PORT, CPU_IMAGE, GPU_IMAGE, JOB_MOUNT,
-                            RUNS, WORKER_PORT, ShardService, StageService, job_file_mounts, shard_services,
+                            RUNS, WORKER_PORT, Mount, ShardService, StageService, job_file_mounts, shard_services,
                             stage_services)
 from launch import k8s_pod
 from launch.k8s_pod import TLS_SECRET, TOKEN_FILE, TOKEN_SECRET, Manifest
@@ -139,24 +139,39 @@ def _shared_runs(job: JobConfig) -> bool:
 # ---- the objects ------------------------------------------------------------------------------------
 
 
+def _files(mounts: list[Mount], base: Path) -> list[tuple[Path, str]]:
+    """(host file, container path) for each mount, a folder (a factory's package) file by file:
+    a ConfigMap holds files, not folders. Caches and hidden files stay behind."""
+    files = []
+    for m in mounts:
+        source = (base / m.source).resolve()
+        if not source.is_dir():
+            files.append((source, m.target))
+            continue
+        for path in sorted(source.rglob("*")):
+            rel = path.relative_to(source)
+            if path.is_file() and not any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
+                files.append((path, posixpath.join(m.target, rel.as_posix())))
+    return files
+
+
 def _job_configmap(job: JobConfig, job_file: Path, labels: dict[str, str]) -> tuple[Manifest, list[Manifest]]:
-    """The job file and the files it names (data.path, model.init), and the mounts of those files:
+    """The job file and the files it names (data.path, model.init, factory modules), and their mounts:
     where the job, read from JOB_MOUNT, resolves them (launch/compose.py job_file_mounts)."""
     text = job_file.read_text()
     mounts = []
     binary: dict[str, str] = {}
     size = len(text.encode())
     base = Path.cwd()
-    for i, m in enumerate(job_file_mounts(job, base)):
-        source = (base / m.source).resolve()
+    for i, (source, target) in enumerate(_files(job_file_mounts(job, base), base)):
         data = source.read_bytes()
         size += len(data)
         if size > CONFIGMAP_MAX_BYTES:
             raise ConfigError(f"{source}: the job file and the files it names come to {size} bytes, and the "
                               f"ConfigMap that carries them holds at most {CONFIGMAP_MAX_BYTES}")
-        key = f"file{i}-{re.sub(r'[^A-Za-z0-9_.-]', '-', posixpath.basename(m.target))}"
+        key = f"file{i}-{re.sub(r'[^A-Za-z0-9_.-]', '-', posixpath.basename(target))}"
         binary[key] = base64.b64encode(data).decode()
-        mounts.append({"name": "job", "mountPath": m.target, "subPath": key, "readOnly": True})
+        mounts.append({"name": "job", "mountPath": target, "subPath": key, "readOnly": True})
     configmap: Manifest = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": JOB_CONFIGMAP, "labels": labels},
                            "data": {"job.yaml": text}}
     if binary:

@@ -382,3 +382,69 @@ def test_cli_writes_the_manifests(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert cli.main(["k8s", str(EXAMPLE), "-o", str(out), "--certs", str(tmp_path / "none")]) == cli.EXIT_USAGE
     assert "ca.pem" in capsys.readouterr().err
     assert cli.main(["k8s", str(tmp_path / "missing.yaml"), "-o", str(out)]) == cli.EXIT_USAGE
+
+
+def test_factory_modules_beside_the_job_file_reach_every_container(tmp_path: Path) -> None:
+    """model.factory in a package folder and data factories in a NAME.py beside the job file:
+    compose binds them and the k8s ConfigMap carries them file by file (caches left behind), so
+    that in each container's view of the files the job, read from JOB_MOUNT, builds its model
+    and reads its data, with only the image's packages installed."""
+    import shutil
+    import subprocess
+    import sys
+
+    own = ROOT / "examples" / "own-model"
+    (tmp_path / "nets" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "nets" / "__init__.py").write_text("")
+    (tmp_path / "nets" / "__pycache__" / "junk.pyc").write_bytes(b"\0")
+    shutil.copy(own / "digits_net.py", tmp_path / "nets" / "digits.py")
+    shutil.copy(own / "digits_data.py", tmp_path)
+    raw = yaml.safe_load((own / "job.yaml").read_text())
+    raw["model"]["factory"] = "nets.digits:build"
+    raw["cluster"] = yaml.safe_load(EXAMPLE.read_text())["cluster"]
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(raw))
+    job = load_job(job_file)
+    plan = make_plan(job)
+
+    views = {}  # container -> the files it sees, under a folder standing for its root
+    compose_text = compose.render(job, plan, job_file=job_file, compose_dir=tmp_path, root=ROOT)
+    for name, service in yaml.safe_load(compose_text)["services"].items():
+        if name not in ("coordinator", "vw1-stage1"):
+            continue
+        root = views[f"compose {name}"] = tmp_path / "views" / f"compose-{name}"
+        for bind in (v for v in service["volumes"] if isinstance(v, dict) and v["type"] == "bind"):
+            source, target = (tmp_path / bind["source"]).resolve(), root / bind["target"].lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
+    rendered = k8s.render(job, plan, job_file=job_file)
+    docs = {n: [d for d in yaml.safe_load_all(t) if d] for n, t in rendered.items()}
+    configmap = _objects(docs, "ConfigMap")[k8s.JOB_CONFIGMAP]
+    files = {**{k: v.encode() for k, v in configmap["data"].items()},
+             **{k: base64.b64decode(v) for k, v in configmap["binaryData"].items()}}
+    for workload, pod in _pods(docs).items():
+        if workload not in ("coordinator", "vw1-stage1"):
+            continue
+        root = views[f"k8s {workload}"] = tmp_path / "views" / f"k8s-{workload}"
+        for mount in (m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "job"):
+            target = root / mount["mountPath"].lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(files[mount["subPath"]])
+        assert not list(root.rglob("__pycache__")), "a cache file went into the ConfigMap"
+    assert len(views) == 4, views
+    # A stage reads no job file: the job comes in its assignment, with base_dir JOB_MOUNT's folder.
+    check = ("import dataclasses, sys\nfrom hetpipe import data, models\nfrom hetpipe.config import load_job\n"
+             "job = load_job(sys.argv[1] + '/etc/hetpipe/job.yaml')\n"
+             "for root in sys.argv[1:]:\n"
+             "    job = dataclasses.replace(job, base_dir=root + '/etc/hetpipe')\n"
+             "    assert sum(p.numel() for p in models.structure(job.model, job.base_dir).parameters()) > 0\n"
+             "    assert len(data.training_set(job)) > 0 and len(data.held_out_set(job)) > 0\n"
+             "    for name in ('nets', 'nets.digits', 'digits_data'):\n"
+             "        assert sys.modules[name].__file__.startswith(root), (name, sys.modules[name].__file__)\n"
+             "        del sys.modules[name]\n"
+             "    sys.path.remove(job.base_dir)\n")
+    roots = [views["compose coordinator"], *(v for k, v in views.items() if k != "compose coordinator")]
+    done = subprocess.run([sys.executable, "-c", check, *map(str, roots)], cwd=tmp_path / "views",
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
