@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -37,12 +38,13 @@ class TensorSpec:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    def check(self, what: str, tensor: torch.Tensor) -> None:
-        """Rejected (INVALID_ARGUMENT) unless a received tensor is of this dtype and shape."""
-        if tensor.dtype != self.dtype:
-            raise _invalid(f"{what}: dtype {tensor.dtype}, expected {self.dtype}")
-        if tuple(tensor.shape) != self.shape:
-            raise _invalid(f"{what}: shape {list(tensor.shape)}, expected {list(self.shape)}")
+    def check(self, what: str, dtype: torch.dtype, shape: Sequence[int]) -> None:
+        """Rejected (INVALID_ARGUMENT) unless a received tensor (or the header that announces it)
+        is of this dtype and shape."""
+        if dtype != self.dtype:
+            raise _invalid(f"{what}: dtype {dtype}, expected {self.dtype}")
+        if tuple(shape) != self.shape:
+            raise _invalid(f"{what}: shape {list(shape)}, expected {list(self.shape)}")
 
     def split(self, parts: int) -> TensorSpec:
         """One of `parts` equal micro-batches of a minibatch's tensor (its first dimension split)."""

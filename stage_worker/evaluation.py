@@ -5,8 +5,10 @@ A periodic evaluation k runs once VW 0's first k * every minibatches have finish
 stage and before minibatch k * every + 1 starts: stage 0 holds that forward back until the
 evaluation's forwards have left it, and every stage runs evaluation traffic before training
 traffic that arrives after it. So each stage evaluates with exactly the weights its first
-k * every updates (and the pulls merged meanwhile) made. The final evaluation runs after the
-run, on w_global after every VW's last push: the model that is written out.
+k * every updates (and the pulls merged meanwhile) made. Stage 0 runs an evaluation as one task;
+a later stage runs its minibatches one task each and merges no pull (or elastic delta) between
+two of them, so one evaluation scores one weight version there too. The final evaluation runs
+after the run, on w_global after every VW's last push: the model that is written out.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ from stage_worker.loaded import Loaded
 from stage_worker.micro_schedule import MicroSchedule
 from stage_worker.schedule import Rejection, ScheduleError
 
+Metas = list[tuple[torch.dtype, tuple[int, ...]]]   # each received tensor's dtype and shape
+
 _SCHEDULE_CODES = {
     Rejection.UNKNOWN: grpc.StatusCode.INVALID_ARGUMENT,
     Rejection.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
@@ -37,22 +39,39 @@ class Inbox:
         self.eval_received: dict[int, set[int]] = {}   # evaluation -> its minibatches taken
         self.received = 0
 
+    def check_forward(self, s: Loaded, header: wire_pb2.TensorFrame, metas: Metas, *,
+                      training: bool) -> tuple[int, int, int] | None:
+        """Refuses an activation (or fp16 verdicts alone) that offer_forward would refuse for what its
+        header says, tensors' dtypes and shapes included; changes nothing. The servicer calls it
+        before anything is allocated for the tensors (a GPU stage pins them). Returns the minibatch,
+        evaluation and micro-batch; None for verdicts alone."""
+        if s.setup.first:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "stage 0 reads its own data and takes no activations")
+        if header.WhichOneof("header") == "commit":
+            _check_verdicts_alone(s, header.commit, len(metas))
+            return None
+        p, k = _check(s, header, len(metas), s.setup.stage - 1, "activation", training)
+        if k and p in self.eval_received.get(k, ()):  # the last stage would count it twice
+            raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"activation: evaluation {k} minibatch {p} arrived already")
+        m, spec = _micro(s, header, "activation", s.setup.specs.activation, training=not k)
+        spec.check("activation", *metas[0])
+        _check_verdicts(s, header.minibatch.verdicts, "activation")
+        return p, k, m
+
     def offer_forward(self, s: Loaded, bundle: Bundle, *, training: bool) -> None:
         """An activation from the previous stage (training: not yet DONE, which takes evaluations
         only), or fp16 verdicts alone."""
-        if s.setup.first:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "stage 0 reads its own data and takes no activations")
-        if bundle.header.WhichOneof("header") == "commit":
-            self._offer_verdicts(s, bundle)
+        checked = self.check_forward(s, bundle.header, _metas(bundle), training=training)
+        if checked is None:
+            tag = bundle.header.commit
+            assert s.scaling is not None
+            s.scaling.verdicts.learn(tag.verdicts.through, tag.verdicts.skipped)
+            s.scaling.relay = True
+            self.received += 1
             return
-        p, k = _check(s, bundle, s.setup.stage - 1, "activation", training)
-        if k and p in self.eval_received.get(k, ()):  # the last stage would count it twice
-            raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"activation: evaluation {k} minibatch {p} arrived already")
+        p, k, m = checked
         x = bundle.tensors[0][1]
-        m, spec = _micro(s, bundle, "activation", s.setup.specs.activation, training=not k)
-        spec.check("activation", x)
         verdicts = bundle.header.minibatch.verdicts
-        _check_verdicts(s, verdicts, "activation")
         if k:
             self.eval_received.setdefault(k, set()).add(p)
             self.evals.append((k, p, x.to(s.compute.device, non_blocking=True)))
@@ -62,49 +81,57 @@ class Inbox:
             s.scaling.verdicts.learn(verdicts.through, verdicts.skipped)
         self.received += 1
 
-    def _offer_verdicts(self, s: Loaded, bundle: Bundle) -> None:
-        tag = bundle.header.commit
-        if s.scaling is None:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "verdicts: this job does not scale its loss (fp16 only)")
-        if tag.vw != s.setup.vw or tag.stage != s.setup.stage - 1:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"verdicts: from stage {tag.stage} of vw {tag.vw}, "
-                                                             f"expected stage {s.setup.stage - 1} of vw {s.setup.vw}")
-        if bundle.tensors:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"verdicts: expected no tensors, got {len(bundle.tensors)}")
-        _check_verdicts(s, tag.verdicts, "verdicts")
-        s.scaling.verdicts.learn(tag.verdicts.through, tag.verdicts.skipped)
-        s.scaling.relay = True
-        self.received += 1
-
-    def offer_backward(self, s: Loaded, bundle: Bundle, *, training: bool) -> None:
-        """A gradient from the next stage."""
+    def check_backward(self, s: Loaded, header: wire_pb2.TensorFrame, metas: Metas, *,
+                       training: bool) -> tuple[int, int]:
+        """check_forward's twin for a gradient from the next stage; returns its minibatch and micro-batch."""
         if s.setup.last:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the last stage computes the loss and takes no gradients")
-        p, _ = _check(s, bundle, s.setup.stage + 1, "gradient", training)
-        grad = bundle.tensors[0][1]
-        m, spec = _micro(s, bundle, "gradient", s.setup.specs.output, training=True)
-        spec.check("gradient", grad)
-        tag = bundle.header.minibatch
+        p, _ = _check(s, header, len(metas), s.setup.stage + 1, "gradient", training)
+        m, spec = _micro(s, header, "gradient", s.setup.specs.output, training=True)
+        spec.check("gradient", *metas[0])
+        tag = header.minibatch
         if s.scaling is not None and not (math.isfinite(tag.loss_scale) and tag.loss_scale >= 1.0):
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                            f"gradient: loss_scale {tag.loss_scale} of minibatch {p}: expected a finite scale >= 1")
-        self.backward[_accept(s, p, m, "backward")] = grad.to(s.compute.device, non_blocking=True)
+        return p, m
+
+    def offer_backward(self, s: Loaded, bundle: Bundle, *, training: bool) -> None:
+        """A gradient from the next stage."""
+        p, m = self.check_backward(s, bundle.header, _metas(bundle), training=training)
+        tag = bundle.header.minibatch
+        self.backward[_accept(s, p, m, "backward")] = bundle.tensors[0][1].to(s.compute.device, non_blocking=True)
         if s.scaling is not None:
             s.scaling.incoming[p] = (tag.loss_scale, tag.overflow)
         self.received += 1
 
 
-def _check(s: Loaded, bundle: Bundle, from_stage: int, what: str, training: bool) -> tuple[int, int]:
+def _metas(bundle: Bundle) -> Metas:
+    return [(t.dtype, tuple(t.shape)) for _, t in bundle.tensors]
+
+
+def _check_verdicts_alone(s: Loaded, tag: wire_pb2.CommitTag, tensors: int) -> None:
+    if s.scaling is None:
+        raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "verdicts: this job does not scale its loss (fp16 only)")
+    if tag.vw != s.setup.vw or tag.stage != s.setup.stage - 1:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"verdicts: from stage {tag.stage} of vw {tag.vw}, "
+                                                         f"expected stage {s.setup.stage - 1} of vw {s.setup.vw}")
+    if tensors:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"verdicts: expected no tensors, got {tensors}")
+    _check_verdicts(s, tag.verdicts, "verdicts")
+
+
+def _check(s: Loaded, header: wire_pb2.TensorFrame, tensors: int, from_stage: int, what: str,
+           training: bool) -> tuple[int, int]:
     """(minibatch, evaluation) of a valid single-tensor input from stage from_stage."""
-    if bundle.header.WhichOneof("header") != "minibatch":
+    if header.WhichOneof("header") != "minibatch":
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: first frame lacks the minibatch tag")
-    tag = bundle.header.minibatch
+    tag = header.minibatch
     if tag.vw != s.setup.vw:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: tagged for vw {tag.vw}, but this is {s.setup.name}")
     if tag.stage != from_stage:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: sent by stage {tag.stage}, expected stage {from_stage}")
-    if len(bundle.tensors) != 1:
-        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: expected 1 tensor, got {len(bundle.tensors)}")
+    if tensors != 1:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: expected 1 tensor, got {tensors}")
     if tag.eval and (s.evals is None or not 1 <= tag.minibatch <= len(s.evals.batches)
                      or tag.eval > s.evals.schedule.final_id or what != "activation"):
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: evaluation {tag.eval} minibatch {tag.minibatch} "
@@ -115,13 +142,14 @@ def _check(s: Loaded, bundle: Bundle, from_stage: int, what: str, training: bool
     return int(tag.minibatch), int(tag.eval)
 
 
-def _micro(s: Loaded, bundle: Bundle, what: str, whole: TensorSpec, *, training: bool) -> tuple[int, TensorSpec]:
+def _micro(s: Loaded, header: wire_pb2.TensorFrame, what: str, whole: TensorSpec, *,
+           training: bool) -> tuple[int, TensorSpec]:
     """The micro-batch an input names, and the spec its tensor must meet (whole: a minibatch's):
     only the micro-batch schedules' training traffic has one (their schedule checks its range)."""
-    m = int(bundle.header.minibatch.micro)
+    m = int(header.minibatch.micro)
     if training and isinstance(s.schedule, MicroSchedule):
         try:
-            s.schedule.check_unit(int(bundle.header.minibatch.minibatch), m, what)
+            s.schedule.check_unit(int(header.minibatch.minibatch), m, what)
         except ScheduleError as exc:
             raise Rejected(_SCHEDULE_CODES[exc.reason], str(exc)) from None
         return m, whole.split(s.schedule.micro) if m else whole

@@ -51,6 +51,19 @@ class Evals:
         self.batches = data.eval_batches(job, held_out, job.eval.rows)
         self.totals = Totals(len(self.batches), job.train.loss == "cross_entropy")
         self.started: set[int] = set()
+        self._partly_run: dict[int, int] = {}   # evaluation -> its minibatches run here so far, until all are
+
+    def ran(self, k: int, minibatches: int) -> None:
+        """This stage ran `minibatches` more of evaluation k's minibatches (stage 0: all at once)."""
+        done = self._partly_run.pop(k, 0) + minibatches
+        if done < len(self.batches):
+            self._partly_run[k] = done
+
+    @property
+    def midway(self) -> bool:
+        """An evaluation has run some of its minibatches here but not all: weights merged now
+        (a pull, an elastic delta) would make it score two weight versions."""
+        return bool(self._partly_run)
 
     def read(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.dataset is not None
@@ -122,19 +135,25 @@ class Loaded:
         self.trace = MinibatchTrace(setup.trace_path, setup.vw, setup.stage)
         self.observe = metrics.observers(setup.vw, setup.stage)
         self.padder = faults.Padder(faults.from_env(), setup.vw, (job.train.seed, setup.stage))
-        self.sync: Sync = LocalSync() if not setup.synced else self._wsp(setup, on_failure, wake, next_forward)
-        if setup.resume_wave:
-            progress(f"restoring its state at the checkpoint of wave {setup.resume_wave}")
-            path = outputs.stage_state_path(setup.checkpoint_dir, setup.resume_wave, setup.vw, setup.stage)
-            try:
-                checkpoint.restore(self.compute, self.sync, checkpoint.load(path))
-            except (OSError, ValueError, KeyError, RuntimeError) as exc:
-                raise LoadError(f"{path}: {exc}") from None
-        elif setup.synced and setup.vw == 0:  # a resumed job's driver gives the shards the checkpoint's values
-            progress("giving the parameter servers w0")
-            self.sync.initialise(job.parallel.virtual_workers, [p.detach() for p in self.compute.params])
         self.next: Link | None = None
         self.prev: Link | None = None
+        self.sync: Sync = LocalSync()
+        try:  # a load that fails from here on closes what it opened: the sync's channels and threads, the traces
+            if setup.synced:
+                self.sync = self._wsp(setup, on_failure, wake, next_forward)
+            if setup.resume_wave:
+                progress(f"restoring its state at the checkpoint of wave {setup.resume_wave}")
+                path = outputs.stage_state_path(setup.checkpoint_dir, setup.resume_wave, setup.vw, setup.stage)
+                try:
+                    checkpoint.restore(self.compute, self.sync, checkpoint.load(path))
+                except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                    raise LoadError(f"{path}: {exc}") from None
+            elif setup.synced and setup.vw == 0:  # a resumed job's driver gives the shards the checkpoint's values
+                progress("giving the parameter servers w0")
+                self.sync.initialise(job.parallel.virtual_workers, [p.detach() for p in self.compute.params])
+        except BaseException:
+            self.close()
+            raise
 
     def _wsp(self, setup: Setup, on_failure: Callable[[str], None], wake: Callable[[], None],
              next_forward: Callable[[], int]) -> WspSync:

@@ -15,11 +15,11 @@ import torch
 from hetpipe import devices
 from hetpipe.errors import Rejected
 from hetpipe.v1 import stage_pb2
-from hetpipe.wire import Bundle
+from hetpipe.wire import Bundle, Stream
 from hetpipe.wsp import total_waves, wave_of
 from stage_worker import commit, lifecycle, metrics
 from stage_worker.assignment import Setup, validate
-from stage_worker.inbox import Inbox
+from stage_worker.inbox import Inbox, Metas
 from stage_worker.lifecycle import StageState
 from stage_worker.commit import Send
 from stage_worker.links import Link
@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 def _refused(state: StageState, what: str) -> Rejected:
     return Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"{what} in state {state.name}")
+
+
+def _metas(stream: Stream) -> Metas:
+    return [(dtype, tuple(shape)) for dtype, shape, _ in stream.specs]
 
 
 class StageRuntime:
@@ -168,6 +172,19 @@ class StageRuntime:
         setup = self._setup
         return torch.device(setup.device.name) if setup is not None and setup.device.kind == "cuda" else None
 
+    def check_forward(self, stream: Stream) -> None:
+        """Refuses, from its header alone, an activation that offer_forward would refuse: called
+        before anything is allocated for its tensors (on a GPU stage, pinned memory)."""
+        with self._cv:
+            self._inbox.check_forward(self._running("activation"), stream.header, _metas(stream),
+                                      training=self.state != StageState.DONE)
+
+    def check_backward(self, stream: Stream) -> None:
+        """check_forward's twin for a gradient."""
+        with self._cv:
+            self._inbox.check_backward(self._running("gradient"), stream.header, _metas(stream),
+                                       training=self.state != StageState.DONE)
+
     def offer_forward(self, bundle: Bundle) -> None:
         """Validates an activation from the previous stage and queues it."""
         with self._cv:
@@ -229,7 +246,9 @@ class StageRuntime:
                     self._wait_idle_seconds += now - idle_since
                 self._idle_seconds += now - idle_since
                 idle_since = now
-                if not s.compute.holds_live_graph:  # a pull merges in place: not under a kept graph
+                # A pull merges in place: not under a kept graph, nor between two minibatches of one
+                # evaluation (a later stage runs them one task each), which would score two versions.
+                if not s.compute.holds_live_graph and not (s.evals is not None and s.evals.midway):
                     s.sync.apply_pending(s.compute)
                 commit.commit_decided(s)
                 wave = s.cuts.due(s.schedule.completed, s.sync.acked_waves)
@@ -380,6 +399,7 @@ class StageRuntime:
                 final = k == s.evals.schedule.final_id
                 s.evals.score(k, i, out, trained=s.job.train.steps if final else s.schedule.completed,
                               name=s.setup.name)
+        s.evals.ran(k, len(inputs))
         return sends, 0.0
 
     # ---- queries and shutdown ----------------------------------------------------------------

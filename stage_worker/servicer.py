@@ -57,9 +57,10 @@ class StageServicer:
         # mapped by both would have torch's counter of it lowered twice.
         self._ipc_lock = threading.Lock()
 
-    def _decode(self, frames: Iterable[bytes]) -> wire.Bundle:
+    def _decode(self, frames: Iterable[bytes], check: Callable[[wire.Stream], None]) -> wire.Bundle:
         """An activation or gradient, in frames, through shared memory or by CUDA IPC; a GPU
-        stage receives host bytes into pinned memory."""
+        stage receives host bytes into pinned memory. check(stream) refuses a bad header before
+        anything is allocated for its tensors."""
         device = self.runtime.gpu
         ipc = None
         if device is not None:
@@ -67,7 +68,7 @@ class StageServicer:
                 if self._ipc is None or self._ipc.device != device:
                     self._ipc = cuda_ipc.Opener(self.reader, device)
                 ipc = self._ipc
-        return wire.decode(frames, reader=self.reader, pinned=device is not None, ipc=ipc)
+        return wire.decode(frames, check=check, reader=self.reader, pinned=device is not None, ipc=ipc)
 
     @handler
     def Assign(self, request: stage_pb2.StageAssignment, context: grpc.ServicerContext) -> wire_pb2.Ack:
@@ -81,24 +82,24 @@ class StageServicer:
 
     @handler
     def Forward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_forward(self._decode(request_iterator))
+        self.runtime.offer_forward(self._decode(request_iterator, self.runtime.check_forward))
         return wire_pb2.Ack()
 
     @handler
     def ForwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
         for frame in frames:   # each a whole bundle
-            self.runtime.offer_forward(self._decode([frame]))
+            self.runtime.offer_forward(self._decode([frame], self.runtime.check_forward))
             yield wire_pb2.Ack()
 
     @handler
     def Backward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_backward(self._decode(request_iterator))
+        self.runtime.offer_backward(self._decode(request_iterator, self.runtime.check_backward))
         return wire_pb2.Ack()
 
     @handler
     def BackwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
         for frame in frames:
-            self.runtime.offer_backward(self._decode([frame]))
+            self.runtime.offer_backward(self._decode([frame], self.runtime.check_backward))
             yield wire_pb2.Ack()
 
     @handler

@@ -22,7 +22,7 @@ import yaml
 from conftest import deep_update, example_job
 from coordinator.driver import JobDriver
 from coordinator.planner import make_plan
-from hetpipe import rpc
+from hetpipe import models, rpc
 from hetpipe.config import load_job
 from hetpipe.v1 import stage_pb2, stage_pb2_grpc, wire_pb2
 from stage_rig import (
@@ -40,9 +40,11 @@ from stage_rig import (
     serve,
 )
 from stage_rig import variant as assignment_variant
+from stage_worker import loaded
 from stage_worker.assignment import validate
 from stage_worker.runtime import StageRuntime
 from stage_worker.servicer import StageServicer
+from stage_worker.wsp_sync import WspSync
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -224,6 +226,44 @@ def test_an_assignment_the_model_does_not_fit_fails_loading_naming_why(idle: Any
             s = _loaded(stub)
             assert s.state == State.FAILED and re.search(match, s.error), s.error
             assert s.error.startswith("stage 1 of vw 0: ")
+    finally:
+        runtime.stop()
+        server.stop(grace=0)
+
+
+def test_a_load_that_fails_once_its_sync_exists_closes_the_sync(idle: Any, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load that fails after the stage has made its sync with the shards (here: the checkpoint
+    it resumes from is missing) closes that sync: its pusher thread ends and its channels close."""
+    good, _, _, _ = idle
+    made: list[WspSync] = []
+
+    class Recorded(WspSync):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(loaded, "WspSync", Recorded)
+    setup = validate(good)
+    params = models.parameter_keys(models.structure(setup.job.model, setup.job.base_dir), setup.layer_begin,
+                                   setup.layer_end)
+    a = assignment_variant(good, ps_addresses=["127.0.0.1:9"], key_shards=[0] * len(params),
+                           checkpoint_dir=str(tmp_path / "checkpoints"), resume_wave=1)
+    runtime = StageRuntime()
+    server = serve(StageServicer(runtime, on_stop=lambda: None))
+    try:
+        with rpc.channel(server.address) as channel:
+            stub = stage_pb2_grpc.StageStub(channel)
+            stub.Assign(a, timeout=10)
+            s = _loaded(stub)
+        assert s.state == State.FAILED and re.search(r"loading failed: LoadError: .*vw0_stage1", s.error), s.error
+        assert len(made) == 1, "the load failed before it made its sync: this test tests nothing"
+        sync = made[0]
+        sync._pusher.join(timeout=5)
+        assert sync._closed.is_set() and not sync._pusher.is_alive(), "the failed load left its sync open"
+        for ch in sync._channels:
+            with pytest.raises(ValueError, match="closed channel"):  # open, it would try the shard
+                ch.unary_unary("/hetpipe.v1.ParameterServer/Pull")(b"", timeout=1)
     finally:
         runtime.stop()
         server.stop(grace=0)

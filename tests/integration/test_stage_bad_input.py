@@ -23,6 +23,7 @@ from hetpipe.duplex import Duplex
 from hetpipe.v1 import stage_pb2, wire_pb2
 from shm_handles import forged_handles
 from stage_rig import NM, STEPS, Code, Rig, State, frames, middle_stage, refused, unlimited_channel
+from stage_worker.runtime import StageRuntime
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,7 +73,7 @@ def _bad_activations(rig: Rig) -> dict[str, tuple[Any, grpc.StatusCode, str]]:
         "too many bytes": (_header_only(good[0].tensors, data=bytes(nbytes + 8)), Code.INVALID_ARGUMENT,
                            rf"byte length .* does not match the shapes in the header \({nbytes} bytes\)"),
         "shape claims more than sent": (edited(0, shape=[xs[0], xs[1] * 1000]), Code.INVALID_ARGUMENT,
-                                        "byte length .* does not match the shapes in the header"),
+                                        rf"activation: shape \[{xs[0]}, {xs[1] * 1000}\], expected"),
         "huge claimed shape": (edited(0, shape=[1 << 20, 1 << 20]), Code.INVALID_ARGUMENT,
                                r"shape \[1048576, 1048576\] spans \d+ bytes, more than the \d+ allowed"),
         "negative dimension": (edited(0, shape=[-1, xs[1]]), Code.INVALID_ARGUMENT,
@@ -127,6 +128,52 @@ def test_bad_activations_are_refused_and_change_nothing(rig: Rig) -> None:
     after = rig.snapshot()
     assert (after["received"], after["forwards_done"], after["in_flight"]) == (1, 1, 1)
     assert after["weights_digest"] == before["weights_digest"]  # a forward does not update weights
+
+
+def test_a_gpu_stage_refuses_a_forged_shape_before_it_allocates_pinned_memory(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU stage receives host bytes into pinned memory, page-locked as it is allocated: a header
+    that claims a tensor other than the one the stage takes is refused from the header, before
+    anything is allocated for it. (This stage computes on the CPU: its `gpu` and wire.empty, the
+    allocator decode uses, are stood in for.)"""
+    allocated: list[tuple[list[int], bool]] = []
+
+    def empty(shape: Any, dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
+        allocated.append((list(shape), pinned))
+        return torch.empty(tuple(shape), dtype=dtype)
+
+    monkeypatch.setattr(wire, "empty", empty)
+    monkeypatch.setattr(StageRuntime, "gpu", property(lambda self: torch.device("cuda", 0)))
+    xs, gs = list(rig.in_spec.shape), list(rig.out_spec.shape)
+
+    def forged(good: list[wire_pb2.TensorFrame], shape: list[int]) -> list[wire_pb2.TensorFrame]:
+        """The good header claiming `shape`, followed by 100 bytes."""
+        first = wire_pb2.TensorFrame()
+        first.CopyFrom(good[0])
+        del first.tensors[0].shape[:]
+        first.tensors[0].shape.extend(shape)
+        first.data = bytes(100)
+        return [first]
+
+    before = rig.snapshot()
+    link = Duplex(rig.stub.ForwardLink, deadline_s=10)
+    for call, request, match in [
+        (rig.stub.Forward, iter(forged(rig.activation(1), [xs[0], xs[1] * 1000])),
+         rf"activation: shape \[{xs[0]}, {xs[1] * 1000}\], expected \[{xs[0]}, {xs[1]}\]"),
+        (lambda frame, timeout: link.call(frame), forged(rig.activation(1), [xs[0] * 1000, xs[1]])[0],
+         rf"activation: shape \[{xs[0] * 1000}, {xs[1]}\], expected"),
+        (rig.stub.Backward, iter(forged(rig.gradient(1), [gs[0], gs[1] * 1000])),
+         rf"gradient: shape \[{gs[0]}, {gs[1] * 1000}\], expected \[{gs[0]}, {gs[1]}\]"),
+    ]:
+        refused(call, request, Code.INVALID_ARGUMENT, match)
+        assert not allocated, f"allocated {allocated} for a header it refuses"
+        assert rig.snapshot() == before
+    link.close()
+    # A good activation still lands in (stood-in) pinned memory (the fake next stage decodes its
+    # output after that, unpinned).
+    rig.stub.Forward(iter(rig.activation(1)), timeout=10)
+    rig.wait_until("forwards_done", 1)
+    assert allocated[0] == (xs, True)
 
 
 def test_duplicates_and_unexpected_gradients_are_refused(rig: Rig) -> None:

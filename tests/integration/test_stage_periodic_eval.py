@@ -1,0 +1,81 @@
+"""A periodic evaluation scores one weight version at every stage (stage_worker/evaluation.py).
+
+Stage 0 runs an evaluation as one task, but a later stage runs its minibatches one task each, as
+they arrive, and merges a pull that has arrived (G3, or an elastic exchange's delta) between tasks.
+A pull that arrives while a stage is part way through an evaluation must wait until its last
+minibatch there, or the evaluation would score two weight versions.
+
+The stage is stage_rig's real middle stage of a 3-stage job; the pull reply is stood in for.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import deep_update
+from stage_rig import frames, middle_stage
+from stage_worker.sync import Sync, Weights
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class PullArriving:
+    """The stage's own sync, and a pull reply that arrives when the test says: the stage merges it
+    (every weight + 1) at its next apply_pending once it has arrived."""
+
+    def __init__(self, sync: Sync) -> None:
+        self._sync = sync
+        self.arrived = threading.Event()
+        self.merged = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sync, name)
+
+    def apply_pending(self, weights: Weights) -> None:
+        if self.arrived.is_set() and not self.merged.is_set():
+            compute: Any = weights
+            weights.set_weights([p.detach() + 1.0 for p in compute.params])
+            self.merged.set()
+
+
+def test_a_pull_that_arrives_midway_through_an_evaluation_is_merged_after_it(make_job,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    with_eval = {"data": {"eval_fraction": 0.2}, "eval": {"every": 2, "rows": 48}}
+    with middle_stage(lambda overrides: make_job(deep_update(overrides, with_eval))) as rig:
+        s = rig.runtime._s
+        assert s is not None and s.evals is not None
+        n = len(s.evals.batches)
+        assert n == 3
+        for p in (1, 2):   # evaluation 1 follows minibatch 2
+            rig.stub.Forward(iter(rig.activation(p)), timeout=10)
+            rig.wait_until("forwards_done", p)
+            rig.stub.Backward(iter(rig.gradient(p)), timeout=10)
+            rig.wait_until("backwards_done", p)
+        pull = PullArriving(s.sync)
+        monkeypatch.setattr(s, "sync", pull)
+        before = copy.deepcopy(s.compute.module).eval()   # the weights evaluation 1 runs on here
+        xs = [torch.randn(rig.in_spec.shape, dtype=rig.in_spec.dtype) for _ in range(n)]
+        sent = len(rig.next.got)
+
+        rig.stub.Forward(iter(frames([("activation", xs[0])], 1, stage=0, eval=1)), timeout=10)
+        rig.next.wait_for(sent + 1)
+        pull.arrived.set()   # the reply lands between the evaluation's first and second minibatch
+        rig.runtime.wake()
+        time.sleep(0.3)      # the compute thread goes round its loop, where pulls are merged
+        for i in range(2, n + 1):
+            rig.stub.Forward(iter(frames([("activation", xs[i - 1])], i, stage=0, eval=1)), timeout=10)
+        rig.next.wait_for(sent + n)
+        got = rig.next.got[sent:]
+        assert [(t.eval, t.minibatch) for _, t, _ in got] == [(1, i) for i in range(1, n + 1)]
+        with torch.no_grad():
+            for i, ((_, _, tensors), x) in enumerate(zip(got, xs), 1):
+                assert torch.allclose(tensors[0][1], before(x), atol=1e-6), \
+                    f"evaluation 1's minibatch {i} ran on other weights than its minibatch 1 did"
+        # Once the evaluation is over here, the pull is merged (before any training task).
+        assert pull.merged.wait(5), "the pull was never merged"
