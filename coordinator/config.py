@@ -32,8 +32,8 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     ap.add_argument("--job", default=env("HETPIPE_JOB", ""),
                     help="job YAML file to submit at start, as `hetpipe run` would (compose.yaml uses it)")
     ap.add_argument("--data-root", default=env("HETPIPE_DATA_ROOT", ""),
-                    help="the files a job submitted over gRPC names (data.path, model.init) must lie inside this "
-                         "folder (default: --output-root)")
+                    help="the files a job submitted over gRPC names (data.path, model.init) and, for a job with a "
+                         "factory, its base_dir must lie inside this folder (default: --output-root)")
     ap.add_argument("--output-dir", default=env("HETPIPE_OUTPUT_DIR", ""),
                     help="with --job: write the job's outputs here instead of its output.dir")
     ns = ap.parse_args(argv)

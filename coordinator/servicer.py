@@ -68,10 +68,15 @@ class CoordinatorServicer:
 
     def _check_paths(self, job: JobConfig) -> None:
         """PERMISSION_DENIED for a file the job names outside the data root (symbolic links
-        followed): a submitted job must not make this host's processes read anywhere else."""
+        followed), or for factories imported from a base_dir outside it: a submitted job must not
+        make this host's processes read, or run code, from anywhere else."""
         if self.data_root is None:
             return
         named = {"data.path": job.data.path if job.data.name == "npz" else None, "model.init": job.model.init}
+        factories = [key for key, spec in (("model.factory", job.model.factory), ("data.factory", job.data.factory),
+                                           ("data.eval_factory", job.data.eval_factory)) if spec]
+        if factories:  # base_dir goes first on the import path of every process that builds the job
+            named[f"base_dir (where {', '.join(factories)} import from)"] = job.base_dir
         for field, path in named.items():
             if path and not job.resolve(path).resolve().is_relative_to(self.data_root):
                 raise Rejected(grpc.StatusCode.PERMISSION_DENIED,

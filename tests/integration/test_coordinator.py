@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -268,3 +269,29 @@ def test_results_cut_by_their_deadline_resume_where_they_got_to(coordinator, mak
         client.receive(lambda request: stub.Results(request, timeout=0.001), job_id, tmp_path / "none")
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert not (tmp_path / "none").exists() or not list((tmp_path / "none").iterdir())
+
+
+def test_a_data_root_also_bounds_where_factories_import_from(make_job, tmp_path: Path) -> None:
+    """With --data-root, a submitted job whose factories would be imported from a base_dir
+    outside it (code from any folder of this host) is refused, and changes nothing."""
+    root = tmp_path / "root"
+    (root / "jobs").mkdir(parents=True)
+    server, servicer = build("127.0.0.1", 0, heartbeat_interval_s=INTERVAL, data_root=str(root))
+    server.start()
+    try:
+        with rpc.channel(server.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            job = make_job({"model": {"name": None, "args": {}, "factory": "evil:build"}, "parallel": {"stages_per_vw": 2},
+                            "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "t4", "count": 2}]}]}})
+            for base_dir in (str(tmp_path), str(root / "jobs" / ".." / "..")):
+                text = job.to_json().replace(json.dumps(job.base_dir), json.dumps(base_dir))
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Submit(coordinator_pb2.SubmitRequest(job_json=text), timeout=5)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+                assert "base_dir" in err.value.details() and "model.factory" in err.value.details()
+                assert stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state == State.NONE
+            inside = job.to_json().replace(json.dumps(job.base_dir), json.dumps(str(root / "jobs")))
+            assert stub.Submit(coordinator_pb2.SubmitRequest(job_json=inside), timeout=5).job_id
+    finally:
+        servicer.runner.stop()
+        server.stop()
