@@ -16,7 +16,7 @@ from hetpipe import devices
 from hetpipe.errors import Rejected
 from hetpipe.v1 import stage_pb2
 from hetpipe.wire import Bundle, Stream
-from hetpipe.wsp import total_waves, wave_of
+from hetpipe.wsp import total_waves
 from stage_worker import commit, lifecycle, metrics
 from stage_worker.assignment import Setup, validate
 from stage_worker.inbox import Inbox, Metas
@@ -25,6 +25,7 @@ from stage_worker.commit import Send
 from stage_worker.links import Link
 from stage_worker.loaded import Loaded
 from stage_worker.micro import MicroTasks
+from stage_worker.tasks import MinibatchTasks
 from stage_worker.micro_schedule import MicroSchedule
 from stage_worker.progress import Progress
 from stage_worker.schedule import Task, TaskKind
@@ -267,13 +268,11 @@ class StageRuntime:
 
     def _loop(self, s: Loaded) -> None:
         task: Task | None = None
-        run = {TaskKind.FORWARD: self._forward, TaskKind.BACKWARD: self._backward,
-               TaskKind.FORWARD_BACKWARD: self._forward_backward, TaskKind.EVAL: self._evaluate,
+        kind = MicroTasks if isinstance(s.schedule, MicroSchedule) else MinibatchTasks
+        tasks = kind(self._inbox, self._cv, self._losses)
+        run = {TaskKind.FORWARD: tasks.forward, TaskKind.BACKWARD: tasks.backward,
+               TaskKind.FORWARD_BACKWARD: tasks.forward_backward, TaskKind.EVAL: self._evaluate,
                TaskKind.MERGE_FINAL: self._merge_final}
-        if isinstance(s.schedule, MicroSchedule):
-            micro = MicroTasks(self._inbox, self._cv, self._losses)
-            run |= {TaskKind.FORWARD: micro.forward, TaskKind.BACKWARD: micro.backward,
-                    TaskKind.FORWARD_BACKWARD: micro.forward_backward}
         try:
             devices.make_current(s.setup.device)
             while True:
@@ -301,71 +300,6 @@ class StageRuntime:
             where = (f" at {'evaluation' if task.kind == TaskKind.EVAL else 'minibatch'} {task.p}" if task
                      else f" between tasks, after {s.schedule.completed} minibatches")
             self.fail(f"{type(exc).__name__}: {exc}{where}")
-
-    def _forward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
-        p = task.p
-        if s.inputs is not None:
-            x = s.inputs.next()[0].to(s.compute.device, non_blocking=True)
-        else:
-            with self._cv:
-                x = self._inbox.forward.pop(p)
-        start = time.time()
-        min_clock = s.sync.min_clock
-        out, version = s.compute.forward(p, x)
-        s.setup.specs.output.check_output(s.setup.name, out)
-        s.observe.forward(p, version, s.sync.clock, min_clock)
-        s.padder.pad(start, s.setup.forward_seconds)
-        s.trace.forward(p, local_version=version, min_clock=min_clock, fwd_start=start, fwd_end=time.time())
-        return [commit.activation(s, p, version, out)], 0.0
-
-    def _backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
-        p = task.p
-        with self._cv:
-            grad = self._inbox.backward.pop(p)
-        start = time.time()
-        grad_in, version, grads = s.compute.backward(p, grad)
-        s.padder.pad(start, s.setup.backward_seconds)
-        s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=start, bwd_end=time.time())
-        if s.scaling is None:
-            commit.commit(s, p, grads)
-            return commit.gradient(s, p, version, grad_in), 0.0
-        scale, later = s.scaling.incoming.pop(p)
-        overflow = commit.scaled_backward(s, p, grads, grad_in, scale, later)
-        return commit.gradient(s, p, version, grad_in, scale, overflow), 0.0
-
-    def _forward_backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
-        p = task.p
-        if s.inputs is not None:  # a lone stage reads its inputs too
-            x = s.inputs.next()[0].to(s.compute.device, non_blocking=True)
-        else:
-            with self._cv:
-                x = self._inbox.forward.pop(p)
-        assert s.targets is not None
-        y = s.targets.next()[1].to(s.compute.device, non_blocking=True)
-        start = time.time()
-        min_clock = s.sync.min_clock
-        scale = 1.0
-        if s.scaling is not None:  # the verdicts <= p - nm came with p's activation (or were made here)
-            scale = s.scaling.loss_scale.for_minibatch(p, s.job.nm, s.scaling.verdicts)
-        loss, grad_in, version, grads, forward_end = s.compute.forward_backward(p, x, y, scale)
-        s.observe.forward(p, version, s.sync.clock, min_clock)
-        padded = s.setup.forward_seconds + s.setup.backward_seconds
-        s.padder.pad(start, padded)
-        end = time.time()
-        # The forward's share of the task: measured, or (emulated) the padded time split as planned.
-        forward = (end - start) * s.setup.forward_seconds / padded if padded > 0 else forward_end - start
-        with self._cv:
-            self._losses.append(loss)
-        # The trace splits the task where the forward's share ends (emulated: the planned share).
-        s.trace.forward(p, local_version=version, min_clock=min_clock, fwd_start=start, fwd_end=start + forward)
-        if s.trace.enabled:
-            s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=start + forward, bwd_end=end,
-                             loss=float(loss))
-        if s.scaling is None:
-            commit.commit(s, p, grads)
-            return commit.gradient(s, p, version, grad_in), forward
-        overflow = commit.scaled_backward(s, p, grads, grad_in, scale, False)
-        return commit.gradient(s, p, version, grad_in, scale, overflow), forward
 
     # ---- evaluation --------------------------------------------------------------------------
 
