@@ -49,6 +49,16 @@ class PullSlots:
                 slot.segment.close()
         return group
 
+    def release(self, vw: int) -> None:
+        """vw left the job (Evict) and pulls no more: it holds no slot, and the slots only it held
+        are closed (one per key set it pulled, otherwise pinned for the rest of the job)."""
+        for group in self._groups.values():
+            for slot in [s for s in group if vw in s.holders]:
+                slot.holders.discard(vw)
+                if not slot.holders:
+                    group.remove(slot)
+                    slot.segment.close()
+
     def segments(self) -> int:
         return sum(len(group) for group in self._groups.values())
 

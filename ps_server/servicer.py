@@ -213,6 +213,7 @@ class ShardServicer:
                 fresh = self.shard.evict(request.vw)
             except ShardError as exc:
                 raise _rejected(exc) from None
+            self.pull_slots.release(request.vw)  # it pulls no more: no slot stays pinned for it
             self._checkpoint_change(fresh)  # a restarted shard must not wait for it again
             self._cv.notify_all()  # pulls waiting on its clock may now be answered
         return wire_pb2.Ack(message=f"vw {request.vw} evicted" if fresh else f"vw {request.vw} was evicted already")

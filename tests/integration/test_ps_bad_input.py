@@ -526,3 +526,26 @@ def test_pulls_through_shared_memory_share_a_generation_and_see_every_push(ps: I
     assert frame1.shm.name != frame0.shm.name, "a slot that VW 0 may still read was rewritten"
     assert_values(pulled1, ps.expected)
     assert_values(wire.decode(iter([frame0]), reader=reader), old)
+
+
+def test_evict_releases_the_evicted_vws_pull_slots(ps: InProcess) -> None:
+    """An evicted VW pulls no more, so it never lets go of the pull slots it was handed: Evict
+    releases them, or each would stay pinned in /dev/shm, never rewritten, for the rest of the job."""
+    c, slots = ps.client, ps.servicer.pull_slots
+
+    def shm_pull(vw: int) -> wire_pb2.ShmRef:
+        frames = list(c.stub.Pull(ps_pb2.PullRequest(vw=vw, keys=KEYS, shm=True), timeout=CALL_S))
+        return frames[0].shm
+
+    before = slots.segments()
+    held = shm_pull(1)                                  # vw 1 is handed a slot ...
+    assert not c.push(0, 2, delta(0, 2)).duplicate      # ... a new generation ...
+    mine = shm_pull(0)                                  # ... so vw 0 gets another
+    assert mine.name != held.name and slots.segments() == before + 2
+    assert c.stub.Evict(ps_pb2.EvictRequest(vw=1), timeout=CALL_S).message == "vw 1 evicted"
+    assert held.name not in shm.segments(), "the evicted VW's slot stays in /dev/shm"
+    assert slots.segments() == before + 1
+    for clock in (3, 4):                                # vw 0 goes on alone in one slot
+        assert not c.push(0, clock, delta(0, clock)).duplicate
+        assert shm_pull(0).name == mine.name and slots.segments() == before + 1
+

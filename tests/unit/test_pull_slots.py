@@ -117,3 +117,21 @@ def test_the_least_recent_key_sets_give_their_slots_back() -> None:
     finally:
         slots.close()
     assert _mine() == before
+
+
+def test_an_evicted_vw_holds_no_slot(slots: PullSlots) -> None:
+    """An evicted VW never pulls again, so it never lets go of what it was handed: release()
+    closes the slots only it held, and takes it off those it shares (which then turn over)."""
+    reader = shm.Reader()
+    a = _pull(slots, vw=0, generation=0, fill=0.0)
+    b = _pull(slots, vw=1, generation=1, fill=1.0)
+    assert _ref(_pull(slots, vw=2, generation=1, fill=1.0)) == _ref(b)
+    assert slots.segments() == 2
+    slots.release(1)
+    assert slots.segments() == 2 and _read(a, reader) == 0.0 and _read(b, reader) == 1.0
+    slots.release(0)
+    assert slots.segments() == 1 and _ref(a).name not in shm.segments(), "the evicted VW's own slot stays"
+    slots.release(2)
+    assert slots.segments() == 0 and _ref(b).name not in shm.segments()
+    slots.release(2)   # an Evict retried
+    assert _pull(slots, vw=3, generation=2, fill=2.0) and slots.segments() == 1
