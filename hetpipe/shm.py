@@ -25,6 +25,7 @@ import secrets
 import stat
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -254,20 +255,51 @@ class Ring:
 
 
 class Reader:
-    """A receiver's read-only mappings of its peers' segments, the most recently used kept open."""
+    """A receiver's read-only mappings of its peers' segments, the most recently used kept open.
+
+    A mapping outlives its segment's name: the pages stay while it is held, and a handle naming
+    their last version would still check. So each use first compares the name's file with the
+    one mapped (one lstat): a segment its owner unlinked (closed, regrown, or ended) is refused
+    as gone, one made anew under the name is mapped anew. The mappings of every segment that is
+    gone are let go at each new mapping, and at a read once PRUNE_S seconds have passed since, so
+    that a peer that ended or regrew its segments does not pin their memory here."""
+
+    PRUNE_S = 1.0
 
     def __init__(self, keep: int = 32) -> None:
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._maps: OrderedDict[str, tuple[mmap.mmap, tuple[int, int]]] = OrderedDict()  # with (st_dev, st_ino)
         self._keep = keep
         self._lock = threading.Lock()
+        self._pruned = time.monotonic()
         self.bytes_read = 0
+
+    @staticmethod
+    def _identity(name: str) -> tuple[int, int] | None:
+        """The file the name is now: (device, inode), None where there is none."""
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, name))   # a Path would cost as much as the call
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _prune(self) -> None:
+        """Lets go of the mappings whose segment is gone or replaced (caller holds _lock); views
+        still in use keep theirs alive."""
+        self._pruned = time.monotonic()
+        for name, (_, identity) in list(self._maps.items()):
+            if self._identity(name) != identity:
+                del self._maps[name]
 
     def _map(self, name: str) -> mmap.mmap:
         with self._lock:
             found = self._maps.get(name)
-            if found is not None:
+            if found is not None and self._identity(name) == found[1]:
                 self._maps.move_to_end(name)
-                return found
+                if time.monotonic() - self._pruned >= self.PRUNE_S:
+                    self._prune()
+                return found[0]
+            self._maps.pop(name, None)   # gone (refused below) or made anew (mapped anew)
+            del found   # let go of it now, not with a traceback that holds this frame
         try:
             fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
@@ -287,7 +319,8 @@ class Reader:
         finally:
             os.close(fd)
         with self._lock:
-            self._maps[name] = mapped
+            self._prune()
+            self._maps[name] = (mapped, (st.st_dev, st.st_ino))
             while len(self._maps) > self._keep:
                 self._maps.popitem(last=False)  # views still in use keep their mapping alive
         return mapped

@@ -111,7 +111,8 @@ def test_each_share_is_mapped_once_and_dropped_once_its_slot_is_gone(monkeypatch
         headers[0].close()   # its sender closed the slot: the mapping goes, and no handle can name it again
         opener.open(*refs[2], 16)
         assert len(opened) == 3 and _Mapped.drops == 1
-        with pytest.raises(cuda_ipc.HandleError, match="its slot was closed by its sender") as info:
+        # Refused by the header's reader (its segment is gone) or, were it still mapped, by the opener.
+        with pytest.raises(cuda_ipc.HandleError, match="its slot was closed by its sender|segment .* does not exist") as info:
             opener.open(*refs[0], 16)
         assert info.value.code == Code.FAILED_PRECONDITION and len(opened) == 3
     finally:

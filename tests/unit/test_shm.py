@@ -150,3 +150,67 @@ def test_a_full_dev_shm_sends_in_frames(monkeypatch: pytest.MonkeyPatch) -> None
         assert set(shm.segments()) <= before and not list(shm.SHM_DIR.glob(f"{shm.PREFIX}{os.getpid()}-*.new"))
     finally:
         ring.close()
+
+
+def _mapped_here(name: str) -> list[str]:
+    """This process's mappings of segment `name` (an unlinked one's line ends in '(deleted)')."""
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(name)
+            or line.endswith(f"{name} (deleted)")]
+
+
+def test_a_segment_its_owner_unlinked_is_refused_and_its_mapping_let_go() -> None:
+    """A receiver's cached mapping outlives the segment's name: it must not answer a handle whose
+    segment its owner closed (regrew, or ended with), and must not pin the segment's pages."""
+    ring, reader = shm.Ring(slots=1), shm.Reader()
+    frames = list(wire.encode(_bundle(), ring=ring))
+    name = wire_pb2.TensorFrame.FromString(frames[0]).shm.name
+    assert wire.decode(frames, reader=reader).tensors      # mapped, and kept
+    ring.close()                                            # the owner unlinks it
+    assert _mapped_here(name), "the reader keeps its mapping of the unlinked segment"
+    with pytest.raises(wire.WireError, match=f"segment {name} does not exist") as info:
+        wire.decode(frames, reader=reader)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    del info
+    assert not _mapped_here(name), "the mapping of an unlinked segment was kept"
+
+
+def test_mappings_of_segments_that_are_gone_are_let_go_without_being_named_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that ends or regrows its ring never names the old segments again: the reader lets go
+    of them when it maps another segment, or at a read once Reader.PRUNE_S has passed."""
+    reader, rings = shm.Reader(), [shm.Ring(slots=1) for _ in range(4)]
+    try:
+        names = []
+        for ring in rings[:3]:
+            frames = list(wire.encode(_bundle(), ring=ring))
+            names.append(wire_pb2.TensorFrame.FromString(frames[0]).shm.name)
+            wire.decode(frames, reader=reader)
+        kept = list(wire.encode(_bundle(), ring=rings[1]))
+        rings[0].close()
+        wire.decode(list(wire.encode(_bundle(), ring=rings[3])), reader=reader)   # a new mapping
+        assert not _mapped_here(names[0]) and _mapped_here(names[1]) and _mapped_here(names[2])
+        rings[2].close()
+        monkeypatch.setattr(shm.Reader, "PRUNE_S", 0.0)
+        wire.decode(kept, reader=reader)                                          # a cached one
+        assert not _mapped_here(names[2]) and _mapped_here(names[1])
+    finally:
+        for ring in rings:
+            ring.close()
+
+
+def test_a_segment_made_anew_under_a_name_is_mapped_anew() -> None:
+    """The name's file is compared with the one mapped (inode), not only the name."""
+    reader = shm.Reader()
+    first, second = shm.Segment(shm.PAGE), shm.Segment(shm.PAGE)
+    try:
+        version = first.write([memoryview(b"old!" * 4)])
+        ref = wire_pb2.ShmRef(name=first.name, version=version, nbytes=16)
+        assert bytes(reader.open(ref, 16)[0]) == b"old!" * 4
+        assert second.write([memoryview(b"new!" * 4)]) == version
+        os.replace(second.path, first.path)                 # the name is another file now
+        view, mapping = reader.open(ref, 16)
+        assert bytes(view) == b"new!" * 4, "answered from the mapping of the file the name no longer is"
+        view.release()
+    finally:
+        second.close()
+        first.close()
