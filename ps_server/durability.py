@@ -261,8 +261,12 @@ class Durability:
             save_atomically(snapshot.state, self.checkpoint_path, durable=True)
             self._written = snapshot.number
             with self._lock:
-                for entry in self.entries():
+                # Written entries too (a push applied whose sync() has not run yet): the checkpoint,
+                # on disk, holds them, so their sync() has nothing left to do.
+                written = self.log_dir.glob(f"*{LOG_SUFFIX}{WRITTEN_SUFFIX}")
+                for entry in [*self.entries(), *written]:
                     if _seq_of(entry) <= snapshot.covered:
+                        self._unsynced.discard(_seq_of(entry))
                         self._spare(entry)
 
     def checkpoint(self, shard: Shard) -> None:

@@ -104,6 +104,32 @@ def test_entries_a_checkpoint_covered_are_written_over_then_deleted_at_close(tmp
     assert not list(dur.log_dir.iterdir()), "a finished shard leaves log files behind"
 
 
+def test_a_checkpoint_frees_the_entries_it_covers_that_are_not_on_disk_yet(tmp_path: Path) -> None:
+    """Under WSP a push is applied, settled and captured under the lock, and its entry fsynced
+    after it (sync()): a checkpoint, even one another push's thread writes meanwhile, covers
+    entries still 'written'. It frees them too, not only at the next checkpoint, and their sync()
+    then has nothing left to do: the checkpoint on disk holds their pushes."""
+    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
+    dur.checkpoint(shard)
+    seqs = []
+    for vw in range(2):
+        seqs.append(dur.log_push(vw, 0, [delta("a", shard), delta("b", shard)]))
+        assert shard.push(vw, 0, [delta("a", shard), delta("b", shard)])
+        dur.settle(seqs[-1], applied=True)                      # applied; its sync() not yet run
+    inodes = sorted(ino for name, ino in files(dur).items() if name.endswith(".written"))
+    assert len(inodes) == 2
+    dur.checkpoint(shard)
+    assert not dur.entries() and not list(dur.log_dir.glob("*.written")), "covered entries were kept"
+    for seq in seqs:
+        dur.sync(seq)                                           # the pushes' acknowledgements
+    assert not dur.entries(), "a covered entry came back as a numbered one"
+    push(shard, dur, 0, 1, [delta("a", shard)])
+    assert [p.stat().st_ino for p in dur.entries()][0] in inodes, "a freed file is written over"
+    restored = Shard()
+    assert Durability(str(tmp_path)).restore(restored) == 1
+    assert restored.digest() == shard.digest() and restored.pushes_applied == 3
+
+
 def test_an_entry_logged_under_the_lock_is_on_disk_before_it_is_applied(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Quorum rounds and elastic exchanges journal under the shard's lock: on disk, numbered, and
