@@ -83,9 +83,10 @@ class Security:
 
 def read_secret(path: str) -> str:
     text = Path(path).read_text().strip()
-    if len(text) < MIN_SECRET_CHARS or any(c.isspace() for c in text) or not text.isprintable():
+    if (len(text) < MIN_SECRET_CHARS or any(c.isspace() for c in text) or not text.isprintable()
+            or not text.isascii()):  # gRPC metadata carries ASCII only: every call would fail
         raise SecurityError(f"token file {path}: expected one line of at least {MIN_SECRET_CHARS} "
-                            "printable characters without spaces (hetpipe certs DIR writes one)")
+                            "printable ASCII characters without spaces (hetpipe certs DIR writes one)")
     return text
 
 
@@ -94,8 +95,9 @@ def new_secret() -> str:
 
 
 def write_secret(path: Path, secret: str) -> None:
-    """Writes the token readable by its owner only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Writes the token readable by its owner only (an existing file too; a link is not followed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret + "\n")
 
@@ -120,7 +122,9 @@ def identify(secret: str, token: str) -> tuple[str, str] | None:
     if len(parts) != 4 or parts[0] != PREFIX or not _SUBJECT.fullmatch(parts[2]):
         return None
     _, role, subject, mac = parts
-    if role not in (COORDINATOR, STAGE, SEED, SHARD) or not hmac.compare_digest(mac, _mac(secret, role, subject)):
+    # As bytes: compare_digest raises TypeError on a str that is not ASCII (a raw HTTP/2 client's).
+    if role not in (COORDINATOR, STAGE, SEED, SHARD) or not hmac.compare_digest(mac.encode(),
+                                                                                 _mac(secret, role, subject).encode()):
         return None
     return role, subject
 

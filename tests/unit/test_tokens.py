@@ -31,6 +31,7 @@ def test_a_minted_token_identifies_its_role_and_nothing_forged_does(role: str) -
         security.mint("t" * 20, role, "vw0-stage1"),          # another cluster's secret
         f"{prefix}.admin.{subject}.{security._mac(SECRET, 'admin', subject)}",  # a role that does not exist
         "", SECRET[:-1], f"Bearer {SECRET}",
+        f"{prefix}.{role}.{subject}.{mac[:-1]}\xe9",         # not ASCII: a raw HTTP/2 client can send it
     ]
     assert [security.identify(SECRET, f) for f in forged] == [None] * len(forged)
 
@@ -86,6 +87,22 @@ def test_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:
         security.Security(token_file=str(short)).check()
     with pytest.raises(security.SecurityError, match="cannot be read"):
         security.Security(token_file=str(tmp_path / "missing")).check()
+    accented = tmp_path / "accented"
+    accented.write_text("\xe9" * 20 + "\n")  # printable, but no gRPC metadata can carry it
+    with pytest.raises(security.SecurityError, match="printable ASCII"):
+        security.Security(token_file=str(accented)).check()
+
+
+def test_a_token_file_is_written_for_its_owner_only_and_never_through_a_link(tmp_path: Path) -> None:
+    existing = tmp_path / "token"
+    existing.write_text("old\n")
+    existing.chmod(0o644)
+    security.write_secret(existing, "s" * 20)
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o600 and existing.read_text() == "s" * 20 + "\n"
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError):
+        security.write_secret(tmp_path / "link", "s" * 20)
+    assert not (tmp_path / "elsewhere").exists()
 
 
 def test_certs_are_issued_by_the_ca_for_their_host_and_keys_are_private(tmp_path: Path) -> None:
