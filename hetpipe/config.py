@@ -180,8 +180,8 @@ def resolve(job: JobConfig, nm: int) -> ResolvedJob:
 def _json_object(text: str) -> Mapping[str, Any]:
     try:
         raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"job_json: not valid JSON ({exc})") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of more digits than Python parses
+        raise ConfigError(f"job_json: not valid JSON ({str(exc)[:200]})") from None
     except RecursionError:
         raise ConfigError("job_json: nested too deeply") from None
     if not isinstance(raw, Mapping):
@@ -452,6 +452,10 @@ def load_job(path: str | Path) -> JobConfig:
         raise ConfigError(f"job file {path} is a directory") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"job file {path} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"job file {path} is not UTF-8 text (byte {exc.start})") from None
+    except (ValueError, RecursionError) as exc:  # an integer of too many digits; nesting past the stack
+        raise ConfigError(f"job file {path} cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from None
     return parse_job(raw or {}, base_dir=str(path.resolve().parent))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -19,7 +20,12 @@ def fail(key: str, value: Any, expected: str) -> ConfigError:
 
 
 def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past float's range: no setting of ours takes one
+        return False
 
 
 class Section:
@@ -86,6 +92,13 @@ class Section:
         value = self.raw.get(name) or {}
         if not isinstance(value, Mapping):
             raise fail(self.path(name), value, "a mapping")
+        try:  # the job travels as JSON: what would not come back the same (a date, a set, NaN) is refused
+            same = json.loads(json.dumps(value, allow_nan=False)) == value
+        except (TypeError, ValueError, RecursionError):
+            same = False
+        if not same:
+            raise fail(self.path(name), value, "a mapping of JSON values (strings, finite numbers, booleans, null, "
+                                               "lists, and mappings with string keys)")
         return dict(value)
 
     def check_known(self, known: tuple[str, ...]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import re
 from pathlib import Path
@@ -178,6 +179,10 @@ BAD_VALUES = [
     ("parallel.nm", 10**6, "<= 1024"),
     ("train.steps", 10**12, "<= 1000000000"),
     ("parallel", [1], "a mapping"),
+    # The job travels as JSON: args that would not come back the same (plan passed, run crashed).
+    ("model.args", {"collected": datetime.date(2024, 1, 1)}, "a mapping of JSON values"),
+    ("data.args", {"x": float("nan")}, "a mapping of JSON values"),
+    ("model.args", {1: 2}, "a mapping of JSON values"),
 ]
 
 
@@ -432,3 +437,17 @@ def test_sync_args_are_normalised_and_survive_the_trip_to_the_stages() -> None:
     fp16 = sync_job("elastic")
     fp16["train"]["precision"] = "fp16"
     assert parse_job(fp16).train.precision == "fp16"
+
+
+def test_numbers_and_files_no_setting_could_hold_are_refused_in_one_line(tmp_path: Path) -> None:
+    """An integer past float's range, one of more digits than Python parses, a job file that is
+    not UTF-8: ConfigError (exit 2, INVALID_ARGUMENT over gRPC), not a traceback or INTERNAL."""
+    with pytest.raises(ConfigError, match=r"train.optimizer.lr: expected a finite number >= 0"):
+        parse_job(set_key(base(), "train.optimizer.lr", 10**400))
+    with pytest.raises(ConfigError, match="job_json: not valid JSON"):
+        JobConfig.from_json('{"train": {"steps": ' + "1" * 5000 + "}}")
+    files = {"digits.yaml": ("train: {steps: " + "1" * 5000 + "}\n").encode(), "latin1.yaml": b"# caf\xe9\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_bytes(text)
+        with pytest.raises(ConfigError, match=f"job file .*{name} (cannot be read|is not UTF-8 text)"):
+            load_job(tmp_path / name)
