@@ -364,6 +364,9 @@ def _check_together(job: JobConfig) -> None:
                           f"{par.mode} does not; use bf16 or fp32")
     if par.mode == "ddp" and par.schedule != "hetpipe":
         raise ConfigError(f"parallel.schedule: {par.schedule} needs a pipeline; parallel.mode ddp has none")
+    if par.mode == "torch-pipeline" and job.eval is not None:  # silently without eval_loss otherwise
+        raise ConfigError("eval: parallel.mode torch-pipeline does not evaluate (its ranks each hold part of the "
+                          "model); leave the eval section out, or run parallel.mode hetpipe or ddp")
     if par.mode == "torch-pipeline" and par.schedule == "nf1b":
         raise ConfigError("parallel.schedule: nf1b runs on HetPipe's own stages (parallel.mode hetpipe); "
                           "torch's pipelining has gpipe and 1f1b")
