@@ -323,10 +323,13 @@ def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, outpu
     if x.dtype.kind == "f" and (at := _first(x, lambda s: ~np.isfinite(s))) is not None:
         raise ConfigError(f"{source}: {_element('x', at)} is {x[at]}")
     classification = job.train.loss == "cross_entropy"
-    per_row = math.prod(output[1:-1] if classification else output[1:])
-    if math.prod(y.shape[1:]) != per_row:
-        raise ConfigError(f"{source}: rows of y of shape {list(y.shape[1:])} ({math.prod(y.shape[1:])} values), the "
-                          f"model's output {list(output)} needs {per_row} per row for {job.train.loss}")
+    # The shape, not only the count: mse on an output of (B, 1) against y of (B,) broadcasts to
+    # (B, B) and trains on a wrong loss without a word.
+    row = tuple(output[1:-1] if classification else output[1:])
+    if tuple(y.shape[1:]) != row:
+        raise ConfigError(f"{source}: rows of y of shape {list(y.shape[1:])}, the model's output {list(output)} "
+                          f"needs rows of shape {list(row)} for {job.train.loss}"
+                          + (f" (reshape y to {[len(y), *row]})" if math.prod(y.shape[1:]) == math.prod(row) else ""))
     if not classification:
         if y.dtype.kind == "f" and (at := _first(y, lambda s: ~np.isfinite(s))) is not None:
             raise ConfigError(f"{source}: {_element('y', at)} is {y[at]}")

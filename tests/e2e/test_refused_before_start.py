@@ -117,8 +117,13 @@ CASES: dict[str, tuple[Callable[[Path], dict[str, Any]], str]] = {
     "string labels": (lambda t: _npz(t, lambda x, y: (x, np.array(["cat", "dog"] * (ROWS // 2)))),
                       "data.path: {tmp}/data.npz: y holds <U3 values, expected numbers"),
     "targets of another size": (lambda t: {**_npz(t, lambda x, y: (x, np.zeros((ROWS, 3)))), "train": {"loss": "mse"}},
-                                "data.path: {tmp}/data.npz: rows of y of shape [3] (3 values), the model's output "
-                                "[16, 10] needs 10 per row for mse"),
+                                "data.path: {tmp}/data.npz: rows of y of shape [3], the model's output "
+                                "[16, 10] needs rows of shape [10] for mse"),
+    # As many values per row, in another shape: mse would broadcast, training on a wrong loss.
+    "targets of another shape": (
+        lambda t: {**_npz(t, lambda x, y: (x, np.zeros((ROWS, 2, 5)))), "train": {"loss": "mse"}},
+        "data.path: {tmp}/data.npz: rows of y of shape [2, 5], the model's output [16, 10] needs rows of shape "
+        "[10] for mse (reshape y to [" + str(ROWS) + ", 10])"),
     "x the model does not take": (lambda t: _npz(t, lambda x, y: (x[:, :32], y)),
                                   "data.path: {tmp}/data.npz: the model does not take x of shape [16, 32]"),
     "no data file": (lambda t: {"data": {"name": "npz", "path": "nowhere.npz"}},
