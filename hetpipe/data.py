@@ -18,10 +18,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from hetpipe.config import ConfigError, JobConfig
+from hetpipe.validate import Section
 
 NUMBERS = "biuf"  # numpy kinds a tensor can be made of and a loss can take
 # torch.nn.functional.cross_entropy skips targets of this value (its ignore_index): not a class.
 IGNORED_LABEL = -100
+MAX_SYNTHETIC = 1 << 27  # rows, features, classes, vocab, context of data.name synthetic: within memory
 
 
 class ArrayDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -71,24 +73,24 @@ def _synthetic(job: JobConfig) -> ArrayDataset:
     """Seeded random inputs with learnable labels. The shapes come from data.args (features,
     classes; or vocab, context for token models), else from a zoo model's args."""
     args, margs = job.data.args, job.model.args
-    rows = int(args.get("rows", 1024))
-    rng = np.random.default_rng(int(args.get("seed", job.train.seed)))
+    given = Section(args, "data.args")
+
+    def size(key: str, default: Any) -> int:  # a data.args size, else the model's (which checks its own)
+        return given.integer(key, int(default), minimum=1, maximum=MAX_SYNTHETIC) if key in args else int(default)
+
+    rows = size("rows", 1024)
+    rng = np.random.default_rng(given.integer("seed", job.train.seed))
     if "vocab" in args or (job.model.name == "gpt" and "features" not in args):
         # A fixed random Markov chain over the vocabulary: learnable next-token structure.
-        vocab, context = int(args.get("vocab", margs.get("vocab", 64))), int(args.get("context", margs.get("context", 16)))
+        vocab, context = size("vocab", margs.get("vocab", 64)), size("context", margs.get("context", 16))
         nxt = rng.integers(0, vocab, size=(vocab, 2))
         seq = np.empty((rows, context + 1), dtype=np.int64)
         seq[:, 0] = rng.integers(0, vocab, size=rows)
         for t in range(context):
             seq[:, t + 1] = nxt[seq[:, t], rng.integers(0, 2, size=rows)]
         return ArrayDataset(seq[:, :-1], seq[:, 1:], "data.name: synthetic")
-    if "features" in args:
-        features = int(args["features"])
-    elif "in_shape" in margs:
-        features = int(np.prod(margs["in_shape"]))
-    else:
-        features = int(margs.get("in_features", 64))
-    classes = int(args.get("classes", margs.get("num_classes", 10)))
+    features = size("features", np.prod(margs["in_shape"]) if "in_shape" in margs else margs.get("in_features", 64))
+    classes = size("classes", margs.get("num_classes", 10))
     x = rng.standard_normal((rows, features))
     # The labels depend on the first 1024 features: an image-sized input would otherwise need a
     # teacher matrix of features x classes (1.2 GB for 224x224x3 and 1000 classes).
@@ -103,11 +105,17 @@ def _npz(job: JobConfig) -> ArrayDataset:
     path = job.resolve(job.data.path)
     try:
         # allow_pickle=False: a data file must not be able to run code.
-        with np.load(path, allow_pickle=False) as f:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise ConfigError(f"data.path: {path} holds one array (.npy); expected an npz with arrays x and y "
+                              "(numpy.savez)")
+        with loaded as f:
             missing = {"x", "y"} - set(f.files)
             if missing:
                 raise ConfigError(f"data.path: {path} lacks array(s) {sorted(missing)}; it has {f.files}")
             x, y = f["x"], f["y"]
+    except ConfigError:
+        raise
     except FileNotFoundError:
         raise ConfigError(f"data.path: {path} does not exist") from None
     except (ValueError, OSError, zipfile.BadZipFile) as exc:

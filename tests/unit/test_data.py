@@ -167,10 +167,13 @@ def test_npz_refuses_pickles_and_garbage(tmp_path: Path, content: bytes | None) 
         training_set(npz_job(tmp_path))
 
 
-@pytest.mark.parametrize("case", ["truncated", "directory", "scalar"])
+@pytest.mark.parametrize("case", ["truncated", "directory", "scalar", "npy"])
 def test_npz_other_bad_files_are_config_errors(tmp_path: Path, case: str) -> None:
     path = tmp_path / "data.npz"
-    if case == "truncated":
+    if case == "npy":  # one array, which np.load returns as such (no npz to open as a context)
+        with open(path, "wb") as f:
+            np.save(f, np.zeros((8, 2)))
+    elif case == "truncated":
         np.savez(path, x=np.zeros((8, 2)), y=np.zeros(8))
         path.write_bytes(path.read_bytes()[:100])
     elif case == "directory":
@@ -191,6 +194,13 @@ def test_digits_equal_scikit_learn() -> None:
     assert x.dtype == torch.float64 and y.dtype == torch.int64
     assert torch.equal(x, torch.from_numpy(ref.data / 16.0))
     assert torch.equal(y, torch.from_numpy(ref.target.astype(np.int64)))
+
+
+@pytest.mark.parametrize("value", [0, -3, "x", 1.5, True, 1 << 40])
+def test_synthetic_sizes_are_checked(value: Any) -> None:
+    raw = {"model": {"name": "mlp"}, "data": {"name": "synthetic", "args": {"rows": value}}}
+    with pytest.raises(ConfigError, match=r"data\.args\.rows: expected an integer >= 1"):
+        training_set(parse_job(raw))
 
 
 def test_synthetic_is_seeded_and_shaped() -> None:
