@@ -5,6 +5,7 @@ against the model that runs before any process starts."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import zipfile
@@ -206,10 +207,19 @@ def minibatch_rows(
     epochs = flat // rows
     out = np.empty_like(idx)
     for epoch in np.unique(epochs):
-        perm = np.random.default_rng([seed, int(epoch)]).permutation(rows)
+        perm = _permutation(seed, int(epoch), rows)
         sel = epochs == epoch
         out[sel] = perm[idx[sel]]
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(seed: int, epoch: int, rows: int) -> np.ndarray:
+    """An epoch's order, drawn once: a minibatch of an ImageNet-sized dataset that drew it anew
+    took 25 ms, and a stage computing its order up front took minutes."""
+    perm = np.random.default_rng([seed, epoch]).permutation(rows)
+    perm.flags.writeable = False
+    return perm
 
 
 def _collate(items: Any) -> _Batch:
@@ -233,6 +243,23 @@ def cast(job: JobConfig, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor
     return x, y.long()
 
 
+class _Order:
+    """The rows of minibatches `numbers` of VW vw, each worked out as the loader reaches it."""
+
+    def __init__(self, job: JobConfig, vw: int, rows: int, numbers: range) -> None:
+        self.job, self.vw, self.rows, self.numbers = job, vw, rows, numbers
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        job = self.job
+        for p in self.numbers:
+            yield minibatch_rows(p, self.vw, virtual_workers=job.parallel.virtual_workers,
+                                 batch_size=job.data.batch_size, rows=self.rows, shuffle=job.data.shuffle,
+                                 seed=job.train.seed).tolist()
+
+
 class Minibatches:
     """The minibatches of one VW in order p = 1, 2, ..., read through a DataLoader (with
     data.workers worker processes and pinned memory for a CUDA device)."""
@@ -242,9 +269,7 @@ class Minibatches:
         # start: the first minibatch read (a job resumed from a checkpoint goes on from there)
         self.job = job
         rows = len(dataset)  # type: ignore[arg-type]
-        order = [minibatch_rows(p, vw, virtual_workers=job.parallel.virtual_workers, batch_size=job.data.batch_size,
-                                rows=rows, shuffle=job.data.shuffle, seed=job.train.seed).tolist()
-                 for p in range(start, steps + 1)]
+        order = _Order(job, vw, rows, range(start, steps + 1))
         workers = job.data.workers
         # Workers are started, not forked: a process serving gRPC must not fork.
         # A generator of its own: without one, each iterator draws its workers' base seed from

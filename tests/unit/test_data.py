@@ -339,3 +339,20 @@ def test_the_check_finds_the_first_bad_element_past_the_first_slice(tmp_path: Pa
     np.savez(tmp_path / "data.npz", x=x, y=np.zeros(40, dtype=np.int64))
     with pytest.raises(ConfigError, match=r"data\.path: .*data\.npz: x\[37, 1\] is inf$"):
         check(npz_job(tmp_path), lambda x: (x[0][0], 3))
+
+
+def test_minibatches_are_ordered_as_they_are_read_not_all_up_front() -> None:
+    """A stage's reader works out each minibatch's rows when it reaches it: a job of 10**12 steps
+    (an order list up front would never be built) opens at once and reads the rows DESIGN §8
+    gives, shuffled through each epoch's permutation, from the minibatch it starts at."""
+    raw = {"model": {"name": "mlp"}, "data": {"name": "synthetic", "args": {"rows": 10}, "batch_size": 4,
+                                              "shuffle": True},
+           "parallel": {"virtual_workers": 2}, "train": {"dtype": "float64", "seed": 5}}
+    job = parse_job(raw)
+    dataset = training_set(job)
+    x_all, _ = read_rows(job, dataset, range(len(dataset)))
+    reader = Minibatches(job, dataset, 1, steps=10**12, start=7)
+    for p in (7, 8, 9):
+        x, _ = reader.next()
+        expected = minibatch_rows(p, 1, virtual_workers=2, batch_size=4, rows=10, shuffle=True, seed=5)
+        assert torch.equal(x, x_all[torch.from_numpy(expected)]), p
