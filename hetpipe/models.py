@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetpipe import zoo
+from hetpipe import wire, zoo
 from hetpipe.config import JobConfig, ModelConfig
 from hetpipe.validate import ConfigError
 
@@ -114,6 +114,10 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
     if names != [str(i) for i in range(len(model))]:  # weights are named by layer index ("3.weight")
         raise ConfigError(f"model: {describe(cfg)} returned an nn.Sequential with named layers {names[:5]}; "
                           "build it from a list of layers, numbered 0..n-1")
+    odd = {k: t.dtype for k, t in model.state_dict(keep_vars=True).items() if t.dtype not in wire.CARRIED}
+    if odd:  # found now, not when the trained weights are written out
+        raise ConfigError(f"model: {describe(cfg)}'s state_dict holds {sorted(map(str, set(odd.values())))} tensors "
+                          f"({list(odd)[:5]}); HetPipe carries and writes {', '.join(map(str, wire.CARRIED))}")
     return model
 
 

@@ -150,11 +150,19 @@ class WeightsWriter:
 
     def __init__(self, out_dir: Path, entries: Sequence[Entry], max_shard_bytes: int) -> None:
         self.out_dir = out_dir
+        self.entries = {e.key: e for e in entries}
         groups = layout(entries, max_shard_bytes)
         self.names = file_names(len(groups))
         self._where: dict[str, tuple[int, int, int]] = {}   # key -> (file, data offset in file, bytes)
         self._written: dict[str, int] = {}
         self._fds: list[int] = []
+        try:
+            self._open(groups)
+        except BaseException:  # no descriptor or .partial file left behind
+            self.abort()
+            raise
+
+    def _open(self, groups: list[list[Entry]]) -> None:
         for i, group in enumerate(groups):
             header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
             offset = 0
@@ -290,8 +298,10 @@ def write_from(out_dir: Path, sources: Sequence[Path], max_shard_bytes: int) -> 
 
 
 def entries(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Entry]:
-    """Each state_dict key's safetensors entry: floating tensors in the job's dtype."""
-    return {k: Entry(k, dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
+    """Each state_dict key's safetensors entry, in the dtype the stages hold it in: floating
+    tensors in the job's dtype, except under float32, where they stay as the model made them
+    (models.build_layers: a bf16 buffer stays bf16)."""
+    return {k: Entry(k, dtype if t.is_floating_point() and dtype != torch.float32 else t.dtype, tuple(t.shape))
             for k, t in model.state_dict(keep_vars=True).items()}
 
 
@@ -300,6 +310,11 @@ def stream_into(writer: WeightsWriter, call: Callable[[], Any], who: str) -> Non
     try:
         stream = wire.read(call())
         names = stream.names
+        for name, (dtype, shape, _) in zip(names, stream.specs):
+            expected = writer.entries.get(name)
+            if expected is None or (expected.dtype, expected.shape) != (dtype, tuple(shape)):
+                want = f"{expected.dtype} {list(expected.shape)}" if expected else "no such key"
+                raise JobFailed(f"{who}: sent weights {name!r} as {dtype} {list(shape)}, expected {want}")
         for index, offset, piece in stream.pieces:
             writer.write(names[index], offset, piece)
     except grpc.RpcError as exc:

@@ -61,6 +61,10 @@ BAD = {
                              "data.factory: bad_factories:single_tensors's items are Tensors, expected (input, target)"),
     "eval data missing": ({"data": {"eval_factory": "digits_data:nothing"}},
                           "data.eval_factory: module 'digits_data' has no attribute 'nothing'"),
+    # Found before training, not when the trained weights are written out.
+    "a tensor of a dtype HetPipe does not carry": (
+        {"model": {"factory": "bad_factories:int8_buffer"}},
+        "model: bad_factories:int8_buffer's state_dict holds ['torch.int8'] tensors (['0.zero_point'])"),
 }
 BAD_FACTORIES = '''
 import torch
@@ -73,6 +77,11 @@ def raises(**kwargs):
 
 def single_tensors(**kwargs):
     return [torch.zeros(1, 8, 8) for _ in range(10)]
+
+def int8_buffer(**kwargs):
+    layer = torch.nn.Linear(64, 10)
+    layer.register_buffer("zero_point", torch.zeros(3, dtype=torch.int8))
+    return torch.nn.Sequential(layer)
 '''
 
 

@@ -70,3 +70,38 @@ def test_a_weights_writer_whose_stream_fails_leaves_no_file_or_descriptor(tmp_pa
         writer.write("b", 0, torch.zeros(1000).numpy().tobytes())
         assert [p.name for p in writer.close()] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert torch.equal(outputs.read_weights(tmp_path)["a"], torch.ones(4))
+
+
+def test_weights_are_declared_as_the_stages_hold_them_and_checked_as_they_arrive(tmp_path: Path) -> None:
+    """A float32 job keeps a bf16 buffer bf16 (models.build_layers), so its entry is bf16 (it was
+    declared float32, and the run failed after training, writing the weights); a stream sending
+    a key in another dtype or shape fails naming it; a writer that cannot open its files leaves
+    none behind."""
+    import os
+
+    import torch
+
+    from hetpipe import wire
+    from hetpipe.errors import JobFailed
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    model[0].register_buffer("scale", torch.ones(2, dtype=torch.bfloat16))
+    assert outputs.entries(model, torch.float32)["0.scale"].dtype == torch.bfloat16
+    assert outputs.entries(model, torch.float64)["0.scale"].dtype == torch.float64
+    assert outputs.entries(model, torch.float32)["0.weight"].dtype == torch.float32
+
+    entries = list(outputs.entries(model, torch.float32).values())
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(JobFailed, match=r"stage 1: sent weights '0.scale' as torch.float32 \[2\], expected "
+                                        r"torch.bfloat16 \[2\]"):
+        with outputs.WeightsWriter(tmp_path, entries, 1 << 20) as writer:
+            frames = wire.encode([("0.scale", torch.ones(2))])
+            outputs.stream_into(writer, lambda: iter(frames), "stage 1")
+    assert list(tmp_path.iterdir()) == [] and len(os.listdir("/proc/self/fd")) == fds
+
+    unwritable = [outputs.Entry("a", torch.float32, (4,)), outputs.Entry("b", torch.float32, (1000,))]
+    (tmp_path / ".model-00002-of-00002.safetensors.partial").mkdir()   # the second file cannot be opened
+    with pytest.raises(IsADirectoryError):
+        outputs.WeightsWriter(tmp_path, unwritable, 64)
+    assert [p.name for p in tmp_path.iterdir()] == [".model-00002-of-00002.safetensors.partial"]
+    assert len(os.listdir("/proc/self/fd")) == fds
