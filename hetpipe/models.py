@@ -34,8 +34,10 @@ def resolve(spec: str, key: str, base_dir: str) -> Callable[..., Any]:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise ConfigError(f"{key}: expected 'package.module:function', got {spec!r}")
-    if base_dir not in sys.path:
-        sys.path.insert(0, base_dir)
+    if base_dir in sys.path:
+        sys.path.remove(base_dir)
+    sys.path.insert(0, base_dir)  # first: another job's base_dir may hold a module of the same name
+    _forget_from_elsewhere(module_name.partition(".")[0], Path(base_dir))
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -49,6 +51,19 @@ def resolve(spec: str, key: str, base_dir: str) -> Callable[..., Any]:
     if not callable(target):
         raise ConfigError(f"{key}: {spec} is a {type(target).__name__}, not a function")
     return target  # type: ignore[no-any-return]
+
+
+def _forget_from_elsewhere(top: str, base_dir: Path) -> None:
+    """Drops package or module `top`, and its submodules, from the import cache when base_dir
+    holds one of that name but the cached one came from elsewhere: a long-lived coordinator
+    plans job after job, and a second job's `mymodel` in its own folder must not be the first's."""
+    if not ((base_dir / top).is_dir() or (base_dir / f"{top}.py").is_file()):
+        return
+    origin = getattr(sys.modules.get(top), "__file__", None)
+    if top in sys.modules and (origin is None or not Path(origin).resolve().is_relative_to(base_dir.resolve())):
+        for name in [n for n in sys.modules if n == top or n.startswith(f"{top}.")]:
+            del sys.modules[name]
+        importlib.invalidate_caches()
 
 
 def factory(cfg: ModelConfig, base_dir: str) -> Callable[..., Any]:

@@ -3,6 +3,7 @@ the whole model, and a stage's slice of model.init."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -167,3 +168,21 @@ def test_a_pickled_model_init_is_refused_without_running_it(tmp_path: Path) -> N
     torch.save({"0.weight": torch.zeros(1), "code": object()}, path)  # not a plain state_dict
     with pytest.raises(ConfigError, match="not a safetensors file or a plain state_dict"):
         load_init(job(tmp_path, init="evil.pt"), ["0.weight"])
+
+
+def test_each_job_gets_the_factory_module_of_its_own_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-lived coordinator plans job after job in one process: a module named alike in two
+    jobs' folders is each job's own, back and forth, not the first one imported."""
+    from hetpipe.config import ModelConfig
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for folder, width in (("a", 8), ("b", 32)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "job_model_twin.py").write_text(
+            f"import torch\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(4, {width}))\n")
+    cfg = ModelConfig(name=None, factory="job_model_twin:build")
+    try:
+        widths = [structure(cfg, str(tmp_path / folder))[0].out_features for folder in ("a", "b", "a")]
+    finally:
+        sys.modules.pop("job_model_twin", None)
+    assert widths == [8, 32, 8]
