@@ -8,6 +8,7 @@ middle stage of a 3-stage job. Bad data-plane messages are in test_stage_bad_inp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -249,13 +250,7 @@ def test_a_load_that_fails_once_its_sync_exists_closes_the_sync(idle: Any, tmp_p
                                    setup.layer_end)
     a = assignment_variant(good, ps_addresses=["127.0.0.1:9"], key_shards=[0] * len(params),
                            checkpoint_dir=str(tmp_path / "checkpoints"), resume_wave=1)
-    runtime = StageRuntime()
-    server = serve(StageServicer(runtime, on_stop=lambda: None))
-    try:
-        with rpc.channel(server.address) as channel:
-            stub = stage_pb2_grpc.StageStub(channel)
-            stub.Assign(a, timeout=10)
-            s = _loaded(stub)
+    with _stage_given(a) as (_, s):
         assert s.state == State.FAILED and re.search(r"loading failed: LoadError: .*vw0_stage1", s.error), s.error
         assert len(made) == 1, "the load failed before it made its sync: this test tests nothing"
         sync = made[0]
@@ -264,9 +259,6 @@ def test_a_load_that_fails_once_its_sync_exists_closes_the_sync(idle: Any, tmp_p
         for ch in sync._channels:
             with pytest.raises(ValueError, match="closed channel"):  # open, it would try the shard
                 ch.unary_unary("/hetpipe.v1.ParameterServer/Pull")(b"", timeout=1)
-    finally:
-        runtime.stop()
-        server.stop(grace=0)
 
 
 def test_layers_that_do_not_produce_the_planned_output_fail_at_the_first_forward(rig: Rig) -> None:
@@ -275,23 +267,30 @@ def test_layers_that_do_not_produce_the_planned_output_fail_at_the_first_forward
     a.CopyFrom(rig.assignment)
     del a.output_shape[:]
     a.output_shape.extend([batch, features + 1])  # a plan that got this stage's output wrong
+    with _stage_given(a) as (stub, loaded_status):
+        assert loaded_status.state == State.READY
+        stub.Start(wire_pb2.Empty(), timeout=10)
+        stub.Forward(iter(rig.activation(1)), timeout=10)
+        deadline = time.monotonic() + 10
+        while (s := stub.Status(stage_pb2.StatusRequest(), timeout=5)).state == State.RUNNING:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert s.state == State.FAILED
+    assert (f"layers produce torch.float32 [{batch}, {features}], the plan expected torch.float32 "
+            f"[{batch}, {features + 1}]") in s.error, s.error
+    assert "at minibatch 1" in s.error
+
+
+@contextlib.contextmanager
+def _stage_given(a: stage_pb2.StageAssignment) -> Iterator[tuple[Any, Any]]:
+    """A fresh stage on port 0, given assignment a: (its stub, its status once it has loaded)."""
     runtime = StageRuntime()
     server = serve(StageServicer(runtime, on_stop=lambda: None))
     try:
         with rpc.channel(server.address) as channel:
             stub = stage_pb2_grpc.StageStub(channel)
             stub.Assign(a, timeout=10)
-            assert _loaded(stub).state == State.READY
-            stub.Start(wire_pb2.Empty(), timeout=10)
-            stub.Forward(iter(rig.activation(1)), timeout=10)
-            deadline = time.monotonic() + 10
-            while (s := stub.Status(stage_pb2.StatusRequest(), timeout=5)).state == State.RUNNING:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-        assert s.state == State.FAILED
-        assert (f"layers produce torch.float32 [{batch}, {features}], the plan expected torch.float32 "
-                f"[{batch}, {features + 1}]") in s.error, s.error
-        assert "at minibatch 1" in s.error
+            yield stub, _loaded(stub)
     finally:
         runtime.stop()
         server.stop(grace=0)
