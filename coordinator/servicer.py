@@ -73,10 +73,8 @@ class CoordinatorServicer:
         if self.data_root is None:
             return
         named = {"data.path": job.data.path if job.data.name == "npz" else None, "model.init": job.model.init}
-        factories = [key for key, spec in (("model.factory", job.model.factory), ("data.factory", job.data.factory),
-                                           ("data.eval_factory", job.data.eval_factory)) if spec]
-        if factories:  # base_dir goes first on the import path of every process that builds the job
-            named[f"base_dir (where {', '.join(factories)} import from)"] = job.base_dir
+        if job.factories:  # base_dir goes first on the import path of every process that builds the job
+            named[f"base_dir (where {', '.join(job.factories)} import from)"] = job.base_dir
         for field, path in named.items():
             if path and not job.resolve(path).resolve().is_relative_to(self.data_root):
                 raise Rejected(grpc.StatusCode.PERMISSION_DENIED,

@@ -147,6 +147,13 @@ class JobConfig:
         return parse_job(_json_object(text), base_dir=None)
 
     @property
+    def factories(self) -> dict[str, str]:
+        """The factories the job names, by key (model.factory, data.factory, data.eval_factory)."""
+        named = {"model.factory": self.model.factory, "data.factory": self.data.factory,
+                 "data.eval_factory": self.data.eval_factory}
+        return {key: spec for key, spec in named.items() if spec}
+
+    @property
     def emulate(self) -> EmulateConfig | None:
         return self.cluster.emulate if self.cluster is not None else None
 

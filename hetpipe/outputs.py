@@ -288,13 +288,13 @@ def write_from(out_dir: Path, sources: Sequence[Path], max_shard_bytes: int) -> 
                 view = f.get_slice(key)
                 entries.append(Entry(key, torch_dtypes[view.get_dtype()], tuple(view.get_shape())))
                 where[key] = path
-    writer = WeightsWriter(out_dir, entries, max_shard_bytes)
-    for path in sources:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                tensor = f.get_tensor(key).contiguous()
-                writer.write(key, 0, tensor.reshape(-1).view(torch.uint8).numpy().data)
-    return writer.close()
+    with WeightsWriter(out_dir, entries, max_shard_bytes) as writer:   # a failed copy leaves nothing behind
+        for path in sources:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    tensor = f.get_tensor(key).contiguous()
+                    writer.write(key, 0, tensor.reshape(-1).view(torch.uint8).numpy().data)
+        return writer.close()
 
 
 def entries(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Entry]:

@@ -134,9 +134,9 @@ def factory_modules(job: JobConfig) -> set[str]:
     """The top-level packages (folders) and modules (NAME.py) beside the job file that its
     factories import: what a container needs besides the image to build the model and data."""
     found = set()
-    for spec in (job.model.factory, job.data.factory, job.data.eval_factory):
-        top = spec.partition(":")[0].partition(".")[0] if spec else ""
-        for name in (top, f"{top}.py") if top else ():
+    for spec in job.factories.values():
+        top = spec.partition(":")[0].partition(".")[0]
+        for name in (top, f"{top}.py"):
             if (Path(job.base_dir) / name).exists():
                 found.add(name)
                 break

@@ -156,9 +156,8 @@ def remote_files(job: JobConfig) -> str:
         named.append(f"data.path {job.resolve(job.data.path)}")
     if job.model.init:
         named.append(f"model.init {job.resolve(job.model.init)}")
-    factories = [f for f in (job.model.factory, job.data.factory, job.data.eval_factory) if f]
-    if factories:
-        named.append(f"the modules of {', '.join(factories)} (from {job.base_dir} or installed)")
+    if job.factories:
+        named.append(f"the modules of {', '.join(job.factories.values())} (from {job.base_dir} or installed)")
     if not named:
         return ""
     return (f"the coordinator and the workers read {'; '.join(named)} on their own hosts: the same paths must "
