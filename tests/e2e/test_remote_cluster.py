@@ -154,7 +154,10 @@ def test_a_job_runs_on_the_registered_hosts_and_its_outputs_come_back(cluster: C
     got, want, w0 = outputs.read_weights(out), train_reference(job).state_dict(), initial_model(job).state_dict()
     assert list(got) == list(want)
     for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+        # On a failure, how far and every process's log: a run that differs is the evidence.
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=lambda found, key=key: (
+            f"{key} differs: {found}\n" + "\n".join(f"--- {name}\n{cluster.log(name)[-4000:]}"
+                                                      for name in sorted(cluster.procs))))
     assert max(float((want[k] - w0[k]).abs().max()) for k in want) > 1e-3
     # Written where it ran too; the traces stay on the hosts that wrote them.
     assert (tmp_path / "coordinator" / "runs" / "out" / "model.safetensors").exists()
