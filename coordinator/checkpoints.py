@@ -2,7 +2,7 @@
 stage saves its own state and waits (stage_worker/checkpoint.py); once all of them wait at the
 same cut, nothing is in flight and every shard holds exactly the waves before it, so the driver
 streams each shard's values into the cut's folder, writes the manifest last (a cut without one
-is incomplete), removes older cuts, and lets the stages go on. `hetpipe run --resume` starts
+is incomplete), puts the cut on disk, removes older cuts, and lets the stages go on. `hetpipe run --resume` starts
 from the latest complete cut: the shards get its values and clocks, each stage its own state."""
 
 from __future__ import annotations
@@ -62,7 +62,11 @@ class Checkpoints:
             if any(c.min_clock != c.max_clock for c in status.clocks):
                 raise JobFailed(f"checkpoint of wave {wave}: ps shard {i}'s clocks differ between keys ({clocks})")
         text = json.dumps({"wave": wave, "clocks": clocks, "evicted": evicted, **self.job_shape}, indent=2)
-        outputs.write_text_atomically(where / MANIFEST, text + "\n")
+        # On disk before the older cuts go, so that a power cut leaves one whole cut: the stages'
+        # files (they fsync their own) and the shards' (WeightsWriter.close) are, the manifest's
+        # rename fsyncs the cut's folder, and the cut's own entry is in the checkpoints folder.
+        outputs.write_text_atomically(where / MANIFEST, text + "\n", durable=True)
+        outputs.fsync(self.folder)
         for old in self.folder.glob("cut*"):
             if old != where:
                 shutil.rmtree(old, ignore_errors=True)

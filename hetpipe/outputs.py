@@ -109,6 +109,16 @@ def stage_state_path(checkpoint_dir: str | Path, wave: int, vw: int, stage: int)
     return cut_dir(checkpoint_dir, wave) / f"vw{vw}_stage{stage}.pt"
 
 
+def save_stage_state(checkpoint_dir: str | Path, wave: int, vw: int, stage: int, state: Any) -> Path:
+    """A stage's part of the cut after `wave`, on disk when this returns (its file, and the cut's
+    folder where this host made it): the driver deletes the older cuts once every part is saved."""
+    path = stage_state_path(checkpoint_dir, wave, vw, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_atomically(state, path, durable=True)
+    fsync(path.parent.parent)
+    return path
+
+
 def check_dir(out_dir: Path) -> None:
     """ConfigError unless out_dir is a folder this process can write in, or can be made one: found
     before any process starts, not when the first of them writes there."""

@@ -175,9 +175,8 @@ class Loaded:
     def save_cut(self, wave: int) -> None:
         """Its part of the checkpoint after `wave`; it then waits there until continued."""
         setup = self.setup
-        path = outputs.stage_state_path(setup.checkpoint_dir, wave, setup.vw, setup.stage)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        outputs.save_atomically(checkpoint.capture(self.compute, self.sync), path)
+        state = checkpoint.capture(self.compute, self.sync)
+        path = outputs.save_stage_state(setup.checkpoint_dir, wave, setup.vw, setup.stage, state)
         self.cuts.saved = wave
         log.info("stage %d of vw %d: checkpoint of wave %d saved to %s", setup.stage, setup.vw, wave, path)
 

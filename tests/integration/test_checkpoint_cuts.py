@@ -1,0 +1,102 @@
+"""A checkpoint cut is on disk before the older cuts are deleted (train.checkpoint_every): every
+part of it, the manifest that says it is whole, and its folder's entry, so that a power cut in
+between leaves one whole cut to --resume from. The shard is a real in-process one; the disk is
+watched through the fsync calls the writers make, since a power cut cannot be staged here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coordinator import checkpoints
+from hetpipe import outputs, rpc, wire
+from hetpipe.v1 import ps_pb2_grpc, wire_pb2
+from messages import messages
+from ps_server.durability import Durability
+from ps_server.servicer import ShardServicer
+from ps_server.shard import Shard
+
+pytestmark = pytest.mark.timeout(60)
+
+SHAPES = {"l0.weight": (2, 3), "l0.bias": (3,)}
+
+
+class Disk:
+    """What has reached the disk, in order: ("fsync", path) and ("rmtree", path) events."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[tuple[str, Path]] = []
+        real_fsync, real_rmtree = os.fsync, shutil.rmtree
+
+        def fsync(fd: int) -> None:
+            self.events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+            real_fsync(fd)
+
+        def rmtree(path: Any, *args: Any, **kw: Any) -> None:
+            self.events.append(("rmtree", Path(path)))
+            real_rmtree(path, *args, **kw)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(checkpoints.shutil, "rmtree", rmtree)
+
+    def synced_before(self, path: Path, event: tuple[str, Path]) -> bool:
+        """path was fsynced before event, under its name or the temporary one it was written under
+        (write_atomically's, WeightsWriter's)."""
+        before = self.events[:self.events.index(event)]
+        names = {path, path.with_name(path.name + ".tmp"), path.with_name(f".{path.name}.partial")}
+        return any(kind == "fsync" and where in names for kind, where in before)
+
+
+@pytest.fixture
+def stub(tmp_path: Path) -> Iterator[ps_pb2_grpc.ParameterServerStub]:
+    """One real shard holding SHAPES for 1 VW, which has pushed waves 0 and 1."""
+    server = rpc.Server("127.0.0.1", 0, workers=4)
+    server.add("ParameterServer", ShardServicer(Shard(), Durability(str(tmp_path / "ps")), max_pull_wait_s=10.0))
+    server.start()
+    channel = rpc.channel(server.address)
+    try:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        tensors = [(k, torch.randn(s)) for k, s in SHAPES.items()]
+        stub.Init(iter(messages(wire.encode(tensors, init=wire_pb2.InitTag(virtual_workers=1)))), timeout=10)
+        for clock in range(2):
+            frames = messages(wire.encode(tensors, push=wire_pb2.PushTag(vw=0, clock=clock)))
+            stub.Push(iter(frames), timeout=10)
+        yield stub
+    finally:
+        channel.close()
+        server.stop()
+
+
+def test_a_cut_is_on_disk_before_the_older_cuts_go(tmp_path: Path, stub: ps_pb2_grpc.ParameterServerStub,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "checkpoints"
+    entries = {k: outputs.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
+    cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1})
+    stage = {"weights": torch.ones(4)}
+    outputs.save_stage_state(folder, 1, 0, 0, stage)
+    cuts.take(1, lead_vw=0, evicted=[])
+
+    disk = Disk(monkeypatch)
+    part = outputs.save_stage_state(folder, 2, 0, 0, stage)
+    # A stage on another host has its own checkpoints folder, which no driver fsyncs.
+    assert ("fsync", folder) in disk.events, "the stage did not put its cut's folder on disk"
+    cuts.take(2, lead_vw=0, evicted=[])
+
+    new, old = outputs.cut_dir(folder, 2), outputs.cut_dir(folder, 1)
+    assert checkpoints.latest(folder) == 2 and not old.exists()
+    assert torch.equal(torch.load(part, weights_only=True)["weights"], stage["weights"])
+    removed = ("rmtree", old)
+    assert removed in disk.events
+    for path in (part, new / "shard0" / outputs.SINGLE_FILE, new / checkpoints.MANIFEST):
+        assert disk.synced_before(path, removed), f"{path.relative_to(folder)} was not on disk before cut 1 went"
+    for where in (new, new / "shard0", folder):
+        assert disk.synced_before(where, removed), f"folder {where.relative_to(tmp_path)}'s entries were not"
+    # The manifest says the cut is whole: its parts were on disk before it was.
+    manifest = ("fsync", new / (checkpoints.MANIFEST + ".tmp"))
+    assert disk.synced_before(part, manifest) and disk.synced_before(new / "shard0" / outputs.SINGLE_FILE, manifest)
