@@ -37,7 +37,8 @@ def resolve(spec: str, key: str, base_dir: str) -> Callable[..., Any]:
     if base_dir in sys.path:
         sys.path.remove(base_dir)
     sys.path.insert(0, base_dir)  # first: another job's base_dir may hold a module of the same name
-    _forget_from_elsewhere(module_name.partition(".")[0], Path(base_dir))
+    top = module_name.partition(".")[0]
+    _forget_stale(top, Path(base_dir))
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -45,6 +46,7 @@ def resolve(spec: str, key: str, base_dir: str) -> Callable[..., Any]:
                           f"packages): {exc}") from None
     except Exception as exc:  # the module's own code failed while importing
         raise ConfigError(f"{key}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+    _remember_files(top)
     target = getattr(module, attribute, None)
     if target is None:
         raise ConfigError(f"{key}: module {module_name!r} has no attribute {attribute!r}")
@@ -53,16 +55,42 @@ def resolve(spec: str, key: str, base_dir: str) -> Callable[..., Any]:
     return target  # type: ignore[no-any-return]
 
 
-def _forget_from_elsewhere(top: str, base_dir: Path) -> None:
+# The file of each factory module as it was when imported: (mtime_ns, size), to see it edited since.
+_IMPORTED: dict[str, tuple[int, int] | None] = {}
+
+
+def _family(top: str) -> list[str]:
+    return [name for name in sys.modules if name == top or name.startswith(f"{top}.")]
+
+
+def _file_state(module: str) -> tuple[int, int] | None:
+    origin = getattr(sys.modules.get(module), "__file__", None)
+    try:
+        st = Path(origin).stat() if origin else None
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size) if st else None
+
+
+def _remember_files(top: str) -> None:
+    for name in _family(top):
+        _IMPORTED.setdefault(name, _file_state(name))
+
+
+def _forget_stale(top: str, base_dir: Path) -> None:
     """Drops package or module `top`, and its submodules, from the import cache when base_dir
-    holds one of that name but the cached one came from elsewhere: a long-lived coordinator
-    plans job after job, and a second job's `mymodel` in its own folder must not be the first's."""
-    if not ((base_dir / top).is_dir() or (base_dir / f"{top}.py").is_file()):
+    holds one of that name and the cached one came from elsewhere, or one of its files was edited
+    since it was imported: a long-lived coordinator or stage worker builds job after job, and a
+    job's `mymodel` must be the one in its own folder as it is now, not the first one imported."""
+    if not ((base_dir / top).is_dir() or (base_dir / f"{top}.py").is_file()) or top not in sys.modules:
         return
-    origin = getattr(sys.modules.get(top), "__file__", None)
-    if top in sys.modules and (origin is None or not Path(origin).resolve().is_relative_to(base_dir.resolve())):
-        for name in [n for n in sys.modules if n == top or n.startswith(f"{top}.")]:
+    origin = getattr(sys.modules[top], "__file__", None)
+    elsewhere = origin is None or not Path(origin).resolve().is_relative_to(base_dir.resolve())
+    edited = any(name in _IMPORTED and _IMPORTED[name] != _file_state(name) for name in _family(top))
+    if elsewhere or edited:
+        for name in _family(top):
             del sys.modules[name]
+            _IMPORTED.pop(name, None)
         importlib.invalidate_caches()
 
 

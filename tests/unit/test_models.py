@@ -186,3 +186,29 @@ def test_each_job_gets_the_factory_module_of_its_own_folder(tmp_path: Path, monk
     finally:
         sys.modules.pop("job_model_twin", None)
     assert widths == [8, 32, 8]
+
+
+def test_a_factory_module_edited_between_jobs_is_imported_anew(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same folder, submitted again after its model file (and a module it imports) changed:
+    a long-lived coordinator or stage worker builds the model as it is now."""
+    from hetpipe.config import ModelConfig
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    package = tmp_path / "job_model_edited"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "widths.py").write_text("OUT = 8\n")
+    (package / "net.py").write_text("import torch\nfrom job_model_edited.widths import OUT\n"
+                                    "def build():\n    return torch.nn.Sequential(torch.nn.Linear(4, OUT))\n")
+    cfg = ModelConfig(name=None, factory="job_model_edited.net:build")
+    try:
+        widths = [structure(cfg, str(tmp_path))[0].out_features]
+        widths.append(structure(cfg, str(tmp_path))[0].out_features)   # unchanged: the cached module
+        (package / "widths.py").write_text("OUT = 32\n")                 # an imported module edited
+        widths.append(structure(cfg, str(tmp_path))[0].out_features)
+        (package / "net.py").write_text("import torch\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(4, 5))\n")
+        widths.append(structure(cfg, str(tmp_path))[0].out_features)
+    finally:
+        for name in [n for n in sys.modules if n.startswith("job_model_edited")]:
+            del sys.modules[name]
+    assert widths == [8, 8, 32, 5]
