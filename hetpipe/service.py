@@ -53,7 +53,8 @@ def add_service_flags(ap: argparse.ArgumentParser, *, default_port: int = 0, wor
                          "can read the model and stop the job")
     ap.add_argument("--output-root", default=env("HETPIPE_OUTPUT_ROOT", "."),
                     help="paths that arrive over the network (a stage's trace and checkpoint folder, a submitted "
-                         "job's output.dir) must lie inside this folder (default: the working folder)")
+                         "job's output.dir) must lie inside this folder (default: $HETPIPE_OUTPUT_ROOT, else the "
+                         "working folder" + (")" if worker else ", or ./runs under `hetpipe coordinator`)"))
     security.add_flags(ap)
     if not worker:
         ap.set_defaults(coordinator="", advertise="", node="", gpu_type="")

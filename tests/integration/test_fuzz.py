@@ -1,4 +1,4 @@
-"""Fuzz: 1000 malformed or hostile requests to each of the 24 RPCs of a real coordinator, shard
+"""Fuzz: 1000 malformed or hostile requests to each of the 25 RPCs of a real coordinator, shard
 and stage process (`python -m ...`, as a launcher starts them). For every request: an answer
 before the deadline with a status that names a refusal (never INTERNAL or UNKNOWN), the state
 the service reports unchanged when the request was refused, and the service still answering
