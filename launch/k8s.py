@@ -389,9 +389,10 @@ def instructions(job: JobConfig, plan: Plan, out_dir: Path, written: Iterable[st
         lines.append(f"secrets.yaml holds the cluster's private key; its certificate names: {names}")
     else:
         lines += [
-            "The manifests need two Secrets. Make a CA, one cluster certificate and a token (`hetpipe certs CERTS`),",
-            "the certificate naming (SANs):",
+            "The manifests need two Secrets. Make a CA, one certificate named cluster and a token,",
+            "the certificate naming (SANs) each of these:",
             f"  {names}",
+            "  (`hetpipe certs CERTS cluster --san NAME` with one --san for each name),",
             "then create the Secrets (or pass --certs CERTS to write them into secrets.yaml):",
             f"  kubectl create secret generic {TLS_SECRET} --from-file=ca.pem=CERTS/ca.pem "
             f"--from-file=tls.pem=CERTS/cluster.pem --from-file=tls.key=CERTS/cluster.key",

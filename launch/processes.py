@@ -117,14 +117,15 @@ class LocalProcesses:
     def _environment(self) -> dict[str, str]:
         return {**os.environ, **self.env}
 
-    def restart(self, proc: Process, timeout: float = 60.0) -> None:
-        """Starts a dead process again on the same port, so its peers reconnect to it."""
+    def restart(self, proc: Process, timeout: float = 60.0, *, fresh: bool = False) -> None:
+        """Starts a dead process again on the same port, so its peers reconnect to it; fresh: one
+        that ended as asked, replaced for the next job, which does not count as a restart."""
         proc.ready_file.unlink(missing_ok=True)
         shm.sweep()  # what the dead process left in /dev/shm
         port = proc.address.rsplit(":", 1)[1]
         proc.popen = children.start([*proc.args, "--port", port], proc.log_path, env=self._environment(),
                                     append=True)
-        proc.restarts += 1
+        proc.restarts = 0 if fresh else proc.restarts + 1
         deadline = time.monotonic() + timeout
         while not proc.ready_file.exists():
             if proc.popen.poll() is not None or time.monotonic() > deadline:

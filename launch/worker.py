@@ -209,10 +209,10 @@ class Launcher:
             if p.module == "stage_worker":
                 if code != 0:
                     raise JobFailed(f"{p.name} at {p.address} {p.exit_description()}; log {p.log_path}")
-                group.restart(p)  # stopped at the end of a job: a fresh one, for the next
+                group.restart(p, fresh=True)  # stopped at the end of a job: a fresh one, for the next
             elif code == 0 and asked:
                 shutil.rmtree(self.shard_dirs[p.name], ignore_errors=True)  # that job's state: the next starts afresh
-                group.restart(p)
+                group.restart(p, fresh=True)   # its restarts are counted per job
             elif p.restarts < MAX_SHARD_RESTARTS:
                 print(f"hetpipe worker: {p.name} {p.exit_description()}; restarting it from its checkpoint",
                       file=sys.stderr)

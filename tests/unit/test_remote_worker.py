@@ -74,3 +74,34 @@ def test_what_cannot_work_or_would_be_open_is_refused_before_starting(flags: tup
     cfg = _config(*flags)
     with pytest.raises(ConfigError, match=message):
         worker.check_reachable(cfg, worker.Launcher(cfg, root=Path(".")).advertise_host)
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_replaced_after_each_job_keeps_its_restarts_for_a_crash(tmp_path: Path) -> None:
+    """A real shard process: the fresh one started after each of several jobs (stopped as asked)
+    does not use up the restarts a shard that crashes mid-job gets (MAX_SHARD_RESTARTS a job)."""
+    import signal
+
+    from hetpipe.errors import JobFailed
+
+    launcher = worker.Launcher(worker.WorkerConfig(coordinator="127.0.0.1:9", shards=1, node="hosta",
+                                                   insecure=True), tmp_path)
+    launcher.start([])
+    try:
+        [(_, shard)] = launcher.processes()
+        for _ in range(worker.MAX_SHARD_RESTARTS + 1):   # jobs served, each ended by stop_spent
+            launcher.stopping.add(shard.popen.pid)
+            shard.popen.terminate()
+            shard.popen.wait(30)
+            launcher.check()
+        for _ in range(worker.MAX_SHARD_RESTARTS):       # then crashes within one job: restarted
+            shard.popen.send_signal(signal.SIGKILL)
+            shard.popen.wait(30)
+            launcher.check()
+            assert shard.popen.poll() is None
+        shard.popen.send_signal(signal.SIGKILL)
+        shard.popen.wait(30)
+        with pytest.raises(JobFailed, match=f"ps shard 0 at .* was killed by SIGKILL {worker.MAX_SHARD_RESTARTS + 1} times"):
+            launcher.check()
+    finally:
+        launcher.stop_all()
