@@ -47,7 +47,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.coordinator:
             summary = remote.run_remote(job, args.coordinator, quiet=args.quiet, flags=security.from_namespace(args))
         else:
-            summary = run_local(job, quiet=args.quiet, resume=args.resume, flags=security.from_namespace(args))
+            summary = run_local(job, quiet=args.quiet, resume=args.resume, fresh=args.fresh,
+                                flags=security.from_namespace(args))
     except (ConfigError, PlanError) as exc:
         _error(str(exc))
         return EXIT_USAGE
@@ -324,8 +325,12 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a job file with local processes (or on a coordinator's workers: --coordinator)")
     run.add_argument("config", help="job YAML file")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    run.add_argument("--resume", action="store_true",
-                     help="go on from the latest checkpoint in output.dir (train.checkpoint_every)")
+    start = run.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="go on from the latest checkpoint in output.dir (train.checkpoint_every)")
+    start.add_argument("--fresh", action="store_true",
+                       help="start over, deleting an earlier run's checkpoints in output.dir (without --resume or "
+                            "--fresh, a run refuses to)")
     run.add_argument("--coordinator", metavar="HOST:PORT",
                      help="run on the workers registered with this coordinator (`hetpipe coordinator`, `hetpipe "
                           "worker`) instead of local processes; the outputs come back to output.dir here")

@@ -96,8 +96,16 @@ def _kill_hung(procs: LocalProcesses, address: str, why: str) -> None:
     print(f"hetpipe: {why}; killed {name} to restart it from its checkpoint", file=sys.stderr)
 
 
-def _resume_wave(out_dir: Path) -> int:
+def _resume_wave(out_dir: Path, *, resume: bool, fresh: bool) -> int:
+    """The wave to resume from (0: none). A run that would delete an earlier run's checkpoints
+    without being told to is refused, as transformers' Trainer refuses a used output_dir: the
+    cuts may hold hours of training that a forgotten --resume would otherwise lose."""
     wave = checkpoints.latest(out_dir / outputs.CHECKPOINTS)
+    if not resume:
+        if wave is not None and not fresh:
+            raise ConfigError(f"output.dir {out_dir} holds an earlier run's checkpoints (the latest after wave "
+                              f"{wave}): --resume goes on from it, --fresh deletes them and starts over")
+        return 0
     if wave is None:
         raise ConfigError(f"--resume: no complete checkpoint in {out_dir / outputs.CHECKPOINTS} "
                           "(train.checkpoint_every sets how often a run writes one)")
@@ -145,9 +153,11 @@ def local_security(job: JobConfig, out_dir: Path, flags: security.Security = sec
 
 
 def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: float = 1.0,
-              resume: bool = False, flags: security.Security = security.Security()) -> dict[str, Any]:
+              resume: bool = False, fresh: bool = False,
+              flags: security.Security = security.Security()) -> dict[str, Any]:
     """Trains job on this machine; returns the summary. Stops every process it started. resume:
-    from the latest checkpoint in output.dir (ConfigError if there is none)."""
+    from the latest checkpoint in output.dir (ConfigError if there is none); fresh: deleting an
+    earlier run's checkpoints there (without either, ConfigError if there are some)."""
     if job.parallel.mode != "hetpipe":  # the baselines (DESIGN §7): ddp, torch-pipeline
         from baselines import run_baseline
 
@@ -156,7 +166,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     plan = preflight(job)
     out_dir = Path(job.resolve(job.output.dir))
     # Every refusal comes before an earlier run's results are cleared: a refused run changes nothing.
-    resume_wave = _resume_wave(out_dir) if resume else 0
+    resume_wave = _resume_wave(out_dir, resume=resume, fresh=fresh)
     out_dir.mkdir(parents=True, exist_ok=True)
     credentials = local_security(job, out_dir, flags)
     _check_security(credentials)

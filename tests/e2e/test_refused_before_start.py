@@ -227,3 +227,28 @@ def test_a_nan_loss_is_null_in_summary_json(tmp_path: Path) -> None:
     assert summary["final_loss"] is None and summary["steps"] == 10
     printed = json.loads(done.stdout.splitlines()[0], parse_constant=refuse)
     assert printed["final_loss"] is None
+
+
+def test_a_run_does_not_delete_an_earlier_runs_checkpoints_unless_told_to(tmp_path: Path) -> None:
+    """Without --resume, a run into an output.dir with checkpoints is refused, changing nothing
+    (a forgotten --resume must not cost the training they hold); --fresh starts over without them."""
+    out = tmp_path / "out"
+    two_vws = {"virtual_workers": 2, "stages_per_vw": 1, "nm": 1, "D": 0}
+    first = _cli("run", "-q", str(_job(tmp_path, train={"steps": 5, "checkpoint_every": 2}, parallel=two_vws)),
+                 cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file())
+    assert (out / "checkpoints" / "cut000004" / "manifest.json").exists()
+
+    again = _cli("run", "-q", str(_job(tmp_path, parallel=two_vws)), cwd=tmp_path)
+    assert again.returncode == 2, again.stderr
+    assert again.stderr.strip().splitlines() == [
+        f"hetpipe: error: output.dir {out} holds an earlier run's checkpoints (the latest after wave 4): "
+        "--resume goes on from it, --fresh deletes them and starts over"]
+    assert sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file()) == before
+    both = _cli("run", "-q", "--resume", "--fresh", str(_job(tmp_path, parallel=two_vws)), cwd=tmp_path)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr, both.stderr
+
+    fresh = _cli("run", "-q", "--fresh", str(_job(tmp_path, parallel=two_vws)), cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    assert not (out / "checkpoints").exists() and (out / "model.safetensors").exists()
