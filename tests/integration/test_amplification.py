@@ -140,12 +140,25 @@ def test_submit_of_an_absurd_job(coordinator: Service, job_json: str) -> None:
     assert job.state == coordinator_pb2.JobStatus.NONE
 
 
-def test_shard_tensor_metas_bounded(tmp_path: Path) -> None:
-    """The same header check serves every stream: a shape that overflows torch's layout."""
-    frames = [wire_pb2.TensorFrame(tensors=[wire_pb2.TensorMeta(name="t", dtype=wire_pb2.FLOAT32,
-                                                                shape=[0, 2**62, 2**62])]).SerializeToString()]
-    with pytest.raises(wire.WireError, match=r"spans \d+ bytes, more than"):
-        wire.decode(frames)
+def test_shard_tensor_metas_bounded(shard: Service) -> None:
+    """A shape that overflows torch's layout (no bytes: a dimension is 0), sent to a real shard by
+    Push, PushFrame and Init: each is refused at its header, naming the shape, and changes nothing."""
+    meta = wire_pb2.TensorMeta(name="t", dtype=wire_pb2.FLOAT32, shape=[0, 2**62, 2**62])
+    push = wire_pb2.TensorFrame(tensors=[meta], push=wire_pb2.PushTag(vw=0, clock=0)).SerializeToString()
+    init = wire_pb2.TensorFrame(tensors=[meta], init=wire_pb2.InitTag(virtual_workers=2)).SerializeToString()
+    calls = {"Push": (shard.call("Push", "stream_unary"), iter([push])),
+             "PushFrame": (shard.call("PushFrame"), push),
+             "Init": (shard.call("Init", "stream_unary"), iter([init]))}
+    before, rss = _shard_state(shard), shard.rss()
+    for method, (call, request) in calls.items():
+        error = _refused(call, request, timeout=10)
+        # The wire's own check, not a later one (the key's owner, torch's allocation): the bundle
+        # is refused before anything is looked up or allocated.
+        assert error.code() == Code.INVALID_ARGUMENT, (method, error.code(), error.details())
+        assert re.search(r"tensor 0 \(t\): shape \[0, 4611686018427387904, 4611686018427387904\] spans \d+ bytes, "
+                         r"more than the \d+ allowed", error.details()), (method, error.details())
+    assert shard.rss() - rss < RSS_LIMIT
+    assert _shard_state(shard) == before, "Status answers, and nothing changed"
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -151,12 +152,36 @@ def test_hd_uses_a_type_alone_when_it_cannot_pair() -> None:
     n=st.integers(1, 5), k=st.integers(1, 5), policy=st.sampled_from(["NP", "ED", "HD"]),
 )
 def test_random_clusters_valid_or_refused(nodes: list[tuple[str, int]], n: int, k: int, policy: str) -> None:
+    valid_or_refused(nodes, n, k, policy)
+
+
+def test_random_clusters_are_accepted_often_and_refused_sometimes() -> None:
+    """Fixed random clusters, every policy on each: an allocate that refused everything (or
+    nothing) would pass the property test above, not this count."""
+    rng = random.Random(7)
+    accepted = dict.fromkeys(("NP", "ED", "HD"), 0)
+    refused = dict(accepted)
+    for _ in range(100):
+        nodes = [(rng.choice(sorted(LETTER)), rng.randint(1, 5)) for _ in range(rng.randint(1, 5))]
+        n, k = rng.randint(1, 5), rng.randint(1, 5)
+        for policy in accepted:
+            if valid_or_refused(nodes, n, k, policy):
+                accepted[policy] += 1
+            else:
+                refused[policy] += 1
+    # Accepted/refused with this seed: NP 41/59, ED 51/49, HD 21/79 (HD needs an even k and types that pair).
+    assert all(accepted[p] >= 15 and refused[p] >= 15 for p in accepted), (accepted, refused)
+
+
+def valid_or_refused(nodes: list[tuple[str, int]], n: int, k: int, policy: str) -> bool:
+    """Whether allocate accepted (type, count) nodes, the VWs checked; a refusal must be a
+    parallel/cluster ConfigError."""
     gpus = make([(f"n{i}", [t] * c) for i, (t, c) in enumerate(nodes)])
     try:
         vws = allocate(policy, gpus, n, k)
     except ConfigError as exc:
         assert str(exc).startswith(("parallel", "cluster")), str(exc)
-        return
+        return False
     check_valid(vws, gpus, n, k)
     if policy == "ED":
         assert len({"".join(sorted(LETTER[g.type] for g in vw)) for vw in vws}) == 1, "ED: same mix for all"
@@ -164,6 +189,7 @@ def test_random_clusters_valid_or_refused(nodes: list[tuple[str, int]], n: int, 
         assert all(len({g.node for g in vw}) == 1 for vw in vws)
     if policy == "HD":
         assert all(len({g.type for g in vw}) <= 2 for vw in vws)
+    return True
 
 
 # ---- refusals name the problem -----------------------------------------------------------------

@@ -8,6 +8,9 @@ from stage_worker.checkpoint import Cuts
 def test_cuts_fall_every_few_waves_and_never_at_the_end() -> None:
     cuts = Cuts(every=2, nm=3, steps=20)  # 7 waves, the last one partial
     assert [w for w in range(10) if cuts.is_cut(w)] == [2, 4, 6]
+    # 8 whole waves, the last a multiple of every: the job ends there, so no cut waits at it.
+    cuts = Cuts(every=2, nm=3, steps=24)
+    assert [w for w in range(12) if cuts.is_cut(w)] == [2, 4, 6]
     assert not Cuts(every=0, nm=3, steps=20).is_cut(2)
 
 

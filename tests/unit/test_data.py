@@ -309,6 +309,15 @@ def test_eval_fraction_holds_out_the_same_rows_every_time(tmp_path: Path) -> Non
     assert held_out_set(factory_job(tmp_path)) is None
     # An evaluation reads whole minibatches of its first rows.
     assert eval_batches(job, held, rows=100) == [[0, 1, 2, 3]]
+    # 10 held-out rows: as many whole minibatches of 4 as the rows limit and the set allow, and
+    # one minibatch however few rows are asked for.
+    half = factory_job(tmp_path, eval_fraction=0.5)
+    wide = held_out_set(half)
+    assert wide is not None and len(wide) == 10
+    assert eval_batches(half, wide, rows=100) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert eval_batches(half, wide, rows=8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert eval_batches(half, wide, rows=7) == [[0, 1, 2, 3]]
+    assert eval_batches(half, wide, rows=1) == [[0, 1, 2, 3]]
     with pytest.raises(ConfigError, match="leaves none to train on"):
         training_set(factory_job(tmp_path, eval_fraction=0.9, args={"rows": 1}))
 

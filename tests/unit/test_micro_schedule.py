@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from stage_worker.micro_schedule import MicroSchedule, simulate_unit, unit_version_differences
-from stage_worker.schedule import Rejection, ScheduleError, TaskKind
+from stage_worker.schedule import Rejection, ScheduleError, Task, TaskKind
 from tests import schedule_rules
 
 
@@ -119,3 +119,60 @@ def test_inputs_are_refused_by_reason() -> None:
     with pytest.raises(ScheduleError) as err:
         first.accept_forward(1, 1)
     assert err.value.reason == Rejection.NOT_ACCEPTED
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_flushed_schedules_refuse_a_repeated_gradient_and_one_not_forwarded(schedule: str) -> None:
+    """gpipe and 1f1b take gradients per micro-batch: one already here or already run is a
+    duplicate, one for a micro-batch (or minibatch) not forwarded yet is out of order."""
+    s = MicroSchedule(schedule=schedule, stage=0, num_stages=2, nm=1, micro=2, steps=3)
+
+    def run(kind: TaskKind, p: int, m: int) -> None:
+        task = s.next_task()
+        assert task is not None and (task.kind, task.p, task.micro) == (kind, p, m), task
+        s.complete(task)
+
+    def refused(p: int, m: int) -> Rejection:
+        with pytest.raises(ScheduleError) as err:
+            s.accept_backward(p, m)
+        return err.value.reason
+
+    run(TaskKind.FORWARD, 1, 1)
+    assert refused(1, 2) == Rejection.ORDER, "micro-batch 2 of minibatch 1 is not forwarded yet"
+    s.accept_backward(1, 1)
+    assert refused(1, 1) == Rejection.DUPLICATE, "waiting here already"
+    run(TaskKind.FORWARD, 1, 2)  # stage 0 of 2 with 2 micro-batches: F1 F2 B1 B2 under both
+    run(TaskKind.BACKWARD, 1, 1)
+    assert refused(1, 1) == Rejection.DUPLICATE, "its backward has run"
+    assert refused(2, 1) == Rejection.ORDER, "minibatch 2 is not forwarded yet"
+    s.accept_backward(1, 2)
+    run(TaskKind.BACKWARD, 1, 2)
+    assert s.completed == 1
+
+
+def test_a_minibatch_ends_with_its_last_backward() -> None:
+    """ends_minibatch (when the stage applies its update): gpipe and 1f1b after the backward of
+    the last micro-batch, nf1b after its one backward per minibatch (the last stage's fused one)."""
+    for schedule in ("gpipe", "1f1b"):
+        s = MicroSchedule(schedule=schedule, stage=0, num_stages=2, nm=1, micro=3, steps=2)
+        assert [s.ends_minibatch(Task(TaskKind.BACKWARD, 1, micro=m)) for m in (1, 2, 3)] == [False, False, True]
+        assert not any(s.ends_minibatch(Task(TaskKind.FORWARD, 1, micro=m)) for m in (1, 2, 3))
+    nf1b = MicroSchedule(schedule="nf1b", stage=0, num_stages=2, nm=2, micro=3, steps=2)
+    assert nf1b.ends_minibatch(Task(TaskKind.BACKWARD, 1, micro=0))
+    assert not any(nf1b.ends_minibatch(Task(TaskKind.FORWARD, 1, micro=m)) for m in (1, 2, 3))
+    last = MicroSchedule(schedule="nf1b", stage=1, num_stages=2, nm=2, micro=3, steps=2)
+    assert last.ends_minibatch(Task(TaskKind.FORWARD_BACKWARD, 1, micro=3))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "nf1b"])
+def test_every_stage_ends_each_minibatch_once_at_its_last_task(schedule: str) -> None:
+    """In a whole unit-time run, on every stage: exactly one task ends minibatch p, the last of
+    p's tasks there (after it, p's update may be applied: nothing of p runs on older weights)."""
+    nm = 2 if schedule == "nf1b" else 1  # gpipe and 1f1b: one minibatch in flight
+    stages = simulate_unit(schedule, 3, 2, nm, 4)
+    for q, spans in enumerate(stages):
+        s = MicroSchedule(schedule=schedule, stage=q, num_stages=3, nm=nm, micro=2, steps=4)
+        tasks = [task for _, _, task in spans]
+        for p in range(1, 5):
+            ending = [i for i, t in enumerate(tasks) if t.p == p and s.ends_minibatch(t)]
+            assert ending == [max(i for i, t in enumerate(tasks) if t.p == p)], (schedule, q, p, tasks)

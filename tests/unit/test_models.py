@@ -163,11 +163,24 @@ def test_model_init_is_read_key_by_key(tmp_path: Path, suffix: str) -> None:
         initialise_from(layers, {"3.bias": state["3.bias"]}, "model.init")
 
 
+class _Touch:
+    """Unpickling this calls Path.touch(marker): the file appears iff the pickle's code ran.
+    At module level so that torch.save can pickle it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[Path]]:
+        return Path.touch, (self.marker,)
+
+
 def test_a_pickled_model_init_is_refused_without_running_it(tmp_path: Path) -> None:
-    path = tmp_path / "evil.pt"
-    torch.save({"0.weight": torch.zeros(1), "code": object()}, path)  # not a plain state_dict
+    """A .pt init that would run code when unpickled is refused, and its code never runs."""
+    path, marker = tmp_path / "evil.pt", tmp_path / "ran"
+    torch.save({"0.weight": torch.zeros(1), "code": _Touch(marker)}, path)  # not a plain state_dict
     with pytest.raises(ConfigError, match="not a safetensors file or a plain state_dict"):
         load_init(job(tmp_path, init="evil.pt"), ["0.weight"])
+    assert not marker.exists(), "loading model.init ran the pickle's code"
 
 
 def test_each_job_gets_the_factory_module_of_its_own_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

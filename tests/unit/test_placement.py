@@ -30,10 +30,20 @@ def test_local_puts_each_stages_layers_on_its_home_shard() -> None:
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 4, 5])
 def test_home_shard_runs_on_the_stages_node(shards: int) -> None:
+    """With `local` placement a stage's keys live on the shard that runs on its node, wherever its
+    node runs one: every stage once each node runs a shard, else those on the first `shards` nodes."""
     nodes = ["n0", "n1", "n2", "n3"]
     stage_nodes = ["n2", "n0", "n3", "n1"]
-    for stage, shard in enumerate(home_shards(stage_nodes, nodes)):
-        if shards >= len(nodes):  # every node runs a shard: the stage's keys stay on its node
-            assert shard_node(shard % shards, nodes) == stage_nodes[stage]
+    home = home_shards(stage_nodes, nodes)
+    assert home == [2, 0, 3, 1], "a stage's home is its node's index"
+    ranges = [(0, 1), (1, 3), (3, 4), (4, 6)]  # one layer with parameters per stage
+    owners = place_keys(_model(), ranges, shards, "local", home)
+    shard_nodes = {shard_node(j, nodes) for j in range(shards)}
+    local = [q for q in range(len(ranges)) if stage_nodes[q] in shard_nodes]
+    assert len(local) == min(shards, len(nodes))  # the loop below checks as many stages
+    for q in local:
+        begin, end = ranges[q]
+        keys = [k for k in owners if begin <= int(k.split(".", 1)[0]) < end]
+        assert keys and {shard_node(owners[k], nodes) for k in keys} == {stage_nodes[q]}, (q, keys, owners)
     assert home_shards(["local", "local"], []) == [0, 1], "no cluster spec: stage q's home is q"
 

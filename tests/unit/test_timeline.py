@@ -39,11 +39,16 @@ def check_trace_events(doc: dict[str, Any]) -> None:
     assert isinstance(doc["traceEvents"], list) and doc["displayTimeUnit"] == "ms"
     for e in doc["traceEvents"]:
         assert {"ph", "pid", "tid", "name"} <= e.keys(), e
+        assert e["pid"] >= 1, f"pid 0 is the idle task to some viewers: {e}"
         if e["ph"] == "X":
             assert isinstance(e["ts"], float | int) and e["ts"] >= 0 and e["dur"] >= 0, e
     tracks: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for e in xs(doc):
         tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+    # Two tracks sharing a tid would merge into one thread with two names: each named once.
+    named = [(e["pid"], e["tid"]) for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"]
+    assert sorted(named) == sorted(set(named)), f"a thread named twice: {named}"
+    assert set(tracks) <= set(named), f"tracks without a thread_name: {set(tracks) - set(named)}"
     for track, events in tracks.items():
         events.sort(key=lambda e: e["ts"])
         for a, b in zip(events, events[1:]):
@@ -105,6 +110,27 @@ def test_pull_waits_fill_only_the_idle_stretches_and_pushes_get_their_own_track(
     assert names(doc, "thread_name")[(vw_pid(0), push_tid(0))] == "stage 0 pushes"
 
 
+def test_tracks_are_laid_out_as_documented() -> None:
+    """The layout written out, not derived from vw_pid/compute_tid/push_tid: VW v is pid v + 1 (pid
+    0 is the idle task to some viewers); stage q computes on tid 2q + 1 and pushes on tid 2q + 2;
+    the parameter servers are the pid after the last VW's, shard j on tid j + 1."""
+    rows = [row(0, 0, 1, (0.0, 0.1), (0.3, 0.4)), row(0, 1, 1, (0.1, 0.2), (0.2, 0.3)),
+            row(1, 0, 1, (0.0, 0.1), (0.1, 0.2))]
+    sync = {(0, q): [{"event": "push", "wave": 0, "start": T + start, "end": T + start + 0.1}]
+            for q, start in ((0, 0.5), (1, 0.35))}
+    shard = [{"event": "push", "vw": 0, "clock": 0, "start": T + 0.55, "end": T + 0.56}]
+    doc = chrome_trace(TraceData(stages=rows, sync=sync, shards={0: shard}))
+    check_trace_events(doc)
+    assert names(doc, "process_name") == {(1, 0): "vw 0", (2, 0): "vw 1", (3, 0): "parameter servers"}
+    assert names(doc, "thread_name") == {(1, 1): "stage 0", (1, 2): "stage 0 pushes", (1, 3): "stage 1",
+                                         (1, 4): "stage 1 pushes", (2, 1): "stage 0", (3, 1): "shard 0"}
+    tracks: dict[tuple[int, int], list[str]] = {}
+    for e in xs(doc):
+        tracks.setdefault((e["pid"], e["tid"]), []).append(e["name"])
+    assert tracks == {(1, 1): ["F 1", "B 1"], (1, 2): ["push wave 0"], (1, 3): ["F 1", "B 1"],
+                      (1, 4): ["push wave 0"], (2, 1): ["F 1", "B 1"], (3, 1): ["push vw 0 wave 0"]}
+
+
 def test_shard_rows_become_one_track_per_shard_in_a_parameter_server_process() -> None:
     rows = [row(0, 0, 1, (0.0, 0.1), (0.1, 0.2)), row(1, 0, 1, (0.0, 0.1), (0.1, 0.2))]
     shard = [{"shard": 1, "event": "push", "vw": 1, "clock": 0, "start": T + 0.3, "end": T + 0.31,
@@ -138,9 +164,20 @@ def test_load_refuses_a_missing_or_empty_trace_and_skips_an_earlier_jobs_files(t
     for v in (0, 1):
         (tmp_path / "trace" / f"vw{v}_stage0.jsonl").write_text(
             json.dumps(row(v, 0, 1, (0.0, 0.1), (0.1, 0.2))) + "\n" + '{"vw": 0, "sta')  # cut short by a kill
-    (tmp_path / "summary.json").write_text(json.dumps({"virtual_workers": 1, "stages_per_vw": 1, "ps_shards": 0}))
+    # An earlier job in the same directory had 2 VWs, 2 stages and 2 shards; this one 1, 1 and 1.
+    (tmp_path / "trace" / "sync").mkdir()
+    for v, q in ((0, 0), (1, 0), (0, 1)):
+        (tmp_path / "trace" / "sync" / f"vw{v}_stage{q}.jsonl").write_text(
+            json.dumps({"event": "push", "wave": 0, "start": T + 0.2, "end": T + 0.3}) + "\n")
+    (tmp_path / "trace" / "ps").mkdir()
+    for j in (0, 1):
+        (tmp_path / "trace" / "ps" / f"shard{j}.jsonl").write_text(
+            json.dumps({"event": "push", "vw": 0, "clock": 0, "start": T + 0.2, "end": T + 0.3}) + "\n")
+    (tmp_path / "summary.json").write_text(json.dumps({"virtual_workers": 1, "stages_per_vw": 1, "ps_shards": 1}))
     data = timeline.load(tmp_path)
     assert [(r["vw"], r["p"]) for r in data.stages] == [(0, 1)]
+    assert list(data.sync) == [(0, 0)] and len(data.sync[(0, 0)]) == 1
+    assert list(data.shards) == [0] and len(data.shards[0]) == 1
     path, count = timeline.export(tmp_path)
     assert path == tmp_path / "trace.json" and len(json.loads(path.read_text())["traceEvents"]) == count
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -9,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from hetpipe import rpc, wire
+from hetpipe import buffers, rpc, wire
 from hetpipe.v1 import stage_pb2_grpc, wire_pb2
 from stage_worker.servicer import StageServicer
 
@@ -106,13 +107,25 @@ def test_frames_respect_chunk_bytes_and_only_the_first_has_a_header() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_large_tensors_decode_into_the_receive_pool(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """A tensor of POOLED_FROM_BYTES or more lands in a mapping of the receive pool, which the
+    pool hands out again once the tensor is gone; a smaller one never touches the pool."""
     monkeypatch.setattr(wire, "POOLED_FROM_BYTES", 64)  # the real bound is 1 MiB
+    pool = buffers.Pool()  # a fresh pool: RECEIVE's mappings are the whole process's
+    monkeypatch.setattr(buffers, "RECEIVE", pool)
     tensors = [("big", _sample(dtype, (40, 9))), ("small", _sample(dtype, (3,)))]
     got = wire.decode(wire.encode(tensors, chunk_bytes=100)).tensors
     _assert_same(got, tensors)
     big = got[0][1]
     big.zero_()  # writable, and no longer tied to anything of the sender's
     assert not big.any()
+    # One page (the big tensor's 360 to 2880 bytes) kept; the small one would have taken a second
+    # page, as the big one still holds the first.
+    assert pool.kept_bytes == mmap.PAGESIZE
+    address, nbytes = big.data_ptr(), big.numel() * big.element_size()
+    del got, big
+    # The big tensor's mapping, free again, is the one the pool hands out next.
+    assert torch.frombuffer(pool.take(nbytes), dtype=torch.uint8).data_ptr() == address
+    assert pool.kept_bytes == mmap.PAGESIZE
 
 
 def test_non_contiguous_tensors_travel_by_value() -> None:
