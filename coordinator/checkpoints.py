@@ -2,8 +2,9 @@
 stage saves its own state and waits (stage_worker/checkpoint.py); once all of them wait at the
 same cut, nothing is in flight and every shard holds exactly the waves before it, so the driver
 streams each shard's values into the cut's folder, writes the manifest last (a cut without one
-is incomplete), puts the cut on disk, removes older cuts, and lets the stages go on. `hetpipe run --resume` starts
-from the latest complete cut: the shards get its values and clocks, each stage its own state."""
+is incomplete), puts the cut on disk, removes older cuts, and lets the stages go on. `hetpipe run
+--resume` starts from the latest complete cut: the shards get its values and clocks, each stage
+its own state."""
 
 from __future__ import annotations
 

@@ -38,7 +38,11 @@ def resolve(spec: str, key: str, base_dir: str) -> Callable[..., Any]:
         sys.path.remove(base_dir)
     sys.path.insert(0, base_dir)  # first: another job's base_dir may hold a module of the same name
     top = module_name.partition(".")[0]
-    _forget_stale(top, Path(base_dir))
+    # Only a module of the job's own folder can be another job's or edited between jobs; an
+    # installed package (torchvision, with hundreds of submodules) is neither watched nor statted.
+    local = (Path(base_dir) / top).is_dir() or (Path(base_dir) / f"{top}.py").is_file()
+    if local:
+        _forget_stale(top, Path(base_dir))
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -46,7 +50,8 @@ def resolve(spec: str, key: str, base_dir: str) -> Callable[..., Any]:
                           f"packages): {exc}") from None
     except Exception as exc:  # the module's own code failed while importing
         raise ConfigError(f"{key}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
-    _remember_files(top)
+    if local:
+        _remember_files(top)
     target = getattr(module, attribute, None)
     if target is None:
         raise ConfigError(f"{key}: module {module_name!r} has no attribute {attribute!r}")
@@ -74,15 +79,16 @@ def _file_state(module: str) -> tuple[int, int] | None:
 
 def _remember_files(top: str) -> None:
     for name in _family(top):
-        _IMPORTED.setdefault(name, _file_state(name))
+        if name not in _IMPORTED:   # as first imported, not as now
+            _IMPORTED[name] = _file_state(name)
 
 
 def _forget_stale(top: str, base_dir: Path) -> None:
-    """Drops package or module `top`, and its submodules, from the import cache when base_dir
-    holds one of that name and the cached one came from elsewhere, or one of its files was edited
-    since it was imported: a long-lived coordinator or stage worker builds job after job, and a
-    job's `mymodel` must be the one in its own folder as it is now, not the first one imported."""
-    if not ((base_dir / top).is_dir() or (base_dir / f"{top}.py").is_file()) or top not in sys.modules:
+    """Drops package or module `top` of base_dir, and its submodules, from the import cache when
+    the cached one came from elsewhere, or one of its files was edited since it was imported: a
+    long-lived coordinator or stage worker builds job after job, and a job's `mymodel` must be the
+    one in its own folder as it is now, not the first one imported."""
+    if top not in sys.modules:
         return
     origin = getattr(sys.modules[top], "__file__", None)
     elsewhere = origin is None or not Path(origin).resolve().is_relative_to(base_dir.resolve())
