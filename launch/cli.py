@@ -39,8 +39,9 @@ def _error(message: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.coordinator and args.resume:
-        _error("--resume: a job run on a coordinator elsewhere has no checkpoints to resume from yet")
+    if args.coordinator and (args.resume or args.fresh):  # accepted and ignored, either would mislead
+        _error(f"--{'resume' if args.resume else 'fresh'}: a job run on a coordinator elsewhere keeps no checkpoints "
+               "yet, to resume from or to delete")
         return EXIT_USAGE
     try:
         job = load_job(args.config)

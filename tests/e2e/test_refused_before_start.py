@@ -175,6 +175,16 @@ def test_hetpipe_refuses_in_one_line_with_exit_2(tmp_path: Path, command: str) -
     _refused(tmp_path, "NaN in x", done.returncode, done.stderr, overrides)
 
 
+@pytest.mark.parametrize("flag", ["--resume", "--fresh"])
+def test_checkpoint_flags_are_refused_for_a_coordinator_elsewhere(tmp_path: Path, flag: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # Nothing listens at port 1: a run that went on to the coordinator would exit 69, not 2.
+    code = cli.main(["run", "-q", flag, "--coordinator", "127.0.0.1:1", str(_job(tmp_path))])
+    err = capsys.readouterr().err
+    assert (code, err) == (2, f"hetpipe: error: {flag}: a job run on a coordinator elsewhere keeps no checkpoints "
+                              "yet, to resume from or to delete\n")
+
+
 def test_the_job_itself_passes(tmp_path: Path) -> None:
     """The cases above spoil one thing each of a job that plans."""
     unspoiled = {**_npz(tmp_path, lambda x, y: (x, y)), **_init(tmp_path, "w0.pt", lambda state: None)}
