@@ -185,14 +185,14 @@ def test_checkpoint_flags_are_refused_for_a_coordinator_elsewhere(tmp_path: Path
                               "yet, to resume from or to delete\n")
 
 
-def test_the_job_itself_passes(tmp_path: Path) -> None:
+def test_the_job_itself_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The cases above spoil one thing each of a job that plans."""
     unspoiled = {**_npz(tmp_path, lambda x, y: (x, y)), **_init(tmp_path, "w0.pt", lambda state: None)}
-    done = _cli("plan", str(_job(tmp_path, **unspoiled)), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    assert cli.main(["plan", str(_job(tmp_path, **unspoiled))]) == 0, capsys.readouterr().err
 
 
-def test_a_run_that_fails_after_starting_leaves_no_earlier_summary(tmp_path: Path) -> None:
+def test_a_run_that_fails_after_starting_leaves_no_earlier_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """An earlier run's results are gone once a new run into the same output.dir has started,
     even when it fails: nothing there can pass for the new run's. A run refused before it
     starts leaves them as they were."""
@@ -202,10 +202,12 @@ def test_a_run_that_fails_after_starting_leaves_no_earlier_summary(tmp_path: Pat
     assert (out / "summary.json").exists() and (out / "model.safetensors").exists()
     assert not (out / "coordinator.address").exists(), "its port is free: `hetpipe stop --job` must not reach another run"
     results = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    resumed = _cli("run", "-q", "--resume", str(_job(tmp_path)), cwd=tmp_path)
-    assert resumed.returncode == 2 and "--resume: no complete checkpoint" in resumed.stderr, resumed.stderr
-    locked = _cli("run", "-q", str(_job(tmp_path, security={"token_file": "no-such-token"})), cwd=tmp_path)
-    assert locked.returncode == 2 and "security: token file" in locked.stderr, locked.stderr
+    # Refusals in this process: an interpreter each would spend 2-3 s importing torch.
+    assert cli.main(["run", "-q", "--resume", str(_job(tmp_path))]) == 2
+    assert "--resume: no complete checkpoint" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["run", "-q", str(_job(tmp_path, security={"token_file": "no-such-token"}))]) == 2
+    assert "security: token file" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == results, "a refused run changed them"
     # Item 0 reads (what the checks before the start read of a factory's data); row 1 does not.
     (tmp_path / "rows.py").write_text(
@@ -239,7 +241,8 @@ def test_a_nan_loss_is_null_in_summary_json(tmp_path: Path) -> None:
     assert printed["final_loss"] is None
 
 
-def test_a_run_does_not_delete_an_earlier_runs_checkpoints_unless_told_to(tmp_path: Path) -> None:
+def test_a_run_does_not_delete_an_earlier_runs_checkpoints_unless_told_to(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """Without --resume, a run into an output.dir with checkpoints is refused, changing nothing
     (a forgotten --resume must not cost the training they hold); --fresh starts over without them."""
     out = tmp_path / "out"
@@ -250,14 +253,15 @@ def test_a_run_does_not_delete_an_earlier_runs_checkpoints_unless_told_to(tmp_pa
     before = sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file())
     assert (out / "checkpoints" / "cut000004" / "manifest.json").exists()
 
-    again = _cli("run", "-q", str(_job(tmp_path, parallel=two_vws)), cwd=tmp_path)
-    assert again.returncode == 2, again.stderr
-    assert again.stderr.strip().splitlines() == [
+    # The refusals in this process: an interpreter each would spend 2-3 s importing torch.
+    assert cli.main(["run", "-q", str(_job(tmp_path, parallel=two_vws))]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"hetpipe: error: output.dir {out} holds an earlier run's checkpoints (the latest after wave 4): "
         "--resume goes on from it, --fresh deletes them and starts over"]
     assert sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file()) == before
-    both = _cli("run", "-q", "--resume", "--fresh", str(_job(tmp_path, parallel=two_vws)), cwd=tmp_path)
-    assert both.returncode == 2 and "not allowed with argument" in both.stderr, both.stderr
+    with pytest.raises(SystemExit) as both:
+        cli.main(["run", "-q", "--resume", "--fresh", str(_job(tmp_path, parallel=two_vws))])
+    assert both.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
     fresh = _cli("run", "-q", "--fresh", str(_job(tmp_path, parallel=two_vws)), cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stderr
