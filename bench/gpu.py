@@ -13,11 +13,14 @@ includes the interpreter, CUDA initialisation and, for HetPipe, the stage and sh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +154,22 @@ def report(results: list[dict[str, Any]]) -> None:
                   + (f"  layers {p['layers']}" if "layers" in p else ""))
 
 
+@contextlib.contextmanager
+def work_folder(prefix: str, keep: bool) -> Iterator[Path]:
+    """A temporary folder for the runs' outputs. It goes afterwards unless kept, or unless the
+    benchmark failed: then its logs are the evidence, and where they lie is printed."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    except BaseException:
+        print(f"# the runs' outputs and logs are kept in {work}", file=sys.stderr, flush=True)
+        raise
+    if keep:
+        print(f"# the runs' outputs are kept in {work}", flush=True)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plain", metavar="JOB", help=argparse.SUPPRESS)
@@ -160,10 +179,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="minibatches per run (default 150; 30 with --large)")
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--keep", action="store_true", help="keep each run's outputs and logs (kept anyway on a failure)")
     args = ap.parse_args()
     if args.plain:
         print(json.dumps(plain_loop(args.plain)))
         return
+    with work_folder("hetpipe-gpu-", args.keep) as work:
+        _bench(args, work)
+
+
+def _bench(args: argparse.Namespace, work: Path) -> None:
     import torch
 
     if torch.cuda.is_available():
@@ -174,7 +199,6 @@ def main() -> None:
     else:
         sys.exit("bench/gpu.py needs a CUDA device (--small checks the kit on the CPU)")
     steps = args.steps or (30 if args.large else 150)
-    work = Path(tempfile.mkdtemp(prefix="hetpipe-gpu-"))
     model = GPT_1_3B if args.large else GPT_SMALL if args.small else GPT_118M
 
     def job(tag: str, **kw: Any) -> dict[str, Any]:

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 import yaml
 
 # Run as `python bench/peers.py`: bench/ is sys.path[0]; gpu.py puts the repository root there too.
-from gpu import report, run
+from gpu import report, run, work_folder
 
 from hetpipe.config import ConfigError, parse_job
 
@@ -117,10 +116,15 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per run (default 1200)")
     ap.add_argument("--per-step", action="store_true",
                     help="also run HetPipe 2x1 and ddp at 3x the steps: CPU and wall seconds per step, start-up excluded")
+    ap.add_argument("--keep", action="store_true", help="keep each run's outputs and logs (kept anyway on a failure)")
     args = ap.parse_args()
+    with work_folder("hetpipe-peers-", args.keep) as work:
+        _bench(args, work)
+
+
+def _bench(args: argparse.Namespace, work: Path) -> None:
     import torch
 
-    work = Path(tempfile.mkdtemp(prefix="hetpipe-peers-"))
     if args.job is not None:
         raw = yaml.safe_load(args.job.read_text()) or {}
         folder = args.job.resolve().parent
@@ -154,7 +158,7 @@ def main() -> None:
     if job.emulate is not None:
         print("# the job emulates GPUs: HetPipe and the baselines are padded to their times, the plain loop is not",
               flush=True)
-    print(f"# load average at start: {load_average()}; outputs under {work}", flush=True)
+    print(f"# load average at start: {load_average()}", flush=True)
 
     results: dict[str, dict[str, Any]] = {}
     try:
