@@ -255,17 +255,20 @@ def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
     try:
         while True:
             status = get_status()
-            if status.state in TERMINAL:
-                return status
-            on_status(status)
+            ended = status.state in TERMINAL
+            if not ended:
+                on_status(status)
             if status.state == running and bar is None:
                 bar = tqdm(total=status.total_samples, unit="sample", disable=quiet, file=sys.stderr,
                            dynamic_ncols=True, desc="train (emulated GPUs)" if status.emulated else "train")
-            if bar is not None:
+            if bar is not None and status.total_samples:  # the last one too: a bar left at 0% reads as a hang
                 bar.n = status.samples
-                bar.set_postfix(loss=f"{status.loss:.4f}", samples_s=f"{status.samples_per_second:.0f}",
-                                refresh=False)
+                # No loss until a minibatch has finished: the wire's 0.0 stands for none yet.
+                bar.set_postfix(**({"loss": f"{status.loss:.4f}"} if status.samples else {}),
+                                samples_s=f"{status.samples_per_second:.0f}", refresh=False)
                 bar.refresh()
+            if ended:
+                return status
             time.sleep(0.1)
     finally:
         if bar is not None:
