@@ -33,7 +33,7 @@ import yaml
 # Run as `python bench/peers.py`: bench/ is sys.path[0]; gpu.py puts the repository root there too.
 from gpu import report, run, work_folder
 
-from hetpipe.config import ConfigError, parse_job
+from hetpipe.config import ConfigError, JobLoader, parse_job
 
 BUILTIN_JOB: dict[str, Any] = {
     "model": {"name": "mlp", "args": {"in_features": 64, "hidden": [1024] * 4, "num_classes": 10}},
@@ -126,7 +126,7 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
     import torch
 
     if args.job is not None:
-        raw = yaml.safe_load(args.job.read_text()) or {}
+        raw = yaml.load(args.job.read_text(), Loader=JobLoader) or {}
         folder = args.job.resolve().parent
     else:
         raw, folder = json.loads(json.dumps(BUILTIN_JOB)), work

@@ -112,6 +112,16 @@ def test_a_broken_projection_file_exits_2_naming_the_problem(capsys: pytest.Capt
     assert re.fullmatch(rf"hetpipe: error: projection file {re.escape(str(bad))}: {message}.*\n", err), err
 
 
+def test_a_job_key_given_twice_exits_2_naming_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(BASE_JOB, sort_keys=False) + "train: {steps: 5}\n")
+    lines = job.read_text().splitlines()
+    first, second = [i + 1 for i, text in enumerate(lines) if text.startswith("train:")]
+    assert cli.main(["plan", str(job)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"hetpipe: error: train: given twice (lines {first} and {second})\n", err
+
+
 def test_su_mp_left_out_is_the_plans_k_stage_over_one_stage_throughput(capsys: pytest.CaptureFixture[str],
                                                                        tmp_path: Path) -> None:
     projection = tmp_path / "projection.yaml"

@@ -296,6 +296,43 @@ def test_load_job_errors_name_the_file(tmp_path: Path) -> None:
         load_job(broken)
 
 
+@pytest.mark.parametrize(("text", "value"), [("1e-3", 0.001), ("1E5", 1e5), ("-2e-4", -2e-4), (".5", 0.5),
+                                             ("-.5", -0.5), ("2.5e-3", 2.5e-3), ("+1.e2", 100.0),
+                                             ("0.05", 0.05)])
+def test_floats_are_read_the_yaml_1_2_way(tmp_path: Path, text: str, value: float) -> None:
+    """PyYAML (YAML 1.1) reads 1e-3 as a string, which the validator refused as not a number."""
+    path = tmp_path / "job.yaml"
+    path.write_text(f"model: {{name: mlp, args: {{x: {text}}}}}\n"
+                    "train: {optimizer: {name: adam, lr: 1e-3}}\n")
+    job = load_job(path)
+    assert job.train.optimizer.lr == 0.001 and job.model.args["x"] == value
+
+
+def test_yaml_1_1_integers_and_strings_stay_as_they_were(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("train: {steps: 1_000, seed: 12}\n"
+                    "model: {name: mlp, args: {tag: 1e, v: '1e-3', n: 09}}\n")
+    job = load_job(path)
+    assert (job.train.steps, job.train.seed) == (1000, 12)
+    assert dict(job.model.args) == {"tag": "1e", "v": "1e-3", "n": "09"}
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("model: {name: mlp}\ntrain:\n  optimizer:\n    lr: 0.1\n    name: sgd\n    lr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"^train\.optimizer\.lr: given twice \(lines 4 and 6\)$"):
+        load_job(path)
+    path.write_text("model: {name: mlp}\ncluster:\n  nodes:\n  - {name: a, name: b, gpus: [{type: t4}]}\n")
+    with pytest.raises(ConfigError, match=r"^cluster\.nodes\[0\]\.name: given twice \(lines 4 and 4\)$"):
+        load_job(path)
+    path.write_text("model: {name: mlp}\n'model': {name: gpt}\n")  # quoted or not, the same key
+    with pytest.raises(ConfigError, match=r"^model: given twice \(lines 1 and 2\)$"):
+        load_job(path)
+    # A merge key's entries may be overridden: that is what it is for.
+    path.write_text("model: {name: mlp}\ntrain: {optimizer: {<<: {name: sgd, lr: 0.1}, lr: 0.2}}\n")
+    assert load_job(path).train.optimizer.lr == 0.2
+
+
 def test_json_round_trip_of_design_example(design_job: JobConfig) -> None:
     again = JobConfig.from_json(design_job.to_json())
     assert again == design_job
