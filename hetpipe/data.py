@@ -8,6 +8,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import threading
+import traceback
+import weakref
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -278,11 +281,50 @@ class Minibatches:
         self._loader = DataLoader(dataset, batch_sampler=order, collate_fn=_collate, num_workers=workers,
                                   pin_memory=pin, multiprocessing_context="spawn" if workers else None,
                                   persistent_workers=False, generator=base_seed)
-        self._it: Iterator[_Batch] = iter(self._loader)
+        started = set(threading.enumerate())
+        self._it: Iterator[_Batch] | None = iter(self._loader)
+        # The feeder threads of its workers' index queues: each holds its queue's lock, a
+        # semaphore, until it ends (after the iterator is gone), so close waits for them.
+        self._feeders = [t for t in threading.enumerate() if t not in started and t.name == "QueueFeederThread"]
+        self._closing = threading.Lock()
+        _open.add(self)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = next(self._it)
+        it = self._it
+        if it is None:
+            raise RuntimeError("minibatches read after close")
+        try:
+            batch = next(it)
+        except Exception as exc:
+            # A worker's error comes back through frames that hold it, and the iterator, in a
+            # reference cycle. Collected as a cycle, the iterator's queues go before its __del__
+            # can tell the workers to stop, and close would wait seconds on each: break it here.
+            traceback.clear_frames(exc.__traceback__)
+            raise
         return cast(self.job, batch.x, batch.y)
+
+    def close(self) -> None:
+        """Joins data.workers' processes and frees their semaphores (sem.mp-* in /dev/shm) before
+        returning: the stage worker ends in os._exit, which runs no finalizer, and would leave both
+        to outlive the run (and multiprocessing's resource tracker to warn of leaked semaphores)."""
+        # Dropping the only reference runs the iterator's __del__, which joins its workers, and
+        # frees its queues, whose semaphores are unlinked as they go. Under the lock: callers on
+        # other threads (a stop, then exit_now) return only once that is done.
+        with self._closing:
+            self._it = None
+            for feeder in self._feeders:
+                feeder.join(timeout=5)
+            self._feeders = []
+        _open.discard(self)
+
+
+_open: weakref.WeakSet[Minibatches] = weakref.WeakSet()  # readers not yet closed
+
+
+def close_all() -> None:
+    """Closes every Minibatches this process still has open (exit_now, before os._exit)."""
+    for reader in list(_open):
+        reader.close()
 
 
 def eval_batches(job: JobConfig, dataset: Dataset[Any], rows: int) -> list[list[int]]:

@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,5 +138,11 @@ def return_large_buffers() -> None:
 def exit_now() -> None:
     """Everything is flushed and closed; interpreter teardown of torch and gRPC only adds seconds."""
     shm.unlink_owned()
+    # os._exit runs no finalizer: DataLoader workers a stage left open (a failed load, a stop that
+    # came mid-read) would outlive it, and their semaphores stay in /dev/shm. Only a process that
+    # read data has hetpipe.data loaded; importing it here would load torch into the coordinator.
+    data = sys.modules.get("hetpipe.data")
+    if data is not None:
+        data.close_all()
     logging.shutdown()
     os._exit(0)

@@ -195,3 +195,6 @@ class Loaded:
                 link.close()
         self.sync.close()
         self.trace.close()
+        for reader in (self.inputs, self.targets):
+            if reader is not None:
+                reader.close()
