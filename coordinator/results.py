@@ -4,6 +4,7 @@ model), and summary.json."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,21 @@ def write_weights(d: JobDriver) -> list[Path]:
             raise JobFailed(f"writing the final weights: {exc}") from None
 
 
+def trained_here(per_vw: Iterable[int], before: int) -> int:
+    """Minibatches this run trained, from each VW's count of those trained in all: a run resumed
+    from the checkpoint of wave W starts every VW at minibatch W·nm + 1 (before: W·nm), and an
+    earlier run trained the ones before, in seconds that are not this run's."""
+    return sum(max(n - before, 0) for n in per_vw)  # a VW that left before it reported counts 0
+
+
 def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
     """The final evaluation, the weights (safetensors), and summary.json per DESIGN §8."""
     final = d.final_evaluation()
     write_weights(d)
     job, plan = d.job, d.plan
-    samples = d.minibatches()[1] * job.data.batch_size
+    # samples_per_second: this run's minibatches over this run's wall (after --resume, not the checkpoint's).
+    per_vw = [job.train.steps] * len(d.last_stages()) + [e["minibatches"] for e in d.evicted]
+    samples = trained_here(per_vw, d.resume_wave * plan.nm) * job.data.batch_size
     losses = [h.last.recent_loss for h in d.last_stages()]
     fields: dict[str, Any] = {
         "steps": job.train.steps,

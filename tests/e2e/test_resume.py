@@ -69,6 +69,11 @@ def _resume_and_compare(tmp_path: Path, want: dict[str, torch.Tensor]) -> None:
     assert resumed.returncode == 0, err
     wave = int(re.search(r"resuming from the checkpoint of wave (\d+)", err)[1])  # type: ignore[index]
     assert 0 < wave < STEPS
+    # Its throughput is of the minibatches it trained, after the cut, over its own seconds.
+    summary = outputs.read_summary(tmp_path / "out")
+    assert summary is not None
+    vws, nm, batch = JOB["parallel"]["virtual_workers"], JOB["parallel"]["nm"], JOB["data"]["batch_size"]
+    assert summary["samples_per_second"] * summary["wall_seconds"] == pytest.approx((STEPS - wave * nm) * vws * batch)
     final = outputs.read_weights(tmp_path / "out")
     assert list(final) == list(want)
     for key in want:
