@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import grpc
 
 
@@ -19,6 +21,19 @@ class JobFailed(Exception):
 
 class JobStopped(Exception):
     """Someone asked the job to stop."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, handled as Ctrl-C is; str() is the reason a stopped job gives."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted ({signal.Signals(signum).name})")
+        self.signum = signum
+
+
+def interrupt_reason(exc: KeyboardInterrupt) -> str:
+    """Why an interrupted job stopped: the signal's name, Ctrl-C for a plain KeyboardInterrupt."""
+    return str(exc) if isinstance(exc, Interrupted) else "interrupted (Ctrl-C)"
 
 
 class StageLost(JobFailed):

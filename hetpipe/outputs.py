@@ -3,12 +3,14 @@ piece as they arrive (no process holds the model), summary.json and eval.jsonl."
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torc
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SUMMARY_FILE = "summary.json"
+LOCK_FILE = ".hetpipe.lock"  # held by the run writing into the folder; holds its pid
 STALE = (SINGLE_FILE, INDEX_FILE, "model.pt", SUMMARY_FILE, "eval.jsonl")
 
 
@@ -134,6 +137,39 @@ def check_dir(out_dir: Path) -> None:
         raise ConfigError(f"output.dir: {out_dir}: cannot write in {existing}: {exc.strerror}") from None
     os.close(fd)
     os.unlink(probe)
+
+
+@contextmanager
+def locked(out_dir: Path) -> Iterator[None]:
+    """Holds out_dir (made if missing) for one run: a second run into it is refused, naming the
+    first's pid, instead of clearing the results of a run still writing them. The kernel's lock
+    (flock) goes with its process, even a killed one: no stale lock to remove by hand."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK_FILE
+    while True:
+        lock = open(path, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            lock.close()
+            raise ConfigError(f"output.dir {out_dir} is in use by another hetpipe run (pid {holder}): wait for it "
+                              "to end, or give this job another output.dir") from None
+        try:  # still the file at path: its holder did not remove it while we opened it
+            if os.path.samestat(os.fstat(lock.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()
+    try:
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # before the lock goes: no one takes a file that is about to go
+        lock.close()
 
 
 def start_fresh(out_dir: Path, *, keep_checkpoints: bool) -> None:

@@ -7,17 +7,21 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
+from types import FrameType
 
 import grpc
 import yaml
 
 from hetpipe import outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig, load_job
-from hetpipe.errors import JobFailed, JobStopped
+from hetpipe.errors import Interrupted, JobFailed, JobStopped, interrupt_reason
 from hetpipe.v1 import coordinator_pb2, wire_pb2
 from coordinator.config import DEFAULT_PORT
 from coordinator.planner import Plan, PlanError, make_plan
@@ -25,13 +29,14 @@ from coordinator.planner import projection
 from launch import compose
 from launch import k8s
 from launch import plan_report, remote, worker
-from launch.local import ADDRESS_FILE, TOKEN_FILE, preflight, published_job_id, read_status, run_local
+from launch.local import ADDRESS_FILE, TERMINAL, TOKEN_FILE, preflight, published_job_id, read_status, run_local
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
+INTERRUPTING = (signal.SIGTERM, signal.SIGHUP)  # handled as Ctrl-C: exit 128 + the signal's number
 
 
 def _error(message: str) -> None:
@@ -43,6 +48,37 @@ def _run(args: argparse.Namespace) -> int:
         _error(f"--{'resume' if args.resume else 'fresh'}: a job run on a coordinator elsewhere keeps no checkpoints "
                "yet, to resume from or to delete")
         return EXIT_USAGE
+    try:
+        with _signals_interrupt():
+            return _run_job(args)
+    except KeyboardInterrupt as exc:  # here too if it came before or after the job's own handling
+        print(f"hetpipe: {interrupt_reason(exc)}; stopped every process", file=sys.stderr)
+        return 128 + exc.signum if isinstance(exc, Interrupted) else EXIT_INTERRUPTED
+
+
+@contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a scheduler's cancel, a closed terminal) stop a run as Ctrl-C does:
+    every process stopped, status.json written, the run's address and token removed. Repeats are
+    ignored while that runs; it takes seconds."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        for s in INTERRUPTING:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, interrupt) for s in INTERRUPTING}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run_job(args: argparse.Namespace) -> int:
     try:
         job = load_job(args.config)
         if args.coordinator:
@@ -62,9 +98,6 @@ def _run(args: argparse.Namespace) -> int:
     except JobStopped as exc:
         print(f"hetpipe: job stopped: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("hetpipe: interrupted; stopped every process", file=sys.stderr)
-        return EXIT_INTERRUPTED
     out = Path(job.resolve(job.output.dir))
     print(json.dumps({k: summary[k] for k in ("steps", "samples_per_second", "final_loss", "eval_loss",
                                               "eval_accuracy") if k in summary}))
@@ -217,8 +250,26 @@ def _ended(out_dir: Path, as_json: bool) -> int | None:
     return EXIT_FAILED if ending["state"] == "FAILED" else 0
 
 
+def _nothing_to_stop(name: str, state: str, reason: str) -> int:
+    """`hetpipe stop` of a job that has ended: says so, rather than a status as if it stopped it.
+    Exits 0: the job is not running, which is what the stop asked for."""
+    print(f"job {name} already ended: {state.lower()}" + (f" ({reason})" if reason else "") + "; nothing to stop")
+    return 0
+
+
+def _left_behind(args: argparse.Namespace, out_dir: Path) -> int | None:
+    """How the run of args.job ended, from what it left in out_dir (None if it left nothing):
+    `status` reports it; `stop` has nothing to stop (with --json: the same report, exit 0)."""
+    if args.command == "stop" and not args.json:
+        ending = read_status(out_dir)
+        return None if ending is None else _nothing_to_stop(args.job, ending["state"], ending.get("reason", ""))
+    ended = _ended(out_dir, args.json)
+    return ended if ended is None or args.command == "status" else 0
+
+
 def _status(args: argparse.Namespace) -> int:
-    """Prints the job and the workers; exits 0 unless the job failed or nothing can be reached."""
+    """Prints the job and the workers; exits 0 unless the job failed or nothing can be reached.
+    `stop` of a job that has already ended says so and exits 0."""
     out_dir: Path | None = None
     job_security: security.Security | None = None
     job_ref = coordinator_pb2.JobRef()  # the coordinator's current job, unless --job names one
@@ -233,7 +284,7 @@ def _status(args: argparse.Namespace) -> int:
         out_dir, job_security = Path(job.resolve(job.output.dir)), job.security_files()
         path = out_dir / ADDRESS_FILE
         if not path.exists():
-            ended = _ended(out_dir, args.json)
+            ended = _left_behind(args, out_dir)
             if ended is None:
                 _error(f"no coordinator address at {path}: is `hetpipe run {args.job}` running?")
                 return EXIT_USAGE
@@ -257,14 +308,16 @@ def _status(args: argparse.Namespace) -> int:
     with rpc.channel(address) as channel:
         stub = rpc.Stub(channel, "Coordinator")
         try:
-            if args.command == "stop":
+            job_status = stub.GetJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
+            # StopJob answers an ended job as it ended, which cannot tell "stopped now" from "had
+            # ended": only a job that has not ended is asked to stop.
+            already_ended = args.command == "stop" and job_status.state in TERMINAL
+            if args.command == "stop" and not already_ended:
                 job_status = stub.StopJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
-            else:
-                job_status = stub.GetJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
             workers = stub.ListWorkers(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
         except grpc.RpcError as exc:
             # The run this file points at may have ended since: say how, from what it left.
-            ended = _ended(out_dir, args.json) if out_dir is not None and args.command == "status" else None
+            ended = _left_behind(args, out_dir) if out_dir is not None else None
             if ended is not None:
                 return ended
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # its coordinator moved on to another job
@@ -272,6 +325,8 @@ def _status(args: argparse.Namespace) -> int:
                 return EXIT_FAILED
             print(f"hetpipe: coordinator {address} unreachable: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return EXIT_UNAVAILABLE
+    if already_ended and not args.json:
+        return _nothing_to_stop(job_status.job_id or address, State.Name(job_status.state), job_status.reason)
     if args.json:
         from google.protobuf.json_format import MessageToDict
 
@@ -286,7 +341,7 @@ def _status(args: argparse.Namespace) -> int:
             role = coordinator_pb2.WorkerInfo.Role.Name(w.info.role).lower()
             print(f"{w.worker_id:<14}{role:<14}{w.info.address:<22}{w.info.node:<10}"
                   f"{'yes' if w.alive else 'NO':<7}{w.assigned or '-'}")
-    return EXIT_FAILED if job_status.state == State.FAILED else 0
+    return EXIT_FAILED if job_status.state == State.FAILED and not already_ended else 0
 
 
 def _certs(args: argparse.Namespace) -> int:

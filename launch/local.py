@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from hetpipe import children, data, devices, metrics, outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig
-from hetpipe.errors import JobFailed, JobStopped
+from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
 from hetpipe.v1 import coordinator_pb2
 from coordinator import checkpoints
 from coordinator.__main__ import build
@@ -161,21 +161,22 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     if job.parallel.mode != "hetpipe":  # the baselines (DESIGN §7): ddp, torch-pipeline
         from baselines import run_baseline
 
-        return run_baseline(job, quiet=quiet)
+        with outputs.locked(Path(job.resolve(job.output.dir))):
+            return run_baseline(job, quiet=quiet)
     children.warm_up()  # the fork server imports torch while this process plans
     plan = preflight(job)
     out_dir = Path(job.resolve(job.output.dir))
     # Every refusal comes before an earlier run's results are cleared: a refused run changes nothing.
     resume_wave = _resume_wave(out_dir, resume=resume, fresh=fresh)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    credentials = local_security(job, out_dir, flags)
-    _check_security(credentials)
-    outputs.start_fresh(out_dir, keep_checkpoints=resume)
-    for stale in (TARGETS_FILE, STATUS_FILE, ADDRESS_FILE, JOB_ID_FILE):  # an earlier job's endpoints and ending
-        (out_dir / stale).unlink(missing_ok=True)
-    with security.using(credentials, security.COORDINATOR, "hetpipe run"):
-        return _run_coordinated(job, plan, out_dir, credentials, quiet=quiet, resume_wave=resume_wave,
-                                heartbeat_interval_s=heartbeat_interval_s)
+    with outputs.locked(out_dir):
+        credentials = local_security(job, out_dir, flags)
+        _check_security(credentials)
+        outputs.start_fresh(out_dir, keep_checkpoints=resume)
+        for stale in (TARGETS_FILE, STATUS_FILE, ADDRESS_FILE, JOB_ID_FILE):  # an earlier job's endpoints, ending
+            (out_dir / stale).unlink(missing_ok=True)
+        with security.using(credentials, security.COORDINATOR, "hetpipe run"):
+            return _run_coordinated(job, plan, out_dir, credentials, quiet=quiet, resume_wave=resume_wave,
+                                    heartbeat_interval_s=heartbeat_interval_s)
 
 
 def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: security.Security, *, quiet: bool,
@@ -217,10 +218,10 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
                 restarted = functools.partial(write_targets, targets, metrics_server.port, procs)
                 status = follow(lambda: stub.GetJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S), quiet=quiet,
                                 on_status=lambda _: _watch_processes(procs, runner, restarted))
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:
                 # Give the runner a moment to stop the stages cleanly; the processes are terminated
                 # right after anyway, and Ctrl-C must end the run within seconds even on a busy host.
-                runner.stop("interrupted (Ctrl-C)")
+                runner.stop(interrupt_reason(exc))
                 runner.machine.wait_terminal(2.0)
                 raise
     except BaseException:

@@ -16,7 +16,7 @@ import grpc
 
 from hetpipe import outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig
-from hetpipe.errors import JobFailed, JobStopped
+from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
 from hetpipe.v1 import coordinator_pb2
 from launch.local import STATUS_FILE, follow, publish_address, unpublish_address, write_status
 
@@ -28,6 +28,9 @@ MAX_RESULT_BYTES = 1 << 40        # 1 TiB: the weights of the largest models, in
 MAX_NAME_CHARS = 255
 _COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # no ".", "..", hidden names or odd characters
 GIVE_UP_S = 30.0                  # a coordinator silent this long while the job runs is gone
+# How hetpipe.security.AuthInterceptor ends a PERMISSION_DENIED about the token's role; the
+# coordinator's own refusals (a path outside its --data-root) are not about the token.
+_ROLE_REFUSAL = "may not call this method"
 
 
 class CoordinatorUnreachable(Exception):
@@ -184,11 +187,12 @@ def _submit(stub: rpc.Stub, job: JobConfig, address: str) -> str:
         code, details = exc.code(), exc.details()
         if code in rpc.RETRYABLE:
             raise CoordinatorUnreachable(f"coordinator {address} unreachable: {code.name}: {details}") from None
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            raise ConfigError(f"coordinator {address} refused the job: {details}") from None
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.PERMISSION_DENIED
+                                                       and (details or "").endswith(_ROLE_REFUSAL)):
             raise ConfigError(f"coordinator {address} refused the job: {details} (give the job a security section, "
                               "or set HETPIPE_TOKEN_FILE)") from None
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):  # details say why
+            raise ConfigError(f"coordinator {address} refused the job: {details}") from None
         raise JobFailed(f"coordinator {address} did not take the job: {code.name}: {details}") from None
 
 
@@ -234,7 +238,7 @@ def run_remote(job: JobConfig, address: str, *, quiet: bool = False,
     if files:
         print(f"hetpipe: {files}", file=sys.stderr)
     try:
-        with security.using(credentials(job, flags), security.COORDINATOR, "hetpipe run"):
+        with outputs.locked(out_dir), security.using(credentials(job, flags), security.COORDINATOR, "hetpipe run"):
             return _run_submitted(job, address, out_dir, quiet)
     except security.SecurityError as exc:
         raise ConfigError(f"security: {exc}") from None
@@ -268,12 +272,12 @@ def _follow_and_fetch(stub: rpc.Stub, job: JobConfig, job_id: str, address: str,
     """Follows the submitted job to its end, fetches its results and writes how it ended."""
     try:
         final = follow(lambda: _get_job(stub, job_id, address), quiet=quiet, on_status=_Announcer(job, quiet))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         try:
             stub.StopJob(coordinator_pb2.JobRef(job_id=job_id), timeout=rpc.CONTROL_DEADLINE_S)
         except grpc.RpcError:
             pass
-        write_status(out_dir, "STOPPED", "interrupted (Ctrl-C)")
+        write_status(out_dir, "STOPPED", interrupt_reason(exc))
         raise
     State = coordinator_pb2.JobStatus.State
     try:

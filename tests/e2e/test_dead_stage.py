@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -171,8 +172,34 @@ def test_ctrl_c_stops_every_process(run: Run, target: str) -> None:
     err = run.stderr
     assert code != 0, err
     if target == "hetpipe":
-        assert code == 130 and "interrupted; stopped every process" in err, (code, err)
+        assert code == 130 and "interrupted (Ctrl-C); stopped every process" in err, (code, err)
     assert_all_gone(everything)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_end_a_run_as_ctrl_c_does(run: Run, signum: int, capsys) -> None:
+    """A scheduler's cancel or a closed terminal: every process stopped, how it ended written,
+    the run's address and token removed, exit 128 + the signal. Before, the default action
+    killed the launcher alone and left all of that behind. While it runs, a second run into the
+    same output.dir is refused up front: it would clear the results the first is writing."""
+    from launch import cli
+
+    run.wait_training()
+    out = run.trace.parent
+    assert cli.main(["run", "-q", str(out.parent / "job.yaml")]) == 2
+    assert f"is in use by another hetpipe run (pid {run.popen.pid})" in capsys.readouterr().err
+    assert (out / "coordinator.address").exists() and (out / "coordinator.token").exists(), "the refusal changed nothing"
+
+    everything = run.me.children(recursive=True)
+    run.popen.send_signal(signum)
+    code = run.wait_exit(time.monotonic())
+    name = signal.Signals(signum).name
+    assert code == 128 + signum and f"interrupted ({name}); stopped every process" in run.stderr, (code, run.stderr)
+    assert_all_gone(everything)
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "STOPPED" and status["reason"] == f"interrupted ({name})", status
+    left = [n for n in ("coordinator.address", "coordinator.job", "coordinator.token") if (out / n).exists()]
+    assert not left, left
 
 
 def test_a_stage_whose_neighbour_died_still_stops_promptly() -> None:

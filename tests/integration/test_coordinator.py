@@ -15,9 +15,11 @@ import grpc
 import pytest
 
 from coordinator.__main__ import build
+from launch.local import write_status
 from launch.processes import LocalProcesses
 from coordinator.servicer import CoordinatorServicer
-from hetpipe import rpc
+from hetpipe import rpc, security
+from hetpipe.config import ConfigError
 from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc, wire_pb2
 
 pytestmark = pytest.mark.timeout(120)
@@ -150,6 +152,33 @@ def test_stop_ends_a_running_job_and_its_stages(coordinator, make_job, tmp_path:
             p.popen.wait(timeout=15)
     finally:
         procs.stop_all()
+
+
+def test_stop_of_a_job_that_has_ended_says_so_and_exits_0(coordinator, make_job) -> None:
+    """Not a status table, as if the stop had done something: one line, how the job ended."""
+    stub, servicer, address = coordinator
+    job = make_job({"parallel": {"stages_per_vw": 1}, "output": {"trace": False}})
+    job_id = stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5).job_id
+    stub.StopJob(coordinator_pb2.JobRef(job_id=job_id), timeout=5)  # waiting for workers: it ends STOPPED
+    servicer.runner.join(10)
+    cli = subprocess.run([sys.executable, "-m", "launch.cli", "stop", "--coordinator", address],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == f"job {job_id} already ended: stopped (stopped by request); nothing to stop\n", cli.stdout
+
+
+def test_stop_of_a_local_run_that_has_ended_says_so_and_exits_0(make_job, tmp_path: Path) -> None:
+    """What a `hetpipe run` leaves once it has ended (status.json, no coordinator address): even a
+    failed run's stop succeeds, as there is nothing to stop."""
+    job = make_job({"output": {"trace": False}})
+    out = Path(job.resolve(job.output.dir))
+    out.mkdir()
+    write_status(out, "FAILED", "stage 1 of vw 0 died")
+    cli = subprocess.run([sys.executable, "-m", "launch.cli", "stop", "--job", str(tmp_path / "job.yaml")],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == (f"job {tmp_path / 'job.yaml'} already ended: failed (stage 1 of vw 0 died); "
+                          "nothing to stop\n"), cli.stdout
 
 
 def test_stop_before_any_job_then_a_new_job_starts(coordinator, make_job) -> None:
@@ -295,6 +324,33 @@ def test_a_data_root_also_bounds_where_factories_import_from(make_job, tmp_path:
                 assert stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state == State.NONE
             inside = job.to_json().replace(json.dumps(job.base_dir), json.dumps(str(root / "jobs")))
             assert stub.Submit(coordinator_pb2.SubmitRequest(job_json=inside), timeout=5).job_id
+    finally:
+        servicer.runner.stop()
+        server.stop()
+
+
+def test_run_on_a_coordinator_blames_the_token_only_for_a_token_refusal(make_job, tmp_path: Path) -> None:
+    """`hetpipe run --coordinator`: a refusal of the job's files (outside --data-root) comes as the
+    coordinator said it, without advice to set a token, which would not help; a refused token
+    still gets that advice."""
+    from launch.remote import run_remote
+
+    root, secret, other = tmp_path / "root", tmp_path / "token", tmp_path / "other"
+    root.mkdir()
+    security.write_secret(secret, security.new_secret())
+    security.write_secret(other, security.new_secret())
+    with security.using(security.Security(token_file=str(secret)), security.COORDINATOR, "test"):
+        server, servicer = build("127.0.0.1", 0, heartbeat_interval_s=INTERVAL, data_root=str(root))
+    server.start()
+    try:  # its factory would be imported from tmp_path, outside the data root
+        job = make_job({"model": {"name": None, "args": {}, "factory": "evil:build"}, "parallel": {"stages_per_vw": 2},
+                        "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "t4", "count": 2}]}]}})
+        with pytest.raises(ConfigError) as err:
+            run_remote(job, server.address, quiet=True, flags=security.Security(token_file=str(secret)))
+        assert "--data-root" in str(err.value) and "HETPIPE_TOKEN_FILE" not in str(err.value), err.value
+        with pytest.raises(ConfigError) as err:
+            run_remote(job, server.address, quiet=True, flags=security.Security(token_file=str(other)))
+        assert "an invalid token" in str(err.value) and "HETPIPE_TOKEN_FILE" in str(err.value), err.value
     finally:
         servicer.runner.stop()
         server.stop()

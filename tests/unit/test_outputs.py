@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,20 @@ def test_an_output_dir_under_a_file_is_refused(tmp_path: Path) -> None:
     for target in (tmp_path / "f", tmp_path / "f" / "out" / "deeper"):
         with pytest.raises(ConfigError, match=rf"^output\.dir: {target}: {tmp_path}/f is a file$"):
             outputs.check_dir(target)
+
+
+def test_one_run_at_a_time_holds_an_output_dir(tmp_path: Path) -> None:
+    """A second holder is refused, naming the first's pid; the lock and its file go with their
+    holder, and a killed holder's file (no lock on it) does not stand in the way."""
+    out = tmp_path / "new" / "out"
+    with outputs.locked(out):
+        with pytest.raises(ConfigError, match=rf"output.dir {out} is in use by another hetpipe run \(pid {os.getpid()}\)"):
+            with outputs.locked(out):
+                pass
+    assert not (out / outputs.LOCK_FILE).exists(), "a run's output.dir holds its results alone"
+    (out / outputs.LOCK_FILE).write_text("12345\n")  # as a killed holder leaves it: no lock on it
+    with outputs.locked(out):
+        assert (out / outputs.LOCK_FILE).read_text() == f"{os.getpid()}\n"
 
 
 def test_a_weights_writer_whose_stream_fails_leaves_no_file_or_descriptor(tmp_path: Path) -> None:
