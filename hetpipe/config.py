@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ import yaml
 
 from hetpipe.cluster import ClusterConfig, EmulateConfig, parse_cluster
 from hetpipe.security import Security
-from hetpipe.validate import ConfigError, Section, fail, is_number
+from hetpipe.validate import ConfigError, JobLoader, Section, fail, is_number
 
 __all__ = ["ConfigError", "JobConfig", "JobLoader", "ResolvedJob", "load_job", "parse_job", "resolve",
            "with_overrides"]
@@ -451,44 +450,6 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfi
     )
     _check_together(job)
     return job
-
-
-class JobLoader(yaml.SafeLoader):
-    """Every job file's YAML: safe_load's, with YAML 1.2's floats, and no key given twice."""
-
-    def construct_document(self, node: yaml.Node) -> Any:
-        _refuse_repeats(node, "", set())
-        return super().construct_document(node)
-
-
-# PyYAML reads YAML 1.1, where 1e-3 (no dot) and 1.0e3 (no exponent sign) are strings that the
-# validator refuses as not a number. Bare digits are left to YAML 1.1's integers (09 stays text).
-JobLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)$"),
-    list("-+.0123456789"))
-
-
-def _refuse_repeats(node: yaml.Node, key: str, seen: set[int]) -> None:
-    """PyYAML keeps the last of a key given twice: the author meant one of them, and we cannot tell which."""
-    if id(node) in seen:  # an alias: checked where it was anchored (and a recursive one would never end)
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _refuse_repeats(item, f"{key}[{i}]", seen)
-    elif isinstance(node, yaml.MappingNode):
-        lines: dict[tuple[str, str], int] = {}
-        for k, v in node.value:
-            # A merge key's entries may be overridden here: that is what it is for.
-            if not isinstance(k, yaml.ScalarNode) or k.tag == "tag:yaml.org,2002:merge":
-                _refuse_repeats(v, key, seen)
-                continue
-            name, line = f"{key}.{k.value}" if key else k.value, k.start_mark.line + 1
-            if (k.tag, k.value) in lines:
-                raise ConfigError(f"{name}: given twice (lines {lines[k.tag, k.value]} and {line})")
-            lines[k.tag, k.value] = line
-            _refuse_repeats(v, name, seen)
 
 
 def load_job(path: str | Path) -> JobConfig:
