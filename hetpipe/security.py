@@ -34,6 +34,9 @@ COORDINATOR, STAGE, SEED, SHARD = "coordinator", "stage", "seed", "shard"
 PREFIX = "hp1"
 MIN_SECRET_CHARS = 16
 HEADER = "authorization"
+# How a PERMISSION_DENIED about the token's role ends: a client tells it from the refusals that are
+# not about the token (a path outside the coordinator's --data-root).
+ROLE_REFUSAL = "may not call this method"
 
 # service -> method -> roles that may call it. A method not listed is the coordinator's alone;
 # a service not listed (server reflection) is open to every valid token; health needs none.
@@ -271,7 +274,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         role, subject = who
         if not allowed(method, role):
             return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
-                            f"{method}: a {role} token ({subject}) may not call this method")
+                            f"{method}: a {role} token ({subject}) {ROLE_REFUSAL}")
         return handler
 
 

@@ -158,14 +158,14 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     """Trains job on this machine; returns the summary. Stops every process it started. resume:
     from the latest checkpoint in output.dir (ConfigError if there is none); fresh: deleting an
     earlier run's checkpoints there (without either, ConfigError if there are some)."""
+    out_dir = Path(job.resolve(job.output.dir))
     if job.parallel.mode != "hetpipe":  # the baselines (DESIGN §7): ddp, torch-pipeline
         from baselines import run_baseline
 
-        with outputs.locked(Path(job.resolve(job.output.dir))):
+        with outputs.locked(out_dir):
             return run_baseline(job, quiet=quiet)
     children.warm_up()  # the fork server imports torch while this process plans
     plan = preflight(job)
-    out_dir = Path(job.resolve(job.output.dir))
     # Every refusal comes before an earlier run's results are cleared: a refused run changes nothing.
     resume_wave = _resume_wave(out_dir, resume=resume, fresh=fresh)
     with outputs.locked(out_dir):

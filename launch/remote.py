@@ -28,9 +28,6 @@ MAX_RESULT_BYTES = 1 << 40        # 1 TiB: the weights of the largest models, in
 MAX_NAME_CHARS = 255
 _COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # no ".", "..", hidden names or odd characters
 GIVE_UP_S = 30.0                  # a coordinator silent this long while the job runs is gone
-# How hetpipe.security.AuthInterceptor ends a PERMISSION_DENIED about the token's role; the
-# coordinator's own refusals (a path outside its --data-root) are not about the token.
-_ROLE_REFUSAL = "may not call this method"
 
 
 class CoordinatorUnreachable(Exception):
@@ -188,7 +185,7 @@ def _submit(stub: rpc.Stub, job: JobConfig, address: str) -> str:
         if code in rpc.RETRYABLE:
             raise CoordinatorUnreachable(f"coordinator {address} unreachable: {code.name}: {details}") from None
         if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.PERMISSION_DENIED
-                                                       and (details or "").endswith(_ROLE_REFUSAL)):
+                                                       and (details or "").endswith(security.ROLE_REFUSAL)):
             raise ConfigError(f"coordinator {address} refused the job: {details} (give the job a security section, "
                               "or set HETPIPE_TOKEN_FILE)") from None
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):  # details say why
