@@ -79,6 +79,11 @@ class _SinkRuntime:
     def __init__(self, gpu: Any = None) -> None:
         self.gpu = gpu   # a torch.device: a GPU stage, which receives onto it
 
+    def check_forward(self, stream: Any) -> None:
+        """The servicer asks before it allocates: one float32 tensor, as every bench message is."""
+        if len(stream.specs) != 1:
+            raise RuntimeError(f"bench receiver: {len(stream.specs)} tensors, expected one")
+
     def offer_forward(self, bundle: Any) -> None:
         (_, x), = bundle.tensors
         _check(x, x.numel() * 4)
