@@ -408,6 +408,11 @@ def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu
     stream = read(frames, reader, ipc)
     if check is not None:
         check(stream)
+    return receive(stream, device=device, pinned=pinned)
+
+
+def receive(stream: Stream, *, device: str = "cpu", pinned: bool = False) -> Bundle:
+    """The rest of decode(): a stream whose header was checked, received into new tensors."""
     if stream.gpu is not None:
         for _ in stream.pieces:   # none: this checks that no frame follows the handle
             pass

@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from hetpipe import wire
 from hetpipe.buffers import raw_bytes
 from hetpipe.outputs import fsync, save_atomically, write_text_atomically
 from ps_server.shard import Shard, ShardError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 LOG_SUFFIX = ".safetensors"
 # An entry's file goes from pending (being written: never replayed) to written (whole in the page
 # cache: replayed unless the machine restarted since) to its bare number (on disk).
@@ -161,8 +165,10 @@ class Durability:
         self._seq = max(self._seq, covered)
         return replayed
 
-    def _entry(self, kind: str, vw: int, clock: int, tensors: list[tuple[str, torch.Tensor]], *,
-               durable: bool = True) -> int:
+    def _entry(self, kind: str, vw: int, clock: int, write: Callable[[Path, dict[str, str]], T], *,
+               durable: bool = True) -> tuple[int, T]:
+        """A new entry, written by write(path, metadata) (which answers what the caller gets back
+        with the entry's number), renamed written, and synced where durable."""
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -176,19 +182,24 @@ class Durability:
                     os.replace(spare, pending)
                 except FileNotFoundError:   # deleted by another restore of this folder: a new file
                     pass
-            _write_entry(pending, tensors, {"kind": kind, "vw": str(vw), "clock": str(clock)})
+            result = write(pending, {"kind": kind, "vw": str(vw), "clock": str(clock)})
             os.replace(pending, self.written_path(seq))
             if durable:
                 self.sync(seq)
         except BaseException:
             self.settle(seq, applied=False)
             raise
-        return seq
+        return seq, result
 
-    def log_push(self, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> int:
-        """Logs a push before it is applied, not yet on disk; returns its entry's number for
-        settle() and then, before the push is acknowledged, sync()."""
-        return self._entry("push", vw, clock, deltas, durable=False)
+    def log_stream(self, vw: int, clock: int, stream: wire.Stream) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """Logs a push before it is applied, not yet on disk; returns its entry's number, for
+        settle() and then, before the push is acknowledged, sync(), and its tensors to apply.
+
+        Its bytes go from the stream (the stage's shared memory, or gRPC's frames) straight into
+        the entry, and the tensors lie on a mapping of it: one copy, where receiving the push and
+        then logging it took two, and the entry is the shard's own copy, which the stage can no
+        longer change. WireError (the entry a spare) where the stream turns out bad."""
+        return self._entry("push", vw, clock, lambda path, meta: _write_stream(path, stream, meta), durable=False)
 
     def sync(self, seq: int | None = None) -> None:
         """Puts entry seq on disk under its number; None: every entry not yet there (a duplicate's
@@ -211,11 +222,13 @@ class Durability:
     def journal_push(self, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> None:
         """Logs a push, on disk, that the caller, holding the shard's lock, applies right after
         (Shard.push's journal)."""
-        self.settle(self._entry("push", vw, clock, deltas), applied=True)
+        seq, _ = self._entry("push", vw, clock, lambda path, meta: _write_entry(path, deltas, meta))
+        self.settle(seq, applied=True)
 
     def journal_exchange(self, vw: int, clock: int, replica: list[tuple[str, torch.Tensor]]) -> None:
         """Logs an elastic exchange, as journal_push."""
-        self.settle(self._entry("exchange", vw, clock, replica), applied=True)
+        seq, _ = self._entry("exchange", vw, clock, lambda path, meta: _write_entry(path, replica, meta))
+        self.settle(seq, applied=True)
 
     def settle(self, seq: int, *, applied: bool) -> None:
         """Entry seq's update was applied, or not (refused, or a duplicate): then its file is a
@@ -289,30 +302,67 @@ def _boot_id() -> str:
         return ""
 
 
-def _write_entry(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
-    """A safetensors file of tensors at path, written over what path holds (no new file where it
-    exists). The header is the format's own: 8 bytes of its length, then JSON padded to 8 bytes."""
+def _header(tensors: list[tuple[str, torch.dtype, list[int], int]], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+    """The safetensors header of these (name, dtype, shape, bytes), in the format's own layout: 8
+    bytes of its length, then JSON padded to 8 bytes; and each tensor's offset after it."""
     header: dict[str, Any] = {"__metadata__": metadata}
-    views, offset = [], 0
-    for name, tensor in tensors:
+    offsets, offset = [], 0
+    for name, dtype, shape, nbytes in tensors:
         if name in header:
             raise ValueError(f"log entry: tensor {name!r} appears twice")
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"log entry: tensor {name!r} has dtype {tensor.dtype}, which the log does not hold")
-        view = raw_bytes(tensor)
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + view.nbytes]}
-        views.append(view)
-        offset += view.nbytes
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"log entry: tensor {name!r} has dtype {dtype}, which the log does not hold")
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offsets.append(offset)
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    position = 0
+    return struct.pack("<Q", len(text)) + text, offsets
+
+
+def _pwrite_all(fd: int, chunk: bytes | memoryview, position: int) -> int:
+    """Writes chunk at position; returns the position after it."""
+    while chunk:   # one write moves at most about 2 GiB
+        written = os.pwrite(fd, chunk, position)
+        chunk, position = chunk[written:], position + written
+    return position
+
+
+def _write_entry(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
+    """A safetensors file of tensors at path, written over what path holds (no new file where it
+    exists)."""
+    views = [raw_bytes(tensor) for _, tensor in tensors]
+    head, _ = _header([(name, t.dtype, list(t.shape), v.nbytes) for (name, t), v in zip(tensors, views)], metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        for chunk in (struct.pack("<Q", len(text)) + text, *views):
-            while chunk:   # one write moves at most about 2 GiB
-                written = os.pwrite(fd, chunk, position)
-                chunk, position = chunk[written:], position + written
+        position = 0
+        for chunk in (head, *views):
+            position = _pwrite_all(fd, chunk, position)
         os.ftruncate(fd, position)   # a spare may have been longer
     finally:
         os.close(fd)
+
+
+def _write_stream(path: Path, stream: wire.Stream, metadata: dict[str, str]) -> list[tuple[str, torch.Tensor]]:
+    """_write_entry from a stream's pieces as they arrive; returns the tensors, on a private
+    mapping of the file (its pages are the page cache's until written, which nothing does)."""
+    specs = [(name, dtype, shape, nbytes) for name, (dtype, shape, nbytes) in zip(stream.names, stream.specs)]
+    head, offsets = _header(specs, metadata)
+    total = len(head) + sum(nbytes for *_, nbytes in specs)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _pwrite_all(fd, head, 0)
+        for index, offset, piece in stream.pieces:   # checks the byte count, and a shared-memory handle at the end
+            _pwrite_all(fd, piece, len(head) + offsets[index] + offset)
+        os.ftruncate(fd, total)   # a spare may have been longer
+        mapping = mmap.mmap(fd, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return [(name, _on(mapping, dtype, shape, len(head) + offset, nbytes))
+            for (name, dtype, shape, nbytes), offset in zip(specs, offsets)]
+
+
+def _on(mapping: mmap.mmap, dtype: torch.dtype, shape: list[int], offset: int, nbytes: int) -> torch.Tensor:
+    if nbytes == 0:   # frombuffer refuses a count of 0
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mapping, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).view(shape)

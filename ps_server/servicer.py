@@ -142,27 +142,30 @@ class ShardServicer:
         """A push or an exchange: decoded and checked, then apply(tag, tensors, journal) under the
         lock, which answers (whether it was new, the reply); checkpointed when due, traced."""
         received = time.time()
-        bundle = wire.decode(request_iterator, check=lambda stream: self._check_update(stream, kind),
-                             reader=self.reader)
-        tag = getattr(bundle.header, kind)
+        stream = wire.read(request_iterator, self.reader)
+        self._check_update(stream, kind)
+        tag = getattr(stream.header, kind)
         durability = self.durability
         # Logged before it is applied: an acknowledged update survives a kill -9, and one whose log
         # write failed is not applied (so its retry is no "duplicate"). Under WSP a push is logged
         # before the lock, so that concurrent pushes write their logs at once: sums commute, so
-        # the order of entries does not matter; it is fsynced after the lock (Durability). Quorum
-        # rounds and elastic exchanges log in order, once validated, under the lock, on disk.
+        # the order of entries does not matter; it is fsynced after the lock (Durability). It is
+        # logged as it arrives, and applied from its entry. Quorum rounds and elastic exchanges
+        # log in order, once validated, under the lock, on disk.
         logged: int | None = None
         journal: Callable[[], None] | None = None
         if durability is not None and kind == "push" and self.shard.rule.mode == "wsp":
-            logged = durability.log_push(tag.vw, tag.clock, bundle.tensors)
-        elif durability is not None:
+            logged, tensors = durability.log_stream(tag.vw, tag.clock, stream)
+        else:
+            tensors = wire.receive(stream).tensors
+        if durability is not None and logged is None:
             log = durability.journal_push if kind == "push" else durability.journal_exchange
-            journal = lambda: log(tag.vw, tag.clock, bundle.tensors)  # noqa: E731
+            journal = lambda: log(tag.vw, tag.clock, tensors)  # noqa: E731
         applied = False
         with self._cv:
             start = time.time()
             try:
-                applied, reply = apply(tag, bundle.tensors, journal)
+                applied, reply = apply(tag, tensors, journal)
             except ShardError as exc:
                 raise _rejected(exc) from None
             finally:
@@ -171,7 +174,7 @@ class ShardServicer:
             captured = durability.maybe_capture(self.shard) if applied and durability is not None else None
             self.trace.record(kind, tag.vw, tag.clock, start, time.time(), received=received,
                               duplicate=not applied, checkpoint=captured is not None)
-            self.received_bytes += _payload_bytes(bundle.tensors)
+            self.received_bytes += _payload_bytes(tensors)
             self._cv.notify_all()  # pulls wait on pushes, the final pulls on every VW's last exchange
         if logged is not None and durability is not None:
             # On disk before the acknowledgement, the pulls it released already on their way; a

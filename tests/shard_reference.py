@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hetpipe import wire
+from hetpipe.v1 import wire_pb2
 from hetpipe.wsp import clock_distance
+from ps_server.durability import Durability
 from ps_server.shard import Shard, ShardError
 
 Kind = ShardError.Kind
@@ -89,3 +92,8 @@ def assert_refused(kind: Kind, fn, *args) -> ShardError:  # type: ignore[no-unty
     assert str(info.value), "a refusal must say what is wrong"
     return info.value
 
+
+
+def log_push(dur: Durability, vw: int, clock: int, deltas: Deltas) -> tuple[int, Deltas]:
+    """The servicer's WSP logging of a push: from its stream into the entry; (entry, tensors to apply)."""
+    return dur.log_stream(vw, clock, wire.read(wire.encode(deltas, push=wire_pb2.PushTag(vw=vw, clock=clock))))

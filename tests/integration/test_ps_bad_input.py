@@ -216,13 +216,13 @@ def test_push_whose_log_write_fails_is_not_applied(ps: InProcess, tmp_path: Path
     logged) instead of being acknowledged as a 'duplicate' that a kill -9 would then lose."""
     c, durability = ps.client, ps.servicer.durability
     assert durability is not None
-    real = durability.log_push
+    real = durability.log_stream
 
     def full_disk(*args: Any) -> None:
-        monkeypatch.setattr(durability, "log_push", real)
+        monkeypatch.setattr(durability, "log_stream", real)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(durability, "log_push", full_disk)
+    monkeypatch.setattr(durability, "log_stream", full_disk)
     before = state(c.status())
     refused(lambda: c.push(1, 1, delta(1, 1)), Code.UNAVAILABLE, r"I/O error on the server: No space left on device")
     assert state(c.status()) == before, "a push that could not be logged must not be applied"

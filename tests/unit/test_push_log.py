@@ -5,16 +5,21 @@ entries it writes itself."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ps_server.durability import SAFETENSORS_DTYPES, Durability, _write_entry
+from hetpipe import shm, wire
+from hetpipe.buffers import raw_bytes
+from hetpipe.v1 import wire_pb2
+from ps_server.durability import SAFETENSORS_DTYPES, Durability, _write_entry, _write_stream
 from ps_server.shard import Shard
-from shard_reference import two_key_shard
+from shard_reference import log_push, two_key_shard
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,9 +29,10 @@ def delta(key: str, shard: Shard, value: float = 1.0) -> tuple[str, torch.Tensor
 
 
 def push(shard: Shard, dur: Durability, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> None:
-    """The servicer's WSP path: logged, applied, settled, then on disk before the acknowledgement."""
-    seq = dur.log_push(vw, clock, deltas)
-    assert shard.push(vw, clock, deltas)
+    """The servicer's WSP path: logged, applied from its entry, settled, then on disk before the
+    acknowledgement."""
+    seq, logged = log_push(dur, vw, clock, deltas)
+    assert shard.push(vw, clock, logged)
     dur.settle(seq, applied=True)
     dur.sync(seq)
 
@@ -43,7 +49,7 @@ def test_an_entry_not_yet_on_disk_is_replayed_after_a_kill_but_not_after_a_machi
     never replayed, and an entry damaged on the disk is skipped, not fatal."""
     shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
     dur.checkpoint(shard)
-    unsynced = dur.log_push(0, 0, [delta("a", shard)])
+    unsynced, _ = log_push(dur, 0, 0, [delta("a", shard)])
     assert shard.push(0, 0, [delta("a", shard)])
     dur.settle(unsynced, applied=True)                         # applied; killed before sync()
     push(shard, dur, 1, 0, [delta("b", shard)])
@@ -55,7 +61,7 @@ def test_an_entry_not_yet_on_disk_is_replayed_after_a_kill_but_not_after_a_machi
     assert not dur.pending_path(99).exists()
     assert dur.entry_path(unsynced).exists() and not dur.written_path(unsynced).exists(), "not put on disk"
 
-    unsynced = after_kill.log_push(0, 1, [delta("a", killed)])
+    unsynced, _ = log_push(after_kill, 0, 1, [delta("a", killed)])
     assert killed.push(0, 1, [delta("a", killed)])
     after_kill.settle(unsynced, applied=True)                  # applied; the machine lost power before sync()
     after_kill.boot_path.write_text("a boot before this one\n")
@@ -113,7 +119,7 @@ def test_a_checkpoint_frees_the_entries_it_covers_that_are_not_on_disk_yet(tmp_p
     dur.checkpoint(shard)
     seqs = []
     for vw in range(2):
-        seqs.append(dur.log_push(vw, 0, [delta("a", shard), delta("b", shard)]))
+        seqs.append(log_push(dur, vw, 0, [delta("a", shard), delta("b", shard)])[0])
         assert shard.push(vw, 0, [delta("a", shard), delta("b", shard)])
         dur.settle(seqs[-1], applied=True)                      # applied; its sync() not yet run
     inodes = sorted(ino for name, ino in files(dur).items() if name.endswith(".written"))
@@ -152,7 +158,7 @@ def test_an_entry_logged_under_the_lock_is_on_disk_before_it_is_applied(tmp_path
 def test_a_refused_push_frees_its_entry_for_the_next(tmp_path: Path) -> None:
     shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
     dur.checkpoint(shard)
-    refused = dur.log_push(0, 5, [delta("a", shard)])          # a clock the shard refuses
+    refused, _ = log_push(dur, 0, 5, [delta("a", shard)])          # a clock the shard refuses
     dur.settle(refused, applied=False)
     (spare,) = dur.log_dir.glob("spare-*")
     inode = spare.stat().st_ino
@@ -163,20 +169,70 @@ def test_a_refused_push_frees_its_entry_for_the_next(tmp_path: Path) -> None:
     assert restored.digest() == shard.digest()
 
 
-@pytest.mark.parametrize("dtype", sorted(SAFETENSORS_DTYPES, key=str))
-def test_an_entry_is_a_safetensors_file_even_over_a_longer_one(tmp_path: Path, dtype: torch.dtype) -> None:
+def _from_stream(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
+    logged = _write_stream(path, wire.read(wire.encode(tensors, push=wire_pb2.PushTag())), metadata)
+    for (name, tensor), (got_name, got) in zip(tensors, logged, strict=True):
+        assert got_name == name and got.dtype == tensor.dtype and torch.equal(got, tensor), name
+
+
+def _travels(dtype: torch.dtype) -> bool:
+    try:
+        wire.wire_dtype(dtype)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("dtype", "writer"), [
+    pytest.param(dtype, writer, id=f"{dtype}-{name}")
+    for dtype in sorted(SAFETENSORS_DTYPES, key=str)
+    for name, writer in (("tensors", _write_entry), ("stream", _from_stream))
+    if writer is _write_entry or _travels(dtype)])
+def test_an_entry_is_a_safetensors_file_even_over_a_longer_one(tmp_path: Path, dtype: torch.dtype,
+                                                               writer: Callable[..., None]) -> None:
+    """Written from tensors (a journal) or from a push's stream (then also mapped back, each
+    tensor where the format puts it: after an odd-length one, at an unaligned address)."""
     path = tmp_path / "entry"
     path.write_bytes(os.urandom(4096))
     source = torch.arange(-12, 12, dtype=torch.float64).reshape(2, 3, 4)
-    tensors = [("w", source.to(dtype)), ("scalar", torch.tensor(3).to(dtype)), ("empty", torch.zeros(0, 5, dtype=dtype)),
-               ("strided", source.to(dtype)[:, 1])]
-    _write_entry(path, tensors, {"kind": "push", "vw": "1"})
+    tensors = [("odd", source[0, 0, :3].to(dtype)), ("w", source.to(dtype)), ("scalar", torch.tensor(3).to(dtype)),
+               ("empty", torch.zeros(0, 5, dtype=dtype)), ("strided", source.to(dtype)[:, 1])]
+    writer(path, tensors, {"kind": "push", "vw": "1"})
     with safe_open(path, framework="pt") as f:
         assert f.metadata() == {"kind": "push", "vw": "1"}
     loaded = load_file(path)
     assert sorted(loaded) == sorted(name for name, _ in tensors)
     for name, tensor in tensors:
         assert loaded[name].dtype == dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_a_push_logged_from_shared_memory_is_the_shards_own_copy(tmp_path: Path) -> None:
+    """The entry is the copy the shard applies: the stage writing its slot again afterwards
+    changes neither; a slot rewritten while it was being logged is refused as stale, and its
+    entry becomes a spare that no restore replays."""
+    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
+    dur.checkpoint(shard)
+    ring, reader = shm.Ring(slots=1), shm.Reader()
+    try:
+        pushed = [delta("a", shard, 2.0)]
+        seq, logged = dur.log_stream(0, 0, wire.read(wire.encode(pushed, push=wire_pb2.PushTag(), ring=ring), reader))
+        ring.write([raw_bytes(torch.full_like(shard.values["a"], 7.0))])   # the stage's next use of the slot
+        assert torch.equal(logged[0][1], pushed[0][1])
+        assert shard.push(0, 0, logged)
+        dur.settle(seq, applied=True)
+        dur.sync(seq)
+
+        torn = wire.read(wire.encode([delta("a", shard, 3.0)], push=wire_pb2.PushTag(), ring=ring), reader)
+        ring.write([raw_bytes(torch.full_like(shard.values["a"], 9.0))])   # while the shard reads it
+        with pytest.raises(wire.WireError, match="stale shared-memory handle") as info:
+            dur.log_stream(0, 1, torn)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        ring.close()
+    assert [p.name for p in dur.entries()] == [dur.entry_path(seq).name] and len(list(dur.log_dir.glob("spare-*"))) == 1
+    restored = Shard()
+    assert Durability(str(tmp_path)).restore(restored) == 1
+    assert restored.digest() == shard.digest()
 
 
 def test_an_entry_refuses_what_safetensors_cannot_hold(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from ps_server.durability import Durability
 from ps_server.shard import Shard, SyncRule
-from shard_reference import Kind, assert_refused, two_key_shard
+from shard_reference import Kind, assert_refused, log_push, two_key_shard
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -217,14 +217,14 @@ def test_a_push_logged_outside_the_lock_survives_a_checkpoint_taken_before_it_is
     entry (the snapshot lacks it); a push refused after logging leaves no entry to replay."""
     shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
     dur.checkpoint(shard)
-    pending = dur.log_push(0, 0, [ones("a", shard)])           # logged, not yet applied
+    pending, _ = log_push(dur, 0, 0, [ones("a", shard)])           # logged, not yet applied
     dur.journal_push(1, 0, [ones("b", shard)])
     assert shard.push(1, 0, [ones("b", shard)])
     dur.checkpoint(shard)                                       # another push's checkpoint
     assert dur.written_path(pending).exists(), "the checkpoint freed an unapplied push's entry"
     assert shard.push(0, 0, [ones("a", shard)])
     dur.settle(pending, applied=True)
-    refused = dur.log_push(0, 5, [ones("a", shard)])            # a clock the shard refuses
+    refused, _ = log_push(dur, 0, 5, [ones("a", shard)])            # a clock the shard refuses
     dur.settle(refused, applied=False)
     assert not any(path(refused).exists() for path in (dur.pending_path, dur.written_path, dur.entry_path))
     again = Shard()

@@ -50,7 +50,7 @@ from hypothesis.stateful import (
 from hetpipe.wsp import clock_distance
 from ps_server.durability import Durability, Snapshot
 from ps_server.shard import Shard, ShardError
-from shard_reference import Deltas, Kind, RefShard, assert_refused, tensor
+from shard_reference import Deltas, Kind, RefShard, assert_refused, log_push, tensor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -168,7 +168,7 @@ class ShardMachine(RuleBasedStateMachine):
         deltas = self._deltas([k for k in keys if self.ref.clock[(k, vw)] == c], seed)
         c += 1 if ahead else 0   # skips a wave: refused once it is checked, after it was logged
         want = self.ref.expect_push(vw, c, deltas)
-        seq = self.dur.log_push(vw, c, deltas)
+        seq, logged = log_push(self.dur, vw, c, deltas)
         if between == "checkpoint":
             self.dur.checkpoint(self.shard)
         elif between == "restart":
@@ -177,7 +177,7 @@ class ShardMachine(RuleBasedStateMachine):
             self.restart()
             return
         try:
-            applied = self.shard.push(vw, c, deltas)
+            applied = self.shard.push(vw, c, logged)   # from its entry, as the servicer applies it
         except ShardError as exc:
             assert want == exc.kind, f"refused with {exc.kind}, the reference says {want}"
             applied = False
