@@ -275,12 +275,26 @@ class JobDriver:
                     self._failed(h, "Status", exc)
                 self.watch.unanswered(h.name, time.monotonic())
             if h.last.state == State.FAILED:
+                self._check_diverged()   # a shard refusing the NaN update is the symptom, not the cause
                 raise StageLost(h.plan.vw, f"{h.last.error} ({f'at {h.at}; ' if h.node else ''}{h.progress()})")
+        self._check_diverged()
         self._probe_shards()
         self._name_the_silent()
         self._take_cut()
         self._collect_evals()
         return all(h.last.state == State.DONE for h in self.stages)
+
+    def _check_diverged(self) -> None:
+        """JobFailed once a last stage's loss is NaN or Inf: training has diverged, and every
+        minibatch after it is wasted (in fp32 and bf16; fp16's loss scaling skips such steps)."""
+        if self.job.train.precision == "fp16":
+            return
+        for h in self.last_stages():
+            if h.last.backwards_done > 0 and not math.isfinite(h.last.last_loss):
+                opt = self.job.train.optimizer
+                raise JobFailed(f"training diverged: the loss of vw {h.plan.vw} is {h.last.last_loss} after "
+                                f"{h.last.backwards_done} minibatches (train.optimizer.lr is {opt.lr:g}; a smaller "
+                                f"one, or a look at the data, may help)")
 
     def _take_cut(self) -> None:
         """Once every stage waits at the same checkpoint, its shard part, then on they go."""

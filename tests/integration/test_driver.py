@@ -3,6 +3,7 @@ the stage, where it is and how far it got."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,3 +131,21 @@ def test_an_unreachable_stage_fails_setup_naming_it(make_job, stages: list[rpc.S
     finally:
         driver.close()
     assert checked, "the driver asks the launcher whether a process died before blaming the network"
+
+
+def test_a_loss_that_goes_nan_fails_the_job_as_diverged_before_it_ends(make_job, stages: list[rpc.Server]) -> None:
+    """A NaN loss in fp32 is divergence: the job fails as soon as a poll sees it, naming the VW, how
+    far it got and the learning rate, instead of training on NaN weights and exiting 0."""
+    steps = 2000
+    job = make_job({"train": {"steps": steps, "optimizer": {"name": "sgd", "lr": 1e12}},
+                    "parallel": {"stages_per_vw": 2, "nm": 1}, "output": {"trace": False}})
+    driver = JobDriver(job, make_plan(job), [s.address for s in stages])
+    try:
+        driver.setup()
+        with pytest.raises(JobFailed, match=r"training diverged: the loss of vw 0 is nan after (\d+) minibatches "
+                                            r"\(train.optimizer.lr is 1e\+12") as info:
+            driver.run(interval=0.01)
+    finally:
+        driver.close()
+    done = int(re.search(r"after (\d+) minibatches", str(info.value)).group(1))  # type: ignore[union-attr]
+    assert 0 < done < steps
