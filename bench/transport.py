@@ -89,24 +89,32 @@ class _SinkRuntime:
         _check(x, x.numel() * 4)
 
 
-def _grpc_receiver(conn: Connection, site: Site, cuda: bool = False) -> None:
-    _arrive(site)
+def sink_server(host: str, cuda: bool = False) -> Any:
+    """The production Stage servicer, started, in front of _SinkRuntime."""
     import torch
 
     from hetpipe import rpc
     from stage_worker.servicer import StageServicer
 
-    torch.set_num_threads(1)
-    server = rpc.Server(site.host, 0)
+    server = rpc.Server(host, 0)
     runtime = _SinkRuntime(torch.device("cuda:0") if cuda else None)
     server.add("Stage", StageServicer(runtime, lambda: None))  # type: ignore[arg-type]
     server.start()
+    return server
+
+
+def _grpc_receiver(conn: Connection, site: Site, cuda: bool = False) -> None:
+    _arrive(site)
+    import torch
+
+    torch.set_num_threads(1)
+    server = sink_server(site.host, cuda)
     conn.send(server.address)
     conn.recv()  # until told to stop
     server.stop()
 
 
-def _grpc_sender(address: str, shared_memory: bool = False, cuda_ipc: bool = False) -> Callable[[Any], None]:
+def grpc_sender(address: str, shared_memory: bool = False, cuda_ipc: bool = False) -> Callable[[Any], None]:
     from hetpipe.v1 import wire_pb2
     from stage_worker.links import Link, Outgoing
 
@@ -252,8 +260,8 @@ def _sender_main(conn: Connection, transport: str, address: str, cuda: bool = Fa
     import torch
 
     torch.set_num_threads(1)
-    factory = {"grpc": _grpc_sender, "shm": lambda address: _grpc_sender(address, shared_memory=True),
-               "cuda_ipc": lambda address: _grpc_sender(address, shared_memory=True, cuda_ipc=True),
+    factory = {"grpc": grpc_sender, "shm": lambda address: grpc_sender(address, shared_memory=True),
+               "cuda_ipc": lambda address: grpc_sender(address, shared_memory=True, cuda_ipc=True),
                "raw_tcp": _tcp_sender, "gloo": _gloo_sender, "d2d": _d2d_sender}[transport]
     send = factory(address)
     tensors: dict[int, Any] = {}
