@@ -290,11 +290,11 @@ class JobDriver:
         if self.job.train.precision == "fp16":
             return
         for h in self.last_stages():
-            if h.last.backwards_done > 0 and not math.isfinite(h.last.last_loss):
+            if h.last.last_loss_minibatch and not math.isfinite(h.last.last_loss):
                 opt = self.job.train.optimizer
-                raise JobFailed(f"training diverged: the loss of vw {h.plan.vw} is {h.last.last_loss} after "
-                                f"{h.last.backwards_done} minibatches (train.optimizer.lr is {opt.lr:g}; a smaller "
-                                f"one, or a look at the data, may help)")
+                raise JobFailed(f"training diverged: the loss of vw {h.plan.vw} is {h.last.last_loss} at minibatch "
+                                f"{h.last.last_loss_minibatch} (train.optimizer.lr is {opt.lr:g}; a smaller one, or a "
+                                f"look at the data, may help)")
 
     def _take_cut(self) -> None:
         """Once every stage waits at the same checkpoint, its shard part, then on they go."""

@@ -25,7 +25,7 @@ from stage_worker.schedule import Task
 class MicroTasks:
     """Runs one stage's micro-batch tasks; called by the compute thread only."""
 
-    def __init__(self, inbox: Inbox, lock: threading.Condition, losses: deque[torch.Tensor]) -> None:
+    def __init__(self, inbox: Inbox, lock: threading.Condition, losses: deque[tuple[int, torch.Tensor]]) -> None:
         self._inbox, self._lock, self._losses = inbox, lock, losses
         self._x: dict[int, list[torch.Tensor]] = {}   # stage 0: p's micro-batches of x
         self._y: dict[int, list[torch.Tensor]] = {}   # the last stage: of y
@@ -108,6 +108,6 @@ class MicroTasks:
         p = task.p
         if s.setup.last:
             with self._lock:
-                self._losses.append(self._loss.pop(p))
+                self._losses.append((p, self._loss.pop(p)))
         s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version)
         commit.commit(s, p, s.compute.take_summed())

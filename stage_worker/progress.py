@@ -36,6 +36,7 @@ class Progress:
     cut: int = 0               # the checkpoint (in waves) it saved and waits at; 0: none
     received: int = 0
     last_loss: float = float("nan")
+    last_loss_minibatch: int = 0        # the minibatch last_loss is of (0: none yet)
     recent_loss: float = float("nan")   # last stage: mean over its last 10 minibatches
     forward_seconds: float = 0.0
     backward_seconds: float = 0.0

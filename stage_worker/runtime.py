@@ -60,7 +60,7 @@ class StageRuntime:
         self._inbox = Inbox()
         self._final: int | None = None  # the final evaluation's min_clock, once asked for
         self._final_merged = False
-        self._losses: deque[torch.Tensor] = deque(maxlen=10)  # read (a device sync) only when polled
+        self._losses: deque[tuple[int, torch.Tensor]] = deque(maxlen=10)  # (p, loss): read (a device sync) when polled
         self._busy = False            # a schedule task is running (its input still counts as ready)
         self._idle_seconds = self._wait_idle_seconds = 0.0
         self._phase_seconds = {"forward": 0.0, "backward": 0.0}
@@ -344,8 +344,8 @@ class StageRuntime:
         with self._cv:
             losses = list(self._losses)
         # Outside the lock: reading a loss on a GPU waits for the work queued before it.
-        last_loss = float(losses[-1]) if losses else float("nan")
-        recent_loss = float(torch.stack(losses).mean()) if losses else float("nan")
+        last_loss = float(losses[-1][1]) if losses else float("nan")
+        recent_loss = float(torch.stack([loss for _, loss in losses]).mean()) if losses else float("nan")
         with self._cv:
             s = self._s
             if s is None:
@@ -367,7 +367,7 @@ class StageRuntime:
                 queue_depth=max(0, sched.ready - (1 if self._busy else 0)), waiting=s.sync.waiting,
                 cut=s.cuts.waiting_at,
                 received=self._inbox.received,
-                last_loss=last_loss, recent_loss=recent_loss,
+                last_loss=last_loss, recent_loss=recent_loss, last_loss_minibatch=losses[-1][0] if losses else 0,
                 forward_seconds=self._phase_seconds["forward"], backward_seconds=self._phase_seconds["backward"],
                 idle_seconds=self._idle_seconds, wait_seconds=s.sync.wait_seconds,
                 wait_idle_seconds=self._wait_idle_seconds,

@@ -142,10 +142,10 @@ def test_a_loss_that_goes_nan_fails_the_job_as_diverged_before_it_ends(make_job,
     driver = JobDriver(job, make_plan(job), [s.address for s in stages])
     try:
         driver.setup()
-        with pytest.raises(JobFailed, match=r"training diverged: the loss of vw 0 is nan after (\d+) minibatches "
+        with pytest.raises(JobFailed, match=r"training diverged: the loss of vw 0 is nan at minibatch (\d+) "
                                             r"\(train.optimizer.lr is 1e\+12") as info:
             driver.run(interval=0.01)
     finally:
         driver.close()
-    done = int(re.search(r"after (\d+) minibatches", str(info.value)).group(1))  # type: ignore[union-attr]
+    done = int(re.search(r"at minibatch (\d+)", str(info.value)).group(1))  # type: ignore[union-attr]
     assert 0 < done < steps
