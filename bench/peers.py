@@ -135,6 +135,7 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
     if torch.cuda.is_available() and raw.pop("cluster", None) is not None:
         print("# the job's cluster section is dropped: every run uses this machine's GPUs", flush=True)
     if raw.pop("eval", None) is not None:
+        (raw.get("data") or {}).pop("eval_fraction", None)   # no rows held out for an evaluation that does not run
         print("# the job's eval section is dropped: the plain loop and torch-pipeline do not evaluate", flush=True)
 
     def derived(parallel: dict[str, Any], tag: str) -> dict[str, Any]:

@@ -239,6 +239,7 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
      "3 virtual workers x 2 stages need 6 GPUs, the cluster has 5"),
     ({"train": {"precision": "bf16", "dtype": "float64"}}, "train.precision: bf16 computes in 16 bits"),
     ({"eval": {"every": 10}}, "eval: evaluation needs held-out data"),
+    ({"data": {"eval_fraction": 0.2}}, "data.eval_fraction: rows held out, but no eval section evaluates them"),
     ({"parallel": {"mode": "torch-pipeline"}, "eval": {"every": 10}, "data": {"eval_fraction": 0.2}},
      "eval: parallel.mode torch-pipeline does not evaluate"),
 ])
