@@ -274,10 +274,12 @@ class JobDriver:
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     self._failed(h, "Status", exc)
                 self.watch.unanswered(h.name, time.monotonic())
-            if h.last.state == State.FAILED:
-                self._check_diverged()   # a shard refusing the NaN update is the symptom, not the cause
-                raise StageLost(h.plan.vw, f"{h.last.error} ({f'at {h.at}; ' if h.node else ''}{h.progress()})")
-        self._check_diverged()
+        self._check_diverged()   # before the failures: a shard refusing a NaN update is the symptom
+        failed = [h for h in self.stages if h.last.state == State.FAILED]
+        if failed:
+            # The first to fail is the cause: its neighbours then fail to send to it, or to hear from it.
+            h = min(failed, key=lambda h: h.last.failed_at)
+            raise StageLost(h.plan.vw, f"{h.last.error} ({f'at {h.at}; ' if h.node else ''}{h.progress()})")
         self._probe_shards()
         self._name_the_silent()
         self._take_cut()

@@ -22,6 +22,11 @@ GROWTH_INTERVAL = 2000   # decided-good minibatches in a row before the scale do
 MIN_SCALE = 1.0          # as torch.amp.GradScaler: halve on an overflow, double after a streak
 
 
+class Diverged(ValueError):
+    """A minibatch overflowed at the smallest scale: halving the scale can help no more (the
+    weights or the loss are not finite), as DeepSpeed ends a run at its minimum loss scale."""
+
+
 @dataclass
 class LossScale:
     """The last stage's scale, advanced by the verdicts in minibatch order."""
@@ -30,11 +35,17 @@ class LossScale:
     growth_interval: int = GROWTH_INTERVAL
     through: int = 0      # verdicts 1..through are folded in
     _good: int = 0
+    _ran: dict[int, float] = field(default_factory=dict)   # p -> S_p, until p's verdict is folded in
 
     def advance(self, verdicts: Verdicts, upto: int) -> None:
-        """Folds in the verdicts of minibatches through..min(upto, verdicts.through)."""
+        """Folds in the verdicts of minibatches through..min(upto, verdicts.through). Diverged
+        where a minibatch that ran at the smallest scale was skipped."""
         for p in range(self.through + 1, min(upto, verdicts.through) + 1):
+            ran = self._ran.pop(p, None)
             if p in verdicts.skipped:
+                if ran is not None and ran <= MIN_SCALE:
+                    raise Diverged(f"training diverged: minibatch {p} overflowed in fp16 at the smallest loss "
+                                   f"scale ({MIN_SCALE:g})")
                 self.scale = max(MIN_SCALE, self.scale / 2)
                 self._good = 0
             else:
@@ -49,6 +60,7 @@ class LossScale:
         if verdicts.through < p - nm:
             raise ValueError(f"minibatch {p}: verdicts through {verdicts.through}, need {p - nm}")
         self.advance(verdicts, p - nm)
+        self._ran[p] = self.scale
         return self.scale
 
 

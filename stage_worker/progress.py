@@ -13,6 +13,7 @@ from stage_worker.lifecycle import StageState
 class Progress:
     state: StageState
     error: str = ""
+    failed_at: float = 0.0              # FAILED: when (time.time())
     detail: str = ""           # what a loading stage is doing
     # Who and where; empty before an assignment.
     vw: int = 0

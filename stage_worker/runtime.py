@@ -52,6 +52,7 @@ class StageRuntime:
         self._cv = threading.Condition()
         self.state = StageState.IDLE
         self.error = ""
+        self.failed_at = 0.0
         self.detail = ""              # what a loading stage is doing
         self._setup: Setup | None = None
         self._s: Loaded | None = None
@@ -205,6 +206,7 @@ class StageRuntime:
             if not self.state.allows(StageState.FAILED):
                 return
             self.error = f"{self._setup.name if self._setup else 'stage'}: {reason}"
+            self.failed_at = time.time()
             self._to(StageState.FAILED)
         log.error(self.error)
 
@@ -350,14 +352,14 @@ class StageRuntime:
             s = self._s
             if s is None:
                 who = self._setup
-                return Progress(state=self.state, error=self.error, detail=self.detail,
+                return Progress(state=self.state, error=self.error, failed_at=self.failed_at, detail=self.detail,
                                 vw=who.vw if who else 0, stage=who.stage if who else 0,
                                 device=who.device.name if who else "", label=who.label if who else "")
             setup, sched = s.setup, s.schedule
             links = (s.next, s.prev)
             used, capacity = metrics.device_memory(setup)
             return Progress(
-                state=self.state, error=self.error, vw=setup.vw, stage=setup.stage, device=setup.device.name,
+                state=self.state, error=self.error, failed_at=self.failed_at, vw=setup.vw, stage=setup.stage, device=setup.device.name,
                 label=setup.label, gpu_type=setup.gpu_type, emulated=setup.emulated, memory_used_bytes=used,
                 memory_capacity_bytes=capacity, peak_rss_bytes=devices.peak_rss_bytes(),
                 device_peak_bytes=0 if setup.emulated else devices.device_peak_bytes(setup.device),

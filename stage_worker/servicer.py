@@ -26,7 +26,7 @@ PROTO_STATE = {
 
 
 def status_message(p: Progress) -> stage_pb2.StageStatus:
-    s = stage_pb2.StageStatus(state=PROTO_STATE[p.state], error=p.error, detail=p.detail)
+    s = stage_pb2.StageStatus(state=PROTO_STATE[p.state], error=p.error, failed_at=p.failed_at, detail=p.detail)
     if p.state == StageState.IDLE:
         return s
     s.vw, s.stage, s.device = p.vw, p.stage, p.label or p.device

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetpipe.loss_scale import INITIAL_SCALE, MIN_SCALE, LossScale, Verdicts
+from hetpipe.loss_scale import INITIAL_SCALE, MIN_SCALE, Diverged, LossScale, Verdicts
 
 
 def decided(skipped: set[int], through: int) -> Verdicts:
@@ -31,6 +31,19 @@ def test_the_scale_never_drops_below_one() -> None:
     scale = LossScale(scale=2.0)
     v = decided({1, 2, 3}, through=3)
     assert scale.for_minibatch(4, 1, v) == MIN_SCALE
+
+
+def test_an_overflow_at_the_smallest_scale_is_divergence() -> None:
+    """Skipped at scale 2, the scale halves to 1; skipped again at 1, nothing is left to halve."""
+    scale, v = LossScale(scale=2.0), decided(set(), through=0)
+    assert scale.for_minibatch(1, 1, v) == 2.0
+    v.decide(1, True)
+    assert scale.for_minibatch(2, 1, v) == MIN_SCALE
+    v.decide(2, False)
+    assert scale.for_minibatch(3, 1, v) == MIN_SCALE   # a good step at the smallest scale is no divergence
+    v.decide(3, True)
+    with pytest.raises(Diverged, match="training diverged: minibatch 3 overflowed in fp16 at the smallest loss scale"):
+        scale.for_minibatch(4, 1, v)
 
 
 def test_a_scale_needs_the_verdicts_up_to_p_minus_nm() -> None:
