@@ -132,6 +132,17 @@ def preflight(job: JobConfig) -> Plan:
     return make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
 
 
+def _check_real_gpus(job: JobConfig) -> None:
+    """A cluster without emulate names real GPUs: run here without a CUDA device, its stages would
+    compute on the CPU under those GPUs' names, their numbers labelled as not emulated."""
+    if job.cluster is None or job.emulate is not None or devices.local_devices()[0].kind == "cuda":
+        return
+    types = sorted({g.type for n in job.cluster.nodes for g in n.gpus})
+    raise ConfigError(f"cluster: names real GPUs ({', '.join(types)}; there is no cluster.emulate), and this machine "
+                      "has no CUDA device: add cluster.emulate: {} to emulate them on the CPU, or leave cluster out "
+                      "to train on this machine's own devices")
+
+
 def _check_security(given: security.Security | None) -> None:
     if given is None:
         return
@@ -159,6 +170,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     from the latest checkpoint in output.dir (ConfigError if there is none); fresh: deleting an
     earlier run's checkpoints there (without either, ConfigError if there are some)."""
     out_dir = Path(job.resolve(job.output.dir))
+    _check_real_gpus(job)
     if job.parallel.mode != "hetpipe":  # the baselines (DESIGN §7): ddp, torch-pipeline
         from baselines import run_baseline
 

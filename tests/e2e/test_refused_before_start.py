@@ -271,3 +271,21 @@ def test_a_run_does_not_delete_an_earlier_runs_checkpoints_unless_told_to(tmp_pa
     fresh = _cli("run", "-q", "--fresh", str(_job(tmp_path, parallel=two_vws)), cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stderr
     assert not (out / "checkpoints").exists() and (out / "model.safetensors").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs a cluster's real GPUs")
+def test_a_cluster_of_real_gpus_is_not_run_on_the_cpu_under_their_names(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A cluster without emulate names real GPUs: planned anywhere (for a cluster elsewhere), but
+    not run on a machine without CUDA, where its stages computed on the CPU labelled titan-v and
+    'emulated: false'."""
+    job = _job(tmp_path, cluster={"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 2}]}]},
+               parallel={"stages_per_vw": 2, "nm": 2})
+    assert cli.main(["plan", str(job)]) == 0
+    capsys.readouterr()
+    assert cli.main(["run", "-q", str(job)]) == 2
+    assert capsys.readouterr().err == (
+        "hetpipe: error: cluster: names real GPUs (titan-v; there is no cluster.emulate), and this machine has no "
+        "CUDA device: add cluster.emulate: {} to emulate them on the CPU, or leave cluster out to train on this "
+        "machine's own devices\n")
+    assert not (tmp_path / "out").exists()
