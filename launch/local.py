@@ -259,11 +259,53 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
     raise JobFailed(status.reason)
 
 
+class _Bar:
+    """Progress on a terminal: a tqdm bar, redrawn in place."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self._bar = tqdm(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True, desc=desc)
+
+    def show(self, samples: int, loss: float | None, samples_per_second: float, *, last: bool) -> None:
+        self._bar.n = samples
+        self._bar.set_postfix(**({"loss": f"{loss:.4f}"} if loss is not None else {}),
+                              samples_s=f"{samples_per_second:.0f}", refresh=False)
+        self._bar.refresh()
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class _Lines:
+    """Progress into a log (stderr is no terminal): a line at each tenth of the run, at least
+    every LINE_S while it moves, and the last; a bar redrawn with carriage returns would fill a
+    log file with thousands of them."""
+
+    LINE_S = 30.0
+
+    def __init__(self, total: int, desc: str) -> None:
+        self._total, self._desc = total, desc
+        self._tenth, self._at, self._printed = -1, 0.0, -1
+
+    def show(self, samples: int, loss: float | None, samples_per_second: float, *, last: bool) -> None:
+        tenth = 10 * samples // max(self._total, 1)
+        now = time.monotonic()
+        if not last and tenth <= self._tenth and (now - self._at < self.LINE_S or samples == self._printed):
+            return
+        self._tenth, self._at, self._printed = tenth, now, samples
+        percent = 100 * samples // max(self._total, 1)
+        text = f"{self._desc}: {percent}% ({samples}/{self._total} samples), {samples_per_second:.0f} samples/s"
+        print(text + (f", loss {loss:.4f}" if loss is not None else ""), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
 def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
            on_status: Callable[[coordinator_pb2.JobStatus], None] = lambda status: None) -> coordinator_pb2.JobStatus:
-    """Shows progress until the job ends; returns its final status. on_status sees each status of
-    the job while it is under way (a local launcher watches its processes there)."""
-    bar: tqdm[Any] | None = None
+    """Shows progress until the job ends (a bar on a terminal, else a line now and then); returns
+    its final status. on_status sees each status of the job while it is under way (a local
+    launcher watches its processes there)."""
+    shown: _Bar | _Lines | None = None
     running = PROTO_STATE[JobState.RUNNING]
     try:
         while True:
@@ -271,18 +313,16 @@ def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
             ended = status.state in TERMINAL
             if not ended:
                 on_status(status)
-            if status.state == running and bar is None:
-                bar = tqdm(total=status.total_samples, unit="sample", disable=quiet, file=sys.stderr,
-                           dynamic_ncols=True, desc="train (emulated GPUs)" if status.emulated else "train")
-            if bar is not None and status.total_samples:  # the last one too: a bar left at 0% reads as a hang
-                bar.n = status.samples
+            if status.state == running and shown is None and not quiet:
+                desc = "train (emulated GPUs)" if status.emulated else "train"
+                shown = (_Bar if sys.stderr.isatty() else _Lines)(status.total_samples, desc)
+            if shown is not None and status.total_samples:  # the last one too: a bar left at 0% reads as a hang
                 # No loss until a minibatch has finished: the wire's 0.0 stands for none yet.
-                bar.set_postfix(**({"loss": f"{status.loss:.4f}"} if status.samples else {}),
-                                samples_s=f"{status.samples_per_second:.0f}", refresh=False)
-                bar.refresh()
+                shown.show(status.samples, status.loss if status.samples else None, status.samples_per_second,
+                           last=ended)
             if ended:
                 return status
             time.sleep(0.1)
     finally:
-        if bar is not None:
-            bar.close()
+        if shown is not None:
+            shown.close()

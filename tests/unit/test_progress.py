@@ -1,7 +1,10 @@
-"""`hetpipe run`'s progress bar (launch.local.follow): it ends where the job ended, shows no loss
-before a minibatch has finished, and -q shows nothing."""
+"""`hetpipe run`'s progress (launch.local.follow): a bar on a terminal, a line at each tenth in a
+log; either ends where the job ended and shows no loss before a minibatch has finished, and -q
+shows nothing."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -11,24 +14,41 @@ from launch.local import follow
 State = coordinator_pb2.JobStatus.State
 
 
-def _job(*steps: tuple[str, int, float]) -> list[coordinator_pb2.JobStatus]:
-    return [coordinator_pb2.JobStatus(state=State.Value(state), samples=samples, total_samples=80, loss=loss,
+def _job(*steps: tuple[str, int, float], total: int = 80) -> list[coordinator_pb2.JobStatus]:
+    return [coordinator_pb2.JobStatus(state=State.Value(state), samples=samples, total_samples=total, loss=loss,
                                       samples_per_second=640.0) for state, samples, loss in steps]
 
 
+@pytest.mark.parametrize("stderr_kind", ["terminal", "log"])
 @pytest.mark.parametrize("ending", ["COMPLETED", "FAILED"])
-def test_the_bar_ends_at_the_jobs_last_count(ending: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_ends_at_the_jobs_last_count(ending: str, stderr_kind: str, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: stderr_kind == "terminal")   # capsys's stream, in the test
     statuses = iter(_job(("RUNNING", 0, 0.0), ("RUNNING", 32, 2.5), (ending, 48 if ending == "FAILED" else 80, 2.25)))
     seen: list[int] = []
     final = follow(lambda: next(statuses), quiet=False, on_status=lambda s: seen.append(s.samples))
     assert State.Name(final.state) == ending
     assert seen == [0, 32], "on_status sees the job only while it is under way"
-    lines = capsys.readouterr().err.replace("\r", "\n").split("\n")
-    bars = [line for line in lines if line.startswith("train:")]
-    assert "loss" not in bars[0], "the wire's 0.0 is no loss yet"
-    assert "loss=0.0000" not in "".join(bars)
+    err = capsys.readouterr().err
+    assert ("\r" in err) == (stderr_kind == "terminal"), "a log gets lines, not a bar redrawn in place"
+    shown = [line for line in err.replace("\r", "\n").split("\n") if line.startswith("train:")]
+    assert "loss" not in shown[0], "the wire's 0.0 is no loss yet"
+    assert "0.0000" not in "".join(shown)
     last = "80/80" if ending == "COMPLETED" else "48/80"
-    assert last in bars[-1] and "loss=2.2500" in bars[-1], bars[-1]
+    loss = "loss=2.2500" if stderr_kind == "terminal" else "loss 2.2500"
+    assert last in shown[-1] and loss in shown[-1], shown[-1]
+
+
+def test_a_log_gets_a_line_at_each_tenth_of_the_run(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    monkeypatch.setattr("launch.local.time.sleep", lambda seconds: None)
+    polls = [("RUNNING", n, 1.0) for n in range(0, 1000, 7)] + [("COMPLETED", 1000, 0.5)]
+    statuses = iter(_job(*polls, total=1000))
+    follow(lambda: next(statuses), quiet=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("%")[0] for line in lines] == [f"train: {10 * k}" for k in range(11)]
+    assert lines[-1] == "train: 100% (1000/1000 samples), 640 samples/s, loss 0.5000"
 
 
 def test_quiet_shows_nothing(capsys: pytest.CaptureFixture[str]) -> None:
