@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,13 @@ class Progress:
     loss: float
     samples_per_second: float
     evicted: tuple[int, ...] = ()  # VWs that left the job
+
+
+def trained_here(per_vw: Iterable[int], before: int) -> int:
+    """Minibatches this run trained, from each VW's count of those trained in all: a run resumed
+    from the checkpoint of wave W starts every VW at minibatch W·nm + 1 (before: W·nm), and an
+    earlier run trained the ones before, in seconds that are not this run's."""
+    return sum(max(n - before, 0) for n in per_vw)  # a VW that left before it reported counts 0
 
 
 class JobDriver:
@@ -370,6 +377,11 @@ class JobDriver:
         live = len(self.last_stages())
         return sum(h.last.backwards_done for h in self.last_stages()) + left, self.job.train.steps * live + left
 
+    def trained_here(self) -> int:
+        """Minibatches this run has trained (after --resume, less the checkpoint's)."""
+        per_vw = [h.last.backwards_done for h in self.last_stages()] + [e["minibatches"] for e in self.evicted]
+        return trained_here(per_vw, self.resume_wave * self.plan.nm)
+
     def last_stages(self) -> list[StageHandle]:
         return [h for h in self.stages if h.plan.stage == self.plan.stages_per_vw - 1]
 
@@ -377,7 +389,8 @@ class JobDriver:
         samples, total = (n * self.job.data.batch_size for n in self.minibatches())
         losses = [h.last.recent_loss for h in self.last_stages() if not math.isnan(h.last.recent_loss)]
         elapsed = max(time.monotonic() - start, 1e-9)
-        return Progress(samples, total, sum(losses) / len(losses) if losses else float("nan"), samples / elapsed,
+        rate = self.trained_here() * self.job.data.batch_size / elapsed   # this run's samples in this run's time
+        return Progress(samples, total, sum(losses) / len(losses) if losses else float("nan"), rate,
                         tuple(e["vw"] for e in self.evicted))
 
     # ---- evaluation --------------------------------------------------------------------------

@@ -4,7 +4,6 @@ model), and summary.json."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ from hetpipe import devices, models, outputs, rpc
 from hetpipe.errors import JobFailed
 from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
 from hetpipe.wsp import total_waves
-from coordinator.driver import JobDriver
+from coordinator.driver import JobDriver, trained_here
 
 
 def write_weights(d: JobDriver) -> list[Path]:
@@ -43,13 +42,6 @@ def write_weights(d: JobDriver) -> list[Path]:
             return writer.close()
         except ValueError as exc:
             raise JobFailed(f"writing the final weights: {exc}") from None
-
-
-def trained_here(per_vw: Iterable[int], before: int) -> int:
-    """Minibatches this run trained, from each VW's count of those trained in all: a run resumed
-    from the checkpoint of wave W starts every VW at minibatch W·nm + 1 (before: W·nm), and an
-    earlier run trained the ones before, in seconds that are not this run's."""
-    return sum(max(n - before, 0) for n in per_vw)  # a VW that left before it reported counts 0
 
 
 def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:

@@ -1,9 +1,16 @@
-"""coordinator/results.py: summary.json's samples_per_second counts the minibatches this run
-trained, so a run resumed from a checkpoint does not claim the earlier run's over its own wall."""
+"""summary.json's samples_per_second, and the progress rate while a run is under way, count the
+minibatches this run trained, so a run resumed from a checkpoint does not claim the earlier run's
+over its own wall."""
 
 from __future__ import annotations
 
-from coordinator.results import trained_here
+import time
+
+import pytest
+
+from coordinator.driver import JobDriver, trained_here
+from coordinator.planner import make_plan
+from hetpipe.v1 import stage_pb2
 
 
 def test_a_fresh_run_counts_every_minibatch() -> None:
@@ -17,3 +24,19 @@ def test_a_resumed_run_counts_only_those_after_the_checkpoint() -> None:
     # A VW that left this run after minibatch 20 trained 4 of them here; one that left before it
     # reported (0) trained none here, rather than a negative count.
     assert trained_here([40, 40, 20, 0], before=16) == 2 * 24 + 4
+
+
+def test_a_resumed_runs_progress_rate_counts_only_its_own_minibatches(make_job) -> None:
+    """The progress bar, `hetpipe status` and the samples/s gauge: after --resume from wave 8 (nm 2),
+    each VW's 40 minibatches include the checkpoint's 16, which this run's seconds did not train."""
+    job = make_job({"train": {"steps": 40}, "parallel": {"virtual_workers": 2, "stages_per_vw": 1, "nm": 2}})
+    driver = JobDriver(job, make_plan(job), ["127.0.0.1:9", "127.0.0.1:9"], resume_wave=8)
+    try:
+        for h in driver.stages:
+            h.last = stage_pb2.StageStatus(backwards_done=40)
+        progress = driver._progress(time.monotonic() - 2.0)
+    finally:
+        driver.close()
+    batch = job.data.batch_size
+    assert progress.samples == 80 * batch, "the bar shows the whole run's progress"
+    assert progress.samples_per_second == pytest.approx(2 * 24 * batch / 2.0, rel=0.05)
