@@ -70,11 +70,16 @@ def merge_pulled(pulled: Sequence[torch.Tensor], own_clock: Sequence[int],
     (waves >= own_clock[i]). Nothing lost, nothing counted twice."""
     merged = []
     for i, value in enumerate(pulled):
-        for wave in sorted(own_waves):
-            if wave >= own_clock[i]:
-                value = value + own_waves[wave][i]
+        for update in unpulled(i, own_clock, own_waves):
+            value = value + update
         merged.append(value)
     return merged
+
+
+def unpulled(i: int, own_clock: Sequence[int], own_waves: Mapping[int, Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """G3's addends for parameter i: this stage's own wave updates that w_global, pulled with
+    own_clock, does not hold yet, in wave order (merge_pulled adds them, or a stage in place)."""
+    return [own_waves[wave][i] for wave in sorted(own_waves) if wave >= own_clock[i]]
 
 
 def waves_included(own_clock: Sequence[int]) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -255,6 +256,11 @@ class StageCompute:
         """Adds deltas (one per parameter, in order) to the local weights; not a new version."""
         for param, delta in zip(self.params, deltas):
             param.add_(delta.to(param.device, param.dtype))
+        self._snapshot = None
+
+    @torch.no_grad()
+    def overwrite(self, fill: Callable[[list[torch.Tensor]], None]) -> None:
+        fill([p.detach() for p in self.params])
         self._snapshot = None
 
     @torch.no_grad()

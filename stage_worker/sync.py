@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -14,6 +15,10 @@ class Weights(Protocol):
     def device(self) -> str: ...
 
     def set_weights(self, values: list[torch.Tensor]) -> None: ...
+
+    def overwrite(self, fill: Callable[[list[torch.Tensor]], None]) -> None:
+        """fill(params) writes the live weights in place (a pull merged straight from shared memory)."""
+        ...
 
 
 class Sync(Protocol):

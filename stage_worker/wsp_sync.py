@@ -18,8 +18,9 @@ import grpc
 import torch
 
 from hetpipe import outputs, rpc, security, shm, wire
+from hetpipe.buffers import raw_bytes
 from hetpipe.v1 import ps_pb2, wire_pb2
-from hetpipe.wsp import g2_decision, merge_pulled, required_min_clock, total_waves, wave_of, waves_included
+from hetpipe.wsp import g2_decision, merge_pulled, required_min_clock, total_waves, unpulled, wave_of, waves_included
 from stage_worker.sync import Weights
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,10 @@ def _in_parallel(call: Callable[[T], R], items: list[T]) -> list[R]:
 
 @dataclass(frozen=True, slots=True)
 class _Pulled:
-    values: list[torch.Tensor]   # in key order
+    values: dict[int, torch.Tensor]   # parameter index -> the value received
+    # Replies whose bytes are still in their shard's pull slot, with their parameters' indices:
+    # copied from there straight into the weights (the slot stays until this VW pulls again).
+    slots: list[tuple[wire.Stream, list[int]]]
     own_clock: list[int]
     c_global: int
     min_clock: int
@@ -111,6 +115,7 @@ class WspSync:
         shared = config.shared_memory or (False,) * len(config.addresses)
         self._rings = [shm.Ring(slots=1) if on else None for on in shared]  # one push at a time per shard
         self._reader = shm.Reader()
+        self._params = [p.detach() for p in params]
         self.total_waves = total_waves(config.steps, config.nm)
         self._acc: dict[int, list[torch.Tensor]] = {}   # own wave -> summed updates not yet in w_global
         self._clock = 0
@@ -219,8 +224,11 @@ class WspSync:
             pulled, self._pending = self._pending, None
         if pulled is None:
             return
-        values = [v.to(weights.device) for v in pulled.values]
-        weights.set_weights(merge_pulled(values, pulled.own_clock, self._acc))
+        if pulled.slots:
+            weights.overwrite(lambda params: self._merge_into(params, pulled))
+        else:
+            values = [pulled.values[i].to(weights.device) for i in range(len(self.keys))]
+            weights.set_weights(merge_pulled(values, pulled.own_clock, self._acc))
         self._have = max(self._have, pulled.c_global)
         self._write_sync({"event": "pull", "min_clock": pulled.min_clock, "c_global": pulled.c_global,
                           "sent": pulled.sent, "replied": pulled.replied, "merged": time.time()})
@@ -239,6 +247,23 @@ class WspSync:
         if waited is not None:  # a forward was blocked on G2 from start until this merge let it go
             self._write_sync({"event": "pull_wait", "p": waited[0], "min_clock": waited[1], "start": waited[2],
                               "end": time.time(), "c_global": self._have})
+
+    def _merge_into(self, params: list[torch.Tensor], pulled: _Pulled) -> None:
+        """G3 in place: w_global as pulled, copied into the weights (from the pull slots, one copy
+        where receiving and then setting took two), plus the own waves it lacks."""
+        for stream, idx in pulled.slots:
+            sinks = [raw_bytes(params[i]) for i in idx]
+            try:
+                for index, offset, piece in stream.pieces:
+                    shm.copy_bytes(sinks[index][offset:offset + len(piece)], piece)
+            except wire.WireError as exc:   # the shard keeps a slot until this VW pulls again: a broken promise
+                raise RuntimeError(f"pull reply for min_clock {pulled.min_clock} changed while it was merged, the "
+                                   f"weights are no longer whole: {exc}") from None
+        for i, value in pulled.values.items():
+            params[i].copy_(value)
+        for i, param in enumerate(params):
+            for update in unpulled(i, pulled.own_clock, self._acc):
+                param.add_(update)
 
     @property
     def min_clock(self) -> int:
@@ -388,13 +413,15 @@ class WspSync:
     def _pull(self, min_clock: int) -> None:
         started, sent = time.perf_counter(), time.time()
 
-        def pull_one(shard: int, idx: list[int]) -> wire.Bundle:
+        def pull_one(shard: int, idx: list[int]) -> wire.Bundle | wire.Stream:
             request = ps_pb2.PullRequest(vw=self.cfg.vw, keys=[self.keys[i] for i in idx], min_clock=min_clock,
                                          shm=self._rings[shard] is not None)
             stub = self._stubs[shard]
 
-            def call() -> wire.Bundle:
+            def call() -> wire.Bundle | wire.Stream:
                 try:
+                    if request.shm:   # the reply read to its end here: merging it waits on no call
+                        return self._held(wire.read(list(stub.Pull(request, timeout=PULL_CALL_S)), self._reader), idx)
                     return wire.decode(stub.Pull(request, timeout=PULL_CALL_S), reader=self._reader)
                 except wire.WireError as exc:
                     if not request.shm or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
@@ -407,17 +434,34 @@ class WspSync:
 
             return self._retrying(f"pull for min_clock {min_clock}", shard, PULL_GIVE_UP_S, call)
 
-        bundles = _in_parallel(lambda item: pull_one(*item), list(self._by_shard().items()))
-        c_global = min(b.header.pull.c_global for b in bundles)
-        values: dict[str, torch.Tensor] = {}
+        groups = list(self._by_shard().items())
+        replies = _in_parallel(lambda item: pull_one(*item), groups)
+        c_global = min(r.header.pull.c_global for r in replies)
+        index = {key: i for i, key in enumerate(self.keys)}
+        values: dict[int, torch.Tensor] = {}
+        slots: list[tuple[wire.Stream, list[int]]] = []
         own: dict[str, int] = {}
-        for bundle in bundles:
-            for (key, value), clock in zip(bundle.tensors, bundle.header.pull.own_clock):
-                values[key], own[key] = value, int(clock)
+        for reply in replies:
+            names = [m.name for m in reply.header.tensors]
+            own.update(zip(names, (int(c) for c in reply.header.pull.own_clock)))
+            if isinstance(reply, wire.Stream):
+                slots.append((reply, [index[name] for name in names]))
+            else:
+                values.update((index[key], value) for key, value in reply.tensors)
         if self.cfg.pull_hold_s > 0 and self._closed.wait(self.cfg.pull_hold_s):  # the reply crosses the network
             return
         self.cb.observe_pull(time.perf_counter() - started)
         with self._lock:
-            self._pending = _Pulled([values[k] for k in self.keys], [own[k] for k in self.keys], int(c_global),
-                                    min_clock, sent, time.time())
+            self._pending = _Pulled(values, slots, [own[k] for k in self.keys], int(c_global), min_clock, sent,
+                                    time.time())
         self.cb.wake()
+
+    def _held(self, stream: wire.Stream, idx: list[int]) -> wire.Bundle | wire.Stream:
+        """A pull reply in the shard's slot, left there for apply_pending to copy into the weights,
+        where they can take its bytes as they are (on the CPU, same dtypes and shapes, in the
+        order asked); received now otherwise."""
+        params = [self._params[i] for i in idx]
+        fits = [m.name for m in stream.header.tensors] == [self.keys[i] for i in idx] and all(
+            p.device.type == "cpu" and p.is_contiguous() and (p.dtype, list(p.shape)) == (dtype, shape)
+            for p, (dtype, shape, _) in zip(params, stream.specs))
+        return stream if fits and stream.gpu is None and len(params) == len(stream.specs) else wire.receive(stream)

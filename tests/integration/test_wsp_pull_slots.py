@@ -1,0 +1,99 @@
+"""A stage's pull through shared memory (stage_worker/wsp_sync.py) against a real shard: w_global
+is copied from the shard's pull slot straight into the weights, G3's own unpushed waves added
+after it; a slot that changes before the merge fails the stage instead of leaving torn weights."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetpipe import rpc
+from ps_server.durability import Durability
+from ps_server.servicer import ShardServicer
+from ps_server.shard import Shard
+from stage_worker.wsp_sync import SyncCallbacks, SyncConfig, WspSync
+
+pytestmark = pytest.mark.timeout(60)
+KEYS = ("0.weight", "0.bias")
+
+
+class Weights:
+    """A stage's weights as WspSync sees them, recording how each merge reached them."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.params = [torch.zeros(4, 3), torch.zeros(4)]
+        self.merges: list[str] = []
+
+    def set_weights(self, values: list[torch.Tensor]) -> None:
+        self.merges.append("set_weights")
+        for p, v in zip(self.params, values):
+            p.copy_(v)
+
+    def overwrite(self, fill: Callable[[list[torch.Tensor]], None]) -> None:
+        self.merges.append("overwrite")
+        fill(self.params)
+
+
+@pytest.fixture
+def shard(tmp_path: Path) -> Iterator[tuple[str, ShardServicer]]:
+    servicer = ShardServicer(Shard(), Durability(str(tmp_path / "ckpt")), max_pull_wait_s=30.0)
+    server = rpc.Server("127.0.0.1", 0, workers=8)
+    server.add("ParameterServer", servicer)
+    server.start()
+    yield server.address, servicer
+    server.stop(grace=0)
+
+
+@pytest.fixture
+def pushed(shard: tuple[str, ShardServicer]) -> Iterator[tuple[WspSync, Weights, list[torch.Tensor]]]:
+    """One VW's stage that has pushed wave 0 (u1) and holds wave 1 (u2) unpushed; w0 + u1 + u2."""
+    weights = Weights()
+    failures: list[str] = []
+    config = SyncConfig(vw=0, nm=1, D=0, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(shard[0],),
+                        shared_memory=(True,))
+    sync = WspSync(config, SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3),
+                   weights.params)
+    try:
+        w0 = [torch.arange(12.0).reshape(4, 3), torch.ones(4)]
+        u1, u2 = [torch.full((4, 3), 0.5), torch.full((4,), 0.25)], [torch.full((4, 3), 2.0), torch.full((4,), 4.0)]
+        sync.initialise(1, w0)
+        sync.after_update(1, [u.clone() for u in u1])
+        sync.on_wave_end(0)
+        deadline = time.monotonic() + 20
+        while sync.acked_waves < 1:
+            assert time.monotonic() < deadline and not failures, failures
+            time.sleep(0.01)
+        sync.after_update(2, [u.clone() for u in u2])
+        yield sync, weights, [w + a + b for w, a, b in zip(w0, u1, u2)]
+    finally:
+        sync.close()
+
+
+def test_a_pull_is_merged_from_the_shards_slot_straight_into_the_weights(
+        pushed: tuple[WspSync, Weights, list[torch.Tensor]]) -> None:
+    sync, weights, want = pushed
+    sync.pull_now(weights, 1)
+    assert weights.merges == ["overwrite"], "merged from the slot, not received and set"
+    for got, expected in zip(weights.params, want):
+        assert torch.equal(got, expected), "G3: w_global (w0 + u1) plus the unpushed wave 1 (u2)"
+    assert sync.min_clock == 1 and sync.shm_bytes > 0
+
+
+def test_a_slot_that_changes_before_the_merge_fails_the_stage(
+        pushed: tuple[WspSync, Weights, list[torch.Tensor]], shard: tuple[str, ShardServicer]) -> None:
+    sync, weights, _ = pushed
+    sync._request(1)
+    deadline = time.monotonic() + 20
+    while sync._pending is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    (slot,) = [slot for group in shard[1].pull_slots._groups.values() for slot in group]
+    slot.segment.write([memoryview(bytes(64))])   # the shard breaking its promise: the slot is rewritten
+    with pytest.raises(RuntimeError, match="pull reply for min_clock 1 changed while it was merged.*stale"):
+        sync.apply_pending(weights)
