@@ -146,6 +146,11 @@ class WspSync:
             self._sync_trace = open(trace / "sync" / config.trace_name, "w")
         self._rng = random.Random(hash((config.seed, config.vw, config.trace_name, "push")))
         self._pusher = self._start("pusher", self._push_loop)
+        # One thread for every pull, fed a min_clock at a time, as the pusher is fed waves: a
+        # thread started per pull made thousands in a run, each start waited for by the compute
+        # thread (Thread.start returns once the new thread runs).
+        self._pulls: queue.Queue[int | None] = queue.Queue()
+        self._start("puller", self._pull_loop)
 
     def initialise(self, virtual_workers: int, values: Sequence[torch.Tensor]) -> None:
         """Gives this stage's shards their keys' initial values (VW 0's stages do, while loading)."""
@@ -197,7 +202,7 @@ class WspSync:
         with self._lock:
             if self._pulling is None and self._pending is None:
                 self._pulling = min_clock
-                self._start("puller", self._pull, min_clock)
+                self._pulls.put(min_clock)
 
     @property
     def waiting(self) -> bool:
@@ -307,6 +312,7 @@ class WspSync:
     def close(self) -> None:
         self._closed.set()
         self._pushes.put(None)
+        self._pulls.put(None)   # a pull under way ends with the channels, below: not joined
         self._pusher.join(timeout=5)
         for ch in self._channels:
             ch.close()
@@ -409,6 +415,10 @@ class WspSync:
             reply = self._retrying(f"repeated push of wave {wave}", shard, PUSH_GIVE_UP_S, call)
             if not reply.duplicate:
                 raise RuntimeError(f"ps shard {shard} applied a repeated push of wave {wave} twice")
+
+    def _pull_loop(self) -> None:
+        while (min_clock := self._pulls.get()) is not None:
+            self._pull(min_clock)
 
     def _pull(self, min_clock: int) -> None:
         started, sent = time.perf_counter(), time.time()
