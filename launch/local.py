@@ -184,6 +184,11 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         credentials = local_security(job, out_dir, flags)
         _check_security(credentials)
         outputs.start_fresh(out_dir, keep_checkpoints=resume)
+        # This launcher's own folders: an earlier run's logs of processes this one lacks, or its
+        # trace where this one writes none, would pass for this run's (`hetpipe trace`). Stages
+        # write their trace anew even on --resume.
+        for folder in ("logs", "trace"):
+            shutil.rmtree(out_dir / folder, ignore_errors=True)
         for stale in (TARGETS_FILE, STATUS_FILE, ADDRESS_FILE, JOB_ID_FILE):  # an earlier job's endpoints, ending
             (out_dir / stale).unlink(missing_ok=True)
         with security.using(credentials, security.COORDINATOR, "hetpipe run"):
@@ -219,7 +224,6 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
                 procs.spawn("stage_worker", f"stage worker {i}", register)
             # A lone VW needs no parameter server: its local weights are w_global.
             shard_trace = ["--trace-dir", str(out_dir / "trace")] if job.output.trace else []
-            shutil.rmtree(out_dir / "trace" / "ps", ignore_errors=True)  # an earlier job's shards, maybe more
             for i in range(par.ps_shards if par.virtual_workers > 1 else 0):
                 procs.spawn("ps_server", f"ps server {i}",
                             [*register, "--checkpoint-dir", str(out_dir / "ps" / f"shard{i}"), *shard_trace])

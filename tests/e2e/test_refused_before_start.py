@@ -289,3 +289,16 @@ def test_a_cluster_of_real_gpus_is_not_run_on_the_cpu_under_their_names(tmp_path
         "CUDA device: add cluster.emulate: {} to emulate them on the CPU, or leave cluster out to train on this "
         "machine's own devices\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_leaves_no_earlier_runs_logs_or_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """logs/ and trace/ hold this run's alone: an earlier run's log of a process this one lacks,
+    or its trace where this one writes none, would pass for this run's (`hetpipe trace`)."""
+    out = tmp_path / "out"
+    traced = _job(tmp_path, parallel={"virtual_workers": 2, "stages_per_vw": 2, "nm": 2},
+                  output={"dir": str(out), "trace": True})
+    assert cli.main(["run", "-q", str(traced)]) == 0, capsys.readouterr().err
+    assert (out / "trace" / "ps").is_dir() and len(list((out / "logs").glob("stage_worker_*.log"))) == 4
+    assert cli.main(["run", "-q", str(_job(tmp_path, parallel={"stages_per_vw": 1}))]) == 0, capsys.readouterr().err
+    assert not (out / "trace").exists()
+    assert sorted(p.name for p in (out / "logs").glob("*.log")) == ["stage_worker_0.log"]
