@@ -453,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code: int = args.func(args)
         sys.stdout.flush()
+    except KeyboardInterrupt:   # `hetpipe run` has stopped its processes already (_run)
+        print("hetpipe: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`hetpipe status --json | head`): no traceback, and none at exit
         # when Python flushes stdout again.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -79,3 +80,16 @@ def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path) -> None:
     os.close(write)
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
     assert proc.returncode == 141
+
+
+@pytest.mark.parametrize("after_s", [0.3, 0.9])
+def test_ctrl_c_while_the_command_starts_ends_it_in_one_line(tmp_path: Path, after_s: float) -> None:
+    """Ctrl-C during the imports (about a second: torch) or during the planning: exit 130 and one
+    line, as later in a run, never a traceback."""
+    hetpipe = Path(sys.executable).parent / "hetpipe"   # the console script a user runs
+    plan = subprocess.Popen([str(hetpipe), "plan", str(_job_file(tmp_path))], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    plan.send_signal(signal.SIGINT)
+    out, err = plan.communicate(timeout=60)
+    assert (plan.returncode, err) == (130, "hetpipe: interrupted\n"), (plan.returncode, err, out)
