@@ -16,7 +16,9 @@ from typing import Any
 
 import grpc
 
+from coordinator.planner import Plan
 from hetpipe import outputs, rpc, wire
+from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed
 from hetpipe.v1 import ps_pb2, wire_pb2
 
@@ -31,6 +33,26 @@ def latest(folder: Path) -> int | None:
 
 def manifest(folder: Path, wave: int) -> dict[str, Any]:
     return dict(json.loads((outputs.cut_dir(folder, wave) / MANIFEST).read_text()))
+
+
+def job_shape(job: JobConfig, plan: Plan, shards: int) -> dict[str, Any]:
+    """What a cut records of its job, and a job resumed from it must match."""
+    return {"virtual_workers": plan.virtual_workers, "stages_per_vw": plan.stages_per_vw, "nm": plan.nm,
+            "steps": job.train.steps, "ps_shards": shards, "dtype": job.train.dtype,
+            "layers": [[s.layer_begin, s.layer_end] for s in plan.stages]}
+
+
+def refusal(folder: Path, wave: int, shape: dict[str, Any]) -> str | None:
+    """Why a job of this shape cannot resume from the cut of wave, or None."""
+    m = manifest(folder, wave)
+    mismatch = {k: (m.get(k), v) for k, v in shape.items() if m.get(k) != v}
+    if mismatch:
+        return (f"--resume: the checkpoint of wave {wave} was taken for another job: "
+                + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in mismatch.items()))
+    if m["evicted"]:
+        return (f"--resume: vw {m['evicted']} had left the job before the checkpoint of wave {wave}; "
+                "resuming without them is not supported yet")
+    return None
 
 
 class Checkpoints:
@@ -75,14 +97,10 @@ class Checkpoints:
 
     def restore_shards(self, wave: int) -> None:
         """Gives every shard the cut's values and each VW's clock (instead of VW 0's w0)."""
+        refused = refusal(self.folder, wave, self.job_shape)
+        if refused is not None:
+            raise JobFailed(refused)
         m = manifest(self.folder, wave)
-        mismatch = {k: (m.get(k), v) for k, v in self.job_shape.items() if m.get(k) != v}
-        if mismatch:
-            raise JobFailed(f"--resume: the checkpoint of wave {wave} was taken for another job: "
-                            + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in mismatch.items()))
-        if m["evicted"]:
-            raise JobFailed(f"--resume: vw {m['evicted']} had left the job before the checkpoint of wave {wave}; "
-                            "resuming without them is not supported yet")
         for i, stub in enumerate(self.shards):
             keys = self._keys(i)
             if not keys:

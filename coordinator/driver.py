@@ -179,9 +179,7 @@ class JobDriver:
             self.checkpoints = checkpoints.Checkpoints(
                 self.checkpoint_dir, self.shards, self.plan.key_shard,
                 outputs.entries(self.model, getattr(torch, self.job.train.dtype)),
-                {"virtual_workers": self.plan.virtual_workers, "stages_per_vw": self.plan.stages_per_vw,
-                 "nm": self.plan.nm, "steps": self.job.train.steps, "ps_shards": len(self.shards),
-                 "dtype": self.job.train.dtype, "layers": [[s.layer_begin, s.layer_end] for s in self.plan.stages]})
+                checkpoints.job_shape(self.job, self.plan, len(self.shards)))
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))
         if self.checkpoints is not None and self.resume_wave:  # VW 0's stages give w0 only on a fresh start

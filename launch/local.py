@@ -96,10 +96,16 @@ def _kill_hung(procs: LocalProcesses, address: str, why: str) -> None:
     print(f"hetpipe: {why}; killed {name} to restart it from its checkpoint", file=sys.stderr)
 
 
-def _resume_wave(out_dir: Path, *, resume: bool, fresh: bool) -> int:
-    """The wave to resume from (0: none). A run that would delete an earlier run's checkpoints
-    without being told to is refused, as transformers' Trainer refuses a used output_dir: the
-    cuts may hold hours of training that a forgotten --resume would otherwise lose."""
+def _shards(job: JobConfig) -> int:
+    """The shards a local run starts: a lone VW needs no parameter server (its weights are w_global)."""
+    return job.parallel.ps_shards if job.parallel.virtual_workers > 1 else 0
+
+
+def _resume_wave(out_dir: Path, job: JobConfig, plan: Plan, *, resume: bool, fresh: bool) -> int:
+    """The wave to resume from (0: none), refused before any process starts where the cut is of
+    another job. A run that would delete an earlier run's checkpoints without being told to is
+    refused, as transformers' Trainer refuses a used output_dir: the cuts may hold hours of
+    training that a forgotten --resume would otherwise lose."""
     wave = checkpoints.latest(out_dir / outputs.CHECKPOINTS)
     if not resume:
         if wave is not None and not fresh:
@@ -109,6 +115,9 @@ def _resume_wave(out_dir: Path, *, resume: bool, fresh: bool) -> int:
     if wave is None:
         raise ConfigError(f"--resume: no complete checkpoint in {out_dir / outputs.CHECKPOINTS} "
                           "(train.checkpoint_every sets how often a run writes one)")
+    refused = checkpoints.refusal(out_dir / outputs.CHECKPOINTS, wave, checkpoints.job_shape(job, plan, _shards(job)))
+    if refused is not None:
+        raise ConfigError(refused)
     print(f"hetpipe: resuming from the checkpoint of wave {wave}", file=sys.stderr)
     return wave
 
@@ -179,7 +188,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     children.warm_up()  # the fork server imports torch while this process plans
     plan = preflight(job)
     # Every refusal comes before an earlier run's results are cleared: a refused run changes nothing.
-    resume_wave = _resume_wave(out_dir, resume=resume, fresh=fresh)
+    resume_wave = _resume_wave(out_dir, job, plan, resume=resume, fresh=fresh)
     with outputs.locked(out_dir):
         credentials = local_security(job, out_dir, flags)
         _check_security(credentials)
@@ -222,9 +231,8 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
             # in the worker's log ("stage q of vw v assigned ...") and in every error.
             for i in range(par.virtual_workers * par.stages_per_vw):
                 procs.spawn("stage_worker", f"stage worker {i}", register)
-            # A lone VW needs no parameter server: its local weights are w_global.
             shard_trace = ["--trace-dir", str(out_dir / "trace")] if job.output.trace else []
-            for i in range(par.ps_shards if par.virtual_workers > 1 else 0):
+            for i in range(_shards(job)):
                 procs.spawn("ps_server", f"ps server {i}",
                             [*register, "--checkpoint-dir", str(out_dir / "ps" / f"shard{i}"), *shard_trace])
             procs.wait_ready()
