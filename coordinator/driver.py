@@ -301,7 +301,7 @@ class JobDriver:
                 opt = self.job.train.optimizer
                 raise JobFailed(f"training diverged: the loss of vw {h.plan.vw} is {h.last.last_loss} at minibatch "
                                 f"{h.last.last_loss_minibatch} (train.optimizer.lr is {opt.lr:g}; a smaller one, or a "
-                                f"look at the data, may help)")
+                                f"look at the data, may help; {h.name} at {h.at})")
 
     def _take_cut(self) -> None:
         """Once every stage waits at the same checkpoint, its shard part, then on they go."""

@@ -324,6 +324,9 @@ def _status(args: argparse.Namespace) -> int:
                 _error(f"the job of {args.job} has ended; coordinator {address}: {exc.details()}")
                 return EXIT_FAILED
             print(f"hetpipe: coordinator {address} unreachable: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            if not (args.coordinator or args.job or os.environ.get("HETPIPE_COORDINATOR")):
+                print(f"hetpipe: a local `hetpipe run JOB.yaml` is found with `hetpipe {args.command} --job JOB.yaml`",
+                      file=sys.stderr)
             return EXIT_UNAVAILABLE
     if already_ended and not args.json:
         return _nothing_to_stop(job_status.job_id or address, State.Name(job_status.state), job_status.reason)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 import sys
 import time
@@ -220,6 +221,7 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
     channel = rpc.channel(server.address)
     stub = rpc.Stub(channel, "Coordinator")
     status: coordinator_pb2.JobStatus | None = None
+    logs: dict[str, Path] = {}   # each worker's address -> its log
     try:
         par = job.parallel
         threads = devices.threads_for(par.virtual_workers * par.stages_per_vw)
@@ -236,6 +238,7 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
                 procs.spawn("ps_server", f"ps server {i}",
                             [*register, "--checkpoint-dir", str(out_dir / "ps" / f"shard{i}"), *shard_trace])
             procs.wait_ready()
+            logs.update((p.address, p.log_path) for p in procs.processes)
             targets = out_dir / TARGETS_FILE
             write_targets(targets, metrics_server.port, procs)
             try:
@@ -268,7 +271,14 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
         return summary
     if runner.machine.state == JobState.STOPPED:
         raise JobStopped(status.reason)
-    raise JobFailed(status.reason)
+    raise JobFailed(naming_logs(status.reason, logs))
+
+
+def naming_logs(reason: str, logs: dict[str, Path]) -> str:
+    """reason, with the log of each worker it names by address: the logs' names (stage_worker_3)
+    follow the order the workers started in, not the stage each came to serve."""
+    named = [str(path) for address, path in logs.items() if re.search(re.escape(address) + r"(?!\d)", reason)]
+    return reason + (f"; log {', '.join(named)}" if named else "")
 
 
 class _Bar:

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from conftest import BASE_JOB, deep_update
+from launch import cli
 
 pytestmark = pytest.mark.timeout(120)
 HETPIPE = [sys.executable, "-m", "launch.cli"]
@@ -93,3 +94,13 @@ def test_ctrl_c_while_the_command_starts_ends_it_in_one_line(tmp_path: Path, aft
     plan.send_signal(signal.SIGINT)
     out, err = plan.communicate(timeout=60)
     assert (plan.returncode, err) == (130, "hetpipe: interrupted\n"), (plan.returncode, err, out)
+
+
+def test_a_bare_status_with_no_coordinator_says_how_to_find_a_local_run(monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("HETPIPE_COORDINATOR", raising=False)
+    monkeypatch.setattr("launch.cli.DEFAULT_PORT", 1)   # nothing listens there, whatever this host runs
+    assert cli.main(["status"]) == 69
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("hetpipe: coordinator 127.0.0.1:1 unreachable: UNAVAILABLE")
+    assert err[1] == "hetpipe: a local `hetpipe run JOB.yaml` is found with `hetpipe status --job JOB.yaml`"
