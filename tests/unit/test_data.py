@@ -249,7 +249,8 @@ def broken(rows=20):
 def factory_job(tmp_path: Path, **data: Any) -> JobConfig:
     (tmp_path / "mydata.py").write_text(DATA_MODULE)
     raw = {"model": {"name": "mlp"}, "data": {"factory": "mydata:train_set", "args": {"rows": 20},
-                                              "batch_size": 4, **data}}
+                                              "batch_size": 4, **data},
+           **({"eval": {"every": 0}} if data.get("eval_fraction") else {})}   # held-out rows are for an eval
     return parse_job(raw, base_dir=str(tmp_path))
 
 
