@@ -150,8 +150,9 @@ class ShardServicer:
         # write failed is not applied (so its retry is no "duplicate"). Under WSP a push is logged
         # before the lock, so that concurrent pushes write their logs at once: sums commute, so
         # the order of entries does not matter; it is fsynced after the lock (Durability). It is
-        # logged as it arrives, and applied from its entry. Quorum rounds and elastic exchanges
-        # log in order, once validated, under the lock, on disk.
+        # logged as it arrives, and applied from its entry, which nothing holds on to after the
+        # apply (its file may become a spare, written over). Quorum rounds keep their pushes, and
+        # they and elastic exchanges log in order, once validated, under the lock, on disk.
         logged: int | None = None
         journal: Callable[[], None] | None = None
         if durability is not None and kind == "push" and self.shard.rule.mode == "wsp":
