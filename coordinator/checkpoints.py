@@ -42,9 +42,8 @@ def job_shape(job: JobConfig, plan: Plan, shards: int) -> dict[str, Any]:
             "layers": [[s.layer_begin, s.layer_end] for s in plan.stages]}
 
 
-def refusal(folder: Path, wave: int, shape: dict[str, Any]) -> str | None:
-    """Why a job of this shape cannot resume from the cut of wave, or None."""
-    m = manifest(folder, wave)
+def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
+    """Why a job of this shape cannot resume from the cut of wave, whose manifest is m, or None."""
     mismatch = {k: (m.get(k), v) for k, v in shape.items() if m.get(k) != v}
     if mismatch:
         return (f"--resume: the checkpoint of wave {wave} was taken for another job: "
@@ -97,10 +96,10 @@ class Checkpoints:
 
     def restore_shards(self, wave: int) -> None:
         """Gives every shard the cut's values and each VW's clock (instead of VW 0's w0)."""
-        refused = refusal(self.folder, wave, self.job_shape)
+        m = manifest(self.folder, wave)
+        refused = refusal(m, wave, self.job_shape)
         if refused is not None:
             raise JobFailed(refused)
-        m = manifest(self.folder, wave)
         for i, stub in enumerate(self.shards):
             keys = self._keys(i)
             if not keys:

@@ -116,7 +116,8 @@ def _resume_wave(out_dir: Path, job: JobConfig, plan: Plan, *, resume: bool, fre
     if wave is None:
         raise ConfigError(f"--resume: no complete checkpoint in {out_dir / outputs.CHECKPOINTS} "
                           "(train.checkpoint_every sets how often a run writes one)")
-    refused = checkpoints.refusal(out_dir / outputs.CHECKPOINTS, wave, checkpoints.job_shape(job, plan, _shards(job)))
+    refused = checkpoints.refusal(checkpoints.manifest(out_dir / outputs.CHECKPOINTS, wave), wave,
+                                  checkpoints.job_shape(job, plan, _shards(job)))
     if refused is not None:
         raise ConfigError(refused)
     print(f"hetpipe: resuming from the checkpoint of wave {wave}", file=sys.stderr)

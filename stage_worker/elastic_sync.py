@@ -30,7 +30,6 @@ class ElasticSync(WspSync):
 
     def __init__(self, config: SyncConfig, callbacks: SyncCallbacks, params: Sequence[torch.Tensor]) -> None:
         super().__init__(config, callbacks, params)
-        self._params = list(params)
         self.total_exchanges = total_exchanges(self.total_waves, config.period)
         self._due: list[int] = []         # exchanges whose wave has ended, not yet sent
         self._sent: int | None = None     # the exchange in flight (compute thread only)
