@@ -3,15 +3,33 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+from types import FrameType
 
 EXIT_INTERRUPTED = 130
 
 
+def interrupted() -> int:
+    """Ctrl-C outside a run (which stops its processes and says so itself): one line."""
+    print("hetpipe: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def main() -> int:
+    # Ctrl-C is held until the imports are done: a KeyboardInterrupt raised inside one leaves
+    # extension modules half-imported, and a package that retries (numpy under torch) then fails
+    # with an ImportError and a traceback instead.
+    pressed: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        pressed.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
     try:
         from launch.cli import main as cli_main
-    except KeyboardInterrupt:
-        print("hetpipe: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        return interrupted()
     return cli_main()
