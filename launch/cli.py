@@ -29,12 +29,12 @@ from coordinator.planner import projection
 from launch import compose
 from launch import k8s
 from launch import plan_report, remote, worker
-from launch.entry import EXIT_INTERRUPTED, interrupted
 from launch.local import ADDRESS_FILE, TERMINAL, TOKEN_FILE, preflight, published_job_id, read_status, run_local
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE
+EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
 INTERRUPTING = (signal.SIGTERM, signal.SIGHUP)  # handled as Ctrl-C: exit 128 + the signal's number
 
@@ -457,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.func(args)
         sys.stdout.flush()
     except KeyboardInterrupt:   # `hetpipe run` has stopped its processes already (_run)
-        return interrupted()
+        print("hetpipe: interrupted", file=sys.stderr)   # as launch.entry, which imports this module
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`hetpipe status --json | head`): no traceback, and none at exit
         # when Python flushes stdout again.
