@@ -58,9 +58,10 @@ class Checkpoints:
     """Takes the cuts of one job and gives the shards a cut's values back."""
 
     def __init__(self, folder: Path, shards: Sequence[rpc.Stub], key_shard: dict[str, int],
-                 entries: dict[str, outputs.Entry], job_shape: dict[str, Any]) -> None:
+                 entries: dict[str, outputs.Entry], job_shape: dict[str, Any], *, exact: bool = False) -> None:
         self.folder, self.shards, self.key_shard = folder, shards, key_shard
         self.entries, self.job_shape = entries, job_shape  # job_shape: what a resumed job must match
+        self.exact = exact   # the shards' rule, which every Init names (wsp.exact_pulls)
         self.taken = 0
 
     def _keys(self, shard: int) -> list[str]:
@@ -106,7 +107,8 @@ class Checkpoints:
                 continue
             values = outputs.read_weights(outputs.cut_dir(self.folder, wave) / f"shard{i}")
             tensors = [(k, values[k]) for k in keys]
-            tag = wire_pb2.InitTag(virtual_workers=self.job_shape["virtual_workers"], shard=i, clocks=m["clocks"])
+            tag = wire_pb2.InitTag(virtual_workers=self.job_shape["virtual_workers"], shard=i, clocks=m["clocks"],
+                                   sync="wsp", exact=self.exact)
             try:
                 rpc.retrying(lambda: stub.Init(wire.encode(tensors, init=tag), timeout=rpc.DATA_DEADLINE_S),
                              give_up_s=60.0)

@@ -21,7 +21,7 @@ from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed, StageLost
 from hetpipe.optim import compute_dtype
 from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
-from hetpipe.wsp import total_waves
+from hetpipe.wsp import exact_pulls, total_waves
 from coordinator.planner import Plan, StagePlan, resolved_job
 from coordinator.planner.shapes import TensorShape, boundaries
 from coordinator import checkpoints
@@ -179,7 +179,8 @@ class JobDriver:
             self.checkpoints = checkpoints.Checkpoints(
                 self.checkpoint_dir, self.shards, self.plan.key_shard,
                 outputs.entries(self.model, getattr(torch, self.job.train.dtype)),
-                checkpoints.job_shape(self.job, self.plan, len(self.shards)))
+                checkpoints.job_shape(self.job, self.plan, len(self.shards)),
+                exact=exact_pulls(self.job.parallel.sync, self.job.parallel.D))
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))
         if self.checkpoints is not None and self.resume_wave:  # VW 0's stages give w0 only on a fresh start

@@ -39,6 +39,13 @@ def required_min_clock(p: int, nm: int, D: int, steps: int | None = None) -> int
     return max(0, p // nm - 1 - D)
 
 
+def exact_pulls(sync: str, D: int) -> bool:
+    """Whether the shards answer pulls with exactly the waves below c_global (D = 0, BSP): the
+    run is then the same whatever the timing of its pulls. Above 0, a pull also includes the
+    later waves pushed by then, which G2, a lower bound, allows."""
+    return sync == "wsp" and D == 0
+
+
 def total_waves(steps: int, nm: int) -> int:
     """Waves in a run of `steps` minibatches per VW: the last one may be partial."""
     return math.ceil(steps / nm)

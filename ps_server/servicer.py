@@ -49,7 +49,7 @@ def _sync_rule(tag: wire_pb2.InitTag) -> SyncRule:
         return SyncRule(mode, quorum=tag.quorum, total_waves=tag.total_waves)
     if mode == "elastic":
         return SyncRule(mode, alpha=tag.alpha, period=tag.period, total_waves=tag.total_waves)
-    return SyncRule(mode)
+    return SyncRule(mode, exact=tag.exact)
 
 
 class ShardServicer:

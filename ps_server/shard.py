@@ -46,6 +46,7 @@ class SyncRule:
     alpha: float = 0.0       # elastic: the elastic force
     period: int = 1          # elastic: waves between a VW's exchanges
     total_waves: int = 0     # quorum, elastic: waves per VW in the job
+    exact: bool = False      # wsp with D = 0: pulls get exactly the waves below c_global (Shard.pull)
 
     def check(self, virtual_workers: int) -> None:
         def invalid(what: str) -> ShardError:
@@ -61,6 +62,8 @@ class SyncRule:
             raise invalid(f"alpha must be in (0, {elastic.MAX_ALPHA}], got {self.alpha}")
         if self.mode == "elastic" and not 1 <= self.period <= MAX_STEPS:
             raise invalid(f"period must be in [1, {MAX_STEPS}], got {self.period}")
+        if self.exact and self.mode != "wsp":
+            raise invalid("exact pulls are for sync wsp with D = 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,13 @@ class Shard:
 
     Under sync quorum an accepted push waits in its key's round (ps_server/quorum.py) until the
     round closes; under sync elastic the values are the master x~, which only exchanges change.
+
+    Exact (wsp with D = 0, BSP): a pull gets w_global with every VW's waves below c_global and
+    none of the waves a faster VW has pushed since, which WSP would allow (a lower bound). Those
+    wait in `ahead`, already in the values, to be taken out of the pull's answer; so a run does
+    not depend on whether a pull arrives before or after a faster VW's next push (O2 holds
+    exactly). It costs at most one more copy of a key while a VW is ahead (D = 0 keeps every VW
+    within one wave of c_global).
     """
 
     def __init__(self) -> None:
@@ -115,6 +125,7 @@ class Shard:
         self.exchanged: dict[str, list[int]] = {}               # elastic: exchanges per (key, VW)
         self.last_delta: dict[str, list[torch.Tensor | None]] = {}  # elastic: each VW's latest, for its retry
         self.exchanges_applied = 0
+        self.ahead: dict[str, dict[int, torch.Tensor]] = {}   # exact: key -> wave >= c_global -> its pushes' sum
 
     @property
     def ready(self) -> bool:
@@ -146,6 +157,8 @@ class Shard:
             raise ShardError(ShardError.Kind.INVALID, f"{len(clocks)} clocks for {virtual_workers} virtual workers")
         if clocks and rule.mode != "wsp":  # a checkpoint holds no open rounds, no exchange counts
             raise ShardError(ShardError.Kind.INVALID, f"resuming with clocks is for sync wsp, not {rule.mode}")
+        if clocks and rule.exact and len(set(clocks)) > 1:  # the values hold no record of which waves are ahead
+            raise ShardError(ShardError.Kind.INVALID, f"exact pulls resume with every VW at one clock, not {list(clocks)[:8]}")
         if any(not 0 <= c <= MAX_STEPS for c in clocks):
             raise ShardError(ShardError.Kind.INVALID, f"resume clocks must be in [0, {MAX_STEPS}], got {list(clocks)[:8]}")
         if rule.mode == "elastic":  # alpha * (replica - master) is a fraction
@@ -208,6 +221,7 @@ class Shard:
             raise ShardError(ShardError.Kind.CLOCK, f"vw {vw} is the last one left: the job cannot go on without it")
         self.evicted.add(vw)
         self._settle(list(self.rounds))  # quorum: a round may now have the quorum of the VWs left
+        self._trim_ahead(list(self.ahead))  # exact: c_global may have moved on without it
         return True
 
     def _check_keys(self, keys: Sequence[str]) -> None:
@@ -271,10 +285,36 @@ class Shard:
             else:
                 self.values[key].add_(delta)
             self.clocks[key][vw] = clock + 1
+            if self.rule.exact:
+                self._hold_ahead(key, clock, delta)
         self._settle(keys if self.rule.mode == "quorum" else [])
         self.pushes_applied += 1
         self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
         return True
+
+    def _hold_ahead(self, key: str, wave: int, delta: torch.Tensor) -> None:
+        """exact: a push of a wave that c_global has not reached for key is kept aside as well
+        (a copy: delta may lie on a log entry that is written over later)."""
+        if wave >= self._key_c_global(key):
+            waves = self.ahead.setdefault(key, {})
+            if wave in waves:
+                waves[wave].add_(delta)
+            else:
+                waves[wave] = delta.clone()
+        self._trim_ahead([key])
+
+    def _trim_ahead(self, keys: Sequence[str]) -> None:
+        """exact: drops the waves c_global has reached, which every pull now includes."""
+        for key in keys:
+            c = self._key_c_global(key)
+            waves = self.ahead.get(key, {})
+            for wave in [w for w in waves if w < c]:
+                del waves[wave]
+            if not waves:
+                self.ahead.pop(key, None)
+
+    def _key_c_global(self, key: str) -> int:
+        return min(self.clocks[key][v] for v in self._live())
 
     def _settle(self, keys: Sequence[str]) -> None:
         """quorum: closes every round of these keys that has its quorum; once every live VW has
@@ -376,12 +416,22 @@ class Shard:
         # G3 adds the puller's own waves >= own_clock: under quorum those not yet in a closed round.
         quorum = self.rule.mode == "quorum"
         own = [self.rounds[k].applied[vw] if quorum else self._clock(k, vw) for k in keys]
+        if self.rule.exact:   # its own waves from c_global on are taken out too: G3 adds them back
+            own = [min(o, self._key_c_global(k)) for o, k in zip(own, keys)]
         return PullResult(
-            values=[(k, self.values[k].clone() if copy else self.values[k]) for k in keys],
+            values=[(k, self._exact(k) if k in self.ahead else self.values[k].clone() if copy else self.values[k])
+                    for k in keys],
             own_clock=own,
             vw_clocks=self.vw_clocks(keys),
             c_global=self.c_global(keys),
         )
+
+    def _exact(self, key: str) -> torch.Tensor:
+        """exact: key's value without the waves c_global has not reached."""
+        value = self.values[key].clone()
+        for delta in self.ahead[key].values():
+            value.sub_(delta)
+        return value
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -390,6 +440,10 @@ class Shard:
             h.update(raw_bytes(self.values[key]))
             h.update(str(self.clocks[key]).encode())
         h.update(str(sorted(self.evicted)).encode())
+        for key in sorted(self.ahead):   # exact: what pulls take out
+            for wave in sorted(self.ahead[key]):
+                h.update(f"{key}:{wave}".encode())
+                h.update(raw_bytes(self.ahead[key][wave]))
         if self.rule.mode != "wsp":
             h.update(str(self.rule).encode())
             for key in sorted(self.rounds):
@@ -412,7 +466,8 @@ class Shard:
             "max_clock_distance": self.max_clock_distance,
             "evicted": torch.tensor(sorted(self.evicted), dtype=torch.int64),
             "sync": {"mode": self.rule.mode, "quorum": self.rule.quorum, "alpha": self.rule.alpha,
-                     "period": self.rule.period, "total_waves": self.rule.total_waves},
+                     "period": self.rule.period, "total_waves": self.rule.total_waves, "exact": self.rule.exact},
+            "ahead": {k: {str(w): d.clone() for w, d in waves.items()} for k, waves in self.ahead.items()},
             "rounds": {k: book.snapshot() for k, book in self.rounds.items()},
             "exchanged": {k: torch.tensor(c, dtype=torch.int64) for k, c in self.exchanged.items()},
             "last_delta": {k: [None if d is None else d.clone() for d in ds] for k, ds in self.last_delta.items()},
@@ -439,3 +494,6 @@ class Shard:
         self.exchanged = {k: [int(c) for c in t.tolist()] for k, t in exchanged.items()}
         self.last_delta = {k: [None if d is None else d.clone() for d in ds] for k, ds in last_delta.items()}
         self.exchanges_applied = int(snap.get("exchanges_applied", 0))  # type: ignore[call-overload]
+        ahead = snap.get("ahead") or {}
+        assert isinstance(ahead, dict)
+        self.ahead = {k: {int(w): d.clone() for w, d in waves.items()} for k, waves in ahead.items()}

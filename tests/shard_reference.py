@@ -64,6 +64,19 @@ class RefShard:
     def c_global(self, keys: list[str] | None = None) -> int:
         return min(self.vw_clocks(keys))
 
+    def key_c_global(self, key: str) -> int:
+        return min(self.clock[(key, v)] for v in range(self.n))
+
+    def exact_pull(self, vw: int, keys: list[str]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """An exact pull (wsp, D = 0): per key, w0 plus the acknowledged pushes of the waves below
+        its c_global, of every VW; the puller's own clock as far as that."""
+        w = {k: self.w0[k].clone() for k in keys}
+        for _, c, deltas in self.acked:
+            for k, d in deltas:
+                if k in w and c < self.key_c_global(k):
+                    w[k] = w[k] + d
+        return w, [min(self.clock[(k, vw)], self.key_c_global(k)) for k in keys]
+
     def conserved(self) -> dict[str, torch.Tensor]:
         """O3: w0 + the sum of every acknowledged push, recomputed from scratch."""
         w = {k: v.clone() for k, v in self.w0.items()}

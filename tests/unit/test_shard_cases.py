@@ -272,3 +272,58 @@ def test_finite_values_whose_sum_overflows_are_not_taken_for_non_finite(dtype: t
         assert not _finite(poisoned)
         poisoned[8] = -poisoned[7] if bad != bad else bad  # Inf - Inf: the sum is NaN, still caught
         assert not _finite(poisoned)
+
+
+def test_exact_pulls_take_out_the_waves_c_global_has_not_reached(tmp_path: Path) -> None:
+    """wsp with D = 0 (BSP): a pull gets every VW's waves below c_global and none later, whether it
+    arrives before or after a faster VW's next push; G3's own_clock says so. Across a restart and
+    an eviction too. Without exact, WSP's lower bound lets the later wave in."""
+    def full(value: float, shape: tuple[int, ...] = (2, 3)) -> torch.Tensor:
+        return torch.full(shape, value, dtype=torch.float64)
+
+    def pushes(shard: Shard) -> None:
+        for vw, wave, value in [(0, 0, 1.0), (1, 0, 2.0), (1, 1, 10.0)]:
+            assert shard.push(vw, wave, [("a", full(value)), ("b", full(value, (3,)))])
+
+    exact, loose = Shard(), Shard()
+    for shard, rule in ((exact, SyncRule("wsp", exact=True)), (loose, SyncRule())):
+        assert shard.init(2, [("a", full(0.0)), ("b", full(1.0, (3,)))], (), rule)
+        pushes(shard)
+    assert torch.equal(loose.pull(0, ["a"]).values[0][1], full(13.0)), "WSP alone: the later wave is in"
+    assert torch.equal(exact.values["a"], full(13.0)), "the values hold every push (O3)"
+    for vw, own in ((0, [1, 1]), (1, [1, 1])):   # vw 1's own wave 1 is taken out too: G3 adds it back
+        result = exact.pull(vw, ["a", "b"])
+        assert torch.equal(result.values[0][1], full(3.0)) and torch.equal(result.values[1][1], full(4.0, (3,)))
+        assert result.own_clock == own and result.c_global == 1 and result.vw_clocks == [1, 2]
+
+    durability = Durability(str(tmp_path))
+    durability.checkpoint(exact)
+    assert exact.push(0, 1, [("a", full(100.0))])   # logged after the checkpoint: replayed
+    durability.journal_push(0, 1, [("a", full(100.0))])
+    restored = Shard()
+    Durability(str(tmp_path)).restore(restored)
+    assert restored.digest() == exact.digest() and restored.rule.exact
+    assert torch.equal(restored.pull(0, ["a"]).values[0][1], full(113.0)), "a's c_global is 2: all in"
+    assert torch.equal(restored.pull(0, ["b"]).values[0][1], full(4.0, (3,))), "b's is 1: vw 1's wave 1 out"
+
+    assert restored.evict(0)   # b's c_global moves on without vw 0: vw 1's wave 1 is in
+    assert torch.equal(restored.pull(1, ["b"]).values[0][1], full(14.0, (3,))) and not restored.ahead
+
+    err = assert_refused(Kind.INVALID, Shard().init, 2, [("a", full(0.0))], [3, 4], SyncRule("wsp", exact=True))
+    assert "every VW at one clock" in str(err)
+    err = assert_refused(Kind.INVALID, Shard().init, 2, [("a", full(0.0))], (),
+                         SyncRule("quorum", total_waves=4, exact=True))
+    assert "exact pulls are for sync wsp" in str(err)
+
+
+def test_an_exact_shard_keeps_its_own_copy_of_a_push_it_holds_aside(tmp_path: Path) -> None:
+    """A WSP push is applied from its log entry, whose file a checkpoint frees and a later push
+    writes over: what exact pulls take out must not change with it."""
+    shard, durability = Shard(), Durability(str(tmp_path))
+    assert shard.init(3, [("a", torch.zeros(4, dtype=torch.float64))], (), SyncRule("wsp", exact=True))
+    for vw, value in ((1, 2.0), (2, 5.0)):
+        seq, logged = log_push(durability, vw, 0, [("a", torch.full((4,), value, dtype=torch.float64))])
+        assert shard.push(vw, 0, logged)
+        durability.settle(seq, applied=True)
+        durability.checkpoint(shard)   # frees the entry: vw 2's push is written over vw 1's file
+    assert torch.equal(shard.pull(0, ["a"]).values[0][1], torch.zeros(4, dtype=torch.float64))

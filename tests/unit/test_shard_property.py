@@ -13,7 +13,8 @@ written later, outside the lock), through random interleavings of:
 - invalid pushes, one fault each (clock ahead / backwards by 2+, unknown VW, unknown key, wrong
   shape, wrong dtype, a key named twice, no keys, keys at different clocks), which must raise
   ShardError of the right kind and change nothing (`digest()` before == after);
-- pulls, valid and invalid, whose values and clocks must match the reference;
+- pulls, valid and invalid, whose values and clocks must match the reference; on a shard of
+  exact pulls (wsp with D = 0), with only the waves below each key's c_global;
 - checkpoints, including one whose log clean-up was cut short by a crash, and captured ones
   written late and out of order (an older one must not overwrite a newer one) or never (killed);
 - restarts: a fresh Shard restored by a fresh Durability from the same directory, after which
@@ -49,7 +50,7 @@ from hypothesis.stateful import (
 
 from hetpipe.wsp import clock_distance
 from ps_server.durability import Durability, Snapshot
-from ps_server.shard import Shard, ShardError
+from ps_server.shard import Shard, ShardError, SyncRule
 from shard_reference import Deltas, Kind, RefShard, assert_refused, log_push, tensor
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,18 +75,20 @@ class ShardMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    @initialize(n=st.integers(1, 3), nkeys=st.integers(1, 3), every=st.integers(1, 3), seed=st.integers(0, 2**16))
-    def init(self, n: int, nkeys: int, every: int, seed: int) -> None:
+    @initialize(n=st.integers(1, 3), nkeys=st.integers(1, 3), every=st.integers(1, 3), seed=st.integers(0, 2**16),
+                exact=st.booleans())
+    def init(self, n: int, nkeys: int, every: int, seed: int, exact: bool) -> None:
         self.every = every
         self.shapes = dict(KEY_SHAPES[:nkeys])
         init = [(k, tensor(s, seed + i)) for i, (k, s) in enumerate(self.shapes.items())]
         self.shard = Shard()
         self.dur = Durability(str(self.dir), every)
-        assert self.shard.init(n, init) is True
+        self.rule = SyncRule("wsp", exact=exact)
+        assert self.shard.init(n, init, (), self.rule) is True
         self.dur.checkpoint(self.shard)  # as the servicer does on a fresh Init
         self.captured: list[Snapshot] = []  # checkpoints captured and not yet written
         self.ref = RefShard(n, dict(init))
-        assert self.shard.init(n, init) is False, "the same Init again is a no-op"
+        assert self.shard.init(n, init, (), self.rule) is False, "the same Init again is a no-op"
 
     # -- helpers -------------------------------------------------------------------------------------
 
@@ -248,9 +251,15 @@ class ShardMachine(RuleBasedStateMachine):
         keys = keys[: data.draw(st.integers(1, len(keys)), label="how many")]
         result = self.shard.pull(vw, keys)
         assert [k for k, _ in result.values] == keys
-        for k, v in result.values:
-            assert v.dtype == torch.float64 and torch.equal(v, self.ref.w[k]), k
-        assert result.own_clock == [self.ref.clock[(k, vw)] for k in keys]
+        if self.rule.exact:   # the values less the waves ahead: equal up to rounding
+            want, own = self.ref.exact_pull(vw, keys)
+            for k, v in result.values:
+                torch.testing.assert_close(v, want[k], rtol=0, atol=1e-12, msg=k)
+            assert result.own_clock == own
+        else:
+            for k, v in result.values:
+                assert v.dtype == torch.float64 and torch.equal(v, self.ref.w[k]), k
+            assert result.own_clock == [self.ref.clock[(k, vw)] for k in keys]
         assert result.vw_clocks == self.ref.vw_clocks(keys)
         assert result.c_global == self.ref.c_global(keys)
         # The pulled tensors are copies: changing them must not touch w_global.
@@ -279,8 +288,8 @@ class ShardMachine(RuleBasedStateMachine):
     def reinit_with_other_values(self, seed: int) -> None:
         before = self.shard.digest()
         other = [(k, tensor(s, seed) + 1000.0) for k, s in self.shapes.items()]
-        assert_refused(Kind.CONFLICT, self.shard.init, self.ref.n, other)
-        assert_refused(Kind.CONFLICT, self.shard.init, self.ref.n + 1, list(self.shard.values.items()))
+        assert_refused(Kind.CONFLICT, self.shard.init, self.ref.n, other, (), self.rule)
+        assert_refused(Kind.CONFLICT, self.shard.init, self.ref.n + 1, list(self.shard.values.items()), (), self.rule)
         assert self.shard.digest() == before
 
     @rule(action=st.sampled_from(["checkpoint", "checkpoint_cut_short", "restart", "restart"]))

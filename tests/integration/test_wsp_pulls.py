@@ -1,6 +1,9 @@
-"""A stage's pull through shared memory (stage_worker/wsp_sync.py) against a real shard: w_global
-is copied from the shard's pull slot straight into the weights, G3's own unpushed waves added
-after it; a slot that changes before the merge fails the stage instead of leaving torn weights."""
+"""A stage's pulls (stage_worker/wsp_sync.py) against a real shard.
+
+Through shared memory, w_global is copied from the shard's pull slot straight into the weights,
+G3's own unpushed waves added after it; a slot that changes before the merge fails the stage
+instead of leaving torn weights. With D = 0, a pull that arrives after a faster VW's next push
+gets what it would have got before it (exact pulls): the race that broke O2 across hosts."""
 
 from __future__ import annotations
 
@@ -97,3 +100,48 @@ def test_a_slot_that_changes_before_the_merge_fails_the_stage(
     slot.segment.write([memoryview(bytes(64))])   # the shard breaking its promise: the slot is rewritten
     with pytest.raises(RuntimeError, match="pull reply for min_clock 1 changed while it was merged.*stale"):
         sync.apply_pending(weights)
+
+
+def _stage(address: str, vw: int, D: int, shm: bool, failures: list[str]) -> tuple[WspSync, Weights]:
+    weights = Weights()
+    config = SyncConfig(vw=vw, nm=1, D=D, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(address,),
+                        shared_memory=(shm,))
+    callbacks = SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3)
+    return WspSync(config, callbacks, weights.params), weights
+
+
+def _push(sync: WspSync, wave: int, update: list[torch.Tensor], failures: list[str]) -> None:
+    sync.after_update(wave + 1, [u.clone() for u in update])
+    sync.on_wave_end(wave)
+    deadline = time.monotonic() + 20
+    while sync.acked_waves <= wave:
+        assert time.monotonic() < deadline and not failures, failures
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("shm", [False, True])
+@pytest.mark.parametrize("D", [0, 1])
+def test_with_d0_a_pull_after_a_faster_vws_next_push_excludes_it(shard: tuple[str, ShardServicer], D: int,
+                                                                   shm: bool) -> None:
+    """Both VWs push wave 0; vw 1 runs on and pushes wave 1 before vw 0's pull for min_clock 1
+    arrives. With D = 0 that pull gets w0 + both waves 0, as synchronous SGD would, and vw 1's own
+    pull adds its wave 1 back (G3). With D = 1 WSP lets the later wave in: G2 is a lower bound."""
+    failures: list[str] = []
+    (vw0, weights0), (vw1, weights1) = (_stage(shard[0], vw, D, shm, failures) for vw in (0, 1))
+    try:
+        w0 = [torch.arange(12.0).reshape(4, 3), torch.ones(4)]
+        u0, u1, v = ([torch.full((4, 3), x), torch.full((4,), x)] for x in (0.5, 0.25, 8.0))
+        vw0.initialise(2, w0)
+        _push(vw0, 0, u0, failures)
+        _push(vw1, 0, u1, failures)
+        _push(vw1, 1, v, failures)
+        vw0.pull_now(weights0, 1)
+        vw1.pull_now(weights1, 1)
+        both = [w + a + b for w, a, b in zip(w0, u0, u1)]
+        for got0, got1, want, later in zip(weights0.params, weights1.params, both, v):
+            assert torch.equal(got0, want + later if D else want), "vw 0 holds vw 1's wave 1 only where D allows"
+            assert torch.equal(got1, want + later), "vw 1 holds its own wave 1 either way"
+        assert not failures
+    finally:
+        vw0.close()
+        vw1.close()
