@@ -126,6 +126,7 @@ class Shard:
         self.last_delta: dict[str, list[torch.Tensor | None]] = {}  # elastic: each VW's latest, for its retry
         self.exchanges_applied = 0
         self.ahead: dict[str, dict[int, torch.Tensor]] = {}   # exact: key -> wave >= c_global -> its pushes' sum
+        self._spare_ahead: dict[str, torch.Tensor] = {}         # exact: a trimmed sum's buffer, for the next wave
 
     @property
     def ready(self) -> bool:
@@ -299,8 +300,9 @@ class Shard:
             waves = self.ahead.setdefault(key, {})
             if wave in waves:
                 waves[wave].add_(delta)
-            else:
-                waves[wave] = delta.clone()
+            else:   # into the last trimmed buffer: a fresh one costs its pages' faults, each wave
+                spare = self._spare_ahead.pop(key, None)
+                waves[wave] = delta.clone() if spare is None else spare.copy_(delta)
         self._trim_ahead([key])
 
     def _trim_ahead(self, keys: Sequence[str]) -> None:
@@ -309,7 +311,7 @@ class Shard:
             c = self._key_c_global(key)
             waves = self.ahead.get(key, {})
             for wave in [w for w in waves if w < c]:
-                del waves[wave]
+                self._spare_ahead[key] = waves.pop(wave)
             if not waves:
                 self.ahead.pop(key, None)
 
