@@ -321,6 +321,10 @@ def _status(args: argparse.Namespace) -> int:
             if ended is not None:
                 return ended
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # its coordinator moved on to another job
+                if args.command == "stop" and not args.json:   # not running: what the stop asked for
+                    print(f"job {job_ref.job_id} of {args.job} already ended; nothing to stop (coordinator "
+                          f"{address}: {exc.details()})")
+                    return 0
                 _error(f"the job of {args.job} has ended; coordinator {address}: {exc.details()}")
                 return EXIT_FAILED
             print(f"hetpipe: coordinator {address} unreachable: {exc.code().name}: {exc.details()}", file=sys.stderr)

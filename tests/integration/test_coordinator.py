@@ -181,6 +181,25 @@ def test_stop_of_a_local_run_that_has_ended_says_so_and_exits_0(make_job, tmp_pa
                           "nothing to stop\n"), cli.stdout
 
 
+def test_stop_of_a_job_its_coordinator_no_longer_holds_exits_0_and_status_1(coordinator, make_job,
+                                                                            tmp_path: Path) -> None:
+    """`--job` names a job the coordinator has moved on from (its address and job_id files stay):
+    stop has nothing to stop; status says the job has ended, and fails, as it cannot say how."""
+    _, _, address = coordinator
+    job = make_job({"output": {"trace": False}})
+    out = Path(job.resolve(job.output.dir))
+    out.mkdir()
+    stale = "0123456789abcdef" * 2
+    (out / "coordinator.address").write_text(address + "\n")
+    (out / "coordinator.job").write_text(stale + "\n")
+    ran = {command: subprocess.run([sys.executable, "-m", "launch.cli", command, "--job", str(tmp_path / "job.yaml")],
+                                   capture_output=True, text=True, timeout=60) for command in ("stop", "status")}
+    assert ran["stop"].returncode == 0, ran["stop"].stderr
+    assert ran["stop"].stdout.startswith(f"job {stale} of {tmp_path / 'job.yaml'} already ended; nothing to stop "
+                                         f"(coordinator {address}: job_id {stale}: this coordinator holds no job")
+    assert ran["status"].returncode == 1 and "has ended" in ran["status"].stderr, ran["status"].stderr
+
+
 def test_stop_before_any_job_then_a_new_job_starts(coordinator, make_job) -> None:
     stub, servicer, _ = coordinator
     assert stub.StopJob(coordinator_pb2.JobRef(), timeout=5).state == State.STOPPED
