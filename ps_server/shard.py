@@ -222,7 +222,8 @@ class Shard:
             raise ShardError(ShardError.Kind.CLOCK, f"vw {vw} is the last one left: the job cannot go on without it")
         self.evicted.add(vw)
         self._settle(list(self.rounds))  # quorum: a round may now have the quorum of the VWs left
-        self._trim_ahead(list(self.ahead))  # exact: c_global may have moved on without it
+        for key in list(self.ahead):   # exact: c_global may have moved on without it
+            self._trim_ahead(key, self._key_c_global(key))
         return True
 
     def _check_keys(self, keys: Sequence[str]) -> None:
@@ -296,24 +297,23 @@ class Shard:
     def _hold_ahead(self, key: str, wave: int, delta: torch.Tensor) -> None:
         """exact: a push of a wave that c_global has not reached for key is kept aside as well
         (a copy: delta may lie on a log entry that is written over later)."""
-        if wave >= self._key_c_global(key):
+        c = self._key_c_global(key)
+        if wave >= c:
             waves = self.ahead.setdefault(key, {})
             if wave in waves:
                 waves[wave].add_(delta)
             else:   # into the last trimmed buffer: a fresh one costs its pages' faults, each wave
                 spare = self._spare_ahead.pop(key, None)
                 waves[wave] = delta.clone() if spare is None else spare.copy_(delta)
-        self._trim_ahead([key])
+        self._trim_ahead(key, c)
 
-    def _trim_ahead(self, keys: Sequence[str]) -> None:
-        """exact: drops the waves c_global has reached, which every pull now includes."""
-        for key in keys:
-            c = self._key_c_global(key)
-            waves = self.ahead.get(key, {})
-            for wave in [w for w in waves if w < c]:
-                self._spare_ahead[key] = waves.pop(wave)
-            if not waves:
-                self.ahead.pop(key, None)
+    def _trim_ahead(self, key: str, c: int) -> None:
+        """exact: drops key's waves below c, its c_global, which every pull now includes."""
+        waves = self.ahead.get(key, {})
+        for wave in [w for w in waves if w < c]:
+            self._spare_ahead[key] = waves.pop(wave)
+        if not waves:
+            self.ahead.pop(key, None)
 
     def _key_c_global(self, key: str) -> int:
         return min(self.clocks[key][v] for v in self._live())
