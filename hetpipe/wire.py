@@ -411,6 +411,13 @@ def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu
     return receive(stream, device=device, pinned=pinned)
 
 
+def fill(stream: Stream, sinks: Sequence[memoryview]) -> None:
+    """Copies a stream's bytes into sinks, one writable byte view per tensor (its whole length);
+    WireError as the pieces are read."""
+    for index, offset, piece in stream.pieces:
+        shm.copy_bytes(sinks[index][offset:offset + len(piece)], piece)
+
+
 def receive(stream: Stream, *, device: str = "cpu", pinned: bool = False) -> Bundle:
     """The rest of decode(): a stream whose header was checked, received into new tensors."""
     if stream.gpu is not None:
@@ -422,10 +429,8 @@ def receive(stream: Stream, *, device: str = "cpu", pinned: bool = False) -> Bun
             raise WireError(exc.code, str(exc)) from None
         return Bundle(stream.header, [(m.name, t) for m, t in zip(stream.header.tensors, gpu_tensors)])
     tensors = [empty(shape, dtype, pinned=pinned) for dtype, shape, _ in stream.specs]
-    sinks = [t.reshape(-1).view(torch.uint8).numpy().data for t in tensors]
     try:
-        for index, offset, piece in stream.pieces:
-            shm.copy_bytes(sinks[index][offset:offset + len(piece)], piece)
+        fill(stream, [t.reshape(-1).view(torch.uint8).numpy().data for t in tensors])
     except BaseException:
         buffers.RECEIVE.forget(tensors)   # a refused bundle changes nothing, the pool included
         raise

@@ -257,10 +257,8 @@ class WspSync:
         """G3 in place: w_global as pulled, copied into the weights (from the pull slots, one copy
         where receiving and then setting took two), plus the own waves it lacks."""
         for stream, idx in pulled.slots:
-            sinks = [raw_bytes(params[i]) for i in idx]
             try:
-                for index, offset, piece in stream.pieces:
-                    shm.copy_bytes(sinks[index][offset:offset + len(piece)], piece)
+                wire.fill(stream, [raw_bytes(params[i]) for i in idx])
             except wire.WireError as exc:   # the shard keeps a slot until this VW pulls again: a broken promise
                 raise RuntimeError(f"pull reply for min_clock {pulled.min_clock} changed while it was merged, the "
                                    f"weights are no longer whole: {exc}") from None
