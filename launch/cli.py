@@ -39,6 +39,13 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went a
 INTERRUPTING = (signal.SIGTERM, signal.SIGHUP)  # handled as Ctrl-C: exit 128 + the signal's number
 
 
+def interrupted() -> int:
+    """Ctrl-C outside a run (which stops its processes and says so itself): one line, exit 130.
+    Also launch.entry's, for a Ctrl-C during the imports."""
+    print("hetpipe: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def _error(message: str) -> None:
     print(f"hetpipe: error: {message}", file=sys.stderr)
 
@@ -461,8 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.func(args)
         sys.stdout.flush()
     except KeyboardInterrupt:   # `hetpipe run` has stopped its processes already (_run)
-        print("hetpipe: interrupted", file=sys.stderr)   # as launch.entry, which imports this module
-        return EXIT_INTERRUPTED
+        return interrupted()
     except BrokenPipeError:
         # The reader went away (`hetpipe status --json | head`): no traceback, and none at exit
         # when Python flushes stdout again.

@@ -4,16 +4,7 @@
 from __future__ import annotations
 
 import signal
-import sys
 from types import FrameType
-
-EXIT_INTERRUPTED = 130
-
-
-def interrupted() -> int:
-    """Ctrl-C outside a run (which stops its processes and says so itself): one line."""
-    print("hetpipe: interrupted", file=sys.stderr)
-    return EXIT_INTERRUPTED
 
 
 def main() -> int:
@@ -27,7 +18,7 @@ def main() -> int:
 
     signal.signal(signal.SIGINT, hold)
     try:
-        from launch.cli import main as cli_main
+        from launch.cli import interrupted, main as cli_main
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if pressed:
