@@ -53,25 +53,33 @@ def shard(tmp_path: Path) -> Iterator[tuple[str, ShardServicer]]:
     server.stop(grace=0)
 
 
+def _stage(address: str, vw: int, D: int, shm: bool, failures: list[str]) -> tuple[WspSync, Weights]:
+    weights = Weights()
+    config = SyncConfig(vw=vw, nm=1, D=D, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(address,),
+                        shared_memory=(shm,))
+    callbacks = SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3)
+    return WspSync(config, callbacks, weights.params), weights
+
+
+def _push(sync: WspSync, wave: int, update: list[torch.Tensor], failures: list[str]) -> None:
+    sync.after_update(wave + 1, [u.clone() for u in update])
+    sync.on_wave_end(wave)
+    deadline = time.monotonic() + 20
+    while sync.acked_waves <= wave:
+        assert time.monotonic() < deadline and not failures, failures
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def pushed(shard: tuple[str, ShardServicer]) -> Iterator[tuple[WspSync, Weights, list[torch.Tensor]]]:
     """One VW's stage that has pushed wave 0 (u1) and holds wave 1 (u2) unpushed; w0 + u1 + u2."""
-    weights = Weights()
     failures: list[str] = []
-    config = SyncConfig(vw=0, nm=1, D=0, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(shard[0],),
-                        shared_memory=(True,))
-    sync = WspSync(config, SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3),
-                   weights.params)
+    sync, weights = _stage(shard[0], 0, 0, True, failures)
     try:
         w0 = [torch.arange(12.0).reshape(4, 3), torch.ones(4)]
         u1, u2 = [torch.full((4, 3), 0.5), torch.full((4,), 0.25)], [torch.full((4, 3), 2.0), torch.full((4,), 4.0)]
         sync.initialise(1, w0)
-        sync.after_update(1, [u.clone() for u in u1])
-        sync.on_wave_end(0)
-        deadline = time.monotonic() + 20
-        while sync.acked_waves < 1:
-            assert time.monotonic() < deadline and not failures, failures
-            time.sleep(0.01)
+        _push(sync, 0, u1, failures)
         sync.after_update(2, [u.clone() for u in u2])
         yield sync, weights, [w + a + b for w, a, b in zip(w0, u1, u2)]
     finally:
@@ -100,23 +108,6 @@ def test_a_slot_that_changes_before_the_merge_fails_the_stage(
     slot.segment.write([memoryview(bytes(64))])   # the shard breaking its promise: the slot is rewritten
     with pytest.raises(RuntimeError, match="pull reply for min_clock 1 changed while it was merged.*stale"):
         sync.apply_pending(weights)
-
-
-def _stage(address: str, vw: int, D: int, shm: bool, failures: list[str]) -> tuple[WspSync, Weights]:
-    weights = Weights()
-    config = SyncConfig(vw=vw, nm=1, D=D, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(address,),
-                        shared_memory=(shm,))
-    callbacks = SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3)
-    return WspSync(config, callbacks, weights.params), weights
-
-
-def _push(sync: WspSync, wave: int, update: list[torch.Tensor], failures: list[str]) -> None:
-    sync.after_update(wave + 1, [u.clone() for u in update])
-    sync.on_wave_end(wave)
-    deadline = time.monotonic() + 20
-    while sync.acked_waves <= wave:
-        assert time.monotonic() < deadline and not failures, failures
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("shm", [False, True])
