@@ -15,6 +15,7 @@ from hetpipe import elastic
 from hetpipe.buffers import raw_bytes
 from hetpipe.config import MAX_STEPS, MAX_VIRTUAL_WORKERS
 from hetpipe.wsp import clock_distance
+from ps_server import headroom
 from ps_server.quorum import KeyRounds
 
 
@@ -80,18 +81,14 @@ class PullResult:
     c_global: int
 
 
-def _finite(t: torch.Tensor) -> bool:
-    # NaN and Inf propagate through a sum (Inf - Inf is NaN), so a finite sum proves every element
-    # finite in one cheap pass (isfinite().all() costs 7x a memcpy); only a sum that is not finite,
-    # which finite values can reach by overflowing, needs the element-wise check.
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
-
-
-def _check_finite(what: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """NaN or Inf would poison w_global for every VW for good: refused, naming the keys."""
-    bad = [k for k, t in tensors if t.is_floating_point() and not _finite(t)]
+def _sizes(what: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """Each floating-point tensor's magnitude (max |t|). NaN or Inf would poison w_global for
+    every VW for good: refused, naming the keys."""
+    sizes = {k: headroom.magnitude(t) for k, t in tensors if t.is_floating_point()}
+    bad = [k for k, m in sizes.items() if not math.isfinite(m)]
     if bad:
         raise ShardError(ShardError.Kind.INVALID, f"{what}: NaN or Inf in {bad[:5]}")
+    return sizes
 
 
 class Shard:
@@ -127,6 +124,7 @@ class Shard:
         self.exchanges_applied = 0
         self.ahead: dict[str, dict[int, torch.Tensor]] = {}   # exact: key -> wave >= c_global -> its pushes' sum
         self._spare_ahead: dict[str, torch.Tensor] = {}         # exact: a trimmed sum's buffer, for the next wave
+        self.headroom = headroom.Headroom()   # how far each key is from overflowing; not state (derived)
 
     @property
     def ready(self) -> bool:
@@ -166,7 +164,7 @@ class Shard:
             integral = [k for k, v in tensors if not v.is_floating_point()]
             if integral:
                 raise ShardError(ShardError.Kind.INVALID, f"sync elastic needs floating-point keys, not {integral[:5]}")
-        _check_finite("w0", tensors)
+        _sizes("w0", tensors)
         named = dict(tensors)
         if len(named) != len(tensors) or not named:
             raise ShardError(ShardError.Kind.INVALID, "Init needs at least one key, each named once")
@@ -263,7 +261,8 @@ class Shard:
         log) runs after validation, right before the update is applied; if it raises, nothing is.
         """
         self.check_push(vw, [(k, d.dtype, tuple(d.shape)) for k, d in deltas])
-        _check_finite(f"push of vw {vw} for clock {clock}", deltas)
+        what = f"push of vw {vw} for clock {clock}"
+        sizes = _sizes(what, deltas)
         keys = [k for k, _ in deltas]
         current = {self.clocks[k][vw] for k in keys}
         if current == {clock + 1}:
@@ -276,20 +275,24 @@ class Shard:
                 ShardError.Kind.CLOCK,
                 f"push of vw {vw} for clock {clock} {direction}: its clock for these keys is {have}",
             )
-        if self.rule.mode == "quorum" and clock >= self.rule.total_waves:
+        quorum = self.rule.mode == "quorum"
+        if quorum and clock >= self.rule.total_waves:
             raise ShardError(ShardError.Kind.CLOCK, f"push of vw {vw} for clock {clock}: the job has "
                                                     f"{self.rule.total_waves} waves per virtual worker")
+        # Under quorum w_global + u is not the next state (the round may wait): the bound decides.
+        grown = self._room(what, deltas, sizes, exact=not quorum)
         if journal is not None:
             journal()
+        self.headroom.commit(grown)
         for key, delta in deltas:
-            if self.rule.mode == "quorum":
+            if quorum:
                 self.rounds[key].add(vw, clock, delta)
             else:
                 self.values[key].add_(delta)
             self.clocks[key][vw] = clock + 1
             if self.rule.exact:
                 self._hold_ahead(key, clock, delta)
-        self._settle(keys if self.rule.mode == "quorum" else [])
+        self._settle(keys if quorum else [])
         self.pushes_applied += 1
         self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
         return True
@@ -318,6 +321,23 @@ class Shard:
     def _key_c_global(self, key: str) -> int:
         return min(self.clocks[key][v] for v in self._live())
 
+    def _room(self, what: str, updates: Sequence[tuple[str, torch.Tensor]], sizes: dict[str, float], *,
+              exact: bool) -> dict[str, float]:
+        """Each key's headroom bound once its update is added; refused where it could overflow."""
+        grown, over = self.headroom.room(
+            updates, sizes, self._reach,
+            (lambda key, u: headroom.magnitude(self.values[key] + u)) if exact else None)
+        if over:
+            raise ShardError(ShardError.Kind.INVALID, f"{what}: adding it could overflow w_global in {over[:5]} "
+                                                      "(past the largest finite value of the key's dtype)")
+        return grown
+
+    def _reach(self, key: str) -> float:
+        """A fresh bound of |x| over what key may hold: its values and (quorum) its open rounds."""
+        book = self.rounds.get(key)
+        waiting = [] if book is None else [r.total for r in book.open.values() if r.total is not None]
+        return headroom.magnitude(self.values[key]) + sum(headroom.magnitude(t) for t in waiting)
+
     def _settle(self, keys: Sequence[str]) -> None:
         """quorum: closes every round of these keys that has its quorum; once every live VW has
         pushed its last wave for a key, applies all that still waits (the final flush)."""
@@ -344,7 +364,8 @@ class Shard:
         (vw, key, clock); the VW subtracts delta from its replica. A retry of its latest exchange
         gets the stored deltas and changes nothing. Validated whole first; `journal` as for push."""
         self.check_exchange(vw, [(k, t.dtype, tuple(t.shape)) for k, t in replica])
-        _check_finite(f"exchange of vw {vw} for clock {clock}", replica)
+        what = f"exchange of vw {vw} for clock {clock}"
+        _sizes(what, replica)
         keys = [k for k, _ in replica]
         current = {self.exchanged[k][vw] for k in keys}
         if current == {clock + 1}:
@@ -359,11 +380,14 @@ class Shard:
         if clock >= last:
             raise ShardError(ShardError.Kind.CLOCK, f"exchange of vw {vw} for clock {clock}: the job has {last} "
                                                     "exchanges per virtual worker")
+        computed = [(key, elastic.elastic_delta(value, self.values[key], self.rule.alpha)) for key, value in replica]
+        # replica - master may overflow: an Inf delta is refused as an overflow, not as the replica's.
+        grown = self._room(what, computed, {k: headroom.magnitude(d) for k, d in computed}, exact=True)
         if journal is not None:
             journal()
+        self.headroom.commit(grown)
         deltas = []
-        for key, value in replica:
-            delta = elastic.elastic_delta(value, self.values[key], self.rule.alpha)
+        for key, delta in computed:
             self.values[key].add_(delta)
             self.exchanged[key][vw] = clock + 1
             self.last_delta[key][vw] = delta
@@ -482,6 +506,7 @@ class Shard:
         assert isinstance(values, dict) and isinstance(clocks, dict)
         self.virtual_workers = int(snap["virtual_workers"])  # type: ignore[call-overload]
         self.values = {k: v.clone() for k, v in values.items()}
+        self.headroom = headroom.Headroom()
         self.clocks = {k: [int(c) for c in t.tolist()] for k, t in clocks.items()}
         self.pushes_applied = int(snap["pushes_applied"])  # type: ignore[call-overload]
         self.max_clock_distance = int(snap["max_clock_distance"])  # type: ignore[call-overload]

@@ -210,6 +210,24 @@ def test_duplicate_push_is_an_ok_no_op(ps: InProcess) -> None:
         assert torch.equal(v, ps.expected[k]), f"{k}: a duplicate was applied"
 
 
+def test_a_push_that_would_overflow_w_global_is_refused_and_changes_nothing(ps: InProcess) -> None:
+    """A finite push whose sum with w_global passes float32's largest value, through gRPC and the
+    push log: INVALID_ARGUMENT naming the key, its log entry not replayed, and the shard serves on."""
+    c = ps.client
+    huge = lambda vw, clock: [(k, d + (0.75 * torch.finfo(torch.float32).max if k == "l0.bias" else 0.0))  # noqa: E731
+                              for k, d in delta(vw, clock)]
+    assert not c.push(1, 1, huge(1, 1)).duplicate
+    before = state(c.status())
+    refused(lambda: c.push(0, 2, huge(0, 2)), Code.INVALID_ARGUMENT,
+            r"push of vw 0 for clock 2: adding it could overflow w_global in \['l0\.bias'\]")
+    assert state(c.status()) == before
+    assert torch.isfinite(c.pull(0, KEYS).named()["l0.bias"]).all()
+    assert not c.push(0, 2, delta(0, 2)).duplicate, "the same wave, finite, is applied"
+    restored = ShardServicer(Shard(), Durability(ps.servicer.durability.dir), max_pull_wait_s=1.0)
+    restored.restore()
+    assert restored.shard.digest() == ps.servicer.shard.digest(), "the refused push's log entry is not replayed"
+
+
 def test_push_whose_log_write_fails_is_not_applied(ps: InProcess, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """An I/O error writing the push log refuses the push whole, so the client's retry is applied (and

@@ -259,19 +259,56 @@ def test_a_checkpoint_written_late_never_overwrites_a_newer_one(tmp_path: Path) 
     assert again.digest() == shard.digest() and again.pushes_applied == 4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_finite_values_whose_sum_overflows_are_not_taken_for_non_finite(dtype: torch.dtype) -> None:
-    """The finiteness check sums first: an overflowing sum of finite values must not refuse a push."""
-    from ps_server.shard import _finite
+FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+RULES = {"wsp": SyncRule(), "exact": SyncRule("wsp", exact=True), "quorum": SyncRule("quorum", total_waves=4)}
 
-    big = torch.full((64,), torch.finfo(dtype).max / 2, dtype=dtype)
-    assert not torch.isfinite(big.sum()) and _finite(big)
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        poisoned = big.clone()
-        poisoned[7] = bad
-        assert not _finite(poisoned)
-        poisoned[8] = -poisoned[7] if bad != bad else bad  # Inf - Inf: the sum is NaN, still caught
-        assert not _finite(poisoned)
+
+def _at(dtype: torch.dtype, **elements: float) -> torch.Tensor:
+    """Three elements, zero but those named (i0, i1, i2), as fractions of the dtype's largest value."""
+    t = torch.zeros(3, dtype=dtype)
+    for name, fraction in elements.items():
+        t[int(name[1:])] = fraction * torch.finfo(dtype).max
+    return t
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rule", list(RULES))
+def test_a_finite_push_that_would_overflow_w_global_is_refused_and_changes_nothing(dtype: torch.dtype,
+                                                                                   rule: str) -> None:
+    """An Inf in w_global reaches every VW at its next pull and stays, whether a push brought it or
+    a sum of finite ones made it. Under quorum the sum waits in a round: that is refused too."""
+    shard = Shard()
+    shard.init(2, [("a", torch.zeros(3, dtype=dtype))], (), RULES[rule])
+    assert shard.push(0, 0, [("a", _at(dtype, i0=0.75))])
+    digest = shard.digest()
+    message = str(assert_refused(Kind.INVALID, shard.push, 1, 0, [("a", _at(dtype, i0=0.75))]))
+    assert "push of vw 1 for clock 0: adding it could overflow w_global in ['a']" in message
+    assert shard.digest() == digest and shard.pushes_applied == 1 and shard.clocks["a"] == [1, 0]
+    beside = [("a", _at(dtype, i1=0.75))]   # no element overflows
+    if rule == "quorum":   # the bound decides: the round's sum, not w_global + u, is what comes next
+        assert_refused(Kind.INVALID, shard.push, 1, 0, beside)
+        assert shard.digest() == digest
+        return
+    assert shard.push(1, 0, beside), "w_global + u itself decides where the bound cannot"
+    assert torch.equal(shard.values["a"], _at(dtype, i0=0.75, i1=0.75))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_a_bound_grown_loose_is_measured_again_not_refused(dtype: torch.dtype) -> None:
+    """Each push grows its key's bound by its own largest |u|, and the bound never shrinks by
+    itself: pushes that cancel out leave it loose, and the key is measured again once it nears
+    the limit."""
+    shard = Shard()
+    shard.init(2, [("a", torch.zeros(3, dtype=dtype))])
+    for vw, clock, fraction in [(0, 0, 0.3), (1, 0, -0.3), (0, 1, 0.3), (1, 1, 0.3)]:
+        assert shard.push(vw, clock, [("a", _at(dtype, i0=fraction))]), (vw, clock)
+    assert shard.headroom.bounds["a"] < torch.finfo(dtype).max
+    assert_refused(Kind.INVALID, shard.push, 0, 2, [("a", _at(dtype, i0=0.5))])
+    assert shard.push(0, 2, [("a", _at(dtype, i0=-0.5))]), "the same size the other way: applied"
+    again = Shard()   # a restored shard starts with no bounds, and measures
+    again.restore(shard.snapshot())
+    assert_refused(Kind.INVALID, again.push, 1, 2, [("a", _at(dtype, i0=0.95))])
+    assert again.push(1, 2, [("a", _at(dtype, i0=-0.95))])
 
 
 def test_exact_pulls_take_out_the_waves_c_global_has_not_reached(tmp_path: Path) -> None:

@@ -422,6 +422,22 @@ def test_exchange_refusals_change_nothing() -> None:
     assert_refused(Kind.CLOCK, shard.exchange, 1, 0, replica)
 
 
+def test_an_exchange_whose_delta_would_overflow_is_refused_and_changes_nothing() -> None:
+    """Both finite, the replica and the master can still be further apart than a float holds:
+    replica - master is then Inf, refused as an overflow (not as the replica's NaN or Inf)."""
+    big = 2.0 ** 1023   # powers of two: every sum and half below is exact
+    shard = Shard()
+    shard.init(2, [("w", torch.tensor([big, 1.0], dtype=torch.float64))],
+               rule=SyncRule("elastic", alpha=0.5, period=1, total_waves=2))
+    digest = shard.digest()
+    far = [("w", torch.tensor([-big, 1.0], dtype=torch.float64))]   # -2**1024: past float64
+    message = str(assert_refused(Kind.INVALID, shard.exchange, 0, 0, far))
+    assert "exchange of vw 0 for clock 0: adding it could overflow w_global in ['w']" in message
+    assert shard.digest() == digest and shard.exchanges_applied == 0
+    result = shard.exchange(0, 0, [("w", torch.tensor([big / 4, 3.0], dtype=torch.float64))])
+    assert result.applied and torch.equal(shard.values["w"], torch.tensor([big / 8 * 5, 2.0], dtype=torch.float64))
+
+
 def test_elastic_state_survives_snapshot_and_log_replay(tmp_path: Path) -> None:
     durability = Durability(str(tmp_path / "ckpt"), every_clocks=3)   # one checkpoint mid-way, at c_global 3
     shard = elastic_shard(3, total=4)

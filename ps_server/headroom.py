@@ -1,0 +1,75 @@
+"""How far each key of w_global is from overflowing: an update whose sum with w_global could pass
+the dtype's largest finite value is refused before anything is applied, as a NaN one is. Pure:
+no I/O, no locks.
+
+Finite updates can still make w_global infinite (a diverging run's huge step), and an Inf
+in w_global reaches every VW at its next pull and stays. Checking every sum element by element
+would cost a pass over w_global per push. Instead each key keeps a bound on |w| that grows by
+each accepted update's largest |u|, and only a bound that comes near the limit has the key
+looked at again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def magnitude(t: torch.Tensor) -> float:
+    """max |t| in one pass: NaN where t holds a NaN, inf where it holds an Inf; 0 when empty.
+    (A sum would overflow for finite values, and |t| would allocate a copy.)"""
+    if t.numel() == 0:
+        return 0.0
+    low, high = (float(x) for x in torch.aminmax(t))
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+
+
+def grow(bound: float, added: float, dtype: torch.dtype) -> float:
+    """A bound on |w + u| from |w| <= bound and |u| <= added, with room for the sum's rounding
+    (one rounding each: |fl(w + u)| <= (|w| + |u|)(1 + eps))."""
+    return (bound + added) * (1 + 2 * torch.finfo(dtype).eps)
+
+
+class Headroom:
+    """Per floating-point key, an upper bound on |x| for every element x that the key's w_global
+    may hold: its values, plus every accepted update that is not in them yet (quorum rounds).
+    A key with no bound yet (new, or restored) is measured on first use."""
+
+    def __init__(self) -> None:
+        self.bounds: dict[str, float] = {}
+
+    def room(self, updates: Sequence[tuple[str, torch.Tensor]], sizes: dict[str, float],
+             reach: Callable[[str], float],
+             exact: Callable[[str, torch.Tensor], float] | None) -> tuple[dict[str, float], list[str]]:
+        """Each key's bound once its update is in, and the keys whose update could overflow.
+
+        sizes: each floating-point update's magnitude; one that is not finite is over. reach(key): a fresh bound of the
+        key as it is now, for a cached one that has grown loose. exact(key, u): max |w + u|,
+        computed (rare: only where the bound says it could overflow); None where w + u is not
+        the next state (quorum), and the bound alone decides. Changes no bound: commit() does."""
+        grown: dict[str, float] = {}
+        over: list[str] = []
+        for key, update in updates:
+            if key not in sizes:
+                continue
+            if not math.isfinite(sizes[key]):   # an Inf delta: replica - master overflowed (elastic)
+                over.append(key)
+                continue
+            limit = torch.finfo(update.dtype).max
+            known = self.bounds.get(key)
+            bound = math.inf if known is None else grow(known, sizes[key], update.dtype)
+            if not bound <= limit:
+                bound = grow(reach(key), sizes[key], update.dtype)
+            if not bound <= limit and exact is not None:
+                bound = exact(key, update)   # w + u itself: no rounding left to allow for
+            if not bound <= limit:   # NaN too
+                over.append(key)
+            else:
+                grown[key] = bound
+        return grown, over
+
+    def commit(self, grown: dict[str, float]) -> None:
+        """The updates room() measured are applied (or, quorum, accepted into a round)."""
+        self.bounds.update(grown)
