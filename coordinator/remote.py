@@ -14,7 +14,7 @@ from hetpipe import outputs
 from hetpipe.cluster import ClusterConfig, EmulateConfig, GpuGroup, NodeConfig
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.v1 import coordinator_pb2
-from hetpipe.wire import CHUNK_BYTES
+from hetpipe.rpc import CHUNK_BYTES
 
 Role = coordinator_pb2.WorkerInfo.Role
 # What a client gets back: the final weights (one file or transformers' shards and index), the

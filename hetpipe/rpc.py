@@ -25,10 +25,12 @@ from hetpipe.duplex import Duplex
 from hetpipe.errors import Rejected
 from hetpipe.metrics import ServerMetricsInterceptor
 from hetpipe.v1 import coordinator_pb2, ps_pb2, stage_pb2, wire_pb2
-from hetpipe.wire import CHUNK_BYTES
 
 log = logging.getLogger(__name__)
 
+# A tensor frame's payload at most (wire.encode's frames; here, so that a client that moves no
+# tensors, the command line, need not import torch with the wire codec).
+CHUNK_BYTES = 1 << 20
 # gRPC's per-message ceiling: one chunk plus header slack. Larger messages are refused by gRPC
 # itself with RESOURCE_EXHAUSTED before a handler runs.
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES

@@ -17,12 +17,12 @@ from google.protobuf.message import DecodeError
 from hetpipe import buffers, cuda_ipc, shm
 from hetpipe.buffers import raw_bytes
 from hetpipe.errors import Rejected
+from hetpipe.rpc import CHUNK_BYTES
 from hetpipe.v1 import wire_pb2
 
 if sys.byteorder != "little":  # the wire format is little-endian and we copy raw memory
     raise ImportError("hetpipe's wire codec needs a little-endian host")
 
-CHUNK_BYTES = 1 << 20
 MAX_NDIM = 8
 # Larger than any single activation or shard slice we move; a header claiming more is bogus.
 MAX_BUNDLE_BYTES = 16 << 30

@@ -31,7 +31,7 @@ def _messages(frames: Iterable[bytes]) -> list[wire_pb2.TensorFrame]:
     return [wire_pb2.TensorFrame.FromString(f) for f in frames]
 
 
-def _reference_frames(tensors: list[tuple[str, torch.Tensor]], chunk_bytes: int = wire.CHUNK_BYTES,
+def _reference_frames(tensors: list[tuple[str, torch.Tensor]], chunk_bytes: int = rpc.CHUNK_BYTES,
                       **tags: Any) -> list[bytes]:
     """The frames as the protobuf library itself writes them, built from the .proto's description
     (header and metas in the first frame; each tensor's bytes cut every chunk_bytes, and
