@@ -30,7 +30,7 @@ import torch
 from hetpipe.catalog import CATALOG
 from hetpipe.config import ConfigError, JobConfig, with_overrides
 from hetpipe.network import ring_allreduce_seconds
-from hetpipe import faults, outputs
+from hetpipe import faults, outputs, weight_files
 from hetpipe.units import format_bytes
 from baselines import common
 
@@ -184,7 +184,7 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
     common.run_group(group, total_steps=job.train.steps, samples_per_step=n * job.data.batch_size,
                      quiet=quiet, emulated=devices.emulated)
     results = [group.result(r) for r in range(n)]
-    outputs.write_from(out_dir, [group.work / "weights.safetensors"], job.output.max_shard_bytes)
+    weight_files.write_from(out_dir, [group.work / "weights.safetensors"], job.output.max_shard_bytes)
     wall = results[0]["wall_seconds"]
     samples = job.train.steps * n * job.data.batch_size
     fields: dict[str, Any] = {

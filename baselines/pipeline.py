@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hetpipe.config import ConfigError, JobConfig, with_overrides
-from hetpipe import faults, outputs
+from hetpipe import faults, outputs, weight_files
 from hetpipe.optim import autocast, to_compute
 from baselines import common
 
@@ -70,7 +70,7 @@ def run_pipeline(job: JobConfig, *, quiet: bool = False, cache_dir: str | None =
     common.run_group(group, total_steps=job.train.steps, samples_per_step=job.data.batch_size, quiet=quiet,
                      emulated=emulated)
     results = [group.result(q) for q in range(k)]
-    outputs.write_from(out_dir, [group.work / f"stage{q}.safetensors" for q in range(k)], job.output.max_shard_bytes)
+    weight_files.write_from(out_dir, [group.work / f"stage{q}.safetensors" for q in range(k)], job.output.max_shard_bytes)
     wall = results[0]["wall_seconds"]
     fields: dict[str, Any] = {
         "steps": job.train.steps,

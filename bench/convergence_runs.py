@@ -19,7 +19,8 @@ from hetpipe import faults, rpc
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobStopped
 from hetpipe.v1 import coordinator_pb2
-from launch.local import ADDRESS_FILE, TARGETS_FILE, run_local
+from hetpipe.outputs import ADDRESS_FILE
+from launch.local import TARGETS_FILE, run_local
 
 State = coordinator_pb2.JobStatus.State
 TERMINAL = {State.COMPLETED, State.FAILED, State.STOPPED}

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from coordinator.planner import Plan
-from hetpipe import outputs, rpc, wire
+from hetpipe import outputs, rpc, weight_files, wire
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed
 from hetpipe.v1 import ps_pb2, wire_pb2
@@ -58,7 +58,7 @@ class Checkpoints:
     """Takes the cuts of one job and gives the shards a cut's values back."""
 
     def __init__(self, folder: Path, shards: Sequence[rpc.Stub], key_shard: dict[str, int],
-                 entries: dict[str, outputs.Entry], job_shape: dict[str, Any], *, exact: bool = False) -> None:
+                 entries: dict[str, weight_files.Entry], job_shape: dict[str, Any], *, exact: bool = False) -> None:
         self.folder, self.shards, self.key_shard = folder, shards, key_shard
         self.entries, self.job_shape = entries, job_shape  # job_shape: what a resumed job must match
         self.exact = exact   # the shards' rule, which every Init names (wsp.exact_pulls)
@@ -76,9 +76,9 @@ class Checkpoints:
             if not keys:
                 continue
             (where / f"shard{i}").mkdir(parents=True, exist_ok=True)
-            with outputs.WeightsWriter(where / f"shard{i}", [self.entries[k] for k in keys], 1 << 62) as writer:
+            with weight_files.WeightsWriter(where / f"shard{i}", [self.entries[k] for k in keys], 1 << 62) as writer:
                 request = ps_pb2.PullRequest(vw=lead_vw, keys=keys, min_clock=wave)
-                outputs.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
+                weight_files.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
                 writer.close()
             status = stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
             clocks = [c.min_clock for c in status.clocks]
@@ -105,7 +105,7 @@ class Checkpoints:
             keys = self._keys(i)
             if not keys:
                 continue
-            values = outputs.read_weights(outputs.cut_dir(self.folder, wave) / f"shard{i}")
+            values = weight_files.read_weights(outputs.cut_dir(self.folder, wave) / f"shard{i}")
             tensors = [(k, values[k]) for k in keys]
             tag = wire_pb2.InitTag(virtual_workers=self.job_shape["virtual_workers"], shard=i, clocks=m["clocks"],
                                    sync="wsp", exact=self.exact)

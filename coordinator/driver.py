@@ -16,7 +16,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hetpipe import data, models, outputs, rpc, shm, wire
+from hetpipe import data, models, outputs, rpc, shm, weight_files, wire
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed, StageLost
 from hetpipe.optim import compute_dtype
@@ -178,7 +178,7 @@ class JobDriver:
         if self.checkpoint_dir is not None:
             self.checkpoints = checkpoints.Checkpoints(
                 self.checkpoint_dir, self.shards, self.plan.key_shard,
-                outputs.entries(self.model, getattr(torch, self.job.train.dtype)),
+                weight_files.entries(self.model, getattr(torch, self.job.train.dtype)),
                 checkpoints.job_shape(self.job, self.plan, len(self.shards)),
                 exact=exact_pulls(self.job.parallel.sync, self.job.parallel.D))
         for h in self.stages:  # each answers at once and loads in the background

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from hetpipe import devices, models, outputs, rpc
+from hetpipe import devices, models, outputs, rpc, weight_files
 from hetpipe.errors import JobFailed
 from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
 from hetpipe.wsp import total_waves
@@ -20,8 +20,8 @@ def write_weights(d: JobDriver) -> list[Path]:
     """The final model into safetensors in output.dir: w_global from the shards after every VW's
     last push (the lead VW's stages give what the shards do not hold, such as buffers), or the
     lone VW's weights. Keys as in the model's state_dict."""
-    entries = list(outputs.entries(d.model, getattr(torch, d.job.train.dtype)).values())
-    with outputs.WeightsWriter(d.out_dir, entries, d.job.output.max_shard_bytes) as writer:
+    entries = list(weight_files.entries(d.model, getattr(torch, d.job.train.dtype)).values())
+    with weight_files.WeightsWriter(d.out_dir, entries, d.job.output.max_shard_bytes) as writer:
         owned: set[str] = set()
         final_clock = total_waves(d.job.train.steps, d.plan.nm)
         for i, stub in enumerate(d.shards):
@@ -29,7 +29,7 @@ def write_weights(d: JobDriver) -> list[Path]:
             if not keys:
                 continue
             request = ps_pb2.PullRequest(vw=d.lead_vw, keys=keys, min_clock=final_clock)
-            outputs.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
+            weight_files.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
             owned.update(keys)
         for h in d.stages:
             if h.plan.vw != d.lead_vw:
@@ -37,7 +37,7 @@ def write_weights(d: JobDriver) -> list[Path]:
             keys = [k for k in models.layer_keys(d.model, h.plan.layer_begin, h.plan.layer_end) if k not in owned]
             if keys:
                 weights = stage_pb2.WeightsRequest(keys=keys)
-                outputs.stream_into(writer, lambda: h.stub.GetWeights(weights, timeout=rpc.DATA_DEADLINE_S), h.name)
+                weight_files.stream_into(writer, lambda: h.stub.GetWeights(weights, timeout=rpc.DATA_DEADLINE_S), h.name)
         try:
             return writer.close()
         except ValueError as exc:

@@ -38,7 +38,7 @@ _TO_TORCH: dict[wire_pb2.DType, torch.dtype] = {
     wire_pb2.BOOL: torch.bool,
 }
 _TO_WIRE: dict[torch.dtype, wire_pb2.DType] = {v: k for k, v in _TO_TORCH.items()}
-CARRIED = tuple(_TO_WIRE)   # the dtypes a tensor may have to cross (and be written out: outputs.DTYPES)
+CARRIED = tuple(_TO_WIRE)   # the dtypes a tensor may have to cross (and be written out: weight_files.DTYPES)
 
 
 class WireError(Rejected):

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import grpc
 import yaml
@@ -22,14 +23,21 @@ import yaml
 from hetpipe import outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig, load_job
 from hetpipe.errors import Interrupted, JobFailed, JobStopped, interrupt_reason
+from hetpipe.outputs import ADDRESS_FILE, TOKEN_FILE, published_job_id, read_status
 from hetpipe.v1 import coordinator_pb2, wire_pb2
 from coordinator.config import DEFAULT_PORT
-from coordinator.planner import Plan, PlanError, make_plan
-from coordinator.planner import projection
+from coordinator.state import JobState
 from launch import compose
 from launch import k8s
-from launch import plan_report, remote, worker
-from launch.local import ADDRESS_FILE, TERMINAL, TOKEN_FILE, preflight, published_job_id, read_status, run_local
+from launch import worker
+from launch.interrupts import ctrl_c_held
+
+# The planner, the local launcher and the remote client import torch (a second): the commands that
+# plan or run import them when they run (ctrl_c_held), so that status, stop, trace, certs and --help
+# start at once.
+if TYPE_CHECKING:
+    from coordinator.planner import Plan
+    from coordinator.planner import projection
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -37,6 +45,7 @@ EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
 INTERRUPTING = (signal.SIGTERM, signal.SIGHUP)  # handled as Ctrl-C: exit 128 + the signal's number
+TERMINAL = {s.name for s in JobState if s.is_terminal}   # the proto's names of the states a job ends in
 
 
 def interrupted() -> int:
@@ -86,6 +95,11 @@ def _signals_interrupt() -> Iterator[None]:
 
 
 def _run_job(args: argparse.Namespace) -> int:
+    with ctrl_c_held():
+        from coordinator.planner import PlanError
+        from launch import remote
+        from launch.local import run_local
+
     try:
         job = load_job(args.config)
         if args.coordinator:
@@ -136,10 +150,14 @@ def _coordinator(argv: list[str]) -> int:
     return coordinator_main(argv)
 
 
-def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] = make_plan) -> tuple[JobConfig, Plan] | int:
+def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] | None = None) -> tuple[JobConfig, Plan] | int:
+    """The job file and its plan (by make_plan unless plan is given), or EXIT_USAGE after one error line."""
+    with ctrl_c_held():
+        from coordinator.planner import PlanError, make_plan
+
     try:
         job = load_job(path)
-        return job, plan(job)
+        return job, (plan or make_plan)(job)
     except (ConfigError, PlanError) as exc:
         _error(str(exc))
         return EXIT_USAGE
@@ -147,6 +165,10 @@ def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] = make_plan) -> 
 
 def _plan(args: argparse.Namespace) -> int:
     """Prints the plan: VWs, GPUs, layer ranges, memory against capacity, predicted times."""
+    with ctrl_c_held():
+        from launch import plan_report
+        from launch.local import preflight
+
     inputs = _read_projection(args.projection) if args.projection else None  # a bad file fails before planning
     if isinstance(inputs, int):
         return inputs
@@ -174,6 +196,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _read_projection(path: str) -> projection.Inputs | int:
     """The inputs of Pal et al.'s DP-vs-hybrid projection (coordinator/planner/projection.py)."""
+    with ctrl_c_held():
+        from coordinator.planner import projection
+
     try:
         return projection.parse_inputs(yaml.safe_load(Path(path).read_text()))
     except OSError as exc:
@@ -188,6 +213,9 @@ def _read_projection(path: str) -> projection.Inputs | int:
 def _project(path: str, inputs: projection.Inputs, job: JobConfig,
              plan: Plan) -> tuple[str, list[dict[str, object]]] | int:
     """The projection table and its rows as JSON, or EXIT_USAGE after one error line."""
+    with ctrl_c_held():
+        from launch import plan_report
+
     try:
         return plan_report.projection_table(inputs, job, plan)
     except ConfigError as exc:
@@ -318,7 +346,7 @@ def _status(args: argparse.Namespace) -> int:
             job_status = stub.GetJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
             # StopJob answers an ended job as it ended, which cannot tell "stopped now" from "had
             # ended": only a job that has not ended is asked to stop.
-            already_ended = args.command == "stop" and job_status.state in TERMINAL
+            already_ended = args.command == "stop" and State.Name(job_status.state) in TERMINAL
             if args.command == "stop" and not already_ended:
                 job_status = stub.StopJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
             workers = stub.ListWorkers(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)

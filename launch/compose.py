@@ -17,12 +17,15 @@ import os
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from hetpipe.catalog import CATALOG
 from hetpipe.config import JobConfig
-from coordinator.planner import Plan
+
+if TYPE_CHECKING:   # the planner imports torch, which writing these files does not need
+    from coordinator.planner import Plan
 
 # Inside the containers (docker/Dockerfile): every service listens for gRPC on WORKER_PORT, the
 # coordinator on COORDINATOR_PORT, and serves metrics on METRICS_PORT, which

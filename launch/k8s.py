@@ -27,17 +27,19 @@ import re
 import textwrap
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import yaml
 
 from hetpipe.config import ConfigError, JobConfig
-from coordinator.planner import Plan
 from launch.compose import (COORDINATOR_PORT, CPU_IMAGE, GPU_IMAGE, JOB_MOUNT,
                             RUNS, WORKER_PORT, Mount, ShardService, StageService, job_file_mounts, shard_services,
                             stage_services)
 from launch import k8s_pod
 from launch.k8s_pod import TLS_SECRET, TOKEN_FILE, TOKEN_SECRET, Manifest
+
+if TYPE_CHECKING:   # the planner imports torch, which writing these files does not need
+    from coordinator.planner import Plan
 
 
 # What NVIDIA GPU feature discovery (the GPU operator's) writes into a node's nvidia.com/gpu.product

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from hetpipe import children, data, devices, metrics, outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
+from hetpipe.outputs import ADDRESS_FILE, JOB_ID_FILE, TOKEN_FILE, STATUS_FILE, publish_address, unpublish_address, write_status
 from hetpipe.v1 import coordinator_pb2
 from coordinator import checkpoints
 from coordinator.__main__ import build
@@ -25,35 +26,11 @@ from coordinator.job import JobRunner
 from coordinator.planner import Plan, make_plan
 from coordinator.servicer import PROTO_STATE
 from coordinator.state import JobState
-from launch.processes import LocalProcesses
+from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses
 
-MAX_SHARD_RESTARTS = 3
-ADDRESS_FILE = "coordinator.address"  # where `hetpipe status/stop --job` find the coordinator
-JOB_ID_FILE = "coordinator.job"       # ... and the job_id they name there, so as never to reach another job
-TOKEN_FILE = "coordinator.token"      # ... and the per-run token they need (owner-only, gone after the run)
-STATUS_FILE = "status.json"           # how the last run ended, for `hetpipe status --job` afterwards
 TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
 ROLES = {"stage_worker": "stage_worker", "ps_server": "ps_shard"}  # module -> `role` label (docs/metrics.md)
 TERMINAL = {PROTO_STATE[s] for s in JobState if s.is_terminal}
-
-
-def publish_address(out_dir: Path, address: str, job_id: str) -> None:
-    """Where `hetpipe status/stop --job` find the job: the coordinator's address and the job_id."""
-    outputs.write_text_atomically(out_dir / JOB_ID_FILE, job_id + "\n")
-    outputs.write_text_atomically(out_dir / ADDRESS_FILE, address + "\n")
-
-
-def unpublish_address(out_dir: Path) -> None:
-    for name in (ADDRESS_FILE, JOB_ID_FILE):
-        (out_dir / name).unlink(missing_ok=True)
-
-
-def published_job_id(out_dir: Path) -> str:
-    """The job_id publish_address left, or "" (the coordinator's current job)."""
-    try:
-        return (out_dir / JOB_ID_FILE).read_text().strip()
-    except FileNotFoundError:
-        return ""
 
 
 def write_targets(path: Path, coordinator_metrics_port: int, procs: LocalProcesses) -> None:
@@ -63,20 +40,6 @@ def write_targets(path: Path, coordinator_metrics_port: int, procs: LocalProcess
     for p in procs.processes:
         entries.append({"targets": [f"{procs.host}:{p.metrics_port}"], "labels": {"role": ROLES[p.module]}})
     outputs.write_text_atomically(path, json.dumps(entries, indent=2) + "\n")
-
-
-def write_status(out_dir: Path, state: str, reason: str) -> None:
-    """status.json: how the run ended, for `hetpipe status --job` once its coordinator is gone."""
-    outputs.write_text_atomically(out_dir / STATUS_FILE, json.dumps({"state": state, "reason": reason, "finished": time.time()}) + "\n")
-
-
-def read_status(out_dir: Path) -> dict[str, Any] | None:
-    """How the last run into out_dir ended ({state, reason, finished}), or None."""
-    try:
-        status = json.loads((out_dir / STATUS_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return status if isinstance(status, dict) else None
 
 
 def _watch_processes(procs: LocalProcesses, runner: JobRunner, on_restart: Callable[[], None]) -> None:

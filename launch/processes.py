@@ -18,6 +18,10 @@ from hetpipe import children, shm
 from hetpipe.children import Child
 from hetpipe.errors import JobFailed
 
+# A shard that dies is restarted from its checkpoint and push log this many times in a job; the next
+# death fails the job (a local run and `hetpipe worker` alike).
+MAX_SHARD_RESTARTS = 3
+
 
 @dataclass
 class Process(Child):

@@ -18,7 +18,8 @@ from hetpipe import outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
 from hetpipe.v1 import coordinator_pb2
-from launch.local import STATUS_FILE, follow, publish_address, unpublish_address, write_status
+from hetpipe.outputs import STATUS_FILE, publish_address, unpublish_address, write_status
+from launch.local import follow
 
 # What a client accepts from a coordinator's Results stream: names, count and sizes bounded, so
 # that a coordinator (or whoever answers at its address) cannot write outside output.dir or fill

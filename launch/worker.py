@@ -24,13 +24,12 @@ from types import FrameType
 
 import grpc
 
-from hetpipe import catalog, children, devices, rpc, security
+from hetpipe import catalog, children, rpc, security
 from hetpipe.config import ConfigError
 from hetpipe.errors import JobFailed
 from hetpipe.service import loopback
 from hetpipe.v1 import wire_pb2
-from launch.local import MAX_SHARD_RESTARTS
-from launch.processes import LocalProcesses, Process
+from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses, Process
 
 POLL_S = 0.5          # how often the children are checked
 REGISTRY_POLL_S = 1.0  # how often the coordinator is asked which of them served a job
@@ -175,6 +174,8 @@ class Launcher:
         return procs.spawn(module, name, [*extra, "--advertise", f"{self.advertise_host}:{port}"], port=port)
 
     def start(self, stages: list[StageDevice]) -> None:
+        from hetpipe import devices   # torch: not for `hetpipe --help`, which builds this command's flags
+
         log_dir = self.root / "logs" / self.cfg.node
         threads = devices.threads_for(max(1, len(stages)))
         for i, d in enumerate(stages):

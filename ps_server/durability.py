@@ -19,7 +19,8 @@ from safetensors import SafetensorError, safe_open
 
 from hetpipe import wire
 from hetpipe.buffers import raw_bytes
-from hetpipe.outputs import fsync, save_atomically, write_text_atomically
+from hetpipe.outputs import fsync, write_text_atomically
+from hetpipe.weight_files import save_atomically
 from ps_server.shard import Shard, ShardError
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hetpipe import data, faults, models, outputs
+from hetpipe import data, faults, models, outputs, weight_files
 from hetpipe.config import MICRO_SCHEDULES
 from hetpipe.optim import compute_dtype, compute_loss, for_loss
 from stage_worker import checkpoint, metrics
@@ -176,7 +176,7 @@ class Loaded:
         """Its part of the checkpoint after `wave`; it then waits there until continued."""
         setup = self.setup
         state = checkpoint.capture(self.compute, self.sync)
-        path = outputs.save_stage_state(setup.checkpoint_dir, wave, setup.vw, setup.stage, state)
+        path = weight_files.save_stage_state(setup.checkpoint_dir, wave, setup.vw, setup.stage, state)
         self.cuts.saved = wave
         log.info("stage %d of vw %d: checkpoint of wave %d saved to %s", setup.stage, setup.vw, wave, path)
 

@@ -17,7 +17,7 @@ from typing import IO, Any, TypeVar, cast
 import grpc
 import torch
 
-from hetpipe import outputs, rpc, security, shm, wire
+from hetpipe import rpc, security, shm, weight_files, wire
 from hetpipe.buffers import raw_bytes
 from hetpipe.v1 import ps_pb2, wire_pb2
 from hetpipe.wsp import exact_pulls, g2_decision, merge_pulled, required_min_clock, total_waves, unpulled, wave_of, waves_included
@@ -395,7 +395,7 @@ class WspSync:
             return
         record = {"acked": dict(zip(self.keys, self._ledger)),
                   "pending": {} if pending is None else {k: u.cpu() for k, u in zip(self.keys, pending)}}
-        outputs.save_atomically(record, self._ledger_path)
+        weight_files.save_atomically(record, self._ledger_path)
 
     def _push(self, shard: int, wave: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """G1: one wave's update to one shard, retried until acknowledged."""

@@ -209,10 +209,10 @@ def check_conservation(job: Any, out: Path, ledgers: int, left: Iterable[int] = 
 
     import torch
 
-    from hetpipe import outputs
+    from hetpipe import weight_files
     from hetpipe.reference import initial_model
 
-    final = outputs.read_weights(out)
+    final = weight_files.read_weights(out)
     expected = {k: v.clone() for k, v in initial_model(job).state_dict().items()}
     in_flight: dict[str, torch.Tensor] = {}
     paths = sorted((out / "trace").glob("acked_vw*_stage*.pt"))

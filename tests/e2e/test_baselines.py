@@ -25,7 +25,7 @@ from baselines.ddp import select_devices
 from hetpipe.errors import JobFailed
 from launch.local import run_local
 from launch import cli
-from hetpipe import outputs
+from hetpipe import weight_files
 from hetpipe.config import parse_job, with_overrides
 from hetpipe.network import Network
 from hetpipe.reference import initial_model, train_reference
@@ -46,7 +46,7 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w0:
 
 
 def load_model(out: Path) -> dict[str, torch.Tensor]:
-    return outputs.read_weights(out)
+    return weight_files.read_weights(out)
 
 
 def test_ddp_with_n_times_lr_equals_hetpipe_k1(make_job, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetpipe import outputs
+from hetpipe import weight_files
 from hetpipe.reference import initial_model, train_reference
 from launch.local import run_local
 
@@ -25,7 +25,7 @@ MOMENTUM = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
 
 def assert_equal_to_reference(out: Path, want: dict[str, torch.Tensor], w0: dict[str, torch.Tensor]) -> None:
-    got = outputs.read_weights(out)
+    got = weight_files.read_weights(out)
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         torch.testing.assert_close(got[key], value.cpu(), rtol=0, atol=1e-9, msg=f"{key} differs")

@@ -96,6 +96,15 @@ def test_ctrl_c_while_the_command_starts_ends_it_in_one_line(tmp_path: Path, aft
     assert (plan.returncode, err) == (130, "hetpipe: interrupted\n"), (plan.returncode, err, out)
 
 
+def test_commands_that_neither_plan_nor_run_start_without_torch() -> None:
+    """status, stop, trace, certs and --help import no torch (a second of the command's start):
+    the planner and the launchers are imported by the commands that use them."""
+    code = ("import sys; from launch import cli; cli.parser().parse_args(['status']); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('coordinator.planner', 'launch.local'))))")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert found.returncode == 0 and found.stdout.strip() == "[]", (found.stdout, found.stderr)
+
+
 def test_a_bare_status_with_no_coordinator_says_how_to_find_a_local_run(monkeypatch: pytest.MonkeyPatch,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv("HETPIPE_COORDINATOR", raising=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetpipe import data, outputs
+from hetpipe import data, weight_files
 from hetpipe.config import JobConfig
 from hetpipe.loss_scale import INITIAL_SCALE, LossScale, Verdicts
 from hetpipe.optim import compute_loss, make_optimizer
@@ -62,7 +62,7 @@ def test_an_overflow_on_any_stage_skips_the_minibatch_on_every_stage(make_job, i
     # nm 1: p's scale follows the verdicts <= p - 1
     assert (scales[5], scales[6], scales[9], scales[10]) == (INITIAL_SCALE, INITIAL_SCALE / 2, INITIAL_SCALE / 2,
                                                              INITIAL_SCALE / 4)
-    got = outputs.read_weights(tmp_path / "out")
+    got = weight_files.read_weights(tmp_path / "out")
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=f"{key}: not the reference's weights")
 

@@ -32,7 +32,7 @@ import torch
 import yaml
 
 from conftest import BASE_JOB, deep_update
-from hetpipe import outputs
+from hetpipe import weight_files
 from hetpipe.config import load_job
 from hetpipe.reference import initial_model, train_reference
 from launch import certs
@@ -194,7 +194,7 @@ def test_o2_holds_across_three_hosts_and_a_dead_host_is_named(hosts: Hosts, tmp_
     summary = json.loads((tmp_path / "o2" / "summary.json").read_text())
     assert sorted(s["node"] for s in summary["plan"]) == ["hostb", "hostc"] and summary["ps_shards"] == 1
     job = load_job(job_file)
-    got, want, w0 = outputs.read_weights(tmp_path / "o2"), train_reference(job).state_dict(), initial_model(job).state_dict()
+    got, want, w0 = weight_files.read_weights(tmp_path / "o2"), train_reference(job).state_dict(), initial_model(job).state_dict()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
     assert max(float((want[k] - w0[k]).abs().max()) for k in want) > 1e-3

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from launch.local import run_local
-from hetpipe import outputs
+from hetpipe import weight_files
 from hetpipe.config import parse_job
 from hetpipe.models import build
 from hetpipe.reference import train_reference
@@ -38,7 +38,7 @@ def test_pipeline_matches_single_process(make_job, tmp_path: Path, k: int, optim
         "output": {"trace": False},
     })
     summary = run_local(job, quiet=True)
-    got = outputs.read_weights(tmp_path / "out")
+    got = weight_files.read_weights(tmp_path / "out")
     want = train_reference(job).state_dict()
     assert sorted(got) == sorted(want), "the safetensors hold every key of the model's state_dict"
     assert len(summary["plan"]) == k

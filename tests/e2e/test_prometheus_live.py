@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from hetpipe.errors import JobStopped
-from launch.local import ADDRESS_FILE, TARGETS_FILE, run_local
+from hetpipe.outputs import ADDRESS_FILE
+from launch.local import TARGETS_FILE, run_local
 from hetpipe import rpc
 from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.prometheus_tools import ensure_prometheus, ensure_promtool, promtool_check_metrics

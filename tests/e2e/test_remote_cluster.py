@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from conftest import BASE_JOB, deep_update
-from hetpipe import outputs, rpc
+from hetpipe import rpc, weight_files
 from hetpipe.config import load_job
 from hetpipe.reference import initial_model, train_reference
 from hetpipe.v1 import coordinator_pb2, wire_pb2
@@ -151,7 +151,7 @@ def test_a_job_runs_on_the_registered_hosts_and_its_outputs_come_back(cluster: C
     assert [json.loads(line)["final"] for line in (out / "eval.jsonl").read_text().splitlines()] == [True]
     # O2 across the hosts: the final w_global equals synchronous DP with the 2 updates summed.
     job = load_job(job_file)
-    got, want, w0 = outputs.read_weights(out), train_reference(job).state_dict(), initial_model(job).state_dict()
+    got, want, w0 = weight_files.read_weights(out), train_reference(job).state_dict(), initial_model(job).state_dict()
     assert list(got) == list(want)
     for key in want:
         # On a failure, how far and every process's log: a run that differs is the evidence.

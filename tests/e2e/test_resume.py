@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from conftest import BASE_JOB, deep_update
-from hetpipe import outputs
+from hetpipe import outputs, weight_files
 from coordinator.checkpoints import latest
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,7 +55,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
     run = _hetpipe(folder, "run", "-q", "job.yaml")
     _, err = run.communicate(timeout=240)
     assert run.returncode == 0, err
-    return outputs.read_weights(folder / "out")
+    return weight_files.read_weights(folder / "out")
 
 
 def _start(tmp_path: Path) -> subprocess.Popen[str]:
@@ -74,7 +74,7 @@ def _resume_and_compare(tmp_path: Path, want: dict[str, torch.Tensor]) -> None:
     assert summary is not None
     vws, nm, batch = JOB["parallel"]["virtual_workers"], JOB["parallel"]["nm"], JOB["data"]["batch_size"]
     assert summary["samples_per_second"] * summary["wall_seconds"] == pytest.approx((STEPS - wave * nm) * vws * batch)
-    final = outputs.read_weights(tmp_path / "out")
+    final = weight_files.read_weights(tmp_path / "out")
     assert list(final) == list(want)
     for key in want:
         torch.testing.assert_close(final[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")

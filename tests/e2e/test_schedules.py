@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from hetpipe import outputs, timeline
+from hetpipe import timeline, weight_files
 from hetpipe.reference import initial_model, train_reference
 from launch.local import run_local
 from tests import schedule_rules, trace_rules
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 def run_and_compare(job: Any, tmp_path: Path) -> None:
     """Runs the job and compares its written weights with the reference (float64, 1e-9)."""
     run_local(job, quiet=True)
-    got = outputs.read_weights(tmp_path / "out")
+    got = weight_files.read_weights(tmp_path / "out")
     want = train_reference(job).state_dict()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
@@ -96,6 +96,6 @@ def test_nf1b_trains_under_elastic_averaging(make_job, tmp_path: Path) -> None:
                      "sync": "elastic", "sync_args": {"alpha": 0.25}},
     })
     summary = run_local(job, quiet=True)
-    assert summary["steps"] == 12 and outputs.read_weights(tmp_path / "out")
+    assert summary["steps"] == 12 and weight_files.read_weights(tmp_path / "out")
     rows = trace_rules.load_trace(tmp_path / "out" / "trace")
     schedule_rules.check_nf1b(rows, 2, 2)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetpipe import data, elastic, outputs
+from hetpipe import data, elastic, weight_files
 from hetpipe.optim import compute_loss
 from hetpipe.reference import initial_model, train_reference
 from hetpipe.wsp import total_waves
@@ -41,7 +41,7 @@ def test_quorum_of_all_equals_summed_sync_dp(make_job, tmp_path: Path) -> None:
                      "sync": "quorum", "sync_args": {"quorum": "all"}},
     })
     summary = run_local(job, quiet=True)
-    got = outputs.read_weights(tmp_path / "out")
+    got = weight_files.read_weights(tmp_path / "out")
     want = train_reference(job).state_dict()
     w0 = initial_model(job).state_dict()
     assert list(got) == list(want)
@@ -107,7 +107,7 @@ def test_elastic_learns_and_writes_the_master(make_job, tmp_path: Path) -> None:
     })
     run_local(job, quiet=True)
     out = tmp_path / "out"
-    written = outputs.read_weights(out)
+    written = weight_files.read_weights(out)
     # What was written out is the shards' master after every VW's last exchange ...
     exchanges = elastic.total_exchanges(total_waves(steps, nm), period)
     for shard in final_shards(out, 2):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from coordinator import checkpoints
-from hetpipe import outputs, rpc, wire
+from hetpipe import outputs, rpc, weight_files, wire
 from hetpipe.v1 import ps_pb2_grpc, wire_pb2
 from messages import messages
 from ps_server.durability import Durability
@@ -76,14 +76,14 @@ def stub(tmp_path: Path) -> Iterator[ps_pb2_grpc.ParameterServerStub]:
 def test_a_cut_is_on_disk_before_the_older_cuts_go(tmp_path: Path, stub: ps_pb2_grpc.ParameterServerStub,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     folder = tmp_path / "checkpoints"
-    entries = {k: outputs.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
+    entries = {k: weight_files.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
     cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1})
     stage = {"weights": torch.ones(4)}
-    outputs.save_stage_state(folder, 1, 0, 0, stage)
+    weight_files.save_stage_state(folder, 1, 0, 0, stage)
     cuts.take(1, lead_vw=0, evicted=[])
 
     disk = Disk(monkeypatch)
-    part = outputs.save_stage_state(folder, 2, 0, 0, stage)
+    part = weight_files.save_stage_state(folder, 2, 0, 0, stage)
     # A stage on another host has its own checkpoints folder, which no driver fsyncs.
     assert ("fsync", folder) in disk.events, "the stage did not put its cut's folder on disk"
     cuts.take(2, lead_vw=0, evicted=[])

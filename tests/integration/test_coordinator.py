@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from coordinator.__main__ import build
-from launch.local import write_status
+from hetpipe.outputs import write_status
 from launch.processes import LocalProcesses
 from coordinator.servicer import CoordinatorServicer
 from hetpipe import rpc, security

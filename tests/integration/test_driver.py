@@ -14,7 +14,7 @@ import torch
 from coordinator import results
 from coordinator.driver import JobDriver
 from coordinator.planner import make_plan
-from hetpipe import outputs, rpc
+from hetpipe import rpc, weight_files
 from hetpipe.errors import JobFailed
 from hetpipe.reference import train_reference
 from hetpipe.rpc import handler
@@ -56,7 +56,7 @@ def test_the_driver_runs_a_job_and_collects_the_trained_weights(make_job, stages
     finally:
         driver.close()
     assert [f.name for f in files] == ["model.safetensors"]
-    weights = outputs.read_weights(files[0].parent)
+    weights = weight_files.read_weights(files[0].parent)
     assert wall > 0 and seen[-1] == 12 * job.data.batch_size and seen == sorted(seen)
     want = train_reference(job).state_dict()
     assert sorted(weights) == sorted(want)

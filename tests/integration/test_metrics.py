@@ -21,7 +21,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from launch.local import ADDRESS_FILE, TARGETS_FILE, TOKEN_FILE
+from hetpipe.outputs import ADDRESS_FILE, TOKEN_FILE
+from launch.local import TARGETS_FILE
 from conftest import run_token
 from hetpipe import rpc, security, wire
 from hetpipe.catalog import gpu_type

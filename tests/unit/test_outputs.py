@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe import outputs
+from hetpipe import outputs, weight_files
 from hetpipe.config import ConfigError
 
 
@@ -68,23 +68,23 @@ def test_a_weights_writer_whose_stream_fails_leaves_no_file_or_descriptor(tmp_pa
 
     import torch
 
-    entries = [outputs.Entry("a", torch.float32, (4,)), outputs.Entry("b", torch.float32, (1000,))]
+    entries = [weight_files.Entry("a", torch.float32, (4,)), weight_files.Entry("b", torch.float32, (1000,))]
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(ConnectionError):
-        with outputs.WeightsWriter(tmp_path, entries, 64) as writer:   # two files: "b" alone in one
+        with weight_files.WeightsWriter(tmp_path, entries, 64) as writer:   # two files: "b" alone in one
             writer.write("a", 0, torch.ones(4).numpy().tobytes())
             raise ConnectionError("the shard went away")
     assert list(tmp_path.iterdir()) == [] and len(os.listdir("/proc/self/fd")) == fds
     with pytest.raises(ValueError, match=r"the weights of \['b'\] did not all arrive"):
-        with outputs.WeightsWriter(tmp_path, entries, 64) as writer:
+        with weight_files.WeightsWriter(tmp_path, entries, 64) as writer:
             writer.write("a", 0, torch.ones(4).numpy().tobytes())
             writer.close()
     assert list(tmp_path.iterdir()) == [] and len(os.listdir("/proc/self/fd")) == fds
-    with outputs.WeightsWriter(tmp_path, entries, 64) as writer:
+    with weight_files.WeightsWriter(tmp_path, entries, 64) as writer:
         writer.write("a", 0, torch.ones(4).numpy().tobytes())
         writer.write("b", 0, torch.zeros(1000).numpy().tobytes())
         assert [p.name for p in writer.close()] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    assert torch.equal(outputs.read_weights(tmp_path)["a"], torch.ones(4))
+    assert torch.equal(weight_files.read_weights(tmp_path)["a"], torch.ones(4))
 
 
 def test_weights_are_declared_as_the_stages_hold_them_and_checked_as_they_arrive(tmp_path: Path) -> None:
@@ -101,22 +101,22 @@ def test_weights_are_declared_as_the_stages_hold_them_and_checked_as_they_arrive
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     model[0].register_buffer("scale", torch.ones(2, dtype=torch.bfloat16))
-    assert outputs.entries(model, torch.float32)["0.scale"].dtype == torch.bfloat16
-    assert outputs.entries(model, torch.float64)["0.scale"].dtype == torch.float64
-    assert outputs.entries(model, torch.float32)["0.weight"].dtype == torch.float32
+    assert weight_files.entries(model, torch.float32)["0.scale"].dtype == torch.bfloat16
+    assert weight_files.entries(model, torch.float64)["0.scale"].dtype == torch.float64
+    assert weight_files.entries(model, torch.float32)["0.weight"].dtype == torch.float32
 
-    entries = list(outputs.entries(model, torch.float32).values())
+    entries = list(weight_files.entries(model, torch.float32).values())
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(JobFailed, match=r"stage 1: sent weights '0.scale' as torch.float32 \[2\], expected "
                                         r"torch.bfloat16 \[2\]"):
-        with outputs.WeightsWriter(tmp_path, entries, 1 << 20) as writer:
+        with weight_files.WeightsWriter(tmp_path, entries, 1 << 20) as writer:
             frames = wire.encode([("0.scale", torch.ones(2))])
-            outputs.stream_into(writer, lambda: iter(frames), "stage 1")
+            weight_files.stream_into(writer, lambda: iter(frames), "stage 1")
     assert list(tmp_path.iterdir()) == [] and len(os.listdir("/proc/self/fd")) == fds
 
-    unwritable = [outputs.Entry("a", torch.float32, (4,)), outputs.Entry("b", torch.float32, (1000,))]
+    unwritable = [weight_files.Entry("a", torch.float32, (4,)), weight_files.Entry("b", torch.float32, (1000,))]
     (tmp_path / ".model-00002-of-00002.safetensors.partial").mkdir()   # the second file cannot be opened
     with pytest.raises(IsADirectoryError):
-        outputs.WeightsWriter(tmp_path, unwritable, 64)
+        weight_files.WeightsWriter(tmp_path, unwritable, 64)
     assert [p.name for p in tmp_path.iterdir()] == [".model-00002-of-00002.safetensors.partial"]
     assert len(os.listdir("/proc/self/fd")) == fds

@@ -124,7 +124,8 @@ def test_certs_are_issued_by_the_ca_for_their_host_and_keys_are_private(tmp_path
 
 
 def test_a_local_run_takes_the_jobs_security_then_the_flags_then_makes_a_token(make_job, tmp_path: Path) -> None:
-    from launch.local import TOKEN_FILE, local_security
+    from hetpipe.outputs import TOKEN_FILE
+    from launch.local import local_security
 
     flags = security.Security(token_file=str(tmp_path / "flag-token"))
     made = local_security(make_job(), tmp_path)
