@@ -36,6 +36,12 @@ STEP_TIMEOUT_S = 300.0
 # --- a VW: one client process pushing and pulling through the production stub and codec --------
 
 
+# Untimed rounds first: a push ring's second slot is made at the second push, and with N > 1 VWs
+# the shard makes a second pull slot at the second pull (the first is still held by the VW that has
+# not pulled again): with one warm-up round, the first timed round made 100 MiB segments.
+WARM_ROUNDS = 2
+
+
 def _client_main(conn: Connection) -> None:
     import torch
 
@@ -109,11 +115,12 @@ def _client_run(conn: Connection, cfg: dict[str, Any]) -> None:
         return pushed - start, time.perf_counter() - pushed, max(waits)
 
     try:
-        one_round(0)  # warm-up: connections, first touch of buffers; also lines the VWs up
+        for wave in range(WARM_ROUNDS):  # connections, every buffer made and touched; lines the VWs up
+            one_round(wave)
         conn.send(("warm", None))
         if conn.recv()[0] != "go":
             return
-        conn.send(("done", [one_round(wave) for wave in range(1, cfg["rounds"] + 1)]))
+        conn.send(("done", [one_round(wave) for wave in range(WARM_ROUNDS, WARM_ROUNDS + cfg["rounds"])]))
     finally:
         pool.shutdown()
         for ch in channels:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 # The VW, shard and raw TCP processes; bench/ (this script's directory) is on sys.path.
 from netns import veth_pair  # noqa: E402
-from ps_processes import STEP_TIMEOUT_S, Clients, Far, ShardProcs, TcpPair, cpu_seconds, expect  # noqa: E402
+from ps_processes import STEP_TIMEOUT_S, WARM_ROUNDS, Clients, Far, ShardProcs, TcpPair, cpu_seconds, expect  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -110,7 +110,8 @@ def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: in
     for address in addresses:
         with rpc.channel(address) as ch:
             status = rpc.Stub(ch, "ParameterServer").Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
-        if (status.pushes_applied, status.pushes_duplicate, status.c_global) != (n * (rounds + 1), 0, rounds + 1):
+        waves = WARM_ROUNDS + rounds
+        if (status.pushes_applied, status.pushes_duplicate, status.c_global) != (n * waves, 0, waves):
             raise RuntimeError(f"shard {address}: unexpected state after the run:\n{status}")
     tcp_after = tcp.move(moved - moved // 2)
     row = Row(n, s, durable, shm, moved, wall, tcp_before[0] + tcp_after[0], client_cpu, shard_cpu,
@@ -193,7 +194,7 @@ def codec_costs(keys: list[str]) -> dict[str, float]:
 
 def print_report(rows: list[Row], costs: dict[str, float], model_mib: int, rounds: int) -> None:
     print(f"\nPS push+pull throughput: {model_mib} MiB float32 model, {model_mib // KEY_MIB} keys of {KEY_MIB} MiB "
-          f"round-robin over S shard processes; N VW processes; {rounds} timed round(s) after 1 warm-up.")
+          f"round-robin over S shard processes; N VW processes; {rounds} timed round(s) after {WARM_ROUNDS} warm-up rounds.")
     print("A round per VW: push its wave to every shard (one thread per shard), then pull all keys with "
           "min_clock = wave+1.")
     print("moved = push + pull payload bytes of all VWs; rates in MiB/s; raw TCP = one process pair moving the "
