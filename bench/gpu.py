@@ -217,10 +217,12 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
     results = []
     for name, spec in runs:
         results.append(run(name, spec, work, timeout=1200))
-        print(f"  {name}: done", flush=True)
+        done = results[-1]
+        print(f"  {name}: " + ("FAILED" if "error" in done else f"{done['samples_per_second']:.1f} samples/s"),
+              flush=True)
+        if args.json:   # after every run: a time limit that cuts the benchmark short keeps what it measured
+            args.json.write_text(json.dumps(results, indent=2))
     report(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
     failed = [r["name"] for r in results if "error" in r]
     if failed:  # the rows above say why; a script that runs this must not read success
         sys.exit(f"bench/gpu.py: {len(failed)} of {len(results)} runs failed: {', '.join(failed)}")

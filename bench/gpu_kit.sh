@@ -16,6 +16,8 @@
 #              per thread, CUDA IPC, links, the oracles on the GPU (tests/e2e/test_cuda.py)
 #   transport  bench/transport.py --cuda: CUDA IPC and pinned shared memory vs a device-to-device copy
 #   gpu        bench/gpu.py: the 117.8M GPT in bf16, HetPipe layouts vs a plain loop, ddp, torch-pipeline
+#              (GPU_STEPS steps each, 40 by default: six runs must fit one call and a lent machine's
+#              device time; each run's result is in OUT/gpu.json as soon as it is done)
 #   peers      bench/peers.py: the CPU job's peers on this machine's GPUs
 # Together they may outlast a time-limited call (never run on a GPU yet); split them over two:
 #   bench/gpu_kit.sh run OUT env tests transport ; bench/gpu_kit.sh run OUT gpu peers
@@ -23,10 +25,13 @@ set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WHEELS="$ROOT/.whl"
-# What a CUDA machine with PyTorch, numpy, scikit-learn, pytest and hypothesis lacks (pyproject's
-# dependencies and the test runner's timeout plugin); versions from constraints.txt.
+# What a CUDA machine with PyTorch, numpy and pytest lacks: pyproject's dependencies, the test
+# runner's timeout plugin, hypothesis (test_data.py, which the cuda step collects, imports it) and
+# scikit-learn (data.name: digits reads the data file its wheel ships, without importing it, so
+# none of its own dependencies is needed); versions from constraints.txt.
 KIT="grpcio grpcio-health-checking grpcio-reflection protobuf cryptography cffi pycparser safetensors
-     setproctitle psutil tqdm prometheus-client PyYAML pytest-timeout"
+     setproctitle psutil tqdm prometheus-client PyYAML pytest-timeout hypothesis sortedcontainers
+     scikit-learn"
 STEPS="env tests transport gpu peers"
 
 die() { echo "gpu_kit: $*" >&2; exit 2; }
@@ -62,7 +67,7 @@ print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\
         tests)     mapfile -t files < <(grep -rlE --include='test_*.py' '^\s*@?pytest\.mark\.cuda\b' tests | sort)
                    cmd=(python3 -m pytest -q -p no:cacheprovider -m cuda "${files[@]}") ;;
         transport) cmd=(python3 bench/transport.py --cuda) ;;
-        gpu)       cmd=(python3 bench/gpu.py --json "$out/gpu.json") ;;
+        gpu)       cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-40}" --json "$out/gpu.json") ;;
         peers)     cmd=(python3 bench/peers.py --json "$out/peers.json") ;;
         *)         die "no step '$name' (steps: $STEPS)" ;;
     esac
