@@ -72,7 +72,7 @@ def to_host(item: Outgoing) -> Outgoing:
         stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     host: list[tuple[str, torch.Tensor]] = []
-    with torch.cuda.stream(stream):
+    with ipc.on_stream(stream):   # on the link thread too (a refused handle's fallback)
         for name, t in item.tensors:
             if t.is_cuda:
                 pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
