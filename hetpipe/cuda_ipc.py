@@ -40,6 +40,21 @@ _SLOT_UNIT = 2 << 20      # slots are whole 2 MiB blocks (shm.capacity)
 Spec = tuple[torch.dtype, Sequence[int], int]   # dtype, shape, bytes (wire.Spec)
 
 
+# torch's reference-counter files (/dev/shm/torch_<pid>_...) of the slots this process shared:
+# torch removes them at interpreter exit, which a service's os._exit skips (unlink_counters).
+_COUNTER_FILES: set[str] = set()
+_COUNTER_FILES_LOCK = threading.Lock()
+
+
+def unlink_counters() -> None:
+    """Removes the counter files of every slot this process shared; for a process about to exit."""
+    with _COUNTER_FILES_LOCK:
+        names = list(_COUNTER_FILES)
+        _COUNTER_FILES.clear()
+    for name in names:
+        (shm.SHM_DIR / name).unlink(missing_ok=True)
+
+
 class _Slot:
     """A GPU buffer shared by CUDA IPC once, and the /dev/shm header that versions its content."""
 
@@ -50,6 +65,8 @@ class _Slot:
         self.ref = wire_pb2.CudaRef(handle=handle, storage_bytes=size, storage_offset=offset,
                                     ref_counter_handle=counter, ref_counter_offset=counter_offset)
         check_ref(self.ref, capacity)   # what the receiver takes (not an expandable segment's handle)
+        with _COUNTER_FILES_LOCK:
+            _COUNTER_FILES.add(counter.decode(errors="replace").lstrip("/"))
         self.header = shm.Segment(0)
         self.writing = False   # begun, not yet ended: the header's version is odd
 

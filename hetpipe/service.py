@@ -144,5 +144,8 @@ def exit_now() -> None:
     data = sys.modules.get("hetpipe.data")
     if data is not None:
         data.close_all()
+    ipc = sys.modules.get("hetpipe.cuda_ipc")   # a GPU stage that sent by CUDA IPC: torch's counter files
+    if ipc is not None:
+        ipc.unlink_counters()
     logging.shutdown()
     os._exit(0)

@@ -215,3 +215,23 @@ def test_a_bundle_crosses_to_another_process_and_a_stale_or_forged_handle_does_n
         ring.release(again)
     finally:
         ring.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_sender_removes_torchs_counter_files_before_it_exits() -> None:
+    """A service ends with os._exit, which skips torch's own clean-up of the reference-counter
+    file its shares use: exit_now removes them (cuda_ipc.unlink_counters), or each GPU sender
+    would leave one in /dev/shm."""
+    ring = cuda_ipc.Ring(torch.device("cuda:0"), slots=1)
+    try:
+        staged = ring.stage(_bundle(1))
+        assert staged is not None
+        counter = ring.refs(staged)[1].ref_counter_handle.decode().lstrip("/")
+        assert (shm.SHM_DIR / counter).exists()
+        cuda_ipc.unlink_counters()
+        assert not (shm.SHM_DIR / counter).exists()
+        ring.release(staged)
+    finally:
+        ring.close()
