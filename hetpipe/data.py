@@ -271,6 +271,7 @@ class Minibatches:
                  start: int = 1) -> None:
         # start: the first minibatch read (a job resumed from a checkpoint goes on from there)
         self.job = job
+        self._pin = pin
         rows = len(dataset)  # type: ignore[arg-type]
         order = _Order(job, vw, rows, range(start, steps + 1))
         workers = job.data.workers
@@ -301,7 +302,10 @@ class Minibatches:
             # can tell the workers to stop, and close would wait seconds on each: break it here.
             traceback.clear_frames(exc.__traceback__)
             raise
-        return cast(self.job, batch.x, batch.y)
+        x, y = cast(self.job, batch.x, batch.y)
+        if self._pin:   # a cast made new tensors: pinned again, or their copies to the GPU would block
+            x, y = (t if t.is_pinned() else t.pin_memory() for t in (x, y))
+        return x, y
 
     def close(self) -> None:
         """Joins data.workers' processes and frees their semaphores (sem.mp-* in /dev/shm) before

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hetpipe.config import ConfigError, JobConfig, parse_job
 from hetpipe import data
-from hetpipe.data import (IGNORED_LABEL, Minibatches, check, eval_batches, held_out_set, minibatch_rows,
+from hetpipe.data import (IGNORED_LABEL, ArrayDataset, Minibatches, check, eval_batches, held_out_set, minibatch_rows,
                           read_rows, training_set)
 from hetpipe.reference import minibatch
 
@@ -273,6 +273,10 @@ def test_minibatches_for_a_gpu_stage_arrive_in_pinned_memory(tmp_path: Path) -> 
     job = factory_job(tmp_path)
     x, y = Minibatches(job, training_set(job), 0, steps=3, pin=True).next()
     assert x.is_pinned() and y.is_pinned()
+    # float64 rows, cast to float32 after the loader pinned them: pinned again.
+    rows = ArrayDataset(np.random.default_rng(0).random((64, 4)), np.zeros(64, dtype=np.int64))
+    x, y = Minibatches(job, rows, 0, steps=3, pin=True).next()
+    assert x.dtype == torch.float32 and x.is_pinned() and y.is_pinned()
 
 
 def test_reading_minibatches_draws_nothing_from_torchs_global_generator(tmp_path: Path) -> None:
