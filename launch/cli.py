@@ -30,10 +30,10 @@ from coordinator.state import JobState
 from launch import compose
 from launch import k8s
 from launch import worker
-from launch.interrupts import ctrl_c_held
+from launch.interrupts import interrupts_held
 
 # The planner, the local launcher and the remote client import torch (a second): the commands that
-# plan or run import them when they run (ctrl_c_held), so that status, stop, trace, certs and --help
+# plan or run import them when they run (interrupts_held), so that status, stop, trace, certs and --help
 # start at once.
 if TYPE_CHECKING:
     from coordinator.planner import Plan
@@ -95,7 +95,7 @@ def _signals_interrupt() -> Iterator[None]:
 
 
 def _run_job(args: argparse.Namespace) -> int:
-    with ctrl_c_held():
+    with interrupts_held():
         from coordinator.planner import PlanError
         from launch import remote
         from launch.local import run_local
@@ -142,7 +142,8 @@ def _worker(args: argparse.Namespace) -> int:
 def _coordinator(argv: list[str]) -> int:
     """`hetpipe coordinator`: `python -m coordinator` with jobs from other hosts written under
     --output-root (default ./runs)."""
-    from coordinator.__main__ import main as coordinator_main
+    with interrupts_held():
+        from coordinator.__main__ import main as coordinator_main
 
     given = any(a == "--output-root" or a.startswith("--output-root=") for a in argv)
     if not given and not os.environ.get("HETPIPE_OUTPUT_ROOT"):
@@ -152,7 +153,7 @@ def _coordinator(argv: list[str]) -> int:
 
 def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] | None = None) -> tuple[JobConfig, Plan] | int:
     """The job file and its plan (by make_plan unless plan is given), or EXIT_USAGE after one error line."""
-    with ctrl_c_held():
+    with interrupts_held():
         from coordinator.planner import PlanError, make_plan
 
     try:
@@ -165,7 +166,7 @@ def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] | None = None) -
 
 def _plan(args: argparse.Namespace) -> int:
     """Prints the plan: VWs, GPUs, layer ranges, memory against capacity, predicted times."""
-    with ctrl_c_held():
+    with interrupts_held():
         from launch import plan_report
         from launch.local import preflight
 
@@ -196,7 +197,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _read_projection(path: str) -> projection.Inputs | int:
     """The inputs of Pal et al.'s DP-vs-hybrid projection (coordinator/planner/projection.py)."""
-    with ctrl_c_held():
+    with interrupts_held():
         from coordinator.planner import projection
 
     try:
@@ -213,7 +214,7 @@ def _read_projection(path: str) -> projection.Inputs | int:
 def _project(path: str, inputs: projection.Inputs, job: JobConfig,
              plan: Plan) -> tuple[str, list[dict[str, object]]] | int:
     """The projection table and its rows as JSON, or EXIT_USAGE after one error line."""
-    with ctrl_c_held():
+    with interrupts_held():
         from launch import plan_report
 
     try:

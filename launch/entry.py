@@ -3,12 +3,12 @@ the command as it does later, in one line with exit 130."""
 
 from __future__ import annotations
 
-from launch.interrupts import ctrl_c_held
+from launch.interrupts import interrupts_held
 
 
 def main() -> int:
     try:
-        with ctrl_c_held():
+        with interrupts_held():
             from launch.cli import main as cli_main
     except KeyboardInterrupt:
         from launch.cli import interrupted

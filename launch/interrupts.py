@@ -1,5 +1,5 @@
-"""Ctrl-C while hetpipe imports what a command needs (torch takes a second): held until the
-imports are done, then a KeyboardInterrupt as anywhere else."""
+"""Ctrl-C (and SIGTERM, SIGHUP) while hetpipe imports what a command needs (torch takes a second):
+held until the imports are done, then delivered to whatever handles it there."""
 
 from __future__ import annotations
 
@@ -9,24 +9,29 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 
 @contextmanager
-def ctrl_c_held() -> Iterator[None]:
-    """Imports that Ctrl-C waits for: it interrupts (KeyboardInterrupt) once they are done. Raised
-    inside an import, it leaves extension modules half-imported, and a package that retries (numpy
-    under torch) then fails with an ImportError and a traceback instead."""
+def interrupts_held() -> Iterator[None]:
+    """Imports that an interrupt waits for. One raised inside an import leaves extension modules
+    half-imported, and a package that retries (numpy under torch) then fails with an ImportError
+    and a traceback instead. The first signal that came is raised again once the handlers in place
+    before are back: Ctrl-C's KeyboardInterrupt, a run's Interrupted, SIGTERM's default end, or
+    nothing where it was ignored."""
     if threading.current_thread() is not threading.main_thread():   # only the main thread gets signals
         yield
         return
-    pressed: list[int] = []
+    came: list[int] = []
 
     def hold(signum: int, frame: FrameType | None) -> None:
-        pressed.append(signum)
+        came.append(signum)
 
-    previous = signal.signal(signal.SIGINT, hold)
+    previous = {s: signal.signal(s, hold) for s in HELD}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if pressed:
-        raise KeyboardInterrupt
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if came:
+        signal.raise_signal(came[0])

@@ -29,6 +29,7 @@ from hetpipe.config import ConfigError
 from hetpipe.errors import JobFailed
 from hetpipe.service import loopback
 from hetpipe.v1 import wire_pb2
+from launch.interrupts import interrupts_held
 from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses, Process
 
 POLL_S = 0.5          # how often the children are checked
@@ -119,7 +120,8 @@ def stage_devices(cfg: WorkerConfig) -> list[StageDevice]:
     its worker sees (CUDA_VISIBLE_DEVICES), registered as the catalog type of its name and memory."""
     if cfg.emulate:
         return [StageDevice(f"{cfg.emulate} (emulated on the CPU)", cfg.emulate, {CUDA_ENV: ""})] * cfg.count
-    import torch
+    with interrupts_held():
+        import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.gpus is None and count == 0:
@@ -174,7 +176,8 @@ class Launcher:
         return procs.spawn(module, name, [*extra, "--advertise", f"{self.advertise_host}:{port}"], port=port)
 
     def start(self, stages: list[StageDevice]) -> None:
-        from hetpipe import devices   # torch: not for `hetpipe --help`, which builds this command's flags
+        with interrupts_held():   # torch: not for `hetpipe --help`, which builds this command's flags
+            from hetpipe import devices
 
         log_dir = self.root / "logs" / self.cfg.node
         threads = devices.threads_for(max(1, len(stages)))
