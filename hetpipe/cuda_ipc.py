@@ -62,11 +62,11 @@ class _Slot:
         self.capacity = capacity
         self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
         (_, handle, size, offset, counter, counter_offset, _, _) = self.buffer.untyped_storage()._share_cuda_()
+        with _COUNTER_FILES_LOCK:   # made by the share, whether or not the handle is one a receiver takes
+            _COUNTER_FILES.add(counter.decode(errors="replace").lstrip("/"))
         self.ref = wire_pb2.CudaRef(handle=handle, storage_bytes=size, storage_offset=offset,
                                     ref_counter_handle=counter, ref_counter_offset=counter_offset)
         check_ref(self.ref, capacity)   # what the receiver takes (not an expandable segment's handle)
-        with _COUNTER_FILES_LOCK:
-            _COUNTER_FILES.add(counter.decode(errors="replace").lstrip("/"))
         self.header = shm.Segment(0)
         self.writing = False   # begun, not yet ended: the header's version is odd
 
