@@ -50,6 +50,39 @@ def _seq_of(entry: Path) -> int:
     return int(entry.name.split(".")[0])
 
 
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One log entry, read back."""
+    path: Path
+    kind: str
+    vw: int
+    clock: int
+    tensors: list[tuple[str, torch.Tensor]]
+
+    def apply(self, shard: Shard) -> int:
+        """1 if it changed shard, 0 for a duplicate; ShardError where the shard refuses it."""
+        if self.kind == "exchange":  # an elastic exchange: replayed in order, it gives the same deltas
+            return int(shard.exchange(self.vw, self.clock, self.tensors).applied)
+        return int(shard.push(self.vw, self.clock, self.tensors))
+
+    def not_replayed(self, exc: ShardError) -> None:
+        # Logged before it was checked (WSP, outside the lock), refused, and the process died
+        # before the entry was removed: it was never acknowledged.
+        log.warning("push log entry %s not replayed: %s", self.path.name, exc)
+
+
+def _read(path: Path) -> _Entry | None:
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata()
+            tensors = [(key, f.get_tensor(key)) for key in f.keys()]
+    except (OSError, SafetensorError) as exc:
+        # Damaged on the disk: nothing of ours leaves a numbered entry unfinished.
+        log.warning("push log entry %s unreadable, not replayed: %s", path.name, exc)
+        return None
+    return _Entry(path, meta["kind"], int(meta["vw"]), int(meta["clock"]), tensors)
+
+
 class Durability:
     """Writes each push to the log before it is acknowledged, so that no acknowledged push is lost.
 
@@ -139,30 +172,37 @@ class Durability:
             covered = int(snap["log_seq"])
             self._checkpointed_clock = shard.c_global() if shard.ready else 0
         replayed = 0
-        for entry in self.entries():
-            seq = _seq_of(entry)
+        # WSP numbers its entries before the shard's lock, so they may have been applied in another
+        # order: near the limit, sums that overflow in this order did not in that one. Such an
+        # entry waits, with every later one of its VW, and is tried again after the rest.
+        waiting: list[_Entry] = []
+        for path in self.entries():
+            seq = _seq_of(path)
             self._seq = max(self._seq, seq)
-            if seq <= covered:
+            if seq <= covered or (entry := _read(path)) is None:
+                continue
+            if any(w.vw == entry.vw for w in waiting):
+                waiting.append(entry)
                 continue
             try:
-                with safe_open(entry, framework="pt") as f:
-                    meta = f.metadata()
-                    tensors = [(key, f.get_tensor(key)) for key in f.keys()]
-            except (OSError, SafetensorError) as exc:
-                # Damaged on the disk: nothing of ours leaves a numbered entry unfinished.
-                log.warning("push log entry %s unreadable, not replayed: %s", entry.name, exc)
-                continue
-            vw, clock = int(meta["vw"]), int(meta["clock"])
-            try:
-                if meta["kind"] == "exchange":  # an elastic exchange: replayed in order, it gives the same deltas
-                    if shard.exchange(vw, clock, tensors).applied:
-                        replayed += 1
-                elif shard.push(vw, clock, tensors):
-                    replayed += 1
+                replayed += entry.apply(shard)
             except ShardError as exc:
-                # Logged before it was checked (WSP, outside the lock), refused, and the process
-                # died before the entry was removed: it was never acknowledged.
-                log.warning("push log entry %s not replayed: %s", entry.name, exc)
+                if exc.kind is ShardError.Kind.OVERFLOW:
+                    waiting.append(entry)
+                else:
+                    entry.not_replayed(exc)
+        while waiting:
+            refused: list[tuple[_Entry, ShardError]] = []
+            for entry in waiting:
+                try:
+                    replayed += entry.apply(shard)
+                except ShardError as exc:
+                    refused.append((entry, exc))
+            if len(refused) == len(waiting):   # no order left to try
+                for entry, error in refused:
+                    entry.not_replayed(error)
+                break
+            waiting = [entry for entry, _ in refused]
         self._seq = max(self._seq, covered)
         return replayed
 

@@ -34,7 +34,8 @@ def grow(bound: float, added: float, dtype: torch.dtype) -> float:
 
 class Headroom:
     """Per floating-point key, an upper bound on |x| for every element x that the key's w_global
-    may hold: its values, plus every accepted update that is not in them yet (quorum rounds).
+    may hold: its values, plus every accepted update that is not in them yet (quorum rounds), and
+    the sums that exact pulls hold ahead.
     A key with no bound yet (new, or restored) is measured on first use."""
 
     def __init__(self) -> None:
@@ -42,13 +43,14 @@ class Headroom:
 
     def room(self, updates: Sequence[tuple[str, torch.Tensor]], sizes: dict[str, float],
              reach: Callable[[str], float],
-             exact: Callable[[str, torch.Tensor], float] | None) -> tuple[dict[str, float], list[str]]:
+             after: Callable[[str, torch.Tensor], float] | None) -> tuple[dict[str, float], list[str]]:
         """Each key's bound once its update is in, and the keys whose update could overflow.
 
-        sizes: each floating-point update's magnitude; one that is not finite is over. reach(key): a fresh bound of the
-        key as it is now, for a cached one that has grown loose. exact(key, u): max |w + u|,
-        computed (rare: only where the bound says it could overflow); None where w + u is not
-        the next state (quorum), and the bound alone decides. Changes no bound: commit() does."""
+        sizes: each floating-point update's magnitude; one that is not finite is over. reach(key):
+        a fresh bound of the key as it is now, for a cached one that has grown loose. after(key, u):
+        max |x| over what the key holds once u is in, computed (rare: only where the bound says it
+        could overflow); None where that is not the next state (quorum), and the bound decides.
+        Changes no bound: commit() does."""
         grown: dict[str, float] = {}
         over: list[str] = []
         for key, update in updates:
@@ -62,8 +64,8 @@ class Headroom:
             bound = math.inf if known is None else grow(known, sizes[key], update.dtype)
             if not bound <= limit:
                 bound = grow(reach(key), sizes[key], update.dtype)
-            if not bound <= limit and exact is not None:
-                bound = exact(key, update)   # w + u itself: no rounding left to allow for
+            if not bound <= limit and after is not None:
+                bound = after(key, update)   # the sums themselves: no rounding left to allow for
             if not bound <= limit:   # NaN too
                 over.append(key)
             else:

@@ -31,6 +31,7 @@ _CODES = {
     ShardError.Kind.NOT_READY: grpc.StatusCode.FAILED_PRECONDITION,
     ShardError.Kind.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
     ShardError.Kind.MODE: grpc.StatusCode.FAILED_PRECONDITION,
+    ShardError.Kind.OVERFLOW: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 

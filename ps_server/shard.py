@@ -29,6 +29,7 @@ class ShardError(Exception):
         NOT_READY = "not_ready"      # used before Init
         CONFLICT = "conflict"        # re-Init with different keys or values
         MODE = "mode"                # a call the shard's sync mode does not take (a push under elastic)
+        OVERFLOW = "overflow"        # finite, but w_global plus it could pass the dtype's largest value
 
     def __init__(self, kind: Kind, message: str) -> None:
         super().__init__(message)
@@ -280,7 +281,7 @@ class Shard:
             raise ShardError(ShardError.Kind.CLOCK, f"push of vw {vw} for clock {clock}: the job has "
                                                     f"{self.rule.total_waves} waves per virtual worker")
         # Under quorum w_global + u is not the next state (the round may wait): the bound decides.
-        grown = self._room(what, deltas, sizes, exact=not quorum)
+        grown = self._room(what, deltas, sizes, None if quorum else lambda key, u: self._after(key, clock, u))
         if journal is not None:
             journal()
         self.headroom.commit(grown)
@@ -321,22 +322,34 @@ class Shard:
     def _key_c_global(self, key: str) -> int:
         return min(self.clocks[key][v] for v in self._live())
 
-    def _room(self, what: str, updates: Sequence[tuple[str, torch.Tensor]], sizes: dict[str, float], *,
-              exact: bool) -> dict[str, float]:
-        """Each key's headroom bound once its update is added; refused where it could overflow."""
-        grown, over = self.headroom.room(
-            updates, sizes, self._reach,
-            (lambda key, u: headroom.magnitude(self.values[key] + u)) if exact else None)
+    def _room(self, what: str, updates: Sequence[tuple[str, torch.Tensor]], sizes: dict[str, float],
+              after: Callable[[str, torch.Tensor], float] | None) -> dict[str, float]:
+        """Each key's headroom bound once its update is added; refused where it could overflow.
+        after(key, u): max |x| over what key holds once u is in (None: the bound decides alone)."""
+        grown, over = self.headroom.room(updates, sizes, self._reach, after)
         if over:
-            raise ShardError(ShardError.Kind.INVALID, f"{what}: adding it could overflow w_global in {over[:5]} "
+            raise ShardError(ShardError.Kind.OVERFLOW, f"{what}: adding it could overflow w_global in {over[:5]} "
                                                       "(past the largest finite value of the key's dtype)")
         return grown
 
     def _reach(self, key: str) -> float:
-        """A fresh bound of |x| over what key may hold: its values and (quorum) its open rounds."""
+        """A fresh bound of |x| over what key may hold: its values, plus (quorum) its open rounds,
+        which are added to them in turn, or (exact) its waves held ahead; one rounding per sum."""
         book = self.rounds.get(key)
         waiting = [] if book is None else [r.total for r in book.open.values() if r.total is not None]
-        return headroom.magnitude(self.values[key]) + sum(headroom.magnitude(t) for t in waiting)
+        waiting += list(self.ahead.get(key, {}).values())
+        total = headroom.magnitude(self.values[key]) + sum(headroom.magnitude(t) for t in waiting)
+        return total * (1 + torch.finfo(self.values[key].dtype).eps) ** (len(waiting) + 1)
+
+    def _after(self, key: str, wave: int | None, u: torch.Tensor) -> float:
+        """max |x| over what key holds once u is added: its values and (exact) the waves held
+        ahead, u's own too (u starts it, if it is held)."""
+        held = self.ahead.get(key, {})
+        sizes = [headroom.magnitude(self.values[key] + u)]
+        sizes += [headroom.magnitude(t + u if w == wave else t) for w, t in held.items()]
+        if self.rule.exact and wave not in held:
+            sizes.append(headroom.magnitude(u))
+        return max(sizes)
 
     def _settle(self, keys: Sequence[str]) -> None:
         """quorum: closes every round of these keys that has its quorum; once every live VW has
@@ -382,7 +395,8 @@ class Shard:
                                                     "exchanges per virtual worker")
         computed = [(key, elastic.elastic_delta(value, self.values[key], self.rule.alpha)) for key, value in replica]
         # replica - master may overflow: an Inf delta is refused as an overflow, not as the replica's.
-        grown = self._room(what, computed, {k: headroom.magnitude(d) for k, d in computed}, exact=True)
+        grown = self._room(what, computed, {k: headroom.magnitude(d) for k, d in computed},
+                           lambda key, u: self._after(key, None, u))
         if journal is not None:
             journal()
         self.headroom.commit(grown)

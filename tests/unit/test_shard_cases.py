@@ -281,12 +281,12 @@ def test_a_finite_push_that_would_overflow_w_global_is_refused_and_changes_nothi
     shard.init(2, [("a", torch.zeros(3, dtype=dtype))], (), RULES[rule])
     assert shard.push(0, 0, [("a", _at(dtype, i0=0.75))])
     digest = shard.digest()
-    message = str(assert_refused(Kind.INVALID, shard.push, 1, 0, [("a", _at(dtype, i0=0.75))]))
+    message = str(assert_refused(Kind.OVERFLOW, shard.push, 1, 0, [("a", _at(dtype, i0=0.75))]))
     assert "push of vw 1 for clock 0: adding it could overflow w_global in ['a']" in message
     assert shard.digest() == digest and shard.pushes_applied == 1 and shard.clocks["a"] == [1, 0]
     beside = [("a", _at(dtype, i1=0.75))]   # no element overflows
     if rule == "quorum":   # the bound decides: the round's sum, not w_global + u, is what comes next
-        assert_refused(Kind.INVALID, shard.push, 1, 0, beside)
+        assert_refused(Kind.OVERFLOW, shard.push, 1, 0, beside)
         assert shard.digest() == digest
         return
     assert shard.push(1, 0, beside), "w_global + u itself decides where the bound cannot"
@@ -303,12 +303,45 @@ def test_a_bound_grown_loose_is_measured_again_not_refused(dtype: torch.dtype) -
     for vw, clock, fraction in [(0, 0, 0.3), (1, 0, -0.3), (0, 1, 0.3), (1, 1, 0.3)]:
         assert shard.push(vw, clock, [("a", _at(dtype, i0=fraction))]), (vw, clock)
     assert shard.headroom.bounds["a"] < torch.finfo(dtype).max
-    assert_refused(Kind.INVALID, shard.push, 0, 2, [("a", _at(dtype, i0=0.5))])
+    assert_refused(Kind.OVERFLOW, shard.push, 0, 2, [("a", _at(dtype, i0=0.5))])
     assert shard.push(0, 2, [("a", _at(dtype, i0=-0.5))]), "the same size the other way: applied"
     again = Shard()   # a restored shard starts with no bounds, and measures
     again.restore(shard.snapshot())
-    assert_refused(Kind.INVALID, again.push, 1, 2, [("a", _at(dtype, i0=0.95))])
+    assert_refused(Kind.OVERFLOW, again.push, 1, 2, [("a", _at(dtype, i0=0.95))])
     assert again.push(1, 2, [("a", _at(dtype, i0=-0.95))])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_an_exact_shard_refuses_a_push_whose_wave_held_ahead_would_overflow(dtype: torch.dtype) -> None:
+    """Exact pulls answer w_global less the waves held ahead, and a wave's pushes are summed there
+    too: w_global may stay finite while that sum does not, and a pull would hand out -Inf."""
+    shard = Shard()
+    shard.init(3, [("a", _at(dtype, i0=-0.6))], (), RULES["exact"])
+    assert shard.push(0, 0, [("a", _at(dtype, i0=0.6))])   # w_global 0; wave 0 held ahead: 0.6 max
+    digest = shard.digest()
+    assert_refused(Kind.OVERFLOW, shard.push, 1, 0, [("a", _at(dtype, i0=0.6))])   # 1.2 max ahead
+    assert shard.digest() == digest
+    assert shard.push(1, 0, [("a", _at(dtype, i0=-0.6))])
+    assert torch.isfinite(shard.pull(2, ["a"]).values[0][1]).all()
+
+
+def test_a_replayed_log_takes_every_push_the_shard_took_in_whatever_order(tmp_path: Path) -> None:
+    """WSP numbers log entries before the shard's lock, so two VWs' pushes may be applied in the
+    other order than they are replayed. Near the limit one order can overflow where the other did
+    not: a push the shard acknowledged must not be refused on replay."""
+    top = torch.finfo(torch.float64).max
+    shard, durability = Shard(), Durability(str(tmp_path), every_clocks=100)
+    shard.init(2, [("a", torch.tensor([0.5 * top, 0.0], dtype=torch.float64))])
+    durability.checkpoint(shard)   # as Init's: what the log replays onto
+    first, up = log_push(durability, 0, 0, [("a", torch.tensor([0.6 * top, 1.0], dtype=torch.float64))])
+    second, down = log_push(durability, 1, 0, [("a", torch.tensor([-0.6 * top, 2.0], dtype=torch.float64))])
+    for seq, vw, logged in ((second, 1, down), (first, 0, up)):   # applied in the other order
+        assert shard.push(vw, 0, logged)
+        durability.settle(seq, applied=True)
+    durability.sync()
+    restored = Shard()
+    assert Durability(str(tmp_path), every_clocks=100).restore(restored) == 2
+    assert restored.digest() == shard.digest() and restored.clocks["a"] == [1, 1]
 
 
 def test_exact_pulls_take_out_the_waves_c_global_has_not_reached(tmp_path: Path) -> None:

@@ -431,7 +431,7 @@ def test_an_exchange_whose_delta_would_overflow_is_refused_and_changes_nothing()
                rule=SyncRule("elastic", alpha=0.5, period=1, total_waves=2))
     digest = shard.digest()
     far = [("w", torch.tensor([-big, 1.0], dtype=torch.float64))]   # -2**1024: past float64
-    message = str(assert_refused(Kind.INVALID, shard.exchange, 0, 0, far))
+    message = str(assert_refused(Kind.OVERFLOW, shard.exchange, 0, 0, far))
     assert "exchange of vw 0 for clock 0: adding it could overflow w_global in ['w']" in message
     assert shard.digest() == digest and shard.exchanges_applied == 0
     result = shard.exchange(0, 0, [("w", torch.tensor([big / 4, 3.0], dtype=torch.float64))])
