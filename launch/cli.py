@@ -7,14 +7,10 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING
 
 import grpc
@@ -30,7 +26,7 @@ from coordinator.state import JobState
 from launch import compose
 from launch import k8s
 from launch import worker
-from launch.interrupts import interrupts_held
+from launch.interrupts import EXIT_INTERRUPTED, interrupted, interrupts_held, run_interrupts
 
 # The planner, the local launcher and the remote client import torch (a second): the commands that
 # plan or run import them when they run (interrupts_held), so that status, stop, trace, certs and --help
@@ -42,17 +38,8 @@ if TYPE_CHECKING:
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE
-EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
-INTERRUPTING = (signal.SIGTERM, signal.SIGHUP)  # handled as Ctrl-C: exit 128 + the signal's number
 TERMINAL = {s.name for s in JobState if s.is_terminal}   # the proto's names of the states a job ends in
-
-
-def interrupted() -> int:
-    """Ctrl-C outside a run (which stops its processes and says so itself): one line, exit 130.
-    Also launch.entry's, for a Ctrl-C during the imports."""
-    print("hetpipe: interrupted", file=sys.stderr)
-    return EXIT_INTERRUPTED
 
 
 def _error(message: str) -> None:
@@ -65,33 +52,11 @@ def _run(args: argparse.Namespace) -> int:
                "yet, to resume from or to delete")
         return EXIT_USAGE
     try:
-        with _signals_interrupt():
+        with run_interrupts():
             return _run_job(args)
     except KeyboardInterrupt as exc:  # here too if it came before or after the job's own handling
         print(f"hetpipe: {interrupt_reason(exc)}; stopped every process", file=sys.stderr)
         return 128 + exc.signum if isinstance(exc, Interrupted) else EXIT_INTERRUPTED
-
-
-@contextmanager
-def _signals_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP (a scheduler's cancel, a closed terminal) stop a run as Ctrl-C does:
-    every process stopped, status.json written, the run's address and token removed. Repeats are
-    ignored while that runs; it takes seconds."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        for s in INTERRUPTING:
-            signal.signal(s, signal.SIG_IGN)
-        raise Interrupted(signum)
-
-    previous = {s: signal.signal(s, interrupt) for s in INTERRUPTING}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _run_job(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@ the command as it does later, in one line with exit 130."""
 
 from __future__ import annotations
 
-from launch.interrupts import interrupts_held
+from launch.interrupts import interrupted, interrupts_held
 
 
 def main() -> int:
@@ -11,7 +11,5 @@ def main() -> int:
         with interrupts_held():
             from launch.cli import main as cli_main
     except KeyboardInterrupt:
-        from launch.cli import interrupted
-
         return interrupted()
     return cli_main()

@@ -1,15 +1,43 @@
-"""Ctrl-C (and SIGTERM, SIGHUP) while hetpipe imports what a command needs (torch takes a second):
-held until the imports are done, then delivered to whatever handles it there."""
+"""How the command line takes Ctrl-C, SIGTERM and SIGHUP: held while it imports what a command
+needs (torch takes a second), turned into a run's orderly stop while it runs, and one line."""
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
-HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+from hetpipe.errors import Interrupted
+
+EXIT_INTERRUPTED = 130
+INTERRUPTING = (signal.SIGTERM, signal.SIGHUP)  # handled as Ctrl-C by a run: exit 128 + the signal's number
+HELD = (signal.SIGINT, *INTERRUPTING)
+
+Handler = Callable[[int, FrameType | None], None]
+
+
+def interrupted() -> int:
+    """Ctrl-C outside a run (which stops its processes and says so itself): one line, exit 130."""
+    print("hetpipe: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+@contextmanager
+def _handling(signals: Sequence[signal.Signals], handler: Handler) -> Iterator[None]:
+    """handler for these signals inside the block, and the ones before it back afterwards; on a
+    thread other than the main one (which alone may set them) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, before in previous.items():
+            signal.signal(s, before)
 
 
 @contextmanager
@@ -19,19 +47,22 @@ def interrupts_held() -> Iterator[None]:
     and a traceback instead. The first signal that came is raised again once the handlers in place
     before are back: Ctrl-C's KeyboardInterrupt, a run's Interrupted, SIGTERM's default end, or
     nothing where it was ignored."""
-    if threading.current_thread() is not threading.main_thread():   # only the main thread gets signals
-        yield
-        return
     came: list[int] = []
-
-    def hold(signum: int, frame: FrameType | None) -> None:
-        came.append(signum)
-
-    previous = {s: signal.signal(s, hold) for s in HELD}
-    try:
+    with _handling(HELD, lambda signum, frame: came.append(signum)):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     if came:
         signal.raise_signal(came[0])
+
+
+@contextmanager
+def run_interrupts() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a scheduler's cancel, a closed terminal) stop a run as Ctrl-C does:
+    every process stopped, status.json written, the run's address and token removed. Repeats are
+    ignored while that runs; it takes seconds."""
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        for s in INTERRUPTING:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    with _handling(INTERRUPTING, interrupt):
+        yield
