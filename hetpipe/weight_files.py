@@ -18,9 +18,10 @@ from hetpipe import wire
 from hetpipe.errors import JobFailed
 from hetpipe.outputs import INDEX_FILE, SINGLE_FILE, fsync, stage_state_path, write_atomically, write_text_atomically
 
-# safetensors' names for the dtypes the wire carries.
+# safetensors' names for the dtypes the wire carries, and the shards' push log holds.
 DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +54,29 @@ def file_names(count: int) -> list[str]:
     return [SINGLE_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
+def header(tensors: Sequence[tuple[str, torch.dtype, Sequence[int], int]],
+           metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+    """The safetensors header of these (name, dtype, shape, bytes), in the format's own layout: 8
+    bytes of its length, then JSON padded to 8 bytes (the data starts aligned); and each tensor's
+    offset after it. ValueError for a name given twice or a dtype the format is not given here."""
+    fields: dict[str, Any] = {"__metadata__": metadata}
+    offsets, offset = [], 0
+    for name, dtype, shape, nbytes in tensors:
+        if name in fields:
+            raise ValueError(f"safetensors header: tensor {name!r} appears twice")
+        if dtype not in DTYPES:
+            raise ValueError(f"safetensors header: tensor {name!r} has dtype {dtype}, which is not written")
+        fields[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offsets.append(offset)
+        offset += nbytes
+    text = json.dumps(fields, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, offsets
+
+
 def save_atomically(obj: Any, path: str | Path, *, durable: bool = False) -> None:
     """torch.save(obj) to path, atomically (write_atomically)."""
     write_atomically(path, lambda tmp: torch.save(obj, tmp), durable=durable)
-
 
 
 def save_stage_state(checkpoint_dir: str | Path, wave: int, vw: int, stage: int, state: Any) -> Path:
@@ -90,24 +110,14 @@ class WeightsWriter:
 
     def _open(self, groups: list[list[Entry]]) -> None:
         for i, group in enumerate(groups):
-            header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-            offset = 0
-            for e in group:
-                header[e.key] = {"dtype": DTYPES[e.dtype], "shape": list(e.shape),
-                                 "data_offsets": [offset, offset + e.nbytes]}
-                offset += e.nbytes
-            text = json.dumps(header, separators=(",", ":")).encode()
-            text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
-            start = 8 + len(text)
+            head, offsets = header([(e.key, e.dtype, e.shape, e.nbytes) for e in group], {"format": "pt"})
             fd = os.open(self._tmp(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.pwrite(fd, len(text).to_bytes(8, "little") + text, 0)
-            os.ftruncate(fd, start + offset)
+            os.pwrite(fd, head, 0)
+            os.ftruncate(fd, len(head) + sum(e.nbytes for e in group))
             self._fds.append(fd)
-            base = 0
-            for e in group:
-                self._where[e.key] = (i, start + base, e.nbytes)
+            for e, offset in zip(group, offsets):
+                self._where[e.key] = (i, len(head) + offset, e.nbytes)
                 self._written[e.key] = 0
-                base += e.nbytes
 
     def _tmp(self, i: int) -> Path:
         return self.out_dir / f".{self.names[i]}.partial"

@@ -3,11 +3,9 @@ acknowledged since."""
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from hetpipe import wire
 from hetpipe.buffers import raw_bytes
 from hetpipe.outputs import fsync, write_text_atomically
-from hetpipe.weight_files import save_atomically
+from hetpipe.weight_files import header, save_atomically
 from ps_server.shard import Shard, ShardError
 
 log = logging.getLogger(__name__)
@@ -32,10 +30,6 @@ PENDING_SUFFIX = ".pending"
 WRITTEN_SUFFIX = ".written"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")   # Linux: new at every boot
 SPARE_PREFIX = "spare-"       # a file a checkpoint freed, to be written over by a later entry
-# safetensors' names for the dtypes a shard holds (its format's header, written by _write_entry).
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,24 +337,6 @@ def _boot_id() -> str:
         return ""
 
 
-def _header(tensors: list[tuple[str, torch.dtype, list[int], int]], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
-    """The safetensors header of these (name, dtype, shape, bytes), in the format's own layout: 8
-    bytes of its length, then JSON padded to 8 bytes; and each tensor's offset after it."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offsets, offset = [], 0
-    for name, dtype, shape, nbytes in tensors:
-        if name in header:
-            raise ValueError(f"log entry: tensor {name!r} appears twice")
-        if dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"log entry: tensor {name!r} has dtype {dtype}, which the log does not hold")
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offsets.append(offset)
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, offsets
-
-
 def _pwrite_all(fd: int, chunk: bytes | memoryview, position: int) -> int:
     """Writes chunk at position; returns the position after it."""
     while chunk:   # one write moves at most about 2 GiB
@@ -373,7 +349,7 @@ def _write_entry(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: 
     """A safetensors file of tensors at path, written over what path holds (no new file where it
     exists)."""
     views = [raw_bytes(tensor) for _, tensor in tensors]
-    head, _ = _header([(name, t.dtype, list(t.shape), v.nbytes) for (name, t), v in zip(tensors, views)], metadata)
+    head, _ = header([(name, t.dtype, list(t.shape), v.nbytes) for (name, t), v in zip(tensors, views)], metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         position = 0
@@ -388,7 +364,7 @@ def _write_stream(path: Path, stream: wire.Stream, metadata: dict[str, str]) -> 
     """_write_entry from a stream's pieces as they arrive; returns the tensors, on a private
     mapping of the file (its pages are the page cache's until written, which nothing does)."""
     specs = [(name, dtype, shape, nbytes) for name, (dtype, shape, nbytes) in zip(stream.names, stream.specs)]
-    head, offsets = _header(specs, metadata)
+    head, offsets = header(specs, metadata)
     total = len(head) + sum(nbytes for *_, nbytes in specs)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:

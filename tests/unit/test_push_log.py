@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from hetpipe import shm, wire
 from hetpipe.buffers import raw_bytes
 from hetpipe.v1 import wire_pb2
-from ps_server.durability import SAFETENSORS_DTYPES, Durability, _write_entry, _write_stream
+from hetpipe.weight_files import DTYPES
+from ps_server.durability import Durability, _write_entry, _write_stream
 from ps_server.shard import Shard
 from shard_reference import log_push, two_key_shard
 
@@ -185,7 +186,7 @@ def _travels(dtype: torch.dtype) -> bool:
 
 @pytest.mark.parametrize(("dtype", "writer"), [
     pytest.param(dtype, writer, id=f"{dtype}-{name}")
-    for dtype in sorted(SAFETENSORS_DTYPES, key=str)
+    for dtype in sorted(DTYPES, key=str)
     for name, writer in (("tensors", _write_entry), ("stream", _from_stream))
     if writer is _write_entry or _travels(dtype)])
 def test_an_entry_is_a_safetensors_file_even_over_a_longer_one(tmp_path: Path, dtype: torch.dtype,
