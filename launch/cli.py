@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -382,9 +382,21 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version, else the checkout's: a machine that runs the project from
+    its checkout through PYTHONPATH (bench/gpu_kit.sh) has none installed."""
+    try:
+        return version("hetpipe")
+    except PackageNotFoundError:
+        import tomllib
+
+        return str(tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+                   ["project"]["version"]) + " (not installed)"
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetpipe", description="HetPipe: train large models on heterogeneous GPUs")
-    ap.add_argument("--version", action="version", version=f"hetpipe {version('hetpipe')}")
+    ap.add_argument("--version", action="version", version=f"hetpipe {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job file with local processes (or on a coordinator's workers: --coordinator)")
     run.add_argument("config", help="job YAML file")

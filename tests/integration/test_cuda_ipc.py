@@ -217,21 +217,41 @@ def test_a_bundle_crosses_to_another_process_and_a_stale_or_forged_handle_does_n
         ring.close()
 
 
+def _share_and_exit(conn: Connection) -> None:
+    """A GPU sender's life in short: shares a slot, then ends as a service does (exit_now's clean-up,
+    then os._exit), reporting its counter file before and after the clean-up."""
+    import os
+
+    ring = cuda_ipc.Ring(torch.device("cuda:0"), slots=1)
+    staged = ring.stage(_bundle(1))
+    assert staged is not None
+    counter = ring.refs(staged)[1].ref_counter_handle.decode().lstrip("/")
+    before = (shm.SHM_DIR / counter).exists()
+    cuda_ipc.unlink_counters()
+    conn.send((counter, before, (shm.SHM_DIR / counter).exists()))
+    conn.close()
+    os._exit(0)
+
+
 @pytest.mark.cuda
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_sender_removes_torchs_counter_files_before_it_exits() -> None:
     """A service ends with os._exit, which skips torch's own clean-up of the reference-counter
     file its shares use: exit_now removes them (cuda_ipc.unlink_counters), or each GPU sender
-    would leave one in /dev/shm."""
-    ring = cuda_ipc.Ring(torch.device("cuda:0"), slots=1)
+    would leave one in /dev/shm. In a child process: torch's clean-up at this process's exit
+    aborts it when the file it would remove is gone."""
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_share_and_exit, args=(child,))
+    proc.start()
     try:
-        staged = ring.stage(_bundle(1))
-        assert staged is not None
-        counter = ring.refs(staged)[1].ref_counter_handle.decode().lstrip("/")
-        assert (shm.SHM_DIR / counter).exists()
-        cuda_ipc.unlink_counters()
-        assert not (shm.SHM_DIR / counter).exists()
-        ring.release(staged)
+        assert parent.poll(90), "the sharing process reported nothing"
+        counter, before, after = parent.recv()
     finally:
-        ring.close()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert before, f"sharing a slot made no counter file {counter}"
+    assert not after, f"{counter} is still in /dev/shm"
+    assert not (shm.SHM_DIR / counter).exists()
+    assert proc.exitcode == 0
