@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # The VW, shard and raw TCP processes; bench/ (this script's directory) is on sys.path.
+from hetpipe.devices import PS_THREADS_ENV  # noqa: E402
 from netns import veth_pair  # noqa: E402
 from ps_processes import STEP_TIMEOUT_S, WARM_ROUNDS, Clients, Far, ShardProcs, TcpPair, cpu_seconds, expect  # noqa: E402
 
@@ -247,7 +248,12 @@ def main(argv: list[str] | None = None) -> int:
                              "--netns grpc")
     parser.add_argument("--netns", action="store_true",
                         help="shards and the raw TCP receiver in another network namespace, across a veth pair")
+    parser.add_argument("--shard-threads", type=int, default=1,
+                        help="each shard's intra-op threads (default 1, as beside CPU stages; the launchers "
+                             "give shards beside GPU stages the cores those leave: devices.thread_split)")
     args = parser.parse_args(argv)
+    # Before the forkserver starts: its children take its environment.
+    os.environ[PS_THREADS_ENV] = str(max(1, args.shard_threads))
     args.transports = args.transports or (["grpc"] if args.netns else ["grpc", "shm"])
     if args.netns and "shm" in args.transports:
         parser.error("--netns: shared memory needs one host")
@@ -293,7 +299,8 @@ def _measure(args: argparse.Namespace, far: Far | None) -> int:
             shards.wait_started()
         started = time.perf_counter() - began
         print(f"started {sum(len(p.procs) for p in shard_sets)} shard, {len(clients.procs)} VW and 2 TCP "
-              f"processes in {started:.1f}s; load average {load_start[0]:.1f} on {os.cpu_count()} CPUs",
+              f"processes in {started:.1f}s ({os.environ[PS_THREADS_ENV]} intra-op threads a shard); "
+              f"load average {load_start[0]:.1f} on {os.cpu_count()} CPUs",
               flush=True)
         for (n, s, durable, shm), shards in zip(configs, shard_sets):
             row = run_config(clients, tcp, shards, n, s, durable, shm, keys, rounds)

@@ -187,15 +187,16 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
     status: coordinator_pb2.JobStatus | None = None
     logs: dict[str, Path] = {}   # each worker's address -> its log
     try:
-        par = job.parallel
-        threads = devices.threads_for(par.virtual_workers * par.stages_per_vw)
-        with LocalProcesses(out_dir / "logs", env={devices.THREADS_ENV: threads}) as procs:
+        on_gpu = sum(s.device.startswith("cuda") for s in plan.stages)
+        threads, shard_threads = devices.thread_split(len(plan.stages) - on_gpu, on_gpu, _shards(job))
+        env = {devices.THREADS_ENV: threads, devices.PS_THREADS_ENV: shard_threads}
+        with LocalProcesses(out_dir / "logs", env=env) as procs:
             runner.kill_hung = lambda address, why: _kill_hung(procs, address, why)
             register = ["--coordinator", server.address, "--node", "local", "--output-root", str(out_dir),
                         *security.child_args(credentials)]
             # Neutral names: the coordinator decides which worker serves which stage, and says so
             # in the worker's log ("stage q of vw v assigned ...") and in every error.
-            for i in range(par.virtual_workers * par.stages_per_vw):
+            for i in range(len(plan.stages)):
                 procs.spawn("stage_worker", f"stage worker {i}", register)
             shard_trace = ["--trace-dir", str(out_dir / "trace")] if job.output.trace else []
             for i in range(_shards(job)):

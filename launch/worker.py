@@ -180,14 +180,15 @@ class Launcher:
             from hetpipe import devices
 
         log_dir = self.root / "logs" / self.cfg.node
-        threads = devices.threads_for(max(1, len(stages)))
+        on_gpu = sum(bool(d.env.get(CUDA_ENV)) for d in stages)
+        threads, shard_threads = devices.thread_split(len(stages) - on_gpu, on_gpu, self.cfg.shards)
         for i, d in enumerate(stages):
             procs = LocalProcesses(log_dir, host=self.cfg.host, env={**d.env, devices.THREADS_ENV: threads})
             self.groups.append(procs)
             self._spawn(procs, "stage_worker", f"stage worker {i}",
                         [*self.registration(), *(["--gpu-type", d.gpu_type] if d.gpu_type else [])])
         if self.cfg.shards:
-            procs = LocalProcesses(log_dir, host=self.cfg.host, env={CUDA_ENV: ""})
+            procs = LocalProcesses(log_dir, host=self.cfg.host, env={CUDA_ENV: "", devices.PS_THREADS_ENV: shard_threads})
             self.groups.append(procs)
             for i in range(self.cfg.shards):
                 checkpoints = self.root / "ps" / self.cfg.node / f"shard{i}"
