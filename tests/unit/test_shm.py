@@ -33,6 +33,20 @@ def _mine() -> set[str]:
     return {s for s in shm.segments() if s.startswith(f"{shm.PREFIX}{os.getpid()}-")}
 
 
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_a_large_copy_split_over_threads_copies_every_byte_and_no_more(threads: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = shm._SPLIT_FROM + 5   # parts of unequal sizes
+        src = bytearray(os.urandom(n))
+        dst = bytearray(n + 3)
+        shm.copy_bytes(memoryview(dst)[:n], memoryview(src))
+        assert dst[:n] == src and dst[n:] == b"\0\0\0"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bundles_round_trip_and_slots_are_reused() -> None:
     ring, reader = shm.Ring(slots=2), shm.Reader()
     before = _mine()   # in-process servers of earlier tests may own some
