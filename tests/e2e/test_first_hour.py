@@ -89,7 +89,10 @@ def test_ctrl_c_while_the_command_starts_ends_it_in_one_line(tmp_path: Path, aft
     line, as later in a run, never a traceback."""
     hetpipe = Path(sys.executable).parent / "hetpipe"   # the console script a user runs
     plan = subprocess.Popen([str(hetpipe), "plan", str(_job_file(tmp_path))], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # As from a terminal: a suite started in the background (`cmd &`) has
+                            # SIGINT ignored, and an ignored signal stays ignored across exec.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(after_s)
     plan.send_signal(signal.SIGINT)
     out, err = plan.communicate(timeout=60)
