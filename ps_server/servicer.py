@@ -174,9 +174,10 @@ class ShardServicer:
                 if logged is not None and durability is not None:
                     durability.settle(logged, applied=applied)
             captured = durability.maybe_capture(self.shard) if applied and durability is not None else None
+            payload = _payload_bytes(tensors)
             self.trace.record(kind, tag.vw, tag.clock, start, time.time(), received=received,
-                              duplicate=not applied, checkpoint=captured is not None)
-            self.received_bytes += _payload_bytes(tensors)
+                              duplicate=not applied, checkpoint=captured is not None, bytes=payload)
+            self.received_bytes += payload
             self._cv.notify_all()  # pulls wait on pushes, the final pulls on every VW's last exchange
         if logged is not None and durability is not None:
             # On disk before the acknowledgement, the pulls it released already on their way; a

@@ -241,14 +241,17 @@ class Shard:
         if self.rule.mode == "elastic":
             raise ShardError(ShardError.Kind.MODE, f"push of vw {vw}: this shard runs sync elastic, whose "
                                                    "replicas exchange with the master (Exchange) and push nothing")
-        self._check_metas(vw, metas, "delta")
+        self._check_metas(vw, metas, "delta", narrowed=True)
 
-    def _check_metas(self, vw: int, metas: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], what: str) -> None:
+    def _check_metas(self, vw: int, metas: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], what: str,
+                     narrowed: bool = False) -> None:
+        """narrowed: a float32 key also takes bfloat16 (a bf16 job's pushes, stage_worker/wsp_sync.py)."""
         self._check_vw(vw)
         self._check_keys([k for k, _, _ in metas])
         for key, dtype, shape in metas:
             want = self.values[key]
-            if dtype != want.dtype or shape != tuple(want.shape):
+            taken = dtype == want.dtype or (narrowed and (dtype, want.dtype) == (torch.bfloat16, torch.float32))
+            if not taken or shape != tuple(want.shape):
                 raise ShardError(
                     ShardError.Kind.INVALID,
                     f"{key}: {what} is {dtype} {list(shape)}, the key is {want.dtype} {list(want.shape)}",
@@ -262,6 +265,8 @@ class Shard:
         log) runs after validation, right before the update is applied; if it raises, nothing is.
         """
         self.check_push(vw, [(k, d.dtype, tuple(d.shape)) for k, d in deltas])
+        # A bf16 push is widened once, here: what is held, summed and bounded below is the key's dtype.
+        deltas = [(k, d if d.dtype == self.values[k].dtype else d.to(self.values[k].dtype)) for k, d in deltas]
         what = f"push of vw {vw} for clock {clock}"
         sizes = _sizes(what, deltas)
         keys = [k for k, _ in deltas]

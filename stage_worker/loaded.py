@@ -166,6 +166,7 @@ class Loaded:
             trace_name=trace.name if trace else "", repeat_push=faults.from_env().repeat_push, seed=job.train.seed,
             sync=job.parallel.sync, quorum=job.parallel.sync_settings.quorum, alpha=job.parallel.sync_settings.alpha,
             period=job.parallel.sync_settings.period, shared_memory=setup.ps_shm,
+            push_dtype="bfloat16" if job.train.precision == "bf16" else "",
         )
         callbacks = SyncCallbacks(on_failure=on_failure, wake=wake, next_forward=next_forward,
                                   observe_push=self.observe.push.observe, observe_pull=self.observe.pull.observe)

@@ -30,6 +30,11 @@ PULL_GIVE_UP_S = 600.0   # a pull may wait this long for the slowest VW
 PULL_CALL_S = 30.0       # one pull call's deadline; retried until PULL_GIVE_UP_S
 T = TypeVar("T")
 R = TypeVar("R")
+# A bf16 job pushes its float32 wave sums in bfloat16: half the bytes on every copy, log write and
+# scan of a push. The rounding is lost, as in ddp's bf16 allreduce (its bf16 compress hook); the
+# stage's own weights keep every update whole, and the shard adds the rounded sum to its float32
+# w_global. Pulls stay float32: w_global is the master copy.
+PUSH_DTYPES: dict[str, torch.dtype | None] = {"": None, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,6 +57,7 @@ class SyncConfig:
     alpha: float = 0.0              # elastic: the elastic force
     period: int = 1                 # elastic: waves between exchanges
     shared_memory: tuple[bool, ...] = ()  # per shard: it shares this host, pushes and pulls go through /dev/shm
+    push_dtype: str = ""            # "bfloat16": float32 wave sums are pushed rounded to it (train.precision bf16)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,6 +112,9 @@ class WspSync:
     puller threads only talk gRPC and hand pull results over through `_pending`."""
 
     def __init__(self, config: SyncConfig, callbacks: SyncCallbacks, params: Sequence[torch.Tensor]) -> None:
+        if config.push_dtype not in PUSH_DTYPES:
+            raise ValueError(f"push_dtype {config.push_dtype!r}: one of {sorted(PUSH_DTYPES)}")
+        self._push_dtype = PUSH_DTYPES[config.push_dtype]
         self.cfg, self.cb = config, callbacks
         self.keys = list(config.keys)
         self.shard_of = dict(zip(self.keys, config.key_shards))
@@ -373,19 +382,27 @@ class WspSync:
         while (item := self._pushes.get()) is not None:
             wave, update, queued = item
             started, start_wall = time.perf_counter(), time.time()
-            batches = {shard: [(self.keys[i], update[i].cpu()) for i in idx] for shard, idx in groups.items()}
+            sent = [self._on_wire(u) for u in update]
+            batches = {shard: [(self.keys[i], sent[i]) for i in idx] for shard, idx in groups.items()}
             if self.cfg.push_hold_s > 0 and self._closed.wait(self.cfg.push_hold_s):
                 return
-            self._save_ledger(pending=update)
+            self._save_ledger(pending=sent)
             _in_parallel(lambda item: self._push(item[0], wave, item[1]), list(batches.items()))
             self.cb.observe_push(time.perf_counter() - started)
             self._write_sync({"event": "push", "wave": wave, "queued": queued, "start": start_wall, "end": time.time()})
-            if self._ledger_path:  # only a traced job keeps the ledger (O3 reads it)
-                for total, u in zip(self._ledger, update):
-                    total.add_(u.cpu())
+            if self._ledger_path:  # only a traced job keeps the ledger (O3 reads it): what the shards got
+                for total, u in zip(self._ledger, sent):
+                    total.add_(u)
             self._acked_waves = wave + 1
             self._save_ledger(pending=None)
             self.cb.wake()
+
+    def _on_wire(self, u: torch.Tensor) -> torch.Tensor:
+        """u as pushed, on the host: rounded on its device first (a GPU's copy to the host moves
+        the narrower bytes)."""
+        if self._push_dtype is not None and u.dtype == torch.float32:
+            u = u.to(self._push_dtype)
+        return u.cpu()
 
     def _save_ledger(self, pending: list[torch.Tensor] | None) -> None:
         """With a trace: the sum of the acknowledged pushes, and the push in flight. A stage killed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -13,6 +14,7 @@ import psutil
 import pytest
 
 from conftest import run_beside
+from hetpipe.reference import initial_model
 from launch.local import run_local
 from tests.trace_rules import Row, by_stage, check_conservation, check_complete, check_local_rules, check_min_clock, load_trace
 
@@ -52,11 +54,16 @@ def _kill_shard_when_busy(out: Path, done: threading.Event, killed: list[int]) -
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["shm", "grpc"])
-def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tmp_path: Path, transport: str) -> None:
+@pytest.mark.parametrize("transport,precision", [("shm", "fp32"), ("grpc", "fp32"), ("shm", "bf16")])
+def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tmp_path: Path, transport: str,
+                                                     precision: str) -> None:
+    """bf16: pushes go in bfloat16 and the ledgers sum what was sent; float32 weights, so the
+    sums' order shows in the last bits (a push is about 1e-3)."""
     inject_faults(task_delay=(0.0, 0.01), repeat_push=0.3)
+    dtype = "float64" if precision == "fp32" else "float32"
     job = make_job({
-        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}, "steps": 60},
+        "train": {"dtype": dtype, "precision": precision, "steps": 60,
+                  "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}},
         "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": 2, "D": 1, "ps_shards": 2,
                      "transport": transport},
         "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 6}]}],
@@ -69,7 +76,18 @@ def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tm
     log = (out / "logs" / "ps_server_0.log").read_text()
     assert "restored" in log, "the restarted shard must restore its checkpoint and push log"
 
-    check_conservation(job, out, ledgers=3 * 2)
+    check_conservation(job, out, ledgers=3 * 2, atol=1e-9 if precision == "fp32" else 1e-5)
+    # A VW's wave reaches the shards in one push per stage and shard, together every parameter
+    # once: 8 bytes an element in float64, 2 in bf16 (a killed shard's last second of trace is lost).
+    elements = sum(v.numel() for v in initial_model(job).parameters())
+    waves: dict[tuple[int, int], int] = defaultdict(int)
+    for path in (out / "trace" / "ps").glob("shard*.jsonl"):
+        for row in map(json.loads, path.read_text().splitlines()):
+            if row["event"] == "push" and not row["duplicate"]:
+                waves[row["vw"], row["clock"]] += row["bytes"]
+    wave_bytes = elements * (8 if precision == "fp32" else 2)
+    whole = [b for b in waves.values() if b == wave_bytes]
+    assert max(waves.values()) == wave_bytes and len(whole) > len(waves) // 2, (elements, sorted(set(waves.values())))
 
 
 @pytest.mark.parametrize("nm,D", [(2, 0), (2, 1), (2, 3), (4, 0), (4, 1), (4, 3)])

@@ -136,3 +136,42 @@ def test_with_d0_a_pull_after_a_faster_vws_next_push_excludes_it(shard: tuple[st
     finally:
         vw0.close()
         vw1.close()
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_a_bf16_job_pushes_its_wave_sums_in_bf16_and_the_shard_adds_them_as_sent(
+        shard: tuple[str, ShardServicer], shm: bool) -> None:
+    """push_dtype bfloat16 (train.precision bf16): half the bytes reach the shard, which adds the
+    rounded sum to its float32 w_global; the stage's own pending wave stays whole (G3)."""
+    address, servicer = shard
+    failures: list[str] = []
+    weights = Weights()
+    config = SyncConfig(vw=0, nm=1, D=0, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(address,),
+                        shared_memory=(shm,), push_dtype="bfloat16")
+    sync = WspSync(config, SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3),
+                   weights.params)
+    try:
+        w0 = [torch.zeros(4, 3), torch.zeros(4)]
+        u1 = [torch.full((4, 3), 1 / 3), torch.full((4,), 1 / 7)]
+        u2 = [torch.full((4, 3), 1 / 9), torch.full((4,), 1 / 11)]
+        sync.initialise(1, w0)
+        before = servicer.received_bytes
+        _push(sync, 0, u1, failures)
+        assert servicer.received_bytes - before == (12 + 4) * 2, "bf16: 2 bytes an element"
+        sent = [u.to(torch.bfloat16).float() for u in u1]
+        assert all(not torch.equal(s, u) for s, u in zip(sent, u1)), "the case rounds"
+        for key, want in zip(KEYS, sent):
+            assert torch.equal(servicer.shard.values[key], want) and servicer.shard.values[key].dtype == torch.float32
+        sync.after_update(2, [u.clone() for u in u2])
+        sync.pull_now(weights, 1)
+        for got, s, u in zip(weights.params, sent, u2):
+            assert torch.equal(got, s + u), "G3: the pulled w_global (the sent wave 0) plus the whole wave 1"
+    finally:
+        sync.close()
+
+
+def test_a_push_dtype_it_does_not_know_is_refused(shard: tuple[str, ShardServicer]) -> None:
+    config = SyncConfig(vw=0, nm=1, D=0, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(shard[0],),
+                        push_dtype="float16")
+    with pytest.raises(ValueError, match="push_dtype 'float16': one of"):
+        WspSync(config, SyncCallbacks(on_failure=print, wake=lambda: None, next_forward=lambda: 3), Weights().params)

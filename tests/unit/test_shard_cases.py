@@ -397,3 +397,51 @@ def test_an_exact_shard_keeps_its_own_copy_of_a_push_it_holds_aside(tmp_path: Pa
         durability.settle(seq, applied=True)
         durability.checkpoint(shard)   # frees the entry: vw 2's push is written over vw 1's file
     assert torch.equal(shard.pull(0, ["a"]).values[0][1], torch.zeros(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rule", [SyncRule(), SyncRule("wsp", exact=True), SyncRule("quorum", quorum=3, total_waves=2)])
+def test_a_float32_key_takes_bf16_pushes_widened_and_logs_and_replays_them(tmp_path: Path, rule: SyncRule) -> None:
+    """A bf16 job pushes its wave sums in bfloat16 (stage_worker/wsp_sync.py). The shard adds
+    exactly the pushed values, and what it holds aside (a quorum's open round, an exact shard's
+    waves ahead) sums them in float32: two bf16 pushes summed in bf16 would round. Its log keeps
+    the bytes that came and replays the same."""
+    w0 = torch.linspace(-1, 1, 4)
+    shard, durability = Shard(), Durability(str(tmp_path), every_clocks=100)
+    shard.init(3, [("a", w0.clone())], (), rule)
+    durability.checkpoint(shard)
+    one, small = torch.full((4,), 1.0, dtype=torch.bfloat16), torch.full((4,), 3 / 256, dtype=torch.bfloat16)
+    assert (one + small).float().tolist() != (one.float() + small.float()).tolist(), "the case rounds in bf16"
+    for vw, wave, u in ((0, 0, one), (1, 0, small), (2, 0, one), (0, 1, one), (1, 1, small)):
+        seq, logged = log_push(durability, vw, wave, [("a", u)])
+        assert logged[0][1].dtype == torch.bfloat16
+        assert shard.push(vw, wave, logged)
+        durability.settle(seq, applied=True)
+    durability.sync()
+    wave0 = w0 + (one.float() + small.float() + one.float())
+    if rule.mode == "quorum":   # wave 1's round waits for its one VW: held open, summed
+        assert torch.equal(shard.values["a"], wave0)
+        assert torch.equal(shard.rounds["a"].open[1].total, one.float() + small.float())
+    else:
+        assert torch.equal(shard.values["a"], wave0 + one.float() + small.float())
+    if rule.exact:   # c_global is 1: the pull takes the held wave 1 out, as summed
+        got = shard.pull(2, ["a"]).values[0][1]
+        assert torch.equal(got, wave0 + one.float() + small.float() - (one.float() + small.float()))
+    assert shard.values["a"].dtype == torch.float32
+    assert shard.push(1, 1, [("a", small)]) is False, "a retried bf16 push is a duplicate as any other"
+    restored = Shard()
+    assert Durability(str(tmp_path), every_clocks=100).restore(restored) == 5
+    assert restored.digest() == shard.digest()
+
+
+def test_only_a_float32_key_takes_a_narrower_push_and_only_bf16() -> None:
+    shard = Shard()
+    shard.init(1, [("f32", torch.zeros(3)), ("f64", torch.zeros(3, dtype=torch.float64))])
+    digest = shard.digest()
+    for key, dtype in (("f64", torch.bfloat16), ("f32", torch.float16), ("f32", torch.float64)):
+        err = assert_refused(Kind.INVALID, shard.push, 0, 0, [(key, torch.ones(3, dtype=dtype))])
+        assert f"{key}: delta is {dtype}" in str(err)
+    elastic = Shard()
+    elastic.init(1, [("f32", torch.zeros(3))], (), SyncRule("elastic", alpha=0.5, period=1, total_waves=2))
+    err = assert_refused(Kind.INVALID, elastic.exchange, 0, 0, [("f32", torch.ones(3, dtype=torch.bfloat16))])
+    assert "f32: value is torch.bfloat16" in str(err), "an elastic replica is the weights: never narrowed"
+    assert shard.digest() == digest and shard.pushes_applied == 0
