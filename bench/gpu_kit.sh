@@ -16,11 +16,11 @@
 #              per thread, CUDA IPC, links, the oracles on the GPU (tests/e2e/test_cuda.py)
 #   transport  bench/transport.py --cuda: CUDA IPC and pinned shared memory vs a device-to-device copy
 #   gpu        bench/gpu.py: the 117.8M GPT in bf16, HetPipe layouts vs a plain loop, ddp, torch-pipeline
-#              (GPU_STEPS steps each, 40 by default: six runs must fit one call and a lent machine's
-#              device time; each run's result is in OUT/gpu.json as soon as it is done)
+#              (GPU_STEPS steps each, 100 by default: on an H100 the runs took 17-42 s each at 100
+#              steps, ddp left out on one GPU; each run's result is in OUT/gpu.json as soon as it is done)
 #   peers      bench/peers.py: the CPU job's peers on this machine's GPUs
-# Together they may outlast a time-limited call (never run on a GPU yet); split them over two:
-#   bench/gpu_kit.sh run OUT env tests transport ; bench/gpu_kit.sh run OUT gpu peers
+# On an H100 (2026-11-27) env took 8 s, tests 40, transport 34, gpu about 135 and peers 96: all
+# of them fit one 10-minute call, and a lent machine's 15 minutes with its start-up (about 35 s).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -67,7 +67,7 @@ print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\
         tests)     mapfile -t files < <(grep -rlE --include='test_*.py' '^\s*@?pytest\.mark\.cuda\b' tests | sort)
                    cmd=(python3 -m pytest -q -p no:cacheprovider -m cuda "${files[@]}") ;;
         transport) cmd=(python3 bench/transport.py --cuda) ;;
-        gpu)       cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-40}" --json "$out/gpu.json") ;;
+        gpu)       cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-100}" --json "$out/gpu.json") ;;
         peers)     cmd=(python3 bench/peers.py --json "$out/peers.json") ;;
         *)         die "no step '$name' (steps: $STEPS)" ;;
     esac
