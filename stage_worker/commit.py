@@ -43,7 +43,7 @@ def _news(s: Loaded) -> wire_pb2.Verdicts:
 
 def commit(s: Loaded, p: int, grads: Grads, *, scale: float = 1.0, skip: bool = False) -> None:
     """L3: p's step (or, fp16, its skip), folded into its wave's update (G1)."""
-    update = s.compute.commit(grads, scale=scale, skip=skip)
+    update = s.compute.commit(grads, scale=scale, skip=skip, into=s.sync.spare_update())
     s.sync.after_update(p, update)
     if closes_wave(p, s.job.nm, s.job.train.steps):
         s.sync.on_wave_end(wave_of(p, s.job.nm))

@@ -40,7 +40,7 @@ class ElasticSync(WspSync):
         return True  # no G2: elastic VWs never wait for each other
 
     def after_update(self, p: int, update: list[torch.Tensor]) -> None:
-        pass  # the replica holds the VW's own updates; nothing is summed or pushed
+        self._recycle(update)  # the replica holds the VW's own updates; nothing is summed or pushed
 
     def on_wave_end(self, wave: int) -> None:
         self._clock = wave + 1

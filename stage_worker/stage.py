@@ -220,16 +220,20 @@ class StageCompute:
         return bool(torch.stack(flags).all()) if flags else True
 
     @torch.no_grad()
-    def commit(self, grads: Grads, *, scale: float = 1.0, skip: bool = False) -> list[torch.Tensor]:
+    def commit(self, grads: Grads, *, scale: float = 1.0, skip: bool = False,
+               into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """L3: the optimizer step with these gradients (divided by the loss scale), a new version;
         skip: a version without a step (fp16: some stage's gradients of this minibatch overflowed).
-        Returns the update u = w_after - w_before (empty unless tracked for WSP)."""
+        Returns the update u = w_after - w_before (empty unless tracked for WSP), written into
+        `into` where given (buffers shaped as the parameters: Sync.spare_update)."""
         if skip:
             self.version += 1
-            return [torch.zeros_like(p) for p in self.params] if self.track_updates else []
+            if not self.track_updates:
+                return []
+            return [b.zero_() for b in into] if into is not None else [torch.zeros_like(p) for p in self.params]
         if scale != 1.0:
             grads = [None if g is None else g.div_(scale) for g in grads]
-        return self._step(grads)
+        return self._step(grads, into)
 
     def _grads(
         self, stashed: _Stashed, out: torch.Tensor, grad_out: torch.Tensor | None
@@ -243,8 +247,13 @@ class StageCompute:
         grad_in = self._wire(got[-1]) if wants_x else None
         return grad_in, grads
 
-    def _step(self, grads: Grads) -> list[torch.Tensor]:
-        before = [p.detach().clone() for p in self.params] if self.track_updates else []
+    def _step(self, grads: Grads, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        if not self.track_updates:
+            before: list[torch.Tensor] = []
+        elif into is None:
+            before = [p.detach().clone() for p in self.params]
+        else:
+            before = [b.copy_(p.detach()) for b, p in zip(into, self.params)]
         if self.optimizer is not None:
             self.optimizer.step([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)])
         self.version += 1

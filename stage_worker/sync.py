@@ -34,6 +34,12 @@ class Sync(Protocol):
         `update` from here on (the caller made it for this call and keeps no reference)."""
         ...
 
+    def spare_update(self) -> list[torch.Tensor] | None:
+        """Buffers shaped as the parameters that the sync no longer needs, for the next update to
+        be written into (None: the caller allocates). A model-sized allocation every step costs
+        more than the step's copy and subtraction."""
+        ...
+
     def on_wave_end(self, wave: int) -> None:
         """G1: the stage finished wave c (or the final partial wave): push its sum."""
         ...
@@ -105,6 +111,9 @@ class LocalSync:
 
     def after_update(self, p: int, update: list[torch.Tensor]) -> None:
         pass
+
+    def spare_update(self) -> list[torch.Tensor] | None:
+        return None   # a lone VW tracks no updates
 
     def on_wave_end(self, wave: int) -> None:
         self._clock = wave + 1

@@ -127,6 +127,7 @@ class WspSync:
         self._params = [p.detach() for p in params]
         self.total_waves = total_waves(config.steps, config.nm)
         self._acc: dict[int, list[torch.Tensor]] = {}   # own wave -> summed updates not yet in w_global
+        self._spares: list[list[torch.Tensor]] = []     # updates' buffers no longer read (spare_update)
         self._clock = 0
         self._have = 0             # c_global the local weights are known to include
         self._lock = threading.Lock()
@@ -225,6 +226,15 @@ class WspSync:
         else:
             for total, u in zip(acc, update):
                 total.add_(u)
+            self._recycle(update)
+
+    def spare_update(self) -> list[torch.Tensor] | None:
+        return self._spares.pop() if self._spares else None
+
+    def _recycle(self, update: list[torch.Tensor]) -> None:
+        """update's buffers for a later step's update; two sets at most."""
+        if len(self._spares) < 2:
+            self._spares.append(update)
 
     def on_wave_end(self, wave: int) -> None:
         self._clock = wave + 1
@@ -248,7 +258,9 @@ class WspSync:
                           "sent": pulled.sent, "replied": pulled.replied, "merged": time.time()})
         included = waves_included(pulled.own_clock)
         for wave in [w for w in self._acc if w < included]:
-            del self._acc[wave]
+            done = self._acc.pop(wave)
+            if wave < self._acked_waves:   # its pusher is done with it too (a pull may overtake the ack)
+                self._recycle(done)
         need = required_min_clock(self.cb.next_forward(), self.cfg.nm, self.cfg.D, self.cfg.steps)
         with self._lock:
             self._pulling = None

@@ -175,3 +175,32 @@ def test_a_push_dtype_it_does_not_know_is_refused(shard: tuple[str, ShardService
                         push_dtype="float16")
     with pytest.raises(ValueError, match="push_dtype 'float16': one of"):
         WspSync(config, SyncCallbacks(on_failure=print, wake=lambda: None, next_forward=lambda: 3), Weights().params)
+
+
+def test_updates_buffers_are_reused_once_neither_the_wave_sum_nor_the_pusher_needs_them(
+        shard: tuple[str, ShardServicer]) -> None:
+    """Sync.spare_update: a step writes its update into buffers the sync is done with, instead of
+    allocating a model-sized update each step. A wave's second update is free once added; a wave's
+    sum once a pull includes it and its push is acknowledged."""
+    failures: list[str] = []
+    weights = Weights()
+    config = SyncConfig(vw=0, nm=2, D=0, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(shard[0],))
+    sync = WspSync(config, SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3),
+                   weights.params)
+    try:
+        sync.initialise(1, [torch.zeros(4, 3), torch.zeros(4)])
+        assert sync.spare_update() is None
+        first, second = [torch.ones(4, 3), torch.ones(4)], [torch.full((4, 3), 2.0), torch.full((4,), 2.0)]
+        sync.after_update(1, first)
+        sync.after_update(2, second)
+        assert sync.spare_update() is second and torch.equal(first[0], torch.full((4, 3), 3.0)), "added, then free"
+        sync.on_wave_end(0)
+        deadline = time.monotonic() + 20
+        while sync.acked_waves < 1:
+            assert time.monotonic() < deadline and not failures, failures
+            time.sleep(0.01)
+        sync.pull_now(weights, 1)
+        assert sync.spare_update() is first, "wave 0's sum: pulled back and acknowledged"
+        assert torch.equal(weights.params[0], torch.full((4, 3), 3.0))
+    finally:
+        sync.close()

@@ -147,3 +147,21 @@ def test_the_weights_digest_covers_zero_dimensional_state() -> None:
     with torch.no_grad():
         model[1].num_batches_tracked.add_(1)
     assert c.digest() != before and len(before) == 64
+
+
+def test_an_update_written_into_given_buffers_is_the_same_update_bit_for_bit() -> None:
+    """Sync.spare_update's buffers take the update in place of a fresh allocation: same values,
+    their storage, and a skipped step (fp16) writes zeros there too."""
+    fresh = StageCompute(_linear(2.0, 0.0), SGD, loss="mse", device="cpu", track_updates=True)
+    reused = StageCompute(_linear(2.0, 0.0), SGD, loss="mse", device="cpu", track_updates=True)
+    buffers = [torch.full((1, 1), 7.0, dtype=torch.float64), torch.full((1,), 7.0, dtype=torch.float64)]
+    for p, value in ((1, 1.0), (2, 3.0)):
+        updates = []
+        for c, into in ((fresh, None), (reused, buffers)):
+            c.forward(p, x(value))
+            grads = c.backward(p, x(1.0))[2]
+            updates.append(c.commit(grads, into=into))
+        assert all(torch.equal(a, b) for a, b in zip(*updates)) and _wb(fresh) == _wb(reused)
+        assert all(u is b for u, b in zip(updates[1], buffers))
+    skipped = reused.commit([None, None], skip=True, into=buffers)
+    assert all(u is b and not u.any() for u, b in zip(skipped, buffers)) and reused.version == 3
