@@ -9,6 +9,7 @@
 #                                              (if there) into a private folder, then runs each STEP,
 #                                              its output into OUT/STEP.txt; STEP_TIMEOUT (s) each,
 #                                              540 by default: inside a 10-minute limit on a call
+#   KIT_WHEELS: another folder than .whl/ for both; KIT_SITE: where `run` installs (/tmp/hetpipe-kit-site)
 #
 # Steps, in this order by default:
 #   env        nvidia-smi, the Python and package versions the steps run with
@@ -24,7 +25,7 @@
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-WHEELS="$ROOT/.whl"
+WHEELS="${KIT_WHEELS:-$ROOT/.whl}"   # where `wheels` puts them and `run` installs them from
 # What a CUDA machine with PyTorch, numpy and pytest lacks: pyproject's dependencies, the test
 # runner's timeout plugin, hypothesis (test_data.py, which the cuda step collects, imports it) and
 # scikit-learn (data.name: digits reads the data file its wheel ships, without importing it, so

@@ -20,10 +20,12 @@ pytestmark = pytest.mark.timeout(120)
 
 def kit(*args: str | Path, site: Path | None = None) -> subprocess.CompletedProcess[str]:
     # The kit runs `python3`: this interpreter's, as on a CUDA machine the one that holds torch.
-    # Wheels in .whl/ (a checkout that fetched them) install under site, not a shared folder.
+    # Its plumbing is checked without wheels: a checkout that fetched them for a GPU machine holds
+    # another Python's in .whl/, which this one refuses (KIT_WHEELS: an empty folder instead).
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     if site is not None:
         env["KIT_SITE"] = str(site)
+        env["KIT_WHEELS"] = str(site.parent / "no-wheels")
     return subprocess.run(["bash", str(KIT), *map(str, args)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=100)
 
