@@ -9,6 +9,12 @@ from dataclasses import dataclass
 import torch
 
 
+# G1 on the wire: the one narrowing a wave's sum may be pushed in (a bf16 job's float32 keys, half
+# the bytes), and so the one a shard takes for a key besides its own dtype. Init, pulls and elastic
+# exchanges stay in the key's dtype.
+NARROWED_PUSH = {torch.float32: torch.bfloat16}
+
+
 def wave_of(p: int, nm: int) -> int:
     """Wave c holds minibatches c*nm+1 .. (c+1)*nm."""
     if p < 1 or nm < 1:

@@ -14,7 +14,7 @@ import torch
 from hetpipe import elastic
 from hetpipe.buffers import raw_bytes
 from hetpipe.config import MAX_STEPS, MAX_VIRTUAL_WORKERS
-from hetpipe.wsp import clock_distance
+from hetpipe.wsp import NARROWED_PUSH, clock_distance
 from ps_server import headroom
 from ps_server.quorum import KeyRounds
 
@@ -245,12 +245,12 @@ class Shard:
 
     def _check_metas(self, vw: int, metas: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], what: str,
                      narrowed: bool = False) -> None:
-        """narrowed: a float32 key also takes bfloat16 (a bf16 job's pushes, stage_worker/wsp_sync.py)."""
+        """narrowed: a key also takes its NARROWED_PUSH dtype (a bf16 job's pushes)."""
         self._check_vw(vw)
         self._check_keys([k for k, _, _ in metas])
         for key, dtype, shape in metas:
             want = self.values[key]
-            taken = dtype == want.dtype or (narrowed and (dtype, want.dtype) == (torch.bfloat16, torch.float32))
+            taken = dtype == want.dtype or (narrowed and NARROWED_PUSH.get(want.dtype) == dtype)
             if not taken or shape != tuple(want.shape):
                 raise ShardError(
                     ShardError.Kind.INVALID,

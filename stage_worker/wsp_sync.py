@@ -20,7 +20,7 @@ import torch
 from hetpipe import rpc, security, shm, weight_files, wire
 from hetpipe.buffers import raw_bytes
 from hetpipe.v1 import ps_pb2, wire_pb2
-from hetpipe.wsp import exact_pulls, g2_decision, merge_pulled, required_min_clock, total_waves, unpulled, wave_of, waves_included
+from hetpipe.wsp import NARROWED_PUSH, exact_pulls, g2_decision, merge_pulled, required_min_clock, total_waves, unpulled, wave_of, waves_included
 from stage_worker.sync import Weights
 
 log = logging.getLogger(__name__)
@@ -412,7 +412,7 @@ class WspSync:
     def _on_wire(self, u: torch.Tensor) -> torch.Tensor:
         """u as pushed, on the host: rounded on its device first (a GPU's copy to the host moves
         the narrower bytes)."""
-        if self._push_dtype is not None and u.dtype == torch.float32:
+        if self._push_dtype is not None and NARROWED_PUSH.get(u.dtype) == self._push_dtype:
             u = u.to(self._push_dtype)
         return u.cpu()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -53,10 +54,11 @@ def shard(tmp_path: Path) -> Iterator[tuple[str, ShardServicer]]:
     server.stop(grace=0)
 
 
-def _stage(address: str, vw: int, D: int, shm: bool, failures: list[str]) -> tuple[WspSync, Weights]:
+def _stage(address: str, vw: int, D: int, shm: bool, failures: list[str], **fields: Any) -> tuple[WspSync, Weights]:
+    """fields: other SyncConfig fields (nm, push_dtype)."""
     weights = Weights()
-    config = SyncConfig(vw=vw, nm=1, D=D, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(address,),
-                        shared_memory=(shm,))
+    config = SyncConfig(**{"vw": vw, "nm": 1, "D": D, "steps": 4, "keys": KEYS, "key_shards": (0, 0),
+                           "addresses": (address,), "shared_memory": (shm,), **fields})
     callbacks = SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3)
     return WspSync(config, callbacks, weights.params), weights
 
@@ -145,11 +147,7 @@ def test_a_bf16_job_pushes_its_wave_sums_in_bf16_and_the_shard_adds_them_as_sent
     rounded sum to its float32 w_global; the stage's own pending wave stays whole (G3)."""
     address, servicer = shard
     failures: list[str] = []
-    weights = Weights()
-    config = SyncConfig(vw=0, nm=1, D=0, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(address,),
-                        shared_memory=(shm,), push_dtype="bfloat16")
-    sync = WspSync(config, SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3),
-                   weights.params)
+    sync, weights = _stage(address, 0, 0, shm, failures, push_dtype="bfloat16")
     try:
         w0 = [torch.zeros(4, 3), torch.zeros(4)]
         u1 = [torch.full((4, 3), 1 / 3), torch.full((4,), 1 / 7)]
@@ -171,10 +169,8 @@ def test_a_bf16_job_pushes_its_wave_sums_in_bf16_and_the_shard_adds_them_as_sent
 
 
 def test_a_push_dtype_it_does_not_know_is_refused(shard: tuple[str, ShardServicer]) -> None:
-    config = SyncConfig(vw=0, nm=1, D=0, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(shard[0],),
-                        push_dtype="float16")
     with pytest.raises(ValueError, match="push_dtype 'float16': one of"):
-        WspSync(config, SyncCallbacks(on_failure=print, wake=lambda: None, next_forward=lambda: 3), Weights().params)
+        _stage(shard[0], 0, 0, False, [], push_dtype="float16")
 
 
 def test_updates_buffers_are_reused_once_neither_the_wave_sum_nor_the_pusher_needs_them(
@@ -183,10 +179,7 @@ def test_updates_buffers_are_reused_once_neither_the_wave_sum_nor_the_pusher_nee
     allocating a model-sized update each step. A wave's second update is free once added; a wave's
     sum once a pull includes it and its push is acknowledged."""
     failures: list[str] = []
-    weights = Weights()
-    config = SyncConfig(vw=0, nm=2, D=0, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(shard[0],))
-    sync = WspSync(config, SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3),
-                   weights.params)
+    sync, weights = _stage(shard[0], 0, 0, False, failures, nm=2)
     try:
         sync.initialise(1, [torch.zeros(4, 3), torch.zeros(4)])
         assert sync.spare_update() is None
