@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 
 from hetpipe import buffers, cuda_ipc, shm
 from hetpipe.buffers import raw_bytes
+from hetpipe.memcpy import copy_bytes
 from hetpipe.errors import Rejected
 from hetpipe.rpc import CHUNK_BYTES
 from hetpipe.v1 import wire_pb2
@@ -415,7 +416,7 @@ def fill(stream: Stream, sinks: Sequence[memoryview]) -> None:
     """Copies a stream's bytes into sinks, one writable byte view per tensor (its whole length);
     WireError as the pieces are read."""
     for index, offset, piece in stream.pieces:
-        shm.copy_bytes(sinks[index][offset:offset + len(piece)], piece)
+        copy_bytes(sinks[index][offset:offset + len(piece)], piece)
 
 
 def receive(stream: Stream, *, device: str = "cpu", pinned: bool = False) -> Bundle:

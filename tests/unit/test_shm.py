@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from hetpipe import shm, wire
+from hetpipe import memcpy, shm, wire
 from hetpipe.v1 import wire_pb2
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
@@ -26,7 +26,7 @@ def _bundle() -> list[tuple[str, torch.Tensor]]:
     return [("w", torch.randn(3, 5, generator=g, dtype=torch.float64)), ("empty", torch.zeros(0, 4)),
             ("bf16", torch.randn(7, generator=g).to(torch.bfloat16)), ("mask", torch.tensor([True, False])),
             ("ids", torch.arange(6, dtype=torch.int64).view(2, 3)),
-            ("large", torch.randn(20_000, generator=g))]  # copied without the GIL (shm.copy_bytes)
+            ("large", torch.randn(20_000, generator=g))]  # copied without the GIL (memcpy.copy_bytes)
 
 
 def _mine() -> set[str]:
@@ -38,10 +38,10 @@ def test_a_large_copy_split_over_threads_copies_every_byte_and_no_more(threads: 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        n = shm._SPLIT_FROM + 5   # parts of unequal sizes
+        n = memcpy._SPLIT_FROM + 5   # parts of unequal sizes
         src = bytearray(os.urandom(n))
         dst = bytearray(n + 3)
-        shm.copy_bytes(memoryview(dst)[:n], memoryview(src))
+        memcpy.copy_bytes(memoryview(dst)[:n], memoryview(src))
         assert dst[:n] == src and dst[n:] == b"\0\0\0"
     finally:
         torch.set_num_threads(before)
