@@ -17,6 +17,7 @@ from hetpipe import cuda_ipc as ipc
 from hetpipe import rpc, shm, wire
 from hetpipe.duplex import Duplex
 from hetpipe.v1 import wire_pb2
+from stage_worker import host_copies
 
 log = logging.getLogger(__name__)
 
@@ -55,34 +56,15 @@ def handle_refused(exc: grpc.RpcError) -> bool:
     return exc.code() in _REFUSED_HANDLE and any(word in details for word in _HANDLE_WORDS)
 
 
-_COPY_STREAMS: dict[torch.device, Any] = {}
-
-
 def to_host(item: Outgoing) -> Outgoing:
     """item with its GPU tensors copied to pinned host memory on a side stream, started now and
     ready once item.ready is: the compute thread goes on with its next task meanwhile, and the
     copy waits only for the kernels that made the tensors (a plain .cpu() on the default stream
     would block the caller, and on the sender thread it would queue behind the next task)."""
-    devices = {t.device for _, t in item.tensors if t.is_cuda}
-    if not devices:
+    tensors, ready = host_copies.to_host([t for _, t in item.tensors], "link")
+    if ready is None:
         return item
-    (device,) = devices   # a stage computes on one device
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    host: list[tuple[str, torch.Tensor]] = []
-    with ipc.on_stream(stream):   # on the link thread too (a refused handle's fallback)
-        for name, t in item.tensors:
-            if t.is_cuda:
-                pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                pinned.copy_(t, non_blocking=True)
-                t.record_stream(stream)   # its memory is not reused before the copy has read it
-                t = pinned
-            host.append((name, t))
-        ready = torch.cuda.Event()
-        ready.record(stream)
-    return Outgoing(item.tag, host, ready)
+    return Outgoing(item.tag, [(name, t) for (name, _), t in zip(item.tensors, tensors)], ready)
 
 
 class Link:

@@ -21,6 +21,7 @@ from hetpipe import rpc, security, shm, weight_files, wire
 from hetpipe.buffers import raw_bytes
 from hetpipe.v1 import ps_pb2, wire_pb2
 from hetpipe.wsp import NARROWED_PUSH, exact_pulls, g2_decision, merge_pulled, required_min_clock, total_waves, unpulled, wave_of, waves_included
+from stage_worker import host_copies
 from stage_worker.sync import Weights
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class WspSync:
         self._rings = [shm.Ring(slots=1) if on else None for on in shared]  # one push at a time per shard
         self._reader = shm.Reader()
         self._params = [p.detach() for p in params]
+        self._device = self._params[0].device if self._params else torch.device("cpu")
         self.total_waves = total_waves(config.steps, config.nm)
         self._acc: dict[int, list[torch.Tensor]] = {}   # own wave -> summed updates not yet in w_global
         self._spares: list[list[torch.Tensor]] = []     # updates' buffers no longer read (spare_update)
@@ -140,7 +142,8 @@ class WspSync:
         self._acked_waves = 0
         self._failure: str | None = None   # why a push or pull gave up
         self._closed = threading.Event()
-        self._pushes: queue.Queue[tuple[int, list[torch.Tensor], float] | None] = queue.Queue()
+        # Wave, its sum, the event after the kernels that made it (a GPU stage's), when queued.
+        self._pushes: queue.Queue[tuple[int, list[torch.Tensor], Any, float] | None] = queue.Queue()
         # Sum of every acknowledged push, written next to the trace: what O3 checks the shards against.
         # Model-sized, so only a traced job keeps one.
         self._ledger = [torch.zeros_like(p, device="cpu") for p in params] if config.trace_dir else []
@@ -241,7 +244,8 @@ class WspSync:
         if self.keys:
             # The wave's sum is final: the pusher reads it while merges (G3) may read it too,
             # and nothing writes it again, so it needs no copy.
-            self._pushes.put((wave, self._acc[wave], time.time()))
+            update = self._acc[wave]
+            self._pushes.put((wave, update, host_copies.marker(update), time.time()))
 
     def apply_pending(self, weights: Weights) -> None:
         with self._lock:
@@ -392,9 +396,9 @@ class WspSync:
     def _push_loop(self) -> None:
         groups = self._by_shard()
         while (item := self._pushes.get()) is not None:
-            wave, update, queued = item
+            wave, update, made, queued = item
             started, start_wall = time.perf_counter(), time.time()
-            sent = [self._on_wire(u) for u in update]
+            sent = self._on_wire(update, made)
             batches = {shard: [(self.keys[i], sent[i]) for i in idx] for shard, idx in groups.items()}
             if self.cfg.push_hold_s > 0 and self._closed.wait(self.cfg.push_hold_s):
                 return
@@ -409,12 +413,19 @@ class WspSync:
             self._save_ledger(pending=None)
             self.cb.wake()
 
-    def _on_wire(self, u: torch.Tensor) -> torch.Tensor:
-        """u as pushed, on the host: rounded on its device first (a GPU's copy to the host moves
-        the narrower bytes)."""
-        if self._push_dtype is not None and NARROWED_PUSH.get(u.dtype) == self._push_dtype:
-            u = u.to(self._push_dtype)
-        return u.cpu()
+    def _on_wire(self, update: list[torch.Tensor], made: Any) -> list[torch.Tensor]:
+        """The wave's sum as pushed, on the host: rounded on its device first (a GPU's copy to the
+        host moves the narrower bytes), and from a GPU into pinned memory on a side stream once
+        the kernels that made it (`made`) are done, without waiting for the compute stream."""
+        def cast(u: torch.Tensor) -> torch.Tensor:
+            if self._push_dtype is not None and NARROWED_PUSH.get(u.dtype) == self._push_dtype:
+                return u.to(self._push_dtype)
+            return u
+
+        host, ready = host_copies.to_host(update, "push", after=made, cast=cast)
+        if ready is not None:
+            ready.synchronize()
+        return host
 
     def _save_ledger(self, pending: list[torch.Tensor] | None) -> None:
         """With a trace: the sum of the acknowledged pushes, and the push in flight. A stage killed
@@ -459,7 +470,8 @@ class WspSync:
                 try:
                     if request.shm:   # the reply read to its end here: merging it waits on no call
                         return self._held(wire.read(list(stub.Pull(request, timeout=PULL_CALL_S)), self._reader), idx)
-                    return wire.decode(stub.Pull(request, timeout=PULL_CALL_S), reader=self._reader)
+                    return wire.decode(stub.Pull(request, timeout=PULL_CALL_S), reader=self._reader,
+                                       pinned=self._device.type == "cuda")
                 except wire.WireError as exc:
                     if not request.shm or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                         raise
@@ -467,7 +479,7 @@ class WspSync:
                     # from a small ring): ask again, this time in gRPC frames.
                     log.warning("pull reply from shard %d: %s; pulling again over gRPC", shard, exc)
                     request.shm = False
-                    return wire.decode(stub.Pull(request, timeout=PULL_CALL_S))
+                    return wire.decode(stub.Pull(request, timeout=PULL_CALL_S), pinned=self._device.type == "cuda")
 
             return self._retrying(f"pull for min_clock {min_clock}", shard, PULL_GIVE_UP_S, call)
 
@@ -485,6 +497,8 @@ class WspSync:
                 slots.append((reply, [index[name] for name in names]))
             else:
                 values.update((index[key], value) for key, value in reply.tensors)
+        if values and self._device.type == "cuda":   # here, not on the compute thread (apply_pending)
+            values = dict(zip(values, host_copies.to_device(list(values.values()), self._device, "pull")))
         if self.cfg.pull_hold_s > 0 and self._closed.wait(self.cfg.pull_hold_s):  # the reply crosses the network
             return
         self.cb.observe_pull(time.perf_counter() - started)
@@ -501,4 +515,6 @@ class WspSync:
         fits = [m.name for m in stream.header.tensors] == [self.keys[i] for i in idx] and all(
             p.device.type == "cpu" and p.is_contiguous() and (p.dtype, list(p.shape)) == (dtype, shape)
             for p, (dtype, shape, _) in zip(params, stream.specs))
-        return stream if fits and stream.gpu is None and len(params) == len(stream.specs) else wire.receive(stream)
+        if fits and stream.gpu is None and len(params) == len(stream.specs):
+            return stream
+        return wire.receive(stream, pinned=self._device.type == "cuda")

@@ -47,6 +47,22 @@ def test_o1_on_cuda_in_float64(make_job, tmp_path: Path, transport: str) -> None
     assert all(p["device_peak_bytes"] > 0 for p in stages), "a stage on a GPU reports its peak GPU memory"
 
 
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_o2_on_cuda_in_float64(make_job, tmp_path: Path, transport: str) -> None:
+    """Two VWs of two stages on one GPU at D 0 equal summed synchronous data parallelism: every
+    push leaves the GPU on a side stream into pinned memory, and every pull reaches it from there
+    before the compute thread merges it (stage_worker/host_copies.py)."""
+    job = make_job({"train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02}, "steps": 20},
+                    "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": 1, "D": 0, "ps_shards": 2,
+                                 "transport": transport},
+                    "output": {"trace": False}})
+    summary = run_local(job, quiet=True)
+    assert (summary["shm_bytes"] > 0) == (transport == "auto"), summary["shm_bytes"]
+    assert summary["max_clock_distance"] <= 1
+    assert_equal_to_reference(tmp_path / "out", train_reference(job, device="cuda").state_dict(),
+                              initial_model(job).state_dict())
+
+
 @pytest.mark.parametrize(("schedule", "microbatches"), [("gpipe", 1), ("1f1b", 2)])
 def test_torch_pipeline_on_one_gpu_equals_plain_training(make_job, tmp_path: Path, schedule: str,
                                                          microbatches: int) -> None:

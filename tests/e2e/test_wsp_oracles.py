@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from conftest import run_beside
 from hetpipe.reference import initial_model
@@ -53,12 +54,21 @@ def _kill_shard_when_busy(out: Path, done: threading.Event, killed: list[int]) -
         time.sleep(0.05)
 
 
+CUDA = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport,precision", [("shm", "fp32"), ("grpc", "fp32"), ("shm", "bf16")])
+@pytest.mark.parametrize("transport,precision,device", [
+    ("shm", "fp32", "cpu"), ("grpc", "fp32", "cpu"), ("shm", "bf16", "cpu"),
+    pytest.param("shm", "bf16", "cuda", marks=CUDA), pytest.param("grpc", "fp32", "cuda", marks=CUDA)])
 def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tmp_path: Path, transport: str,
-                                                     precision: str) -> None:
+                                                     precision: str, device: str) -> None:
     """bf16: pushes go in bfloat16 and the ledgers sum what was sent; float32 weights, so the
-    sums' order shows in the last bits (a push is about 1e-3)."""
+    sums' order shows in the last bits (a push is about 1e-3). cuda: the six stages share this
+    machine's first GPU (no cluster section), and pushes and pulls cross its host copies."""
     inject_faults(task_delay=(0.0, 0.01), repeat_push=0.3)
     dtype = "float64" if precision == "fp32" else "float32"
     job = make_job({
@@ -66,11 +76,13 @@ def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tm
                   "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}},
         "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": 2, "D": 1, "ps_shards": 2,
                      "transport": transport},
-        "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 6}]}],
-                    "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.01}},
+        **({"cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 6}]}],
+                        "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.01}}} if device == "cpu" else {}),
     })
     out = tmp_path / "out"
     summary, killed = run_beside(job, _kill_shard_when_busy)
+    stages = [p["device"] for p in summary["processes"] if p["process"].startswith("stage")]
+    assert device == "cpu" or all("cuda:0" in d for d in stages), stages
     assert (summary["shm_bytes"] > 0) == (transport == "shm"), summary["shm_bytes"]
     assert killed, "the shard was never killed: the test proved nothing"
     log = (out / "logs" / "ps_server_0.log").read_text()

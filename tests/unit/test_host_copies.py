@@ -1,0 +1,37 @@
+"""A GPU stage's copies to and from the host (stage_worker/host_copies.py): off the compute
+stream, through pinned memory, after exactly the kernels that made the tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stage_worker import host_copies
+
+
+def test_on_the_cpu_tensors_are_only_cast() -> None:
+    x = torch.arange(6, dtype=torch.float32)
+    host, ready = host_copies.to_host([x], "push", cast=lambda t: t.to(torch.bfloat16))
+    assert ready is None and host[0].dtype == torch.bfloat16 and torch.equal(host[0].float(), x)
+    assert host_copies.marker([x]) is None
+    same, ready = host_copies.to_host([x], "push")
+    assert ready is None and same[0] is x
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_push_is_copied_after_the_kernels_that_made_it_and_a_pull_lands_whole() -> None:
+    device = torch.device("cuda", 0)
+    total = torch.zeros(1 << 24, device=device)
+    for _ in range(20):   # a wave's sum, still being added on the compute stream when the copy is queued
+        total.add_(torch.ones_like(total))
+    made = host_copies.marker([total])
+    host, ready = host_copies.to_host([total], "push", after=made, cast=lambda t: t.to(torch.bfloat16))
+    ready.synchronize()
+    assert host[0].device.type == "cpu" and host[0].is_pinned() and host[0].dtype == torch.bfloat16
+    assert torch.equal(host[0].float(), torch.full((1 << 24,), 20.0)), "the copy waited for the adds"
+
+    values = [torch.randn(1000, dtype=torch.float64).pin_memory(), torch.randn(3, 5)]
+    moved = host_copies.to_device(values, device, "pull")
+    assert all(m.device == device for m in moved)
+    assert all(torch.equal(m.cpu(), v) for m, v in zip(moved, values))
