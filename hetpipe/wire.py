@@ -275,6 +275,7 @@ class Stream:
     specs: list[Spec]
     pieces: Iterator[tuple[int, int, memoryview]]
     gpu: cuda_ipc.Source | None = None   # the bytes are in a peer's GPU memory; `pieces` then has none
+    shared_memory: bool = False          # the bytes are in the sender's shared memory: it shares this machine
 
     @property
     def names(self) -> list[str]:
@@ -393,7 +394,7 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | No
         gpu, nothing = _gpu(first, it, ipc, total)
         return Stream(header, specs, nothing, gpu)
     shared = _shared(first, it, reader, total) if first.HasField("shm") else None
-    return Stream(header, specs, pieces())
+    return Stream(header, specs, pieces(), shared_memory=shared is not None)
 
 
 def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu",

@@ -92,6 +92,8 @@ class Durability:
     lock and applied before its entry is on disk (sync(), before the acknowledgement), so the disk
     is off the path from a push to the pulls it releases: a kill -9 loses nothing, and a power
     cut loses only entries whose push was never acknowledged, which their retries bring back.
+    A push that came through shared memory is acknowledged without sync(): its pusher shares the
+    machine, so a cut that loses its written entry ends the pusher too (ShardServicer._update).
     Such an entry is unsettled until settle() says whether it was applied, and a checkpoint
     covers only the entries below the first unsettled one.
 

@@ -325,6 +325,41 @@ def test_push_is_acknowledged_once_its_log_entry_is_on_disk(ps: InProcess, tmp_p
     assert restored.digest() == ps.servicer.shard.digest()
 
 
+def test_a_push_through_shared_memory_is_acknowledged_once_its_entry_is_written(ps: InProcess, tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pusher that shares the shard's machine (its push came through shared memory) is answered
+    once the entry is whole in the page cache, without an fsync: a kill -9 of the shard keeps the
+    entry (a restart replays it), and a restart of the machine would end the pusher as well. A
+    push in gRPC frames, from a pusher that may be elsewhere, still waits for the disk."""
+    c, durability = ps.client, ps.servicer.durability
+    assert durability is not None
+    durability.every_clocks = 10**6   # no checkpoint: it would cover the entries
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    ring = shm.Ring(slots=1)
+    try:
+        tag = wire_pb2.PushTag(vw=1, clock=1)
+        assert not c.stub.Push(iter(_frames(delta(1, 1), push=tag, ring=ring)), timeout=CALL_S).duplicate
+        assert ps.servicer.shard.c_global() == 2 and not synced, "acknowledged without waiting for the disk"
+        (written,) = durability.log_dir.glob("*.written")
+        assert c.stub.Push(iter(_frames(delta(1, 1), push=tag, ring=ring)), timeout=CALL_S).duplicate
+        assert not synced and written.exists()
+    finally:
+        ring.close()
+    restored = Shard()   # what a restart after kill -9 sees: the entry, replayed
+    assert Durability(str(tmp_path / "ckpt")).restore(restored) >= 1
+    assert restored.digest() == ps.servicer.shard.digest()
+    synced.clear()
+    assert not c.push(0, 2, delta(0, 2)).duplicate
+    assert synced[-1] == "log" and durability.entries()[-1].name + ".written" in synced, "gRPC frames wait for the disk"
+
+
 def test_pull_past_deadline_says_why(ps: InProcess) -> None:
     c = ps.client
     before = state(c.status())
