@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -110,3 +113,20 @@ def assert_refused(kind: Kind, fn, *args) -> ShardError:  # type: ignore[no-unty
 def log_push(dur: Durability, vw: int, clock: int, deltas: Deltas) -> tuple[int, Deltas]:
     """The servicer's WSP logging of a push: from its stream into the entry; (entry, tensors to apply)."""
     return dur.log_stream(vw, clock, wire.read(wire.encode(deltas, push=wire_pb2.PushTag(vw=vw, clock=clock))))
+
+
+def record_fsyncs(monkeypatch: pytest.MonkeyPatch, failures: list[OSError] | None = None) -> list[str]:
+    """From now on, the name of every file or folder fsynced, in order (the list returned); the
+    first fsyncs raise failures' errors instead, one each."""
+    synced: list[str] = []
+    fail = failures if failures is not None else []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if fail:
+            raise fail.pop()
+        real_fsync(fd)
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced

@@ -29,6 +29,7 @@ import torch
 from hetpipe import rpc, shm, wire
 from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
 from messages import messages
+from shard_reference import record_fsyncs
 from shm_handles import forged_handles
 from ps_server.durability import Durability
 from ps_server.servicer import ShardServicer
@@ -299,17 +300,7 @@ def test_push_is_acknowledged_once_its_log_entry_is_on_disk(ps: InProcess, tmp_p
     c, durability = ps.client, ps.servicer.durability
     assert durability is not None
     durability.every_clocks = 10**6  # no checkpoint: it would cover the entry (and fsync itself)
-    synced: list[str] = []
-    fail = [OSError(5, "Input/output error")]
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        if fail:
-            raise fail.pop()
-        real_fsync(fd)
-        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
-
-    monkeypatch.setattr(os, "fsync", fsync)
+    synced = record_fsyncs(monkeypatch, [OSError(5, "Input/output error")])
     refused(lambda: c.push(1, 1, delta(1, 1)), Code.UNAVAILABLE, r"Input/output error")
     (written,) = durability.log_dir.glob("*.written")
     number = written.name.removesuffix(".written")
@@ -334,14 +325,7 @@ def test_a_push_through_shared_memory_is_acknowledged_once_its_entry_is_written(
     c, durability = ps.client, ps.servicer.durability
     assert durability is not None
     durability.every_clocks = 10**6   # no checkpoint: it would cover the entries
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        real_fsync(fd)
-        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
-
-    monkeypatch.setattr(os, "fsync", fsync)
+    synced = record_fsyncs(monkeypatch)
     ring = shm.Ring(slots=1)
     try:
         tag = wire_pb2.PushTag(vw=1, clock=1)

@@ -20,7 +20,7 @@ from hetpipe.v1 import wire_pb2
 from hetpipe.weight_files import DTYPES
 from ps_server.durability import Durability, _write_entry, _write_stream
 from ps_server.shard import Shard
-from shard_reference import log_push, two_key_shard
+from shard_reference import log_push, record_fsyncs, two_key_shard
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,14 +142,7 @@ def test_an_entry_logged_under_the_lock_is_on_disk_before_it_is_applied(tmp_path
     """Quorum rounds and elastic exchanges journal under the shard's lock: on disk, numbered, and
     the folder fsynced by the time journal_push or journal_exchange returns."""
     shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        real_fsync(fd)
-        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
-
-    monkeypatch.setattr(os, "fsync", fsync)
+    synced = record_fsyncs(monkeypatch)
     dur.journal_push(0, 0, [delta("a", shard)])
     dur.journal_exchange(1, 0, [delta("b", shard)])
     assert [p.name for p in dur.entries()] == [dur.entry_path(1).name, dur.entry_path(2).name]
