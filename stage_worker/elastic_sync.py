@@ -12,8 +12,8 @@ import torch
 from hetpipe import rpc, wire
 from hetpipe.elastic import exchange_after, total_exchanges, waves_covered
 from hetpipe.v1 import wire_pb2
-from stage_worker.sync import Weights
-from stage_worker.wsp_sync import PUSH_GIVE_UP_S, SyncCallbacks, SyncConfig, WspSync, _in_parallel
+from stage_worker.sync import SyncCallbacks, SyncConfig, Weights, in_parallel
+from stage_worker.wsp_sync import PUSH_GIVE_UP_S, WspSync
 
 
 class ElasticSync(WspSync):
@@ -57,13 +57,11 @@ class ElasticSync(WspSync):
             return
         exchange, deltas, sent, replied = arrived
         weights.set_weights([p.detach() - d.to(p.device) for p, d in zip(self._params, deltas)])
-        for total, d in zip(self._ledger, deltas):   # none unless traced
-            total.add_(d)
-        self._save_ledger(pending=None)
+        self.record.acknowledged(deltas)   # traced jobs only
         self._merged += 1
         self._acked_waves = waves_covered(self._merged, self.cfg.period, self.total_waves)
         self._sent = None
-        self._write_sync({"event": "exchange", "clock": exchange, "sent": sent, "replied": replied,
+        self.record.write({"event": "exchange", "clock": exchange, "sent": sent, "replied": replied,
                           "merged": time.time()})
         self._send_due()
 
@@ -92,7 +90,7 @@ class ElasticSync(WspSync):
                 stub.Exchange(wire.encode(tensors, exchange=tag), timeout=rpc.DATA_DEADLINE_S)))
 
         deltas: dict[str, torch.Tensor] = {}
-        for bundle in _in_parallel(lambda item: one(*item), list(self._by_shard().items())):
+        for bundle in in_parallel(lambda item: one(*item), list(self._by_shard().items())):
             deltas.update(bundle.named())
         missing = [k for k in self.keys if k not in deltas]
         if missing:

@@ -24,7 +24,8 @@ from stage_worker.stage import StageCompute
 from stage_worker.sync import LocalSync, Sync
 from stage_worker.trace import MinibatchTrace
 from stage_worker.elastic_sync import ElasticSync
-from stage_worker.wsp_sync import SyncCallbacks, SyncConfig, WspSync
+from stage_worker.sync import SyncCallbacks, SyncConfig
+from stage_worker.wsp_sync import WspSync
 
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,74 @@
-"""How a stage's local weights meet the other virtual workers' (the lone-VW case lives here too)."""
+"""How a stage's local weights meet the other virtual workers': the protocol the compute thread
+calls, the lone VW's case, and what the shard-backed syncs (wsp_sync, elastic_sync) share."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncConfig:
+    vw: int
+    nm: int
+    D: int
+    steps: int
+    keys: tuple[str, ...]           # this stage's parameters, in order
+    key_shards: tuple[int, ...]     # owning shard of each key
+    addresses: tuple[str, ...]      # shard i at index i
+    push_hold_s: float = 0.0        # an emulated network (DESIGN §5) holds each push this long
+    pull_hold_s: float = 0.0        # and each pull reply
+    trace_dir: str = ""             # sync trace and acknowledged-push ledger go here ("" = off)
+    trace_name: str = ""            # e.g. vw0_stage1.jsonl
+    repeat_push: float = 0.0        # fault injection: resend an acknowledged push with this probability
+    seed: int = 0
+    sync: str = "wsp"               # parallel.sync: wsp, quorum (the shards close rounds), elastic (ElasticSync)
+    quorum: int = 0                 # quorum: on-time VWs that close a round (0: a majority)
+    alpha: float = 0.0              # elastic: the elastic force
+    period: int = 1                 # elastic: waves between exchanges
+    shared_memory: tuple[bool, ...] = ()  # per shard: it shares this host, pushes and pulls go through /dev/shm
+    push_dtype: str = ""            # "bfloat16": float32 wave sums are pushed rounded to it (train.precision bf16)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncCallbacks:
+    on_failure: Callable[[str], None]       # the stage cannot go on (a shard is gone)
+    wake: Callable[[], None]                # a push was acknowledged or a pull answered
+    next_forward: Callable[[], int]         # the minibatch whose forward runs next
+    observe_push: Callable[[float], None] = lambda seconds: None
+    observe_pull: Callable[[float], None] = lambda seconds: None
+
+
+def in_parallel(call: Callable[[T], R], items: list[T]) -> list[R]:
+    """call(item) for every item at once, results in order; raises the first error. Pushes and
+    pulls go to every shard at once: one round trip, not one per shard. Daemon threads, not an
+    executor: a pull the shards hold back must never delay the process's exit."""
+    if len(items) == 1:
+        return [call(items[0])]
+    results: list[R | None] = [None] * len(items)
+    errors: list[BaseException] = []
+
+    def run(i: int, item: T) -> None:
+        try:
+            results[i] = call(item)
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, item), daemon=True) for i, item in enumerate(items)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return cast(list[R], results)
 
 
 class Weights(Protocol):

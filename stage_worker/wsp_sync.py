@@ -3,7 +3,6 @@ merge by G3. The rules are hetpipe/wsp.py's; this is the thin driver that talks 
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import random
@@ -11,88 +10,30 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import grpc
 import torch
 
-from hetpipe import rpc, security, shm, weight_files, wire
+from hetpipe import rpc, security, shm, wire
 from hetpipe.buffers import raw_bytes
 from hetpipe.v1 import ps_pb2, wire_pb2
 from hetpipe.wsp import NARROWED_PUSH, exact_pulls, g2_decision, merge_pulled, required_min_clock, total_waves, unpulled, wave_of, waves_included
 from stage_worker import host_copies
-from stage_worker.sync import Weights
+from stage_worker.sync import SyncCallbacks, SyncConfig, Weights, in_parallel
+from stage_worker.sync_record import SyncRecord
 
 log = logging.getLogger(__name__)
 
 PUSH_GIVE_UP_S = 120.0   # long enough for a shard to be restarted from its checkpoint
 PULL_GIVE_UP_S = 600.0   # a pull may wait this long for the slowest VW
 PULL_CALL_S = 30.0       # one pull call's deadline; retried until PULL_GIVE_UP_S
-T = TypeVar("T")
 R = TypeVar("R")
 # A bf16 job pushes its float32 wave sums in bfloat16: half the bytes on every copy, log write and
 # scan of a push. The rounding is lost, as in ddp's bf16 allreduce (its bf16 compress hook); the
 # stage's own weights keep every update whole, and the shard adds the rounded sum to its float32
 # w_global. Pulls stay float32: w_global is the master copy.
 PUSH_DTYPES: dict[str, torch.dtype | None] = {"": None, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SyncConfig:
-    vw: int
-    nm: int
-    D: int
-    steps: int
-    keys: tuple[str, ...]           # this stage's parameters, in order
-    key_shards: tuple[int, ...]     # owning shard of each key
-    addresses: tuple[str, ...]      # shard i at index i
-    push_hold_s: float = 0.0        # an emulated network (DESIGN §5) holds each push this long
-    pull_hold_s: float = 0.0        # and each pull reply
-    trace_dir: str = ""             # sync trace and acknowledged-push ledger go here ("" = off)
-    trace_name: str = ""            # e.g. vw0_stage1.jsonl
-    repeat_push: float = 0.0        # fault injection: resend an acknowledged push with this probability
-    seed: int = 0
-    sync: str = "wsp"               # parallel.sync: wsp, quorum (the shards close rounds), elastic (ElasticSync)
-    quorum: int = 0                 # quorum: on-time VWs that close a round (0: a majority)
-    alpha: float = 0.0              # elastic: the elastic force
-    period: int = 1                 # elastic: waves between exchanges
-    shared_memory: tuple[bool, ...] = ()  # per shard: it shares this host, pushes and pulls go through /dev/shm
-    push_dtype: str = ""            # "bfloat16": float32 wave sums are pushed rounded to it (train.precision bf16)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SyncCallbacks:
-    on_failure: Callable[[str], None]       # the stage cannot go on (a shard is gone)
-    wake: Callable[[], None]                # a push was acknowledged or a pull answered
-    next_forward: Callable[[], int]         # the minibatch whose forward runs next
-    observe_push: Callable[[float], None] = lambda seconds: None
-    observe_pull: Callable[[float], None] = lambda seconds: None
-
-
-def _in_parallel(call: Callable[[T], R], items: list[T]) -> list[R]:
-    """call(item) for every item at once, results in order; raises the first error. Pushes and
-    pulls go to every shard at once: one round trip, not one per shard. Daemon threads, not an
-    executor: a pull the shards hold back must never delay the process's exit."""
-    if len(items) == 1:
-        return [call(items[0])]
-    results: list[R | None] = [None] * len(items)
-    errors: list[BaseException] = []
-
-    def run(i: int, item: T) -> None:
-        try:
-            results[i] = call(item)
-        except BaseException as exc:  # re-raised in the caller's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i, item), daemon=True) for i, item in enumerate(items)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return cast(list[R], results)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,19 +85,7 @@ class WspSync:
         self._closed = threading.Event()
         # Wave, its sum, the event after the kernels that made it (a GPU stage's), when queued.
         self._pushes: queue.Queue[tuple[int, list[torch.Tensor], Any, float] | None] = queue.Queue()
-        # Sum of every acknowledged push, written next to the trace: what O3 checks the shards against.
-        # Model-sized, so only a traced job keeps one.
-        self._ledger = [torch.zeros_like(p, device="cpu") for p in params] if config.trace_dir else []
-        self._ledger_path = ""
-        # The sync trace (trace/sync/vwV_stageQ.jsonl): when each push and pull was queued, sent,
-        # answered and merged; what explains a wait that the minibatch trace only shows the end of.
-        self._sync_trace: IO[str] | None = None
-        self._trace_lock = threading.Lock()
-        if config.trace_dir:
-            trace = Path(config.trace_dir)
-            self._ledger_path = str(trace / f"acked_{Path(config.trace_name).stem}.pt")
-            (trace / "sync").mkdir(exist_ok=True)
-            self._sync_trace = open(trace / "sync" / config.trace_name, "w")
+        self.record = SyncRecord(config.trace_dir, config.trace_name, self.keys, params)   # traced jobs only
         self._rng = random.Random(hash((config.seed, config.vw, config.trace_name, "push")))
         self._pusher = self._start("pusher", self._push_loop)
         # One thread for every pull, fed a min_clock at a time, as the pusher is fed waves: a
@@ -258,7 +187,7 @@ class WspSync:
             values = [pulled.values[i].to(weights.device) for i in range(len(self.keys))]
             weights.set_weights(merge_pulled(values, pulled.own_clock, self._acc))
         self._have = max(self._have, pulled.c_global)
-        self._write_sync({"event": "pull", "min_clock": pulled.min_clock, "c_global": pulled.c_global,
+        self.record.write({"event": "pull", "min_clock": pulled.min_clock, "c_global": pulled.c_global,
                           "sent": pulled.sent, "replied": pulled.replied, "merged": time.time()})
         included = waves_included(pulled.own_clock)
         for wave in [w for w in self._acc if w < included]:
@@ -275,7 +204,7 @@ class WspSync:
             else:
                 waited = None
         if waited is not None:  # a forward was blocked on G2 from start until this merge let it go
-            self._write_sync({"event": "pull_wait", "p": waited[0], "min_clock": waited[1], "start": waited[2],
+            self.record.write({"event": "pull_wait", "p": waited[0], "min_clock": waited[1], "start": waited[2],
                               "end": time.time(), "c_global": self._have})
 
     def _merge_into(self, params: list[torch.Tensor], pulled: _Pulled) -> None:
@@ -323,14 +252,13 @@ class WspSync:
         yet seen in a pull (G3 adds them to the next one), and the ledger (traced jobs; else empty)."""
         return {"clock": self._clock, "have": self._have, "acked_waves": self._acked_waves,
                 "acc": {str(w): [t.cpu() for t in ts] for w, ts in self._acc.items()},
-                "ledger": [t.clone() for t in self._ledger]}
+                "ledger": [t.clone() for t in self.record.ledger]}
 
     def restore(self, state: dict[str, Any], device: str) -> None:
         self._clock, self._have = int(state["clock"]), int(state["have"])
         self._acked_waves = int(state["acked_waves"])
         self._acc = {int(w): [t.to(device) for t in ts] for w, ts in state["acc"].items()}
-        if self._ledger and state["ledger"]:  # traced now and then: the ledger goes on from the cut
-            self._ledger = [t.clone() for t in state["ledger"]]
+        self.record.restore(state["ledger"])
 
     def close(self) -> None:
         self._closed.set()
@@ -342,16 +270,7 @@ class WspSync:
         for ring in self._rings:
             if ring is not None:
                 ring.close()
-        with self._trace_lock:
-            if self._sync_trace is not None:
-                self._sync_trace.close()
-                self._sync_trace = None
-
-    def _write_sync(self, row: dict[str, float | int | str]) -> None:
-        with self._trace_lock:
-            if self._sync_trace is not None:
-                self._sync_trace.write(json.dumps(row) + "\n")
-                self._sync_trace.flush()
+        self.record.close()
 
     # ---- background threads -------------------------------------------------------------------
 
@@ -402,15 +321,12 @@ class WspSync:
             batches = {shard: [(self.keys[i], sent[i]) for i in idx] for shard, idx in groups.items()}
             if self.cfg.push_hold_s > 0 and self._closed.wait(self.cfg.push_hold_s):
                 return
-            self._save_ledger(pending=sent)
-            _in_parallel(lambda item: self._push(item[0], wave, item[1]), list(batches.items()))
+            self.record.in_flight(sent)
+            in_parallel(lambda item: self._push(item[0], wave, item[1]), list(batches.items()))
             self.cb.observe_push(time.perf_counter() - started)
-            self._write_sync({"event": "push", "wave": wave, "queued": queued, "start": start_wall, "end": time.time()})
-            if self._ledger_path:  # only a traced job keeps the ledger (O3 reads it): what the shards got
-                for total, u in zip(self._ledger, sent):
-                    total.add_(u)
+            self.record.write({"event": "push", "wave": wave, "queued": queued, "start": start_wall, "end": time.time()})
+            self.record.acknowledged(sent)   # what the shards got
             self._acked_waves = wave + 1
-            self._save_ledger(pending=None)
             self.cb.wake()
 
     def _on_wire(self, update: list[torch.Tensor], made: Any) -> list[torch.Tensor]:
@@ -426,16 +342,6 @@ class WspSync:
         if ready is not None:
             ready.synchronize()
         return host
-
-    def _save_ledger(self, pending: list[torch.Tensor] | None) -> None:
-        """With a trace: the sum of the acknowledged pushes, and the push in flight. A stage killed
-        mid-push leaves both, so O3 can check a VW that left the job: each of its keys holds the
-        acknowledged sum, or that plus the push in flight (applied, its ack lost)."""
-        if not self._ledger_path:
-            return
-        record = {"acked": dict(zip(self.keys, self._ledger)),
-                  "pending": {} if pending is None else {k: u.cpu() for k, u in zip(self.keys, pending)}}
-        weight_files.save_atomically(record, self._ledger_path)
 
     def _push(self, shard: int, wave: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """G1: one wave's update to one shard, retried until acknowledged."""
@@ -484,7 +390,7 @@ class WspSync:
             return self._retrying(f"pull for min_clock {min_clock}", shard, PULL_GIVE_UP_S, call)
 
         groups = list(self._by_shard().items())
-        replies = _in_parallel(lambda item: pull_one(*item), groups)
+        replies = in_parallel(lambda item: pull_one(*item), groups)
         c_global = min(r.header.pull.c_global for r in replies)
         index = {key: i for i, key in enumerate(self.keys)}
         values: dict[int, torch.Tensor] = {}

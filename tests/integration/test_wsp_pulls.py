@@ -19,7 +19,8 @@ from hetpipe import rpc
 from ps_server.durability import Durability
 from ps_server.servicer import ShardServicer
 from ps_server.shard import Shard
-from stage_worker.wsp_sync import SyncCallbacks, SyncConfig, WspSync
+from stage_worker.sync import SyncCallbacks, SyncConfig
+from stage_worker.wsp_sync import WspSync
 
 pytestmark = pytest.mark.timeout(60)
 KEYS = ("0.weight", "0.bias")
