@@ -146,15 +146,17 @@ def run(name: str, job: dict[str, Any], work: Path, timeout: float) -> dict[str,
 def report(results: list[dict[str, Any]]) -> None:
     base = next((r["samples_per_second"] for r in results if r["name"] == "plain loop" and "error" not in r), None)
     print(f"{'run':<34}{'samples/s':>11}{'x plain':>9}{'train s':>9}{'start-to-exit s':>17}{'overhead s':>12}"
-          f"{'CPU s':>8}")
+          f"{'CPU s':>8}{'G2 wait s':>11}{'idle s':>8}")
     for r in results:
         if "error" in r:
             print(f"{r['name']:<34} FAILED: {' | '.join(r['error'])}")
             continue
         ratio = r["samples_per_second"] / base if base else float("nan")
+        # HetPipe's stages, summed: waiting for a pull (G2), and with no task to run at all.
+        waits = f"{r['wait_seconds']:>11.1f}{r['idle_seconds']:>8.1f}" if "idle_seconds" in r else ""
         print(f"{r['name']:<34}{r['samples_per_second']:>11.1f}{ratio:>9.2f}{r['wall_seconds']:>9.1f}"
               f"{r['start_to_exit_seconds']:>17.1f}{r['start_to_exit_seconds'] - r['wall_seconds']:>12.1f}"
-              f"{r['cpu_seconds']:>8.1f}")
+              f"{r['cpu_seconds']:>8.1f}{waits}")
         for p in r.get("processes", []):
             print(f"    {p['process']:<22} peak RSS {p['peak_rss_bytes'] / 2**30:6.2f} GiB"
                   + (f"  GPU peak {p['device_peak_bytes'] / 2**30:6.2f} GiB" if p.get("device_peak_bytes") else "")
