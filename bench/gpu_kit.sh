@@ -16,11 +16,14 @@
 #   tests      pytest -m cuda over every test file that marks one: pinned minibatches, the device
 #              per thread, CUDA IPC, links, the oracles on the GPU (tests/e2e/test_cuda.py)
 #   transport  bench/transport.py --cuda: CUDA IPC and pinned shared memory vs a device-to-device copy
+#   copies     bench/host_copies.py: a push's and a pull's copies through pageable, pinned and shared
+#              host memory, and the push log's write and fsync of the same bytes
 #   gpu        bench/gpu.py: the 117.8M GPT in bf16, HetPipe layouts vs a plain loop, ddp, torch-pipeline
 #              (GPU_STEPS steps each, 100 by default: on an H100 the runs took 17-42 s each at 100
 #              steps, ddp left out on one GPU; each run's result is in OUT/gpu.json as soon as it is done)
 #   peers      bench/peers.py: the CPU job's peers on this machine's GPUs
-# On an H100 (2026-11-27) env took 8 s, tests 40, transport 34, gpu about 135 and peers 96: all
+# On an H100 (2026-11-27) env took 8 s, tests 40-68, transport 34, copies about 10 (its probe),
+# gpu about 135 and peers 96: all
 # of them fit one 10-minute call, and a lent machine's 15 minutes with its start-up (about 35 s).
 set -uo pipefail
 
@@ -33,7 +36,7 @@ WHEELS="${KIT_WHEELS:-$ROOT/.whl}"   # where `wheels` puts them and `run` instal
 KIT="grpcio grpcio-health-checking grpcio-reflection protobuf cryptography cffi pycparser safetensors
      setproctitle psutil tqdm prometheus-client PyYAML pytest-timeout hypothesis sortedcontainers
      scikit-learn"
-STEPS="env tests transport gpu peers"
+STEPS="env tests transport copies gpu peers"
 
 die() { echo "gpu_kit: $*" >&2; exit 2; }
 
@@ -68,6 +71,7 @@ print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\
         tests)     mapfile -t files < <(grep -rlE --include='test_*.py' '^\s*@?pytest\.mark\.cuda\b' tests | sort)
                    cmd=(python3 -m pytest -q -p no:cacheprovider -m cuda "${files[@]}") ;;
         transport) cmd=(python3 bench/transport.py --cuda) ;;
+        copies)    cmd=(python3 bench/host_copies.py) ;;
         gpu)       cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-100}" --json "$out/gpu.json") ;;
         peers)     cmd=(python3 bench/peers.py --json "$out/peers.json") ;;
         *)         die "no step '$name' (steps: $STEPS)" ;;

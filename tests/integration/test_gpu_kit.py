@@ -45,7 +45,7 @@ def test_the_tests_step_runs_every_cuda_test_file_and_keeps_its_output(tmp_path:
 def test_an_unknown_step_is_named_and_fails(tmp_path: Path) -> None:
     done = kit("run", tmp_path, "bogus", site=tmp_path / "site")
     assert done.returncode == 2
-    assert "no step 'bogus'" in done.stderr and "env tests transport gpu peers" in done.stderr
+    assert "no step 'bogus'" in done.stderr and "env tests transport copies gpu peers" in done.stderr
 
 
 def test_without_a_command_it_prints_its_usage() -> None:
@@ -63,3 +63,17 @@ def test_every_wheel_the_kit_carries_is_pinned() -> None:
               if "==" in line}
     assert {"grpcio", "safetensors", "protobuf"} <= set(names.group(1).lower().split())
     assert set(names.group(1).lower().split()) <= pinned
+
+
+def test_the_host_copies_bench_runs_without_a_gpu(tmp_path: Path) -> None:
+    """The `copies` step's script, on a machine without CUDA: the host's rows, each against the
+    memcpy measured in the same run."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "host_copies.py"), "--elements", "100000",
+                           "--repeats", "2", "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {line[:52].strip(): line[52:].split() for line in done.stdout.splitlines()[2:]}
+    assert rows["host memcpy (the reference)"][2] == "1.0"
+    assert {"log entry written (page cache)", "log entry written, then fsynced"} <= set(rows)
+    assert all(float(ms) > 0 for ms, _, _ in rows.values()), rows
+    assert list(tmp_path.iterdir()) == [], "the entry it wrote is removed"
