@@ -16,6 +16,7 @@ from hetpipe.buffers import raw_bytes
 from hetpipe.config import MAX_STEPS, MAX_VIRTUAL_WORKERS
 from hetpipe.wsp import NARROWED_PUSH, clock_distance
 from ps_server import headroom
+from ps_server.held_ahead import HeldAhead
 from ps_server.quorum import KeyRounds
 
 
@@ -103,11 +104,7 @@ class Shard:
     round closes; under sync elastic the values are the master x~, which only exchanges change.
 
     Exact (wsp with D = 0, BSP): a pull gets w_global with every VW's waves below c_global and
-    none of the waves a faster VW has pushed since, which WSP would allow (a lower bound). Those
-    wait in `ahead`, already in the values, to be taken out of the pull's answer; so a run does
-    not depend on whether a pull arrives before or after a faster VW's next push (O2 holds
-    exactly). It costs at most one more copy of a key while a VW is ahead (D = 0 keeps every VW
-    within one wave of c_global).
+    none of the waves a faster VW has pushed since (`ahead`, ps_server/held_ahead.py).
     """
 
     def __init__(self) -> None:
@@ -123,8 +120,7 @@ class Shard:
         self.exchanged: dict[str, list[int]] = {}               # elastic: exchanges per (key, VW)
         self.last_delta: dict[str, list[torch.Tensor | None]] = {}  # elastic: each VW's latest, for its retry
         self.exchanges_applied = 0
-        self.ahead: dict[str, dict[int, torch.Tensor]] = {}   # exact: key -> wave >= c_global -> its pushes' sum
-        self._spare_ahead: dict[str, torch.Tensor] = {}         # exact: a trimmed sum's buffer, for the next wave
+        self.ahead = HeldAhead()                                # exact: the waves past c_global
         self.headroom = headroom.Headroom()   # how far each key is from overflowing; not state (derived)
 
     @property
@@ -221,8 +217,8 @@ class Shard:
             raise ShardError(ShardError.Kind.CLOCK, f"vw {vw} is the last one left: the job cannot go on without it")
         self.evicted.add(vw)
         self._settle(list(self.rounds))  # quorum: a round may now have the quorum of the VWs left
-        for key in list(self.ahead):   # exact: c_global may have moved on without it
-            self._trim_ahead(key, self._key_c_global(key))
+        for key in self.ahead.keys():   # exact: c_global may have moved on without it
+            self.ahead.trim(key, self._key_c_global(key))
         return True
 
     def _check_keys(self, keys: Sequence[str]) -> None:
@@ -297,32 +293,11 @@ class Shard:
                 self.values[key].add_(delta)
             self.clocks[key][vw] = clock + 1
             if self.rule.exact:
-                self._hold_ahead(key, clock, delta)
+                self.ahead.hold(key, clock, self._key_c_global(key), delta)
         self._settle(keys if quorum else [])
         self.pushes_applied += 1
         self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
         return True
-
-    def _hold_ahead(self, key: str, wave: int, delta: torch.Tensor) -> None:
-        """exact: a push of a wave that c_global has not reached for key is kept aside as well
-        (a copy: delta may lie on a log entry that is written over later)."""
-        c = self._key_c_global(key)
-        if wave >= c:
-            waves = self.ahead.setdefault(key, {})
-            if wave in waves:
-                waves[wave].add_(delta)
-            else:   # into the last trimmed buffer: a fresh one costs its pages' faults, each wave
-                spare = self._spare_ahead.pop(key, None)
-                waves[wave] = delta.clone() if spare is None else spare.copy_(delta)
-        self._trim_ahead(key, c)
-
-    def _trim_ahead(self, key: str, c: int) -> None:
-        """exact: drops key's waves below c, its c_global, which every pull now includes."""
-        waves = self.ahead.get(key, {})
-        for wave in [w for w in waves if w < c]:
-            self._spare_ahead[key] = waves.pop(wave)
-        if not waves:
-            self.ahead.pop(key, None)
 
     def _key_c_global(self, key: str) -> int:
         return min(self.clocks[key][v] for v in self._live())
@@ -342,14 +317,14 @@ class Shard:
         which are added to them in turn, or (exact) its waves held ahead; one rounding per sum."""
         book = self.rounds.get(key)
         waiting = [] if book is None else [r.total for r in book.open.values() if r.total is not None]
-        waiting += list(self.ahead.get(key, {}).values())
+        waiting += list(self.ahead.of(key).values())
         total = headroom.magnitude(self.values[key]) + sum(headroom.magnitude(t) for t in waiting)
         return total * (1 + torch.finfo(self.values[key].dtype).eps) ** (len(waiting) + 1)
 
     def _after(self, key: str, wave: int | None, u: torch.Tensor) -> float:
         """max |x| over what key holds once u is added: its values and (exact) the waves held
         ahead, u's own too (u starts it, if it is held)."""
-        held = self.ahead.get(key, {})
+        held = self.ahead.of(key)
         sizes = [headroom.magnitude(self.values[key] + u)]
         sizes += [headroom.magnitude(t + u if w == wave else t) for w, t in held.items()]
         if self.rule.exact and wave not in held:
@@ -464,19 +439,13 @@ class Shard:
         if self.rule.exact:   # its own waves from c_global on are taken out too: G3 adds them back
             own = [min(o, self._key_c_global(k)) for o, k in zip(own, keys)]
         return PullResult(
-            values=[(k, self._exact(k) if k in self.ahead else self.values[k].clone() if copy else self.values[k])
+            values=[(k, self.ahead.without(k, self.values[k]) if k in self.ahead
+                     else self.values[k].clone() if copy else self.values[k])
                     for k in keys],
             own_clock=own,
             vw_clocks=self.vw_clocks(keys),
             c_global=self.c_global(keys),
         )
-
-    def _exact(self, key: str) -> torch.Tensor:
-        """exact: key's value without the waves c_global has not reached."""
-        value = self.values[key].clone()
-        for delta in self.ahead[key].values():
-            value.sub_(delta)
-        return value
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -485,10 +454,7 @@ class Shard:
             h.update(raw_bytes(self.values[key]))
             h.update(str(self.clocks[key]).encode())
         h.update(str(sorted(self.evicted)).encode())
-        for key in sorted(self.ahead):   # exact: what pulls take out
-            for wave in sorted(self.ahead[key]):
-                h.update(f"{key}:{wave}".encode())
-                h.update(raw_bytes(self.ahead[key][wave]))
+        self.ahead.feed(h)   # exact: what pulls take out
         if self.rule.mode != "wsp":
             h.update(str(self.rule).encode())
             for key in sorted(self.rounds):
@@ -512,7 +478,7 @@ class Shard:
             "evicted": torch.tensor(sorted(self.evicted), dtype=torch.int64),
             "sync": {"mode": self.rule.mode, "quorum": self.rule.quorum, "alpha": self.rule.alpha,
                      "period": self.rule.period, "total_waves": self.rule.total_waves, "exact": self.rule.exact},
-            "ahead": {k: {str(w): d.clone() for w, d in waves.items()} for k, waves in self.ahead.items()},
+            "ahead": self.ahead.snapshot(),
             "rounds": {k: book.snapshot() for k, book in self.rounds.items()},
             "exchanged": {k: torch.tensor(c, dtype=torch.int64) for k, c in self.exchanged.items()},
             "last_delta": {k: [None if d is None else d.clone() for d in ds] for k, ds in self.last_delta.items()},
@@ -542,4 +508,4 @@ class Shard:
         self.exchanges_applied = int(snap.get("exchanges_applied", 0))  # type: ignore[call-overload]
         ahead = snap.get("ahead") or {}
         assert isinstance(ahead, dict)
-        self.ahead = {k: {int(w): d.clone() for w, d in waves.items()} for k, waves in ahead.items()}
+        self.ahead = HeldAhead.restored(ahead)
