@@ -12,7 +12,7 @@ looked at again.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -43,14 +43,16 @@ class Headroom:
 
     def room(self, updates: Sequence[tuple[str, torch.Tensor]], sizes: dict[str, float],
              reach: Callable[[str], float],
-             after: Callable[[str, torch.Tensor], float] | None) -> tuple[dict[str, float], list[str]]:
+             after: Callable[[str, torch.Tensor], float] | None,
+             dtypes: Mapping[str, torch.dtype] | None = None) -> tuple[dict[str, float], list[str]]:
         """Each key's bound once its update is in, and the keys whose update could overflow.
 
         sizes: each floating-point update's magnitude; one that is not finite is over. reach(key):
         a fresh bound of the key as it is now, for a cached one that has grown loose. after(key, u):
         max |x| over what the key holds once u is in, computed (rare: only where the bound says it
         could overflow); None where that is not the next state (quorum), and the bound decides.
-        Changes no bound: commit() does."""
+        dtypes: each key's dtype where its update is narrower (a bf16 push to a float32 key): the
+        sum lives in the key's. Changes no bound: commit() does."""
         grown: dict[str, float] = {}
         over: list[str] = []
         for key, update in updates:
@@ -59,11 +61,12 @@ class Headroom:
             if not math.isfinite(sizes[key]):   # an Inf delta: replica - master overflowed (elastic)
                 over.append(key)
                 continue
-            limit = torch.finfo(update.dtype).max
+            dtype = update.dtype if dtypes is None else dtypes.get(key, update.dtype)
+            limit = torch.finfo(dtype).max
             known = self.bounds.get(key)
-            bound = math.inf if known is None else grow(known, sizes[key], update.dtype)
+            bound = math.inf if known is None else grow(known, sizes[key], dtype)
             if not bound <= limit:
-                bound = grow(reach(key), sizes[key], update.dtype)
+                bound = grow(reach(key), sizes[key], dtype)
             if not bound <= limit and after is not None:
                 bound = after(key, update)   # the sums themselves: no rounding left to allow for
             if not bound <= limit:   # NaN too

@@ -38,6 +38,7 @@ class ShardError(Exception):
 
 
 SYNC_MODES = ("wsp", "quorum", "elastic")
+ADD_CHUNK = 1 << 20   # elements a narrower push is widened by at a time (4 MiB of float32: stays in cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,7 @@ class Shard:
         self.exchanges_applied = 0
         self.ahead = HeldAhead()                                # exact: the waves past c_global
         self.headroom = headroom.Headroom()   # how far each key is from overflowing; not state (derived)
+        self._scratch = torch.empty(0)        # _add's widening buffer (a push is applied under the servicer's lock)
 
     @property
     def ready(self) -> bool:
@@ -261,8 +263,12 @@ class Shard:
         log) runs after validation, right before the update is applied; if it raises, nothing is.
         """
         self.check_push(vw, [(k, d.dtype, tuple(d.shape)) for k, d in deltas])
-        # A bf16 push is widened once, here: what is held, summed and bounded below is the key's dtype.
-        deltas = [(k, d if d.dtype == self.values[k].dtype else d.to(self.values[k].dtype)) for k, d in deltas]
+        quorum = self.rule.mode == "quorum"
+        if quorum or self.rule.exact:
+            # A bf16 push is widened whole for the sums that quorum rounds and exact pulls keep
+            # in the key's dtype. Otherwise it stays bf16 until it is added, a chunk at a time
+            # (_add): its magnitudes below are those of its widened values, widening being exact.
+            deltas = [(k, d if d.dtype == self.values[k].dtype else d.to(self.values[k].dtype)) for k, d in deltas]
         what = f"push of vw {vw} for clock {clock}"
         sizes = _sizes(what, deltas)
         keys = [k for k, _ in deltas]
@@ -277,7 +283,6 @@ class Shard:
                 ShardError.Kind.CLOCK,
                 f"push of vw {vw} for clock {clock} {direction}: its clock for these keys is {have}",
             )
-        quorum = self.rule.mode == "quorum"
         if quorum and clock >= self.rule.total_waves:
             raise ShardError(ShardError.Kind.CLOCK, f"push of vw {vw} for clock {clock}: the job has "
                                                     f"{self.rule.total_waves} waves per virtual worker")
@@ -290,7 +295,7 @@ class Shard:
             if quorum:
                 self.rounds[key].add(vw, clock, delta)
             else:
-                self.values[key].add_(delta)
+                self._add(self.values[key], delta)
             self.clocks[key][vw] = clock + 1
             if self.rule.exact:
                 self.ahead.hold(key, clock, self._key_c_global(key), delta)
@@ -299,6 +304,22 @@ class Shard:
         self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
         return True
 
+    def _add(self, value: torch.Tensor, delta: torch.Tensor) -> None:
+        """value += delta; a narrower delta (a bf16 push) widened a chunk at a time into a small
+        buffer. Widening it whole into new memory, then adding, took 2.5 times as long for 29.5M
+        elements (70 ms against 26 on one thread here: the new pages' faults), and torch's mixed
+        in-place add longer still (171 ms). The sums are the same, bit for bit."""
+        if delta.dtype == value.dtype:
+            value.add_(delta)
+            return
+        flat, narrow = value.view(-1), delta.reshape(-1)
+        if self._scratch.dtype != value.dtype or self._scratch.numel() < ADD_CHUNK:
+            self._scratch = torch.empty(ADD_CHUNK, dtype=value.dtype)
+        for start in range(0, flat.numel(), ADD_CHUNK):
+            part = narrow[start:start + ADD_CHUNK]
+            widened = self._scratch[:part.numel()].copy_(part)
+            flat[start:start + ADD_CHUNK].add_(widened)
+
     def _key_c_global(self, key: str) -> int:
         return min(self.clocks[key][v] for v in self._live())
 
@@ -306,7 +327,7 @@ class Shard:
               after: Callable[[str, torch.Tensor], float] | None) -> dict[str, float]:
         """Each key's headroom bound once its update is added; refused where it could overflow.
         after(key, u): max |x| over what key holds once u is in (None: the bound decides alone)."""
-        grown, over = self.headroom.room(updates, sizes, self._reach, after)
+        grown, over = self.headroom.room(updates, sizes, self._reach, after, {k: self.values[k].dtype for k, _ in updates})
         if over:
             raise ShardError(ShardError.Kind.OVERFLOW, f"{what}: adding it could overflow w_global in {over[:5]} "
                                                       "(past the largest finite value of the key's dtype)")

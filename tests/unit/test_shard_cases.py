@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ps_server import headroom
+from ps_server import shard as shard_module
 from ps_server.durability import Durability
 from ps_server.shard import Shard, SyncRule
 from shard_reference import Kind, assert_refused, log_push, two_key_shard
@@ -431,6 +433,30 @@ def test_a_float32_key_takes_bf16_pushes_widened_and_logs_and_replays_them(tmp_p
     restored = Shard()
     assert Durability(str(tmp_path), every_clocks=100).restore(restored) == 5
     assert restored.digest() == shard.digest()
+
+
+@pytest.mark.parametrize("chunk", [3, 4, 1 << 20])
+def test_a_bf16_push_is_added_a_chunk_at_a_time_bit_for_bit(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """Under plain WSP a bf16 push stays bf16 until it is added, widened a chunk at a time
+    (Shard._add): the sum is the whole widened push's, every element, whatever the chunks (a
+    last one shorter, or one chunk for all), and the overflow bound grows by float32's rounding,
+    the key's, not bfloat16's."""
+    monkeypatch.setattr(shard_module, "ADD_CHUNK", chunk)
+    g = torch.Generator().manual_seed(chunk)
+    w0 = torch.randn(2, 5, generator=g)
+    shard = Shard()
+    shard.init(2, [("a", w0.clone())])
+    pushes = [(torch.randn(2, 5, generator=g) * 1e-3).to(torch.bfloat16) for _ in range(3)]
+    want = w0.clone()
+    for clock, u in enumerate(pushes):
+        bound = shard.headroom.bounds.get("a")
+        assert shard.push(0, clock, [("a", u)])
+        want.add_(u.float())
+        assert torch.equal(shard.values["a"], want), clock
+        size = float(u.float().abs().max())
+        if bound is not None:
+            assert shard.headroom.bounds["a"] == headroom.grow(bound, size, torch.float32)
+    assert shard.values["a"].dtype == torch.float32
 
 
 def test_only_a_float32_key_takes_a_narrower_push_and_only_bf16() -> None:
