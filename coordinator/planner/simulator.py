@@ -13,7 +13,8 @@ Pure: a heapq event queue, no threads, no clocks. It reproduces the runtime's be
   as `launch/local.py` starts it): the forward of p may start only when the c_global
   that the stage's weights are known to include is >= required_min_clock(p) =
   max(0, p//nm - 1 - D). When the stage finds that forward ready but not allowed, the wait
-  starts and a pull is sent (one at a time). The shard answers once c_global over the stage's
+  starts and a pull is sent (one at a time); when it is allowed but the next wave's forwards
+  will need more, a pull for that goes out early (`wsp.g2_decision`). The shard answers once c_global over the stage's
   keys reaches the pull's min_clock, with the c_global of that moment; the answer arrives
   pull_seconds later and is merged the next time the stage is between tasks, which ends the
   wait. Backwards keep running meanwhile. When a stage finishes the backward that closes a
@@ -35,7 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hetpipe.wsp import required_min_clock
+from hetpipe.wsp import g2_decision, required_min_clock
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,20 +280,22 @@ def simulate(vws: Sequence[Sequence[SimStage]], *, nm: int, D: int, steps: int,
         p = nf[s]
         fa = fseq[s][p] if p <= steps else -1
         if fa >= 0 and sync:
-            need = required_min_clock(p, nm, D, steps)
-            if need > have[s]:  # G2: not yet; wait, and pull if no pull is under way
+            # The runtime's own rule (WspSync.forward_allowed): wait if G2 does not allow p yet,
+            # and pull for what it needs, or early for the next wave's forwards.
+            decision = g2_decision(p, nm, D, steps, have[s])
+            if not decision.allowed:
                 fa = -1
                 if wait_start[s] < 0.0:
                     wait_start[s] = now
-                if not pulling[s] and pending[s] < 0:
-                    pulling[s] = True
-                    g = grp[s]
-                    if cg[g] >= need:
-                        hpush(heap, (now + pull_s[s], ev, _PULL_REPLY, s, cg[g]))
-                        ev += 1
-                    else:
-                        pull_need[s] = need
-                        waiters[g].append(s)
+            if decision.pull is not None and not pulling[s] and pending[s] < 0:   # one pull at a time
+                pulling[s] = True
+                g = grp[s]
+                if cg[g] >= decision.pull:
+                    hpush(heap, (now + pull_s[s], ev, _PULL_REPLY, s, cg[g]))
+                    ev += 1
+                else:
+                    pull_need[s] = decision.pull
+                    waiters[g].append(s)
         pb = nb[s]
         ba = bseq[s][pb] if pb <= steps else -1
         if fa >= 0 and (ba < 0 or fa < ba):
