@@ -304,7 +304,8 @@ class Durability:
 
     def write(self, snapshot: Snapshot) -> None:
         """Puts a captured checkpoint on disk and frees the log entries it covers; the shard's
-        lock need not be held, so pushes go on meanwhile. One captured later wins."""
+        lock need not be held, so pushes go on meanwhile (the servicer writes it on a thread of
+        its own, after the push that captured it is answered). One captured later wins."""
         with self._write_lock:
             if snapshot.number < self._written:
                 return

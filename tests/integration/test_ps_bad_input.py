@@ -224,6 +224,7 @@ def test_a_push_that_would_overflow_w_global_is_refused_and_changes_nothing(ps: 
     assert state(c.status()) == before
     assert torch.isfinite(c.pull(0, KEYS).named()["l0.bias"]).all()
     assert not c.push(0, 2, delta(0, 2)).duplicate, "the same wave, finite, is applied"
+    ps.servicer.checkpoints_written()   # pushes' checkpoints are written after their answers
     restored = ShardServicer(Shard(), Durability(ps.servicer.durability.dir), max_pull_wait_s=1.0)
     restored.restore()
     assert restored.shard.digest() == ps.servicer.shard.digest(), "the refused push's log entry is not replayed"
@@ -246,6 +247,7 @@ def test_push_whose_log_write_fails_is_not_applied(ps: InProcess, tmp_path: Path
     refused(lambda: c.push(1, 1, delta(1, 1)), Code.UNAVAILABLE, r"I/O error on the server: No space left on device")
     assert state(c.status()) == before, "a push that could not be logged must not be applied"
     assert not c.push(1, 1, delta(1, 1)).duplicate, "the retry is the first time it is applied"
+    ps.servicer.checkpoints_written()
     restored = Shard()
     Durability(str(tmp_path / "ckpt")).restore(restored)  # what a restart after kill -9 would see
     assert restored.digest() == ps.servicer.shard.digest()
@@ -270,6 +272,7 @@ def test_an_init_or_evict_whose_checkpoint_fails_is_checkpointed_by_its_retry(
         raise OSError(28, "No space left on device")
 
     def restored() -> Shard:   # what a restart after kill -9 would see
+        servicer.checkpoints_written()
         shard = Shard()
         Durability(str(tmp_path / "ckpt")).restore(shard)
         return shard
@@ -342,6 +345,35 @@ def test_a_push_through_shared_memory_is_acknowledged_once_its_entry_is_written(
     synced.clear()
     assert not c.push(0, 2, delta(0, 2)).duplicate
     assert synced[-1] == "log" and durability.entries()[-1].name + ".written" in synced, "gRPC frames wait for the disk"
+
+
+def test_a_push_is_answered_before_the_checkpoint_it_captured_is_written(ps: InProcess, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push that moves c_global captures a checkpoint (every clock here), which the checkpoint
+    thread writes after the push is answered: the pusher does not wait for a snapshot of every
+    key to reach the disk. Until it is written the log keeps the push; one that fails to be
+    written changes nothing that a restart needs, and the next one covers the log."""
+    c, durability = ps.client, ps.servicer.durability
+    assert durability is not None
+    real_write, release, failed = durability.write, threading.Event(), [False]
+
+    def slow_write(snapshot: Any) -> None:
+        assert release.wait(CALL_S), "the push was not answered while its checkpoint was being written"
+        if not failed[0]:
+            failed[0] = True
+            raise OSError(28, "No space left on device")
+        real_write(snapshot)
+
+    monkeypatch.setattr(durability, "write", slow_write)
+    assert not c.push(1, 1, delta(1, 1)).duplicate   # c_global 1 -> 2: a checkpoint captured, not yet written
+    assert not c.push(0, 2, delta(0, 2)).duplicate   # answered too, the first write still held
+    assert ps.servicer.shard.c_global() == 2
+    release.set()
+    ps.servicer.checkpoints_written()
+    assert failed[0], "the first write failed: logged, and the push was answered all the same"
+    restored = Shard()
+    Durability(str(tmp_path / "ckpt")).restore(restored)
+    assert restored.digest() == ps.servicer.shard.digest()
 
 
 def test_pull_past_deadline_says_why(ps: InProcess) -> None:
