@@ -145,20 +145,20 @@ def run(name: str, job: dict[str, Any], work: Path, timeout: float) -> dict[str,
 
 def report(results: list[dict[str, Any]]) -> None:
     base = next((r["samples_per_second"] for r in results if r["name"] == "plain loop" and "error" not in r), None)
-    print(f"{'run':<34}{'samples/s':>11}{'x plain':>9}{'train s':>9}{'start-to-exit s':>17}{'overhead s':>12}"
+    print(f"{'run':<40}{'samples/s':>11}{'x plain':>9}{'train s':>9}{'start-to-exit s':>17}{'overhead s':>12}"
           f"{'CPU s':>8}{'G2 wait s':>11}{'idle s':>8}")
     for r in results:
         if "error" in r:
-            print(f"{r['name']:<34} FAILED: {' | '.join(r['error'])}")
+            print(f"{r['name']:<40} FAILED: {' | '.join(r['error'])}")
             continue
         ratio = r["samples_per_second"] / base if base else float("nan")
         # HetPipe's stages, summed: waiting for a pull (G2), and with no task to run at all.
         waits = f"{r['wait_seconds']:>11.1f}{r['idle_seconds']:>8.1f}" if "idle_seconds" in r else ""
-        print(f"{r['name']:<34}{r['samples_per_second']:>11.1f}{ratio:>9.2f}{r['wall_seconds']:>9.1f}"
+        print(f"{r['name']:<40}{r['samples_per_second']:>11.1f}{ratio:>9.2f}{r['wall_seconds']:>9.1f}"
               f"{r['start_to_exit_seconds']:>17.1f}{r['start_to_exit_seconds'] - r['wall_seconds']:>12.1f}"
               f"{r['cpu_seconds']:>8.1f}{waits}")
         for p in r.get("processes", []):
-            print(f"    {p['process']:<22} peak RSS {p['peak_rss_bytes'] / 2**30:6.2f} GiB"
+            print(f"    {p['process']:<28} peak RSS {p['peak_rss_bytes'] / 2**30:6.2f} GiB"
                   + (f"  GPU peak {p['device_peak_bytes'] / 2**30:6.2f} GiB" if p.get("device_peak_bytes") else "")
                   + (f"  layers {p['layers']}" if "layers" in p else ""))
 
@@ -192,6 +192,7 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
                     help="which runs, by tag (default: all; ddp only where there are 2 GPUs)")
     ap.add_argument("--D", type=int, default=1, help="the 2 VWs' clock distance (default 1)")
+    ap.add_argument("--shards", type=int, default=2, help="the 2 VWs' parameter-server shards (default 2)")
     ap.add_argument("--trace", action="store_true",
                     help="HetPipe runs write their traces (output.trace); implies --keep")
     args = ap.parse_args()
@@ -231,8 +232,8 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
     else:
         runs += [("h11", "hetpipe 1 VW x 1 stage", job("h11")),
                  ("h12", "hetpipe 1 VW x 2 stages, Nm 4", job("h12", stages=2, nm=4)),
-                 ("h22", f"hetpipe 2 VWs x 2 stages, D {args.D}",
-                  job("h22", vws=2, stages=2, nm=4, D=args.D, shards=2)),
+                 ("h22", f"hetpipe 2 VWs x 2 stages, D {args.D}" + (f", {args.shards} shard{'s' * (args.shards > 1)}" if args.shards != 2 else ""),
+                  job("h22", vws=2, stages=2, nm=4, D=args.D, shards=args.shards)),
                  ("tp", "torch-pipeline 2 stages, 4 mb", job("tp", stages=2, nm=4, mode="torch-pipeline")),
                  ("ddp", "ddp 2 ranks", job("ddp", vws=2, mode="ddp"))]
     if args.trace:
