@@ -68,6 +68,7 @@ class WspSync:
         self._reader = shm.Reader()
         self._params = [p.detach() for p in params]
         self._device = self._params[0].device if self._params else torch.device("cpu")
+        self._on_gpu = self._device.type == "cuda"   # pulls land in pinned memory and move to the GPU
         self.total_waves = total_waves(config.steps, config.nm)
         self._acc: dict[int, list[torch.Tensor]] = {}   # own wave -> summed updates not yet in w_global
         self._spares: list[list[torch.Tensor]] = []     # updates' buffers no longer read (spare_update)
@@ -333,15 +334,16 @@ class WspSync:
         """The wave's sum as pushed, on the host: rounded on its device first (a GPU's copy to the
         host moves the narrower bytes), and from a GPU into pinned memory on a side stream once
         the kernels that made it (`made`) are done, without waiting for the compute stream."""
-        def cast(u: torch.Tensor) -> torch.Tensor:
-            if self._push_dtype is not None and NARROWED_PUSH.get(u.dtype) == self._push_dtype:
-                return u.to(self._push_dtype)
-            return u
-
-        host, ready = host_copies.to_host(update, "push", after=made, cast=cast)
+        host, ready = host_copies.to_host(update, "push", after=made, cast=self._narrowed)
         if ready is not None:
             ready.synchronize()
         return host
+
+    def _narrowed(self, u: torch.Tensor) -> torch.Tensor:
+        """u in the push dtype where NARROWED_PUSH allows it (a bf16 job's float32 sums), else u."""
+        if self._push_dtype is not None and NARROWED_PUSH.get(u.dtype) == self._push_dtype:
+            return u.to(self._push_dtype)
+        return u
 
     def _push(self, shard: int, wave: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """G1: one wave's update to one shard, retried until acknowledged."""
@@ -377,7 +379,7 @@ class WspSync:
                     if request.shm:   # the reply read to its end here: merging it waits on no call
                         return self._held(wire.read(list(stub.Pull(request, timeout=PULL_CALL_S)), self._reader), idx)
                     return wire.decode(stub.Pull(request, timeout=PULL_CALL_S), reader=self._reader,
-                                       pinned=self._device.type == "cuda")
+                                       pinned=self._on_gpu)
                 except wire.WireError as exc:
                     if not request.shm or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                         raise
@@ -385,7 +387,7 @@ class WspSync:
                     # from a small ring): ask again, this time in gRPC frames.
                     log.warning("pull reply from shard %d: %s; pulling again over gRPC", shard, exc)
                     request.shm = False
-                    return wire.decode(stub.Pull(request, timeout=PULL_CALL_S), pinned=self._device.type == "cuda")
+                    return wire.decode(stub.Pull(request, timeout=PULL_CALL_S), pinned=self._on_gpu)
 
             return self._retrying(f"pull for min_clock {min_clock}", shard, PULL_GIVE_UP_S, call)
 
@@ -403,7 +405,7 @@ class WspSync:
                 slots.append((reply, [index[name] for name in names]))
             else:
                 values.update((index[key], value) for key, value in reply.tensors)
-        if values and self._device.type == "cuda":   # here, not on the compute thread (apply_pending)
+        if values and self._on_gpu:   # here, not on the compute thread (apply_pending)
             values = dict(zip(values, host_copies.to_device(list(values.values()), self._device, "pull")))
         if self.cfg.pull_hold_s > 0 and self._closed.wait(self.cfg.pull_hold_s):  # the reply crosses the network
             return
@@ -423,4 +425,4 @@ class WspSync:
             for p, (dtype, shape, _) in zip(params, stream.specs))
         if fits and stream.gpu is None and len(params) == len(stream.specs):
             return stream
-        return wire.receive(stream, pinned=self._device.type == "cuda")
+        return wire.receive(stream, pinned=self._on_gpu)

@@ -14,10 +14,10 @@ Pure: a heapq event queue, no threads, no clocks. It reproduces the runtime's be
   that the stage's weights are known to include is >= required_min_clock(p) =
   max(0, p//nm - 1 - D). When the stage finds that forward ready but not allowed, the wait
   starts and a pull is sent (one at a time); when it is allowed but the next wave's forwards
-  will need more, a pull for that goes out early (`wsp.g2_decision`). The shard answers once c_global over the stage's
-  keys reaches the pull's min_clock, with the c_global of that moment; the answer arrives
-  pull_seconds later and is merged the next time the stage is between tasks, which ends the
-  wait. Backwards keep running meanwhile. When a stage finishes the backward that closes a
+  will need more, a pull for that goes out early (`wsp.g2_decision`). The shard answers once
+  c_global over the stage's keys reaches the pull's min_clock, with the c_global of that moment;
+  the answer arrives pull_seconds later and is merged the next time the stage is between tasks,
+  which ends the wait. Backwards keep running meanwhile. When a stage finishes the backward that closes a
   wave (its last minibatch, or the final partial wave) it queues that wave's push on its one
   pusher; a push takes push_seconds and raises the VW's clock for the stage's keys when it ends.
 - A stage's keys: with equal k, stage q of every VW holds the same layers, so c_global for
