@@ -34,8 +34,7 @@ def grow(bound: float, added: float, dtype: torch.dtype) -> float:
 
 class Headroom:
     """Per floating-point key, an upper bound on |x| for every element x that the key's w_global
-    may hold: its values, plus every accepted update that is not in them yet (quorum rounds), and
-    the sums that exact pulls hold ahead.
+    may hold: its values, plus every accepted update that is not in them yet (quorum rounds).
     A key with no bound yet (new, or restored) is measured on first use."""
 
     def __init__(self) -> None:

@@ -16,7 +16,7 @@ from hetpipe.buffers import raw_bytes
 from hetpipe.config import MAX_STEPS, MAX_VIRTUAL_WORKERS
 from hetpipe.wsp import NARROWED_PUSH, clock_distance
 from ps_server import headroom
-from ps_server.held_ahead import HeldAhead
+from ps_server.at_c_global import AtCGlobal
 from ps_server.quorum import KeyRounds
 
 
@@ -105,7 +105,8 @@ class Shard:
     round closes; under sync elastic the values are the master x~, which only exchanges change.
 
     Exact (wsp with D = 0, BSP): a pull gets w_global with every VW's waves below c_global and
-    none of the waves a faster VW has pushed since (`ahead`, ps_server/held_ahead.py).
+    none of the waves a faster VW has pushed since (`at_c_global`, ps_server/at_c_global.py),
+    and a push that would take a VW two waves past c_global (G4) is refused.
     """
 
     def __init__(self) -> None:
@@ -121,7 +122,7 @@ class Shard:
         self.exchanged: dict[str, list[int]] = {}               # elastic: exchanges per (key, VW)
         self.last_delta: dict[str, list[torch.Tensor | None]] = {}  # elastic: each VW's latest, for its retry
         self.exchanges_applied = 0
-        self.ahead = HeldAhead()                                # exact: the waves past c_global
+        self.at_c_global = AtCGlobal()                          # exact: values kept while a VW is ahead
         self.headroom = headroom.Headroom()   # how far each key is from overflowing; not state (derived)
         self._scratch = torch.empty(0)        # _add's widening buffer (a push is applied under the servicer's lock)
 
@@ -219,8 +220,8 @@ class Shard:
             raise ShardError(ShardError.Kind.CLOCK, f"vw {vw} is the last one left: the job cannot go on without it")
         self.evicted.add(vw)
         self._settle(list(self.rounds))  # quorum: a round may now have the quorum of the VWs left
-        for key in self.ahead.keys():   # exact: c_global may have moved on without it
-            self.ahead.trim(key, self._key_c_global(key))
+        for key in self.at_c_global.keys():   # exact: c_global may have moved on without it
+            self.at_c_global.trim(key, self._key_c_global(key))
         return True
 
     def _check_keys(self, keys: Sequence[str]) -> None:
@@ -264,10 +265,10 @@ class Shard:
         """
         self.check_push(vw, [(k, d.dtype, tuple(d.shape)) for k, d in deltas])
         quorum = self.rule.mode == "quorum"
-        if quorum or self.rule.exact:
-            # A bf16 push is widened whole for the sums that quorum rounds and exact pulls keep
-            # in the key's dtype. Otherwise it stays bf16 until it is added, a chunk at a time
-            # (_add): its magnitudes below are those of its widened values, widening being exact.
+        if quorum:
+            # A bf16 push is widened whole for the sums that quorum rounds keep in the key's
+            # dtype. Otherwise it stays bf16 until it is added, a chunk at a time (_add): its
+            # magnitudes below are those of its widened values, widening being exact.
             deltas = [(k, d if d.dtype == self.values[k].dtype else d.to(self.values[k].dtype)) for k, d in deltas]
         what = f"push of vw {vw} for clock {clock}"
         sizes = _sizes(what, deltas)
@@ -286,19 +287,24 @@ class Shard:
         if quorum and clock >= self.rule.total_waves:
             raise ShardError(ShardError.Kind.CLOCK, f"push of vw {vw} for clock {clock}: the job has "
                                                     f"{self.rule.total_waves} waves per virtual worker")
+        if self.rule.exact:
+            self._check_one_wave_past(vw, clock, keys)
         # Under quorum w_global + u is not the next state (the round may wait): the bound decides.
-        grown = self._room(what, deltas, sizes, None if quorum else lambda key, u: self._after(key, clock, u))
+        grown = self._room(what, deltas, sizes, None if quorum else self._after)
         if journal is not None:
             journal()
         self.headroom.commit(grown)
+        live = self._live()
         for key, delta in deltas:
+            if self.rule.exact and any(self.clocks[key][v] <= clock for v in live if v != vw):
+                self.at_c_global.keep(key, clock, self.values[key])   # c_global stays at clock: pulls get this
             if quorum:
                 self.rounds[key].add(vw, clock, delta)
             else:
                 self._add(self.values[key], delta)
             self.clocks[key][vw] = clock + 1
             if self.rule.exact:
-                self.ahead.hold(key, clock, self._key_c_global(key), delta)
+                self.at_c_global.trim(key, self._key_c_global(key))
         self._settle(keys if quorum else [])
         self.pushes_applied += 1
         self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
@@ -323,6 +329,15 @@ class Shard:
     def _key_c_global(self, key: str) -> int:
         return min(self.clocks[key][v] for v in self._live())
 
+    def _check_one_wave_past(self, vw: int, clock: int, keys: Sequence[str]) -> None:
+        """Exact pulls keep one copy per key (AtCGlobal): G4 at D = 0 lets a VW push the wave c_global
+        is at, never a later one, which a stage's G2 wait already ensures."""
+        past = {k: c for k in keys if clock > (c := self._key_c_global(k))}
+        if past:
+            raise ShardError(ShardError.Kind.CLOCK,
+                             f"push of vw {vw} for clock {clock}: with D = 0 a VW may run one wave past c_global "
+                             f"(G4), and c_global is {sorted(set(past.values()))} for {sorted(past)[:5]}")
+
     def _room(self, what: str, updates: Sequence[tuple[str, torch.Tensor]], sizes: dict[str, float],
               after: Callable[[str, torch.Tensor], float] | None) -> dict[str, float]:
         """Each key's headroom bound once its update is added; refused where it could overflow.
@@ -335,22 +350,16 @@ class Shard:
 
     def _reach(self, key: str) -> float:
         """A fresh bound of |x| over what key may hold: its values, plus (quorum) its open rounds,
-        which are added to them in turn, or (exact) its waves held ahead; one rounding per sum."""
+        which are added to them in turn; one rounding per sum."""
         book = self.rounds.get(key)
         waiting = [] if book is None else [r.total for r in book.open.values() if r.total is not None]
-        waiting += list(self.ahead.of(key).values())
         total = headroom.magnitude(self.values[key]) + sum(headroom.magnitude(t) for t in waiting)
         return total * (1 + torch.finfo(self.values[key].dtype).eps) ** (len(waiting) + 1)
 
-    def _after(self, key: str, wave: int | None, u: torch.Tensor) -> float:
-        """max |x| over what key holds once u is added: its values and (exact) the waves held
-        ahead, u's own too (u starts it, if it is held)."""
-        held = self.ahead.of(key)
-        sizes = [headroom.magnitude(self.values[key] + u)]
-        sizes += [headroom.magnitude(t + u if w == wave else t) for w, t in held.items()]
-        if self.rule.exact and wave not in held:
-            sizes.append(headroom.magnitude(u))
-        return max(sizes)
+    def _after(self, key: str, u: torch.Tensor) -> float:
+        """max |x| over key's values once u is added (what exact pulls keep are earlier values,
+        measured when they were current)."""
+        return headroom.magnitude(self.values[key] + u)
 
     def _settle(self, keys: Sequence[str]) -> None:
         """quorum: closes every round of these keys that has its quorum; once every live VW has
@@ -396,8 +405,7 @@ class Shard:
                                                     "exchanges per virtual worker")
         computed = [(key, elastic.elastic_delta(value, self.values[key], self.rule.alpha)) for key, value in replica]
         # replica - master may overflow: an Inf delta is refused as an overflow, not as the replica's.
-        grown = self._room(what, computed, {k: headroom.magnitude(d) for k, d in computed},
-                           lambda key, u: self._after(key, None, u))
+        grown = self._room(what, computed, {k: headroom.magnitude(d) for k, d in computed}, self._after)
         if journal is not None:
             journal()
         self.headroom.commit(grown)
@@ -460,13 +468,17 @@ class Shard:
         if self.rule.exact:   # its own waves from c_global on are taken out too: G3 adds them back
             own = [min(o, self._key_c_global(k)) for o, k in zip(own, keys)]
         return PullResult(
-            values=[(k, self.ahead.without(k, self.values[k]) if k in self.ahead
-                     else self.values[k].clone() if copy else self.values[k])
-                    for k in keys],
+            values=[(k, value.clone() if copy else value)
+                    for k in keys for value in [self._pulled(k)]],
             own_clock=own,
             vw_clocks=self.vw_clocks(keys),
             c_global=self.c_global(keys),
         )
+
+    def _pulled(self, key: str) -> torch.Tensor:
+        """What a pull of key answers with: exact, its values at c_global while a VW is ahead."""
+        kept = self.at_c_global.value(key)
+        return self.values[key] if kept is None else kept
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -475,7 +487,7 @@ class Shard:
             h.update(raw_bytes(self.values[key]))
             h.update(str(self.clocks[key]).encode())
         h.update(str(sorted(self.evicted)).encode())
-        self.ahead.feed(h)   # exact: what pulls take out
+        self.at_c_global.feed(h)   # exact: what pulls answer with
         if self.rule.mode != "wsp":
             h.update(str(self.rule).encode())
             for key in sorted(self.rounds):
@@ -499,7 +511,7 @@ class Shard:
             "evicted": torch.tensor(sorted(self.evicted), dtype=torch.int64),
             "sync": {"mode": self.rule.mode, "quorum": self.rule.quorum, "alpha": self.rule.alpha,
                      "period": self.rule.period, "total_waves": self.rule.total_waves, "exact": self.rule.exact},
-            "ahead": self.ahead.snapshot(),
+            "at_c_global": self.at_c_global.snapshot(),
             "rounds": {k: book.snapshot() for k, book in self.rounds.items()},
             "exchanged": {k: torch.tensor(c, dtype=torch.int64) for k, c in self.exchanged.items()},
             "last_delta": {k: [None if d is None else d.clone() for d in ds] for k, ds in self.last_delta.items()},
@@ -527,6 +539,6 @@ class Shard:
         self.exchanged = {k: [int(c) for c in t.tolist()] for k, t in exchanged.items()}
         self.last_delta = {k: [None if d is None else d.clone() for d in ds] for k, ds in last_delta.items()}
         self.exchanges_applied = int(snap.get("exchanges_applied", 0))  # type: ignore[call-overload]
-        ahead = snap.get("ahead") or {}
-        assert isinstance(ahead, dict)
-        self.ahead = HeldAhead.restored(ahead)
+        kept = snap.get("at_c_global") or {}
+        assert isinstance(kept, dict)
+        self.at_c_global = AtCGlobal.restored(kept)

@@ -22,8 +22,9 @@ Deltas = list[tuple[str, torch.Tensor]]
 class RefShard:
     """DESIGN §3 for one shard: float64 weights, a clock per (key, vw), and the acknowledged pushes."""
 
-    def __init__(self, n: int, init: dict[str, torch.Tensor]) -> None:
+    def __init__(self, n: int, init: dict[str, torch.Tensor], *, exact: bool = False) -> None:
         self.n = n
+        self.exact = exact   # wsp with D = 0: G4 lets a VW push no wave past a key's c_global
         self.w0 = {k: v.clone() for k, v in init.items()}
         self.w = {k: v.clone() for k, v in init.items()}
         self.clock = {(k, v): 0 for k in init for v in range(n)}
@@ -41,7 +42,7 @@ class RefShard:
             return Kind.INVALID
         clocks = [self.clock[(k, vw)] for k in keys]
         if all(x == c for x in clocks):
-            return "applied"
+            return Kind.CLOCK if self.exact and any(c > self.key_c_global(k) for k in keys) else "applied"
         if all(x == c + 1 for x in clocks):
             return "duplicate"
         return Kind.CLOCK
