@@ -12,6 +12,7 @@ import torch
 from hetpipe import rpc, wire
 from hetpipe.elastic import exchange_after, total_exchanges, waves_covered
 from hetpipe.v1 import wire_pb2
+from stage_worker import host_copies
 from stage_worker.sync import SyncCallbacks, SyncConfig, Weights, in_parallel
 from stage_worker.wsp_sync import PUSH_GIVE_UP_S, WspSync
 
@@ -73,12 +74,19 @@ class ElasticSync(WspSync):
         if self._sent is not None or not self._due:
             return
         exchange = self._due.pop(0)
-        replica = [p.detach().to("cpu", copy=True) for p in self._params]
+        # A copy where the weights are (on a GPU, one kernel queued on the compute stream): the
+        # steps that follow change the weights in place. The exchanger moves it to the host.
+        replica = [p.detach().clone() for p in self._params]
         self._sent = exchange
-        self._start("exchanger", self._exchange, exchange, replica)
+        self._start("exchanger", self._exchange, exchange, replica, host_copies.marker(replica))
 
-    def _exchange(self, exchange: int, replica: list[torch.Tensor]) -> None:
+    def _exchange(self, exchange: int, replica: list[torch.Tensor], made: object) -> None:
         started, sent = time.perf_counter(), time.time()
+        # From a GPU through pinned memory on a side stream, once the copy above is made: the
+        # compute thread neither waits for it nor for the deltas' way back (to_device below).
+        replica, ready = host_copies.to_host(replica, "push", after=made)
+        if ready is not None:
+            ready.synchronize()
         if self.cfg.push_hold_s > 0 and self._closed.wait(self.cfg.push_hold_s):  # an emulated network
             return
 
@@ -87,7 +95,7 @@ class ElasticSync(WspSync):
             tensors = [(self.keys[i], replica[i]) for i in idx]
             stub = self._stubs[shard]
             return self._retrying(f"exchange {exchange}", shard, PUSH_GIVE_UP_S, lambda: wire.decode(
-                stub.Exchange(wire.encode(tensors, exchange=tag), timeout=rpc.DATA_DEADLINE_S)))
+                stub.Exchange(wire.encode(tensors, exchange=tag), timeout=rpc.DATA_DEADLINE_S), pinned=self._on_gpu))
 
         deltas: dict[str, torch.Tensor] = {}
         for bundle in in_parallel(lambda item: one(*item), list(self._by_shard().items())):
@@ -98,6 +106,9 @@ class ElasticSync(WspSync):
         if self.cfg.pull_hold_s > 0 and self._closed.wait(self.cfg.pull_hold_s):
             return
         self.cb.observe_push(time.perf_counter() - started)
+        ordered = [deltas[k] for k in self.keys]
+        if self._on_gpu:
+            ordered = host_copies.to_device(ordered, self._device, "pull")
         with self._lock:
-            self._arrived = (exchange, [deltas[k] for k in self.keys], sent, time.time())
+            self._arrived = (exchange, ordered, sent, time.time())
         self.cb.wake()

@@ -1,9 +1,10 @@
-"""A stage's pulls (stage_worker/wsp_sync.py) against a real shard.
+"""A stage's pulls (stage_worker/wsp_sync.py) and exchanges (elastic_sync.py) against a real shard.
 
 Through shared memory, w_global is copied from the shard's pull slot straight into the weights,
 G3's own unpushed waves added after it; a slot that changes before the merge fails the stage
 instead of leaving torn weights. With D = 0, a pull that arrives after a faster VW's next push
-gets what it would have got before it (exact pulls): the race that broke O2 across hosts."""
+gets what it would have got before it (exact pulls): the race that broke O2 across hosts. An
+elastic exchange sends the replica as its wave left it, on the CPU and from a GPU."""
 
 from __future__ import annotations
 
@@ -19,20 +20,21 @@ from hetpipe import rpc
 from ps_server.durability import Durability
 from ps_server.servicer import ShardServicer
 from ps_server.shard import Shard
+from stage_worker.elastic_sync import ElasticSync
 from stage_worker.sync import SyncCallbacks, SyncConfig
 from stage_worker.wsp_sync import WspSync
 
 pytestmark = pytest.mark.timeout(60)
 KEYS = ("0.weight", "0.bias")
+ON_A_GPU = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 class Weights:
     """A stage's weights as WspSync sees them, recording how each merge reached them."""
 
-    device = "cpu"
-
-    def __init__(self) -> None:
-        self.params = [torch.zeros(4, 3), torch.zeros(4)]
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self.params = [torch.zeros(4, 3, device=device), torch.zeros(4, device=device)]
         self.merges: list[str] = []
 
     def set_weights(self, values: list[torch.Tensor]) -> None:
@@ -196,5 +198,39 @@ def test_updates_buffers_are_reused_once_neither_the_wave_sum_nor_the_pusher_nee
         sync.pull_now(weights, 1)
         assert sync.spare_update() is first, "wave 0's sum: pulled back and acknowledged"
         assert torch.equal(weights.params[0], torch.full((4, 3), 3.0))
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
+def test_an_elastic_exchange_sends_the_replica_as_its_wave_left_it(shard: tuple[str, ShardServicer],
+                                                                   device: str) -> None:
+    """The steps after a wave's end change the weights in place, on a GPU before the exchanger
+    has copied anything to the host: the shard gets the replica as the wave left it, and the
+    delta alpha * (replica - master) comes back to the weights' device."""
+    failures: list[str] = []
+    weights = Weights(device)
+    config = SyncConfig(vw=0, nm=1, D=0, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(shard[0],),
+                        shared_memory=(False,), sync="elastic", alpha=0.5, period=1)
+    callbacks = SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 2)
+    sync = ElasticSync(config, callbacks, weights.params)
+    try:
+        w0 = [torch.arange(12.0).reshape(4, 3), torch.ones(4)]
+        sync.initialise(1, w0)   # the master x~ = w0
+        for p, w in zip(weights.params, w0):
+            p.copy_(w + 1.0)     # the replica after wave 0
+        sync.on_wave_end(0)
+        for p in weights.params:
+            p.add_(100.0)        # the next steps, queued right behind the exchange's copy
+        deadline = time.monotonic() + 20
+        while sync._arrived is None:
+            assert time.monotonic() < deadline and not failures, failures
+            time.sleep(0.01)
+        sync.apply_pending(weights)
+        for p, w in zip(weights.params, w0):
+            assert p.device.type == device and torch.equal(p.cpu(), w + 101.0 - 0.5), "delta of the replica at wave 0"
+        master = shard[1].shard.values
+        assert torch.equal(master["0.weight"], w0[0] + 0.5) and torch.equal(master["0.bias"], w0[1] + 0.5)
+        assert not failures
     finally:
         sync.close()
