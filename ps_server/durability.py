@@ -19,7 +19,8 @@ from hetpipe import wire
 from hetpipe.buffers import raw_bytes
 from hetpipe.outputs import fsync, write_text_atomically
 from hetpipe.weight_files import header, save_atomically
-from ps_server.shard import Shard, ShardError
+from ps_server.shard import Shard
+from ps_server.sync_rule import ShardError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

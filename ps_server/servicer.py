@@ -21,7 +21,8 @@ from hetpipe.v1 import ps_pb2, wire_pb2
 from ps_server.durability import Durability, Snapshot
 from ps_server.metrics import ShardSnapshot
 from ps_server.pull_slots import PullSlots
-from ps_server.shard import Shard, ShardError, SyncRule
+from ps_server.shard import Shard
+from ps_server.sync_rule import ShardError, SyncRule
 from ps_server.trace import ShardTrace
 
 R = TypeVar("R")

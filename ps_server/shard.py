@@ -3,7 +3,6 @@ rounds, elastic averaging's master), no I/O."""
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -18,56 +17,10 @@ from hetpipe.wsp import NARROWED_PUSH, clock_distance
 from ps_server import headroom
 from ps_server.at_c_global import AtCGlobal
 from ps_server.quorum import KeyRounds
+from ps_server.sync_rule import ShardError, SyncRule
 
 
-class ShardError(Exception):
-    """A refused request; `kind` picks the gRPC status."""
-
-    class Kind(enum.Enum):
-        INVALID = "invalid"          # malformed: unknown key, wrong shape/dtype, unknown VW
-        NOT_OWNED = "not_owned"      # keys this shard does not hold
-        CLOCK = "clock"              # a clock that goes backwards or skips ahead
-        NOT_READY = "not_ready"      # used before Init
-        CONFLICT = "conflict"        # re-Init with different keys or values
-        MODE = "mode"                # a call the shard's sync mode does not take (a push under elastic)
-        OVERFLOW = "overflow"        # finite, but w_global plus it could pass the dtype's largest value
-
-    def __init__(self, kind: Kind, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-SYNC_MODES = ("wsp", "quorum", "elastic")
 ADD_CHUNK = 1 << 20   # elements a narrower push is widened by at a time (4 MiB of float32: stays in cache)
-
-
-@dataclass(frozen=True, slots=True)
-class SyncRule:
-    """parallel.sync and its arguments, as Init brings them: how pushes (or exchanges) reach w_global."""
-
-    mode: str = "wsp"
-    quorum: int = 0          # quorum: on-time VWs that close a round; 0 = a majority of the live VWs
-    alpha: float = 0.0       # elastic: the elastic force
-    period: int = 1          # elastic: waves between a VW's exchanges
-    total_waves: int = 0     # quorum, elastic: waves per VW in the job
-    exact: bool = False      # wsp with D = 0: pulls get exactly the waves below c_global (Shard.pull)
-
-    def check(self, virtual_workers: int) -> None:
-        def invalid(what: str) -> ShardError:
-            return ShardError(ShardError.Kind.INVALID, f"sync {self.mode}: {what}")
-
-        if self.mode not in SYNC_MODES:
-            raise ShardError(ShardError.Kind.INVALID, f"sync {self.mode!r}: expected one of {', '.join(SYNC_MODES)}")
-        if self.mode != "wsp" and not 1 <= self.total_waves <= MAX_STEPS:
-            raise invalid(f"total_waves must be in [1, {MAX_STEPS}], got {self.total_waves}")
-        if self.mode == "quorum" and self.quorum > virtual_workers:
-            raise invalid(f"quorum {self.quorum} is more than the {virtual_workers} virtual workers")
-        if self.mode == "elastic" and not (math.isfinite(self.alpha) and 0 < self.alpha <= elastic.MAX_ALPHA):
-            raise invalid(f"alpha must be in (0, {elastic.MAX_ALPHA}], got {self.alpha}")
-        if self.mode == "elastic" and not 1 <= self.period <= MAX_STEPS:
-            raise invalid(f"period must be in [1, {MAX_STEPS}], got {self.period}")
-        if self.exact and self.mode != "wsp":
-            raise invalid("exact pulls are for sync wsp with D = 0")
 
 
 @dataclass(frozen=True, slots=True)

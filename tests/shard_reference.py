@@ -13,7 +13,8 @@ from hetpipe import wire
 from hetpipe.v1 import wire_pb2
 from hetpipe.wsp import clock_distance
 from ps_server.durability import Durability
-from ps_server.shard import Shard, ShardError
+from ps_server.shard import Shard
+from ps_server.sync_rule import ShardError
 
 Kind = ShardError.Kind
 Deltas = list[tuple[str, torch.Tensor]]

@@ -16,7 +16,8 @@ import torch
 from ps_server import headroom
 from ps_server import shard as shard_module
 from ps_server.durability import Durability
-from ps_server.shard import Shard, SyncRule
+from ps_server.shard import Shard
+from ps_server.sync_rule import SyncRule
 from shard_reference import Kind, assert_refused, log_push, two_key_shard
 
 pytestmark = pytest.mark.timeout(120)

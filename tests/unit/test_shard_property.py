@@ -51,7 +51,8 @@ from hypothesis.stateful import (
 
 from hetpipe.wsp import clock_distance
 from ps_server.durability import Durability, Snapshot
-from ps_server.shard import Shard, ShardError, SyncRule
+from ps_server.shard import Shard
+from ps_server.sync_rule import ShardError, SyncRule
 from shard_reference import Deltas, Kind, RefShard, assert_refused, log_push, tensor
 
 pytestmark = pytest.mark.timeout(120)

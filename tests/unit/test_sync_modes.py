@@ -26,7 +26,8 @@ from hetpipe import elastic
 from hetpipe.wsp import merge_pulled, waves_included
 from ps_server.durability import Durability
 from ps_server.quorum import quorum_size
-from ps_server.shard import Shard, SyncRule
+from ps_server.shard import Shard
+from ps_server.sync_rule import SyncRule
 from shard_reference import Kind, assert_refused
 
 pytestmark = pytest.mark.timeout(120)
