@@ -21,7 +21,7 @@ from hetpipe.v1 import ps_pb2, wire_pb2
 from ps_server.durability import Durability, Snapshot
 from ps_server.metrics import ShardSnapshot
 from ps_server.pull_slots import PullSlots
-from ps_server.shard import Shard
+from ps_server.shard import Shard, magnitudes
 from ps_server.sync_rule import ShardError, SyncRule
 from ps_server.trace import ShardTrace
 
@@ -127,11 +127,12 @@ class ShardServicer:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{kind.capitalize()}: first frame lacks the {kind} tag")
         metas = [(name, dtype, tuple(shape)) for name, (dtype, shape, _) in zip(stream.names, stream.specs)]
         check = self.shard.check_push if kind == "push" else self.shard.check_exchange
-        with self._cv:
-            try:
-                check(getattr(stream.header, kind).vw, metas)
-            except ShardError as exc:
-                raise _rejected(exc) from None
+        # Without the lock, so that a push is logged while another is applied: the check reads
+        # what only Init and Evict change, a lookup at a time, and the apply checks again under it.
+        try:
+            check(getattr(stream.header, kind).vw, metas)
+        except ShardError as exc:
+            raise _rejected(exc) from None
 
     @handler
     def Init(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
@@ -151,8 +152,9 @@ class ShardServicer:
         return wire_pb2.Ack(message="initialised" if fresh else "already initialised")
 
     def _update(self, kind: str, request_iterator: Iterator[bytes], apply: Callable[..., tuple[bool, R]]) -> R:
-        """A push or an exchange: decoded and checked, then apply(tag, tensors, journal) under the
-        lock, which answers (whether it was new, the reply); checkpointed when due, traced."""
+        """A push or an exchange: decoded and checked, then apply(tag, tensors, journal, sizes) under
+        the lock, which answers (whether it was new, the reply); checkpointed when due, traced.
+        sizes: a push's magnitudes (shard.magnitudes), None for an exchange."""
         received = time.time()
         stream = wire.read(request_iterator, self.reader)
         self._check_update(stream, kind)
@@ -175,10 +177,18 @@ class ShardServicer:
             log = durability.journal_push if kind == "push" else durability.journal_exchange
             journal = lambda: log(tag.vw, tag.clock, tensors)  # noqa: E731
         applied = False
+        try:
+            # The scan for NaN and for the overflow bound reads the push alone: here, before the
+            # lock, so that concurrent pushes (every VW's, every stage's) are scanned at once.
+            sizes = magnitudes(f"push of vw {tag.vw} for clock {tag.clock}", tensors) if kind == "push" else None
+        except ShardError as exc:
+            if logged is not None and durability is not None:
+                durability.settle(logged, applied=False)
+            raise _rejected(exc) from None
         with self._cv:
             start = time.time()
             try:
-                applied, reply = apply(tag, tensors, journal)
+                applied, reply = apply(tag, tensors, journal, sizes)
             except ShardError as exc:
                 raise _rejected(exc) from None
             finally:
@@ -214,9 +224,9 @@ class ShardServicer:
 
     @handler
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushReply:
-        def push(tag: wire_pb2.PushTag, deltas: list[tuple[str, torch.Tensor]],
-                 journal: Callable[[], None] | None) -> tuple[bool, ps_pb2.PushReply]:
-            applied = self.shard.push(tag.vw, tag.clock, deltas, journal=journal)
+        def push(tag: wire_pb2.PushTag, deltas: list[tuple[str, torch.Tensor]], journal: Callable[[], None] | None,
+                 sizes: dict[str, float] | None) -> tuple[bool, ps_pb2.PushReply]:
+            applied = self.shard.push(tag.vw, tag.clock, deltas, journal=journal, sizes=sizes)
             return applied, ps_pb2.PushReply(duplicate=not applied, c_global=self.shard.c_global())
 
         return self._update("push", request_iterator, push)
@@ -229,7 +239,7 @@ class ShardServicer:
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """sync elastic: a VW's replica values in, delta = alpha * (replica - master) out (and into the master)."""
         def exchange(tag: wire_pb2.ExchangeTag, replica: list[tuple[str, torch.Tensor]],
-                     journal: Callable[[], None] | None) -> tuple[bool, Iterator[bytes]]:
+                     journal: Callable[[], None] | None, _: None) -> tuple[bool, Iterator[bytes]]:
             result = self.shard.exchange(tag.vw, tag.clock, replica, journal=journal)
             self.sent_bytes += _payload_bytes(result.deltas)
             reply = wire_pb2.ExchangeTag(vw=tag.vw, clock=tag.clock, duplicate=not result.applied)

@@ -37,9 +37,10 @@ class PullResult:
     c_global: int
 
 
-def _sizes(what: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+def magnitudes(what: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
     """Each floating-point tensor's magnitude (max |t|). NaN or Inf would poison w_global for
-    every VW for good: refused, naming the keys."""
+    every VW for good: refused, naming the keys. Reads the tensors alone: a caller may measure a
+    push before it takes the shard's lock (Shard.push's sizes)."""
     sizes = {k: headroom.magnitude(t) for k, t in tensors if t.is_floating_point()}
     bad = [k for k, m in sizes.items() if not math.isfinite(m)]
     if bad:
@@ -117,7 +118,7 @@ class Shard:
             integral = [k for k, v in tensors if not v.is_floating_point()]
             if integral:
                 raise ShardError(ShardError.Kind.INVALID, f"sync elastic needs floating-point keys, not {integral[:5]}")
-        _sizes("w0", tensors)
+        magnitudes("w0", tensors)
         named = dict(tensors)
         if len(named) != len(tensors) or not named:
             raise ShardError(ShardError.Kind.INVALID, "Init needs at least one key, each named once")
@@ -210,11 +211,12 @@ class Shard:
                 )
 
     def push(self, vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]],
-             journal: Callable[[], None] | None = None) -> bool:
+             journal: Callable[[], None] | None = None, sizes: dict[str, float] | None = None) -> bool:
         """G1: adds VW vw's wave-`clock` update once. Returns False for a retried duplicate.
 
         All-or-nothing: every key is validated before any is changed. `journal` (the durable push
         log) runs after validation, right before the update is applied; if it raises, nothing is.
+        sizes: magnitudes(what, deltas), where the caller has measured them already.
         """
         self.check_push(vw, [(k, d.dtype, tuple(d.shape)) for k, d in deltas])
         quorum = self.rule.mode == "quorum"
@@ -224,7 +226,8 @@ class Shard:
             # magnitudes below are those of its widened values, widening being exact.
             deltas = [(k, d if d.dtype == self.values[k].dtype else d.to(self.values[k].dtype)) for k, d in deltas]
         what = f"push of vw {vw} for clock {clock}"
-        sizes = _sizes(what, deltas)
+        if sizes is None:
+            sizes = magnitudes(what, deltas)
         keys = [k for k, _ in deltas]
         current = {self.clocks[k][vw] for k in keys}
         if current == {clock + 1}:
@@ -341,7 +344,7 @@ class Shard:
         gets the stored deltas and changes nothing. Validated whole first; `journal` as for push."""
         self.check_exchange(vw, [(k, t.dtype, tuple(t.shape)) for k, t in replica])
         what = f"exchange of vw {vw} for clock {clock}"
-        _sizes(what, replica)
+        magnitudes(what, replica)
         keys = [k for k, _ in replica]
         current = {self.exchanged[k][vw] for k in keys}
         if current == {clock + 1}:

@@ -230,6 +230,24 @@ def test_a_push_that_would_overflow_w_global_is_refused_and_changes_nothing(ps: 
     assert restored.shard.digest() == ps.servicer.shard.digest(), "the refused push's log entry is not replayed"
 
 
+def test_a_push_is_checked_and_logged_while_another_holds_the_shards_lock(ps: InProcess) -> None:
+    """Only the apply takes the shard's lock: a push's header check, its log write and its scan
+    for NaN read the push alone, so a push that arrives while another is applied (or a pull's
+    reply is written) gets that far at once. Here one holding NaN is refused with the lock held
+    elsewhere throughout, and its log entry is not replayed."""
+    c = ps.client
+    before = state(c.status())
+    bad = [(k, d.index_fill(0, torch.tensor([0]), float("nan")) if k == "l0.bias" else d) for k, d in delta(0, 2)]
+    with ps.servicer._cv:   # as another push's apply holds it
+        refused(lambda: c.push(0, 2, bad), Code.INVALID_ARGUMENT, r"push of vw 0 for clock 2: NaN or Inf in \['l0\.bias'\]")
+    assert state(c.status()) == before
+    assert not c.push(0, 2, delta(0, 2)).duplicate
+    ps.servicer.checkpoints_written()
+    restored = ShardServicer(Shard(), Durability(ps.servicer.durability.dir), max_pull_wait_s=1.0)
+    restored.restore()
+    assert restored.shard.digest() == ps.servicer.shard.digest(), "the refused push's entry is not replayed"
+
+
 def test_push_whose_log_write_fails_is_not_applied(ps: InProcess, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """An I/O error writing the push log refuses the push whole, so the client's retry is applied (and
