@@ -1,0 +1,289 @@
+"""A ps shard's durability: a push is logged before it is applied and acknowledged once its entry
+is safe (on disk, or whole in the page cache for a pusher on this machine); a failed log or
+checkpoint write loses nothing; checkpoints are written after the push that captured them is
+answered; and a shard killed with kill -9 comes back from its checkpoint + push log with every
+acknowledged push exactly once (issue 3, DESIGN §3 G1, O3). The crash test runs `python -m
+ps_server` as a real process and kills it; the rest use an in-process shard (tests/ps_rig.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hetpipe import rpc, shm
+from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
+from ps_rig import CALL_S, KEYS, Client, Code, InProcess, _frames, delta, in_process_shard, refused, state, w0
+from shard_reference import record_fsyncs
+from ps_server.durability import Durability
+from ps_server.servicer import ShardServicer
+from ps_server.shard import Shard
+
+pytestmark = pytest.mark.timeout(90)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def ps(tmp_path: Path) -> Iterator[InProcess]:
+    with in_process_shard(tmp_path) as shard:
+        yield shard
+
+
+def test_push_whose_log_write_fails_is_not_applied(ps: InProcess, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O error writing the push log refuses the push whole, so the client's retry is applied (and
+    logged) instead of being acknowledged as a 'duplicate' that a kill -9 would then lose."""
+    c, durability = ps.client, ps.servicer.durability
+    assert durability is not None
+    real = durability.log_stream
+
+    def full_disk(*args: Any) -> None:
+        monkeypatch.setattr(durability, "log_stream", real)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(durability, "log_stream", full_disk)
+    before = state(c.status())
+    refused(lambda: c.push(1, 1, delta(1, 1)), Code.UNAVAILABLE, r"I/O error on the server: No space left on device")
+    assert state(c.status()) == before, "a push that could not be logged must not be applied"
+    assert not c.push(1, 1, delta(1, 1)).duplicate, "the retry is the first time it is applied"
+    ps.servicer.checkpoints_written()
+    restored = Shard()
+    Durability(str(tmp_path / "ckpt")).restore(restored)  # what a restart after kill -9 would see
+    assert restored.digest() == ps.servicer.shard.digest()
+    assert restored.c_global() == 2
+
+
+def test_an_init_or_evict_whose_checkpoint_fails_is_checkpointed_by_its_retry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Init and Evict change the shard, then checkpoint it. When that write fails the client gets
+    UNAVAILABLE and retries; the retry changes nothing, so it must write the checkpoint: without
+    one a restart would come back without keys (every logged push refused) or wait for the
+    evicted VW again."""
+    durability = Durability(str(tmp_path / "ckpt"))
+    servicer = ShardServicer(Shard(), durability, max_pull_wait_s=5.0)
+    server = rpc.Server("127.0.0.1", 0, workers=4)
+    server.add("ParameterServer", servicer)
+    server.start()
+    real = durability.checkpoint
+
+    def full_disk(*args: Any) -> None:
+        monkeypatch.setattr(durability, "checkpoint", real)
+        raise OSError(28, "No space left on device")
+
+    def restored() -> Shard:   # what a restart after kill -9 would see
+        servicer.checkpoints_written()
+        shard = Shard()
+        Durability(str(tmp_path / "ckpt")).restore(shard)
+        return shard
+
+    try:
+        with rpc.channel(server.address) as ch:
+            c = Client(ps_pb2_grpc.ParameterServerStub(ch))
+            monkeypatch.setattr(durability, "checkpoint", full_disk)
+            refused(lambda: c.init(w0()), Code.UNAVAILABLE, r"Init: I/O error on the server: No space left")
+            assert c.init(w0()).message == "already initialised"
+            assert not c.push(0, 0, delta(0, 0)).duplicate
+            assert restored().digest() == servicer.shard.digest()
+            monkeypatch.setattr(durability, "checkpoint", full_disk)
+            refused(lambda: c.stub.Evict(ps_pb2.EvictRequest(vw=1), timeout=CALL_S), Code.UNAVAILABLE,
+                    r"Evict: I/O error on the server")
+            assert c.stub.Evict(ps_pb2.EvictRequest(vw=1), timeout=CALL_S).message == "vw 1 was evicted already"
+            assert restored().evicted == {1} and restored().c_global() == 1
+    finally:
+        server.stop(0)
+
+
+def test_push_is_acknowledged_once_its_log_entry_is_on_disk(ps: InProcess, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under WSP a push's log entry is fsynced after the push is applied (off the path to the pulls
+    it releases) and before it is acknowledged, then renamed to its number and its folder fsynced.
+    An fsync that fails leaves it applied but not acknowledged; its retry, a duplicate, is
+    acknowledged once the original's entry is on disk."""
+    c, durability = ps.client, ps.servicer.durability
+    assert durability is not None
+    durability.every_clocks = 10**6  # no checkpoint: it would cover the entry (and fsync itself)
+    synced = record_fsyncs(monkeypatch, [OSError(5, "Input/output error")])
+    refused(lambda: c.push(1, 1, delta(1, 1)), Code.UNAVAILABLE, r"Input/output error")
+    (written,) = durability.log_dir.glob("*.written")
+    number = written.name.removesuffix(".written")
+    assert c.status().c_global == 2, "applied before its fsync, so pulls need not wait for the disk"
+    assert not synced
+    assert c.push(1, 1, delta(1, 1)).duplicate
+    assert synced == [written.name, "log"], "a duplicate was acknowledged before its original's entry was on disk"
+    assert durability.entries()[-1].name == number and not written.exists()
+    assert not c.push(0, 2, delta(0, 2)).duplicate
+    assert synced[2:] == [durability.entries()[-1].name + ".written", "log"]
+    restored = Shard()
+    Durability(str(tmp_path / "ckpt")).restore(restored)
+    assert restored.digest() == ps.servicer.shard.digest()
+
+
+def test_a_push_through_shared_memory_is_acknowledged_once_its_entry_is_written(ps: InProcess, tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pusher that shares the shard's machine (its push came through shared memory) is answered
+    once the entry is whole in the page cache, without an fsync: a kill -9 of the shard keeps the
+    entry (a restart replays it), and a restart of the machine would end the pusher as well. A
+    push in gRPC frames, from a pusher that may be elsewhere, still waits for the disk."""
+    c, durability = ps.client, ps.servicer.durability
+    assert durability is not None
+    durability.every_clocks = 10**6   # no checkpoint: it would cover the entries
+    synced = record_fsyncs(monkeypatch)
+    ring = shm.Ring(slots=1)
+    try:
+        tag = wire_pb2.PushTag(vw=1, clock=1)
+        assert not c.stub.Push(iter(_frames(delta(1, 1), push=tag, ring=ring)), timeout=CALL_S).duplicate
+        assert ps.servicer.shard.c_global() == 2 and not synced, "acknowledged without waiting for the disk"
+        (written,) = durability.log_dir.glob("*.written")
+        assert c.stub.Push(iter(_frames(delta(1, 1), push=tag, ring=ring)), timeout=CALL_S).duplicate
+        assert not synced and written.exists()
+    finally:
+        ring.close()
+    restored = Shard()   # what a restart after kill -9 sees: the entry, replayed
+    assert Durability(str(tmp_path / "ckpt")).restore(restored) >= 1
+    assert restored.digest() == ps.servicer.shard.digest()
+    synced.clear()
+    assert not c.push(0, 2, delta(0, 2)).duplicate
+    assert synced[-1] == "log" and durability.entries()[-1].name + ".written" in synced, "gRPC frames wait for the disk"
+
+
+def test_a_push_is_answered_before_the_checkpoint_it_captured_is_written(ps: InProcess, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push that moves c_global captures a checkpoint (every clock here), which the checkpoint
+    thread writes after the push is answered: the pusher does not wait for a snapshot of every
+    key to reach the disk. Until it is written the log keeps the push; one that fails to be
+    written changes nothing that a restart needs, and the next one covers the log."""
+    c, durability = ps.client, ps.servicer.durability
+    assert durability is not None
+    real_write, release, failed = durability.write, threading.Event(), [False]
+
+    def slow_write(snapshot: Any) -> None:
+        assert release.wait(CALL_S), "the push was not answered while its checkpoint was being written"
+        if not failed[0]:
+            failed[0] = True
+            raise OSError(28, "No space left on device")
+        real_write(snapshot)
+
+    monkeypatch.setattr(durability, "write", slow_write)
+    assert not c.push(1, 1, delta(1, 1)).duplicate   # c_global 1 -> 2: a checkpoint captured, not yet written
+    assert not c.push(0, 2, delta(0, 2)).duplicate   # answered too, the first write still held
+    assert ps.servicer.shard.c_global() == 2
+    release.set()
+    ps.servicer.checkpoints_written()
+    assert failed[0], "the first write failed: logged, and the push was answered all the same"
+    restored = Shard()
+    Durability(str(tmp_path / "ckpt")).restore(restored)
+    assert restored.digest() == ps.servicer.shard.digest()
+
+
+# ---- a real shard process, killed with kill -9 ------------------------------------------------------
+
+
+@dataclass
+class ShardProcess:
+    args: list[str]
+    ready: Path
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    address: str = ""
+
+    def start(self, port: int = 0) -> None:
+        self.ready.unlink(missing_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([*self.args, "--port", str(port)], cwd=REPO, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not self.ready.exists():
+            assert self.proc.poll() is None, f"shard exited {self.proc.returncode}: {self.log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "shard did not get ready"
+            time.sleep(0.05)
+        address, metrics_port = self.ready.read_text().split()
+        assert int(metrics_port) > 0
+        self.address = address
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def test_kill_9_loses_no_acknowledged_push(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shard = ShardProcess(
+        [sys.executable, "-m", "ps_server", "--ready-file", str(tmp_path / "shard.ready"), "--checkpoint-dir",
+         str(ckpt), "--checkpoint-every", "2", "--exit-with-parent"],
+        tmp_path / "shard.ready", tmp_path / "shard.log")
+    ch = None
+    try:
+        shard.start()
+        ch = rpc.channel(shard.address)
+        c = Client(ps_pb2_grpc.ParameterServerStub(ch))
+        assert c.init(w0()).message == "initialised"
+        expected = dict(w0())
+        acked: list[tuple[int, int, list[str]]] = []
+
+        def push(vw: int, clock: int, keys: list[str] = KEYS) -> None:
+            reply = c.push(vw, clock, delta(vw, clock, keys))
+            assert not reply.duplicate
+            acked.append((vw, clock, keys))
+            for k, d in delta(vw, clock, keys):
+                expected[k] = expected[k] + d
+
+        # Checkpoints at c_global 2 and 4 (every 2 clocks); what follows lives only in the push log.
+        for clock in range(4):
+            push(1, clock)
+            push(0, clock)
+        push(0, 4)
+        push(1, 4, ["l0.bias"])   # half of vw 1's wave 4: keys of one VW at different clocks
+        before = c.status()
+        assert before.c_global == 4 and before.pushes_applied == len(acked) == 10
+        assert len(list((ckpt / "log").glob("*.safetensors"))) == 2, "the last two pushes are only in the log"
+
+        assert shard.proc is not None
+        shard.proc.send_signal(signal.SIGKILL)
+        assert shard.proc.wait(10) == -signal.SIGKILL
+        port = int(shard.address.rsplit(":", 1)[1])
+        shard.start(port)  # same port: clients reconnect on their old channel
+
+        after = c.status(wait_for_ready=True)
+        assert after.values_digest == before.values_digest
+        assert after.pushes_applied == len(acked), "every acknowledged push exactly once"
+        assert after.restored_pushes >= 2, "the pushes after the last checkpoint came back from the log"
+        assert [(x.vw, x.min_clock, x.max_clock) for x in after.clocks] == [(0, 5, 5), (1, 4, 5)]
+        assert after.c_global == 4
+        pulled = c.pull(1, KEYS, min_clock=4)
+        assert list(pulled.header.pull.own_clock) == [4, 5]
+        for k, v in pulled.tensors:
+            assert torch.equal(v, expected[k]), f"{k}: w_global != w0 + the acknowledged pushes (O3)"
+
+        # A client that never saw the last acknowledgements retries: duplicates, changing nothing.
+        assert c.push(1, 4, delta(1, 4, ["l0.bias"])).duplicate
+        assert c.push(0, 4, delta(0, 4)).duplicate
+        assert c.status().values_digest == before.values_digest
+        # ... and the job goes on.
+        push(1, 4, ["l0.weight"])
+        assert c.status().c_global == 5
+
+        # SIGTERM: a graceful stop that checkpoints everything.
+        shard.proc.send_signal(signal.SIGTERM)
+        assert shard.proc.wait(30) == 0, shard.log.read_text()[-2000:]
+        final = Shard()
+        Durability(str(ckpt)).restore(final)
+        assert final.pushes_applied == len(acked) and final.c_global() == 5
+        for k in KEYS:
+            assert torch.equal(final.values[k], expected[k]), k
+    finally:
+        if ch is not None:
+            ch.close()
+        shard.stop()
