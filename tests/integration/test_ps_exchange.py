@@ -7,7 +7,6 @@ back from its checkpoint + log with the same master and stored deltas (O3 for el
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import torch
 
 from hetpipe import rpc, wire
 from hetpipe.v1 import ps_pb2, wire_pb2
+from ps_rig import refused
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,14 +121,6 @@ def _elastic_shard(tmp_path: Path) -> Iterator[tuple[ShardProcess, Client, dict[
     finally:
         ch.close()
         process.kill()
-
-
-def refused(call: Callable[[], Any], code: grpc.StatusCode, pattern: str) -> None:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    err: Any = info.value
-    assert err.code() == code, f"{err.code()} {err.details()!r}, want {code}"
-    assert re.search(pattern, err.details() or ""), f"message {err.details()!r} does not match {pattern!r}"
 
 
 def bad_inputs(c: Client) -> dict[str, tuple[Callable[[], Any], grpc.StatusCode, str]]:
