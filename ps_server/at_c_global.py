@@ -27,9 +27,6 @@ class AtCGlobal:
         self.kept: dict[str, tuple[int, torch.Tensor]] = kept or {}   # key -> (its c_global, its values then)
         self._spare: dict[str, torch.Tensor] = {}   # a let-go copy's buffer, for the key's next one
 
-    def __contains__(self, key: object) -> bool:
-        return key in self.kept
-
     def __bool__(self) -> bool:
         return bool(self.kept)
 

@@ -21,7 +21,7 @@ from hetpipe.v1 import ps_pb2, wire_pb2
 from ps_server.durability import Durability, Snapshot
 from ps_server.metrics import ShardSnapshot
 from ps_server.pull_slots import PullSlots
-from ps_server.shard import Shard, magnitudes
+from ps_server.shard import Shard, push_sizes
 from ps_server.sync_rule import ShardError, SyncRule
 from ps_server.trace import ShardTrace
 
@@ -154,7 +154,7 @@ class ShardServicer:
     def _update(self, kind: str, request_iterator: Iterator[bytes], apply: Callable[..., tuple[bool, R]]) -> R:
         """A push or an exchange: decoded and checked, then apply(tag, tensors, journal, sizes) under
         the lock, which answers (whether it was new, the reply); checkpointed when due, traced.
-        sizes: a push's magnitudes (shard.magnitudes), None for an exchange."""
+        sizes: a push's magnitudes (shard.push_sizes), None for an exchange."""
         received = time.time()
         stream = wire.read(request_iterator, self.reader)
         self._check_update(stream, kind)
@@ -180,7 +180,7 @@ class ShardServicer:
         try:
             # The scan for NaN and for the overflow bound reads the push alone: here, before the
             # lock, so that concurrent pushes (every VW's, every stage's) are scanned at once.
-            sizes = magnitudes(f"push of vw {tag.vw} for clock {tag.clock}", tensors) if kind == "push" else None
+            sizes = push_sizes(tag.vw, tag.clock, tensors) if kind == "push" else None
         except ShardError as exc:
             if logged is not None and durability is not None:
                 durability.settle(logged, applied=False)

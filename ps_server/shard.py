@@ -40,12 +40,21 @@ class PullResult:
 def magnitudes(what: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
     """Each floating-point tensor's magnitude (max |t|). NaN or Inf would poison w_global for
     every VW for good: refused, naming the keys. Reads the tensors alone: a caller may measure a
-    push before it takes the shard's lock (Shard.push's sizes)."""
+    push before it takes the shard's lock (push_sizes)."""
     sizes = {k: headroom.magnitude(t) for k, t in tensors if t.is_floating_point()}
     bad = [k for k, m in sizes.items() if not math.isfinite(m)]
     if bad:
         raise ShardError(ShardError.Kind.INVALID, f"{what}: NaN or Inf in {bad[:5]}")
     return sizes
+
+
+def push_sizes(vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """magnitudes() of VW vw's push for clock, a refusal naming it as Shard.push does."""
+    return magnitudes(_push_what(vw, clock), deltas)
+
+
+def _push_what(vw: int, clock: int) -> str:
+    return f"push of vw {vw} for clock {clock}"
 
 
 class Shard:
@@ -216,7 +225,7 @@ class Shard:
 
         All-or-nothing: every key is validated before any is changed. `journal` (the durable push
         log) runs after validation, right before the update is applied; if it raises, nothing is.
-        sizes: magnitudes(what, deltas), where the caller has measured them already.
+        sizes: push_sizes(vw, clock, deltas), where the caller has measured them already.
         """
         self.check_push(vw, [(k, d.dtype, tuple(d.shape)) for k, d in deltas])
         quorum = self.rule.mode == "quorum"
@@ -225,9 +234,9 @@ class Shard:
             # dtype. Otherwise it stays bf16 until it is added, a chunk at a time (_add): its
             # magnitudes below are those of its widened values, widening being exact.
             deltas = [(k, d if d.dtype == self.values[k].dtype else d.to(self.values[k].dtype)) for k, d in deltas]
-        what = f"push of vw {vw} for clock {clock}"
+        what = _push_what(vw, clock)
         if sizes is None:
-            sizes = magnitudes(what, deltas)
+            sizes = push_sizes(vw, clock, deltas)
         keys = [k for k, _ in deltas]
         current = {self.clocks[k][vw] for k in keys}
         if current == {clock + 1}:

@@ -21,10 +21,9 @@ from stage_worker.scaling import Scaling
 from stage_worker.micro_schedule import MicroSchedule
 from stage_worker.schedule import StageSchedule
 from stage_worker.stage import StageCompute
-from stage_worker.sync import LocalSync, Sync
+from stage_worker.sync import LocalSync, Sync, SyncCallbacks, SyncConfig
 from stage_worker.trace import MinibatchTrace
 from stage_worker.elastic_sync import ElasticSync
-from stage_worker.sync import SyncCallbacks, SyncConfig
 from stage_worker.wsp_sync import WspSync
 
 
