@@ -31,6 +31,12 @@ PENDING_SUFFIX = ".pending"
 WRITTEN_SUFFIX = ".written"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")   # Linux: new at every boot
 SPARE_PREFIX = "spare-"       # a file a checkpoint freed, to be written over by a later entry
+# An entry's place in the order the shard applied its updates, the first field of its metadata so
+# that it sits at a fixed offset of the file: settle() writes it there once a push logged before
+# the lock is applied. 0: not applied (yet).
+PLACE = "applied"
+_PLACE_DIGITS = 12
+_PLACE_AT = 8 + len(b'{"__metadata__":{"applied":"')   # safetensors: 8 bytes of length, then the JSON
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,35 +53,47 @@ def _seq_of(entry: Path) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    """One log entry, read back."""
+    """One log entry's header, read back; its tensors are read when it is applied (restore sorts
+    every entry before it applies one)."""
     path: Path
     kind: str
     vw: int
     clock: int
-    tensors: list[tuple[str, torch.Tensor]]
+    place: int   # in the order the updates were applied; 0: never applied
 
     def apply(self, shard: Shard) -> int:
-        """1 if it changed shard, 0 for a duplicate; ShardError where the shard refuses it."""
+        """1 if it changed shard, 0 for a duplicate or an entry unreadable on the disk; ShardError
+        where the shard refuses it."""
+        tensors = _read_tensors(self.path)
+        if tensors is None:
+            return 0
         if self.kind == "exchange":  # an elastic exchange: replayed in order, it gives the same deltas
-            return int(shard.exchange(self.vw, self.clock, self.tensors).applied)
-        return int(shard.push(self.vw, self.clock, self.tensors))
+            return int(shard.exchange(self.vw, self.clock, tensors).applied)
+        return int(shard.push(self.vw, self.clock, tensors))
 
-    def not_replayed(self, exc: ShardError) -> None:
-        # Logged before it was checked (WSP, outside the lock), refused, and the process died
-        # before the entry was removed: it was never acknowledged.
-        log.warning("push log entry %s not replayed: %s", self.path.name, exc)
+
+def _unreadable(path: Path, exc: Exception) -> None:
+    # Damaged on the disk: nothing of ours leaves a numbered entry unfinished.
+    log.warning("push log entry %s unreadable, not replayed: %s", path.name, exc)
 
 
 def _read(path: Path) -> _Entry | None:
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()
-            tensors = [(key, f.get_tensor(key)) for key in f.keys()]
-    except (OSError, SafetensorError) as exc:
-        # Damaged on the disk: nothing of ours leaves a numbered entry unfinished.
-        log.warning("push log entry %s unreadable, not replayed: %s", path.name, exc)
+        return _Entry(path, meta["kind"], int(meta["vw"]), int(meta["clock"]), int(meta.get(PLACE, 0)))
+    except (OSError, SafetensorError, KeyError, ValueError) as exc:
+        _unreadable(path, exc)
         return None
-    return _Entry(path, meta["kind"], int(meta["vw"]), int(meta["clock"]), tensors)
+
+
+def _read_tensors(path: Path) -> list[tuple[str, torch.Tensor]] | None:
+    try:
+        with safe_open(path, framework="pt") as f:
+            return [(key, f.get_tensor(key)) for key in f.keys()]
+    except (OSError, SafetensorError) as exc:
+        _unreadable(path, exc)
+        return None
 
 
 class Durability:
@@ -96,7 +114,9 @@ class Durability:
     A push that came through shared memory is acknowledged without sync(): its pusher shares the
     machine, so a cut that loses its written entry ends the pusher too (ShardServicer._update).
     Such an entry is unsettled until settle() says whether it was applied, and a checkpoint
-    covers only the entries below the first unsettled one.
+    covers only the entries below the first unsettled one. settle() also writes an applied
+    entry's place in the order of applies into its header, and restore replays in that order:
+    the restored values are the ones the shard held, bit for bit.
 
     Entries a checkpoint covered are written over, not deleted and made anew: on a disk, a file
     made for every push (its blocks allocated, its pages new) and deleted after cost a shard
@@ -115,6 +135,8 @@ class Durability:
         self._unsettled: set[int] = set()
         self._unsynced: set[int] = set()   # entries not yet on disk (before sync)
         self._spares: list[Path] = []      # files a checkpoint freed, for _entry to write over
+        self._unplaced: set[int] = set()   # logged before the lock: settle() writes their place
+        self._last_place = 0
         self._captured = 0                 # checkpoints captured; the number of the last one written:
         self._written = 0
         self._write_lock = threading.Lock()
@@ -168,50 +190,83 @@ class Durability:
             shard.restore(snap)
             covered = int(snap["log_seq"])
             self._checkpointed_clock = shard.c_global() if shard.ready else 0
-        replayed = 0
-        # WSP numbers its entries before the shard's lock, so they may have been applied in another
-        # order: near the limit, sums that overflow in this order did not in that one. Such an
-        # entry waits, with every later one of its VW, and is tried again after the rest.
-        waiting: list[_Entry] = []
+        entries: list[_Entry] = []
         for path in self.entries():
             seq = _seq_of(path)
             self._seq = max(self._seq, seq)
-            if seq <= covered or (entry := _read(path)) is None:
-                continue
+            if seq > covered and (entry := _read(path)) is not None:
+                entries.append(entry)
+        self._last_place = max((entry.place for entry in entries), default=0)
+        # In the order they were applied: WSP numbers its entries before the shard's lock, and a
+        # sum taken in another order may differ in its last bits (or, near the limit, overflow).
+        # Entries never applied (the shard was killed first) come last, in the log's order.
+        entries.sort(key=lambda entry: (entry.place == 0, entry.place, _seq_of(entry.path)))
+        replayed = 0
+        # An entry without a place (never applied, or written before places were) may still
+        # overflow in this order where it did not in another: it waits, with every later one of
+        # its VW, and is tried again after the rest.
+        waiting: list[_Entry] = []
+        for entry in entries:
             if any(w.vw == entry.vw for w in waiting):
                 waiting.append(entry)
                 continue
             try:
-                replayed += entry.apply(shard)
+                replayed += self._replay(entry, shard)
             except ShardError as exc:
                 if exc.kind is ShardError.Kind.OVERFLOW:
                     waiting.append(entry)
                 else:
-                    entry.not_replayed(exc)
+                    self._not_replayed(entry, exc)
         while waiting:
             refused: list[tuple[_Entry, ShardError]] = []
             for entry in waiting:
                 try:
-                    replayed += entry.apply(shard)
+                    replayed += self._replay(entry, shard)
                 except ShardError as exc:
                     refused.append((entry, exc))
             if len(refused) == len(waiting):   # no order left to try
                 for entry, error in refused:
-                    entry.not_replayed(error)
+                    self._not_replayed(entry, error)
                 break
             waiting = [entry for entry, _ in refused]
         self._seq = max(self._seq, covered)
         return replayed
 
+    def _not_replayed(self, entry: _Entry, exc: ShardError) -> None:
+        log.warning("push log entry %s not replayed: %s", entry.path.name, exc)
+        if not entry.place:
+            # Logged before it was checked (WSP, outside the lock), and the process died before it
+            # was applied or refused: never acknowledged, and refused now. It goes, or a later
+            # restore, replaying it after more pushes, could find it in order and apply it.
+            with self._lock:
+                self._spare(entry.path)
+
+    def _replay(self, entry: _Entry, shard: Shard) -> int:
+        """entry.apply(shard); an entry applied now for the first time is placed after the rest."""
+        applied = entry.apply(shard)
+        if applied and not entry.place:
+            with self._lock:
+                self._last_place += 1
+                self._place(_seq_of(entry.path), self._last_place)
+        return applied
+
     def _entry(self, kind: str, vw: int, clock: int, write: Callable[[Path, dict[str, str]], T], *,
-               durable: bool = True) -> tuple[int, T]:
+               journal: bool) -> tuple[int, T]:
         """A new entry, written by write(path, metadata) (which answers what the caller gets back
-        with the entry's number), renamed written, and synced where durable."""
+        with the entry's number), renamed written. journal: logged under the shard's lock, right
+        before its update is applied, so placed now and synced before this returns; else logged
+        before the lock (log_stream), placed by settle() and synced by sync()."""
         with self._lock:
             self._seq += 1
             seq = self._seq
             self._unsettled.add(seq)
             self._unsynced.add(seq)
+            if journal:
+                self._last_place += 1
+                place = self._last_place
+            else:
+                place = 0
+                self._unplaced.add(seq)
             spare = self._spares.pop() if self._spares else None
         pending = self.pending_path(seq)
         try:
@@ -220,9 +275,10 @@ class Durability:
                     os.replace(spare, pending)
                 except FileNotFoundError:   # deleted by another restore of this folder: a new file
                     pass
-            result = write(pending, {"kind": kind, "vw": str(vw), "clock": str(clock)})
+            metadata = {PLACE: f"{place:0{_PLACE_DIGITS}d}", "kind": kind, "vw": str(vw), "clock": str(clock)}
+            result = write(pending, metadata)
             os.replace(pending, self.written_path(seq))
-            if durable:
+            if journal:
                 self.sync(seq)
         except BaseException:
             self.settle(seq, applied=False)
@@ -237,7 +293,7 @@ class Durability:
         the entry, and the tensors lie on a mapping of it: one copy, where receiving the push and
         then logging it took two, and the entry is the shard's own copy, which the stage can no
         longer change. WireError (the entry a spare) where the stream turns out bad."""
-        return self._entry("push", vw, clock, lambda path, meta: _write_stream(path, stream, meta), durable=False)
+        return self._entry("push", vw, clock, lambda path, meta: _write_stream(path, stream, meta), journal=False)
 
     def sync(self, seq: int | None = None) -> None:
         """Puts entry seq on disk under its number; None: every entry not yet there (a duplicate's
@@ -260,24 +316,44 @@ class Durability:
     def journal_push(self, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> None:
         """Logs a push, on disk, that the caller, holding the shard's lock, applies right after
         (Shard.push's journal)."""
-        seq, _ = self._entry("push", vw, clock, lambda path, meta: _write_entry(path, deltas, meta))
+        seq, _ = self._entry("push", vw, clock, lambda path, meta: _write_entry(path, deltas, meta),
+                             journal=True)
         self.settle(seq, applied=True)
 
     def journal_exchange(self, vw: int, clock: int, replica: list[tuple[str, torch.Tensor]]) -> None:
         """Logs an elastic exchange, as journal_push."""
-        seq, _ = self._entry("exchange", vw, clock, lambda path, meta: _write_entry(path, replica, meta))
+        seq, _ = self._entry("exchange", vw, clock, lambda path, meta: _write_entry(path, replica, meta),
+                             journal=True)
         self.settle(seq, applied=True)
 
     def settle(self, seq: int, *, applied: bool) -> None:
         """Entry seq's update was applied, or not (refused, or a duplicate): then its file is a
-        spare, so that no restore applies it."""
+        spare, so that no restore applies it. The caller holds the shard's lock, so the places
+        settle() gives are the order of the applies, which restore replays in."""
         with self._lock:
             self._unsettled.discard(seq)
+            placing = seq in self._unplaced
+            self._unplaced.discard(seq)
+            if applied and placing:
+                self._last_place += 1
+                self._place(seq, self._last_place)
             if not applied:
                 self._unsynced.discard(seq)
                 for path in (self.pending_path(seq), self.written_path(seq), self.entry_path(seq)):
                     if path.exists():
                         self._spare(path)
+
+    def _place(self, seq: int, place: int) -> None:
+        """Writes entry seq's place into its header (caller holds _lock, so sync() cannot rename
+        it meanwhile). Where a duplicate's sync() has put it on disk already, on disk again."""
+        synced = not self.written_path(seq).exists()
+        fd = os.open(self.entry_path(seq) if synced else self.written_path(seq), os.O_WRONLY)
+        try:
+            _pwrite_all(fd, f"{place:0{_PLACE_DIGITS}d}".encode(), _PLACE_AT)
+            if synced:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Deletes the spares (after the last checkpoint: a finished job's folder keeps no log)."""
@@ -349,11 +425,19 @@ def _pwrite_all(fd: int, chunk: bytes | memoryview, position: int) -> int:
     return position
 
 
+def _header(specs: list[tuple[str, torch.dtype, list[int], int]], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+    """weight_files.header(), with the entry's place where settle() writes it."""
+    head, offsets = header(specs, metadata)
+    if PLACE in metadata and head[_PLACE_AT:_PLACE_AT + _PLACE_DIGITS] != metadata[PLACE].encode():
+        raise RuntimeError(f"push log: the entry's place is not at byte {_PLACE_AT} of its header")
+    return head, offsets
+
+
 def _write_entry(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
     """A safetensors file of tensors at path, written over what path holds (no new file where it
     exists)."""
     views = [raw_bytes(tensor) for _, tensor in tensors]
-    head, _ = header([(name, t.dtype, list(t.shape), v.nbytes) for (name, t), v in zip(tensors, views)], metadata)
+    head, _ = _header([(name, t.dtype, list(t.shape), v.nbytes) for (name, t), v in zip(tensors, views)], metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         position = 0
@@ -368,7 +452,7 @@ def _write_stream(path: Path, stream: wire.Stream, metadata: dict[str, str]) -> 
     """_write_entry from a stream's pieces as they arrive; returns the tensors, on a private
     mapping of the file (its pages are the page cache's until written, which nothing does)."""
     specs = [(name, dtype, shape, nbytes) for name, (dtype, shape, nbytes) in zip(stream.names, stream.specs)]
-    head, offsets = header(specs, metadata)
+    head, offsets = _header(specs, metadata)
     total = len(head) + sum(nbytes for *_, nbytes in specs)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:

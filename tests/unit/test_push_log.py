@@ -111,6 +111,35 @@ def test_entries_a_checkpoint_covered_are_written_over_then_deleted_at_close(tmp
     assert not list(dur.log_dir.iterdir()), "a finished shard leaves log files behind"
 
 
+def test_restore_replays_in_the_order_the_pushes_were_applied_not_the_order_they_were_logged(tmp_path: Path) -> None:
+    """WSP logs a push before the shard's lock, so a push logged first may be applied second.
+    Sums in floating point depend on their order: restore must replay the order of the applies
+    (each entry's place, written when it is settled), or the restored w_global differs from the
+    one the VWs pulled. Here it would differ by 1.0, not in a last bit."""
+    shard, dur = Shard(), Durability(str(tmp_path), every_clocks=100)
+    assert shard.init(2, [("a", torch.full((4,), -1e16, dtype=torch.float64))])
+    dur.checkpoint(shard)
+    big, one = [("a", torch.full((4,), 1e16, dtype=torch.float64))], [("a", torch.ones(4, dtype=torch.float64))]
+    first, logged_big = log_push(dur, 0, 0, big)   # logged first ...
+    second, logged_one = log_push(dur, 1, 0, one)
+    dur.sync()   # a duplicate's acknowledgement: both on disk before they are applied, then placed there
+    assert shard.push(1, 0, logged_one)            # ... applied second: (-1e16 + 1) + 1e16 = 0
+    dur.settle(second, applied=True)
+    assert shard.push(0, 0, logged_big)
+    dur.settle(first, applied=True)
+    assert torch.equal(shard.values["a"], torch.zeros(4, dtype=torch.float64))
+    push(shard, dur, 0, 1, one)                    # then one more, synced
+
+    killed = Shard()   # kill -9
+    assert Durability(str(tmp_path)).restore(killed) == 3
+    assert torch.equal(killed.values["a"], shard.values["a"]), "replayed in the log's order: -1e16 + 1e16 + 1"
+    assert killed.digest() == shard.digest()
+
+    again = Shard()   # and a second restore, after the first put the entries on disk
+    Durability(str(tmp_path)).restore(again)
+    assert again.digest() == shard.digest()
+
+
 def test_a_checkpoint_frees_the_entries_it_covers_that_are_not_on_disk_yet(tmp_path: Path) -> None:
     """Under WSP a push is applied, settled and captured under the lock, and its entry fsynced
     after it (sync()): a checkpoint, even one another push's thread writes meanwhile, covers
