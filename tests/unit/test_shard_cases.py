@@ -1,7 +1,8 @@
 """The shard's WSP clock logic (DESIGN §3 G1, G2, G4; O3) on hand-written cases: Init's idempotence
 and conflicts, c_global and the clock distance over keys and VWs, all-or-nothing pushes, the
-clock messages, and a restore after a crash between a checkpoint and its log clean-up. The push
-log's own cases are in test_push_log.py.
+clock messages, a restore after a crash between a checkpoint and its log clean-up, overflow, and
+bf16 pushes into float32 keys. The push log's own cases are in test_push_log.py, exact pulls in
+test_at_c_global.py.
 
 The same rules against a reference model, on random interleavings, are in test_shard_property.py.
 """
@@ -314,119 +315,28 @@ def test_a_bound_grown_loose_is_measured_again_not_refused(dtype: torch.dtype) -
     assert again.push(1, 2, [("a", _at(dtype, i0=-0.95))])
 
 
-@pytest.mark.parametrize("push_dtype", [torch.float32, torch.bfloat16])
-def test_an_exact_pull_is_the_same_bit_for_bit_before_and_after_a_faster_vws_next_push(
-        push_dtype: torch.dtype) -> None:
-    """D = 0 is synchronous SGD whatever the timing: a pull that arrives after a faster VW's next
-    push answers exactly what it would have before it. Taking that push back out of the values,
-    (w + u) - u, differs from w in the last bit of about 2% of the elements."""
-    g = torch.Generator().manual_seed(7)
-    w0 = torch.randn(4096, generator=g)
-    u = [(torch.randn(4096, generator=g) * 1e-2).to(push_dtype) for _ in range(3)]
-
-    def pulled(late: bool) -> tuple[torch.Tensor, list[int]]:
-        shard = Shard()
-        shard.init(2, [("a", w0.clone())], (), RULES["exact"])
-        assert shard.push(0, 0, [("a", u[0])]) and shard.push(1, 0, [("a", u[1])])
-        if late:
-            assert shard.push(1, 1, [("a", u[2])])
-            assert torch.equal(shard.values["a"], w0 + u[0].float() + u[1].float() + u[2].float()), "O3: all in"
-        result = shard.pull(0, ["a"])
-        return result.values[0][1], result.own_clock
-
-    (early, own_early), (late, own_late) = pulled(False), pulled(True)
-    assert torch.equal(early, w0 + u[0].float() + u[1].float())
-    assert torch.equal(late, early) and own_early == own_late == [1]
-
-
-def test_an_exact_shard_refuses_a_push_two_waves_past_c_global() -> None:
-    """G4 at D = 0: a VW runs at most one wave past c_global, which is what lets exact pulls keep
-    one copy per key. A push past that is refused and changes nothing; once the slowest VW has
-    pushed, it is applied."""
-    shard = Shard()
-    one = [("a", torch.ones(2, 3, dtype=torch.float64)), ("b", torch.ones(3, dtype=torch.float64))]
-    shard.init(2, [(k, torch.zeros_like(v)) for k, v in one], (), RULES["exact"])
-    assert shard.push(0, 0, one)
-    digest = shard.digest()
-    err = assert_refused(Kind.CLOCK, shard.push, 0, 1, one)
-    assert "one wave past c_global (G4), and c_global is [0] for ['a', 'b']" in str(err)
-    assert shard.digest() == digest
-    assert shard.push(1, 0, one) and shard.push(0, 1, one)
-    assert torch.equal(shard.pull(1, ["a"]).values[0][1], torch.full((2, 3), 2.0, dtype=torch.float64))
-
-
 def test_a_replayed_log_takes_every_push_the_shard_took_in_whatever_order(tmp_path: Path) -> None:
     """WSP numbers log entries before the shard's lock, so two VWs' pushes may be applied in the
-    other order than they are replayed. Near the limit one order can overflow where the other did
-    not: a push the shard acknowledged must not be refused on replay."""
+    other order than they are numbered. Near the limit one order can overflow where the other did
+    not: a push the shard took must not be refused on replay. Applied, they are replayed in the
+    order of their places; killed before either was applied (no places), the one that overflows
+    in the log's order waits and goes in after the other."""
     top = torch.finfo(torch.float64).max
-    shard, durability = Shard(), Durability(str(tmp_path), every_clocks=100)
-    shard.init(2, [("a", torch.tensor([0.5 * top, 0.0], dtype=torch.float64))])
-    durability.checkpoint(shard)   # as Init's: what the log replays onto
-    first, up = log_push(durability, 0, 0, [("a", torch.tensor([0.6 * top, 1.0], dtype=torch.float64))])
-    second, down = log_push(durability, 1, 0, [("a", torch.tensor([-0.6 * top, 2.0], dtype=torch.float64))])
-    for seq, vw, logged in ((second, 1, down), (first, 0, up)):   # applied in the other order
-        assert shard.push(vw, 0, logged)
-        durability.settle(seq, applied=True)
-    durability.sync()
-    restored = Shard()
-    assert Durability(str(tmp_path), every_clocks=100).restore(restored) == 2
-    assert restored.digest() == shard.digest() and restored.clocks["a"] == [1, 1]
-
-
-def test_exact_pulls_take_out_the_waves_c_global_has_not_reached(tmp_path: Path) -> None:
-    """wsp with D = 0 (BSP): a pull gets every VW's waves below c_global and none later, whether it
-    arrives before or after a faster VW's next push; G3's own_clock says so. Across a restart and
-    an eviction too. Without exact, WSP's lower bound lets the later wave in."""
-    def full(value: float, shape: tuple[int, ...] = (2, 3)) -> torch.Tensor:
-        return torch.full(shape, value, dtype=torch.float64)
-
-    def pushes(shard: Shard) -> None:
-        for vw, wave, value in [(0, 0, 1.0), (1, 0, 2.0), (1, 1, 10.0)]:
-            assert shard.push(vw, wave, [("a", full(value)), ("b", full(value, (3,)))])
-
-    exact, loose = Shard(), Shard()
-    for shard, rule in ((exact, SyncRule("wsp", exact=True)), (loose, SyncRule())):
-        assert shard.init(2, [("a", full(0.0)), ("b", full(1.0, (3,)))], (), rule)
-        pushes(shard)
-    assert torch.equal(loose.pull(0, ["a"]).values[0][1], full(13.0)), "WSP alone: the later wave is in"
-    assert torch.equal(exact.values["a"], full(13.0)), "the values hold every push (O3)"
-    for vw, own in ((0, [1, 1]), (1, [1, 1])):   # vw 1's own wave 1 is taken out too: G3 adds it back
-        result = exact.pull(vw, ["a", "b"])
-        assert torch.equal(result.values[0][1], full(3.0)) and torch.equal(result.values[1][1], full(4.0, (3,)))
-        assert result.own_clock == own and result.c_global == 1 and result.vw_clocks == [1, 2]
-
-    durability = Durability(str(tmp_path))
-    durability.checkpoint(exact)
-    assert exact.push(0, 1, [("a", full(100.0))])   # logged after the checkpoint: replayed
-    durability.journal_push(0, 1, [("a", full(100.0))])
-    restored = Shard()
-    Durability(str(tmp_path)).restore(restored)
-    assert restored.digest() == exact.digest() and restored.rule.exact
-    assert torch.equal(restored.pull(0, ["a"]).values[0][1], full(113.0)), "a's c_global is 2: all in"
-    assert torch.equal(restored.pull(0, ["b"]).values[0][1], full(4.0, (3,))), "b's is 1: vw 1's wave 1 out"
-
-    assert restored.evict(0)   # b's c_global moves on without vw 0: vw 1's wave 1 is in
-    assert torch.equal(restored.pull(1, ["b"]).values[0][1], full(14.0, (3,))) and not restored.at_c_global
-
-    err = assert_refused(Kind.INVALID, Shard().init, 2, [("a", full(0.0))], [3, 4], SyncRule("wsp", exact=True))
-    assert "every VW at one clock" in str(err)
-    err = assert_refused(Kind.INVALID, Shard().init, 2, [("a", full(0.0))], (),
-                         SyncRule("quorum", total_waves=4, exact=True))
-    assert "exact pulls are for sync wsp" in str(err)
-
-
-def test_an_exact_shard_keeps_its_own_copy_of_a_push_it_holds_aside(tmp_path: Path) -> None:
-    """A WSP push is applied from its log entry, whose file a checkpoint frees and a later push
-    writes over: what exact pulls take out must not change with it."""
-    shard, durability = Shard(), Durability(str(tmp_path))
-    assert shard.init(3, [("a", torch.zeros(4, dtype=torch.float64))], (), SyncRule("wsp", exact=True))
-    for vw, value in ((1, 2.0), (2, 5.0)):
-        seq, logged = log_push(durability, vw, 0, [("a", torch.full((4,), value, dtype=torch.float64))])
-        assert shard.push(vw, 0, logged)
-        durability.settle(seq, applied=True)
-        durability.checkpoint(shard)   # frees the entry: vw 2's push is written over vw 1's file
-    assert torch.equal(shard.pull(0, ["a"]).values[0][1], torch.zeros(4, dtype=torch.float64))
+    for applied in (True, False):
+        folder = tmp_path / str(applied)
+        shard, durability = Shard(), Durability(str(folder), every_clocks=100)
+        shard.init(2, [("a", torch.tensor([0.5 * top, 0.0], dtype=torch.float64))])
+        durability.checkpoint(shard)   # as Init's: what the log replays onto
+        first, up = log_push(durability, 0, 0, [("a", torch.tensor([0.6 * top, 1.0], dtype=torch.float64))])
+        second, down = log_push(durability, 1, 0, [("a", torch.tensor([-0.6 * top, 2.0], dtype=torch.float64))])
+        for seq, vw, logged in ((second, 1, down), (first, 0, up)):   # in the other order, or not at all
+            if applied:
+                assert shard.push(vw, 0, logged)
+                durability.settle(seq, applied=True)
+        restored = Shard()
+        assert Durability(str(folder), every_clocks=100).restore(restored) == 2
+        assert restored.clocks["a"] == [1, 1]
+        assert torch.equal(restored.values["a"], torch.tensor([0.5 * top, 3.0], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("rule", [SyncRule(), SyncRule("wsp", exact=True), SyncRule("quorum", quorum=3, total_waves=2)])
