@@ -82,7 +82,7 @@ def _read(path: Path) -> _Entry | None:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()
         return _Entry(path, meta["kind"], int(meta["vw"]), int(meta["clock"]), int(meta.get(PLACE, 0)))
-    except (OSError, SafetensorError, KeyError, ValueError) as exc:
+    except (OSError, SafetensorError, KeyError, TypeError, ValueError) as exc:   # TypeError: no metadata
         _unreadable(path, exc)
         return None
 
@@ -244,10 +244,9 @@ class Durability:
     def _replay(self, entry: _Entry, shard: Shard) -> int:
         """entry.apply(shard); an entry applied now for the first time is placed after the rest."""
         applied = entry.apply(shard)
-        if applied and not entry.place:
-            with self._lock:
-                self._last_place += 1
-                self._place(_seq_of(entry.path), self._last_place)
+        if applied and not entry.place:   # on disk, numbered: restore put it there first
+            self._last_place += 1
+            self._place(entry.path, self._last_place, durable=True)
         return applied
 
     def _entry(self, kind: str, vw: int, clock: int, write: Callable[[Path, dict[str, str]], T], *,
@@ -297,10 +296,13 @@ class Durability:
 
     def sync(self, seq: int | None = None) -> None:
         """Puts entry seq on disk under its number; None: every entry not yet there (a duplicate's
-        acknowledgement must not overtake its original's). An fsync that fails raises and leaves
-        the entry written, so the push's retry tries again."""
+        acknowledgement must not overtake its original's). Not an entry logged before the lock
+        and not yet applied: its place is still to be written, and the sync() after its apply
+        puts both on disk (a duplicate's original was applied, and placed, before the duplicate
+        came under the lock). An fsync that fails raises and leaves the entry written, so the
+        push's retry tries again."""
         with self._lock:
-            pending = sorted(self._unsynced) if seq is None else [seq] if seq in self._unsynced else []
+            pending = sorted((self._unsynced if seq is None else {seq} & self._unsynced) - self._unplaced)
         for entry in pending:
             try:
                 fsync(self.written_path(entry))
@@ -336,21 +338,23 @@ class Durability:
             self._unplaced.discard(seq)
             if applied and placing:
                 self._last_place += 1
-                self._place(seq, self._last_place)
+                # Still `written` (sync() leaves unplaced entries alone): its own sync() puts the
+                # place on disk with the rest. A place that cannot be written raises; the entry
+                # then replays after every placed one.
+                self._place(self.written_path(seq), self._last_place)
             if not applied:
                 self._unsynced.discard(seq)
                 for path in (self.pending_path(seq), self.written_path(seq), self.entry_path(seq)):
                     if path.exists():
                         self._spare(path)
 
-    def _place(self, seq: int, place: int) -> None:
-        """Writes entry seq's place into its header (caller holds _lock, so sync() cannot rename
-        it meanwhile). Where a duplicate's sync() has put it on disk already, on disk again."""
-        synced = not self.written_path(seq).exists()
-        fd = os.open(self.entry_path(seq) if synced else self.written_path(seq), os.O_WRONLY)
+    @staticmethod
+    def _place(path: Path, place: int, *, durable: bool = False) -> None:
+        """Writes an entry's place into its header; durable: fsynced too."""
+        fd = os.open(path, os.O_WRONLY)
         try:
             _pwrite_all(fd, f"{place:0{_PLACE_DIGITS}d}".encode(), _PLACE_AT)
-            if synced:
+            if durable:
                 os.fsync(fd)
         finally:
             os.close(fd)

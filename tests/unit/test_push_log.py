@@ -122,13 +122,16 @@ def test_restore_replays_in_the_order_the_pushes_were_applied_not_the_order_they
     big, one = [("a", torch.full((4,), 1e16, dtype=torch.float64))], [("a", torch.ones(4, dtype=torch.float64))]
     first, logged_big = log_push(dur, 0, 0, big)   # logged first ...
     second, logged_one = log_push(dur, 1, 0, one)
-    dur.sync()   # a duplicate's acknowledgement: both on disk before they are applied, then placed there
+    dur.sync()   # a duplicate's acknowledgement leaves entries not yet placed to their own sync()
+    assert dur.written_path(first).exists() and dur.written_path(second).exists()
     assert shard.push(1, 0, logged_one)            # ... applied second: (-1e16 + 1) + 1e16 = 0
     dur.settle(second, applied=True)
     assert shard.push(0, 0, logged_big)
     dur.settle(first, applied=True)
     assert torch.equal(shard.values["a"], torch.zeros(4, dtype=torch.float64))
     push(shard, dur, 0, 1, one)                    # then one more, synced
+    dur.sync()
+    assert not list(dur.log_dir.glob("*.written")), "every entry applied is on disk, with its place"
 
     killed = Shard()   # kill -9
     assert Durability(str(tmp_path)).restore(killed) == 3
