@@ -191,8 +191,13 @@ class ShardMachine(RuleBasedStateMachine):
                 self.ref.apply(vw, c, deltas)
             self.restart()
             return
+        self._apply_logged(vw, c, deltas, seq, logged)
+
+    def _apply_logged(self, vw: int, c: int, deltas: Deltas, seq: int, logged: Deltas) -> None:
+        """The servicer's WSP apply: from the push's entry, under the lock; then the entry settled."""
+        want = self.ref.expect_push(vw, c, deltas)
         try:
-            applied = self.shard.push(vw, c, logged)   # from its entry, as the servicer applies it
+            applied = self.shard.push(vw, c, logged)
         except ShardError as exc:
             assert want == exc.kind, f"refused with {exc.kind}, the reference says {want}"
             applied = False
@@ -216,17 +221,7 @@ class ShardMachine(RuleBasedStateMachine):
             deltas = self._deltas([k for k in keys if self.ref.clock[(k, vw)] == c], seed + vw)
             logged.append((vw, c, deltas, *log_push(self.dur, vw, c, deltas)))
         for vw, c, deltas, seq, tensors in reversed(logged):
-            want = self.ref.expect_push(vw, c, deltas)
-            try:
-                applied = self.shard.push(vw, c, tensors)
-            except ShardError as exc:
-                assert want == exc.kind, f"refused with {exc.kind}, the reference says {want}"
-                applied = False
-            self.dur.settle(seq, applied=applied)
-            assert applied == (want == "applied")
-            if applied:
-                self._capture()
-                self.ref.apply(vw, c, deltas)
+            self._apply_logged(vw, c, deltas, seq, tensors)
         if restart:
             self.restart()
 
