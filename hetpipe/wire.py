@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
@@ -200,8 +199,9 @@ def _checked_meta(index: int, meta: wire_pb2.TensorMeta) -> tuple[torch.dtype, l
     if any(d < 0 for d in shape):
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: negative dimension in shape {shape}")
     # Zero dimensions counted as 1: torch cannot lay out [0, 2**62, 2**62] either (its strides
-    # overflow), and this bound is never below the bytes the tensor holds.
-    layout = int(np.prod([max(d, 1) for d in shape], dtype=np.float64)) * dtype.itemsize
+    # overflow), and this bound is never below the bytes the tensor holds. Python's integers do
+    # not overflow, and math.prod of a few of them costs a tenth of numpy's.
+    layout = math.prod(max(d, 1) for d in shape) * dtype.itemsize
     if layout > MAX_BUNDLE_BYTES:
         raise WireError(
             grpc.StatusCode.INVALID_ARGUMENT,
