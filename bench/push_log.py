@@ -22,6 +22,8 @@ import torch
 # Run as `python bench/push_log.py`: the repository root is not on sys.path then.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hetpipe import wire  # noqa: E402
+from hetpipe.v1 import wire_pb2  # noqa: E402
 from ps_server.durability import Durability  # noqa: E402
 from ps_server.shard import Shard  # noqa: E402
 
@@ -43,16 +45,18 @@ class NewFiles(Durability):
 
 def log(kind: type[Durability], folder: Path, deltas: list[tuple[str, torch.Tensor]],
         every: int) -> Callable[[int], None]:
-    """One push per call through the servicer's WSP path: logged, applied, settled, synced, and
-    checkpointed when due."""
+    """One push per call through the servicer's WSP path: logged from its frames, placed, applied
+    from its entry, settled, synced, and checkpointed when due."""
     shard = Shard()
     shard.init(1, [(k, torch.zeros_like(t)) for k, t in deltas])
     durability = kind(str(folder), every_clocks=every)
     durability.checkpoint(shard)
 
     def entry(i: int) -> None:
-        seq = durability.log_push(0, i, deltas)
-        shard.push(0, i, deltas)
+        frames = list(wire.encode(deltas, push=wire_pb2.PushTag(vw=0, clock=i)))   # as received: gRPC frames
+        seq, logged = durability.log_stream(0, i, wire.read(frames))
+        durability.place(seq)
+        shard.push(0, i, logged)
         durability.settle(seq, applied=True)
         durability.sync(seq)
         if (snapshot := durability.maybe_capture(shard)) is not None:

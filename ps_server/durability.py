@@ -114,9 +114,9 @@ class Durability:
     A push that came through shared memory is acknowledged without sync(): its pusher shares the
     machine, so a cut that loses its written entry ends the pusher too (ShardServicer._update).
     Such an entry is unsettled until settle() says whether it was applied, and a checkpoint
-    covers only the entries below the first unsettled one. settle() also writes an applied
-    entry's place in the order of applies into its header, and restore replays in that order:
-    the restored values are the ones the shard held, bit for bit.
+    covers only the entries below the first unsettled one. Under the lock, right before its push
+    is applied, place() writes the entry's place in the order of applies into its header, and
+    restore replays in that order: the restored values are the ones the shard held, bit for bit.
 
     Entries a checkpoint covered are written over, not deleted and made anew: on a disk, a file
     made for every push (its blocks allocated, its pages new) and deleted after cost a shard
@@ -254,7 +254,7 @@ class Durability:
         """A new entry, written by write(path, metadata) (which answers what the caller gets back
         with the entry's number), renamed written. journal: logged under the shard's lock, right
         before its update is applied, so placed now and synced before this returns; else logged
-        before the lock (log_stream), placed by settle() and synced by sync()."""
+        before the lock (log_stream), placed by place() and synced by sync()."""
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -328,20 +328,24 @@ class Durability:
                              journal=True)
         self.settle(seq, applied=True)
 
+    def place(self, seq: int) -> None:
+        """Entry seq, logged before the shard's lock (log_stream), is about to be applied: its
+        place in the order of applies goes into its header now, under that lock, so that restore
+        replays the applies' order. OSError where it cannot be written: the push is then refused
+        whole, as one whose log write failed (settle it as not applied)."""
+        with self._lock:
+            self._last_place += 1
+            # Still `written`: sync() leaves unplaced entries alone, and the push's own sync(),
+            # after its apply, puts the place on disk with the rest.
+            self._place(self.written_path(seq), self._last_place)
+            self._unplaced.discard(seq)
+
     def settle(self, seq: int, *, applied: bool) -> None:
         """Entry seq's update was applied, or not (refused, or a duplicate): then its file is a
-        spare, so that no restore applies it. The caller holds the shard's lock, so the places
-        settle() gives are the order of the applies, which restore replays in."""
+        spare, so that no restore applies it."""
         with self._lock:
             self._unsettled.discard(seq)
-            placing = seq in self._unplaced
             self._unplaced.discard(seq)
-            if applied and placing:
-                self._last_place += 1
-                # Still `written` (sync() leaves unplaced entries alone): its own sync() puts the
-                # place on disk with the rest. A place that cannot be written raises; the entry
-                # then replays after every placed one.
-                self._place(self.written_path(seq), self._last_place)
             if not applied:
                 self._unsynced.discard(seq)
                 for path in (self.pending_path(seq), self.written_path(seq), self.entry_path(seq)):

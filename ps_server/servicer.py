@@ -188,6 +188,8 @@ class ShardServicer:
         with self._cv:
             start = time.time()
             try:
+                if logged is not None and durability is not None:
+                    durability.place(logged)   # its place in the order of applies, which restore replays
                 applied, reply = apply(tag, tensors, journal, sizes)
             except ShardError as exc:
                 raise _rejected(exc) from None

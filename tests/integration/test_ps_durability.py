@@ -40,22 +40,25 @@ def ps(tmp_path: Path) -> Iterator[InProcess]:
         yield shard
 
 
-def test_push_whose_log_write_fails_is_not_applied(ps: InProcess, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """An I/O error writing the push log refuses the push whole, so the client's retry is applied (and
+@pytest.mark.parametrize("write", ["log_stream", "place"])
+def test_push_whose_log_write_fails_is_not_applied(ps: InProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   write: str) -> None:
+    """An I/O error writing the push log, or its entry's place in the order of applies (under the
+    lock, right before the apply), refuses the push whole, so the client's retry is applied (and
     logged) instead of being acknowledged as a 'duplicate' that a kill -9 would then lose."""
     c, durability = ps.client, ps.servicer.durability
     assert durability is not None
-    real = durability.log_stream
+    real = getattr(durability, write)
 
     def full_disk(*args: Any) -> None:
-        monkeypatch.setattr(durability, "log_stream", real)
+        monkeypatch.setattr(durability, write, real)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(durability, "log_stream", full_disk)
+    monkeypatch.setattr(durability, write, full_disk)
     before = state(c.status())
     refused(lambda: c.push(1, 1, delta(1, 1)), Code.UNAVAILABLE, r"I/O error on the server: No space left on device")
     assert state(c.status()) == before, "a push that could not be logged must not be applied"
+    assert not list(durability.log_dir.glob("*.written")), "its entry is freed: no restore replays it"
     assert not c.push(1, 1, delta(1, 1)).duplicate, "the retry is the first time it is applied"
     ps.servicer.checkpoints_written()
     restored = Shard()

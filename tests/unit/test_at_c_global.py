@@ -108,6 +108,7 @@ def test_an_exact_shard_keeps_its_own_copy_of_a_push_it_holds_aside(tmp_path: Pa
     assert shard.init(3, [("a", torch.zeros(4, dtype=torch.float64))], (), SyncRule("wsp", exact=True))
     for vw, value in ((1, 2.0), (2, 5.0)):
         seq, logged = log_push(durability, vw, 0, [("a", torch.full((4,), value, dtype=torch.float64))])
+        durability.place(seq)
         assert shard.push(vw, 0, logged)
         durability.settle(seq, applied=True)
         durability.checkpoint(shard)   # frees the entry: vw 2's push is written over vw 1's file

@@ -33,6 +33,7 @@ def push(shard: Shard, dur: Durability, vw: int, clock: int, deltas: list[tuple[
     """The servicer's WSP path: logged, applied from its entry, settled, then on disk before the
     acknowledgement."""
     seq, logged = log_push(dur, vw, clock, deltas)
+    dur.place(seq)
     assert shard.push(vw, clock, logged)
     dur.settle(seq, applied=True)
     dur.sync(seq)
@@ -51,6 +52,7 @@ def test_an_entry_not_yet_on_disk_is_replayed_after_a_kill_but_not_after_a_machi
     shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
     dur.checkpoint(shard)
     unsynced, _ = log_push(dur, 0, 0, [delta("a", shard)])
+    dur.place(unsynced)
     assert shard.push(0, 0, [delta("a", shard)])
     dur.settle(unsynced, applied=True)                         # applied; killed before sync()
     push(shard, dur, 1, 0, [delta("b", shard)])
@@ -63,6 +65,7 @@ def test_an_entry_not_yet_on_disk_is_replayed_after_a_kill_but_not_after_a_machi
     assert dur.entry_path(unsynced).exists() and not dur.written_path(unsynced).exists(), "not put on disk"
 
     unsynced, _ = log_push(after_kill, 0, 1, [delta("a", killed)])
+    after_kill.place(unsynced)
     assert killed.push(0, 1, [delta("a", killed)])
     after_kill.settle(unsynced, applied=True)                  # applied; the machine lost power before sync()
     after_kill.boot_path.write_text("a boot before this one\n")
@@ -124,8 +127,10 @@ def test_restore_replays_in_the_order_the_pushes_were_applied_not_the_order_they
     second, logged_one = log_push(dur, 1, 0, one)
     dur.sync()   # a duplicate's acknowledgement leaves entries not yet placed to their own sync()
     assert dur.written_path(first).exists() and dur.written_path(second).exists()
+    dur.place(second)
     assert shard.push(1, 0, logged_one)            # ... applied second: (-1e16 + 1) + 1e16 = 0
     dur.settle(second, applied=True)
+    dur.place(first)
     assert shard.push(0, 0, logged_big)
     dur.settle(first, applied=True)
     assert torch.equal(shard.values["a"], torch.zeros(4, dtype=torch.float64))
@@ -153,6 +158,7 @@ def test_a_checkpoint_frees_the_entries_it_covers_that_are_not_on_disk_yet(tmp_p
     seqs = []
     for vw in range(2):
         seqs.append(log_push(dur, vw, 0, [delta("a", shard), delta("b", shard)])[0])
+        dur.place(seqs[-1])
         assert shard.push(vw, 0, [delta("a", shard), delta("b", shard)])
         dur.settle(seqs[-1], applied=True)                      # applied; its sync() not yet run
     inodes = sorted(ino for name, ino in files(dur).items() if name.endswith(".written"))
@@ -244,6 +250,7 @@ def test_a_push_logged_from_shared_memory_is_the_shards_own_copy(tmp_path: Path)
         seq, logged = dur.log_stream(0, 0, wire.read(wire.encode(pushed, push=wire_pb2.PushTag(), ring=ring), reader))
         ring.write([raw_bytes(torch.full_like(shard.values["a"], 7.0))])   # the stage's next use of the slot
         assert torch.equal(logged[0][1], pushed[0][1])
+        dur.place(seq)
         assert shard.push(0, 0, logged)
         dur.settle(seq, applied=True)
         dur.sync(seq)

@@ -226,6 +226,7 @@ def test_a_push_logged_outside_the_lock_survives_a_checkpoint_taken_before_it_is
     assert shard.push(1, 0, [ones("b", shard)])
     dur.checkpoint(shard)                                       # another push's checkpoint
     assert dur.written_path(pending).exists(), "the checkpoint freed an unapplied push's entry"
+    dur.place(pending)
     assert shard.push(0, 0, [ones("a", shard)])
     dur.settle(pending, applied=True)
     refused, _ = log_push(dur, 0, 5, [ones("a", shard)])            # a clock the shard refuses
@@ -331,6 +332,7 @@ def test_a_replayed_log_takes_every_push_the_shard_took_in_whatever_order(tmp_pa
         second, down = log_push(durability, 1, 0, [("a", torch.tensor([-0.6 * top, 2.0], dtype=torch.float64))])
         for seq, vw, logged in ((second, 1, down), (first, 0, up)):   # in the other order, or not at all
             if applied:
+                durability.place(seq)
                 assert shard.push(vw, 0, logged)
                 durability.settle(seq, applied=True)
         restored = Shard()
@@ -354,6 +356,7 @@ def test_a_float32_key_takes_bf16_pushes_widened_and_logs_and_replays_them(tmp_p
     for vw, wave, u in ((0, 0, one), (1, 0, small), (2, 0, one), (0, 1, one), (1, 1, small)):
         seq, logged = log_push(durability, vw, wave, [("a", u)])
         assert logged[0][1].dtype == torch.bfloat16
+        durability.place(seq)
         assert shard.push(vw, wave, logged)
         durability.settle(seq, applied=True)
     durability.sync()

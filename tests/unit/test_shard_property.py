@@ -197,6 +197,7 @@ class ShardMachine(RuleBasedStateMachine):
         """The servicer's WSP apply: from the push's entry, under the lock; then the entry settled."""
         want = self.ref.expect_push(vw, c, deltas)
         try:
+            self.dur.place(seq)
             applied = self.shard.push(vw, c, logged)
         except ShardError as exc:
             assert want == exc.kind, f"refused with {exc.kind}, the reference says {want}"
