@@ -51,9 +51,11 @@ def log(kind: type[Durability], folder: Path, deltas: list[tuple[str, torch.Tens
     shard.init(1, [(k, torch.zeros_like(t)) for k, t in deltas])
     durability = kind(str(folder), every_clocks=every)
     durability.checkpoint(shard)
+    # The push as the shard receives it, encoded once: the entry's clock comes from log_stream's
+    # arguments, not from the frames' tag, and the sender's encoding is not the log's cost.
+    frames = list(wire.encode(deltas, push=wire_pb2.PushTag(vw=0, clock=0)))
 
     def entry(i: int) -> None:
-        frames = list(wire.encode(deltas, push=wire_pb2.PushTag(vw=0, clock=i)))   # as received: gRPC frames
         seq, logged = durability.log_stream(0, i, wire.read(frames))
         durability.place(seq)
         shard.push(0, i, logged)

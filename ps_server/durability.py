@@ -32,8 +32,8 @@ WRITTEN_SUFFIX = ".written"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")   # Linux: new at every boot
 SPARE_PREFIX = "spare-"       # a file a checkpoint freed, to be written over by a later entry
 # An entry's place in the order the shard applied its updates, the first field of its metadata so
-# that it sits at a fixed offset of the file: settle() writes it there once a push logged before
-# the lock is applied. 0: not applied (yet).
+# that it sits at a fixed offset of the file: place() writes it there right before a push logged
+# before the lock is applied. 0: not placed (yet).
 PLACE = "applied"
 _PLACE_DIGITS = 12
 _PLACE_AT = 8 + len(b'{"__metadata__":{"applied":"')   # safetensors: 8 bytes of length, then the JSON
@@ -135,7 +135,7 @@ class Durability:
         self._unsettled: set[int] = set()
         self._unsynced: set[int] = set()   # entries not yet on disk (before sync)
         self._spares: list[Path] = []      # files a checkpoint freed, for _entry to write over
-        self._unplaced: set[int] = set()   # logged before the lock: settle() writes their place
+        self._unplaced: set[int] = set()   # logged before the lock: place() writes their place
         self._last_place = 0
         self._captured = 0                 # checkpoints captured; the number of the last one written:
         self._written = 0
@@ -274,7 +274,7 @@ class Durability:
                     os.replace(spare, pending)
                 except FileNotFoundError:   # deleted by another restore of this folder: a new file
                     pass
-            metadata = {PLACE: f"{place:0{_PLACE_DIGITS}d}", "kind": kind, "vw": str(vw), "clock": str(clock)}
+            metadata = {PLACE: _placed(place), "kind": kind, "vw": str(vw), "clock": str(clock)}
             result = write(pending, metadata)
             os.replace(pending, self.written_path(seq))
             if journal:
@@ -357,7 +357,7 @@ class Durability:
         """Writes an entry's place into its header; durable: fsynced too."""
         fd = os.open(path, os.O_WRONLY)
         try:
-            _pwrite_all(fd, f"{place:0{_PLACE_DIGITS}d}".encode(), _PLACE_AT)
+            _pwrite_all(fd, _placed(place).encode(), _PLACE_AT)
             if durable:
                 os.fsync(fd)
         finally:
@@ -433,8 +433,13 @@ def _pwrite_all(fd: int, chunk: bytes | memoryview, position: int) -> int:
     return position
 
 
+def _placed(place: int) -> str:
+    """An entry's place as its header holds it: fixed width, so it can be written in place."""
+    return f"{place:0{_PLACE_DIGITS}d}"
+
+
 def _header(specs: list[tuple[str, torch.dtype, list[int], int]], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
-    """weight_files.header(), with the entry's place where settle() writes it."""
+    """weight_files.header(), with the entry's place where place() writes it."""
     head, offsets = header(specs, metadata)
     if PLACE in metadata and head[_PLACE_AT:_PLACE_AT + _PLACE_DIGITS] != metadata[PLACE].encode():
         raise RuntimeError(f"push log: the entry's place is not at byte {_PLACE_AT} of its header")

@@ -117,7 +117,7 @@ def test_entries_a_checkpoint_covered_are_written_over_then_deleted_at_close(tmp
 def test_restore_replays_in_the_order_the_pushes_were_applied_not_the_order_they_were_logged(tmp_path: Path) -> None:
     """WSP logs a push before the shard's lock, so a push logged first may be applied second.
     Sums in floating point depend on their order: restore must replay the order of the applies
-    (each entry's place, written when it is settled), or the restored w_global differs from the
+    (each entry's place, written right before its apply), or the restored w_global differs from the
     one the VWs pulled. Here it would differ by 1.0, not in a last bit."""
     shard, dur = Shard(), Durability(str(tmp_path), every_clocks=100)
     assert shard.init(2, [("a", torch.full((4,), -1e16, dtype=torch.float64))])
