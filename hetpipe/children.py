@@ -1,9 +1,9 @@
 """Child processes of a launcher: start one with its own log, describe its exit, stop them all.
 
 A service process (`python -m MODULE`) is forked from a fork server that has already imported
-torch (multiprocessing's forkserver): each one then starts in a fraction of a second instead of
-paying torch's import again. The server itself is a fresh interpreter that never creates a gRPC
-object, so nothing that cannot survive fork() is ever forked.
+torch and gRPC's modules (multiprocessing's forkserver): each one then starts in a fraction of a
+second instead of paying those imports again. The server itself is a fresh interpreter that never
+creates a gRPC object, so nothing that cannot survive fork() is ever forked.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ import psutil
 log = logging.getLogger(__name__)
 LAUNCHER_PID_ENV = "HETPIPE_LAUNCHER_PID"  # whose death ends a service process (launcher_pid)
 
-# What every service imports (never grpc). autograd.grad imports symbolic_shapes (and sympy, 0.4 s)
-# on its first call with grad_outputs: preloaded, no stage pays it inside its first backward.
-PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "numpy", "yaml", "psutil"]
+# What every service imports. autograd.grad imports symbolic_shapes (and sympy, 0.4 s) on its first
+# call with grad_outputs: preloaded, no stage pays it inside its first backward. gRPC's modules
+# (with hetpipe.rpc: the protobuf messages, health, reflection, metrics) only import: gRPC starts
+# its threads when its first channel or server is made, in the worker, after the fork.
+PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "numpy", "yaml", "psutil", "hetpipe.rpc"]
 
 
 class Forked:

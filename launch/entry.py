@@ -9,7 +9,7 @@ from launch.interrupts import interrupted, interrupts_held
 def main() -> int:
     try:
         with interrupts_held():
-            from launch.cli import main as cli_main
+            from launch.cli import finish, main as cli_main
     except KeyboardInterrupt:
         return interrupted()
-    return cli_main()
+    finish(cli_main())

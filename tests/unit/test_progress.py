@@ -55,3 +55,17 @@ def test_quiet_shows_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     statuses = iter(_job(("RUNNING", 0, 0.0), ("RUNNING", 32, 2.5), ("COMPLETED", 80, 2.25)))
     assert State.Name(follow(lambda: next(statuses), quiet=True).state) == "COMPLETED"
     assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("stderr_kind", ["terminal", "log"])
+def test_the_progress_waits_for_the_total_that_comes_after_running(stderr_kind: str, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # The job is RUNNING a moment before its first progress report brings the total: a display
+    # made then read "9600% (96/0 samples)".
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: stderr_kind == "terminal")
+    monkeypatch.setattr("launch.local.time.sleep", lambda seconds: None)
+    statuses = iter([*_job(("RUNNING", 0, 0.0), total=0), *_job(("RUNNING", 96, 2.3), ("COMPLETED", 128, 2.2), total=128)])
+    follow(lambda: next(statuses), quiet=False)
+    err = capsys.readouterr().err.replace("\r", "\n")
+    assert "/0 " not in err and "/128" in err, err
+    assert "100%" in err and not any(f"{p}%" in err for p in range(101, 10000)), err
