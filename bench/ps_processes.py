@@ -58,6 +58,7 @@ def _client_run(conn: Connection, cfg: dict[str, Any]) -> None:
     import torch
 
     from hetpipe import rpc, shm, wire
+    from hetpipe.buffers import raw_bytes
     from hetpipe.v1 import ps_pb2, wire_pb2
     from stage_worker.wsp_sync import PULL_CALL_S
 
@@ -72,6 +73,7 @@ def _client_run(conn: Connection, cfg: dict[str, Any]) -> None:
         groups.setdefault(shard, []).append(key)
     # Each VW adds vw+1 per wave, so every pulled value is an exact, checkable sum of the clocks.
     update = {key: torch.full((cfg["elems"],), float(vw + 1)) for key in cfg["placement"]}
+    weights = {key: torch.empty(cfg["elems"]) for key in cfg["placement"]}   # what pulls land in
     # One thread per shard: a VW's k stages push and pull their own shards' keys concurrently.
     pool = ThreadPoolExecutor(max_workers=len(stubs))
 
@@ -95,12 +97,22 @@ def _client_run(conn: Connection, cfg: dict[str, Any]) -> None:
                     first.append(time.perf_counter() - start)
                 yield frame
 
-        bundle = wire.decode(timed(stubs[shard].Pull(request, timeout=PULL_CALL_S)), reader=reader)
-        tag = bundle.header.pull
+        # As WspSync: a reply in the shard's slot is copied from there into the weights (_merge_into),
+        # one in gRPC frames is received into new tensors, then set.
+        if request.shm:
+            stream = wire.read(list(timed(stubs[shard].Pull(request, timeout=PULL_CALL_S))), reader)
+            names = stream.names
+            wire.fill(stream, [raw_bytes(weights[key]) for key in names])
+        else:
+            bundle = wire.decode(timed(stubs[shard].Pull(request, timeout=PULL_CALL_S)))
+            stream, names = bundle, [key for key, _ in bundle.tensors]
+            for key, value in bundle.tensors:
+                weights[key].copy_(value)
+        tag = stream.header.pull
         if tag.c_global < min_clock:
             raise RuntimeError(f"vw {vw}: pull for min_clock {min_clock} answered at c_global {tag.c_global}")
         want = float(sum((v + 1) * c for v, c in enumerate(tag.vw_clocks)))
-        for key, value in bundle.tensors:
+        for key, value in ((key, weights[key]) for key in names):
             if float(value[0]) != want or float(value[-1]) != want:
                 raise RuntimeError(f"vw {vw}: {key} is {float(value[0])}, expected {want} from {list(tag.vw_clocks)}")
         return first[0]
