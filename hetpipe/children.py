@@ -28,11 +28,13 @@ import psutil
 log = logging.getLogger(__name__)
 LAUNCHER_PID_ENV = "HETPIPE_LAUNCHER_PID"  # whose death ends a service process (launcher_pid)
 
-# What every service imports. autograd.grad imports symbolic_shapes (and sympy, 0.4 s) on its first
-# call with grad_outputs: preloaded, no stage pays it inside its first backward. gRPC's modules
-# (with hetpipe.rpc: the protobuf messages, health, reflection, metrics) only import: gRPC starts
-# its threads when its first channel or server is made, in the worker, after the fork.
-PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "numpy", "yaml", "psutil", "hetpipe.rpc"]
+# The libraries every service imports. autograd.grad imports symbolic_shapes (and sympy, 0.4 s) on
+# its first call with grad_outputs: preloaded, no stage pays it inside its first backward. gRPC's
+# modules only import: gRPC starts its threads when its first channel or server is made, in the
+# worker, after the fork. Not this project's own packages: the fork server imports from its own
+# sys.path, and a worker must take them from its launcher's (another checkout, say).
+PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "numpy", "yaml", "psutil", "grpc",
+           "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "prometheus_client"]
 
 
 class Forked:

@@ -300,8 +300,9 @@ def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
             ended = status.state in TERMINAL
             if not ended:
                 on_status(status)
-            # The total comes with the first progress report, a moment after the job is RUNNING.
-            if status.state == running and shown is None and not quiet and status.total_samples:
+            # The total comes with the first progress report, a moment after the job is RUNNING
+            # (a short job may end before this loop sees one: its last line is still shown).
+            if (status.state == running or ended) and shown is None and not quiet and status.total_samples:
                 desc = "train (emulated GPUs)" if status.emulated else "train"
                 shown = (_Bar if sys.stderr.isatty() else _Lines)(status.total_samples, desc)
             if shown is not None and status.total_samples:  # the last one too: a bar left at 0% reads as a hang

@@ -69,3 +69,11 @@ def test_the_progress_waits_for_the_total_that_comes_after_running(stderr_kind: 
     err = capsys.readouterr().err.replace("\r", "\n")
     assert "/0 " not in err and "/128" in err, err
     assert "100%" in err and not any(f"{p}%" in err for p in range(101, 10000)), err
+
+
+def test_a_job_that_ends_before_its_first_report_still_shows_its_last_line(monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    statuses = iter([*_job(("RUNNING", 0, 0.0), total=0), *_job(("COMPLETED", 128, 2.2), total=128)])
+    follow(lambda: next(statuses), quiet=False)
+    assert capsys.readouterr().err == "train: 100% (128/128 samples), 640 samples/s, loss 2.2000\n"
