@@ -85,7 +85,8 @@ def test_kill_9_of_hetpipe_run_then_resume(uninterrupted: dict[str, torch.Tensor
     try:
         _first_cut(tmp_path / "out", run)
         family = psutil.Process(run.pid).children(recursive=True)  # the fork server and the workers
-        ready = next(Path(a).parent for p in family for a in p.cmdline() if a.endswith(".ready"))
+        # A forked worker's title is one string, which psutil may hand back whole: split it.
+        ready = next(Path(a).parent for p in family for a in " ".join(p.cmdline()).split() if a.endswith(".ready"))
         left = [ready, Path((ready / "forkserver_dir").read_text())]  # the launcher's scratch folders
         assert all(p.is_dir() for p in left)
         os.kill(run.pid, signal.SIGKILL)  # the launcher alone: its workers follow it (exit with parent)
