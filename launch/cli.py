@@ -489,13 +489,18 @@ def finish(code: int) -> NoReturn:
     it owns, logging, multiprocessing's fork server), Python's teardown does not. With torch
     loaded, that teardown's garbage collection took 1-2 s after every `hetpipe run` had printed
     its results; every file the command wrote is closed by then."""
+    _flush()
+    atexit._run_exitfuncs()
+    _flush()   # what a handler printed
+    os._exit(code)
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):   # the reader went away (main has said so), or it is closed
             pass
-    atexit._run_exitfuncs()
-    os._exit(code)
 
 
 if __name__ == "__main__":
