@@ -101,18 +101,19 @@ def _client_run(conn: Connection, cfg: dict[str, Any]) -> None:
         # one in gRPC frames is received into new tensors, then set.
         if request.shm:
             stream = wire.read(list(timed(stubs[shard].Pull(request, timeout=PULL_CALL_S))), reader)
-            names = stream.names
+            header, names = stream.header, stream.names
             wire.fill(stream, [raw_bytes(weights[key]) for key in names])
         else:
             bundle = wire.decode(timed(stubs[shard].Pull(request, timeout=PULL_CALL_S)))
-            stream, names = bundle, [key for key, _ in bundle.tensors]
+            header, names = bundle.header, [key for key, _ in bundle.tensors]
             for key, value in bundle.tensors:
                 weights[key].copy_(value)
-        tag = stream.header.pull
+        tag = header.pull
         if tag.c_global < min_clock:
             raise RuntimeError(f"vw {vw}: pull for min_clock {min_clock} answered at c_global {tag.c_global}")
         want = float(sum((v + 1) * c for v, c in enumerate(tag.vw_clocks)))
-        for key, value in ((key, weights[key]) for key in names):
+        for key in names:
+            value = weights[key]
             if float(value[0]) != want or float(value[-1]) != want:
                 raise RuntimeError(f"vw {vw}: {key} is {float(value[0])}, expected {want} from {list(tag.vw_clocks)}")
         return first[0]
