@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import atexit
 import dataclasses
 import json
 import logging
@@ -12,7 +11,7 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import grpc
 import yaml
@@ -484,24 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def finish(code: int) -> NoReturn:
-    """Ends the command once its work is done: its exit handlers run (the shared-memory segments
-    it owns, logging, multiprocessing's fork server), Python's teardown does not. With torch
-    loaded, that teardown's garbage collection took 1-2 s after every `hetpipe run` had printed
-    its results; every file the command wrote is closed by then."""
-    _flush()
-    atexit._run_exitfuncs()
-    _flush()   # what a handler printed
-    os._exit(code)
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):   # the reader went away (main has said so), or it is closed
-            pass
-
-
 if __name__ == "__main__":
+    from launch.entry import finish
+
     finish(main())
