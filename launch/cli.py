@@ -484,6 +484,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from launch.entry import finish
+    from launch.ending import finish
 
     finish(main())

@@ -1,14 +1,9 @@
 """The `hetpipe` console script: launch.cli's main behind its imports (Ctrl-C during them ends
-the command as it does later, in one line with exit 130), and the command's end without Python's
-teardown (finish, for `python -m launch.cli` too)."""
+the command as it does later, in one line with exit 130), and its end (launch.ending)."""
 
 from __future__ import annotations
 
-import atexit
-import os
-import sys
-from typing import NoReturn
-
+from launch.ending import finish
 from launch.interrupts import interrupted, interrupts_held
 
 
@@ -19,22 +14,3 @@ def main() -> int:
     except KeyboardInterrupt:
         return interrupted()
     finish(cli_main())
-
-
-def finish(code: int) -> NoReturn:
-    """Ends the command once its work is done: its exit handlers run (the shared-memory segments
-    it owns, logging, multiprocessing's fork server), Python's teardown does not. With torch
-    loaded, that teardown's garbage collection took 1-2 s after every `hetpipe run` had printed
-    its results; every file the command wrote is closed by then."""
-    _flush()
-    atexit._run_exitfuncs()
-    _flush()   # what a handler printed
-    os._exit(code)
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):   # the reader went away (cli.main has said so), or it is closed
-            pass

@@ -1,4 +1,4 @@
-"""launch.entry.finish: a command ends with its exit code, its output flushed and its exit handlers
+"""launch.ending.finish: a command ends with its exit code, its output flushed and its exit handlers
 run (the shared-memory segments it owns removed), without Python's teardown."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import atexit, sys
 # Registered first, run last (after any handler of the imports that flushes): left in stdout's buffer.
 atexit.register(lambda: print("handler ran", end="", flush=False))
 from hetpipe import shm
-from launch.entry import finish
+from launch.ending import finish
 segment = shm.Segment(4096)
 print(segment.path)
 sys.stdout.write("no newline yet")   # still in stdout's buffer when finish is called
