@@ -271,17 +271,20 @@ class _Lines:
 
     def __init__(self, total: int, desc: str) -> None:
         self._total, self._desc = total, desc
-        self._tenth, self._at, self._printed = -1, 0.0, -1
+        self._tenth, self._at, self._printed, self._text = -1, 0.0, -1, ""
 
     def show(self, samples: int, loss: float | None, samples_per_second: float, *, last: bool) -> None:
         tenth = 10 * samples // max(self._total, 1)
         now = time.monotonic()
         if not last and tenth <= self._tenth and (now - self._at < self.LINE_S or samples == self._printed):
             return
-        self._tenth, self._at, self._printed = tenth, now, samples
         percent = 100 * samples // max(self._total, 1)
         text = f"{self._desc}: {percent}% ({samples}/{self._total} samples), {samples_per_second:.0f} samples/s"
-        print(text + (f", loss {loss:.4f}" if loss is not None else ""), file=sys.stderr, flush=True)
+        text += f", loss {loss:.4f}" if loss is not None else ""
+        if text == self._text:   # the final status repeats the last report
+            return
+        self._tenth, self._at, self._printed, self._text = tenth, now, samples, text
+        print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         pass

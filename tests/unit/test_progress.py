@@ -77,3 +77,14 @@ def test_a_job_that_ends_before_its_first_report_still_shows_its_last_line(monke
     statuses = iter([*_job(("RUNNING", 0, 0.0), total=0), *_job(("COMPLETED", 128, 2.2), total=128)])
     follow(lambda: next(statuses), quiet=False)
     assert capsys.readouterr().err == "train: 100% (128/128 samples), 640 samples/s, loss 2.2000\n"
+
+
+def test_a_log_does_not_repeat_the_last_line_when_the_job_ends_on_it(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The final status is often the last report again: one line for it, not two alike."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    monkeypatch.setattr("launch.local.time.sleep", lambda seconds: None)
+    statuses = iter(_job(("RUNNING", 40, 2.5), ("RUNNING", 80, 2.2), ("COMPLETED", 80, 2.2)))
+    follow(lambda: next(statuses), quiet=False)
+    assert capsys.readouterr().err.splitlines() == ["train: 50% (40/80 samples), 640 samples/s, loss 2.5000",
+                                                    "train: 100% (80/80 samples), 640 samples/s, loss 2.2000"]
