@@ -227,7 +227,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     from safetensors.torch import save_file
 
     from hetpipe import data
-    from hetpipe.optim import autocast, compute_dtype, compute_loss, for_loss, make_optimizer
+    from hetpipe.optim import autocast, compute_dtype, compute_loss, for_loss, make_optimizer, step_at
     from hetpipe.reference import initial_model, minibatch
 
     job = JobConfig.from_json(spec["job_json"])
@@ -281,8 +281,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         for w in params:
             w.grad = flat[offset : offset + w.numel()].view_as(w)
             offset += w.numel()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step_at(optimizer, job.train, p)
         losses.append(float(loss.detach()))
         progress.write(p, losses[-1], force=p == job.train.steps)
         if every and p % every == 0 and p < job.train.steps and rank == 0:

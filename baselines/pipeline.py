@@ -161,7 +161,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     from safetensors.torch import save_file
 
     from hetpipe import data, models
-    from hetpipe.optim import compute_dtype, compute_loss, for_loss, make_optimizer
+    from hetpipe.optim import compute_dtype, compute_loss, for_loss, make_optimizer, step_at
     from hetpipe.reference import minibatch
 
     job = JobConfig.from_json(spec["job_json"])
@@ -214,8 +214,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         else:
             schedule.step()
         if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            step_at(optimizer, job.train, p)
         if last:
             step_losses.append(sum(float(v.detach()) for v in losses) / len(losses))
         progress.write(p, step_losses[-1] if step_losses else float("nan"), force=p == job.train.steps)

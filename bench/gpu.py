@@ -62,7 +62,7 @@ def plain_loop(path: str) -> dict[str, Any]:
 
     from hetpipe import data
     from hetpipe.config import load_job
-    from hetpipe.optim import autocast, compute_dtype, compute_loss, make_optimizer
+    from hetpipe.optim import autocast, compute_dtype, compute_loss, make_optimizer, step_at
     from hetpipe.reference import initial_model, minibatch
 
     job = load_job(path)
@@ -78,8 +78,7 @@ def plain_loop(path: str) -> dict[str, Any]:
         with autocast(dtype, device):
             loss = compute_loss(job.train.loss, model(x), y)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step_at(optimizer, job.train, p)
         if p == 1:
             # Timed from the end of the first step: its one-time costs (CUDA's libraries, kernel
             # selection) are left out here, and kept in HetPipe's wall, so the ratios err against it.

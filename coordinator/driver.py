@@ -20,6 +20,7 @@ from hetpipe import data, models, outputs, rpc, shm, weight_files, wire
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed, StageLost
 from hetpipe.optim import compute_dtype
+from hetpipe.training import learning_rate
 from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
 from hetpipe.wsp import exact_pulls, total_waves
 from coordinator.planner import Plan, StagePlan, resolved_job
@@ -299,10 +300,12 @@ class JobDriver:
             return
         for h in self.last_stages():
             if h.last.last_loss_minibatch and not math.isfinite(h.last.last_loss):
-                opt = self.job.train.optimizer
+                p, peak = h.last.last_loss_minibatch, self.job.train.optimizer.lr
+                rate = learning_rate(self.job.train, p)
+                lr = f"train.optimizer.lr is {peak:g}" if rate == peak else \
+                    f"its learning rate is {rate:g}, of train.optimizer.lr {peak:g} and train.lr_schedule"
                 raise JobFailed(f"training diverged: the loss of vw {h.plan.vw} is {h.last.last_loss} at minibatch "
-                                f"{h.last.last_loss_minibatch} (train.optimizer.lr is {opt.lr:g}; a smaller one, or a "
-                                f"look at the data, may help; {h.name} at {h.at})")
+                                f"{p} ({lr}; a smaller one, or a look at the data, may help; {h.name} at {h.at})")
 
     def _take_cut(self) -> None:
         """Once every stage waits at the same checkpoint, its shard part, then on they go."""

@@ -13,9 +13,10 @@ import yaml
 
 from hetpipe.cluster import ClusterConfig, EmulateConfig, parse_cluster
 from hetpipe.security import Security
+from hetpipe.training import MAX_STEPS, TrainConfig, parse_train
 from hetpipe.validate import ConfigError, JobLoader, Section, fail, is_number
 
-__all__ = ["ConfigError", "JobConfig", "JobLoader", "ResolvedJob", "load_job", "parse_job", "resolve",
+__all__ = ["ConfigError", "JobConfig", "JobLoader", "ResolvedJob", "TrainConfig", "load_job", "parse_job", "resolve",
            "with_overrides"]
 
 
@@ -44,29 +45,6 @@ class DataConfig:
 class EvalConfig:
     every: int = 0       # minibatches per VW between evaluations (0: only at the end)
     rows: int = 1024     # held-out rows per evaluation
-
-
-@dataclass(frozen=True, slots=True)
-class OptimizerConfig:
-    name: str = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-
-
-@dataclass(frozen=True, slots=True)
-class TrainConfig:
-    steps: int = 100
-    loss: str = "cross_entropy"
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    dtype: str = "float32"           # the master weights' dtype (float64: the oracles)
-    precision: str = "fp32"          # compute: fp32, bf16 or fp16 (autocast; master weights stay in dtype)
-    seed: int = 0
-    setup_timeout_s: float = 600.0   # how long the stages may take to load before the job fails
-    stall_timeout_s: float = 30.0    # a process not answering, or no progress at all, this long: named
-    checkpoint_every: int = 0        # waves between checkpoints a run can --resume from; 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,16 +189,11 @@ ELASTIC_ALPHA = 0.1
 ELASTIC_PERIOD = 1
 MAX_ELASTIC_ALPHA = 0.5
 POLICIES = ("NP", "ED", "HD", "auto")
-DTYPES = ("float32", "float64")
-PRECISIONS = ("fp32", "bf16", "fp16")
-LOSSES = ("cross_entropy", "mse")
-OPTIMIZERS = ("sgd", "adam")
 # Bounds that keep a job file from asking the planner or the workers for the absurd.
 MAX_VIRTUAL_WORKERS = 1024
 MAX_STAGES = 256
 MAX_NM = 1024
 MAX_SHARDS = 256
-MAX_STEPS = 10**9
 
 
 def _parse_model(m: Section) -> ModelConfig:
@@ -262,30 +235,6 @@ def _parse_eval(raw: Any) -> EvalConfig | None:
     e, d = Section(raw, "eval"), EvalConfig()
     e.check_known(("every", "rows"))
     return EvalConfig(every=e.integer("every", d.every, maximum=MAX_STEPS), rows=e.integer("rows", d.rows, minimum=1))
-
-
-def _parse_train(t: Section) -> TrainConfig:
-    t.check_known(("steps", "loss", "optimizer", "dtype", "precision", "seed", "setup_timeout_s",
-                   "stall_timeout_s", "checkpoint_every"))
-    o, do, dt = t.section("optimizer"), OptimizerConfig(), TrainConfig()
-    o.check_known(("name", "lr", "momentum", "weight_decay", "betas", "eps"))
-    betas = o.get("betas", list(do.betas))
-    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas)):
-        raise fail("train.optimizer.betas", betas, "two numbers in [0, 1)")
-    optimizer = OptimizerConfig(
-        name=o.choice("name", do.name, OPTIMIZERS), lr=o.number("lr", do.lr),
-        momentum=o.number("momentum", do.momentum), weight_decay=o.number("weight_decay", do.weight_decay),
-        betas=(float(betas[0]), float(betas[1])), eps=o.number("eps", do.eps),
-    )
-    return TrainConfig(
-        steps=t.integer("steps", dt.steps, minimum=1, maximum=MAX_STEPS),
-        loss=t.choice("loss", dt.loss, LOSSES), optimizer=optimizer,
-        dtype=t.choice("dtype", dt.dtype, DTYPES), precision=t.choice("precision", dt.precision, PRECISIONS),
-        seed=t.integer("seed", dt.seed, maximum=2**63 - 1),
-        setup_timeout_s=t.number("setup_timeout_s", dt.setup_timeout_s, minimum=1.0, maximum=86400.0),
-        stall_timeout_s=t.number("stall_timeout_s", dt.stall_timeout_s, minimum=1.0, maximum=86400.0),
-        checkpoint_every=t.integer("checkpoint_every", dt.checkpoint_every, maximum=MAX_STEPS),
-    )
 
 
 def _parse_parallel(p: Section) -> ParallelConfig:
@@ -442,7 +391,7 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfi
     job = JobConfig(
         model=_parse_model(top.section("model")),
         data=_parse_data(top.section("data")),
-        train=_parse_train(top.section("train")),
+        train=parse_train(top.section("train")),
         parallel=_parse_parallel(top.section("parallel")),
         output=OutputConfig(dir=out.text("dir", do.dir), trace=out.flag("trace", do.trace),
                             max_shard_bytes=out.integer("max_shard_bytes", do.max_shard_bytes, minimum=1 << 10)),

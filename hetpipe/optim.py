@@ -8,10 +8,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.optim.adam import adam
+from torch.optim.adamw import adamw
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd
 
-from hetpipe.config import OptimizerConfig
+from hetpipe.training import OptimizerConfig, TrainConfig, learning_rate
 
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision
@@ -47,9 +48,13 @@ def use_foreach(params: Sequence[torch.Tensor]) -> bool:
     return bool(params) and all(p.device.type == "cuda" for p in params)
 
 
+ADAM_LIKE = ("adam", "adamw")   # their state: exp_avg, exp_avg_sq and a step count per parameter
+
+
 class StageOptimizer:
-    """A stage's SGD or Adam step: torch.optim's own functional kernels, so bit for bit what
-    torch.optim.SGD/Adam compute with the same foreach choice, the state held here as plain tensors.
+    """A stage's SGD, Adam or AdamW step: torch.optim's own functional kernels, so bit for bit what
+    torch.optim.SGD/Adam/AdamW compute with the same foreach choice and learning rate, the state
+    held here as plain tensors.
 
     Not torch.optim's classes: their first step imports torch._dynamo, 1.2 s and 70 MB in every
     stage process; the functional kernels do not.
@@ -58,31 +63,44 @@ class StageOptimizer:
     def __init__(self, params: Sequence[torch.Tensor], cfg: OptimizerConfig) -> None:
         self.params, self.cfg = list(params), cfg
         self.momentum: list[torch.Tensor | None] = [None] * len(self.params)
-        self.exp_avg = [torch.zeros_like(p) for p in self.params] if cfg.name == "adam" else []
-        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params] if cfg.name == "adam" else []
-        self.steps = [torch.tensor(0.0, dtype=_get_scalar_dtype()) for _ in self.params] if cfg.name == "adam" else []
+        adam_like = cfg.name in ADAM_LIKE
+        self.exp_avg = [torch.zeros_like(p) for p in self.params] if adam_like else []
+        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params] if adam_like else []
+        self.steps = [torch.tensor(0.0, dtype=_get_scalar_dtype()) for _ in self.params] if adam_like else []
 
     @torch.no_grad()
-    def step(self, grads: Sequence[torch.Tensor]) -> None:
-        """Applies one step with these gradients (one per parameter, in order)."""
+    def step(self, grads: Sequence[torch.Tensor], lr: float | None = None) -> None:
+        """Applies one step with these gradients (one per parameter, in order), at learning rate
+        lr (training.learning_rate of the minibatch; None: the optimizer's own)."""
         cfg, params = self.cfg, self.params
         foreach = use_foreach(params)
-        if cfg.name == "adam":
-            adam(params, list(grads), self.exp_avg, self.exp_avg_sq, [], self.steps, foreach=foreach,
-                 amsgrad=False, beta1=cfg.betas[0], beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay,
-                 eps=cfg.eps, maximize=False)
+        lr = cfg.lr if lr is None else lr
+        if cfg.name in ADAM_LIKE:
+            kernel = adamw if cfg.name == "adamw" else adam
+            kernel(params, list(grads), self.exp_avg, self.exp_avg_sq, [], self.steps, foreach=foreach,
+                   amsgrad=False, beta1=cfg.betas[0], beta2=cfg.betas[1], lr=lr, weight_decay=cfg.weight_decay,
+                   eps=cfg.eps, maximize=False)
         else:
             sgd(params, list(grads), self.momentum, foreach=foreach, weight_decay=cfg.weight_decay,
-                momentum=cfg.momentum, lr=cfg.lr, dampening=0.0, nesterov=False, maximize=False)
+                momentum=cfg.momentum, lr=lr, dampening=0.0, nesterov=False, maximize=False)
 
 
 def make_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     foreach = use_foreach(params)  # as StageOptimizer decides: the oracles compare like with like
-    if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                weight_decay=cfg.weight_decay, foreach=foreach)
+    if cfg.name in ADAM_LIKE:
+        kind = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+        return kind(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=foreach)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
                            weight_decay=cfg.weight_decay, foreach=foreach)
+
+
+def step_at(optimizer: torch.optim.Optimizer, train: TrainConfig, p: int) -> None:
+    """A make_optimizer optimizer's step for minibatch p, at its learning rate (as a stage's
+    StageOptimizer takes it), then the gradients cleared."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(train, p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def compute_loss(kind: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

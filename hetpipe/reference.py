@@ -6,7 +6,7 @@ import torch
 
 from hetpipe import data, models
 from hetpipe.config import JobConfig
-from hetpipe.optim import compute_loss, make_optimizer
+from hetpipe.optim import compute_loss, make_optimizer, step_at
 
 
 def initial_model(job: JobConfig) -> torch.nn.Sequential:
@@ -52,8 +52,7 @@ def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu
                     t.add_(g)
         for w, g in zip(params, total):
             w.grad = g  # summed: each VW's SGD update -lr*g_v is applied once
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step_at(optimizer, job.train, p)
     return model
 
 

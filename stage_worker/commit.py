@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from hetpipe.training import learning_rate
 from hetpipe.v1 import wire_pb2
 from hetpipe.wsp import closes_wave, wave_of
 from stage_worker.links import Link, Outgoing
@@ -43,7 +44,8 @@ def _news(s: Loaded) -> wire_pb2.Verdicts:
 
 def commit(s: Loaded, p: int, grads: Grads, *, scale: float = 1.0, skip: bool = False) -> None:
     """L3: p's step (or, fp16, its skip), folded into its wave's update (G1)."""
-    update = s.compute.commit(grads, scale=scale, skip=skip, into=s.sync.spare_update())
+    update = s.compute.commit(grads, scale=scale, skip=skip, into=s.sync.spare_update(),
+                              lr=learning_rate(s.job.train, p))
     s.sync.after_update(p, update)
     if closes_wave(p, s.job.nm, s.job.train.steps):
         s.sync.on_wave_end(wave_of(p, s.job.nm))

@@ -14,8 +14,8 @@ from torch import nn
 from torch.func import functional_call
 
 from hetpipe.buffers import raw_bytes
-from hetpipe.config import OptimizerConfig
 from hetpipe.optim import StageOptimizer, autocast, compute_dtype, compute_loss, for_loss, to_compute
+from hetpipe.training import OptimizerConfig
 
 
 # torch.autograd.grad imports symbolic_shapes (with sympy: 0.4 s) on its first call with
@@ -221,8 +221,9 @@ class StageCompute:
 
     @torch.no_grad()
     def commit(self, grads: Grads, *, scale: float = 1.0, skip: bool = False,
-               into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """L3: the optimizer step with these gradients (divided by the loss scale), a new version;
+               into: list[torch.Tensor] | None = None, lr: float | None = None) -> list[torch.Tensor]:
+        """L3: the optimizer step with these gradients (divided by the loss scale) at learning rate
+        lr (None: the optimizer's), a new version;
         skip: a version without a step (fp16: some stage's gradients of this minibatch overflowed).
         Returns the update u = w_after - w_before (empty unless tracked for WSP), written into
         `into` where given (buffers shaped as the parameters: Sync.spare_update)."""
@@ -233,7 +234,7 @@ class StageCompute:
             return [b.zero_() for b in into] if into is not None else [torch.zeros_like(p) for p in self.params]
         if scale != 1.0:
             grads = [None if g is None else g.div_(scale) for g in grads]
-        return self._step(grads, into)
+        return self._step(grads, into, lr)
 
     def _grads(
         self, stashed: _Stashed, out: torch.Tensor, grad_out: torch.Tensor | None
@@ -247,7 +248,7 @@ class StageCompute:
         grad_in = self._wire(got[-1]) if wants_x else None
         return grad_in, grads
 
-    def _step(self, grads: Grads, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def _step(self, grads: Grads, into: list[torch.Tensor] | None = None, lr: float | None = None) -> list[torch.Tensor]:
         if not self.track_updates:
             before: list[torch.Tensor] = []
         elif into is None:
@@ -255,7 +256,7 @@ class StageCompute:
         else:
             before = [b.copy_(p.detach()) for b, p in zip(into, self.params)]
         if self.optimizer is not None:
-            self.optimizer.step([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)])
+            self.optimizer.step([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)], lr)
         self.version += 1
         # u = w_after - w_before, written over the copy: no second model-sized allocation per step.
         return [torch.sub(p.detach(), b, out=b) for p, b in zip(self.params, before)]

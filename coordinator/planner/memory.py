@@ -12,7 +12,7 @@ OPTIMIZER_STATE = {"sgd": 0, "sgd+momentum": 1, "momentum": 1, "adam": 2}
 
 def optimizer_kind(name: str, momentum: float = 0.0) -> str:
     """The stage_memory optimizer name for a train.optimizer config (name, momentum)."""
-    if name == "adam":
+    if name in ("adam", "adamw"):   # the same state: two moments per parameter
         return "adam"
     return "sgd+momentum" if momentum else "sgd"
 

@@ -74,10 +74,12 @@ def test_ddp_with_n_times_lr_equals_hetpipe_k1(make_job, tmp_path: Path) -> None
 
 
 def test_ddp_three_ranks_equal_summed_sync_dp(make_job, tmp_path: Path) -> None:
-    """N=3 against the summed-update reference, which O2 (test_oracle_o2) proves equal to HetPipe."""
+    """N=3 against the summed-update reference, which O2 (test_oracle_o2) proves equal to HetPipe;
+    each step at its scheduled learning rate in both."""
     n, lr = 3, 0.05
     job = make_job({
-        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": n * lr}, "steps": 15},
+        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": n * lr}, "steps": 15,
+                  "lr_schedule": {"warmup_steps": 3, "decay": "cosine"}},
         "parallel": {"virtual_workers": n, "stages_per_vw": 1, "mode": "ddp"},
         "output": {"trace": False},
     })
@@ -87,7 +89,12 @@ def test_ddp_three_ranks_equal_summed_sync_dp(make_job, tmp_path: Path) -> None:
     assert summary["virtual_workers"] == n
 
 
-OPTIMIZERS = {"sgd-momentum": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "adam": {"name": "adam", "lr": 0.01}}
+TRAINING = {
+    "sgd-momentum": {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
+    "adam": {"optimizer": {"name": "adam", "lr": 0.01}},
+    "adamw-warmup-linear": {"optimizer": {"name": "adamw", "lr": 0.01},
+                            "lr_schedule": {"warmup_steps": 4, "decay": "linear"}},
+}
 
 
 # 1F1B with one micro-batch is torch's Schedule1F1B only for one stage (it needs a micro-batch per
@@ -97,11 +104,12 @@ OPTIMIZERS = {"sgd-momentum": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "ada
     ("gpipe", 2, 1, "sgd-momentum"),
     ("1f1b", 1, 1, "adam"),
     ("1f1b", 2, 2, "adam"),
+    ("gpipe", 2, 2, "adamw-warmup-linear"),
 ])
 def test_pipeline_equals_plain_training(make_job, tmp_path: Path, schedule: str, k: int, microbatches: int,
                                         optimizer: str) -> None:
     job = make_job({
-        "train": {"dtype": "float64", "optimizer": OPTIMIZERS[optimizer], "steps": 20},
+        "train": {"dtype": "float64", "steps": 20, **TRAINING[optimizer]},
         "parallel": {"virtual_workers": 1, "stages_per_vw": k, "nm": 1, "mode": "torch-pipeline",
                      "schedule": schedule, "microbatches": microbatches},
         "output": {"trace": False},

@@ -16,15 +16,18 @@ from hetpipe.reference import train_reference
 
 pytestmark = pytest.mark.timeout(120)
 
-OPTIMIZERS = {
-    "sgd-momentum": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-    "adam": {"name": "adam", "lr": 0.01},
+TRAINING = {
+    "sgd-momentum": {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
+    "adam": {"optimizer": {"name": "adam", "lr": 0.01}},
+    # Each stage steps minibatch p at its own learning rate, as the reference does.
+    "adamw-warmup-cosine": {"optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
+                            "lr_schedule": {"warmup_steps": 5, "decay": "cosine", "min_lr": 0.001}},
 }
 
 
 @pytest.mark.parametrize(("k", "optimizer", "transport"), [
     (2, "sgd-momentum", "shm"), (2, "sgd-momentum", "grpc"), (2, "adam", "shm"), (3, "sgd-momentum", "grpc"),
-    (3, "adam", "shm"), (4, "sgd-momentum", "shm"), (4, "adam", "grpc"),
+    (3, "adam", "shm"), (4, "sgd-momentum", "shm"), (4, "adam", "grpc"), (3, "adamw-warmup-cosine", "shm"),
 ])
 def test_pipeline_matches_single_process(make_job, tmp_path: Path, k: int, optimizer: str, transport: str) -> None:
     # A model.init that differs from the seeded init proves init is honoured.
@@ -33,7 +36,7 @@ def test_pipeline_matches_single_process(make_job, tmp_path: Path, k: int, optim
     torch.save(init.state_dict(), tmp_path / "init.pt")  # a plain state_dict: read key by key
     job = make_job({
         "model": {"init": "init.pt"},
-        "train": {"dtype": "float64", "optimizer": OPTIMIZERS[optimizer], "steps": 30},
+        "train": {"dtype": "float64", "steps": 30, **TRAINING[optimizer]},
         "parallel": {"stages_per_vw": k, "nm": 1, "transport": transport},
         "output": {"trace": False},
     })

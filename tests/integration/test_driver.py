@@ -133,19 +133,28 @@ def test_an_unreachable_stage_fails_setup_naming_it(make_job, stages: list[rpc.S
     assert checked, "the driver asks the launcher whether a process died before blaming the network"
 
 
-def test_a_loss_that_goes_nan_fails_the_job_as_diverged_before_it_ends(make_job, stages: list[rpc.Server]) -> None:
+@pytest.mark.parametrize("warmup", [0, 4000], ids=["constant", "warming-up"])
+def test_a_loss_that_goes_nan_fails_the_job_as_diverged_before_it_ends(make_job, stages: list[rpc.Server],
+                                                                       warmup: int) -> None:
     """A NaN loss in fp32 is divergence: the job fails as soon as a poll sees it, naming the VW, how
-    far it got and the learning rate, instead of training on NaN weights and exiting 0."""
-    steps = 2000
-    job = make_job({"train": {"steps": steps, "optimizer": {"name": "sgd", "lr": 1e12}},
+    far it got and the learning rate (during a warm-up, the one that minibatch trained at), instead
+    of training on NaN weights and exiting 0."""
+    steps = 8000
+    job = make_job({"train": {"steps": steps, "optimizer": {"name": "sgd", "lr": 1e12},
+                              "lr_schedule": {"warmup_steps": warmup}},
                     "parallel": {"stages_per_vw": 2, "nm": 1}, "output": {"trace": False}})
     driver = JobDriver(job, make_plan(job), [s.address for s in stages])
+    lr = r"train.optimizer.lr is 1e\+12" if not warmup else \
+        r"its learning rate is ([0-9.e+]+), of train.optimizer.lr 1e\+12 and train.lr_schedule"
     try:
         driver.setup()
         with pytest.raises(JobFailed, match=r"training diverged: the loss of vw 0 is nan at minibatch (\d+) "
-                                            r"\(train.optimizer.lr is 1e\+12") as info:
+                                            rf"\({lr}") as info:
             driver.run(interval=0.01)
     finally:
         driver.close()
     done = int(re.search(r"at minibatch (\d+)", str(info.value)).group(1))  # type: ignore[union-attr]
     assert 0 < done < steps
+    if warmup:
+        rate = float(re.search(r"its learning rate is ([0-9.e+]+),", str(info.value)).group(1))  # type: ignore[union-attr]
+        assert rate == pytest.approx(1e12 * done / warmup, rel=1e-5)

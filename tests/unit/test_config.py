@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetpipe.cluster import EmulateConfig, GpuGroup, NodeConfig
+from hetpipe.training import OptimizerConfig
 from hetpipe.config import (
     ConfigError,
     DataConfig,
     JobConfig,
-    OptimizerConfig,
     OutputConfig,
     ParallelConfig,
     ResolvedJob,
@@ -373,11 +373,16 @@ valid_jobs = st.fixed_dictionaries(
             optional={
                 "steps": st.integers(1, 10**6), "loss": st.sampled_from(["cross_entropy", "mse"]),
                 "dtype": st.sampled_from(["float32", "float64"]), "seed": st.integers(0, 2**31),
-                "optimizer": st.fixed_dictionaries(
-                    {"name": st.sampled_from(["sgd", "adam"])},
-                    optional={"lr": st.floats(0, 10), "momentum": st.floats(0, 1),
-                              "betas": st.tuples(st.floats(0, 0.99), st.floats(0, 0.99)).map(list)},
+                "optimizer": st.one_of(
+                    st.fixed_dictionaries({"name": st.just("sgd")},
+                                          optional={"lr": st.floats(0, 10), "momentum": st.floats(0, 1)}),
+                    st.fixed_dictionaries({"name": st.sampled_from(["adam", "adamw"])},
+                                          optional={"lr": st.floats(0, 10), "weight_decay": st.floats(0, 1),
+                                                    "betas": st.tuples(st.floats(0, 0.99), st.floats(0, 0.99)).map(list)}),
                 ),
+                "lr_schedule": st.fixed_dictionaries(
+                    {}, optional={"warmup_steps": st.integers(0, 1), "min_lr": st.just(0.0),
+                                  "decay": st.sampled_from(["constant", "linear", "cosine"])}),
             },
         ),
         "parallel": st.fixed_dictionaries(

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from hetpipe.config import OptimizerConfig
-from hetpipe.optim import StageOptimizer, make_optimizer
+from hetpipe.training import LrSchedule, OptimizerConfig, TrainConfig, learning_rate
+from hetpipe.optim import StageOptimizer, make_optimizer, step_at
 from stage_worker.stage import StageCompute
 
 SGD = OptimizerConfig(name="sgd", lr=0.1)
@@ -120,22 +120,42 @@ def test_a_stage_without_parameters_still_counts_its_minibatches() -> None:
     OptimizerConfig(name="sgd", lr=0.05, momentum=0.9, weight_decay=0.01),
     OptimizerConfig(name="adam", lr=0.01),
     OptimizerConfig(name="adam", lr=0.003, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
-], ids=["sgd", "sgd-momentum-wd", "adam", "adam-wd"])
+    OptimizerConfig(name="adamw", lr=0.003, betas=(0.9, 0.95), weight_decay=0.1),
+], ids=["sgd", "sgd-momentum-wd", "adam", "adam-wd", "adamw"])
+@pytest.mark.parametrize("schedule", [LrSchedule(), LrSchedule(warmup_steps=2, decay="cosine", min_lr=1e-4)],
+                         ids=["constant", "warmup-cosine"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_stage_optimizer_is_bit_for_bit_torch_optim(cfg: OptimizerConfig, dtype: torch.dtype) -> None:
+def test_stage_optimizer_is_bit_for_bit_torch_optim(cfg: OptimizerConfig, schedule: LrSchedule,
+                                                    dtype: torch.dtype) -> None:
+    """A stage's step of minibatch p at learning_rate(p) is torch.optim's, stepped by step_at as
+    the reference and the baselines step it."""
+    train = TrainConfig(steps=6, optimizer=cfg, lr_schedule=schedule)
     gen = torch.Generator().manual_seed(0)
     ours = [torch.randn(3, 4, generator=gen, dtype=dtype), torch.randn(5, generator=gen, dtype=dtype)]
     theirs = [nn.Parameter(p.clone()) for p in ours]
     reference = make_optimizer(theirs, cfg)
     mine = StageOptimizer(ours, cfg)
-    for _ in range(5):
+    for p in range(1, train.steps + 1):
         grads = [torch.randn(p.shape, generator=gen, dtype=dtype) for p in ours]
-        mine.step(grads)
-        for p, g in zip(theirs, grads):
-            p.grad = g.clone()
-        reference.step()
+        mine.step(grads, learning_rate(train, p))
+        for w, g in zip(theirs, grads):
+            w.grad = g.clone()
+        step_at(reference, train, p)
         for a, b in zip(ours, theirs):
             assert torch.equal(a, b.detach())
+    assert all(w.grad is None for w in theirs), "step_at clears the gradients"
+
+
+def test_adamw_decays_the_weights_themselves() -> None:
+    """AdamW's weight decay shrinks a weight whose gradient is zero (decoupled); Adam's adds
+    weight_decay * w to the gradient, and Adam's normalised step then moves it by about lr."""
+    steps = {}
+    for name in ("adam", "adamw"):
+        w = [torch.tensor([1.0], dtype=torch.float64)]
+        StageOptimizer(w, OptimizerConfig(name=name, lr=0.1, weight_decay=0.1)).step([torch.zeros(1, dtype=torch.float64)])
+        steps[name] = 1.0 - float(w[0])
+    assert steps["adamw"] == pytest.approx(0.1 * 0.1), "decoupled: w -= lr * weight_decay * w"
+    assert steps["adam"] == pytest.approx(0.1, rel=1e-6), "coupled: the decay is a gradient, normalised"
 
 
 def test_the_weights_digest_covers_zero_dimensional_state() -> None:
