@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from hetpipe.training import MAX_STEPS, TrainConfig, parse_train
 from hetpipe.validate import ConfigError, JobLoader, Section, fail, is_number
 
 __all__ = ["ConfigError", "JobConfig", "JobLoader", "ResolvedJob", "TrainConfig", "load_job", "parse_job", "resolve",
-           "with_overrides"]
+           "with_overrides", "with_setting"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,8 +405,8 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfi
     return job
 
 
-def load_job(path: str | Path) -> JobConfig:
-    """Reads and validates a job YAML file."""
+def load_job(path: str | Path, settings: Sequence[str] = ()) -> JobConfig:
+    """Reads and validates a job YAML file, with `--set KEY=VALUE` settings applied in order."""
     path = Path(path)
     try:
         raw = yaml.load(path.read_text(), Loader=JobLoader)
@@ -421,7 +422,35 @@ def load_job(path: str | Path) -> JobConfig:
         raise ConfigError(f"job file {path} is not UTF-8 text (byte {exc.start})") from None
     except (ValueError, RecursionError) as exc:  # an integer of too many digits; nesting past the stack
         raise ConfigError(f"job file {path} cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from None
-    return parse_job(raw or {}, base_dir=str(path.resolve().parent))
+    raw = raw or {}
+    for setting in settings:
+        raw = with_setting(raw, setting)
+    return parse_job(raw, base_dir=str(path.resolve().parent))
+
+
+def with_setting(raw: Mapping[str, Any], setting: str) -> dict[str, Any]:
+    """A copy of a job mapping with one `--set KEY=VALUE` in it: KEY a dotted path into the job
+    file (train.optimizer.lr), VALUE read as the job file's YAML (0.001, [256, 256], null). A
+    missing section is made; a key that is not one is refused later, by parse_job, by name."""
+    key, sep, text = setting.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"--set {setting!r}: expected KEY=VALUE, KEY a dotted path such as train.optimizer.lr")
+    try:
+        value = yaml.load(text, Loader=JobLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: {text!r} is not a YAML value ({exc})") from None
+    out = copy.deepcopy(dict(raw))
+    node = out
+    for depth, part in enumerate(parts[:-1], start=1):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {'.'.join(parts[:depth])} is {child!r} in the job file, not a mapping")
+        node = child
+    node[parts[-1]] = value
+    return out
 
 
 def with_overrides(job: JobConfig, **sections: Mapping[str, Any]) -> JobConfig:

@@ -66,7 +66,7 @@ def _run_job(args: argparse.Namespace) -> int:
         from launch.local import run_local
 
     try:
-        job = load_job(args.config)
+        job = load_job(args.config, args.set)
         if args.coordinator:
             summary = remote.run_remote(job, args.coordinator, quiet=args.quiet, flags=security.from_namespace(args))
         else:
@@ -116,13 +116,15 @@ def _coordinator(argv: list[str]) -> int:
     return coordinator_main(argv)
 
 
-def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] | None = None) -> tuple[JobConfig, Plan] | int:
-    """The job file and its plan (by make_plan unless plan is given), or EXIT_USAGE after one error line."""
+def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] | None = None,
+                   settings: list[str] | None = None) -> tuple[JobConfig, Plan] | int:
+    """The job file (with --set's settings) and its plan (by make_plan unless plan is given), or
+    EXIT_USAGE after one error line."""
     with interrupts_held():
         from coordinator.planner import PlanError, make_plan
 
     try:
-        job = load_job(path)
+        job = load_job(path, settings or [])
         return job, (plan or make_plan)(job)
     except (ConfigError, PlanError) as exc:
         _error(str(exc))
@@ -138,7 +140,7 @@ def _plan(args: argparse.Namespace) -> int:
     inputs = _read_projection(args.projection) if args.projection else None  # a bad file fails before planning
     if isinstance(inputs, int):
         return inputs
-    planned = _plan_or_usage(args.config, preflight)  # refuses what `hetpipe run` would, before it starts
+    planned = _plan_or_usage(args.config, preflight, args.set)  # refuses what `hetpipe run` would, before it starts
     if isinstance(planned, int):
         return planned
     job, plan = planned
@@ -394,6 +396,12 @@ def _version() -> str:
                    ["project"]["version"]) + " (not installed)"
 
 
+def _add_set(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="change one setting of the job file, e.g. --set train.optimizer.lr=0.001 (VALUE is "
+                              "YAML: 0.001, [256, 256], null); repeatable, applied in order")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hetpipe", description="HetPipe: train large models on heterogeneous GPUs")
     ap.add_argument("--version", action="version", version=f"hetpipe {_version()}")
@@ -401,6 +409,7 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a job file with local processes (or on a coordinator's workers: --coordinator)")
     run.add_argument("config", help="job YAML file")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_set(run)
     start = run.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",
                        help="go on from the latest checkpoint in output.dir (train.checkpoint_every)")
@@ -421,6 +430,7 @@ def parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show the plan for a job file: VWs, GPUs, layers, memory, prediction")
     plan.add_argument("config", help="job YAML file")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_set(plan)
     plan.add_argument("--projection", metavar="FILE",
                       help="also project DP alone vs N-way DP x M-way MP (Pal et al. 2019) from the measured "
                            "inputs in FILE, e.g. examples/projection-inception-v3.yaml")

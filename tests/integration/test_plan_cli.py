@@ -148,3 +148,33 @@ def _plan_with(capsys: pytest.CaptureFixture[str], tmp_path: Path, raw: dict[str
     code = cli.main(["plan", str(path), *options])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def test_set_changes_the_job_file_for_this_command_only(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--set KEY=VALUE: a dotted key, a YAML value, applied in order; the file stays as it was."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(deep_update(BASE_JOB, EMULATED)))
+    before = path.read_text()
+    assert cli.main(["plan", str(path), "--set", "parallel.stages_per_vw=3", "--set", "parallel.nm=1",
+                     "--set", "parallel.nm=3", "--set", "cluster.nodes=[{name: n0, gpus: [{type: t4, count: 3}]}]"]) == 0
+    out, _ = capsys.readouterr()
+    assert "1 virtual worker x 3 stages, nm 3" in out, out
+    assert path.read_text() == before
+
+
+@pytest.mark.parametrize(("setting", "names"), [
+    ("parallel.stages=3", ["parallel.stages: unknown key", "stages_per_vw"]),
+    ("parallel.nm=zero", ["parallel.nm", "'zero'"]),
+    ("train.steps.max=3", ["--set train.steps.max", "train.steps is", "not a mapping"]),
+    ("parallel", ["--set 'parallel'", "KEY=VALUE"]),
+    ("train..lr=1", ["KEY=VALUE", "dotted path"]),
+    ("train.seed=[1", ["--set train.seed", "not a YAML value"]),
+])
+def test_a_bad_set_is_refused_by_name(capsys: pytest.CaptureFixture[str], tmp_path: Path, setting: str,
+                                      names: list[str]) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(deep_update(BASE_JOB, {**EMULATED, "train": {"steps": 10}})))
+    assert cli.main(["plan", str(path), "--set", setting]) == 2
+    err = capsys.readouterr().err
+    for name in names:
+        assert name in err, err

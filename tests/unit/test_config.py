@@ -29,6 +29,7 @@ from hetpipe.config import (
     parse_job,
     resolve,
     with_overrides,
+    with_setting,
 )
 
 # DESIGN §8, verbatim: this is the public contract.
@@ -496,3 +497,13 @@ def test_numbers_and_files_no_setting_could_hold_are_refused_in_one_line(tmp_pat
         (tmp_path / name).write_bytes(text)
         with pytest.raises(ConfigError, match=f"job file .*{name} (cannot be read|is not UTF-8 text)"):
             load_job(tmp_path / name)
+
+
+def test_with_setting_changes_a_copy_and_makes_missing_sections() -> None:
+    raw = {"model": {"name": "mlp", "args": {"hidden": [8]}}, "train": None}
+    got = with_setting(with_setting(raw, "model.args.hidden=[16, 16]"), "train.optimizer.lr=1e-3")
+    got = with_setting(got, "eval=null")
+    assert got == {"model": {"name": "mlp", "args": {"hidden": [16, 16]}}, "train": {"optimizer": {"lr": 0.001}},
+                   "eval": None}
+    assert raw == {"model": {"name": "mlp", "args": {"hidden": [8]}}, "train": None}, "the job file's mapping is kept"
+    assert parse_job(got).train.optimizer.lr == 0.001
