@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +20,16 @@ from stage_worker.scaling import Waiting
 from stage_worker.stage import Grads
 
 Send = tuple[Link, Outgoing]
+
+
+class Ran(NamedTuple):
+    """What a task leaves to the compute loop: its messages, the forward's share of its seconds
+    (a task that is both), and what runs once the messages are on their way: p's commit, so that
+    the previous stage's backward does not wait for this one's optimizer step (nor, on a GPU, the
+    copy of the gradient it sends for the step's kernels)."""
+    sends: list[Send]
+    forward: float = 0.0
+    then: Callable[[], None] | None = None
 
 
 def tag(s: Loaded, p: int, version: int, evaluation: int = 0, micro: int = 0) -> wire_pb2.MinibatchTag:

@@ -15,7 +15,7 @@ import torch
 from hetpipe import data
 from hetpipe.wsp import wave_of
 from stage_worker import commit
-from stage_worker.commit import Send
+from stage_worker.commit import Ran
 from stage_worker.inbox import Inbox
 from stage_worker.loaded import Loaded
 from stage_worker.micro_schedule import MicroSchedule
@@ -53,7 +53,7 @@ class MicroTasks:
         assert s.targets is not None
         return self._part(s, self._y, s.targets, 1, p, m)
 
-    def forward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+    def forward(self, s: Loaded, task: Task) -> Ran:
         p, m, sched = task.p, task.micro, self._schedule(s)
         x = self._input(s, p, m)
         start, min_clock = time.time(), s.sync.min_clock
@@ -69,9 +69,9 @@ class MicroTasks:
             s.observe.forward(p, version, s.sync.clock, min_clock)
         s.padder.pad(start, s.setup.forward_seconds / sched.micro)
         s.trace.micro(p, "fwd", m, start, time.time(), local_version=version, min_clock=min_clock)
-        return sends, 0.0
+        return Ran(sends)
 
-    def backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+    def backward(self, s: Loaded, task: Task) -> Ran:
         p, m, sched = task.p, task.micro, self._schedule(s)
         grad = None
         if not s.setup.last:
@@ -87,19 +87,19 @@ class MicroTasks:
             s.padder.pad(start, s.setup.backward_seconds)
         s.trace.micro(p, "bwd", m, start, time.time())
         self._end(s, task, version)
-        return commit.gradient(s, p, version, grad_in, micro=m), 0.0
+        return Ran(commit.gradient(s, p, version, grad_in, micro=m))
 
-    def forward_backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+    def forward_backward(self, s: Loaded, task: Task) -> Ran:
         """nf1b's last stage: the last micro-batch's forward, then p's one backward."""
         began = time.time()
-        sends, _ = self.forward(s, task)
+        sends = self.forward(s, task).sends
         start = time.time()
         grad_in = s.compute.backward_losses(task.p)
         s.padder.pad(start, s.setup.backward_seconds)
         s.trace.micro(task.p, "bwd", 0, start, time.time())
         version = s.compute.version
         self._end(s, task, version)
-        return sends + commit.gradient(s, task.p, version, grad_in), start - began
+        return Ran(sends + commit.gradient(s, task.p, version, grad_in), start - began)
 
     def _end(self, s: Loaded, task: Task, version: int) -> None:
         """p's step once its last backward here is done (L3), and its wave's update (G1)."""

@@ -21,7 +21,7 @@ from stage_worker import commit, lifecycle, metrics
 from stage_worker.assignment import Setup, validate
 from stage_worker.inbox import Inbox, Metas
 from stage_worker.lifecycle import StageState
-from stage_worker.commit import Send
+from stage_worker.commit import Ran, Send
 from stage_worker.links import Link
 from stage_worker.loaded import Loaded
 from stage_worker.micro import MicroTasks
@@ -283,7 +283,8 @@ class StageRuntime:
                 if task is None:
                     break
                 started = time.monotonic()
-                outgoing, forward = run[task.kind](s, task)
+                ran = run[task.kind](s, task)
+                forward = ran.forward
                 with self._cv:
                     self._busy = False
                     if task.kind in (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.FORWARD_BACKWARD):
@@ -295,8 +296,13 @@ class StageRuntime:
                     self._cv.notify_all()
                 # Only now may results leave: a neighbour reacting to them (stage 0 injecting
                 # p + nm after this gradient) must find this task recorded as done.
-                for link, message in outgoing:
+                for link, message in ran.sends:
                     link.send(message)
+                if ran.then is not None:
+                    began = time.monotonic()
+                    ran.then()
+                    with self._cv:
+                        self._phase_seconds["backward"] += time.monotonic() - began   # p's step is its backward's
         except Exception as exc:  # any bug or device error fails the stage loudly, naming p
             log.exception("%s crashed", s.setup.name)
             where = (f" at {'evaluation' if task.kind == TaskKind.EVAL else 'minibatch'} {task.p}" if task
@@ -305,14 +311,14 @@ class StageRuntime:
 
     # ---- evaluation --------------------------------------------------------------------------
 
-    def _merge_final(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+    def _merge_final(self, s: Loaded, task: Task) -> Ran:
         assert self._final is not None
         s.sync.pull_now(s.compute, self._final)
         with self._cv:
             self._final_merged = True
-        return [], 0.0
+        return Ran([])
 
-    def _evaluate(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+    def _evaluate(self, s: Loaded, task: Task) -> Ran:
         """Stage 0: reads every held-out minibatch and sends it on; a later stage runs the one
         that arrived; the last stage scores it."""
         assert s.evals is not None
@@ -336,7 +342,7 @@ class StageRuntime:
                 s.evals.score(k, i, out, trained=s.job.train.steps if final else s.schedule.completed,
                               name=s.setup.name)
         s.evals.ran(k, len(inputs))
-        return sends, 0.0
+        return Ran(sends)
 
     # ---- queries and shutdown ----------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import torch
 
 from hetpipe.wsp import wave_of
 from stage_worker import commit
-from stage_worker.commit import Send
+from stage_worker.commit import Ran
 from stage_worker.inbox import Inbox
 from stage_worker.loaded import Loaded
 from stage_worker.schedule import Task
@@ -23,7 +23,7 @@ class MinibatchTasks:
     def __init__(self, inbox: Inbox, lock: threading.Condition, losses: deque[tuple[int, torch.Tensor]]) -> None:
         self._inbox, self._lock, self._losses = inbox, lock, losses
 
-    def forward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+    def forward(self, s: Loaded, task: Task) -> Ran:
         p = task.p
         if s.inputs is not None:
             x = s.inputs.next()[0].to(s.compute.device, non_blocking=True)
@@ -37,9 +37,9 @@ class MinibatchTasks:
         s.observe.forward(p, version, s.sync.clock, min_clock)
         s.padder.pad(start, s.setup.forward_seconds)
         s.trace.forward(p, local_version=version, min_clock=min_clock, fwd_start=start, fwd_end=time.time())
-        return [commit.activation(s, p, version, out)], 0.0
+        return Ran([commit.activation(s, p, version, out)])
 
-    def backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+    def backward(self, s: Loaded, task: Task) -> Ran:
         p = task.p
         with self._lock:
             grad = self._inbox.backward.pop(p)
@@ -48,13 +48,12 @@ class MinibatchTasks:
         s.padder.pad(start, s.setup.backward_seconds)
         s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=start, bwd_end=time.time())
         if s.scaling is None:
-            commit.commit(s, p, grads)
-            return commit.gradient(s, p, version, grad_in), 0.0
+            return Ran(commit.gradient(s, p, version, grad_in), then=lambda: commit.commit(s, p, grads))
         scale, later = s.scaling.incoming.pop(p)
         overflow = commit.scaled_backward(s, p, grads, grad_in, scale, later)
-        return commit.gradient(s, p, version, grad_in, scale, overflow), 0.0
+        return Ran(commit.gradient(s, p, version, grad_in, scale, overflow))
 
-    def forward_backward(self, s: Loaded, task: Task) -> tuple[list[Send], float]:
+    def forward_backward(self, s: Loaded, task: Task) -> Ran:
         p = task.p
         if s.inputs is not None:  # a lone stage reads its inputs too
             x = s.inputs.next()[0].to(s.compute.device, non_blocking=True)
@@ -83,7 +82,6 @@ class MinibatchTasks:
             s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=start + forward, bwd_end=end,
                              loss=float(loss))
         if s.scaling is None:
-            commit.commit(s, p, grads)
-            return commit.gradient(s, p, version, grad_in), forward
+            return Ran(commit.gradient(s, p, version, grad_in), forward, then=lambda: commit.commit(s, p, grads))
         overflow = commit.scaled_backward(s, p, grads, grad_in, scale, False)
-        return commit.gradient(s, p, version, grad_in, scale, overflow), forward
+        return Ran(commit.gradient(s, p, version, grad_in, scale, overflow), forward)
