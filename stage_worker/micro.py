@@ -86,8 +86,7 @@ class MicroTasks:
             grad_in = s.compute.backward_recompute(p, grad)
             s.padder.pad(start, s.setup.backward_seconds)
         s.trace.micro(p, "bwd", m, start, time.time())
-        self._end(s, task, version)
-        return Ran(commit.gradient(s, p, version, grad_in, micro=m))
+        return Ran(commit.gradient(s, p, version, grad_in, micro=m), then=lambda: self._end(s, task, version))
 
     def forward_backward(self, s: Loaded, task: Task) -> Ran:
         """nf1b's last stage: the last micro-batch's forward, then p's one backward."""
@@ -98,8 +97,8 @@ class MicroTasks:
         s.padder.pad(start, s.setup.backward_seconds)
         s.trace.micro(task.p, "bwd", 0, start, time.time())
         version = s.compute.version
-        self._end(s, task, version)
-        return Ran(sends + commit.gradient(s, task.p, version, grad_in), start - began)
+        return Ran(sends + commit.gradient(s, task.p, version, grad_in), start - began,
+                   then=lambda: self._end(s, task, version))
 
     def _end(self, s: Loaded, task: Task, version: int) -> None:
         """p's step once its last backward here is done (L3), and its wave's update (G1)."""
