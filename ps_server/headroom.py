@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from ps_server.sync_rule import ShardError
+
 
 def magnitude(t: torch.Tensor) -> float:
     """max |t| in one pass: NaN where t holds a NaN, inf where it holds an Inf; 0 when empty.
@@ -24,6 +26,26 @@ def magnitude(t: torch.Tensor) -> float:
         return 0.0
     low, high = (float(x) for x in torch.aminmax(t))
     return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+
+
+def magnitudes(what: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """Each floating-point tensor's magnitude (max |t|). NaN or Inf would poison w_global for
+    every VW for good: refused, naming the keys. Reads the tensors alone: a caller may measure a
+    push before it takes the shard's lock (push_sizes)."""
+    sizes = {k: magnitude(t) for k, t in tensors if t.is_floating_point()}
+    bad = [k for k, m in sizes.items() if not math.isfinite(m)]
+    if bad:
+        raise ShardError(ShardError.Kind.INVALID, f"{what}: NaN or Inf in {bad[:5]}")
+    return sizes
+
+
+def push_sizes(vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """magnitudes() of VW vw's push for clock, a refusal naming it as Shard.push does."""
+    return magnitudes(push_what(vw, clock), deltas)
+
+
+def push_what(vw: int, clock: int) -> str:
+    return f"push of vw {vw} for clock {clock}"
 
 
 def grow(bound: float, added: float, dtype: torch.dtype) -> float:

@@ -21,7 +21,8 @@ from hetpipe.v1 import ps_pb2, wire_pb2
 from ps_server.durability import Durability, Snapshot
 from ps_server.metrics import ShardSnapshot
 from ps_server.pull_slots import PullSlots
-from ps_server.shard import Shard, push_sizes
+from ps_server.headroom import push_sizes
+from ps_server.shard import Shard
 from ps_server.sync_rule import ShardError, SyncRule
 from ps_server.trace import ShardTrace
 
@@ -154,7 +155,7 @@ class ShardServicer:
     def _update(self, kind: str, request_iterator: Iterator[bytes], apply: Callable[..., tuple[bool, R]]) -> R:
         """A push or an exchange: decoded and checked, then apply(tag, tensors, journal, sizes) under
         the lock, which answers (whether it was new, the reply); checkpointed when due, traced.
-        sizes: a push's magnitudes (shard.push_sizes), None for an exchange."""
+        sizes: a push's magnitudes (headroom.push_sizes), None for an exchange."""
         received = time.time()
         stream = wire.read(request_iterator, self.reader)
         self._check_update(stream, kind)

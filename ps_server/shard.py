@@ -4,7 +4,6 @@ rounds, elastic averaging's master), no I/O."""
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -12,7 +11,8 @@ import torch
 
 from hetpipe import elastic
 from hetpipe.buffers import raw_bytes
-from hetpipe.config import MAX_STEPS, MAX_VIRTUAL_WORKERS
+from hetpipe.config import MAX_VIRTUAL_WORKERS
+from hetpipe.training import MAX_STEPS
 from hetpipe.wsp import NARROWED_PUSH, clock_distance
 from ps_server import headroom
 from ps_server.at_c_global import AtCGlobal
@@ -35,26 +35,6 @@ class PullResult:
     own_clock: list[int]     # per key: the puller's waves included
     vw_clocks: list[int]     # per VW: min over the keys
     c_global: int
-
-
-def magnitudes(what: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
-    """Each floating-point tensor's magnitude (max |t|). NaN or Inf would poison w_global for
-    every VW for good: refused, naming the keys. Reads the tensors alone: a caller may measure a
-    push before it takes the shard's lock (push_sizes)."""
-    sizes = {k: headroom.magnitude(t) for k, t in tensors if t.is_floating_point()}
-    bad = [k for k, m in sizes.items() if not math.isfinite(m)]
-    if bad:
-        raise ShardError(ShardError.Kind.INVALID, f"{what}: NaN or Inf in {bad[:5]}")
-    return sizes
-
-
-def push_sizes(vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
-    """magnitudes() of VW vw's push for clock, a refusal naming it as Shard.push does."""
-    return magnitudes(_push_what(vw, clock), deltas)
-
-
-def _push_what(vw: int, clock: int) -> str:
-    return f"push of vw {vw} for clock {clock}"
 
 
 class Shard:
@@ -127,7 +107,7 @@ class Shard:
             integral = [k for k, v in tensors if not v.is_floating_point()]
             if integral:
                 raise ShardError(ShardError.Kind.INVALID, f"sync elastic needs floating-point keys, not {integral[:5]}")
-        magnitudes("w0", tensors)
+        headroom.magnitudes("w0", tensors)
         named = dict(tensors)
         if len(named) != len(tensors) or not named:
             raise ShardError(ShardError.Kind.INVALID, "Init needs at least one key, each named once")
@@ -234,9 +214,9 @@ class Shard:
             # dtype. Otherwise it stays bf16 until it is added, a chunk at a time (_add): its
             # magnitudes below are those of its widened values, widening being exact.
             deltas = [(k, d if d.dtype == self.values[k].dtype else d.to(self.values[k].dtype)) for k, d in deltas]
-        what = _push_what(vw, clock)
+        what = headroom.push_what(vw, clock)
         if sizes is None:
-            sizes = push_sizes(vw, clock, deltas)
+            sizes = headroom.push_sizes(vw, clock, deltas)
         keys = [k for k, _ in deltas]
         current = {self.clocks[k][vw] for k in keys}
         if current == {clock + 1}:
@@ -353,7 +333,7 @@ class Shard:
         gets the stored deltas and changes nothing. Validated whole first; `journal` as for push."""
         self.check_exchange(vw, [(k, t.dtype, tuple(t.shape)) for k, t in replica])
         what = f"exchange of vw {vw} for clock {clock}"
-        magnitudes(what, replica)
+        headroom.magnitudes(what, replica)
         keys = [k for k, _ in replica]
         current = {self.exchanged[k][vw] for k in keys}
         if current == {clock + 1}:

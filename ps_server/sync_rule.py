@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from hetpipe import elastic
-from hetpipe.config import MAX_STEPS
+from hetpipe.training import MAX_STEPS
 
 
 class ShardError(Exception):
