@@ -35,16 +35,22 @@ def manifest(folder: Path, wave: int) -> dict[str, Any]:
     return dict(json.loads((outputs.cut_dir(folder, wave) / MANIFEST).read_text()))
 
 
+# Recorded since cuts began to record them: a cut without one matches any (it was taken before).
+LATER_KEYS = ("optimizer",)
+
+
 def job_shape(job: JobConfig, plan: Plan, shards: int) -> dict[str, Any]:
-    """What a cut records of its job, and a job resumed from it must match."""
+    """What a cut records of its job, and a job resumed from it must match (the optimizer: its
+    state in the stages' checkpoints is that optimizer's, sgd's momentum or adam's moments)."""
     return {"virtual_workers": plan.virtual_workers, "stages_per_vw": plan.stages_per_vw, "nm": plan.nm,
             "steps": job.train.steps, "ps_shards": shards, "dtype": job.train.dtype,
-            "layers": [[s.layer_begin, s.layer_end] for s in plan.stages]}
+            "layers": [[s.layer_begin, s.layer_end] for s in plan.stages], "optimizer": job.train.optimizer.name}
 
 
 def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
     """Why a job of this shape cannot resume from the cut of wave, whose manifest is m, or None."""
-    mismatch = {k: (m.get(k), v) for k, v in shape.items() if m.get(k) != v}
+    mismatch = {k: (m.get(k), v) for k, v in shape.items()
+                if m.get(k) != v and not (k in LATER_KEYS and k not in m)}
     if mismatch:
         return (f"--resume: the checkpoint of wave {wave} was taken for another job: "
                 + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in mismatch.items()))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
@@ -428,27 +427,37 @@ def load_job(path: str | Path, settings: Sequence[str] = ()) -> JobConfig:
     return parse_job(raw, base_dir=str(path.resolve().parent))
 
 
-def with_setting(raw: Mapping[str, Any], setting: str) -> dict[str, Any]:
-    """A copy of a job mapping with one `--set KEY=VALUE` in it: KEY a dotted path into the job
-    file (train.optimizer.lr), VALUE read as the job file's YAML (0.001, [256, 256], null). A
-    missing section is made; a key that is not one is refused later, by parse_job, by name."""
+def with_setting(raw: Any, setting: str) -> dict[str, Any]:
+    """A job mapping with one `--set KEY=VALUE` in it: KEY a dotted path into the job file
+    (train.optimizer.lr), VALUE read as the job file's YAML (0.001, [256, 256], null). A missing
+    section is made; a key that is not one is refused later, by parse_job, by name. Only the
+    mappings on KEY's path are copied: the rest, aliases included, stays as the file had it."""
+    if not isinstance(raw, Mapping):
+        raise fail("job file", raw, "a mapping")
     key, sep, text = setting.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(parts):
-        raise ConfigError(f"--set {setting!r}: expected KEY=VALUE, KEY a dotted path such as train.optimizer.lr")
+        raise ConfigError(f"--set {setting[:200]!r}: expected KEY=VALUE, KEY a dotted path such as train.optimizer.lr")
+    key = ".".join(parts)
     try:
         value = yaml.load(text, Loader=JobLoader)
+    except ConfigError as exc:   # a key given twice inside VALUE
+        raise ConfigError(f"--set {key}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {key}: {text!r} is not a YAML value ({exc})") from None
-    out = copy.deepcopy(dict(raw))
+        raise ConfigError(f"--set {key}: {text[:200]!r} is not a YAML value ({exc})") from None
+    except (ValueError, RecursionError) as exc:   # an integer of too many digits; nesting past the stack
+        raise ConfigError(f"--set {key}: cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from None
+    out = dict(raw)
     node = out
     for depth, part in enumerate(parts[:-1], start=1):
-        child = node.setdefault(part, {})
+        child = node.get(part)
         if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {key}: {'.'.join(parts[:depth])} is {child!r} in the job file, not a mapping")
-        node = child
+            child = {}
+        elif not isinstance(child, Mapping):
+            raise fail(f"--set {key}: {'.'.join(parts[:depth])}", child, "a mapping")
+        copied = dict(child)
+        node[part] = copied
+        node = copied
     node[parts[-1]] = value
     return out
 

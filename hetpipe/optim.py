@@ -69,12 +69,11 @@ class StageOptimizer:
         self.steps = [torch.tensor(0.0, dtype=_get_scalar_dtype()) for _ in self.params] if adam_like else []
 
     @torch.no_grad()
-    def step(self, grads: Sequence[torch.Tensor], lr: float | None = None) -> None:
+    def step(self, grads: Sequence[torch.Tensor], lr: float) -> None:
         """Applies one step with these gradients (one per parameter, in order), at learning rate
-        lr (training.learning_rate of the minibatch; None: the optimizer's own)."""
+        lr (training.learning_rate of the minibatch)."""
         cfg, params = self.cfg, self.params
         foreach = use_foreach(params)
-        lr = cfg.lr if lr is None else lr
         if cfg.name in ADAM_LIKE:
             kernel = adamw if cfg.name == "adamw" else adam
             kernel(params, list(grads), self.exp_avg, self.exp_avg_sq, [], self.steps, foreach=foreach,

@@ -56,9 +56,11 @@ def learning_rate(train: TrainConfig, p: int) -> float:
     t = p - warmup_steps - 1 of the n = steps - warmup_steps steps left (0 <= t < n), linear:
     lr - (lr - min_lr) * t / n; cosine: min_lr + (lr - min_lr) * (1 + cos(pi * t / n)) / 2, as
     Hugging Face's schedulers give step t (the first step after warm-up trains at lr, none at min_lr)."""
+    if not 1 <= p <= train.steps:
+        raise ValueError(f"minibatch {p}: the schedule spans minibatches 1 to {train.steps}")
     lr, s = train.optimizer.lr, train.lr_schedule
     if p <= s.warmup_steps:
-        return lr * p / s.warmup_steps
+        return lr * (p / s.warmup_steps)   # exactly lr at the warm-up's end
     if s.decay == "constant":
         return lr
     progress = (p - s.warmup_steps - 1) / (train.steps - s.warmup_steps)
@@ -103,6 +105,10 @@ def _parse_optimizer(o: Section) -> OptimizerConfig:
 def _parse_lr_schedule(s: Section, steps: int, lr: float) -> LrSchedule:
     s.check_known(("warmup_steps", "decay", "min_lr"))
     d = LrSchedule()
-    return LrSchedule(warmup_steps=s.integer("warmup_steps", d.warmup_steps, maximum=steps),
-                      decay=s.choice("decay", d.decay, DECAYS),
-                      min_lr=s.number("min_lr", d.min_lr, maximum=lr))   # a decay that rises is a typo
+    warmup, min_lr = s.get("warmup_steps", d.warmup_steps), s.get("min_lr", d.min_lr)
+    if is_number(warmup) and warmup > steps:
+        raise fail(s.path("warmup_steps"), warmup, f"at most train.steps ({steps})")
+    if is_number(min_lr) and min_lr > lr:   # a decay that rises is a typo
+        raise fail(s.path("min_lr"), min_lr, f"at most train.optimizer.lr ({lr:g})")
+    return LrSchedule(warmup_steps=s.integer("warmup_steps", d.warmup_steps), decay=s.choice("decay", d.decay, DECAYS),
+                      min_lr=s.number("min_lr", d.min_lr))

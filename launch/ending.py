@@ -1,4 +1,5 @@
-"""How a `hetpipe` command ends once its work is done: without Python's teardown."""
+"""How a `hetpipe` command ends: its exit codes, its one-line errors, and its exit once its work
+is done, without Python's teardown."""
 
 from __future__ import annotations
 
@@ -6,6 +7,15 @@ import atexit
 import os
 import sys
 from typing import NoReturn
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
+
+
+def error(message: str) -> None:
+    print(f"hetpipe: error: {message}", file=sys.stderr)
 
 
 def finish(code: int) -> NoReturn:

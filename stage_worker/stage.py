@@ -220,10 +220,10 @@ class StageCompute:
         return bool(torch.stack(flags).all()) if flags else True
 
     @torch.no_grad()
-    def commit(self, grads: Grads, *, scale: float = 1.0, skip: bool = False,
-               into: list[torch.Tensor] | None = None, lr: float | None = None) -> list[torch.Tensor]:
+    def commit(self, grads: Grads, *, lr: float, scale: float = 1.0, skip: bool = False,
+               into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """L3: the optimizer step with these gradients (divided by the loss scale) at learning rate
-        lr (None: the optimizer's), a new version;
+        lr (training.learning_rate of the minibatch), a new version;
         skip: a version without a step (fp16: some stage's gradients of this minibatch overflowed).
         Returns the update u = w_after - w_before (empty unless tracked for WSP), written into
         `into` where given (buffers shaped as the parameters: Sync.spare_update)."""
@@ -248,7 +248,7 @@ class StageCompute:
         grad_in = self._wire(got[-1]) if wants_x else None
         return grad_in, grads
 
-    def _step(self, grads: Grads, into: list[torch.Tensor] | None = None, lr: float | None = None) -> list[torch.Tensor]:
+    def _step(self, grads: Grads, into: list[torch.Tensor] | None, lr: float) -> list[torch.Tensor]:
         if not self.track_updates:
             before: list[torch.Tensor] = []
         elif into is None:

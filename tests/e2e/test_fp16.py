@@ -12,7 +12,7 @@ import torch
 from hetpipe import data, weight_files
 from hetpipe.config import JobConfig
 from hetpipe.loss_scale import INITIAL_SCALE, LossScale, Verdicts
-from hetpipe.optim import compute_loss, make_optimizer
+from hetpipe.optim import compute_loss, make_optimizer, step_at
 from hetpipe.reference import initial_model, minibatch
 from launch.local import run_local
 from trace_rules import by_stage, check_complete, check_local_rules, load_trace
@@ -41,14 +41,14 @@ def fp16_reference(job: JobConfig, overflow: set[int]) -> tuple[dict[str, torch.
         if not skip:
             for w, g in zip(params, grads):
                 w.grad = g / s
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            step_at(optimizer, job.train, p)   # a skipped p moves the schedule on all the same
     return model.state_dict(), scales
 
 
 def test_an_overflow_on_any_stage_skips_the_minibatch_on_every_stage(make_job, inject_faults, tmp_path: Path) -> None:
     inject_faults(overflow=tuple(OVERFLOWS))
-    job = make_job({"train": {"precision": "fp16", "steps": 30, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
+    job = make_job({"train": {"precision": "fp16", "steps": 30, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+                              "lr_schedule": {"warmup_steps": 6, "decay": "linear", "min_lr": 0.005}},
                     "parallel": {"stages_per_vw": 2, "nm": 1}})
     summary = run_local(job, quiet=True)
     assert summary["precision"] == "fp16"

@@ -100,3 +100,17 @@ def test_a_cut_is_on_disk_before_the_older_cuts_go(tmp_path: Path, stub: ps_pb2_
     # The manifest says the cut is whole: its parts were on disk before it was.
     manifest = ("fsync", new / (checkpoints.MANIFEST + ".tmp"))
     assert disk.synced_before(part, manifest) and disk.synced_before(new / "shard0" / outputs.SINGLE_FILE, manifest)
+
+
+def test_a_cut_of_another_optimizer_is_refused_and_one_from_before_it_was_recorded_is_not() -> None:
+    """The stages' cuts hold their optimizer's state (sgd's momentum, adam's moments): resuming with
+    another optimizer would start it from nothing. Cuts taken before the optimizer was recorded
+    carry no name, and match."""
+    shape = {"virtual_workers": 1, "steps": 8, "optimizer": "adam"}
+    cut = {"virtual_workers": 1, "steps": 8, "optimizer": "sgd", "evicted": []}
+    assert checkpoints.refusal(cut, 4, shape) == ("--resume: the checkpoint of wave 4 was taken for another job: "
+                                                  "optimizer sgd there, adam now")
+    assert checkpoints.refusal({**cut, "optimizer": "adam"}, 4, shape) is None
+    older = {k: v for k, v in cut.items() if k != "optimizer"}
+    assert checkpoints.refusal(older, 4, shape) is None
+    assert "steps 8 there, 9 now" in str(checkpoints.refusal(older, 4, {**shape, "steps": 9})), "the rest still counts"

@@ -19,6 +19,7 @@ from hetpipe.cluster import EmulateConfig, GpuGroup, NodeConfig
 from hetpipe.training import OptimizerConfig
 from hetpipe.config import (
     ConfigError,
+    JobLoader,
     DataConfig,
     JobConfig,
     OutputConfig,
@@ -507,3 +508,25 @@ def test_with_setting_changes_a_copy_and_makes_missing_sections() -> None:
                    "eval": None}
     assert raw == {"model": {"name": "mlp", "args": {"hidden": [8]}}, "train": None}, "the job file's mapping is kept"
     assert parse_job(got).train.optimizer.lr == 0.001
+
+
+def test_with_setting_leaves_what_an_alias_shares_elsewhere_as_it_was() -> None:
+    raw = yaml.load("model: {name: mlp, args: &a {hidden: [8]}}\ncluster: {emulate: {model_args: *a}}\n",
+                    Loader=JobLoader)
+    got = with_setting(raw, "model.args.hidden=[64, 64]")
+    assert got["model"]["args"] == {"hidden": [64, 64]}
+    assert got["cluster"]["emulate"]["model_args"] == {"hidden": [8]}, "the emulated model keeps the file's"
+
+
+@pytest.mark.parametrize(("raw", "setting", "names"), [
+    ([1, 2], "train.steps=3", ["job file: expected a mapping"]),
+    ({}, "train.seed=" + "9" * 5000, ["--set train.seed: cannot be read", "ValueError"]),
+    ({}, "train=" + "[" * 5000, ["--set train: cannot be read", "RecursionError"]),
+    ({}, "train={steps: 1, steps: 2}", ["--set train:", "steps: given twice"]),
+    ({"train": 3}, "train.steps=1", ["--set train.steps: train: expected a mapping, got 3"]),
+])
+def test_a_set_that_cannot_apply_is_refused_naming_it(raw: Any, setting: str, names: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        with_setting(raw, setting)
+    for name in names:
+        assert name in str(info.value), str(info.value)

@@ -39,7 +39,7 @@ def test_two_minibatches_in_flight_use_the_stashed_weights() -> None:
 
     # Backward of 1 on version 0: dw = 1 * 1, db = 1, grad in = 1 * w = 2. Step: w 1.9, b -0.1.
     grad_in, version, grads = c.backward(1, x(1.0))
-    update = c.commit(grads)
+    update = c.commit(grads, lr=SGD.lr)
     assert (float(grad_in), version) == (2.0, 0)
     assert _wb(c) == (1.9, -0.1) and c.version == 1
     assert [round(float(u), 12) for u in update] == [-0.1, -0.1]
@@ -47,7 +47,7 @@ def test_two_minibatches_in_flight_use_the_stashed_weights() -> None:
     # Backward of 2 on its stash (w = 2, not 1.9): dw = 1 * 3, db = 1, grad in = 2.
     # Applied to the current weights: w = 1.9 - 0.3 = 1.6, b = -0.1 - 0.1 = -0.2.
     grad_in, version, grads = c.backward(2, x(1.0))
-    update = c.commit(grads)
+    update = c.commit(grads, lr=SGD.lr)
     assert (float(grad_in), version) == (2.0, 0)
     assert _wb(c) == (1.9 - 0.3, -0.2) and c.version == 2
     assert [round(float(u), 12) for u in update] == [-0.3, -0.1]
@@ -63,7 +63,7 @@ def test_minibatches_forwarded_between_two_updates_share_one_stash() -> None:
     for p in (1, 2, 3):
         c.forward(p, x(1.0))
     assert c.stashed_versions == 1
-    c.commit(c.backward(1, x(1.0))[2])
+    c.commit(c.backward(1, x(1.0))[2], lr=SGD.lr)
     c.forward(4, x(1.0))
     assert c.stashed_versions == 2  # version 0 (minibatches 2, 3) and version 1 (minibatch 4)
 
@@ -75,11 +75,11 @@ def test_a_loss_scaled_minibatch_is_stepped_unscaled_or_skipped_whole() -> None:
     loss, grad_in, version, grads, _ = c.forward_backward(1, x(1.0), x(0.0), scale=1024.0)
     assert (float(loss), float(grad_in)) == (4.0, 8.0 * 1024), "the loss is reported unscaled"
     assert c.finite(grads, grad_in)
-    update = c.commit(grads, scale=1024.0)
+    update = c.commit(grads, scale=1024.0, lr=SGD.lr)
     assert _wb(c) == (1.6, -0.4) and c.version == 1
     assert [round(float(u), 12) for u in update] == [-0.4, -0.4]
     *_, grads, _ = c.forward_backward(2, x(1.0), x(0.0), scale=1024.0)
-    assert c.commit(grads, scale=1024.0, skip=True) == [torch.zeros(1, 1, dtype=torch.float64),
+    assert c.commit(grads, scale=1024.0, skip=True, lr=SGD.lr) == [torch.zeros(1, 1, dtype=torch.float64),
                                                        torch.zeros(1, dtype=torch.float64)]
     assert _wb(c) == (1.6, -0.4) and c.version == 2, "skipped: no step, but a version"
     assert not c.finite([torch.tensor([1.0, float("inf")])], None)
@@ -90,7 +90,7 @@ def test_the_last_stage_runs_forward_loss_backward_and_step_as_one_task() -> Non
     # out = 2 * 1 + 0 = 2 against target 0: mse loss 4, dloss/dout = 4, dw = 4, db = 4, grad in = 8.
     c = StageCompute(_linear(2.0, 0.0), SGD, loss="mse", device="cpu", track_updates=True)
     loss, grad_in, version, grads, _ = c.forward_backward(1, x(1.0), x(0.0))
-    update = c.commit(grads)
+    update = c.commit(grads, lr=SGD.lr)
     assert (loss, float(grad_in), version) == (4.0, 8.0, 0)
     assert _wb(c) == (1.6, -0.4) and c.version == 1
     assert [round(float(u), 12) for u in update] == [-0.4, -0.4]
@@ -99,7 +99,7 @@ def test_the_last_stage_runs_forward_loss_backward_and_step_as_one_task() -> Non
 def test_a_lone_vw_tracks_no_updates_and_weights_can_be_replaced() -> None:
     c = StageCompute(_linear(2.0, 0.0), SGD, loss="mse", device="cpu", track_updates=False)
     *_, grads, _ = c.forward_backward(1, x(1.0), x(0.0))
-    update = c.commit(grads)
+    update = c.commit(grads, lr=SGD.lr)
     assert update == [], "no copy of the weights without WSP"
     c.set_weights([torch.tensor([[5.0]], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)])
     out, version = c.forward(2, x(1.0))
@@ -110,7 +110,7 @@ def test_a_stage_without_parameters_still_counts_its_minibatches() -> None:
     c = StageCompute(nn.Sequential(nn.ReLU()), SGD, loss="mse", device="cpu", track_updates=True)
     out, _ = c.forward(1, torch.tensor([[-1.0, 2.0]], dtype=torch.float64))
     grad_in, version, grads = c.backward(1, torch.tensor([[1.0, 1.0]], dtype=torch.float64))
-    update = c.commit(grads)
+    update = c.commit(grads, lr=SGD.lr)
     assert out.tolist() == [[0.0, 2.0]] and grad_in.tolist() == [[0.0, 1.0]]
     assert (version, update, c.version) == (0, [], 1)
 
@@ -152,7 +152,7 @@ def test_adamw_decays_the_weights_themselves() -> None:
     steps = {}
     for name in ("adam", "adamw"):
         w = [torch.tensor([1.0], dtype=torch.float64)]
-        StageOptimizer(w, OptimizerConfig(name=name, lr=0.1, weight_decay=0.1)).step([torch.zeros(1, dtype=torch.float64)])
+        StageOptimizer(w, OptimizerConfig(name=name, lr=0.1, weight_decay=0.1)).step([torch.zeros(1, dtype=torch.float64)], 0.1)
         steps[name] = 1.0 - float(w[0])
     assert steps["adamw"] == pytest.approx(0.1 * 0.1), "decoupled: w -= lr * weight_decay * w"
     assert steps["adam"] == pytest.approx(0.1, rel=1e-6), "coupled: the decay is a gradient, normalised"
@@ -180,8 +180,8 @@ def test_an_update_written_into_given_buffers_is_the_same_update_bit_for_bit() -
         for c, into in ((fresh, None), (reused, buffers)):
             c.forward(p, x(value))
             grads = c.backward(p, x(1.0))[2]
-            updates.append(c.commit(grads, into=into))
+            updates.append(c.commit(grads, into=into, lr=SGD.lr))
         assert all(torch.equal(a, b) for a, b in zip(*updates)) and _wb(fresh) == _wb(reused)
         assert all(u is b for u, b in zip(updates[1], buffers))
-    skipped = reused.commit([None, None], skip=True, into=buffers)
+    skipped = reused.commit([None, None], skip=True, into=buffers, lr=SGD.lr)
     assert all(u is b and not u.any() for u, b in zip(skipped, buffers)) and reused.version == 3

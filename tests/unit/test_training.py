@@ -36,6 +36,14 @@ def test_warmup_then_cosine_by_hand() -> None:
     assert got[-1] > 0, "the last step still trains"
 
 
+def test_the_warmup_ends_exactly_at_the_peak_and_the_schedule_covers_the_run_only() -> None:
+    train = _train(10, 0.1, warmup_steps=3, decay="linear")
+    assert learning_rate(train, 3) == 0.1 and learning_rate(train, 4) == 0.1   # 0.1 * 3 / 3 is 0.10000000000000002
+    for p in (0, 11):
+        with pytest.raises(ValueError, match=f"minibatch {p}: the schedule spans minibatches 1 to 10"):
+            learning_rate(train, p)
+
+
 def test_linear_by_hand() -> None:
     train = _train(5, 0.1, decay="linear", min_lr=0.02)
     got = [learning_rate(train, p) for p in range(1, 6)]
@@ -76,8 +84,11 @@ def test_adamw_defaults_to_torchs_weight_decay_and_keeps_a_given_one() -> None:
 @pytest.mark.parametrize(("train", "names"), [
     ({"optimizer": {"name": "adam", "momentum": 0.9}}, ["train.optimizer.momentum", "0 for adam", "0.9"]),
     ({"optimizer": {"name": "lion"}}, ["train.optimizer.name", "sgd, adam, adamw", "'lion'"]),
-    ({"steps": 10, "lr_schedule": {"warmup_steps": 11}}, ["train.lr_schedule.warmup_steps", "<= 10", "11"]),
-    ({"optimizer": {"lr": 0.1}, "lr_schedule": {"min_lr": 0.2}}, ["train.lr_schedule.min_lr", "<= 0.1", "0.2"]),
+    ({"steps": 10, "lr_schedule": {"warmup_steps": 11}}, ["train.lr_schedule.warmup_steps", "at most train.steps (10)", "11"]),
+    ({"optimizer": {"lr": 0.1}, "lr_schedule": {"min_lr": 0.2}},
+     ["train.lr_schedule.min_lr", "at most train.optimizer.lr (0.1)", "0.2"]),
+    ({"lr_schedule": {"warmup_steps": -1}}, ["train.lr_schedule.warmup_steps", "an integer >= 0", "-1"]),
+    ({"lr_schedule": {"min_lr": True}}, ["train.lr_schedule.min_lr", "a finite number", "True"]),
     ({"lr_schedule": {"decay": "exponential"}}, ["train.lr_schedule.decay", "constant, linear, cosine"]),
     ({"lr_schedule": {"warmup": 10}}, ["train.lr_schedule.warmup", "unknown key", "warmup_steps"]),
     ({"lr_schedule": [1, 2]}, ["train.lr_schedule", "a mapping"]),

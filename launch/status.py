@@ -1,0 +1,141 @@
+"""`hetpipe status` and `hetpipe stop`: a job and its workers from its coordinator, or, once a
+local run has ended, how it ended from what it left in its output.dir."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import grpc
+
+from hetpipe import outputs, rpc, security
+from hetpipe.config import ConfigError, load_job
+from hetpipe.outputs import ADDRESS_FILE, TOKEN_FILE, published_job_id, read_status
+from hetpipe.v1 import coordinator_pb2, wire_pb2
+from coordinator.config import DEFAULT_PORT
+from coordinator.state import JobState
+from launch.ending import EXIT_FAILED, EXIT_UNAVAILABLE, EXIT_USAGE, error
+
+TERMINAL = {s.name for s in JobState if s.is_terminal}   # the proto's names of the states a job ends in
+
+
+def _ended(out_dir: Path, as_json: bool) -> int | None:
+    """Reports how the last run into out_dir ended, from what it left there; None if it left nothing."""
+    ending = read_status(out_dir)
+    if ending is None:
+        return None
+    summary = outputs.read_summary(out_dir) if ending["state"] == "COMPLETED" else None
+    if as_json:
+        print(json.dumps({"job": {**ending, "summary": summary}, "workers": []}, indent=2))
+    else:
+        print(f"job: {ending['state']} (ended; no coordinator is running)"
+              + (f": {ending['reason']}" if ending.get("reason") else ""))
+        if summary is not None:
+            print(f"result: {summary.get('samples_per_second', 0):.0f} samples/s, final loss "
+                  f"{summary.get('final_loss', float('nan')):.4f} in {out_dir}")
+    return EXIT_FAILED if ending["state"] == "FAILED" else 0
+
+
+def _nothing_to_stop(name: str, state: str, reason: str) -> int:
+    """`hetpipe stop` of a job that has ended: says so, rather than a status as if it stopped it.
+    Exits 0: the job is not running, which is what the stop asked for."""
+    print(f"job {name} already ended: {state.lower()}" + (f" ({reason})" if reason else "") + "; nothing to stop")
+    return 0
+
+
+def _left_behind(args: argparse.Namespace, out_dir: Path) -> int | None:
+    """How the run of args.job ended, from what it left in out_dir (None if it left nothing):
+    `status` reports it; `stop` has nothing to stop (with --json: the same report, exit 0)."""
+    if args.command == "stop" and not args.json:
+        ending = read_status(out_dir)
+        return None if ending is None else _nothing_to_stop(args.job, ending["state"], ending.get("reason", ""))
+    ended = _ended(out_dir, args.json)
+    return ended if ended is None or args.command == "status" else 0
+
+
+def status(args: argparse.Namespace) -> int:
+    """Prints the job and the workers; exits 0 unless the job failed or nothing can be reached.
+    `stop` of a job that has already ended says so and exits 0."""
+    out_dir: Path | None = None
+    job_security: security.Security | None = None
+    job_ref = coordinator_pb2.JobRef()  # the coordinator's current job, unless --job names one
+    if args.coordinator:
+        address = str(args.coordinator)
+    elif args.job:
+        try:
+            job = load_job(args.job, args.set)
+        except ConfigError as exc:
+            error(str(exc))
+            return EXIT_USAGE
+        out_dir, job_security = Path(job.resolve(job.output.dir)), job.security_files()
+        path = out_dir / ADDRESS_FILE
+        if not path.exists():
+            ended = _left_behind(args, out_dir)
+            if ended is None:
+                error(f"no coordinator address at {path}: is `hetpipe run {args.job}` running?")
+                return EXIT_USAGE
+            return ended
+        address = path.read_text().strip()
+        job_ref.job_id = published_job_id(out_dir)
+    else:
+        address = os.environ.get("HETPIPE_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}")
+    # The flags, else the job's security section (which `hetpipe run` used), else the run's own token.
+    credentials = security.from_namespace(args)
+    if not (credentials.token_file or credentials.tls) and job_security is not None:
+        credentials = job_security
+    elif out_dir is not None and not credentials.token_file and (out_dir / TOKEN_FILE).exists():
+        credentials = dataclasses.replace(credentials, token_file=str(out_dir / TOKEN_FILE))
+    try:
+        security.use(credentials, security.COORDINATOR, "cli")
+    except security.SecurityError as exc:
+        error(str(exc))
+        return EXIT_USAGE
+    State = coordinator_pb2.JobStatus.State
+    with rpc.channel(address) as channel:
+        stub = rpc.Stub(channel, "Coordinator")
+        try:
+            job_status = stub.GetJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
+            # StopJob answers an ended job as it ended, which cannot tell "stopped now" from "had
+            # ended": only a job that has not ended is asked to stop.
+            already_ended = args.command == "stop" and State.Name(job_status.state) in TERMINAL
+            if args.command == "stop" and not already_ended:
+                job_status = stub.StopJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
+            workers = stub.ListWorkers(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
+        except grpc.RpcError as exc:
+            # The run this file points at may have ended since: say how, from what it left.
+            ended = _left_behind(args, out_dir) if out_dir is not None else None
+            if ended is not None:
+                return ended
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # its coordinator moved on to another job
+                if args.command == "stop" and not args.json:   # not running: what the stop asked for
+                    print(f"job {job_ref.job_id} of {args.job} already ended; nothing to stop (coordinator "
+                          f"{address}: {exc.details()})")
+                    return 0
+                error(f"the job of {args.job} has ended; coordinator {address}: {exc.details()}")
+                return EXIT_FAILED
+            print(f"hetpipe: coordinator {address} unreachable: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            if not (args.coordinator or args.job or os.environ.get("HETPIPE_COORDINATOR")):
+                print(f"hetpipe: a local `hetpipe run JOB.yaml` is found with `hetpipe {args.command} --job JOB.yaml`",
+                      file=sys.stderr)
+            return EXIT_UNAVAILABLE
+    if already_ended and not args.json:
+        return _nothing_to_stop(job_status.job_id or address, State.Name(job_status.state), job_status.reason)
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps({"job": MessageToDict(job_status), "workers": MessageToDict(workers)}, indent=2))
+    else:
+        print(f"job: {State.Name(job_status.state)}" + (f" ({job_status.reason})" if job_status.reason else ""))
+        if job_status.total_samples:
+            print(f"progress: {job_status.samples}/{job_status.total_samples} samples, loss {job_status.loss:.4f}, "
+                  f"{job_status.samples_per_second:.0f} samples/s{' (emulated GPUs)' if job_status.emulated else ''}")
+        print(f"{'worker':<14}{'role':<14}{'address':<22}{'node':<10}{'alive':<7}assigned")
+        for w in workers.workers:
+            role = coordinator_pb2.WorkerInfo.Role.Name(w.info.role).lower()
+            print(f"{w.worker_id:<14}{role:<14}{w.info.address:<22}{w.info.node:<10}"
+                  f"{'yes' if w.alive else 'NO':<7}{w.assigned or '-'}")
+    return EXIT_FAILED if job_status.state == State.FAILED and not already_ended else 0
