@@ -111,7 +111,7 @@ def test_commands_that_neither_plan_nor_run_start_without_torch() -> None:
 def test_a_bare_status_with_no_coordinator_says_how_to_find_a_local_run(monkeypatch: pytest.MonkeyPatch,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv("HETPIPE_COORDINATOR", raising=False)
-    monkeypatch.setattr("launch.cli.DEFAULT_PORT", 1)   # nothing listens there, whatever this host runs
+    monkeypatch.setattr("launch.status.DEFAULT_PORT", 1)   # nothing listens there, whatever this host runs
     assert cli.main(["status"]) == 69
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("hetpipe: coordinator 127.0.0.1:1 unreachable: UNAVAILABLE")
