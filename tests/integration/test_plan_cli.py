@@ -165,7 +165,7 @@ def test_set_changes_the_job_file_for_this_command_only(capsys: pytest.CaptureFi
 @pytest.mark.parametrize(("setting", "names"), [
     ("parallel.stages=3", ["parallel.stages: unknown key", "stages_per_vw"]),
     ("parallel.nm=zero", ["parallel.nm", "'zero'"]),
-    ("train.steps.max=3", ["--set train.steps.max", "train.steps is", "not a mapping"]),
+    ("train.steps.max=3", ["--set train.steps.max: train.steps: expected a mapping, got 10"]),
     ("parallel", ["--set 'parallel'", "KEY=VALUE"]),
     ("train..lr=1", ["KEY=VALUE", "dotted path"]),
     ("train.seed=[1", ["--set train.seed", "not a YAML value"]),
