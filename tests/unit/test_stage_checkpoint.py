@@ -1,0 +1,54 @@
+"""A stage's part of a cut (stage_worker/checkpoint.py): captured, written, read back with
+weights_only and restored into a fresh stage, it trains on exactly as the stage it came from,
+whatever the optimizer's state (sgd's momentum, adam's and adamw's moments and step counts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hetpipe.training import LrSchedule, OptimizerConfig, TrainConfig, learning_rate
+from stage_worker import checkpoint
+from stage_worker.stage import StageCompute
+from stage_worker.sync import LocalSync
+
+
+def _stage(cfg: OptimizerConfig) -> StageCompute:
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    return StageCompute(layers, cfg, loss="mse", device="cpu", track_updates=False)
+
+
+def _train(stage: StageCompute, train: TrainConfig, minibatches: range) -> None:
+    for p in minibatches:
+        gen = torch.Generator().manual_seed(p)
+        x, y = torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(3, 2, generator=gen, dtype=torch.float64)
+        *_, grads, _ = stage.forward_backward(p, x, y)
+        stage.commit(grads, lr=learning_rate(train, p))
+
+
+@pytest.mark.parametrize("cfg", [
+    OptimizerConfig(name="sgd", lr=0.05, momentum=0.9),
+    OptimizerConfig(name="adam", lr=0.01),
+    OptimizerConfig(name="adamw", lr=0.01, weight_decay=0.1),
+], ids=["sgd-momentum", "adam", "adamw"])
+def test_a_restored_stage_trains_on_bit_for_bit(cfg: OptimizerConfig, tmp_path: Path) -> None:
+    train = TrainConfig(steps=8, optimizer=cfg, lr_schedule=LrSchedule(warmup_steps=2, decay="cosine"))
+    whole, first = _stage(cfg), _stage(cfg)
+    _train(whole, train, range(1, 9))
+    _train(first, train, range(1, 5))
+    torch.save(checkpoint.capture(first, LocalSync()), tmp_path / "stage.pt")
+    resumed = _stage(cfg)
+    checkpoint.restore(resumed, LocalSync(), checkpoint.load(tmp_path / "stage.pt"))
+    _train(resumed, train, range(5, 9))
+    assert resumed.version == whole.version == 8
+    for key, value in whole.module.state_dict().items():
+        assert torch.equal(resumed.module.state_dict()[key], value), key
+    # Without the optimizer's state, the same four steps end elsewhere: the state is what is tested.
+    fresh = _stage(cfg)
+    fresh.module.load_state_dict(first.module.state_dict())
+    _train(fresh, train, range(5, 9))
+    assert not all(torch.equal(fresh.module.state_dict()[k], v) for k, v in whole.module.state_dict().items())
