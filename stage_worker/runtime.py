@@ -63,6 +63,7 @@ class StageRuntime:
         self._final_merged = False
         self._losses: deque[tuple[int, torch.Tensor]] = deque(maxlen=10)  # (p, loss): read (a device sync) when polled
         self._busy = False            # a schedule task is running (its input still counts as ready)
+        self._stepping = 0            # 1 while a completed minibatch's step is still to come (Ran.then)
         self._idle_seconds = self._wait_idle_seconds = 0.0
         self._phase_seconds = {"forward": 0.0, "backward": 0.0}
 
@@ -292,7 +293,10 @@ class StageRuntime:
                         forward = elapsed if task.kind == TaskKind.FORWARD else min(forward, elapsed)
                         self._phase_seconds["forward"] += forward
                         self._phase_seconds["backward"] += elapsed - forward
+                        completed = s.schedule.completed
                         s.schedule.complete(task)
+                        # Reported done once its step is too (Ran.then, after the sends below).
+                        self._stepping = s.schedule.completed - completed if ran.then is not None else 0
                     self._cv.notify_all()
                 # Only now may results leave: a neighbour reacting to them (stage 0 injecting
                 # p + nm after this gradient) must find this task recorded as done.
@@ -303,6 +307,7 @@ class StageRuntime:
                     ran.then()
                     with self._cv:
                         self._phase_seconds["backward"] += time.monotonic() - began   # p's step is its backward's
+                        self._stepping = 0
         except Exception as exc:  # any bug or device error fails the stage loudly, naming p
             log.exception("%s crashed", s.setup.name)
             where = (f" at {'evaluation' if task.kind == TaskKind.EVAL else 'minibatch'} {task.p}" if task
@@ -370,7 +375,8 @@ class StageRuntime:
                 memory_capacity_bytes=capacity, peak_rss_bytes=devices.peak_rss_bytes(),
                 device_peak_bytes=0 if setup.emulated else devices.device_peak_bytes(setup.device),
                 forwards_done=sched.next_forward - 1,
-                backwards_done=sched.completed, samples=sched.completed * s.job.data.batch_size,
+                backwards_done=sched.completed - self._stepping,
+                samples=(sched.completed - self._stepping) * s.job.data.batch_size,
                 local_version=s.compute.version, in_flight=sched.in_flight,
                 queue_depth=max(0, sched.ready - (1 if self._busy else 0)), waiting=s.sync.waiting,
                 cut=s.cuts.waiting_at,
