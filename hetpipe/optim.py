@@ -12,7 +12,7 @@ from torch.optim.adamw import adamw
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd
 
-from hetpipe.training import OptimizerConfig, TrainConfig, learning_rate
+from hetpipe.training import ADAM_LIKE, OptimizerConfig, TrainConfig, learning_rate
 
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision
@@ -46,9 +46,6 @@ def use_foreach(params: Sequence[torch.Tensor]) -> bool:
     loop on the CPU. Every trainer of a job decides the same way, so the oracles compare like with
     like."""
     return bool(params) and all(p.device.type == "cuda" for p in params)
-
-
-ADAM_LIKE = ("adam", "adamw")   # their state: exp_avg, exp_avg_sq and a step count per parameter
 
 
 class StageOptimizer:
@@ -96,8 +93,9 @@ def make_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.op
 def step_at(optimizer: torch.optim.Optimizer, train: TrainConfig, p: int) -> None:
     """A make_optimizer optimizer's step for minibatch p, at its learning rate (as a stage's
     StageOptimizer takes it), then the gradients cleared."""
+    lr = learning_rate(train, p)
     for group in optimizer.param_groups:
-        group["lr"] = learning_rate(train, p)
+        group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

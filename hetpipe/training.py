@@ -12,6 +12,7 @@ DTYPES = ("float32", "float64")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSSES = ("cross_entropy", "mse")
 OPTIMIZERS = ("sgd", "adam", "adamw")
+ADAM_LIKE = ("adam", "adamw")   # their state: exp_avg, exp_avg_sq and a step count per parameter
 DECAYS = ("constant", "linear", "cosine")
 ADAMW_WEIGHT_DECAY = 0.01   # torch.optim.AdamW's: decoupled weight decay is what AdamW is chosen for
 MAX_STEPS = 10**9

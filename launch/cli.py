@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -102,14 +102,14 @@ def _coordinator(argv: list[str]) -> int:
 
 
 def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] | None = None,
-                   settings: list[str] | None = None) -> tuple[JobConfig, Plan] | int:
+                   settings: Sequence[str] = ()) -> tuple[JobConfig, Plan] | int:
     """The job file (with --set's settings) and its plan (by make_plan unless plan is given), or
     EXIT_USAGE after one error line."""
     with interrupts_held():
         from coordinator.planner import PlanError, make_plan
 
     try:
-        job = load_job(path, settings or [])
+        job = load_job(path, settings)
         return job, (plan or make_plan)(job)
     except (ConfigError, PlanError) as exc:
         _error(str(exc))

@@ -368,6 +368,7 @@ class StageRuntime:
                                 device=who.device.name if who else "", label=who.label if who else "")
             setup, sched = s.setup, s.schedule
             links = (s.next, s.prev)
+            done = sched.completed - self._stepping   # minibatches stepped here
             used, capacity = metrics.device_memory(setup)
             return Progress(
                 state=self.state, error=self.error, failed_at=self.failed_at, vw=setup.vw, stage=setup.stage, device=setup.device.name,
@@ -375,8 +376,7 @@ class StageRuntime:
                 memory_capacity_bytes=capacity, peak_rss_bytes=devices.peak_rss_bytes(),
                 device_peak_bytes=0 if setup.emulated else devices.device_peak_bytes(setup.device),
                 forwards_done=sched.next_forward - 1,
-                backwards_done=sched.completed - self._stepping,
-                samples=(sched.completed - self._stepping) * s.job.data.batch_size,
+                backwards_done=done, samples=done * s.job.data.batch_size,
                 local_version=s.compute.version, in_flight=sched.in_flight,
                 queue_depth=max(0, sched.ready - (1 if self._busy else 0)), waiting=s.sync.waiting,
                 cut=s.cuts.waiting_at,

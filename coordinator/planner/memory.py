@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hetpipe.training import ADAM_LIKE
 from coordinator.planner.profile import ModelProfile
 
 # Optimizer state per parameter byte.
@@ -12,7 +13,7 @@ OPTIMIZER_STATE = {"sgd": 0, "sgd+momentum": 1, "momentum": 1, "adam": 2}
 
 def optimizer_kind(name: str, momentum: float = 0.0) -> str:
     """The stage_memory optimizer name for a train.optimizer config (name, momentum)."""
-    if name in ("adam", "adamw"):   # the same state: two moments per parameter
+    if name in ADAM_LIKE:   # the same state: two moments per parameter
         return "adam"
     return "sgd+momentum" if momentum else "sgd"
 
