@@ -27,7 +27,8 @@ MANIFEST = "manifest.json"
 
 def latest(folder: Path) -> int | None:
     """The wave of the latest complete cut in folder, or None."""
-    waves = [int(p.parent.name.removeprefix("cut")) for p in folder.glob(f"cut*/{MANIFEST}")]
+    waves = [int(p.parent.name.removeprefix("cut")) for p in folder.glob(f"cut*/{MANIFEST}")
+             if outputs.CUT.fullmatch(p.parent.name)]
     return max(waves, default=None)
 
 
@@ -97,7 +98,7 @@ class Checkpoints:
         outputs.write_text_atomically(where / MANIFEST, text + "\n", durable=True)
         outputs.fsync(self.folder)
         for old in self.folder.glob("cut*"):
-            if old != where:
+            if old != where and outputs.CUT.fullmatch(old.name):
                 shutil.rmtree(old, ignore_errors=True)
         self.taken = wave
 

@@ -200,6 +200,7 @@ class JobRunner:
         cluster section the registered stage workers as its cluster."""
         if self.output_root is not None:
             job = remote.place_outputs(job, self.output_root)
+            outputs.check_reads(Path(job.output.dir), job.read_paths, folders=("ps", outputs.CHECKPOINTS))
             outputs.start_fresh(Path(job.output.dir), keep_checkpoints=False)
         if job.cluster is None:
             job = dataclasses.replace(job, cluster=self._registered_cluster(job))

@@ -133,6 +133,12 @@ class JobConfig:
         return {key: spec for key, spec in named.items() if spec}
 
     @property
+    def read_paths(self) -> dict[str, Path]:
+        """The files the job reads, resolved, by key (data.path of the npz data, model.init)."""
+        named = {"data.path": self.data.path if self.data.name == "npz" else None, "model.init": self.model.init}
+        return {key: self.resolve(path) for key, path in named.items() if path}
+
+    @property
     def emulate(self) -> EmulateConfig | None:
         return self.cluster.emulate if self.cluster is not None else None
 

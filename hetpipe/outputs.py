@@ -9,6 +9,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -126,21 +127,71 @@ def locked(out_dir: Path) -> Iterator[None]:
         lock.close()
 
 
-def start_fresh(out_dir: Path, *, keep_checkpoints: bool) -> None:
+# What a run writes in output.dir's folders, by name: exactly what a new run clears there. Anything
+# else in them (a user's notes in logs/, their own checkpoints) is left alone: output.dir may be a
+# folder of the user's, even ".".
+CUT = re.compile(r"cut\d{6}")
+WRITTEN = {
+    "ps": re.compile(r"shard\d+"),                       # each shard's durable state
+    CHECKPOINTS: CUT,
+    "logs": re.compile(r"(stage_worker|ps_server)_\d+\.log"),
+    "trace": re.compile(r"vw\d+_stage\d+\.jsonl|acked_vw\d+_stage\d+\.pt"),
+    "trace/sync": re.compile(r"vw\d+_stage\d+\.jsonl"),
+    "trace/ps": re.compile(r"shard\d+\.jsonl"),
+}
+
+
+def written(out_dir: Path, *, keep_checkpoints: bool = False, folders: Iterable[str] = WRITTEN) -> list[Path]:
+    """An earlier run's files and folders in out_dir, which a new one removes: its results, and
+    its entries in `folders` (its checkpoints too unless kept)."""
+    found = [out_dir / name for name in STALE] + sorted(out_dir.glob("model-*-of-*.safetensors"))
+    for folder in folders:
+        where = out_dir / folder
+        if (folder == CHECKPOINTS and keep_checkpoints) or where.is_symlink() or not where.is_dir():
+            continue
+        found += sorted(p for p in where.iterdir() if WRITTEN[folder].fullmatch(p.name))
+    return [p for p in found if p.exists() or p.is_symlink()]
+
+
+def check_reads(out_dir: Path, reads: Mapping[str, Path], *, keep_checkpoints: bool = False,
+                folders: Iterable[str] = WRITTEN) -> None:
+    """ConfigError where a file the job reads (model.init, data.path) is one that start_fresh or
+    clear, given the same arguments, removes before the job reads it: fine-tuning from an earlier
+    run's model.safetensors in place."""
+    doomed = written(out_dir, keep_checkpoints=keep_checkpoints, folders=folders)
+    for key, path in reads.items():
+        resolved = path.resolve()
+        for gone in doomed:
+            if resolved == gone.resolve() or gone.resolve() in resolved.parents:
+                raise ConfigError(f"{key}: {path} is an earlier run's output in output.dir {out_dir}, which this run "
+                                  "clears before it starts: copy it out of output.dir first, or choose another output.dir")
+
+
+def start_fresh(out_dir: Path, *, keep_checkpoints: bool, folders: Iterable[str] = ("ps", CHECKPOINTS)) -> None:
     """Readies out_dir for a new job: made if missing, without an earlier job's shard state (ps/,
     which a shard would restore) or results, and without its checkpoints unless kept (--resume
-    goes on from them)."""
+    goes on from them); a local run's launcher clears its logs/ and trace/ too (folders). Removes
+    only what a run writes (WRITTEN), and then each of the folders that is left empty."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out_dir / "ps", ignore_errors=True)
-    if not keep_checkpoints:  # nor may a later --resume take an earlier job's checkpoint
-        shutil.rmtree(out_dir / CHECKPOINTS, ignore_errors=True)
-    clear(out_dir)
+    _remove(written(out_dir, keep_checkpoints=keep_checkpoints, folders=folders))
+    for folder in sorted(folders, reverse=True):   # trace/ps and trace/sync before trace
+        try:
+            (out_dir / folder).rmdir()
+        except OSError:
+            pass   # missing, or it holds what no run wrote
 
 
 def clear(out_dir: Path) -> None:
     """Removes an earlier run's results, so that a failed run never leaves them beside its own."""
-    for name in (*STALE, *(p.name for p in out_dir.glob("model-*-of-*.safetensors"))):
-        (out_dir / name).unlink(missing_ok=True)
+    _remove(written(out_dir, folders=()))
+
+
+def _remove(paths: Iterable[Path]) -> None:
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _strict(value: Any) -> Any:

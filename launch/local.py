@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -154,15 +153,14 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     plan = preflight(job)
     # Every refusal comes before an earlier run's results are cleared: a refused run changes nothing.
     resume_wave = _resume_wave(out_dir, job, plan, resume=resume, fresh=fresh)
+    outputs.check_reads(out_dir, job.read_paths, keep_checkpoints=resume)
     with outputs.locked(out_dir):
         credentials = local_security(job, out_dir, flags)
         _check_security(credentials)
-        outputs.start_fresh(out_dir, keep_checkpoints=resume)
-        # This launcher's own folders: an earlier run's logs of processes this one lacks, or its
-        # trace where this one writes none, would pass for this run's (`hetpipe trace`). Stages
-        # write their trace anew even on --resume.
-        for folder in ("logs", "trace"):
-            shutil.rmtree(out_dir / folder, ignore_errors=True)
+        # With this launcher's own folders: an earlier run's logs of processes this one lacks, or
+        # its trace where this one writes none, would pass for this run's (`hetpipe trace`).
+        # Stages write their trace anew even on --resume.
+        outputs.start_fresh(out_dir, keep_checkpoints=resume, folders=outputs.WRITTEN)
         for stale in (TARGETS_FILE, STATUS_FILE, ADDRESS_FILE, JOB_ID_FILE):  # an earlier job's endpoints, ending
             (out_dir / stale).unlink(missing_ok=True)
         with security.using(credentials, security.COORDINATOR, "hetpipe run"):

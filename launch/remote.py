@@ -152,11 +152,7 @@ def credentials(job: JobConfig, flags: security.Security) -> security.Security:
 
 def remote_files(job: JobConfig) -> str:
     """The files a remote run reads on the coordinator's and the workers' hosts, in one line ('' if none)."""
-    named = []
-    if job.data.name == "npz" and job.data.path:
-        named.append(f"data.path {job.resolve(job.data.path)}")
-    if job.model.init:
-        named.append(f"model.init {job.resolve(job.model.init)}")
+    named = [f"{key} {path}" for key, path in job.read_paths.items()]
     if job.factories:
         named.append(f"the modules of {', '.join(job.factories.values())} (from {job.base_dir} or installed)")
     if not named:
@@ -232,6 +228,7 @@ def run_remote(job: JobConfig, address: str, *, quiet: bool = False,
     check_remote(job)
     out_dir = Path(job.resolve(job.output.dir))
     outputs.check_dir(out_dir)
+    outputs.check_reads(out_dir, job.read_paths, folders=())   # what clear() removes below
     files = remote_files(job)
     if files:
         print(f"hetpipe: {files}", file=sys.stderr)

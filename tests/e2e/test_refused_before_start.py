@@ -303,3 +303,31 @@ def test_a_run_leaves_no_earlier_runs_logs_or_trace(tmp_path: Path, capsys: pyte
     assert cli.main(["run", "-q", str(_job(tmp_path, parallel={"stages_per_vw": 1}))]) == 0, capsys.readouterr().err
     assert not (out / "trace").exists()
     assert sorted(p.name for p in (out / "logs").glob("*.log")) == ["stage_worker_0.log"]
+
+
+def test_a_run_removes_only_what_runs_write_from_output_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """output.dir may be the user's own folder: a new run clears an earlier run's files there, by
+    the names runs write, and leaves the user's own in logs/, trace/, checkpoints/ and ps/ alone.
+    A model.init that is an earlier run's output there is refused before anything is cleared."""
+    out = tmp_path / "out"
+    job = _job(tmp_path, output={"dir": str(out), "trace": True})
+    assert cli.main(["run", "-q", str(job)]) == 0, capsys.readouterr().err
+    assert (out / "trace" / "vw0_stage0.jsonl").exists() and (out / "model.safetensors").exists()
+    mine = {"notes.md": "notes", "logs/train.log": "mine", "trace/profile.json": "{}", "checkpoints/epoch10.pt": "w",
+            "checkpoints/cut_best/w.pt": "w", "ps/readme.txt": "r", "trace/sync/mine.txt": "m"}
+    for name, text in mine.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    model = (out / "model.safetensors").read_bytes()
+
+    fine_tune = _job(tmp_path, output={"dir": str(out), "trace": False}, model={"init": str(out / "model.safetensors")})
+    assert cli.main(["run", "-q", str(fine_tune)]) == 2
+    assert capsys.readouterr().err == (
+        f"hetpipe: error: model.init: {out / 'model.safetensors'} is an earlier run's output in output.dir {out}, "
+        "which this run clears before it starts: copy it out of output.dir first, or choose another output.dir\n")
+    assert (out / "model.safetensors").read_bytes() == model, "a refused run changes nothing"
+
+    assert cli.main(["run", "-q", str(_job(tmp_path, output={"dir": str(out), "trace": False}))]) == 0
+    assert {name: (out / name).read_text() for name in mine} == mine
+    assert sorted(p.name for p in (out / "trace").iterdir()) == ["profile.json", "sync"]
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["stage_worker_0.log", "stage_worker_1.log", "train.log"]

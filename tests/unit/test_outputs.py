@@ -47,6 +47,56 @@ def test_an_output_dir_under_a_file_is_refused(tmp_path: Path) -> None:
             outputs.check_dir(target)
 
 
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) + ("/" if p.is_dir() else "") for p in root.rglob("*"))
+
+
+def test_a_fresh_start_removes_what_runs_write_and_nothing_else(tmp_path: Path) -> None:
+    """By name: a run's results, shard state, cuts, logs and traces; the user's files beside them
+    stay, and so do the folders that hold them. Folders left empty go."""
+    ours = ["model.safetensors", "model-00001-of-00002.safetensors", "summary.json", "eval.jsonl",
+            "ps/shard0/000000000001.log", "checkpoints/cut000004/manifest.json", "logs/stage_worker_0.log",
+            "logs/ps_server_1.log", "trace/vw0_stage1.jsonl", "trace/acked_vw1_stage0.pt",
+            "trace/sync/vw0_stage0.jsonl", "trace/ps/shard0.jsonl"]
+    theirs = ["notes.md", "model.bin", "checkpoints/epoch10.pt", "checkpoints/cut_best/w.pt",
+              "checkpoints/cut4/manifest.json", "logs/train.log", "logs/stage_worker.log", "trace/mine.jsonl",
+              "ps/shard0.txt"]
+    for name in ours + theirs:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    assert sorted(str(p.relative_to(tmp_path)) for p in outputs.written(tmp_path)) == sorted(
+        ["model.safetensors", "model-00001-of-00002.safetensors", "summary.json", "eval.jsonl", "ps/shard0",
+         "checkpoints/cut000004", "logs/stage_worker_0.log", "logs/ps_server_1.log", "trace/vw0_stage1.jsonl",
+         "trace/acked_vw1_stage0.pt", "trace/sync/vw0_stage0.jsonl", "trace/ps/shard0.jsonl"])
+    outputs.start_fresh(tmp_path, keep_checkpoints=True, folders=outputs.WRITTEN)
+    assert _tree(tmp_path) == sorted(["checkpoints/", "checkpoints/cut000004/", "checkpoints/cut000004/manifest.json",
+                                      "checkpoints/cut_best/", "checkpoints/cut_best/w.pt", "checkpoints/cut4/",
+                                      "checkpoints/cut4/manifest.json", "checkpoints/epoch10.pt", "logs/",
+                                      "logs/stage_worker.log", "logs/train.log", "model.bin", "notes.md", "ps/",
+                                      "ps/shard0.txt", "trace/", "trace/mine.jsonl"])
+    outputs.start_fresh(tmp_path, keep_checkpoints=False, folders=outputs.WRITTEN)
+    assert "checkpoints/cut000004/" not in _tree(tmp_path) and "checkpoints/epoch10.pt" in _tree(tmp_path)
+    for name in theirs:
+        (tmp_path / name).unlink()
+    outputs.start_fresh(tmp_path, keep_checkpoints=False, folders=outputs.WRITTEN)
+    assert _tree(tmp_path) == ["checkpoints/", "checkpoints/cut4/", "checkpoints/cut_best/"], \
+        "only the folders a run writes are removed once empty"
+
+
+def test_a_file_the_job_reads_is_refused_where_a_fresh_start_would_remove_it(tmp_path: Path) -> None:
+    for name in ["model.safetensors", "checkpoints/cut000004/shard0/model.safetensors", "init/w.safetensors"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    with pytest.raises(ConfigError, match=r"^model.init: \S+/model.safetensors is an earlier run's output in output.dir"):
+        outputs.check_reads(tmp_path, {"model.init": tmp_path / "model.safetensors"}, folders=())
+    cut = tmp_path / "checkpoints/cut000004/shard0/model.safetensors"
+    with pytest.raises(ConfigError, match=r"^data.path: "):
+        outputs.check_reads(tmp_path, {"data.path": cut})
+    outputs.check_reads(tmp_path, {"data.path": cut}, keep_checkpoints=True)   # --resume keeps the cuts
+    outputs.check_reads(tmp_path, {"model.init": tmp_path / "init/w.safetensors"})
+    outputs.check_reads(tmp_path, {"model.init": tmp_path / "elsewhere.pt"})   # none yet: preflight names it
+
+
 def test_one_run_at_a_time_holds_an_output_dir(tmp_path: Path) -> None:
     """A second holder is refused, naming the first's pid; the lock and its file go with their
     holder, and a killed holder's file (no lock on it) does not stand in the way."""
