@@ -16,12 +16,14 @@ import contextlib
 import importlib
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hetpipe import wire, zoo
 from hetpipe.config import JobConfig, ModelConfig
@@ -140,12 +142,59 @@ def _parameters_on_meta() -> Iterator[None]:
             nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+_RESETS = ("reset_parameters", "_reset_parameters")
+
+
+class _FactoryWrites(TorchDispatchMode):
+    """Records each in-place write to a (meta) parameter that no reset_parameters() makes while
+    the factory runs: an initialisation of its own (nn.init.normal_ in a loop over the modules, a
+    load_state_dict), which no stage would see: each builds its layers with their resets alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[tuple[str, int]] = []   # (op, the parameter's storage)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        target = args[0] if args else None
+        if func._schema.is_mutable and isinstance(target, torch.Tensor) and target.device.type == "meta":
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_name not in _RESETS:
+                frame = frame.f_back
+            if frame is None:
+                self.writes.append((func.__name__.split(".")[0], target.untyped_storage()._cdata))
+        return func(*args, **(kwargs or {}))
+
+
+def _check_parameters(cfg: ModelConfig, model: nn.Sequential, writes: list[tuple[str, int]]) -> None:
+    """ConfigError for what a stage's own build would silently lose: parameters tied across layers
+    (each stage materialises its layers apart) and the factory's own initialisation."""
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    for names in owners.values():
+        if len({n.split(".", 1)[0] for n in names}) > 1:
+            raise ConfigError(f"model: {describe(cfg)} ties {names[0]} and {names[1]} (one parameter in two layers): "
+                              "each stage builds its layers apart, so they would train as two; give each layer its "
+                              "own parameter, or keep both uses in one layer")
+    if writes:
+        named = {p.untyped_storage()._cdata: name for name, p in model.named_parameters()}
+        found = list(dict.fromkeys(f"{op} on {named.get(storage, 'a parameter')}" for op, storage in writes))
+        raise ConfigError(f"model: {describe(cfg)} writes parameters itself ({', '.join(found[:3])}"
+                          f"{', ...' if len(found) > 3 else ''}), outside any reset_parameters(): each stage "
+                          "initialises its layers with their modules' reset_parameters() alone, so that would be "
+                          "lost; move it into the module's reset_parameters(), or save the initialised model "
+                          "and give it as model.init")
+
+
 def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = None) -> nn.Sequential:
     """The model with every parameter on the meta device (no memory): names, shapes, layers.
     args: instead of model.args (the planner sizes an emulated model this way)."""
     build = factory(cfg, base_dir)
     kwargs = dict(cfg.args if args is None else args)
-    with _parameters_on_meta():
+    with _parameters_on_meta(), _FactoryWrites() as watch, warnings.catch_warnings():
+        # load_state_dict into the meta parameters is recorded as the write it is; torch's own
+        # warning that it does nothing would only repeat the refusal, once per key.
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")
         try:
             model = build(**kwargs)
         except ConfigError:
@@ -163,6 +212,7 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
     if names != [str(i) for i in range(len(model))]:  # weights are named by layer index ("3.weight")
         raise ConfigError(f"model: {describe(cfg)} returned an nn.Sequential with named layers {names[:5]}; "
                           "build it from a list of layers, numbered 0..n-1")
+    _check_parameters(cfg, model, watch.writes)
     odd = {k: t.dtype for k, t in model.state_dict(keep_vars=True).items() if t.dtype not in wire.CARRIED}
     if odd:  # found now, not when the trained weights are written out
         raise ConfigError(f"model: {describe(cfg)}'s state_dict holds {sorted(map(str, set(odd.values())))} tensors "

@@ -57,6 +57,38 @@ def named_layers():
 
 def needs_args(width):
     return net(width)
+
+def inits_itself():
+    # As torchvision's and nanoGPT's models do in their constructors: lost on a stage.
+    model = net()
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, 0.02)
+            module.bias.data.zero_()
+    return model
+
+def loads_weights():
+    model = net()
+    model.load_state_dict({k: torch.zeros_like(v, device="cpu") for k, v in model.state_dict().items()})
+    return model
+
+class Tied(nn.Module):
+    # One parameter, two uses in one layer: kept as one.
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+def tied_in_a_layer():
+    return nn.Sequential(Tied(), nn.Linear(4, 3))
+
+def tied_across_layers():
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.ReLU(), last)
 """
 
 
@@ -127,10 +159,20 @@ def test_float64_jobs_get_float64_layers(tmp_path: Path) -> None:
     ("mymodels:needs_args", {}, r"model\.args: mymodels:needs_args: .*missing 1 required .*'width'"),
     ("mymodels:net", {"depth": 3}, r"model\.args: mymodels:net: .*unexpected keyword argument 'depth'"),
     ("mymodels:raw_net", {}, r"parameter 0\.weight of mymodels:raw_net is not initialised by any reset_parameters"),
+    ("mymodels:inits_itself", {}, r"model: mymodels:inits_itself writes parameters itself \(normal_ on 0\.weight, "
+                                  r"zero_ on 0\.bias, normal_ on 3\.weight, \.\.\.\), outside any reset_parameters\(\)"),
+    ("mymodels:loads_weights", {}, r"writes parameters itself \(copy_ on 0\.weight, copy_ on 0\.bias, copy_ on 2\.weight"),
+    ("mymodels:tied_across_layers", {}, r"model: mymodels:tied_across_layers ties 0\.weight and 2\.weight \(one "
+                                        r"parameter in two layers\)"),
 ])
 def test_a_factory_that_does_not_fit_says_why(tmp_path: Path, factory: str, args: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         build(job(tmp_path, factory, args=args))
+
+
+def test_a_parameter_shared_within_a_layer_stays_shared(tmp_path: Path) -> None:
+    layer = build_layers(job(tmp_path, factory="mymodels:tied_in_a_layer"), 0, 1)[0]
+    assert layer.a.weight is layer.b.weight
 
 
 def test_a_zoo_name_and_a_factory_are_the_same_thing() -> None:
