@@ -19,6 +19,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -157,7 +158,7 @@ class _FactoryWrites(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         target = args[0] if args else None
         if func._schema.is_mutable and isinstance(target, torch.Tensor) and target.device.type == "meta":
-            frame = sys._getframe(1)
+            frame: FrameType | None = sys._getframe(1)
             while frame is not None and frame.f_code.co_name not in _RESETS:
                 frame = frame.f_back
             if frame is None:
