@@ -299,12 +299,12 @@ class JobDriver:
         if self.job.train.precision == "fp16":
             return
         for h in self.last_stages():
-            if h.last.last_loss_minibatch and not math.isfinite(h.last.last_loss):
-                p, peak = h.last.last_loss_minibatch, self.job.train.optimizer.lr
+            if h.last.diverged_minibatch:   # the first such minibatch, however many came after it
+                p, peak = h.last.diverged_minibatch, self.job.train.optimizer.lr
                 rate = learning_rate(self.job.train, p)
                 lr = f"train.optimizer.lr is {peak:g}" if rate == peak else \
                     f"its learning rate is {rate:g}, of train.optimizer.lr {peak:g} and train.lr_schedule"
-                raise JobFailed(f"training diverged: the loss of vw {h.plan.vw} is {h.last.last_loss} at minibatch "
+                raise JobFailed(f"training diverged: the loss of vw {h.plan.vw} is {h.last.diverged_loss} at minibatch "
                                 f"{p} ({lr}; a smaller one, or a look at the data, may help; {h.name} at {h.at})")
 
     def _take_cut(self) -> None:

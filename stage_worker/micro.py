@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 
 import torch
 
@@ -18,6 +17,7 @@ from stage_worker import commit
 from stage_worker.commit import Ran
 from stage_worker.inbox import Inbox
 from stage_worker.loaded import Loaded
+from stage_worker.losses import Losses
 from stage_worker.micro_schedule import MicroSchedule
 from stage_worker.schedule import Task
 
@@ -25,7 +25,7 @@ from stage_worker.schedule import Task
 class MicroTasks:
     """Runs one stage's micro-batch tasks; called by the compute thread only."""
 
-    def __init__(self, inbox: Inbox, lock: threading.Condition, losses: deque[tuple[int, torch.Tensor]]) -> None:
+    def __init__(self, inbox: Inbox, lock: threading.Condition, losses: Losses) -> None:
         self._inbox, self._lock, self._losses = inbox, lock, losses
         self._x: dict[int, list[torch.Tensor]] = {}   # stage 0: p's micro-batches of x
         self._y: dict[int, list[torch.Tensor]] = {}   # the last stage: of y
@@ -107,6 +107,6 @@ class MicroTasks:
         p = task.p
         if s.setup.last:
             with self._lock:
-                self._losses.append((p, self._loss.pop(p)))
+                self._losses.add(p, self._loss.pop(p))
         s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version)
         commit.commit(s, p, s.compute.take_summed())

@@ -39,6 +39,8 @@ class Progress:
     last_loss: float = float("nan")
     last_loss_minibatch: int = 0        # the minibatch last_loss is of (0: none yet)
     recent_loss: float = float("nan")   # last stage: mean over its last 10 minibatches
+    diverged_minibatch: int = 0         # last stage: the first minibatch whose loss was NaN or Inf (0: none)
+    diverged_loss: float = 0.0          # ... and that loss
     forward_seconds: float = 0.0
     backward_seconds: float = 0.0
     idle_seconds: float = 0.0

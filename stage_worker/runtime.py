@@ -7,7 +7,6 @@ import logging
 import threading
 from pathlib import Path
 import time
-from collections import deque
 
 import grpc
 import torch
@@ -24,6 +23,8 @@ from stage_worker.lifecycle import StageState
 from stage_worker.commit import Ran, Send
 from stage_worker.links import Link
 from stage_worker.loaded import Loaded
+from stage_worker.losses import Losses
+from stage_worker.losses import read as losses_read
 from stage_worker.micro import MicroTasks
 from stage_worker.tasks import MinibatchTasks
 from stage_worker.micro_schedule import MicroSchedule
@@ -61,7 +62,7 @@ class StageRuntime:
         self._inbox = Inbox()
         self._final: int | None = None  # the final evaluation's min_clock, once asked for
         self._final_merged = False
-        self._losses: deque[tuple[int, torch.Tensor]] = deque(maxlen=10)  # (p, loss): read (a device sync) when polled
+        self._losses = Losses()  # the last stage's: read (a device sync) when polled
         self._busy = False            # a schedule task is running (its input still counts as ready)
         self._stepping = 0            # 1 while a completed minibatch's step is still to come (Ran.then)
         self._idle_seconds = self._wait_idle_seconds = 0.0
@@ -355,10 +356,12 @@ class StageRuntime:
         """The stage's state and counters at one instant; with weights_digest, also a hash of its
         weights (reads them all, under the lock the compute thread needs: polls leave it out)."""
         with self._cv:
-            losses = list(self._losses)
+            losses = list(self._losses.recent)
+            first_bad = self._losses.first_bad
         # Outside the lock: reading a loss on a GPU waits for the work queued before it.
         last_loss = float(losses[-1][1]) if losses else float("nan")
         recent_loss = float(torch.stack([loss for _, loss in losses]).mean()) if losses else float("nan")
+        diverged_minibatch, diverged_loss = losses_read(first_bad)
         with self._cv:
             s = self._s
             if s is None:
@@ -382,6 +385,7 @@ class StageRuntime:
                 cut=s.cuts.waiting_at,
                 received=self._inbox.received,
                 last_loss=last_loss, recent_loss=recent_loss, last_loss_minibatch=losses[-1][0] if losses else 0,
+                diverged_minibatch=diverged_minibatch, diverged_loss=diverged_loss,
                 forward_seconds=self._phase_seconds["forward"], backward_seconds=self._phase_seconds["backward"],
                 idle_seconds=self._idle_seconds, wait_seconds=s.sync.wait_seconds,
                 wait_idle_seconds=self._wait_idle_seconds,

@@ -35,6 +35,7 @@ def status_message(p: Progress) -> stage_pb2.StageStatus:
     s.cut = p.cut
     s.shm_bytes, s.cuda_ipc_bytes = p.shm_bytes, p.cuda_ipc_bytes
     s.last_loss, s.recent_loss, s.last_loss_minibatch = p.last_loss, p.recent_loss, p.last_loss_minibatch
+    s.diverged_minibatch, s.diverged_loss = p.diverged_minibatch, p.diverged_loss
     s.wait_seconds, s.wait_idle_seconds, s.idle_seconds = p.wait_seconds, p.wait_idle_seconds, p.idle_seconds
     s.compute_seconds = p.compute_seconds
     s.clock, s.min_clock = p.clock, p.min_clock

@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 
-import torch
 
 from hetpipe.wsp import wave_of
 from stage_worker import commit
 from stage_worker.commit import Ran
 from stage_worker.inbox import Inbox
 from stage_worker.loaded import Loaded
+from stage_worker.losses import Losses
 from stage_worker.schedule import Task
 
 
 class MinibatchTasks:
     """Runs one stage's minibatch tasks; called by the compute thread only (MicroTasks' twin)."""
 
-    def __init__(self, inbox: Inbox, lock: threading.Condition, losses: deque[tuple[int, torch.Tensor]]) -> None:
+    def __init__(self, inbox: Inbox, lock: threading.Condition, losses: Losses) -> None:
         self._inbox, self._lock, self._losses = inbox, lock, losses
 
     def forward(self, s: Loaded, task: Task) -> Ran:
@@ -75,7 +74,7 @@ class MinibatchTasks:
         # The forward's share of the task: measured, or (emulated) the padded time split as planned.
         forward = (end - start) * s.setup.forward_seconds / padded if padded > 0 else forward_end - start
         with self._lock:
-            self._losses.append((p, loss))
+            self._losses.add(p, loss)
         # The trace splits the task where the forward's share ends (emulated: the planned share).
         s.trace.forward(p, local_version=version, min_clock=min_clock, fwd_start=start, fwd_end=start + forward)
         if s.trace.enabled:

@@ -247,6 +247,26 @@ def test_a_run_whose_loss_diverges_fails_naming_where(tmp_path: Path, precision:
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
+def test_a_diverged_run_names_the_first_minibatch_whose_loss_was_nan(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Not the minibatch the last poll saw: a NaN in one row of the data (past the first, which
+    the checks before the start read) makes minibatch 3's loss NaN, and every loss after it."""
+    (tmp_path / "rows.py").write_text(
+        "import torch\n\n"
+        "class Rows(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n        return 640\n\n"
+        "    def __getitem__(self, i):\n"
+        "        x = torch.full((64,), 0.01 * (i % 7))\n"
+        "        if i == 16 * 2 + 5:\n            x[3] = float('nan')\n"
+        "        return x, i % 10\n\n"
+        "def train():\n    return Rows()\n")
+    job = _job(tmp_path, data={"name": None, "factory": "rows:train", "shuffle": False}, train={"steps": 30},
+               parallel={"stages_per_vw": 1})
+    assert cli.main(["run", "-q", str(job)]) == 1
+    err = capsys.readouterr().err
+    assert "training diverged: the loss of vw 0 is nan at minibatch 3 (train.optimizer.lr is 0.05;" in err, err
+
+
 def test_a_run_does_not_delete_an_earlier_runs_checkpoints_unless_told_to(tmp_path: Path,
                                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """Without --resume, a run into an output.dir with checkpoints is refused, changing nothing
