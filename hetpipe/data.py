@@ -147,7 +147,11 @@ def _from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
     if isinstance(dataset, Mapping) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise ConfigError(f"{key}: {spec} returned a {type(dataset).__name__}, expected a map-style "
                           f"torch.utils.data.Dataset (with __getitem__ and __len__) of (input, target)")
-    if len(dataset) == 0:
+    try:
+        rows = len(dataset)
+    except Exception as exc:
+        raise ConfigError(f"{key}: len() of {spec}'s dataset failed: {type(exc).__name__}: {exc}") from None
+    if rows == 0:
         raise ConfigError(f"{key}: {spec} returned an empty dataset")
     try:
         item = dataset[0]
@@ -155,6 +159,15 @@ def _from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
         raise ConfigError(f"{key}: reading item 0 of {spec}'s dataset failed: {type(exc).__name__}: {exc}") from None
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
         raise ConfigError(f"{key}: {spec}'s items are {type(item).__name__}s, expected (input, target) pairs")
+    x, y = item
+    if not isinstance(x, (torch.Tensor, np.ndarray)):
+        # A tuple would be stacked into one tensor, or collated into a list the first layer
+        # cannot take: the pipeline hands each layer one tensor.
+        raise ConfigError(f"{key}: {spec}'s inputs are {type(x).__name__}s, expected one tensor (or numpy "
+                          "array) per item: each layer of the pipeline takes one tensor")
+    if not isinstance(y, (torch.Tensor, np.ndarray, int, float, np.number)):
+        raise ConfigError(f"{key}: {spec}'s targets are {type(y).__name__}s, expected a tensor, a numpy array or "
+                          "a number per item")
     return dataset  # type: ignore[no-any-return]
 
 

@@ -243,6 +243,33 @@ def not_a_dataset(rows=20):
 
 def broken(rows=20):
     raise RuntimeError("disk on fire")
+
+
+class Items(torch.utils.data.Dataset):
+    def __init__(self, item, rows=20):
+        self.item, self.rows = item, rows
+
+    def __len__(self):
+        return self.rows
+
+    def __getitem__(self, i):
+        return self.item
+
+
+def pairs_of_inputs(rows=20):
+    return Items(((torch.zeros(4), torch.ones(4)), 1))
+
+
+def list_inputs(rows=20):
+    return Items(([0.0, 1.0, 2.0, 3.0], 1))
+
+
+def string_targets(rows=20):
+    return Items((torch.zeros(4), "cat"))
+
+
+def negative_length(rows=20):
+    return Items((torch.zeros(4), 1), rows=-1)
 """
 
 
@@ -295,6 +322,10 @@ def test_reading_minibatches_draws_nothing_from_torchs_global_generator(tmp_path
     ("mydata:missing", r"data\.factory: module 'mydata' has no attribute 'missing'"),
     ("mydata:not_a_dataset", r"data\.factory: mydata:not_a_dataset's items are ints, expected \(input, target\)"),
     ("mydata:broken", r"data\.factory: mydata:broken\(\*\*data\.args\) failed: RuntimeError: disk on fire"),
+    ("mydata:pairs_of_inputs", r"data\.factory: mydata:pairs_of_inputs's inputs are tuples, expected one tensor"),
+    ("mydata:list_inputs", r"data\.factory: mydata:list_inputs's inputs are lists, expected one tensor"),
+    ("mydata:string_targets", r"data\.factory: mydata:string_targets's targets are strs, expected a tensor"),
+    ("mydata:negative_length", r"data\.factory: len\(\) of mydata:negative_length's dataset failed: ValueError"),
     ("mydata", r"data\.factory: expected 'package\.module:function'"),
 ])
 def test_bad_data_factories_say_what_is_wrong(tmp_path: Path, spec: str, match: str) -> None:
