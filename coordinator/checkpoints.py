@@ -37,15 +37,19 @@ def manifest(folder: Path, wave: int) -> dict[str, Any]:
 
 
 # Recorded since cuts began to record them: a cut without one matches any (it was taken before).
-LATER_KEYS = ("optimizer",)
+LATER_KEYS = ("optimizer", "model", "batch_size", "shuffle", "seed")
 
 
 def job_shape(job: JobConfig, plan: Plan, shards: int) -> dict[str, Any]:
-    """What a cut records of its job, and a job resumed from it must match (the optimizer: its
-    state in the stages' checkpoints is that optimizer's, sgd's momentum or adam's moments)."""
+    """What a cut records of its job, and a job resumed from it must match: the optimizer (its
+    state in the stages' checkpoints is that optimizer's, sgd's momentum or adam's moments), the
+    model (its layers' shapes), and what decides each minibatch's rows (batch size, shuffle, seed),
+    so that a resumed run goes on as the uninterrupted one would have."""
     return {"virtual_workers": plan.virtual_workers, "stages_per_vw": plan.stages_per_vw, "nm": plan.nm,
             "steps": job.train.steps, "ps_shards": shards, "dtype": job.train.dtype,
-            "layers": [[s.layer_begin, s.layer_end] for s in plan.stages], "optimizer": job.train.optimizer.name}
+            "layers": [[s.layer_begin, s.layer_end] for s in plan.stages], "optimizer": job.train.optimizer.name,
+            "model": {"name": job.model.name, "factory": job.model.factory, "args": dict(job.model.args)},
+            "batch_size": job.data.batch_size, "shuffle": job.data.shuffle, "seed": job.train.seed}
 
 
 def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:

@@ -118,12 +118,14 @@ def test_stop_then_resume(uninterrupted: dict[str, torch.Tensor], tmp_path: Path
     # (exit 2, nothing started), naming what differs, and stays there for the resume that fits.
     other = deep_update(JOB, {"parallel": {"ps_shards": 1}, "train": {"dtype": "float32", "steps": 2 * JOB["train"]["steps"]}})
     other["train"]["optimizer"] = {"name": "adam", "lr": 0.001}   # its moments are not in the stages' cut
+    other["train"]["seed"] = JOB["train"]["seed"] + 1   # other rows in each minibatch
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(other))
     refused = _hetpipe(tmp_path, "run", "-q", "--resume", "job.yaml")
     _, err = refused.communicate(timeout=120)
     assert refused.returncode == 2 and err.startswith(
         "hetpipe: error: --resume: the checkpoint of wave "), err
     assert (f"was taken for another job: steps {JOB['train']['steps']} there, {2 * JOB['train']['steps']} now, "
-            "ps_shards 2 there, 1 now, dtype float64 there, float32 now, optimizer sgd there, adam now\n") in err, err
+            "ps_shards 2 there, 1 now, dtype float64 there, float32 now, optimizer sgd there, adam now, "
+            f"seed {JOB['train']['seed']} there, {JOB['train']['seed'] + 1} now\n") in err, err
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(JOB))
     _resume_and_compare(tmp_path, uninterrupted)
