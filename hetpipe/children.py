@@ -102,9 +102,24 @@ def warm_up() -> None:
     """Starts the fork server now (it imports torch: about a second), so that it is ready by the
     time the first worker is started; a launcher calls it before its own set-up work."""
     _context()
+    _ensure_server()
+
+
+def _ensure_server() -> None:
+    """The fork server, started without the current folder first on its sys.path, where its
+    `python -c` would put it: a `yaml.py` in the folder `hetpipe run` runs in (a job's folder)
+    would otherwise be the yaml it preloads for every service (PYTHONSAFEPATH, Python 3.11)."""
     from multiprocessing import forkserver
 
-    forkserver.ensure_running()
+    before = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONSAFEPATH"]
+        else:
+            os.environ["PYTHONSAFEPATH"] = before
 
 
 def start(args: list[str], log_path: Path, *, env: Mapping[str, str] | None = None,
@@ -125,6 +140,7 @@ def start(args: list[str], log_path: Path, *, env: Mapping[str, str] | None = No
     launcher_main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
+        _ensure_server()
         process.start()
     finally:
         sys.modules["__main__"] = launcher_main

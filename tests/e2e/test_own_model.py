@@ -152,3 +152,17 @@ def test_the_launcher_never_holds_the_model(tmp_path: Path) -> None:
             stages = [by_name["stage 0 of vw 0"], by_name["stage 1 of vw 0"]]
             assert all(s["peak_rss_bytes"] > 150e6 for s in stages), "each stage holds its own half"
     assert peaks[4096] < peaks[16] + 100e6, {k: f"{v / 1e6:.0f} MB" for k, v in peaks.items()}
+
+
+def test_a_module_in_the_jobs_folder_does_not_stand_in_for_a_library(tmp_path: Path) -> None:
+    """`hetpipe run` in the job's folder, which holds a yaml.py of its own: the services' fork
+    server imports yaml for every service, and `python -c` puts the current folder first on its
+    path. Each failed 'before serving' on yaml.SafeLoader."""
+    job = example_job(tmp_path, "own-model", {"train": {"steps": 4}, "parallel": {"virtual_workers": 1},
+                                              "eval": None})
+    (job.parent / "yaml.py").write_text("SHADOW = True  # not PyYAML\n")
+    script = Path(sys.executable).with_name("hetpipe")   # the console script: no folder of its own on sys.path
+    done = subprocess.run([str(script), "run", "-q", job.name], cwd=job.parent, capture_output=True, text=True,
+                          timeout=200)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "model.safetensors").exists()
