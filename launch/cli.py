@@ -135,7 +135,7 @@ def _plan(args: argparse.Namespace) -> int:
     if isinstance(projected, int):
         return projected
     out_dir = Path(job.resolve(job.output.dir))
-    measured = (outputs.read_summary(out_dir) or {}).get("samples_per_second")
+    measured = plan_report.measured(job, plan, outputs.read_summary(out_dir) or {})
     summary_path = out_dir / outputs.SUMMARY_FILE
     if args.json:
         print(json.dumps({**plan.to_dict(), "measured_samples_per_second": measured,

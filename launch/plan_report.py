@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from hetpipe.config import ConfigError, JobConfig, with_overrides
 from hetpipe.units import format_bytes, format_seconds
@@ -29,6 +30,16 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def measured(job: JobConfig, plan: Plan, summary: dict[str, Any]) -> float | None:
+    """The samples/s of the run a summary.json holds, if that run had this plan's shape (its
+    VWs, stages and their layers and GPUs, nm, D): another run's speed says nothing of this one."""
+    ran = [(s.get("vw"), s.get("stage"), s.get("gpu"), s.get("layers")) for s in summary.get("plan") or []]
+    planned = [(s.vw, s.stage, s.label, [s.layer_begin, s.layer_end]) for s in plan.stages]
+    same = ran == planned and (summary.get("nm"), summary.get("D"), summary.get("mode")) == (plan.nm, plan.D, job.parallel.mode)
+    value = summary.get("samples_per_second")
+    return float(value) if same and isinstance(value, (int, float)) else None
+
+
 def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path: Path) -> str:
     """The plan, a row per stage, and its predicted throughput beside a measured one (from
     summary_path) when a run has left one."""
@@ -37,7 +48,9 @@ def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path:
     lines = [
         f"policy {plan.policy}, {_count(plan.virtual_workers, 'virtual worker')} x {_count(plan.stages_per_vw, 'stage')}, "
         f"nm {plan.nm} (memory allows up to {bound}{'+' if bound >= NM_MEMORY_LIMIT else ''}), D {plan.D}, "
-        f"s_global {plan.s_global} minibatches, {_count(shards, 'ps shard')}" + (" (emulated GPUs)" if plan.emulated else "")
+        f"s_global {plan.s_global} minibatches, "
+        + (_count(shards, 'ps shard') if shards else "no ps shard (one VW: parallel.ps_shards is not used)")
+        + (" (emulated GPUs)" if plan.emulated else "")
     ]
     network = job.emulate.network if job.emulate else None
     if network is not None:

@@ -3,6 +3,7 @@ prediction that follows the emulated task times it is given."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,20 @@ def test_a_bad_set_is_refused_by_name(capsys: pytest.CaptureFixture[str], tmp_pa
     err = capsys.readouterr().err
     for name in names:
         assert name in err, err
+
+
+def test_the_prediction_is_set_beside_a_measured_run_of_the_same_shape_alone(capsys: pytest.CaptureFixture[str],
+                                                                             tmp_path: Path) -> None:
+    """output.dir's summary.json is compared only when its run had this plan's shape: a run of
+    another layout's samples/s says nothing of this one's prediction."""
+    job = parse_job(deep_update(BASE_JOB, {**EMULATED, "output": {"dir": str(tmp_path / "out")}}))
+    plan = make_plan(job)
+    (tmp_path / "out").mkdir()
+    ran = {"samples_per_second": 100.0, "plan": plan.describe(), "nm": plan.nm, "D": plan.D, "mode": "hetpipe"}
+    other_layout = {**ran, "plan": [{**plan.describe()[0], "layers": [0, 1]}, plan.describe()[1]]}
+    for summary, shown in ((ran, True), ({**ran, "nm": plan.nm + 1}, False), (other_layout, False),
+                           ({**ran, "mode": "ddp"}, False), ({"samples_per_second": 100.0}, False)):
+        (tmp_path / "out" / "summary.json").write_text(json.dumps(summary))
+        code, out, _ = _plan(capsys, tmp_path, {**EMULATED, "output": {"dir": str(tmp_path / "out")}})
+        assert code == 0
+        assert ("measured 100.0 samples/s in" in out) is shown, (summary, out)
