@@ -49,6 +49,9 @@ def resolve(spec: str, key: str, base_dir: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        if exc.name is not None and exc.name != module_name and not module_name.startswith(exc.name + "."):
+            # Found, but what it imports is not: name that, not the module.
+            raise ConfigError(f"{key}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
         raise ConfigError(f"{key}: cannot import module {module_name!r} (from {base_dir} or the installed "
                           f"packages): {exc}") from None
     except Exception as exc:  # the module's own code failed while importing
@@ -308,7 +311,11 @@ class _InitFile:
     def lacking(self, keys: list[str]) -> None:
         missing = [k for k in keys if k not in self.keys]
         if missing:
-            raise ConfigError(f"model.init: {self.path} lacks {missing[:5]}")
+            held = sorted(self.keys)
+            hint = (": its keys start with 'module.', as a DistributedDataParallel model's state_dict does; save "
+                    "the wrapped model's (model.module.state_dict())" if held and all(k.startswith("module.") for k in held)
+                    else f" (it holds {held[:5]}{', ...' if len(held) > 5 else ''})")
+            raise ConfigError(f"model.init: {self.path} lacks {missing[:5]}{hint}")
 
 
 @contextlib.contextmanager

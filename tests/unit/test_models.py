@@ -94,6 +94,7 @@ def tied_across_layers():
 
 def job(tmp_path: Path, factory: str = "mymodels:net", **extra: Any) -> JobConfig:
     (tmp_path / "mymodels.py").write_text(USER_MODELS)
+    (tmp_path / "needs_missing.py").write_text("import not_installed_pkg\n")
     raw = {"model": {"factory": factory, **extra}, "data": {"name": "synthetic", "args": {"features": 4, "classes": 3}},
            "train": {"seed": 5}}
     return parse_job(raw, base_dir=str(tmp_path))
@@ -152,6 +153,9 @@ def test_float64_jobs_get_float64_layers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("factory", "args", "match"), [
     ("nowhere:net", {}, r"model\.factory: cannot import module 'nowhere'"),
+    ("nowhere.deeper:net", {}, r"model\.factory: cannot import module 'nowhere\.deeper'"),
+    ("needs_missing:net", {}, r"model\.factory: importing 'needs_missing' failed: ModuleNotFoundError: No module "
+                              r"named 'not_installed_pkg'"),
     ("mymodels:missing", {}, r"model\.factory: module 'mymodels' has no attribute 'missing'"),
     ("mymodels:not_sequential", {}, r"model: mymodels:not_sequential returned a Linear, expected an nn\.Sequential"),
     ("mymodels:named_layers", {}, r"model: mymodels:named_layers returned an nn\.Sequential with named layers "
@@ -198,8 +202,13 @@ def test_model_init_is_read_key_by_key(tmp_path: Path, suffix: str) -> None:
     keys = list(layers.state_dict())
     initialise_from(layers, load_init(j, keys), "model.init")
     assert all(torch.equal(layers.state_dict()[k], state[k]) for k in keys)
-    with pytest.raises(ConfigError, match=r"model\.init: .* lacks \['9\.weight'\]"):
+    with pytest.raises(ConfigError, match=r"model\.init: .* lacks \['9\.weight'\] \(it holds \['0\.bias', "):
         load_init(j, ["9.weight"])
+    wrapped = tmp_path / f"ddp{suffix}"   # saved from a DistributedDataParallel model
+    (save_file if suffix == ".safetensors" else torch.save)({f"module.{k}": v for k, v in state.items()}, str(wrapped))
+    with pytest.raises(ConfigError, match=r"lacks \['2\.weight', .*: its keys start with 'module\.', as a "
+                                          r"DistributedDataParallel model's state_dict does"):
+        load_init(job(tmp_path, init=wrapped.name), keys)
     state["3.bias"][0] = float("nan")
     with pytest.raises(ConfigError, match=r"model\.init: 3\.bias holds NaN or Inf"):
         initialise_from(layers, {"3.bias": state["3.bias"]}, "model.init")
