@@ -65,6 +65,15 @@ def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
     return None
 
 
+def shard_status(stub: rpc.Stub, i: int) -> ps_pb2.ShardStatus:
+    """Shard i's Status, through its restart; JobFailed naming it."""
+    try:
+        return rpc.retrying(lambda: stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S),
+                            give_up_s=weight_files.SHARD_RETURN_S)
+    except grpc.RpcError as exc:
+        raise JobFailed(f"ps shard {i}: Status failed: {exc.code().name}: {exc.details()}") from None
+
+
 class Checkpoints:
     """Takes the cuts of one job and gives the shards a cut's values back."""
 
@@ -83,18 +92,12 @@ class Checkpoints:
         where = outputs.cut_dir(self.folder, wave)
         clocks: list[int] = []
         for i, stub in enumerate(self.shards):
-            keys = self._keys(i)
-            if not keys:
-                continue
-            (where / f"shard{i}").mkdir(parents=True, exist_ok=True)
-            with weight_files.WeightsWriter(where / f"shard{i}", [self.entries[k] for k in keys], 1 << 62) as writer:
-                request = ps_pb2.PullRequest(vw=lead_vw, keys=keys, min_clock=wave)
-                weight_files.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
-                writer.close()
-            status = stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
-            clocks = [c.min_clock for c in status.clocks]
-            if any(c.min_clock != c.max_clock for c in status.clocks):
-                raise JobFailed(f"checkpoint of wave {wave}: ps shard {i}'s clocks differ between keys ({clocks})")
+            if self._keys(i):
+                try:   # through the shard's restart: it comes back with the same values (O3)
+                    clocks = weight_files.through_restarts(lambda: self._take_shard(where, i, stub, lead_vw, wave),
+                                                           f"ps shard {i}'s part of the checkpoint of wave {wave}")
+                except JobFailed as exc:
+                    raise JobFailed(f"checkpoint of wave {wave}: {exc}") from None
         text = json.dumps({"wave": wave, "clocks": clocks, "evicted": evicted, **self.job_shape}, indent=2)
         # On disk before the older cuts go, so that a power cut leaves one whole cut: the stages'
         # files (they fsync their own) and the shards' (WeightsWriter.close) are, the manifest's
@@ -105,6 +108,20 @@ class Checkpoints:
             if old != where and outputs.CUT.fullmatch(old.name):
                 shutil.rmtree(old, ignore_errors=True)
         self.taken = wave
+
+    def _take_shard(self, where: Path, i: int, stub: rpc.Stub, lead_vw: int, wave: int) -> list[int]:
+        """Shard i's values at the cut into where/shard{i}; returns each VW's clock there."""
+        keys = self._keys(i)
+        (where / f"shard{i}").mkdir(parents=True, exist_ok=True)
+        with weight_files.WeightsWriter(where / f"shard{i}", [self.entries[k] for k in keys], 1 << 62) as writer:
+            request = ps_pb2.PullRequest(vw=lead_vw, keys=keys, min_clock=wave)
+            weight_files.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
+            writer.close()
+        status = shard_status(stub, i)
+        clocks = [c.min_clock for c in status.clocks]
+        if any(c.min_clock != c.max_clock for c in status.clocks):
+            raise JobFailed(f"ps shard {i}'s clocks differ between keys ({clocks})")
+        return clocks
 
     def restore_shards(self, wave: int) -> None:
         """Gives every shard the cut's values and each VW's clock (instead of VW 0's w0)."""

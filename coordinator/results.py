@@ -11,15 +11,21 @@ import torch
 
 from hetpipe import devices, models, outputs, rpc, weight_files
 from hetpipe.errors import JobFailed
-from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
+from hetpipe.v1 import ps_pb2, stage_pb2
 from hetpipe.wsp import total_waves
+from coordinator.checkpoints import shard_status
 from coordinator.driver import JobDriver, trained_here
 
 
 def write_weights(d: JobDriver) -> list[Path]:
     """The final model into safetensors in output.dir: w_global from the shards after every VW's
     last push (the lead VW's stages give what the shards do not hold, such as buffers), or the
-    lone VW's weights. Keys as in the model's state_dict."""
+    lone VW's weights. Keys as in the model's state_dict. Through a shard's restart: it holds
+    every acknowledged push again (O3), so the files are written anew from the start."""
+    return weight_files.through_restarts(lambda: _write_weights(d), "the final weights")
+
+
+def _write_weights(d: JobDriver) -> list[Path]:
     entries = list(weight_files.entries(d.model, getattr(torch, d.job.train.dtype)).values())
     with weight_files.WeightsWriter(d.out_dir, entries, d.job.output.max_shard_bytes) as writer:
         owned: set[str] = set()
@@ -83,7 +89,7 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         fields["eval_loss"] = final.loss
         fields["eval_accuracy"] = final.accuracy if job.train.loss == "cross_entropy" else None
         fields["eval_rows"] = final.rows
-    statuses = [stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S) for stub in d.shards]
+    statuses = [shard_status(stub, i) for i, stub in enumerate(d.shards)]
     if statuses:
         fields["max_clock_distance"] = max(st.max_clock_distance for st in statuses)
         fields["pushes_applied"] = sum(st.pushes_applied for st in statuses)

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -17,6 +19,8 @@ import torch
 from hetpipe import wire
 from hetpipe.errors import JobFailed
 from hetpipe.outputs import INDEX_FILE, SINGLE_FILE, fsync, stage_state_path, write_atomically, write_text_atomically
+
+log = logging.getLogger(__name__)
 
 # safetensors' names for the dtypes the wire carries, and the shards' push log holds.
 DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -208,6 +212,33 @@ def entries(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Entry]:
             for k, t in model.state_dict(keep_vars=True).items()}
 
 
+class ReadFailed(JobFailed):
+    """Reading weights from a process failed with this gRPC code."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+R = TypeVar("R")
+SHARD_RETURN_S = 60.0   # how long a write waits for a shard that died to be back (restarted at its address)
+
+
+def through_restarts(write: Callable[[], R], what: str, give_up_s: float = SHARD_RETURN_S) -> R:
+    """write() again from the start while a read in it finds its process gone (UNAVAILABLE: a
+    shard the launcher restarts from its checkpoint and push log, at the same address and with
+    the same values), for up to give_up_s; each try writes anew."""
+    deadline = time.monotonic() + give_up_s
+    while True:
+        try:
+            return write()
+        except ReadFailed as exc:
+            if exc.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            log.warning("%s: %s; reading again once it is back", what, exc)
+            time.sleep(1.0)
+
+
 def stream_into(writer: WeightsWriter, call: Callable[[], Any], who: str) -> None:
     """Writes the tensor stream call() answers (a gRPC call) into writer, piece by piece."""
     try:
@@ -221,4 +252,4 @@ def stream_into(writer: WeightsWriter, call: Callable[[], Any], who: str) -> Non
         for index, offset, piece in stream.pieces:
             writer.write(names[index], offset, piece)
     except grpc.RpcError as exc:
-        raise JobFailed(f"{who}: reading weights failed: {exc.code().name}: {exc.details()}") from None
+        raise ReadFailed(f"{who}: reading weights failed: {exc.code().name}: {exc.details()}", exc.code()) from None

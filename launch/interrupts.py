@@ -57,12 +57,13 @@ def interrupts_held() -> Iterator[None]:
 @contextmanager
 def run_interrupts() -> Iterator[None]:
     """SIGTERM and SIGHUP (a scheduler's cancel, a closed terminal) stop a run as Ctrl-C does:
-    every process stopped, status.json written, the run's address and token removed. Repeats are
-    ignored while that runs; it takes seconds."""
+    every process stopped, status.json written, the run's address and token removed. Repeats of
+    any of them, Ctrl-C's too, are ignored while that runs (it takes seconds): a second Ctrl-C
+    raised inside the clean-up left no status.json and the run's token behind."""
     def interrupt(signum: int, frame: FrameType | None) -> None:
-        for s in INTERRUPTING:
+        for s in HELD:
             signal.signal(s, signal.SIG_IGN)
-        raise Interrupted(signum)
+        raise KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
 
-    with _handling(INTERRUPTING, interrupt):
+    with _handling(HELD, interrupt):
         yield

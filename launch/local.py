@@ -214,8 +214,11 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
                 runner.stop(interrupt_reason(exc))
                 runner.machine.wait_terminal(2.0)
                 raise
-    except BaseException:
-        runner.stop("the launcher failed")
+    except BaseException as exc:
+        # What status.json says: a start-up failure's own message, an interrupt's signal.
+        if isinstance(exc, JobFailed):
+            runner.machine.try_to(JobState.FAILED, str(exc))
+        runner.stop(interrupt_reason(exc) if isinstance(exc, KeyboardInterrupt) else "the launcher failed")
         raise
     finally:
         runner.stop("the launcher ended")  # no-op for a job that ended; its workers are gone anyway

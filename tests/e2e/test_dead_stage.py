@@ -158,21 +158,32 @@ def test_killed_stage_fails_the_job_fast_and_names_it(run: Run) -> None:
     assert_all_gone(everything)
 
 
-@pytest.mark.parametrize("target", ["hetpipe", "process-group"])
+@pytest.mark.parametrize("target", ["hetpipe", "process-group", "hetpipe again and again"])
 def test_ctrl_c_stops_every_process(run: Run, target: str) -> None:
-    """SIGINT to hetpipe alone, and to its whole process group as a terminal's Ctrl-C does."""
+    """SIGINT to hetpipe alone, to its whole process group as a terminal's Ctrl-C does, and again
+    and again: the repeats, ignored, must not cut short the stop the first began."""
     run.wait_training()
     everything = run.me.children(recursive=True)
     assert len(everything) >= 4
-    if target == "hetpipe":
-        run.popen.send_signal(signal.SIGINT)
-    else:
+    if target == "process-group":
         os.killpg(run.popen.pid, signal.SIGINT)
+    else:
+        run.popen.send_signal(signal.SIGINT)
+    if target == "hetpipe again and again":   # Ctrl-C held down while the run stops
+        for _ in range(40):
+            time.sleep(0.05)
+            if run.popen.poll() is not None:
+                break
+            run.popen.send_signal(signal.SIGINT)
     code = run.wait_exit(time.monotonic())
     err = run.stderr
     assert code != 0, err
-    if target == "hetpipe":
+    if target != "process-group":
         assert code == 130 and "interrupted (Ctrl-C); stopped every process" in err, (code, err)
+        out = run.trace.parent
+        status = json.loads((out / "status.json").read_text())
+        assert status["state"] == "STOPPED" and status["reason"] == "interrupted (Ctrl-C)", status
+        assert not [n for n in ("coordinator.address", "coordinator.job", "coordinator.token") if (out / n).exists()]
     assert_all_gone(everything)
 
 

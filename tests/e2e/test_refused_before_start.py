@@ -247,6 +247,19 @@ def test_a_run_whose_loss_diverges_fails_naming_where(tmp_path: Path, precision:
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
+def test_a_run_that_fails_to_start_says_why_in_status_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A worker that exits before it serves (here a shard whose thread count cannot be read) fails
+    the run with its log's tail; status.json, which `hetpipe status --job` reads afterwards, says
+    the same. It said STOPPED, 'the launcher failed'."""
+    monkeypatch.setenv("HETPIPE_PS_THREADS", "many")
+    job = _job(tmp_path, parallel={"virtual_workers": 2, "stages_per_vw": 1})
+    assert cli.main(["run", "-q", str(job)]) == 1
+    assert "ps server 0 exited with code 1 before serving" in capsys.readouterr().err
+    status = json.loads((tmp_path / "out" / "status.json").read_text())
+    assert status["state"] == "FAILED" and status["reason"].startswith("ps server 0 exited with code 1 before serving"), status
+
+
 def test_a_diverged_run_names_the_first_minibatch_whose_loss_was_nan(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Not the minibatch the last poll saw: a NaN in one row of the data (past the first, which

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from coordinator import checkpoints
 from hetpipe import outputs, rpc, weight_files, wire
@@ -121,3 +123,41 @@ def test_a_cut_of_another_optimizer_is_refused_and_one_from_before_it_was_record
         "--resume: the checkpoint of wave 4 was taken for another job: model {'name': None, 'factory': 'net:build', "
         "'args': {'width': 8}} there, {'name': None, 'factory': 'net:build', 'args': {'width': 16}} now, "
         "batch_size 16 there, 32 now")
+
+
+def test_a_cut_is_taken_whole_through_a_shard_that_dies_and_comes_back(tmp_path: Path) -> None:
+    """A shard killed while the driver reads its part of a cut is restarted at its address from
+    its push log (the launcher does that); the cut's part is then read again from the start, with
+    the values it had (O3), instead of the job failing on UNAVAILABLE."""
+    def serve(port: int) -> tuple[rpc.Server, ShardServicer]:
+        servicer = ShardServicer(Shard(), Durability(str(tmp_path / "ps")), max_pull_wait_s=10.0)
+        servicer.restore()
+        server = rpc.Server("127.0.0.1", port, workers=4)
+        server.add("ParameterServer", servicer)
+        server.start()
+        return server, servicer
+
+    server, _ = serve(0)
+    port = int(server.address.rsplit(":", 1)[1])
+    channel = rpc.channel(server.address)
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    tensors = [(k, torch.randn(s)) for k, s in SHAPES.items()]
+    stub.Init(iter(messages(wire.encode(tensors, init=wire_pb2.InitTag(virtual_workers=1)))), timeout=10)
+    stub.Push(iter(messages(wire.encode(tensors, push=wire_pb2.PushTag(vw=0, clock=0)))), timeout=10)
+    expected = {k: 2 * t for k, t in tensors}
+    server.stop(0)   # dead: its push is in the log, not in a checkpoint
+    back: list[rpc.Server] = []
+    later = threading.Timer(1.5, lambda: back.append(serve(port)[0]))
+    later.start()
+    try:
+        entries = {k: weight_files.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
+        cuts = checkpoints.Checkpoints(tmp_path / "checkpoints", [stub], {k: 0 for k in SHAPES}, entries, {})
+        cuts.take(1, lead_vw=0, evicted=[])
+        got = load_file(outputs.cut_dir(tmp_path / "checkpoints", 1) / "shard0" / outputs.SINGLE_FILE)
+        assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+        assert checkpoints.latest(tmp_path / "checkpoints") == 1
+    finally:
+        later.join()
+        channel.close()
+        for s in back:
+            s.stop(0)
