@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -65,11 +66,11 @@ def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
     return None
 
 
-def shard_status(stub: rpc.Stub, i: int) -> ps_pb2.ShardStatus:
-    """Shard i's Status, through its restart; JobFailed naming it."""
+def shard_status(stub: rpc.Stub, i: int, closing: threading.Event | None = None) -> ps_pb2.ShardStatus:
+    """Shard i's Status, through its restart (unless the job is closing); JobFailed naming it."""
     try:
         return rpc.retrying(lambda: stub.Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S),
-                            give_up_s=weight_files.SHARD_RETURN_S)
+                            give_up_s=weight_files.SHARD_RETURN_S, closing=closing)
     except grpc.RpcError as exc:
         raise JobFailed(f"ps shard {i}: Status failed: {exc.code().name}: {exc.details()}") from None
 
@@ -83,6 +84,7 @@ class Checkpoints:
         self.entries, self.job_shape = entries, job_shape  # job_shape: what a resumed job must match
         self.exact = exact   # the shards' rule, which every Init names (wsp.exact_pulls)
         self.taken = 0
+        self.closing = threading.Event()   # the job's stop: no more waiting for a shard to come back
 
     def _keys(self, shard: int) -> list[str]:
         return [k for k, s in self.key_shard.items() if s == shard]
@@ -95,7 +97,8 @@ class Checkpoints:
             if self._keys(i):
                 try:   # through the shard's restart: it comes back with the same values (O3)
                     clocks = weight_files.through_restarts(lambda: self._take_shard(where, i, stub, lead_vw, wave),
-                                                           f"ps shard {i}'s part of the checkpoint of wave {wave}")
+                                                           f"ps shard {i}'s part of the checkpoint of wave {wave}",
+                                                           closing=self.closing)
                 except JobFailed as exc:
                     raise JobFailed(f"checkpoint of wave {wave}: {exc}") from None
         text = json.dumps({"wave": wave, "clocks": clocks, "evicted": evicted, **self.job_shape}, indent=2)
@@ -117,7 +120,7 @@ class Checkpoints:
             request = ps_pb2.PullRequest(vw=lead_vw, keys=keys, min_clock=wave)
             weight_files.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
             writer.close()
-        status = shard_status(stub, i)
+        status = shard_status(stub, i, self.closing)
         clocks = [c.min_clock for c in status.clocks]
         if any(c.min_clock != c.max_clock for c in status.clocks):
             raise JobFailed(f"ps shard {i}'s clocks differ between keys ({clocks})")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -99,6 +100,7 @@ class JobDriver:
         # A shard that stopped answering (index, address, why): True once it is being restarted
         # (a local launcher kills it); False fails the job.
         self.restart_hung_shard: Callable[[int, str, str], bool] = lambda index, address, why: False
+        self.stopping = threading.Event()   # set when the job is stopped: waits for a shard's return end
         self.stages = []
         unknown = [""] * len(stage_addresses)
         for sp, address, node, host in zip(plan.stages, stage_addresses, nodes or unknown, host_ids or unknown):
@@ -182,6 +184,7 @@ class JobDriver:
                 weight_files.entries(self.model, getattr(torch, self.job.train.dtype)),
                 checkpoints.job_shape(self.job, self.plan, len(self.shards)),
                 exact=exact_pulls(self.job.parallel.sync, self.job.parallel.D))
+            self.checkpoints.closing = self.stopping
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))
         if self.checkpoints is not None and self.resume_wave:  # VW 0's stages give w0 only on a fresh start

@@ -254,6 +254,7 @@ class JobRunner:
                                trace_dir="trace" if from_remote else None)
             driver.check_processes = lambda: self._check_alive(driver)  # type: ignore[union-attr]
             driver.restart_hung_shard = self._restart_hung_shard
+            driver.stopping = self._stop
             driver.setup()
             self._advance(JobState.RUNNING)
             wall = driver.run(self._on_progress)

@@ -22,7 +22,7 @@ def write_weights(d: JobDriver) -> list[Path]:
     last push (the lead VW's stages give what the shards do not hold, such as buffers), or the
     lone VW's weights. Keys as in the model's state_dict. Through a shard's restart: it holds
     every acknowledged push again (O3), so the files are written anew from the start."""
-    return weight_files.through_restarts(lambda: _write_weights(d), "the final weights")
+    return weight_files.through_restarts(lambda: _write_weights(d), "the final weights", closing=d.stopping)
 
 
 def _write_weights(d: JobDriver) -> list[Path]:
@@ -89,7 +89,7 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         fields["eval_loss"] = final.loss
         fields["eval_accuracy"] = final.accuracy if job.train.loss == "cross_entropy" else None
         fields["eval_rows"] = final.rows
-    statuses = [shard_status(stub, i) for i, stub in enumerate(d.shards)]
+    statuses = [shard_status(stub, i, d.stopping) for i, stub in enumerate(d.shards)]
     if statuses:
         fields["max_clock_distance"] = max(st.max_clock_distance for st in statuses)
         fields["pushes_applied"] = sum(st.pushes_applied for st in statuses)

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -224,19 +225,25 @@ R = TypeVar("R")
 SHARD_RETURN_S = 60.0   # how long a write waits for a shard that died to be back (restarted at its address)
 
 
-def through_restarts(write: Callable[[], R], what: str, give_up_s: float = SHARD_RETURN_S) -> R:
+def through_restarts(write: Callable[[], R], what: str, *, closing: threading.Event | None = None,
+                     give_up_s: float = SHARD_RETURN_S) -> R:
     """write() again from the start while a read in it finds its process gone (UNAVAILABLE: a
     shard the launcher restarts from its checkpoint and push log, at the same address and with
-    the same values), for up to give_up_s; each try writes anew."""
+    the same values), for up to give_up_s, or until closing is set (the job is being stopped);
+    each try writes anew."""
     deadline = time.monotonic() + give_up_s
     while True:
         try:
             return write()
         except ReadFailed as exc:
-            if exc.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+            stop = closing is not None and closing.is_set()
+            if exc.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline or stop:
                 raise
             log.warning("%s: %s; reading again once it is back", what, exc)
-            time.sleep(1.0)
+            if closing is not None:
+                closing.wait(1.0)
+            else:
+                time.sleep(1.0)
 
 
 def stream_into(writer: WeightsWriter, call: Callable[[], Any], who: str) -> None:
