@@ -39,7 +39,9 @@ def startup_job(cfg: CoordinatorConfig) -> JobConfig:
     job = load_job(cfg.job)
     if cfg.output_dir:
         job = with_overrides(job, output={"dir": os.path.abspath(cfg.output_dir)})
-    outputs.start_fresh(job.resolve(job.output.dir), keep_checkpoints=True)
+    out_dir = job.resolve(job.output.dir)
+    outputs.check_reads(out_dir, job.read_paths, keep_checkpoints=True)
+    outputs.start_fresh(out_dir, keep_checkpoints=True)
     return job
 
 

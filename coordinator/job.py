@@ -266,7 +266,10 @@ class JobRunner:
             where = f"on the coordinator host {socket.gethostname()}: " if from_remote else ""
             self.machine.try_to(JobState.FAILED, f"{where}{exc}")
         except (JobFailed, PlanError, TimeoutError) as exc:
-            self.machine.try_to(JobState.FAILED, str(exc))
+            if self._stop.is_set():   # what the stop did (a Ctrl-C to the group ends the shards too)
+                self.machine.try_to(JobState.STOPPED, self._stop_reason)
+            else:
+                self.machine.try_to(JobState.FAILED, str(exc))
         except Exception as exc:  # a coordinator bug must still end the job visibly
             log.exception("job crashed")
             self.machine.try_to(JobState.FAILED, f"coordinator error: {type(exc).__name__}: {exc}")

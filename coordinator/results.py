@@ -43,7 +43,11 @@ def _write_weights(d: JobDriver) -> list[Path]:
             keys = [k for k in models.layer_keys(d.model, h.plan.layer_begin, h.plan.layer_end) if k not in owned]
             if keys:
                 weights = stage_pb2.WeightsRequest(keys=keys)
-                weight_files.stream_into(writer, lambda: h.stub.GetWeights(weights, timeout=rpc.DATA_DEADLINE_S), h.name)
+                try:
+                    weight_files.stream_into(writer, lambda: h.stub.GetWeights(weights, timeout=rpc.DATA_DEADLINE_S),
+                                             h.name)
+                except weight_files.ReadFailed as exc:   # a stage is not restarted: no reading again
+                    raise JobFailed(str(exc)) from None
         try:
             return writer.close()
         except ValueError as exc:

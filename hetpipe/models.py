@@ -146,32 +146,50 @@ def _parameters_on_meta() -> Iterator[None]:
             nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-_RESETS = ("reset_parameters", "_reset_parameters")
+def _reset_of(module: nn.Module) -> Any:
+    """The method _reset calls on module, None where it has none."""
+    return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+
+
+def _in_reset(frame: FrameType | None) -> bool:
+    """Whether frame runs inside a module's reset method, the one _reset calls (a factory's own
+    function of that name is not one: its writes would be lost as well)."""
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name in ("reset_parameters", "_reset_parameters") else None
+        reset = _reset_of(owner) if isinstance(owner, nn.Module) else None
+        if reset is not None and getattr(reset, "__code__", None) is frame.f_code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _FactoryWrites(TorchDispatchMode):
-    """Records each in-place write to a (meta) parameter that no reset_parameters() makes while
-    the factory runs: an initialisation of its own (nn.init.normal_ in a loop over the modules, a
-    load_state_dict), which no stage would see: each builds its layers with their resets alone."""
+    """Records each write to a meta tensor that no module's reset method makes while the factory
+    runs (the tensors written, held so that their storage is not reused): where they are the
+    model's parameters, an initialisation of the factory's own (nn.init.normal_ in a loop over the
+    modules, a load_state_dict), which no stage would see: each builds its layers with their
+    resets alone."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.writes: list[tuple[str, int]] = []   # (op, the parameter's storage)
+        self.writes: list[tuple[str, Any]] = []   # (op, the untyped storage written)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        target = args[0] if args else None
-        if func._schema.is_mutable and isinstance(target, torch.Tensor) and target.device.type == "meta":
-            frame: FrameType | None = sys._getframe(1)
-            while frame is not None and frame.f_code.co_name not in _RESETS:
-                frame = frame.f_back
-            if frame is None:
-                self.writes.append((func.__name__.split(".")[0], target.untyped_storage()._cdata))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            for i, argument in enumerate(func._schema.arguments):
+                if argument.alias_info is None or not argument.alias_info.is_write:
+                    continue
+                target = args[i] if i < len(args) else kwargs.get(argument.name)
+                if isinstance(target, torch.Tensor) and target.device.type == "meta" \
+                        and not _in_reset(sys._getframe(1)):
+                    self.writes.append((func.__name__.split(".")[0], target.untyped_storage()))
+        return func(*args, **kwargs)
 
 
-def _check_parameters(cfg: ModelConfig, model: nn.Sequential, writes: list[tuple[str, int]]) -> None:
+def _check_parameters(cfg: ModelConfig, model: nn.Sequential, writes: list[tuple[str, Any]]) -> None:
     """ConfigError for what a stage's own build would silently lose: parameters tied across layers
-    (each stage materialises its layers apart) and the factory's own initialisation."""
+    (each stage materialises its layers apart) and the factory's own writes to its parameters."""
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
@@ -180,9 +198,10 @@ def _check_parameters(cfg: ModelConfig, model: nn.Sequential, writes: list[tuple
             raise ConfigError(f"model: {describe(cfg)} ties {names[0]} and {names[1]} (one parameter in two layers): "
                               "each stage builds its layers apart, so they would train as two; give each layer its "
                               "own parameter, or keep both uses in one layer")
-    if writes:
-        named = {p.untyped_storage()._cdata: name for name, p in model.named_parameters()}
-        found = list(dict.fromkeys(f"{op} on {named.get(storage, 'a parameter')}" for op, storage in writes))
+    named = {p.untyped_storage()._cdata: name for name, p in model.named_parameters()}
+    found = list(dict.fromkeys(f"{op} on {named[storage._cdata]}" for op, storage in writes
+                               if storage._cdata in named))
+    if found:
         raise ConfigError(f"model: {describe(cfg)} writes parameters itself ({', '.join(found[:3])}"
                           f"{', ...' if len(found) > 3 else ''}), outside any reset_parameters(): each stage "
                           "initialises its layers with their modules' reset_parameters() alone, so that would be "
@@ -212,6 +231,12 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
                           f"whose children are the layers the pipeline is cut between")
     if len(model) == 0:
         raise ConfigError(f"model: {describe(cfg)} returned an empty nn.Sequential")
+    layers: dict[int, str] = {}
+    for name, layer in model._modules.items():   # named_children() would skip a repeat
+        if id(layer) in layers:
+            raise ConfigError(f"model: {describe(cfg)} uses one module as layers {layers[id(layer)]} and {name}: each "
+                              "stage builds its layers apart, so they would train as two; give each its own module")
+        layers[id(layer)] = name
     names = [name for name, _ in model.named_children()]
     if names != [str(i) for i in range(len(model))]:  # weights are named by layer index ("3.weight")
         raise ConfigError(f"model: {describe(cfg)} returned an nn.Sequential with named layers {names[:5]}; "
@@ -232,7 +257,7 @@ def layer_seed(seed: int, index: int) -> int:
 def _reset(layer: nn.Module) -> None:
     # Children before parents, as construction runs: a parent's reset may override its children's.
     for module in reversed(list(layer.modules())):
-        reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+        reset = _reset_of(module)
         if callable(reset):
             reset()
 

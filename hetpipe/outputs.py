@@ -25,7 +25,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SUMMARY_FILE = "summary.json"
 LOCK_FILE = ".hetpipe.lock"  # held by the run writing into the folder; holds its pid
-STALE = (SINGLE_FILE, INDEX_FILE, "model.pt", SUMMARY_FILE, "eval.jsonl")
+STALE = (SINGLE_FILE, INDEX_FILE, SUMMARY_FILE, "eval.jsonl")
 ADDRESS_FILE = "coordinator.address"  # where `hetpipe status/stop --job` find the coordinator
 JOB_ID_FILE = "coordinator.job"       # ... and the job_id they name there, so as never to reach another job
 TOKEN_FILE = "coordinator.token"      # ... and the per-run token they need (owner-only, gone after the run)
@@ -131,6 +131,7 @@ def locked(out_dir: Path) -> Iterator[None]:
 # else in them (a user's notes in logs/, their own checkpoints) is left alone: output.dir may be a
 # folder of the user's, even ".".
 CUT = re.compile(r"cut\d{6}")
+SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")   # weight_files.file_names, transformers' names
 WRITTEN = {
     "ps": re.compile(r"shard\d+"),                       # each shard's durable state
     CHECKPOINTS: CUT,
@@ -144,7 +145,8 @@ WRITTEN = {
 def written(out_dir: Path, *, keep_checkpoints: bool = False, folders: Iterable[str] = WRITTEN) -> list[Path]:
     """An earlier run's files and folders in out_dir, which a new one removes: its results, and
     its entries in `folders` (its checkpoints too unless kept)."""
-    found = [out_dir / name for name in STALE] + sorted(out_dir.glob("model-*-of-*.safetensors"))
+    found = [out_dir / name for name in STALE] + sorted(p for p in out_dir.glob("model-*-of-*.safetensors")
+                                                        if SHARD_FILE.fullmatch(p.name))
     for folder in folders:
         where = out_dir / folder
         if (folder == CHECKPOINTS and keep_checkpoints) or where.is_symlink() or not where.is_dir():

@@ -25,6 +25,7 @@ from coordinator.job import JobRunner
 from coordinator.planner import Plan, make_plan
 from coordinator.servicer import PROTO_STATE
 from coordinator.state import JobState
+from launch.interrupts import interrupts_held
 from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses
 
 TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
@@ -145,6 +146,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     out_dir = Path(job.resolve(job.output.dir))
     _check_real_gpus(job)
     if job.parallel.mode != "hetpipe":  # the baselines (DESIGN §7): ddp, torch-pipeline
+        outputs.check_reads(out_dir, job.read_paths, folders=())   # what their outputs.clear removes
         from baselines import run_baseline
 
         with outputs.locked(out_dir):
@@ -221,16 +223,18 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
         runner.stop(interrupt_reason(exc) if isinstance(exc, KeyboardInterrupt) else "the launcher failed")
         raise
     finally:
-        runner.stop("the launcher ended")  # no-op for a job that ended; its workers are gone anyway
-        runner.join(10.0)
-        channel.close()
-        server.stop()
-        metrics_server.close()
-        if credentials.token_file == str(out_dir / TOKEN_FILE):  # the per-run token, not the user's file
-            (out_dir / TOKEN_FILE).unlink(missing_ok=True)
-        view = runner.view()
-        write_status(out_dir, view.state.name, view.reason)
-        unpublish_address(out_dir)  # the port is free now: another run may take it
+        # Seconds long, and whole: an interrupt that comes meanwhile is raised once it is done.
+        with interrupts_held():
+            runner.stop("the launcher ended")  # no-op for a job that ended; its workers are gone anyway
+            runner.join(10.0)
+            channel.close()
+            server.stop()
+            metrics_server.close()
+            if credentials.token_file == str(out_dir / TOKEN_FILE):  # the per-run token, not the user's file
+                (out_dir / TOKEN_FILE).unlink(missing_ok=True)
+            view = runner.view()
+            write_status(out_dir, view.state.name, view.reason)
+            unpublish_address(out_dir)  # the port is free now: another run may take it
     assert status is not None
     if runner.machine.state == JobState.COMPLETED:
         summary: dict[str, Any] = json.loads(status.summary_json)

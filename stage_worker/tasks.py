@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 
-
 from hetpipe.wsp import wave_of
 from stage_worker import commit
 from stage_worker.commit import Ran

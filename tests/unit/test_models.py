@@ -85,6 +85,25 @@ class Tied(nn.Module):
 def tied_in_a_layer():
     return nn.Sequential(Tied(), nn.Linear(4, 3))
 
+def own_reset():
+    # A factory's own function called reset_parameters: its writes are lost too.
+    def reset_parameters(model):
+        nn.init.zeros_(model[0].bias)
+    model = net()
+    reset_parameters(model)
+    return model
+
+def derived_temporary():
+    # Writes to a tensor made from a parameter, not to the parameter: nothing a stage loses.
+    model = net()
+    scratch = model[0].weight.new_empty(3)
+    scratch.fill_(1.0)
+    return model
+
+def one_module_twice():
+    shared = nn.Linear(4, 4)
+    return nn.Sequential(shared, nn.ReLU(), shared)
+
 def tied_across_layers():
     first, last = nn.Linear(4, 4), nn.Linear(4, 4)
     last.weight = first.weight
@@ -166,12 +185,18 @@ def test_float64_jobs_get_float64_layers(tmp_path: Path) -> None:
     ("mymodels:inits_itself", {}, r"model: mymodels:inits_itself writes parameters itself \(normal_ on 0\.weight, "
                                   r"zero_ on 0\.bias, normal_ on 3\.weight, \.\.\.\), outside any reset_parameters\(\)"),
     ("mymodels:loads_weights", {}, r"writes parameters itself \(copy_ on 0\.weight, copy_ on 0\.bias, copy_ on 2\.weight"),
+    ("mymodels:own_reset", {}, r"writes parameters itself \(zero_ on 0\.bias\)"),
+    ("mymodels:one_module_twice", {}, r"model: mymodels:one_module_twice uses one module as layers 0 and 2"),
     ("mymodels:tied_across_layers", {}, r"model: mymodels:tied_across_layers ties 0\.weight and 2\.weight \(one "
                                         r"parameter in two layers\)"),
 ])
 def test_a_factory_that_does_not_fit_says_why(tmp_path: Path, factory: str, args: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         build(job(tmp_path, factory, args=args))
+
+
+def test_writes_to_what_is_not_a_parameter_are_the_factorys_own_business(tmp_path: Path) -> None:
+    structure(job(tmp_path, factory="mymodels:derived_temporary").model, str(tmp_path))
 
 
 def test_a_parameter_shared_within_a_layer_stays_shared(tmp_path: Path) -> None:

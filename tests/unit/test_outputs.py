@@ -58,7 +58,7 @@ def test_a_fresh_start_removes_what_runs_write_and_nothing_else(tmp_path: Path) 
             "ps/shard0/000000000001.log", "checkpoints/cut000004/manifest.json", "logs/stage_worker_0.log",
             "logs/ps_server_1.log", "trace/vw0_stage1.jsonl", "trace/acked_vw1_stage0.pt",
             "trace/sync/vw0_stage0.jsonl", "trace/ps/shard0.jsonl"]
-    theirs = ["notes.md", "model.bin", "checkpoints/epoch10.pt", "checkpoints/cut_best/w.pt",
+    theirs = ["notes.md", "model.bin", "model.pt", "model-best-of-3.safetensors", "checkpoints/epoch10.pt", "checkpoints/cut_best/w.pt",
               "checkpoints/cut4/manifest.json", "logs/train.log", "logs/stage_worker.log", "trace/mine.jsonl",
               "ps/shard0.txt"]
     for name in ours + theirs:
@@ -72,7 +72,8 @@ def test_a_fresh_start_removes_what_runs_write_and_nothing_else(tmp_path: Path) 
     assert _tree(tmp_path) == sorted(["checkpoints/", "checkpoints/cut000004/", "checkpoints/cut000004/manifest.json",
                                       "checkpoints/cut_best/", "checkpoints/cut_best/w.pt", "checkpoints/cut4/",
                                       "checkpoints/cut4/manifest.json", "checkpoints/epoch10.pt", "logs/",
-                                      "logs/stage_worker.log", "logs/train.log", "model.bin", "notes.md", "ps/",
+                                      "logs/stage_worker.log", "logs/train.log", "model-best-of-3.safetensors",
+                                      "model.bin", "model.pt", "notes.md", "ps/",
                                       "ps/shard0.txt", "trace/", "trace/mine.jsonl"])
     outputs.start_fresh(tmp_path, keep_checkpoints=False, folders=outputs.WRITTEN)
     assert "checkpoints/cut000004/" not in _tree(tmp_path) and "checkpoints/epoch10.pt" in _tree(tmp_path)
