@@ -247,6 +247,17 @@ def test_a_run_whose_loss_diverges_fails_naming_where(tmp_path: Path, precision:
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
+@pytest.mark.parametrize("mode", ["ddp", "torch-pipeline"])
+def test_a_baseline_refuses_a_model_init_it_would_clear(tmp_path: Path, mode: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model.safetensors").write_bytes(b"an earlier run's")
+    job = _job(tmp_path, parallel={"mode": mode}, model={"init": str(tmp_path / "out" / "model.safetensors")})
+    assert cli.main(["run", "-q", str(job)]) == 2
+    assert "model.init: " in capsys.readouterr().err
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"an earlier run's"
+
+
 def test_a_run_that_fails_to_start_says_why_in_status_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """A worker that exits before it serves (here a shard whose thread count cannot be read) fails
