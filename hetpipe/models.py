@@ -209,12 +209,16 @@ def _check_parameters(cfg: ModelConfig, model: nn.Sequential, writes: list[tuple
                           "and give it as model.init")
 
 
-def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = None) -> nn.Sequential:
+def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = None, *,
+              check_writes: bool = True) -> nn.Sequential:
     """The model with every parameter on the meta device (no memory): names, shapes, layers.
-    args: instead of model.args (the planner sizes an emulated model this way)."""
+    args: instead of model.args (the planner sizes an emulated model this way). check_writes:
+    refuse a factory that writes its parameters (the plan does; a stage, planned, need not: a
+    process's first dispatch mode imports about 300 modules, 0.75 s here)."""
     build = factory(cfg, base_dir)
     kwargs = dict(cfg.args if args is None else args)
-    with _parameters_on_meta(), _FactoryWrites() as watch, warnings.catch_warnings():
+    watch = _FactoryWrites() if check_writes else contextlib.nullcontext(_FactoryWrites())
+    with _parameters_on_meta(), watch as watch, warnings.catch_warnings():
         # load_state_dict into the meta parameters is recorded as the write it is; torch's own
         # warning that it does nothing would only repeat the refusal, once per key.
         warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")
@@ -279,7 +283,7 @@ def build_layers(job: JobConfig, begin: int, end: int, *, device: str = "cpu",
     """Layers [begin, end) of the job's model, initialised (see the module docstring) in the
     training dtype on `device`; state_dict keys as in the whole model. model: its structure, if
     the caller has it already."""
-    model = structure(job.model, job.base_dir) if model is None else model
+    model = structure(job.model, job.base_dir, check_writes=False) if model is None else model
     if not 0 <= begin < end <= len(model):
         raise ConfigError(f"layers [{begin}, {end}) but {describe(job.model)} has {len(model)}")
     dtype = getattr(torch, job.train.dtype)
@@ -299,7 +303,7 @@ def build_layers(job: JobConfig, begin: int, end: int, *, device: str = "cpu",
 
 def build(job: JobConfig, device: str = "cpu") -> nn.Sequential:
     """The whole model, initialised as the stages build it (for single-process runs)."""
-    model = structure(job.model, job.base_dir)
+    model = structure(job.model, job.base_dir, check_writes=False)
     return build_layers(job, 0, len(model), device=device, model=model)
 
 

@@ -89,7 +89,7 @@ class Loaded:
         job = self.job = setup.job
         self.setup = setup
         progress(f"building layers [{setup.layer_begin}, {setup.layer_end})")
-        model = models.structure(job.model, job.base_dir)
+        model = models.structure(job.model, job.base_dir, check_writes=False)   # planned: checked there
         if setup.layer_end > len(model):
             raise LoadError(f"layers [{setup.layer_begin}, {setup.layer_end}) but the model has {len(model)}")
         layers = models.build_layers(job, setup.layer_begin, setup.layer_end, model=model)

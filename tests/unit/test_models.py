@@ -191,8 +191,10 @@ def test_float64_jobs_get_float64_layers(tmp_path: Path) -> None:
                                         r"parameter in two layers\)"),
 ])
 def test_a_factory_that_does_not_fit_says_why(tmp_path: Path, factory: str, args: dict[str, Any], match: str) -> None:
+    j = job(tmp_path, factory, args=args)
     with pytest.raises(ConfigError, match=match):
-        build(job(tmp_path, factory, args=args))
+        structure(j.model, j.base_dir)   # what the plan finds
+        build(j)                         # what a stage finds: a parameter no reset initialised
 
 
 def test_writes_to_what_is_not_a_parameter_are_the_factorys_own_business(tmp_path: Path) -> None:
