@@ -7,6 +7,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -183,3 +184,40 @@ def test_weights_are_declared_as_the_stages_hold_them_and_checked_as_they_arrive
         weight_files.WeightsWriter(tmp_path, unwritable, 64)
     assert [p.name for p in tmp_path.iterdir()] == [".model-00002-of-00002.safetensors.partial"]
     assert not _open_under(tmp_path)
+
+
+def test_a_write_is_tried_again_while_its_shard_is_gone_and_no_longer_once_the_job_stops() -> None:
+    """weight_files.through_restarts: UNAVAILABLE (a shard being restarted) is read again; any
+    other code, time up, or the job's stop ends it with the failure."""
+    import threading
+
+    import grpc
+
+    def failing(codes: list[grpc.StatusCode]) -> Any:
+        calls: list[int] = []
+
+        def write() -> str:
+            calls.append(1)
+            if codes:
+                code = codes.pop(0)
+                raise weight_files.ReadFailed(f"ps shard 0: reading weights failed: {code.name}", code)
+            return "written"
+        return write, calls
+
+    write, calls = failing([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE])
+    assert weight_files.through_restarts(write, "the final weights", closing=threading.Event()) == "written"
+    assert len(calls) == 3
+    write, calls = failing([grpc.StatusCode.DEADLINE_EXCEEDED])
+    with pytest.raises(weight_files.ReadFailed, match="DEADLINE_EXCEEDED"):
+        weight_files.through_restarts(write, "the final weights")
+    assert len(calls) == 1, "a shard that hangs is not read again"
+    stopped = threading.Event()
+    stopped.set()
+    write, calls = failing([grpc.StatusCode.UNAVAILABLE] * 5)
+    with pytest.raises(weight_files.ReadFailed, match="UNAVAILABLE"):
+        weight_files.through_restarts(write, "the final weights", closing=stopped)
+    assert len(calls) == 1, "a job being stopped does not wait for its shards"
+    write, calls = failing([grpc.StatusCode.UNAVAILABLE] * 5)
+    with pytest.raises(weight_files.ReadFailed):
+        weight_files.through_restarts(write, "the final weights", give_up_s=0.0)
+    assert len(calls) == 1
