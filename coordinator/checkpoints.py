@@ -79,12 +79,13 @@ class Checkpoints:
     """Takes the cuts of one job and gives the shards a cut's values back."""
 
     def __init__(self, folder: Path, shards: Sequence[rpc.Stub], key_shard: dict[str, int],
-                 entries: dict[str, weight_files.Entry], job_shape: dict[str, Any], *, exact: bool = False) -> None:
+                 entries: dict[str, weight_files.Entry], job_shape: dict[str, Any], *, exact: bool = False,
+                 closing: threading.Event | None = None) -> None:
         self.folder, self.shards, self.key_shard = folder, shards, key_shard
         self.entries, self.job_shape = entries, job_shape  # job_shape: what a resumed job must match
         self.exact = exact   # the shards' rule, which every Init names (wsp.exact_pulls)
         self.taken = 0
-        self.closing = threading.Event()   # the job's stop: no more waiting for a shard to come back
+        self.closing = closing   # the job's stop: no more waiting for a shard to come back
 
     def _keys(self, shard: int) -> list[str]:
         return [k for k, s in self.key_shard.items() if s == shard]

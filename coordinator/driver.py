@@ -183,8 +183,7 @@ class JobDriver:
                 self.checkpoint_dir, self.shards, self.plan.key_shard,
                 weight_files.entries(self.model, getattr(torch, self.job.train.dtype)),
                 checkpoints.job_shape(self.job, self.plan, len(self.shards)),
-                exact=exact_pulls(self.job.parallel.sync, self.job.parallel.D))
-            self.checkpoints.closing = self.stopping
+                exact=exact_pulls(self.job.parallel.sync, self.job.parallel.D), closing=self.stopping)
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))
         if self.checkpoints is not None and self.resume_wave:  # VW 0's stages give w0 only on a fresh start

@@ -134,6 +134,9 @@ def _npz(job: JobConfig) -> ArrayDataset:
     return ArrayDataset(x, y, f"data.path: {path}")
 
 
+_ITEM_VALUES = (torch.Tensor, np.ndarray, int, float, np.number)   # what default_collate stacks into one tensor
+
+
 def _from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
     from hetpipe.models import resolve
 
@@ -160,12 +163,12 @@ def _from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
         raise ConfigError(f"{key}: {spec}'s items are {type(item).__name__}s, expected (input, target) pairs")
     x, y = item
-    if not isinstance(x, (torch.Tensor, np.ndarray, int, float, np.number)):   # a token id is one number
+    if not isinstance(x, _ITEM_VALUES):   # a token id is one number
         # A tuple would be stacked into one tensor, or collated into a list the first layer
         # cannot take: the pipeline hands each layer one tensor.
         raise ConfigError(f"{key}: {spec}'s inputs are {type(x).__name__}s, expected one tensor (or numpy "
                           "array, or number) per item: each layer of the pipeline takes one tensor")
-    if not isinstance(y, (torch.Tensor, np.ndarray, int, float, np.number)):
+    if not isinstance(y, _ITEM_VALUES):
         raise ConfigError(f"{key}: {spec}'s targets are {type(y).__name__}s, expected a tensor, a numpy array or "
                           "a number per item")
     return dataset  # type: ignore[no-any-return]

@@ -217,8 +217,8 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
     process's first dispatch mode imports about 300 modules, 0.75 s here)."""
     build = factory(cfg, base_dir)
     kwargs = dict(cfg.args if args is None else args)
-    watch = _FactoryWrites() if check_writes else contextlib.nullcontext(_FactoryWrites())
-    with _parameters_on_meta(), watch as watch, warnings.catch_warnings():
+    watch = _FactoryWrites()
+    with _parameters_on_meta(), watch if check_writes else contextlib.nullcontext(), warnings.catch_warnings():
         # load_state_dict into the meta parameters is recorded as the write it is; torch's own
         # warning that it does nothing would only repeat the refusal, once per key.
         warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")

@@ -160,11 +160,11 @@ def check_reads(out_dir: Path, reads: Mapping[str, Path], *, keep_checkpoints: b
     """ConfigError where a file the job reads (model.init, data.path) is one that start_fresh or
     clear, given the same arguments, removes before the job reads it: fine-tuning from an earlier
     run's model.safetensors in place."""
-    doomed = written(out_dir, keep_checkpoints=keep_checkpoints, folders=folders)
+    doomed = [gone.resolve() for gone in written(out_dir, keep_checkpoints=keep_checkpoints, folders=folders)]
     for key, path in reads.items():
         resolved = path.resolve()
         for gone in doomed:
-            if resolved == gone.resolve() or gone.resolve() in resolved.parents:
+            if resolved == gone or gone in resolved.parents:
                 raise ConfigError(f"{key}: {path} is an earlier run's output in output.dir {out_dir}, which this run "
                                   "clears before it starts: copy it out of output.dir first, or choose another output.dir")
 
