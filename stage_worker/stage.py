@@ -249,23 +249,27 @@ class StageCompute:
         return grad_in, grads
 
     def _step(self, grads: Grads, into: list[torch.Tensor] | None, lr: float) -> list[torch.Tensor]:
-        if not self.track_updates:
-            before: list[torch.Tensor] = []
-        elif into is None:
-            before = [p.detach().clone() for p in self.params]
-        else:
-            before = [b.copy_(p.detach()) for b, p in zip(into, self.params)]
+        # One foreach kernel per pass over the weights, where a loop launched one per parameter:
+        # a small model's step on a GPU waits for its launches, not for its kernels.
+        before: list[torch.Tensor] = []
+        if self.track_updates and self.params:
+            before = into if into is not None else [torch.empty_like(p) for p in self.params]
+            torch._foreach_copy_(before, self.params)
         if self.optimizer is not None:
             self.optimizer.step([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)], lr)
         self.version += 1
-        # u = w_after - w_before, written over the copy: no second model-sized allocation per step.
-        return [torch.sub(p.detach(), b, out=b) for p, b in zip(self.params, before)]
+        if before:
+            # u = w_after - w_before, written over the copy (no second model-sized allocation per
+            # step) as -w_before + w_after: exactly w_after - w_before, signed zeros included.
+            torch._foreach_mul_(before, -1.0)
+            torch._foreach_add_(before, self.params)
+        return before
 
     @torch.no_grad()
     def add_to_weights(self, deltas: list[torch.Tensor]) -> None:
         """Adds deltas (one per parameter, in order) to the local weights; not a new version."""
-        for param, delta in zip(self.params, deltas):
-            param.add_(delta.to(param.device, param.dtype))
+        if self.params:
+            torch._foreach_add_(self.params, [d.to(p.device, p.dtype) for p, d in zip(self.params, deltas)])
         self._snapshot = None
 
     @torch.no_grad()

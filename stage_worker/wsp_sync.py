@@ -157,8 +157,8 @@ class WspSync:
         if acc is None:
             self._acc[wave] = update  # ours (Sync.after_update): no copy
         else:
-            for total, u in zip(acc, update):
-                total.add_(u)
+            if acc:
+                torch._foreach_add_(acc, update)
             self._recycle(update)
 
     def spare_update(self) -> list[torch.Tensor] | None:
