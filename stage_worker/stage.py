@@ -56,7 +56,7 @@ class StageCompute:
         self.compute_dtype = compute_dtype(precision)
         self._device_type = torch.device(device).type
         self.names = [n for n, _ in self.module.named_parameters()]
-        self.params = [p for _, p in self.module.named_parameters()]
+        self.params: list[torch.Tensor] = [p for _, p in self.module.named_parameters()]
         # A stage may hold only parameter-free layers (a ReLU); it still counts versions.
         self.optimizer = StageOptimizer(self.params, optimizer) if self.params else None
         self.version = 0  # own minibatch updates applied so far
