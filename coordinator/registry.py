@@ -15,12 +15,55 @@ from hetpipe.errors import JobStopped, Rejected
 from hetpipe.v1 import coordinator_pb2
 
 Role = coordinator_pb2.WorkerInfo.Role
-MISSED_HEARTBEATS = 3  # a worker silent this many intervals is dead
+# A worker silent this many intervals is dead. Three (3 s) blamed live stages on a loaded 2-core
+# box, where loading torch can keep a stage's heartbeat thread from the GIL for seconds; a process
+# that dies is seen at once anyway (by its launcher, or by its refused connection).
+MISSED_HEARTBEATS = 5
 FORGET_AFTER_MISSED = 30  # an unassigned worker silent this many intervals is forgotten
 MAX_WORKERS = 4096
 MAX_FIELD_CHARS = 256  # address, node, device, gpu_type, name, host_id
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
 _DEVICE = re.compile(r"^(cpu|cuda:\d{1,3})$")
+
+
+class Awake:
+    """When this process last came back from a pause (SIGSTOP, a starved host). A daemon thread
+    ticks every TICK_S; a gap of more than pause_s between ticks, or no tick for that long when
+    asked, is a pause. The heartbeats sent meanwhile may still wait in the server's queue, so no
+    worker's silence counts from before it."""
+
+    TICK_S = 0.1
+
+    def __init__(self, pause_s: float = 1.0) -> None:
+        self.pause_s = pause_s
+        self._last = time.monotonic()
+        self._resumed = 0.0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Awake:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="awake", daemon=True)
+                self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.TICK_S)
+            self.resumed_at()
+
+    def resumed_at(self) -> float:
+        """The monotonic time of the last pause's end (0.0: none yet); a tick itself."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last > self.pause_s:
+                self._resumed = now
+            self._last = now
+            return self._resumed
+
+
+PROCESS_AWAKE = Awake()   # one per process, its thread started by the first Registry
 
 
 @dataclass
@@ -66,8 +109,9 @@ def _tally(workers: list[tuple[str, str, str]]) -> str:
 
 
 class Registry:
-    def __init__(self, heartbeat_interval_s: float = 1.0) -> None:
+    def __init__(self, heartbeat_interval_s: float = 1.0, awake: Awake | None = None) -> None:
         self.interval = heartbeat_interval_s
+        self._awake = awake or PROCESS_AWAKE.start()
         self._workers: dict[str, Worker] = {}
         # (address, name) of processes that served a job (its stages were stopped, its shard holds
         # that job's clocks): never claimed again. A restarted process registers with a new name
@@ -129,12 +173,14 @@ class Registry:
             return [(w, now - w.last_heartbeat, self._alive(w)) for w in self._workers.values()]
 
     def silent(self, role: int, grace_s: float = 0.0) -> list[tuple[Worker, float]]:
-        """Assigned workers of role that missed MISSED_HEARTBEATS (plus grace_s), with silence."""
+        """Assigned workers of role that missed MISSED_HEARTBEATS (plus grace_s), with silence;
+        none for the time this process itself was paused (Awake)."""
         with self._lock:
+            resumed = self._awake.resumed_at()
             now = time.monotonic()
             limit = MISSED_HEARTBEATS * self.interval + grace_s
             return [(w, now - w.last_heartbeat) for w in self._workers.values()
-                    if w.assigned and w.info.role == role and now - w.last_heartbeat > limit]
+                    if w.assigned and w.info.role == role and now - max(w.last_heartbeat, resumed) > limit]
 
     def claim(self, role: int, wanted: list[tuple[str, str, str]], timeout: float, *,
               cancel: threading.Event | None = None) -> list[Worker]:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from coordinator.registry import MISSED_HEARTBEATS, Registry
+from coordinator.registry import MISSED_HEARTBEATS, Awake, Registry
 from hetpipe.errors import JobStopped, Rejected
 from hetpipe.v1 import coordinator_pb2
 
@@ -75,3 +75,20 @@ def test_silent_names_only_assigned_workers_past_their_heartbeats_and_grace() ->
     time.sleep(0.02 * (MISSED_HEARTBEATS + 2))
     assert [w.assigned for w, _ in r.silent(Info.STAGE_WORKER)] == ["stage 0 of vw 0"]
     assert r.silent(Info.PS_SHARD, grace_s=60) == [], "a shard gets time to be restarted"
+
+
+def test_a_pause_of_the_coordinator_itself_blames_no_worker() -> None:
+    # It stops running (SIGSTOP of `hetpipe run`, a starved host) while the heartbeats sent
+    # meanwhile wait in its queue: silences count again from when it runs again.
+    awake = Awake(pause_s=0.05)   # not started: each check is its only tick
+    r = Registry(heartbeat_interval_s=0.02, awake=awake)
+    r.register(info("127.0.0.1:7001"))
+    r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "", "")], 1)
+    assert r.silent(Info.STAGE_WORKER) == []
+    time.sleep(0.02 * (MISSED_HEARTBEATS + 3))   # no tick: the process was paused
+    assert r.silent(Info.STAGE_WORKER) == [], "a worker blamed for the coordinator's own pause"
+    resumed = time.monotonic()
+    while not (silent := r.silent(Info.STAGE_WORKER)) and time.monotonic() - resumed < 5:
+        time.sleep(0.005)                          # running again, and still no heartbeat
+    assert [w.assigned for w, _ in silent] == ["stage 0 of vw 0"], "a silent worker is still found"
+    assert time.monotonic() - resumed >= 0.02 * MISSED_HEARTBEATS
