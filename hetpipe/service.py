@@ -18,6 +18,9 @@ from hetpipe.security import Security
 from hetpipe.v1 import coordinator_pb2
 
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters
+# A worker's exit when its coordinator restarted and lost the job it served (EX_TEMPFAIL): not a
+# failure, and its launcher starts a fresh process in its place.
+EXIT_ORPHANED = 75
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,9 +95,11 @@ def secure(flags: ServiceFlags, role: str) -> None:
 def run_server(
     flags: ServiceFlags, server: rpc.Server, shutdown: Callable[[], None], *,
     role: coordinator_pb2.WorkerInfo.Role | None,
-    device: str = "cpu", memory_bytes: int = 0,
-) -> None:
-    """Starts server and metrics, handles signals and orphaning, registers, and blocks until stopped."""
+    device: str = "cpu", memory_bytes: int = 0, holds_job: Callable[[], bool] = lambda: False,
+) -> int:
+    """Starts server and metrics, handles signals and orphaning, registers, and blocks until
+    stopped. Returns the exit code: EXIT_ORPHANED when the coordinator that gave this process
+    its job restarted (holds_job: whether it has one), else 0."""
     metrics_port = metrics.serve(flags.metrics_port, flags.host)  # where --host says, as gRPC
     server.start()
     server.stop_on_signals(shutdown)
@@ -103,19 +108,25 @@ def run_server(
     address = flags.advertise or server.address
     what = "coordinator" if role is None else coordinator_pb2.WorkerInfo.Role.Name(role).lower()
     logging.info("%s serving on %s (metrics :%d)", what, address, metrics_port)
-    stopped = threading.Event()
+    stopped, orphaned = threading.Event(), threading.Event()
+
+    def leave() -> None:
+        orphaned.set()
+        shutdown()
+
     if flags.coordinator and role is not None:
         info = coordinator_pb2.WorkerInfo(
             role=role, address=address, node=flags.node, device=device, gpu_type=flags.gpu_type,
             memory_bytes=memory_bytes, metrics_port=metrics_port, name=f"pid {os.getpid()}",
             host_id=shm.host_id(),
         )
-        keep_registered(flags.coordinator, info, stopped)
+        keep_registered(flags.coordinator, info, stopped, holds_job=holds_job, on_orphaned=leave)
     if flags.ready_file:
         # Atomically: a launcher that asked for port 0 polls for it and must never read half.
         outputs.write_atomically(flags.ready_file, lambda tmp: tmp.write_text(f"{address} {metrics_port}"))
     server.wait()
     stopped.set()
+    return EXIT_ORPHANED if orphaned.is_set() else 0
 
 
 def return_large_buffers() -> None:
@@ -135,7 +146,7 @@ def return_large_buffers() -> None:
         pass
 
 
-def exit_now() -> None:
+def exit_now(code: int = 0) -> None:
     """Everything is flushed and closed; interpreter teardown of torch and gRPC only adds seconds."""
     shm.unlink_owned()
     # os._exit runs no finalizer: DataLoader workers a stage left open (a failed load, a stop that
@@ -148,4 +159,4 @@ def exit_now() -> None:
     if ipc is not None:
         ipc.unlink_counters()
     logging.shutdown()
-    os._exit(0)
+    os._exit(code)

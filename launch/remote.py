@@ -167,6 +167,9 @@ def _get_job(stub: rpc.Stub, job_id: str, address: str) -> coordinator_pb2.JobSt
         status: coordinator_pb2.JobStatus = rpc.retrying(
             lambda: stub.GetJob(ref, timeout=rpc.CONTROL_DEADLINE_S), give_up_s=GIVE_UP_S)
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:   # it answers, but restarted: its jobs ended with it
+            raise JobFailed(f"coordinator {address} no longer knows job {job_id} (it restarted, and a job does not "
+                            f"outlive its coordinator): {exc.details()}") from None
         raise CoordinatorUnreachable(f"coordinator {address} unreachable: {exc.code().name}: {exc.details()}") from None
     return status
 

@@ -5,9 +5,10 @@ until stopped, and none of them outlives it.
 
 A process serves one job: the coordinator stops a job's stages when it ends and never claims a
 process that served one again (the registry marks it spent), so this launcher starts a fresh
-process in its place, on the same port. A stage worker that dies otherwise ends the launcher
-(exit 1, naming it and its log); a shard that dies is restarted from its checkpoint, as under
-`hetpipe run`."""
+process in its place, on the same port. So does a process whose coordinator restarted while it
+held a job (it exits EXIT_ORPHANED: the job ended with that coordinator). A stage worker that
+dies otherwise ends the launcher (exit 1, naming it and its log); a shard that dies is restarted
+from its checkpoint, as under `hetpipe run`."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import grpc
 from hetpipe import catalog, children, rpc, security
 from hetpipe.config import ConfigError
 from hetpipe.errors import JobFailed
-from hetpipe.service import loopback
+from hetpipe.service import EXIT_ORPHANED, loopback
 from hetpipe.v1 import wire_pb2
 from launch.interrupts import interrupts_held
 from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses, Process
@@ -211,7 +212,13 @@ class Launcher:
                 continue
             asked = p.popen.pid in self.stopping
             self.stopping.discard(p.popen.pid)
-            if p.module == "stage_worker":
+            if code == EXIT_ORPHANED:   # its coordinator restarted, and lost the job this process served
+                print(f"hetpipe worker: {p.name}'s coordinator lost the job it served (it restarted); starting a "
+                      "fresh one", file=sys.stderr)
+                if p.name in self.shard_dirs:
+                    shutil.rmtree(self.shard_dirs[p.name], ignore_errors=True)   # that job's clocks
+                group.restart(p, fresh=True)
+            elif p.module == "stage_worker":
                 if code != 0:
                     raise JobFailed(f"{p.name} at {p.address} {p.exit_description()}; log {p.log_path}")
                 group.restart(p, fresh=True)  # stopped at the end of a job: a fresh one, for the next

@@ -15,7 +15,7 @@ from ps_server.servicer import ShardServicer
 from ps_server.shard import Shard
 
 
-def serve(cfg: ShardConfig) -> None:
+def serve(cfg: ShardConfig) -> int:
     devices.set_threads(devices.PS_THREADS_ENV)
     secure(cfg.service, security.SHARD)
     durability = Durability(cfg.checkpoint_dir, cfg.checkpoint_every) if cfg.checkpoint_dir else None
@@ -35,18 +35,19 @@ def serve(cfg: ShardConfig) -> None:
 
     server.add("ParameterServer", servicer)
     shard_metrics.bind(servicer.metrics_snapshot)
-    run_server(cfg.service, server, shutdown, role=coordinator_pb2.WorkerInfo.PS_SHARD)
+    return run_server(cfg.service, server, shutdown, role=coordinator_pb2.WorkerInfo.PS_SHARD,
+                      holds_job=lambda: servicer.shard.ready)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        serve(parse_args(argv))
+        code = serve(parse_args(argv))
     except security.SecurityError as exc:
         print(f"ps_server: error: {exc}", file=sys.stderr)
         return 2
-    exit_now()  # state is checkpointed
-    return 0
+    exit_now(code)  # state is checkpointed
+    return code
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from stage_worker.runtime import StageRuntime
 from stage_worker.servicer import StageServicer
 
 
-def serve(cfg: ServiceFlags) -> None:
+def serve(cfg: ServiceFlags) -> int:
     devices.set_threads()
     secure(cfg, security.STAGE)
     runtime = StageRuntime(Path(cfg.output_root))
@@ -27,20 +27,22 @@ def serve(cfg: ServiceFlags) -> None:
 
     server.add("Stage", StageServicer(runtime, shutdown))
     device = devices.pick("")
-    run_server(cfg, server, shutdown, role=coordinator_pb2.WorkerInfo.STAGE_WORKER,
-               device=device.name, memory_bytes=device.memory_bytes if device.kind == "cuda" else 0)
+    code = run_server(cfg, server, shutdown, role=coordinator_pb2.WorkerInfo.STAGE_WORKER,
+                      device=device.name, memory_bytes=device.memory_bytes if device.kind == "cuda" else 0,
+                      holds_job=lambda: runtime.state.assigned)
     runtime.stop()
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        serve(parse_args(argv))
+        code = serve(parse_args(argv))
     except security.SecurityError as exc:
         print(f"stage_worker: error: {exc}", file=sys.stderr)
         return 2
-    exit_now()
-    return 0
+    exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

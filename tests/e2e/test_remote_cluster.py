@@ -216,3 +216,50 @@ def test_a_worker_host_that_dies_fails_the_job_fast_naming_it(cluster: Cluster, 
     assert re.search(rf"stage 0 of vw \d at {re.escape(victim)} on node hostb: Status failed", err), err
     assert "forwards and" in err and "Traceback" not in err, err
     assert cluster.procs["hosta"].poll() is None, "the other host serves on"
+
+
+def test_a_restarted_coordinator_gets_fresh_workers_for_its_next_job(cluster: Cluster, tmp_path: Path) -> None:
+    # The coordinator dies mid-job, and with it the job: its driver, its state. The stages and
+    # the shard that served it must not train on for nobody, nor be claimed again holding it
+    # (a stage refused Assign "already assigned"; a shard took Init over its old clocks).
+    long = _job_file(tmp_path, "long.yaml", {
+        "cluster": {"nodes": [{"name": "hosta", "gpus": [{"type": "t4"}]}, {"name": "hostb", "gpus": [{"type": "t4"}]}],
+                    "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.02}},
+        "train": {"steps": 20000}, "parallel": {"virtual_workers": 2, "stages_per_vw": 1, "nm": 1},
+        "output": {"trace": False},
+    })
+    with open(tmp_path / "client.err", "wb") as err_file:
+        client = subprocess.Popen([*HETPIPE, "run", "-q", str(long), "--coordinator", cluster.address],
+                                  cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (status := cluster.job()).state != State.RUNNING or status.samples < 5 * 16:
+            assert client.poll() is None and time.monotonic() < deadline, (tmp_path / "client.err").read_text()
+            time.sleep(0.1)
+        served = {(w.info.address, w.info.name) for w in cluster.workers()}
+        cluster.kill("coordinator")
+        port = cluster.address.rsplit(":", 1)[1]
+        cluster.start("coordinator", "coordinator", "--port", port, "--heartbeat-interval", "0.5",
+                      "--output-root", str(tmp_path / "coordinator" / "runs"), "--data-root", str(tmp_path))
+        assert client.wait(60) == 1, "the client of a job that the coordinator lost fails"
+    finally:
+        if client.poll() is None:
+            os.killpg(client.pid, signal.SIGKILL)
+            client.wait()
+    deadline = time.monotonic() + 60
+    while len([w for w in cluster.registered() if w.alive and (w.info.address, w.info.name) not in served]) < 3:
+        for name in ("hosta", "hostb"):
+            assert cluster.procs[name].poll() is None, cluster.log(name)
+        assert time.monotonic() < deadline, f"no fresh workers: {cluster.registered()}"
+        time.sleep(0.1)
+    assert all((w.info.address, w.info.name) not in served for w in cluster.registered()), cluster.registered()
+    job_file = _job_file(tmp_path, "job.yaml", {
+        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02}, "steps": 20},
+        "parallel": {"virtual_workers": 2, "stages_per_vw": 1, "nm": 1, "D": 0},
+    })
+    run = _run(job_file, cluster.address)
+    assert run.returncode == 0, run.stderr + cluster.log("coordinator")
+    job = load_job(job_file)   # O2: the shard started from this job's w0 at clock 0
+    got, want = weight_files.read_weights(tmp_path / "out"), train_reference(job).state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9)
