@@ -223,6 +223,26 @@ def read_summary(out_dir: Path) -> dict[str, Any] | None:
     return summary if isinstance(summary, dict) else None
 
 
+def evals_before(out_dir: Path, cut: int) -> list[dict[str, Any]]:
+    """The evaluations in out_dir's eval.jsonl made after fewer than `cut` minibatches: what a
+    --resume from the cut after minibatch `cut` keeps of the interrupted run's (one right at the
+    cut runs again). A line a kill cut short, or one not of this format, is left out."""
+    kept = []
+    try:
+        lines = (out_dir / "eval.jsonl").read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if (isinstance(row, dict) and not row.get("final") and isinstance(row.get("minibatches"), int)
+                and row["minibatches"] < cut):
+            kept.append(row)
+    return kept
+
+
 def append_evals(out_dir: Path, rows: Iterable[Mapping[str, Any]]) -> None:
     with open(out_dir / "eval.jsonl", "a") as f:
         for row in rows:

@@ -161,8 +161,11 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         _check_security(credentials)
         # With this launcher's own folders: an earlier run's logs of processes this one lacks, or
         # its trace where this one writes none, would pass for this run's (`hetpipe trace`).
-        # Stages write their trace anew even on --resume.
+        # Stages write their trace anew even on --resume; eval.jsonl keeps the evaluations before the cut.
+        kept = outputs.evals_before(out_dir, resume_wave * plan.nm) if resume_wave else []
         outputs.start_fresh(out_dir, keep_checkpoints=resume, folders=outputs.WRITTEN)
+        if kept:
+            outputs.append_evals(out_dir, kept)
         for stale in (TARGETS_FILE, STATUS_FILE, ADDRESS_FILE, JOB_ID_FILE):  # an earlier job's endpoints, ending
             (out_dir / stale).unlink(missing_ok=True)
         with security.using(credentials, security.COORDINATOR, "hetpipe run"):

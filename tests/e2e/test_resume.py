@@ -1,9 +1,11 @@
 """Checkpoint and resume (issue 14): kill -9 of `hetpipe run` mid-job, or `hetpipe stop`, then
 `hetpipe run --resume`: the final model equals an uninterrupted run's at 1e-9 (float64, D 0,
-where the run is deterministic; SGD with momentum, so the optimizer's state must come back too)."""
+where the run is deterministic; SGD with momentum, so the optimizer's state must come back too),
+and so does eval.jsonl, the evaluations from before the cut included."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -26,6 +28,7 @@ STEPS = 40
 JOB = deep_update(BASE_JOB, {
     "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}, "steps": STEPS, "checkpoint_every": 4},
     "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": 1, "D": 0, "ps_shards": 2},
+    "data": {"eval_fraction": 0.1}, "eval": {"every": 3, "rows": 64},   # some evaluations fall on a cut
     "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 4}]}],
                 "emulate": {"forward_seconds": 0.02, "backward_seconds": 0.02}},
     "output": {"trace": False, "dir": "out"},
@@ -46,8 +49,15 @@ def _first_cut(out: Path, run: subprocess.Popen[str]) -> int:
     return wave
 
 
+Run = tuple[dict[str, torch.Tensor], list[dict]]   # the final weights, eval.jsonl's rows
+
+
+def _evals(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """The same job, run to the end without a break (checkpoints included: they pause the stages);
     run once for both tests, each of which compares its resumed run with it."""
     folder = tmp_path_factory.mktemp("whole")
@@ -55,7 +65,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
     run = _hetpipe(folder, "run", "-q", "job.yaml")
     _, err = run.communicate(timeout=240)
     assert run.returncode == 0, err
-    return weight_files.read_weights(folder / "out")
+    return weight_files.read_weights(folder / "out"), _evals(folder / "out")
 
 
 def _start(tmp_path: Path) -> subprocess.Popen[str]:
@@ -63,7 +73,8 @@ def _start(tmp_path: Path) -> subprocess.Popen[str]:
     return _hetpipe(tmp_path, "run", "-q", "job.yaml")
 
 
-def _resume_and_compare(tmp_path: Path, want: dict[str, torch.Tensor]) -> None:
+def _resume_and_compare(tmp_path: Path, uninterrupted: Run) -> None:
+    want, want_evals = uninterrupted
     resumed = _hetpipe(tmp_path, "run", "-q", "--resume", "job.yaml")
     out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err
@@ -78,9 +89,16 @@ def _resume_and_compare(tmp_path: Path, want: dict[str, torch.Tensor]) -> None:
     assert list(final) == list(want)
     for key in want:
         torch.testing.assert_close(final[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+    # Each evaluation once, in order: those before the cut kept from the first run, one at the cut run again.
+    evals = _evals(tmp_path / "out")
+    assert [(e["id"], e["minibatches"], e["final"]) for e in evals] == [
+        (e["id"], e["minibatches"], e["final"]) for e in want_evals]
+    assert [e["minibatches"] for e in want_evals] == [*range(3, STEPS, 3), STEPS]
+    for got, expected in zip(evals, want_evals):
+        assert got["loss"] == pytest.approx(expected["loss"], rel=0, abs=1e-9), (got, expected)
 
 
-def test_kill_9_of_hetpipe_run_then_resume(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+def test_kill_9_of_hetpipe_run_then_resume(uninterrupted: Run, tmp_path: Path) -> None:
     run = _start(tmp_path)
     try:
         _first_cut(tmp_path / "out", run)
@@ -102,7 +120,7 @@ def test_kill_9_of_hetpipe_run_then_resume(uninterrupted: dict[str, torch.Tensor
     assert not any(p.exists() for p in left), f"the next launcher did not sweep {left}"
 
 
-def test_stop_then_resume(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+def test_stop_then_resume(uninterrupted: Run, tmp_path: Path) -> None:
     run = _start(tmp_path)
     try:
         _first_cut(tmp_path / "out", run)
