@@ -38,25 +38,36 @@ def manifest(folder: Path, wave: int) -> dict[str, Any]:
 
 
 # Recorded since cuts began to record them: a cut without one matches any (it was taken before).
-LATER_KEYS = ("optimizer", "model", "batch_size", "shuffle", "seed")
+LATER_KEYS = ("optimizer", "model", "batch_size", "shuffle", "seed", "data")
 
 
 def job_shape(job: JobConfig, plan: Plan, shards: int) -> dict[str, Any]:
     """What a cut records of its job, and a job resumed from it must match: the optimizer (its
     state in the stages' checkpoints is that optimizer's, sgd's momentum or adam's moments), the
-    model (its layers' shapes), and what decides each minibatch's rows (batch size, shuffle, seed),
-    so that a resumed run goes on as the uninterrupted one would have."""
+    model (its layers' shapes), and what decides each minibatch's rows (the data's source and
+    held-out share, batch size, shuffle, seed), so that a resumed run goes on as the uninterrupted
+    one would have. A data file changed in place under the same path is not seen."""
+    d = job.data
     return {"virtual_workers": plan.virtual_workers, "stages_per_vw": plan.stages_per_vw, "nm": plan.nm,
             "steps": job.train.steps, "ps_shards": shards, "dtype": job.train.dtype,
             "layers": [[s.layer_begin, s.layer_end] for s in plan.stages], "optimizer": job.train.optimizer.name,
             "model": {"name": job.model.name, "factory": job.model.factory, "args": dict(job.model.args)},
-            "batch_size": job.data.batch_size, "shuffle": job.data.shuffle, "seed": job.train.seed}
+            "batch_size": job.data.batch_size, "shuffle": job.data.shuffle, "seed": job.train.seed,
+            "data": {"name": d.name, "factory": d.factory, "path": d.path, "args": dict(d.args),
+                     "eval_fraction": d.eval_fraction, "eval_factory": d.eval_factory}}
 
 
 def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
     """Why a job of this shape cannot resume from the cut of wave, whose manifest is m, or None."""
-    mismatch = {k: (m.get(k), v) for k, v in shape.items()
-                if m.get(k) != v and not (k in LATER_KEYS and k not in m)}
+    mismatch: dict[str, tuple[Any, Any]] = {}
+    for k, v in shape.items():
+        old = m.get(k)
+        if old == v or (k in LATER_KEYS and k not in m):
+            continue
+        if isinstance(old, dict) and isinstance(v, dict):   # name the fields that differ: data.eval_fraction
+            mismatch.update({f"{k}.{f}": (old.get(f), v.get(f)) for f in {**old, **v} if old.get(f) != v.get(f)})
+        else:
+            mismatch[k] = (old, v)
     if mismatch:
         return (f"--resume: the checkpoint of wave {wave} was taken for another job: "
                 + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in mismatch.items()))

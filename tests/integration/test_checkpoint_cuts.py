@@ -117,12 +117,13 @@ def test_a_cut_of_another_optimizer_is_refused_and_one_from_before_it_was_record
     assert checkpoints.refusal(older, 4, shape) is None
     assert "steps 8 there, 9 now" in str(checkpoints.refusal(older, 4, {**shape, "steps": 9})), "the rest still counts"
     model = {"name": None, "factory": "net:build", "args": {"width": 8}}
-    later = {**cut, "optimizer": "adam", "model": model, "batch_size": 16, "shuffle": True, "seed": 0}
-    now = {**shape, "model": {**model, "args": {"width": 16}}, "batch_size": 32, "shuffle": True, "seed": 0}
+    data = {"name": "npz", "path": "rows.npz", "eval_fraction": 0.1}
+    later = {**cut, "optimizer": "adam", "model": model, "batch_size": 16, "shuffle": True, "seed": 0, "data": data}
+    now = {**shape, "model": {**model, "args": {"width": 16}}, "batch_size": 32, "shuffle": True, "seed": 0,
+           "data": {**data, "eval_fraction": 0.2}}
     assert checkpoints.refusal(later, 4, now) == (
-        "--resume: the checkpoint of wave 4 was taken for another job: model {'name': None, 'factory': 'net:build', "
-        "'args': {'width': 8}} there, {'name': None, 'factory': 'net:build', 'args': {'width': 16}} now, "
-        "batch_size 16 there, 32 now")
+        "--resume: the checkpoint of wave 4 was taken for another job: model.args {'width': 8} there, "
+        "{'width': 16} now, batch_size 16 there, 32 now, data.eval_fraction 0.1 there, 0.2 now")
 
 
 def test_a_cut_is_taken_whole_through_a_shard_that_dies_and_comes_back(tmp_path: Path) -> None:
