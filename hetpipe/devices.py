@@ -73,12 +73,27 @@ THREADS_ENV = "HETPIPE_THREADS"
 PS_THREADS_ENV = "HETPIPE_PS_THREADS"
 
 
+def env_threads(env: str) -> int | None:
+    """The thread count set in env (HETPIPE_THREADS, HETPIPE_PS_THREADS), None where unset;
+    ConfigError naming it where it is not a whole number of at least 1."""
+    import os
+
+    from hetpipe.validate import ConfigError
+
+    raw = os.environ.get(env, "").strip()
+    if not raw:
+        return None
+    if not raw.isdecimal() or int(raw) < 1:
+        raise ConfigError(f"{env}={raw!r}: expected a whole number of threads, at least 1")
+    return int(raw)
+
+
 def threads_for(processes: int) -> str:
     """Intra-op threads of each of `processes` compute processes sharing this machine: the user's
     HETPIPE_THREADS, else the cores split evenly (oversubscribed threads only slow them all)."""
     import os
 
-    return os.environ.get(THREADS_ENV) or str(max(1, (os.cpu_count() or 1) // max(1, processes)))
+    return str(env_threads(THREADS_ENV) or max(1, (os.cpu_count() or 1) // max(1, processes)))
 
 
 def thread_split(cpu_stages: int, gpu_stages: int, shards: int) -> tuple[str, str]:
@@ -93,16 +108,15 @@ def thread_split(cpu_stages: int, gpu_stages: int, shards: int) -> tuple[str, st
     import os
 
     cores = os.cpu_count() or 1
+    shard_threads = env_threads(PS_THREADS_ENV)
     if cpu_stages:
-        return threads_for(cpu_stages + gpu_stages), os.environ.get(PS_THREADS_ENV) or "1"
+        return threads_for(cpu_stages + gpu_stages), str(shard_threads or 1)
     share = max(1, cores // max(1, gpu_stages + shards))
     spare = max(1, (cores - share * gpu_stages) // max(1, shards))
-    return os.environ.get(THREADS_ENV) or str(share), os.environ.get(PS_THREADS_ENV) or str(spare)
+    return str(env_threads(THREADS_ENV) or share), str(shard_threads or spare)
 
 
 def set_threads(env: str = THREADS_ENV) -> None:
     """In a compute process or a shard: the thread count its launcher chose in env (one if
     started by hand)."""
-    import os
-
-    torch.set_num_threads(max(1, int(os.environ.get(env, "1"))))
+    torch.set_num_threads(env_threads(env) or 1)

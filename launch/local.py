@@ -98,6 +98,8 @@ def preflight(job: JobConfig) -> Plan:
     from hetpipe import models
 
     _check_security(job.security_files())
+    for env in (devices.THREADS_ENV, devices.PS_THREADS_ENV):
+        devices.env_threads(env)
     model = models.structure(job.model, job.base_dir)
     data.check(job, lambda x: boundaries(model, x)[-1][0])
     if job.model.init is not None:

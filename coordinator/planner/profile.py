@@ -27,7 +27,7 @@ import torch
 from hetpipe import data, models
 from hetpipe.catalog import CATALOG, EFFICIENCY, GpuType
 from hetpipe.config import JobConfig
-from hetpipe.devices import local_devices
+from hetpipe.devices import THREADS_ENV, env_threads, local_devices
 from coordinator.planner.meter import model_structure, signature
 
 # Bump when what is measured or how changes: old cache files are then ignored.
@@ -146,7 +146,7 @@ def _calibrated(kind: str, cache: Path | None) -> GpuType:
         known = match(device.label, device.memory_bytes)
         if known is not None:
             return CATALOG[known]
-    threads = max(1, int(os.environ.get("HETPIPE_THREADS", "1")))
+    threads = env_threads(THREADS_ENV) or 1
     key = {"version": PROFILE_VERSION, "device": kind, "label": device.label if device else "cpu", "threads": threads}
     path = cache / f"calibration-{kind}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]}.json" if cache else None
     stored = _load(path, key) if path else None

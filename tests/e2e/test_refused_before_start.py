@@ -176,6 +176,19 @@ def test_hetpipe_refuses_in_one_line_with_exit_2(tmp_path: Path, command: str) -
     _refused(tmp_path, "NaN in x", done.returncode, done.stderr, overrides)
 
 
+@pytest.mark.parametrize("env, value", [("HETPIPE_THREADS", "abc"), ("HETPIPE_PS_THREADS", "0")])
+def test_a_bad_thread_count_is_refused_before_anything_changes(tmp_path: Path, env: str, value: str,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "summary.json").write_text("{}")   # an earlier run's result, to be left as it is
+    monkeypatch.setenv(env, value)
+    code = cli.main(["run", "-q", str(_job(tmp_path))])
+    assert (code, capsys.readouterr().err) == (
+        2, f"hetpipe: error: {env}={value!r}: expected a whole number of threads, at least 1\n")
+    assert (tmp_path / "out" / "summary.json").read_text() == "{}"
+
+
 @pytest.mark.parametrize("flag", ["--resume", "--fresh"])
 def test_checkpoint_flags_are_refused_for_a_coordinator_elsewhere(tmp_path: Path, flag: str,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
