@@ -101,7 +101,7 @@ def preflight(job: JobConfig) -> Plan:
     for env in (devices.THREADS_ENV, devices.PS_THREADS_ENV):
         devices.env_threads(env)
     model = models.structure(job.model, job.base_dir)
-    data.check(job, lambda x: boundaries(model, x)[-1][0])
+    data.check(job, lambda x: boundaries(model, x, strict=True)[-1][0])
     if job.model.init is not None:
         models.check_init(job, model)
     outputs.check_dir(Path(job.resolve(job.output.dir)))

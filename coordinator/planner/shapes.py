@@ -3,19 +3,44 @@ output, from one shape-only (meta device) pass. Stages are told these; they neve
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 TensorShape = tuple[tuple[int, ...], torch.dtype]
+aten = torch.ops.aten
+# Products whose CPU and CUDA kernels take operands of one dtype only.
+_ONE_DTYPE = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution}
 
 
-def boundaries(model: nn.Sequential, x: TensorShape, compute: torch.dtype | None = None) -> list[TensorShape]:
+class _OneDtype(TorchDispatchMode):
+    """The meta device multiplies any mix of dtypes, where CPU and CUDA refuse one: uint8 pixels or
+    int64 values into a Linear or a Conv2d passed a shape-only pass and failed once training ran."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket in _ONE_DTYPE:
+            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tree_leaves((args, kwargs or {}))
+                             if isinstance(t, torch.Tensor)})
+            if len(dtypes) > 1:
+                raise RuntimeError(f"{func.overloadpacket.__name__} of {' and '.join(dtypes)} operands: "
+                                   "its kernels take one dtype")
+        return func(*args, **(kwargs or {}))
+
+
+def boundaries(model: nn.Sequential, x: TensorShape, compute: torch.dtype | None = None, *,
+               strict: bool = False) -> list[TensorShape]:
     """[input of layer 0, input of layer 1, ..., output of the last layer] for a minibatch x.
     With a compute dtype (train.precision), what layers produce in floating point is in it: that is
-    what stages send (the input x is data, read by stage 0 itself)."""
+    what stages send (the input x is data, read by stage 0 itself). strict: refuses, as the real
+    kernels do, a matrix product or convolution of mixed dtypes (a dispatch mode: the first in a
+    process costs its imports, so only where the data is checked)."""
     value = torch.empty(x[0], dtype=x[1], device="meta")
     out = [x]
-    with torch.no_grad():
+    with torch.no_grad(), _OneDtype() if strict else contextlib.nullcontext():
         for layer in model.to("meta"):
             value = layer(value)
             dtype = compute if compute is not None and value.is_floating_point() else value.dtype

@@ -23,7 +23,7 @@ import yaml
 from safetensors.torch import save_file
 
 from conftest import BASE_JOB, deep_update
-from hetpipe import models
+from hetpipe import devices, models
 from hetpipe.config import parse_job
 from launch import cli
 
@@ -127,6 +127,11 @@ CASES: dict[str, tuple[Callable[[Path], dict[str, Any]], str]] = {
         "[10] for mse (reshape y to [" + str(ROWS) + ", 10])"),
     "x the model does not take": (lambda t: _npz(t, lambda x, y: (x[:, :32], y)),
                                   "data.path: {tmp}/data.npz: the model does not take x of shape [16, 32]"),
+    # The shape-only pass multiplies any dtypes; the kernels a stage runs refuse them.
+    "uint8 pixels into a Linear": (
+        lambda t: _npz(t, lambda x, y: ((x * 40 + 128).clip(0, 255).astype(np.uint8), y)),
+        "data.path: {tmp}/data.npz: the model does not take x of shape [16, 64] (torch.uint8): RuntimeError: "
+        "addmm of float32 and uint8 operands: its kernels take one dtype"),
     "no data file": (lambda t: {"data": {"name": "npz", "path": "nowhere.npz"}},
                      "data.path: {tmp}/nowhere.npz does not exist"),
     "a data file that is not an npz": (_garbage, "data.path: {tmp}/data.npz is not a readable npz of plain arrays"),
@@ -276,7 +281,8 @@ def test_a_run_that_fails_to_start_says_why_in_status_json(tmp_path: Path, monke
     """A worker that exits before it serves (here a shard whose thread count cannot be read) fails
     the run with its log's tail; status.json, which `hetpipe status --job` reads afterwards, says
     the same. It said STOPPED, 'the launcher failed'."""
-    monkeypatch.setenv("HETPIPE_PS_THREADS", "many")
+    # The launcher refuses such a count of the user's before anything starts: handed to the shard alone.
+    monkeypatch.setattr(devices, "thread_split", lambda *counts: ("1", "many"))
     job = _job(tmp_path, parallel={"virtual_workers": 2, "stages_per_vw": 1})
     assert cli.main(["run", "-q", str(job)]) == 1
     assert "ps server 0 exited with code 1 before serving" in capsys.readouterr().err
