@@ -17,15 +17,17 @@ aten = torch.ops.aten
 _ONE_DTYPE = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution}
 
 
-class _OneDtype(TorchDispatchMode):
-    """The meta device multiplies any mix of dtypes, where CPU and CUDA refuse one: uint8 pixels or
-    int64 values into a Linear or a Conv2d passed a shape-only pass and failed once training ran."""
+class _NumbersOfOneKind(TorchDispatchMode):
+    """The meta device multiplies integers by floats, where CPU and CUDA kernels refuse to: uint8
+    pixels or int64 values into a Linear or a Conv2d passed a shape-only pass and failed once
+    training ran. (Floats of two widths are no error here: the meta model is in float32, and a
+    stage builds its layers in train.dtype.)"""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.overloadpacket in _ONE_DTYPE:
-            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tree_leaves((args, kwargs or {}))
-                             if isinstance(t, torch.Tensor)})
-            if len(dtypes) > 1:
+            tensors = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+            if len({t.is_floating_point() or t.is_complex() for t in tensors}) > 1:
+                dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
                 raise RuntimeError(f"{func.overloadpacket.__name__} of {' and '.join(dtypes)} operands: "
                                    "its kernels take one dtype")
         return func(*args, **(kwargs or {}))
@@ -36,11 +38,11 @@ def boundaries(model: nn.Sequential, x: TensorShape, compute: torch.dtype | None
     """[input of layer 0, input of layer 1, ..., output of the last layer] for a minibatch x.
     With a compute dtype (train.precision), what layers produce in floating point is in it: that is
     what stages send (the input x is data, read by stage 0 itself). strict: refuses, as the real
-    kernels do, a matrix product or convolution of mixed dtypes (a dispatch mode: the first in a
-    process costs its imports, so only where the data is checked)."""
+    kernels do, a matrix product or convolution of integers with floats (a dispatch mode: the first
+    in a process costs its imports, so only where the data is checked)."""
     value = torch.empty(x[0], dtype=x[1], device="meta")
     out = [x]
-    with torch.no_grad(), _OneDtype() if strict else contextlib.nullcontext():
+    with torch.no_grad(), _NumbersOfOneKind() if strict else contextlib.nullcontext():
         for layer in model.to("meta"):
             value = layer(value)
             dtype = compute if compute is not None and value.is_floating_point() else value.dtype
