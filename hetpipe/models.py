@@ -19,14 +19,13 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hetpipe import wire, zoo
+from hetpipe.factory_writes import FactoryWrites, check_parameters, reset_of
 from hetpipe.config import JobConfig, ModelConfig
 from hetpipe.validate import ConfigError
 
@@ -146,69 +145,6 @@ def _parameters_on_meta() -> Iterator[None]:
             nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _reset_of(module: nn.Module) -> Any:
-    """The method _reset calls on module, None where it has none."""
-    return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-
-
-def _in_reset(frame: FrameType | None) -> bool:
-    """Whether frame runs inside a module's reset method, the one _reset calls (a factory's own
-    function of that name is not one: its writes would be lost as well)."""
-    while frame is not None:
-        owner = frame.f_locals.get("self") if frame.f_code.co_name in ("reset_parameters", "_reset_parameters") else None
-        reset = _reset_of(owner) if isinstance(owner, nn.Module) else None
-        if reset is not None and getattr(reset, "__code__", None) is frame.f_code:
-            return True
-        frame = frame.f_back
-    return False
-
-
-class _FactoryWrites(TorchDispatchMode):
-    """Records each write to a meta tensor that no module's reset method makes while the factory
-    runs (the tensors written, held so that their storage is not reused): where they are the
-    model's parameters, an initialisation of the factory's own (nn.init.normal_ in a loop over the
-    modules, a load_state_dict), which no stage would see: each builds its layers with their
-    resets alone."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[tuple[str, Any]] = []   # (op, the untyped storage written)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func._schema.is_mutable:
-            for i, argument in enumerate(func._schema.arguments):
-                if argument.alias_info is None or not argument.alias_info.is_write:
-                    continue
-                target = args[i] if i < len(args) else kwargs.get(argument.name)
-                if isinstance(target, torch.Tensor) and target.device.type == "meta" \
-                        and not _in_reset(sys._getframe(1)):
-                    self.writes.append((func.__name__.split(".")[0], target.untyped_storage()))
-        return func(*args, **kwargs)
-
-
-def _check_parameters(cfg: ModelConfig, model: nn.Sequential, writes: list[tuple[str, Any]]) -> None:
-    """ConfigError for what a stage's own build would silently lose: parameters tied across layers
-    (each stage materialises its layers apart) and the factory's own writes to its parameters."""
-    owners: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(name)
-    for names in owners.values():
-        if len({n.split(".", 1)[0] for n in names}) > 1:
-            raise ConfigError(f"model: {describe(cfg)} ties {names[0]} and {names[1]} (one parameter in two layers): "
-                              "each stage builds its layers apart, so they would train as two; give each layer its "
-                              "own parameter, or keep both uses in one layer")
-    named = {p.untyped_storage()._cdata: name for name, p in model.named_parameters()}
-    found = list(dict.fromkeys(f"{op} on {named[storage._cdata]}" for op, storage in writes
-                               if storage._cdata in named))
-    if found:
-        raise ConfigError(f"model: {describe(cfg)} writes parameters itself ({', '.join(found[:3])}"
-                          f"{', ...' if len(found) > 3 else ''}), outside any reset_parameters(): each stage "
-                          "initialises its layers with their modules' reset_parameters() alone, so that would be "
-                          "lost; move it into the module's reset_parameters(), or save the initialised model "
-                          "and give it as model.init")
-
-
 def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = None, *,
               check_writes: bool = True) -> nn.Sequential:
     """The model with every parameter on the meta device (no memory): names, shapes, layers.
@@ -217,7 +153,7 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
     process's first dispatch mode imports about 300 modules, 0.75 s here)."""
     build = factory(cfg, base_dir)
     kwargs = dict(cfg.args if args is None else args)
-    watch = _FactoryWrites()
+    watch = FactoryWrites()
     with _parameters_on_meta(), watch if check_writes else contextlib.nullcontext(), warnings.catch_warnings():
         # load_state_dict into the meta parameters is recorded as the write it is; torch's own
         # warning that it does nothing would only repeat the refusal, once per key.
@@ -245,7 +181,7 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
     if names != [str(i) for i in range(len(model))]:  # weights are named by layer index ("3.weight")
         raise ConfigError(f"model: {describe(cfg)} returned an nn.Sequential with named layers {names[:5]}; "
                           "build it from a list of layers, numbered 0..n-1")
-    _check_parameters(cfg, model, watch.writes)
+    check_parameters(f"model: {describe(cfg)}", model, watch.writes)
     odd = {k: t.dtype for k, t in model.state_dict(keep_vars=True).items() if t.dtype not in wire.CARRIED}
     if odd:  # found now, not when the trained weights are written out
         raise ConfigError(f"model: {describe(cfg)}'s state_dict holds {sorted(map(str, set(odd.values())))} tensors "
@@ -261,7 +197,7 @@ def layer_seed(seed: int, index: int) -> int:
 def _reset(layer: nn.Module) -> None:
     # Children before parents, as construction runs: a parent's reset may override its children's.
     for module in reversed(list(layer.modules())):
-        reset = _reset_of(module)
+        reset = reset_of(module)
         if callable(reset):
             reset()
 
