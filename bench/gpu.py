@@ -64,6 +64,7 @@ def plain_loop(path: str) -> dict[str, Any]:
     from hetpipe.config import load_job
     from hetpipe.optim import autocast, compute_dtype, compute_loss, make_optimizer, step_at
     from hetpipe.reference import initial_model, minibatch
+    from stage_worker import profiling
 
     job = load_job(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,8 +72,16 @@ def plain_loop(path: str) -> dict[str, Any]:
     optimizer = make_optimizer(list(model.parameters()), job.train.optimizer)
     dataset = data.training_set(job)
     dtype = compute_dtype(job.train.precision)
-    start = 0.0
+    window = job.output.profile   # the stages' window, here: minibatches (after, after + steps]
+    profiled: dict[str, float] = {}
+    prof = None
+    start = profile_start = 0.0
     for p in range(1, job.train.steps + 1):
+        if window is not None and p == window.after + 1:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                          + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else []))
+            prof.__enter__()
+            profile_start = time.perf_counter()
         x, y = minibatch(job, dataset, p, 0)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(dtype, device):
@@ -84,11 +93,19 @@ def plain_loop(path: str) -> dict[str, Any]:
             # selection) are left out here, and kept in HetPipe's wall, so the ratios err against it.
             float(loss)
             start = time.monotonic()
+        if prof is not None and window is not None and p == window.after + window.steps:
+            float(loss)   # the window's kernels, done, inside its wall time
+            prof.__exit__(None, None, None)
+            trace = Path(job.resolve(job.output.dir)) / "trace"
+            trace.mkdir(parents=True, exist_ok=True)
+            profiled = profiling.write(prof, trace / "profile_plain.json", "plain loop", window.steps,
+                                       time.perf_counter() - profile_start)
+            prof = None
     final = float(loss)  # waits for the last step
     wall = time.monotonic() - start
     timed = max(job.train.steps - 1, 1)
     return {"samples_per_second": timed * job.data.batch_size / wall, "wall_seconds": wall,
-            "final_loss": final,
+            "final_loss": final, "profile": profiled,
             "device_peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else 0}
 
 
@@ -194,6 +211,10 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=2, help="the 2 VWs' parameter-server shards (default 2)")
     ap.add_argument("--trace", action="store_true",
                     help="HetPipe runs write their traces (output.trace); implies --keep")
+    ap.add_argument("--profile", nargs=2, type=int, metavar=("AFTER", "STEPS"),
+                    help="torch.profiler over minibatches (AFTER, AFTER + STEPS] of the plain loop and of each "
+                         "HetPipe stage (output.profile): per minibatch wall, kernel time and launches")
+    ap.add_argument("--tables", type=Path, metavar="DIR", help="with --profile: copy each run's tables here")
     args = ap.parse_args()
     if args.plain:
         print(json.dumps(plain_loop(args.plain)))
@@ -235,15 +256,21 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
                   job("h22", vws=2, stages=2, nm=4, D=args.D, shards=args.shards)),
                  ("tp", "torch-pipeline 2 stages, 4 mb", job("tp", stages=2, nm=4, mode="torch-pipeline")),
                  ("ddp", "ddp 2 ranks", job("ddp", vws=2, mode="ddp"))]
-    if args.trace:
-        for _, _, spec in runs:
-            spec["output"]["trace"] = True
+    for _, _, spec in runs:
+        spec["output"]["trace"] = args.trace
+        if args.profile and spec["parallel"].get("mode", "hetpipe") == "hetpipe":
+            spec["output"]["profile"] = {"after": args.profile[0], "steps": args.profile[1]}
     results = []
     for _, name, spec in (r for r in runs if r[0] in wanted):
         results.append(run(name, spec, work, timeout=1200))
         done = results[-1]
         print(f"  {name}: " + ("FAILED" if "error" in done else f"{done['samples_per_second']:.1f} samples/s"),
               flush=True)
+        for table in sorted((Path(spec["output"]["dir"]) / "trace").glob("profile_*.txt")):
+            print(f"    {table.read_text().splitlines()[0]}", flush=True)   # each profiled process's cost
+            if args.tables:
+                args.tables.mkdir(parents=True, exist_ok=True)
+                shutil.copy(table, args.tables / f"{Path(spec['output']['dir']).name}_{table.name}")
         if args.json:   # after every run: a time limit that cuts the benchmark short keeps what it measured
             args.json.write_text(json.dumps(results, indent=2))
     report(results)

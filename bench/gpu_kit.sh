@@ -21,10 +21,14 @@
 #   gpu        bench/gpu.py: the 117.8M GPT in bf16, HetPipe layouts vs a plain loop, ddp, torch-pipeline
 #              (GPU_STEPS steps each, 100 by default: on an H100 the runs took 17-42 s each at 100
 #              steps, ddp left out on one GPU; each run's result is in OUT/gpu.json as soon as it is done)
+#   profile    bench/gpu.py --profile: torch.profiler over 5 minibatches of the plain loop and of each
+#              stage of 1x1 and 2x2 (what a step costs: wall, kernels, launches; the tables in
+#              OUT/profile/); its samples/s are not the benchmark's (the profiler slows its window)
 #   peers      bench/peers.py: the CPU job's peers on this machine's GPUs
 # On an H100 (2026-11-27) env took 8 s, tests 40-68, transport 34, copies about 10 (its probe),
-# gpu about 135 and peers 96: all
-# of them fit one 10-minute call, and a lent machine's 15 minutes with its start-up (about 35 s).
+# gpu about 135 and peers 96; on an H200 (2026-11-28) tests 48-52 s. profile is new (not yet timed
+# on a GPU; 1x1 and 2x2 at 60 steps, about 60-90 s expected): all together are close to one
+# 10-minute call, so give the steps a call in two parts where device time allows.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,7 +40,7 @@ WHEELS="${KIT_WHEELS:-$ROOT/.whl}"   # where `wheels` puts them and `run` instal
 KIT="grpcio grpcio-health-checking grpcio-reflection protobuf cryptography cffi pycparser safetensors
      setproctitle psutil tqdm prometheus-client PyYAML pytest-timeout hypothesis sortedcontainers
      scikit-learn"
-STEPS="env tests transport copies gpu peers"
+STEPS="env tests transport copies gpu profile peers"
 
 die() { echo "gpu_kit: $*" >&2; exit 2; }
 
@@ -73,6 +77,7 @@ print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\
         transport) cmd=(python3 bench/transport.py --cuda) ;;
         copies)    cmd=(python3 bench/host_copies.py) ;;
         gpu)       cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-100}" --json "$out/gpu.json") ;;
+        profile)   cmd=(python3 bench/gpu.py --steps 60 --runs plain h11 h22 --profile 30 5 --tables "$out/profile") ;;
         peers)     cmd=(python3 bench/peers.py --json "$out/peers.json") ;;
         *)         die "no step '$name' (steps: $STEPS)" ;;
     esac

@@ -142,13 +142,14 @@ class JobDriver:
         vw_handles = [s for s in self.stages if s.plan.vw == sp.vw]
         keys = models.parameter_keys(self.model, sp.layer_begin, sp.layer_end)
         trace = str(self.trace_dir / f"vw{sp.vw}_stage{sp.stage}.jsonl") if self.job.output.trace else ""
+        profile = str(self.trace_dir / f"profile_vw{sp.vw}_stage{sp.stage}.json") if self.job.output.profile else ""
         prev, next_ = (vw_handles[sp.stage + d] if 0 <= sp.stage + d < k else None for d in (-1, 1))
         return stage_pb2.StageAssignment(
             vw=sp.vw, stage=sp.stage, num_stages=k, layer_begin=sp.layer_begin, layer_end=sp.layer_end,
             job_json=self.job.to_json(),
             prev_address=vw_handles[sp.stage - 1].address if sp.stage > 0 else "",
             next_address=vw_handles[sp.stage + 1].address if sp.stage < k - 1 else "",
-            ps_addresses=self.ps_addresses, trace_path=trace,
+            ps_addresses=self.ps_addresses, trace_path=trace, profile_path=profile,
             key_shards=[self.plan.key_shard[key] for key in keys] if self.ps_addresses else [],
             forward_seconds=sp.forward_seconds, backward_seconds=sp.backward_seconds,
             device=sp.device, device_label=sp.label,
@@ -172,7 +173,7 @@ class JobDriver:
         """Assigns every stage (each loads its own layers, and VW 0's give the shards w0), waits
         until all have loaded, and starts them."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if self.job.output.trace and self.trace_dir.parent == self.out_dir:  # not a folder on the stages' hosts
+        if (self.job.output.trace or self.job.output.profile) and self.trace_dir.parent == self.out_dir:  # not a folder on the stages' hosts
             self.trace_dir.mkdir(exist_ok=True)
         self.model = models.structure(self.job.model, self.job.base_dir)   # meta: names and shapes only
         x, y = data.first_item(self.job)

@@ -85,10 +85,18 @@ class SyncSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ProfileConfig:
+    """output.profile: torch.profiler over each stage's minibatches (after, after + steps]."""
+    after: int = 10     # minibatches each stage finishes first (its warm-up: allocator, kernel choice)
+    steps: int = 5
+
+
+@dataclass(frozen=True, slots=True)
 class OutputConfig:
     dir: str = "runs/job"
     trace: bool = False
     max_shard_bytes: int = 2 << 30   # model.safetensors below this, else model-0000i-of-0000N files
+    profile: ProfileConfig | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -233,6 +241,19 @@ def _parse_data(d: Section) -> DataConfig:
         shuffle=d.flag("shuffle", default.shuffle), workers=d.integer("workers", default.workers, maximum=64),
         args=d.mapping("args"),
     )
+
+
+def _parse_profile(raw: Any, steps: int) -> ProfileConfig | None:
+    if raw is None:
+        return None
+    p, d = Section(raw, "output.profile"), ProfileConfig()
+    p.check_known(("after", "steps"))
+    after = p.integer("after", d.after, maximum=MAX_STEPS)
+    profiled = p.integer("steps", d.steps, minimum=1, maximum=MAX_STEPS)
+    if after + profiled > steps:
+        raise fail("output.profile.steps", profiled, f"at most train.steps - after ({steps} - {after}): the "
+                   "profiled minibatches must be trained")
+    return ProfileConfig(after=after, steps=profiled)
 
 
 def _parse_eval(raw: Any) -> EvalConfig | None:
@@ -393,14 +414,16 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfi
     top = Section(raw, "")
     top.check_known(("cluster", "model", "data", "eval", "train", "parallel", "output", "security", "base_dir"))
     out, do = top.section("output"), OutputConfig()
-    out.check_known(("dir", "trace", "max_shard_bytes"))
+    out.check_known(("dir", "trace", "max_shard_bytes", "profile"))
+    train = parse_train(top.section("train"))
     job = JobConfig(
         model=_parse_model(top.section("model")),
         data=_parse_data(top.section("data")),
-        train=parse_train(top.section("train")),
+        train=train,
         parallel=_parse_parallel(top.section("parallel")),
         output=OutputConfig(dir=out.text("dir", do.dir), trace=out.flag("trace", do.trace),
-                            max_shard_bytes=out.integer("max_shard_bytes", do.max_shard_bytes, minimum=1 << 10)),
+                            max_shard_bytes=out.integer("max_shard_bytes", do.max_shard_bytes, minimum=1 << 10),
+                            profile=_parse_profile(out.get("profile"), train.steps)),
         eval=_parse_eval(top.get("eval")),
         cluster=parse_cluster(top.get("cluster"), max_gpus=MAX_VIRTUAL_WORKERS * MAX_STAGES),
         security=_parse_security(top.get("security")),

@@ -136,7 +136,7 @@ WRITTEN = {
     "ps": re.compile(r"shard\d+"),                       # each shard's durable state
     CHECKPOINTS: CUT,
     "logs": re.compile(r"(stage_worker|ps_server)_\d+\.log"),
-    "trace": re.compile(r"vw\d+_stage\d+\.jsonl|acked_vw\d+_stage\d+\.pt"),
+    "trace": re.compile(r"vw\d+_stage\d+\.jsonl|acked_vw\d+_stage\d+\.pt|profile_vw\d+_stage\d+\.(json|txt)"),
     "trace/sync": re.compile(r"vw\d+_stage\d+\.jsonl"),
     "trace/ps": re.compile(r"shard\d+\.jsonl"),
 }

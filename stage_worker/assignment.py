@@ -88,6 +88,7 @@ class Setup:
     ps_addresses: tuple[str, ...]
     key_shards: tuple[int, ...]  # the owning shard of each of this stage's parameters, in order
     trace_path: str
+    profile_path: str           # output.profile's Chrome trace (and its table, .txt); "" = off
     forward_seconds: float      # emulation: each task is padded to these (0 = not at all)
     backward_seconds: float
     next_send_seconds: float    # emulated network: each transfer is held this long
@@ -160,6 +161,7 @@ def validate(a: stage_pb2.StageAssignment, output_root: Path | None = None) -> S
     this machine lacks, RESOURCE_EXHAUSTED for a minibatch larger than the stage's GPU,
     PERMISSION_DENIED for a path outside output_root) naming the first field that is wrong."""
     trace_path = _inside("trace_path", a.trace_path, output_root)
+    profile_path = _inside("profile_path", a.profile_path, output_root)
     checkpoint_dir = _inside("checkpoint_dir", a.checkpoint_dir, output_root)
     try:
         job = ResolvedJob.from_json(a.job_json)
@@ -200,7 +202,7 @@ def validate(a: stage_pb2.StageAssignment, output_root: Path | None = None) -> S
         job=job, vw=a.vw, stage=a.stage, num_stages=k, layer_begin=a.layer_begin, layer_end=a.layer_end,
         device=device, label=label, gpu_type=a.gpu_type, emulated=a.emulated,
         prev_address=a.prev_address, next_address=a.next_address, ps_addresses=tuple(a.ps_addresses),
-        key_shards=tuple(a.key_shards), trace_path=trace_path,
+        key_shards=tuple(a.key_shards), trace_path=trace_path, profile_path=profile_path,
         **{field: float(getattr(a, field)) for field in _SECONDS},
         memory_bytes=a.memory_bytes, capacity_bytes=a.capacity_bytes,
         specs=_specs(a, job.data.batch_size), checkpoint_dir=checkpoint_dir, resume_wave=a.resume_wave,

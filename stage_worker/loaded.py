@@ -22,6 +22,7 @@ from stage_worker.micro_schedule import MicroSchedule
 from stage_worker.schedule import StageSchedule
 from stage_worker.stage import StageCompute
 from stage_worker.sync import LocalSync, Sync, SyncCallbacks, SyncConfig
+from stage_worker.profiling import StageProfile
 from stage_worker.trace import MinibatchTrace
 from stage_worker.elastic_sync import ElasticSync
 from stage_worker.wsp_sync import WspSync
@@ -133,6 +134,9 @@ class Loaded:
         # Tests: minibatches whose gradients come out infinite here (HETPIPE_FAULTS overflow).
         self.overflow_at = {p for q, p in faults.from_env().overflow if q == setup.stage}
         self.trace = MinibatchTrace(setup.trace_path, setup.vw, setup.stage)
+        window = job.output.profile
+        self.profile = StageProfile(setup.profile_path, setup.name, window.after, window.steps,
+                                    cuda=setup.device.kind == "cuda") if setup.profile_path and window else None
         self.observe = metrics.observers(setup.vw, setup.stage)
         self.padder = faults.Padder(faults.from_env(), setup.vw, (job.train.seed, setup.stage))
         self.next: Link | None = None
@@ -196,6 +200,8 @@ class Loaded:
                 link.close()
         self.sync.close()
         self.trace.close()
+        if self.profile is not None:
+            self.profile.close(self.schedule.completed)
         for reader in (self.inputs, self.targets):
             if reader is not None:
                 reader.close()

@@ -284,6 +284,8 @@ class StageRuntime:
                 task = self._next_task(s)
                 if task is None:
                     break
+                if s.profile is not None:
+                    s.profile.before(s.schedule.completed)
                 started = time.monotonic()
                 ran = run[task.kind](s, task)
                 forward = ran.forward
@@ -309,6 +311,8 @@ class StageRuntime:
                     with self._cv:
                         self._phase_seconds["backward"] += time.monotonic() - began   # p's step is its backward's
                         self._stepping = 0
+                if s.profile is not None:
+                    s.profile.after_task(s.schedule.completed)
         except Exception as exc:  # any bug or device error fails the stage loudly, naming p
             log.exception("%s crashed", s.setup.name)
             where = (f" at {'evaluation' if task.kind == TaskKind.EVAL else 'minibatch'} {task.p}" if task

@@ -157,7 +157,7 @@ def test_assign_may_not_write_outside_the_output_root(cluster: Cluster) -> None:
     victim.write_text("keep me")
     with security.using(cluster.credentials, security.COORDINATOR, "test"), \
             rpc.channel(cluster.addresses["stage_worker"]) as ch:
-        for field in ("trace_path", "checkpoint_dir"):
+        for field in ("trace_path", "checkpoint_dir", "profile_path"):
             with pytest.raises(grpc.RpcError) as err:
                 rpc.Stub(ch, "Stage").Assign(stage_pb2.StageAssignment(**{field: str(victim)}), timeout=5)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -45,7 +45,7 @@ def test_the_tests_step_runs_every_cuda_test_file_and_keeps_its_output(tmp_path:
 def test_an_unknown_step_is_named_and_fails(tmp_path: Path) -> None:
     done = kit("run", tmp_path, "bogus", site=tmp_path / "site")
     assert done.returncode == 2
-    assert "no step 'bogus'" in done.stderr and "env tests transport copies gpu peers" in done.stderr
+    assert "no step 'bogus'" in done.stderr and "env tests transport copies gpu profile peers" in done.stderr
 
 
 def test_without_a_command_it_prints_its_usage() -> None:

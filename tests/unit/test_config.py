@@ -170,6 +170,9 @@ BAD_VALUES = [
     ("data.path", "d\0.npz", "a non-empty string without NUL bytes"),
     ("output.dir", "out\0", "a non-empty string without NUL bytes"),
     ("output.trace", 1, "true or false"),
+    ("output.profile.steps", 0, "integer >= 1"),
+    ("output.profile.after", -1, "integer >= 0"),
+    ("output.profile.steps", 10**6, "at most train.steps - after"),   # the profiled minibatches are trained
     ("output.dir", "", "a non-empty string"),
     ("cluster.nodes", [], "a non-empty list of nodes"),
     ("cluster.nodes", None, "a non-empty list of nodes"),
