@@ -5,6 +5,7 @@ run, and a worker host that dies, fail the job naming the host."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -49,6 +50,10 @@ class Cluster:
             self.procs[name] = subprocess.Popen([*HETPIPE, *args], cwd=self.tmp / name, stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                                 env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    def start_coordinator(self) -> None:
+        self.start("coordinator", "coordinator", "--port", self.address.rsplit(":", 1)[1], "--heartbeat-interval",
+                   "0.5", "--output-root", str(self.tmp / "coordinator" / "runs"), "--data-root", str(self.tmp))
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text(errors="replace")
@@ -102,8 +107,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         port = s.getsockname()[1]
     c = Cluster(tmp_path, f"127.0.0.1:{port}")
     try:
-        c.start("coordinator", "coordinator", "--port", str(port), "--heartbeat-interval", "0.5",
-                "--output-root", str(tmp_path / "coordinator" / "runs"), "--data-root", str(tmp_path))
+        c.start_coordinator()
         c.start("hosta", "worker", "--coordinator", c.address, "--emulate", "t4", "--shards", "1", "--node", "hosta")
         c.start("hostb", "worker", "--coordinator", c.address, "--emulate", "t4", "--node", "hostb")
         deadline = time.monotonic() + 60
@@ -186,7 +190,10 @@ def test_a_job_runs_on_the_registered_hosts_and_its_outputs_come_back(cluster: C
         assert rpc.Stub(ch, "Coordinator").GetJob(coordinator_pb2.JobRef(), timeout=10) == before
 
 
-def test_a_worker_host_that_dies_fails_the_job_fast_naming_it(cluster: Cluster, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _long_job(cluster: Cluster, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`hetpipe run --coordinator` of a job far too long to end by itself, once it has trained a
+    few minibatches on both hosts; its stderr goes to tmp_path/client.err. Killed if left running."""
     job_file = _job_file(tmp_path, "long.yaml", {
         "cluster": {"nodes": [{"name": "hosta", "gpus": [{"type": "t4"}]}, {"name": "hostb", "gpus": [{"type": "t4"}]}],
                     "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.02}},
@@ -201,16 +208,21 @@ def test_a_worker_host_that_dies_fails_the_job_fast_naming_it(cluster: Cluster, 
         while (status := cluster.job()).state != State.RUNNING or status.samples < 5 * 16:
             assert client.poll() is None and time.monotonic() < deadline, (tmp_path / "client.err").read_text()
             time.sleep(0.1)
+        yield client
+    finally:
+        if client.poll() is None:
+            os.killpg(client.pid, signal.SIGKILL)
+            client.wait()
+
+
+def test_a_worker_host_that_dies_fails_the_job_fast_naming_it(cluster: Cluster, tmp_path: Path) -> None:
+    with _long_job(cluster, tmp_path) as client:
         (victim,) = [w.info.address for w in cluster.workers()
                      if w.info.node == "hostb" and w.info.role == coordinator_pb2.WorkerInfo.STAGE_WORKER]
         cluster.kill("hostb")
         killed = time.monotonic()
         code = client.wait(30)
         took = time.monotonic() - killed
-    finally:
-        if client.poll() is None:
-            os.killpg(client.pid, signal.SIGKILL)
-            client.wait()
     err = (tmp_path / "client.err").read_text()
     assert code == 1 and took < 10, (code, took, err)
     assert re.search(rf"stage 0 of vw \d at {re.escape(victim)} on node hostb: Status failed", err), err
@@ -222,30 +234,11 @@ def test_a_restarted_coordinator_gets_fresh_workers_for_its_next_job(cluster: Cl
     # The coordinator dies mid-job, and with it the job: its driver, its state. The stages and
     # the shard that served it must not train on for nobody, nor be claimed again holding it
     # (a stage refused Assign "already assigned"; a shard took Init over its old clocks).
-    long = _job_file(tmp_path, "long.yaml", {
-        "cluster": {"nodes": [{"name": "hosta", "gpus": [{"type": "t4"}]}, {"name": "hostb", "gpus": [{"type": "t4"}]}],
-                    "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.02}},
-        "train": {"steps": 20000}, "parallel": {"virtual_workers": 2, "stages_per_vw": 1, "nm": 1},
-        "output": {"trace": False},
-    })
-    with open(tmp_path / "client.err", "wb") as err_file:
-        client = subprocess.Popen([*HETPIPE, "run", "-q", str(long), "--coordinator", cluster.address],
-                                  cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while (status := cluster.job()).state != State.RUNNING or status.samples < 5 * 16:
-            assert client.poll() is None and time.monotonic() < deadline, (tmp_path / "client.err").read_text()
-            time.sleep(0.1)
+    with _long_job(cluster, tmp_path) as client:
         served = {(w.info.address, w.info.name) for w in cluster.workers()}
         cluster.kill("coordinator")
-        port = cluster.address.rsplit(":", 1)[1]
-        cluster.start("coordinator", "coordinator", "--port", port, "--heartbeat-interval", "0.5",
-                      "--output-root", str(tmp_path / "coordinator" / "runs"), "--data-root", str(tmp_path))
+        cluster.start_coordinator()
         assert client.wait(60) == 1, "the client of a job that the coordinator lost fails"
-    finally:
-        if client.poll() is None:
-            os.killpg(client.pid, signal.SIGKILL)
-            client.wait()
     deadline = time.monotonic() + 60
     while len([w for w in cluster.registered() if w.alive and (w.info.address, w.info.name) not in served]) < 3:
         for name in ("hosta", "hostb"):
