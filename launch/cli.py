@@ -346,9 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["coordinator"]:  # its own flags, parsed by coordinator.config
         return _coordinator(argv[1:])
-    args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
+    try:   # from the parser on (it reads files: --version's text): a Ctrl-C is one line, never a traceback
+        args = parser().parse_args(argv)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         code: int = args.func(args)
         sys.stdout.flush()
     except KeyboardInterrupt:   # `hetpipe run` has stopped its processes already (_run)
