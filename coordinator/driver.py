@@ -292,8 +292,10 @@ class JobDriver:
             raise StageLost(h.plan.vw, f"{h.last.error} ({f'at {h.at}; ' if h.node else ''}{h.progress()})")
         self._probe_shards()
         self._name_the_silent()
-        self._take_cut()
+        # The evaluations first: one that ran before a cut is in eval.jsonl before the cut's manifest,
+        # which a --resume trusts (the stages do not run it again).
         self._collect_evals()
+        self._take_cut()
         return all(h.last.state == State.DONE for h in self.stages)
 
     def _check_diverged(self) -> None:

@@ -1,7 +1,7 @@
 """Checkpoint and resume (issue 14): kill -9 of `hetpipe run` mid-job, or `hetpipe stop`, then
 `hetpipe run --resume`: the final model equals an uninterrupted run's at 1e-9 (float64, D 0,
 where the run is deterministic; SGD with momentum, so the optimizer's state must come back too),
-and so does eval.jsonl, the evaluations from before the cut included."""
+and eval.jsonl holds every evaluation once, those from before the cut as the first run wrote them."""
 
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ def _start(tmp_path: Path) -> subprocess.Popen[str]:
 
 def _resume_and_compare(tmp_path: Path, uninterrupted: Run) -> None:
     want, want_evals = uninterrupted
+    first = _evals(tmp_path / "out")   # what the interrupted run wrote
     resumed = _hetpipe(tmp_path, "run", "-q", "--resume", "job.yaml")
     out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err
@@ -89,13 +90,16 @@ def _resume_and_compare(tmp_path: Path, uninterrupted: Run) -> None:
     assert list(final) == list(want)
     for key in want:
         torch.testing.assert_close(final[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
-    # Each evaluation once, in order: those before the cut kept from the first run, one at the cut run again.
+    # Each evaluation once, in order: those before the cut kept as the first run wrote them, one
+    # at the cut run again. (A periodic one scores VW 0's weights as they are, and whether a pull
+    # merged just before it varies from run to run; the final one scores the model written out.)
     evals = _evals(tmp_path / "out")
     assert [(e["id"], e["minibatches"], e["final"]) for e in evals] == [
         (e["id"], e["minibatches"], e["final"]) for e in want_evals]
     assert [e["minibatches"] for e in want_evals] == [*range(3, STEPS, 3), STEPS]
-    for got, expected in zip(evals, want_evals):
-        assert got["loss"] == pytest.approx(expected["loss"], rel=0, abs=1e-9), (got, expected)
+    kept = [e for e in first if e["minibatches"] < wave * nm]
+    assert kept and evals[:len(kept)] == kept, (first, evals)
+    assert evals[-1]["loss"] == pytest.approx(want_evals[-1]["loss"], rel=0, abs=1e-9)
 
 
 def test_kill_9_of_hetpipe_run_then_resume(uninterrupted: Run, tmp_path: Path) -> None:
