@@ -73,15 +73,16 @@ def plain_loop(path: str) -> dict[str, Any]:
     dataset = data.training_set(job)
     dtype = compute_dtype(job.train.precision)
     window = job.output.profile   # the stages' window, here: minibatches (after, after + steps]
-    profiled: dict[str, float] = {}
-    prof = None
-    start = profile_start = 0.0
+    profile = None
+    if window is not None:
+        trace = Path(job.resolve(job.output.dir)) / "trace"
+        trace.mkdir(parents=True, exist_ok=True)
+        profile = profiling.StageProfile(str(trace / "profile_plain.json"), "plain loop", window.after,
+                                         window.steps, cuda=device == "cuda")
+    start = 0.0
     for p in range(1, job.train.steps + 1):
-        if window is not None and p == window.after + 1:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                          + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else []))
-            prof.__enter__()
-            profile_start = time.perf_counter()
+        if profile is not None:
+            profile.before(p - 1)
         x, y = minibatch(job, dataset, p, 0)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(dtype, device):
@@ -93,19 +94,13 @@ def plain_loop(path: str) -> dict[str, Any]:
             # selection) are left out here, and kept in HetPipe's wall, so the ratios err against it.
             float(loss)
             start = time.monotonic()
-        if prof is not None and window is not None and p == window.after + window.steps:
-            float(loss)   # the window's kernels, done, inside its wall time
-            prof.__exit__(None, None, None)
-            trace = Path(job.resolve(job.output.dir)) / "trace"
-            trace.mkdir(parents=True, exist_ok=True)
-            profiled = profiling.write(prof, trace / "profile_plain.json", "plain loop", window.steps,
-                                       time.perf_counter() - profile_start)
-            prof = None
+        if profile is not None:
+            profile.after_task(p)
     final = float(loss)  # waits for the last step
     wall = time.monotonic() - start
     timed = max(job.train.steps - 1, 1)
     return {"samples_per_second": timed * job.data.batch_size / wall, "wall_seconds": wall,
-            "final_loss": final, "profile": profiled,
+            "final_loss": final, "profile": profile.summary if profile is not None else {},
             "device_peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else 0}
 
 

@@ -42,7 +42,8 @@ def write(prof: Any, path: Path, title: str, minibatches: int, wall: float) -> d
 
 class StageProfile:
     """Profiles the stage's tasks from when it has finished `after` minibatches until it has
-    finished `after + steps`; the compute thread calls it around each task."""
+    finished `after + steps`; the compute thread calls it around each task (bench/gpu.py's plain
+    loop around each step). summary: the window's, once written."""
 
     def __init__(self, path: str, title: str, after: int, steps: int, cuda: bool) -> None:
         self.path, self.title, self.after, self.steps = Path(path), title, after, steps
@@ -51,6 +52,7 @@ class StageProfile:
         self._prof: Any = None
         self._started = 0.0
         self.done = False
+        self.summary: dict[str, float] = {}
 
     def before(self, completed: int) -> None:
         if self._prof is None and not self.done and completed >= self.after:
@@ -73,4 +75,4 @@ class StageProfile:
         wall = time.perf_counter() - self._started
         prof, self._prof, self.done = self._prof, None, True
         prof.__exit__(None, None, None)
-        write(prof, self.path, self.title, minibatches, wall)
+        self.summary = write(prof, self.path, self.title, minibatches, wall)
