@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from hetpipe import data, models, outputs, rpc, shm, weight_files, wire
 from hetpipe.config import JobConfig
@@ -27,11 +27,11 @@ from hetpipe.wsp import exact_pulls, total_waves
 from coordinator.planner import Plan, StagePlan, resolved_job
 from coordinator.planner.shapes import TensorShape, boundaries
 from coordinator import checkpoints
+from coordinator.shard_watch import ShardWatch
 from coordinator.stall import StallWatch
 
 log = logging.getLogger(__name__)
 State = stage_pb2.StageStatus.State
-SHARD_PROBE_S = 1.0  # how often a running job's shards are asked whether they answer
 FINAL_EVAL_TIMEOUT_S = 600.0
 
 
@@ -110,9 +110,12 @@ class JobDriver:
         self.trace_dir = Path(trace_dir) if trace_dir is not None else self.out_dir / "trace"
         self._ps_channels = [rpc.channel(a) for a in self.ps_addresses]
         self.shards = [rpc.Stub(ch, "ParameterServer") for ch in self._ps_channels]
-        self._shard_health = [health_pb2_grpc.HealthStub(ch) for ch in self._ps_channels]
-        self._shards_probed = 0.0
         self.watch = StallWatch(self.job.train.stall_timeout_s, time.monotonic())
+        self._watch_lock = threading.Lock()   # the shard watch's thread feeds self.watch too
+        self._shard_watch = ShardWatch([health_pb2_grpc.HealthStub(ch) for ch in self._ps_channels], self.watch,
+                                       self._watch_lock, self._shard_silent)
+        self._restart_shards = False   # not while the stages load: they give the shards w0 then
+        self.silent_shard = ""   # why the job fails: a shard that stopped answering
         self.resume_wave = resume_wave
         checkpointing = self.job.train.checkpoint_every > 0 or resume_wave > 0
         self.checkpoint_dir = self.out_dir / outputs.CHECKPOINTS if checkpointing else None
@@ -122,8 +125,27 @@ class JobDriver:
         self.started = time.time()
 
     def close(self) -> None:
+        self._shard_watch.close()
         for ch in [s.channel for s in self.stages] + self._ps_channels:
             ch.close()
+
+    def _shard_silent(self, index: int, seconds: float) -> bool:
+        """The shard watch found shard index silent: True once it is being restarted; else the job
+        fails, and every call waiting on the shard ends now (its channel closed) instead of at its
+        deadline."""
+        address = self.ps_addresses[index]
+        why = f"not responding: no answer to health checks for {seconds:.0f}s"
+        if self._restart_shards and self.restart_hung_shard(index, address, why):
+            return True
+        loading = "" if self._restart_shards else " (while the stages loaded)"
+        self.silent_shard = f"ps shard {index} at {address} {why}{loading}"
+        self._ps_channels[index].close()
+        return False
+
+    def check_shards(self) -> None:
+        """JobFailed once the shard watch has found a shard that stopped answering."""
+        if self.silent_shard:
+            raise JobFailed(self.silent_shard)
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -185,11 +207,13 @@ class JobDriver:
                 weight_files.entries(self.model, getattr(torch, self.job.train.dtype)),
                 checkpoints.job_shape(self.job, self.plan, len(self.shards)),
                 exact=exact_pulls(self.job.parallel.sync, self.job.parallel.D), closing=self.stopping)
+        self._shard_watch.start()
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))
         if self.checkpoints is not None and self.resume_wave:  # VW 0's stages give w0 only on a fresh start
             self.checkpoints.restore_shards(self.resume_wave)
         self._wait_loaded()
+        self._restart_shards = True
         self.started = time.time()
         for h in self.stages:
             self.call(h, "Start", wire_pb2.Empty())
@@ -199,6 +223,7 @@ class JobDriver:
         that failed to load, or the ones still loading when the time is up."""
         deadline = time.monotonic() + self.job.train.setup_timeout_s
         while True:
+            self.check_shards()
             loading = []
             for h in self.stages:
                 h.last = self.call(h, "Status", stage_pb2.StatusRequest(), deadline=rpc.STATUS_DEADLINE_S)
@@ -279,18 +304,20 @@ class JobDriver:
             # Short: a frozen stage must not hold up the heartbeat check on the next poll.
             try:
                 h.last = h.stub.Status(stage_pb2.StatusRequest(), timeout=rpc.STATUS_DEADLINE_S)
-                self.watch.answered(h.name)
+                with self._watch_lock:
+                    self.watch.answered(h.name)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     self._failed(h, "Status", exc)
-                self.watch.unanswered(h.name, time.monotonic())
+                with self._watch_lock:
+                    self.watch.unanswered(h.name, time.monotonic())
         self._check_diverged()   # before the failures: a shard refusing a NaN update is the symptom
         failed = [h for h in self.stages if h.last.state == State.FAILED]
         if failed:
             # The first to fail is the cause: its neighbours then fail to send to it, or to hear from it.
             h = min(failed, key=lambda h: h.last.failed_at)
             raise StageLost(h.plan.vw, f"{h.last.error} ({f'at {h.at}; ' if h.node else ''}{h.progress()})")
-        self._probe_shards()
+        self.check_shards()
         self._name_the_silent()
         # The evaluations first: one that ran before a cut is in eval.jsonl before the cut's manifest,
         # which a --resume trusts (the stages do not run it again).
@@ -322,42 +349,24 @@ class JobDriver:
         for h in self.stages:
             self.call(h, "Continue", wire_pb2.Empty())
 
-    def _probe_shards(self) -> None:
-        """Health checks, not Status: a shard's Status hashes all its values."""
-        now = time.monotonic()
-        if now - self._shards_probed < SHARD_PROBE_S:
-            return
-        self._shards_probed = now
-        for i, health in enumerate(self._shard_health):
-            try:
-                health.Check(health_pb2.HealthCheckRequest(), timeout=rpc.STATUS_DEADLINE_S)
-                self.watch.answered(f"ps shard {i}")
-            except grpc.RpcError as exc:
-                # UNAVAILABLE: dead or restarting, which the launcher or the heartbeats report.
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    self.watch.unanswered(f"ps shard {i}", now)
-                else:
-                    self.watch.unreachable(now)
-
     def _name_the_silent(self) -> None:
-        for who, seconds in self.watch.not_responding(time.monotonic()):
+        """A stage silent for train.stall_timeout_s (silent shards are the shard watch's)."""
+        with self._watch_lock:
+            silent = self.watch.not_responding(time.monotonic())
+        for who, seconds in silent:
             h = next((h for h in self.stages if h.name == who), None)
             if h is not None:
                 raise StageLost(h.plan.vw, f"{h.name} at {h.at} not responding: no answer to Status for "
                                 f"{seconds:.0f}s ({h.progress()})")
-            index = int(who.rsplit(" ", 1)[1])
-            address, why = self.ps_addresses[index], f"not responding: no answer to health checks for {seconds:.0f}s"
-            if not self.restart_hung_shard(index, address, why):
-                raise JobFailed(f"ps shard {index} at {address} {why}")
-            self.watch.answered(who)  # the restarted shard gets a fresh timeout
 
     def _check_progress(self) -> None:
         """Fails a job that stopped moving although every process answers: a stage stuck inside
         its own work, named with what waits for it."""
         now = time.monotonic()
-        self.watch.progress(tuple((h.last.forwards_done, h.last.backwards_done, h.last.clock, h.last.received)
-                                  for h in self.stages), now)
-        seconds = self.watch.stalled_for(now)
+        with self._watch_lock:
+            self.watch.progress(tuple((h.last.forwards_done, h.last.backwards_done, h.last.clock, h.last.received)
+                                      for h in self.stages), now)
+            seconds = self.watch.stalled_for(now)
         if seconds is None:
             return
         waiting = "; ".join(

@@ -268,11 +268,14 @@ class JobRunner:
         except (JobFailed, PlanError, TimeoutError) as exc:
             if self._stop.is_set():   # what the stop did (a Ctrl-C to the group ends the shards too)
                 self.machine.try_to(JobState.STOPPED, self._stop_reason)
-            else:
-                self.machine.try_to(JobState.FAILED, str(exc))
+            else:   # a call that failed because a shard stopped answering: the shard is the cause
+                self.machine.try_to(JobState.FAILED, driver.silent_shard if driver and driver.silent_shard else str(exc))
         except Exception as exc:  # a coordinator bug must still end the job visibly
-            log.exception("job crashed")
-            self.machine.try_to(JobState.FAILED, f"coordinator error: {type(exc).__name__}: {exc}")
+            if driver is not None and driver.silent_shard:   # a call on the shard's channel, closed
+                self.machine.try_to(JobState.FAILED, driver.silent_shard)
+            else:
+                log.exception("job crashed")
+                self.machine.try_to(JobState.FAILED, f"coordinator error: {type(exc).__name__}: {exc}")
         finally:
             if driver is not None:
                 self._stop_workers(driver)

@@ -1,7 +1,9 @@
 """Hangs detected and named (issue 14): a SIGSTOPped shard is reported as not responding after
 train.stall_timeout_s, killed and restarted from its checkpoint, and the job completes with every
-acknowledged push in the model once; a job that stops moving while every process answers fails
-with what waits where. (A SIGSTOPped stage: tests/integration/test_coordinator.py.)"""
+acknowledged push in the model once; the same while the stages load (the job fails, naming the
+shard) and while the final weights are read, where the driver's own loop waits on the shard; a job
+that stops moving while every process answers fails with what waits where. (A SIGSTOPped stage:
+tests/integration/test_coordinator.py.)"""
 
 from __future__ import annotations
 
@@ -15,8 +17,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hetpipe import rpc
 from hetpipe.errors import JobFailed
 from conftest import run_beside
+from coordinator import results
+from coordinator.driver import JobDriver
+from coordinator.job import JobRunner
 from launch.local import run_local
 from tests.trace_rules import check_conservation
 
@@ -79,3 +85,74 @@ def test_no_progress_while_every_process_answers_is_named(make_job, inject_fault
     assert "stage 0 of vw 0:" in message and "blocked on a pull (clock bound)" in message, message
     assert "stage 0 of vw 1:" in message and "in flight" in message, message
     assert os.path.exists(job.resolve(job.output.dir))
+
+
+def _freeze_shard_0() -> None:
+    for proc in psutil.Process().children(recursive=True):
+        if any("ps_server_0.ready" in part for part in proc.cmdline()):
+            proc.send_signal(signal.SIGSTOP)
+            return
+    raise AssertionError("no ps server 0 to freeze")
+
+
+def _two_vws(make_job):
+    return make_job({
+        "train": {"dtype": "float64", "steps": 20, "stall_timeout_s": STALL_S},
+        "parallel": {"virtual_workers": 2, "stages_per_vw": 1, "nm": 2, "D": 0, "ps_shards": 1},
+        "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 2}]}],
+                    "emulate": {"forward_seconds": 0.01, "backward_seconds": 0.01}},
+    })
+
+
+def test_a_shard_frozen_while_the_stages_load_is_named(make_job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stages give the shard w0 while they load, and the driver waits on them: the shard is
+    named once silent for the stall timeout (the stages' own call would end at its deadline, two
+    minutes later, as a stage's "loading failed")."""
+    setup = JobDriver.setup
+
+    def frozen_first(driver: JobDriver) -> None:
+        _freeze_shard_0()
+        setup(driver)
+
+    monkeypatch.setattr(JobDriver, "setup", frozen_first)
+    with pytest.raises(JobFailed) as info:
+        run_local(_two_vws(make_job), quiet=True)
+    assert re.match(r"ps shard 0 at 127\.0\.0\.1:\d+ not responding: no answer to health checks for \d+s "
+                    r"\(while the stages loaded\)", str(info.value)), info.value
+
+
+def _frozen_before_the_final_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    write_weights = results.write_weights
+
+    def frozen_first(driver: JobDriver) -> list[Path]:
+        _freeze_shard_0()
+        return write_weights(driver)
+
+    monkeypatch.setattr(results, "write_weights", frozen_first)
+
+
+def test_a_shard_frozen_while_the_final_weights_are_read_is_restarted(make_job, capfd,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver itself waits on the shard's Pull: the shard watch's own thread finds it silent,
+    the launcher restarts it from its checkpoint, and the weights are read again in full."""
+    _frozen_before_the_final_weights(monkeypatch)
+    job = _two_vws(make_job)
+    summary = run_local(job, quiet=True)
+    assert summary["steps"] == 20
+    err = capfd.readouterr().err
+    assert re.search(r"ps shard 0 not responding: no answer to health checks for \d+s; killed ps server 0", err), err
+    check_conservation(job, Path(job.resolve(job.output.dir)), ledgers=2)
+
+
+def test_a_frozen_shard_that_cannot_be_restarted_fails_the_job_before_its_calls_deadline(
+        make_job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a launcher to restart it (`hetpipe worker`), the call waiting on the shard ends as
+    soon as the shard is named, not at the data deadline."""
+    _frozen_before_the_final_weights(monkeypatch)
+    monkeypatch.setattr(JobRunner, "_restart_hung_shard", lambda self, index, address, why: False)
+    start = time.monotonic()
+    with pytest.raises(JobFailed) as info:
+        run_local(_two_vws(make_job), quiet=True)
+    assert re.match(r"ps shard 0 at 127\.0\.0\.1:\d+ not responding: no answer to health checks for \d+s;",
+                    str(info.value)), info.value
+    assert time.monotonic() - start < rpc.DATA_DEADLINE_S / 2, "the read waited out its deadline"
