@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,7 @@ from hetpipe.config import ConfigError, JobConfig, load_job
 from hetpipe.errors import Interrupted, JobFailed, JobStopped, interrupt_reason
 from launch import compose
 from launch import k8s
+from launch import run_marker
 from launch import worker
 from launch.ending import EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_UNAVAILABLE, EXIT_USAGE, error as _error
 from launch.status import status as _status
@@ -45,13 +47,23 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_job(args: argparse.Namespace) -> int:
+    try:
+        job = load_job(args.config, args.set)
+    except ConfigError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    # Marked before the imports (a second): `hetpipe stop --job` finds the run from then on.
+    with nullcontext() if args.coordinator else run_marker.marked(Path(job.resolve(job.output.dir))):
+        return _run_loaded(args, job)
+
+
+def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
     with interrupts_held():
         from coordinator.planner import PlanError
         from launch import remote
         from launch.local import run_local
 
     try:
-        job = load_job(args.config, args.set)
         if args.coordinator:
             summary = remote.run_remote(job, args.coordinator, quiet=args.quiet, flags=security.from_namespace(args))
         else:

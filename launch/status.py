@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -18,6 +19,7 @@ from hetpipe.outputs import ADDRESS_FILE, TOKEN_FILE, published_job_id, read_sta
 from hetpipe.v1 import coordinator_pb2, wire_pb2
 from coordinator.config import DEFAULT_PORT
 from coordinator.state import JobState
+from launch import run_marker
 from launch.ending import EXIT_FAILED, EXIT_UNAVAILABLE, EXIT_USAGE, error
 
 TERMINAL = {s.name for s in JobState if s.is_terminal}   # the proto's names of the states a job ends in
@@ -57,6 +59,43 @@ def _left_behind(args: argparse.Namespace, out_dir: Path) -> int | None:
     return ended if ended is None or args.command == "status" else 0
 
 
+START_WAIT_S = 300.0   # how long `hetpipe stop` waits for a starting run's coordinator
+
+
+def _starting(args: argparse.Namespace, pid: int) -> int:
+    """`hetpipe status` of a run whose coordinator is not up yet."""
+    if args.json:
+        print(json.dumps({"job": {"state": "STARTING", "pid": pid}, "workers": []}, indent=2))
+    else:
+        print(f"job: STARTING (`hetpipe run` pid {pid}: its coordinator is not up yet)")
+    return 0
+
+
+def _wait_for_address(job: str, out_dir: Path, pid: int) -> bool:
+    """`hetpipe stop` of a run still starting: waits until it publishes its coordinator's address
+    (True: it is stopped there), ends, or START_WAIT_S pass."""
+    print(f"hetpipe: the run of {job} (pid {pid}) is starting; stopping it once its coordinator is up",
+          file=sys.stderr)
+    deadline = time.monotonic() + START_WAIT_S
+    path = out_dir / ADDRESS_FILE
+    while not path.exists() and run_marker.live_run(out_dir) == pid and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.exists()
+
+
+def _never_up(job: str, out_dir: Path, pid: int) -> int:
+    """The starting run ended before its coordinator was up (refused, say: it said why), or is
+    still starting after START_WAIT_S."""
+    if run_marker.live_run(out_dir) == pid:
+        error(f"the run of {job} (pid {pid}) is still starting after {START_WAIT_S:.0f}s; its coordinator is not up")
+        return EXIT_UNAVAILABLE
+    ending = read_status(out_dir)
+    if ending is not None:
+        return _nothing_to_stop(job, ending["state"], ending.get("reason", ""))
+    print(f"job {job} ended before its coordinator was up (pid {pid} said why); nothing to stop")
+    return 0
+
+
 def status(args: argparse.Namespace) -> int:
     """Prints the job and the workers; exits 0 unless the job failed or nothing can be reached.
     `stop` of a job that has already ended says so and exits 0."""
@@ -73,6 +112,11 @@ def status(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         out_dir, job_security = Path(job.resolve(job.output.dir)), job.security_files()
         path = out_dir / ADDRESS_FILE
+        if not path.exists() and (starting := run_marker.live_run(out_dir)) is not None:
+            if args.command == "status":
+                return _starting(args, starting)
+            if not _wait_for_address(args.job, out_dir, starting):
+                return _never_up(args.job, out_dir, starting)
         if not path.exists():
             ended = _left_behind(args, out_dir)
             if ended is None:

@@ -1,5 +1,6 @@
-"""What a new user meets in the first hour: stopping a job that has not started, asking for the
-status of a run that has ended, the version, and output piped into a command that stops reading."""
+"""What a new user meets in the first hour: stopping a job that has not started (its coordinator up,
+or not yet), asking for the status of a run that has ended, the version, and output piped into a
+command that stops reading."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import BASE_JOB, deep_update
-from launch import cli
+from launch import cli, run_marker
 
 pytestmark = pytest.mark.timeout(120)
 HETPIPE = [sys.executable, "-m", "launch.cli"]
@@ -53,6 +54,51 @@ def test_stop_during_the_first_seconds_stops_the_job(tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "summary.json").exists()
     status = _cli("status", "--job", str(job))
     assert status.returncode == 0 and status.stdout.startswith("job: STOPPED"), status
+
+
+SLOW_NET = """
+import time
+from pathlib import Path
+
+import torch
+
+
+def build(width):
+    slept = Path(__file__).with_name("slept")
+    if not slept.exists():   # the first build, the launcher's: it plans with it before it starts its coordinator
+        slept.touch()
+        time.sleep(4)
+    return torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, 10))
+"""
+
+
+def test_stop_before_the_coordinator_is_up_waits_for_it_and_stops_the_job(tmp_path: Path) -> None:
+    """The run plans (here for 4 s more, in the model's factory) before it starts its coordinator and
+    publishes its address: `hetpipe stop --job` then finds the run starting, waits, and stops it."""
+    (tmp_path / "slow_net.py").write_text(SLOW_NET)
+    job = _job_file(tmp_path, train={"steps": 5000}, parallel={"stages_per_vw": 1})
+    raw = yaml.safe_load(job.read_text())
+    job.write_text(yaml.safe_dump({**raw, "model": {"factory": "slow_net:build", "args": {"width": 16}}}))
+    run = subprocess.Popen([*HETPIPE, "run", "-q", str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    out_dir = tmp_path / "out"
+    try:
+        deadline = time.monotonic() + 30
+        while run_marker.live_run(out_dir) != run.pid:
+            assert time.monotonic() < deadline and run.poll() is None, "hetpipe run never marked itself"
+            time.sleep(0.01)
+        status = _cli("status", "--job", str(job))
+        assert status.returncode == 0 and status.stdout.startswith(f"job: STARTING (`hetpipe run` pid {run.pid}"), status
+        stop = _cli("stop", "--job", str(job))
+        assert stop.returncode == 0, stop.stderr
+        assert f"the run of {job} (pid {run.pid}) is starting; stopping it once its coordinator is up" in stop.stderr
+        assert stop.stdout.startswith("job: STOPPED (stopped by request)"), stop.stdout
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 1 and "hetpipe: job stopped: stopped by request" in err, (out, err)
+    assert run_marker.live_run(out_dir) is None
 
 
 def test_status_after_the_run_ends_reports_how_it_ended(tmp_path: Path) -> None:
