@@ -162,3 +162,23 @@ def test_a_cut_is_taken_whole_through_a_shard_that_dies_and_comes_back(tmp_path:
         channel.close()
         for s in back:
             s.stop(0)
+
+
+def test_a_cut_records_what_decides_each_minibatchs_rows(make_job) -> None:
+    """job_shape records the data's source and held-out share: a resume that changes either would
+    train on other rows than the uninterrupted run, and is refused naming the field."""
+    from coordinator.planner import make_plan
+
+    job = make_job({"data": {"name": "digits", "eval_fraction": 0.1}, "eval": {"every": 10}})
+    plan = make_plan(job)
+    shape = checkpoints.job_shape(job, plan, 0)
+    assert shape["data"] == {"name": "digits", "factory": None, "path": None, "args": {}, "eval_fraction": 0.1,
+                             "eval_factory": None}
+    cut = {**shape, "evicted": []}
+    for override, field in (({"eval_fraction": 0.2}, "data.eval_fraction 0.1 there, 0.2 now"),
+                            ({"name": "synthetic", "args": {"rows": 64}}, "data.name digits there, synthetic now")):
+        other = make_job({"data": {"name": "digits", "eval_fraction": 0.1, **override}, "eval": {"every": 10}},
+                         name="other.yaml")
+        refused = checkpoints.refusal(cut, 4, checkpoints.job_shape(other, make_plan(other), 0))
+        assert refused is not None and field in refused, refused
+    assert checkpoints.refusal(cut, 4, shape) is None
