@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from hetpipe.config import ELASTIC_ALPHA as DEFAULT_ALPHA, ELASTIC_PERIOD as DEFAULT_PERIOD, MAX_ELASTIC_ALPHA as MAX_ALPHA
+from hetpipe.parallelism import ELASTIC_ALPHA as DEFAULT_ALPHA, ELASTIC_PERIOD as DEFAULT_PERIOD, MAX_ELASTIC_ALPHA as MAX_ALPHA
 
 __all__ = ["DEFAULT_ALPHA", "DEFAULT_PERIOD", "MAX_ALPHA", "elastic_delta", "exchange_after", "total_exchanges",
            "waves_covered"]

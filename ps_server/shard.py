@@ -11,7 +11,7 @@ import torch
 
 from hetpipe import elastic
 from hetpipe.buffers import raw_bytes
-from hetpipe.config import MAX_VIRTUAL_WORKERS
+from hetpipe.parallelism import MAX_VIRTUAL_WORKERS
 from hetpipe.training import MAX_STEPS
 from hetpipe.wsp import NARROWED_PUSH, clock_distance
 from ps_server import headroom

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from hetpipe import data, faults, models, outputs, weight_files
-from hetpipe.config import MICRO_SCHEDULES
+from hetpipe.parallelism import MICRO_SCHEDULES
 from hetpipe.optim import compute_dtype, compute_loss, for_loss
 from stage_worker import checkpoint, metrics
 from stage_worker.assignment import Setup

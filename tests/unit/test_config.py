@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetpipe.cluster import EmulateConfig, GpuGroup, NodeConfig
+from hetpipe.parallelism import ParallelConfig
 from hetpipe.training import OptimizerConfig
 from hetpipe.config import (
     ConfigError,
@@ -23,7 +24,6 @@ from hetpipe.config import (
     DataConfig,
     JobConfig,
     OutputConfig,
-    ParallelConfig,
     ResolvedJob,
     TrainConfig,
     load_job,
