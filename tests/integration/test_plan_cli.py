@@ -183,15 +183,22 @@ def test_a_bad_set_is_refused_by_name(capsys: pytest.CaptureFixture[str], tmp_pa
 
 def test_the_prediction_is_set_beside_a_measured_run_of_the_same_shape_alone(capsys: pytest.CaptureFixture[str],
                                                                              tmp_path: Path) -> None:
-    """output.dir's summary.json is compared only when its run had this plan's shape: a run of
-    another layout's samples/s says nothing of this one's prediction."""
+    """output.dir's summary.json is compared only when its run had this plan's shape and did the
+    same work per step: the samples/s of a run of another layout, batch size, precision or model
+    says nothing of this one's prediction."""
     job = parse_job(deep_update(BASE_JOB, {**EMULATED, "output": {"dir": str(tmp_path / "out")}}))
     plan = make_plan(job)
     (tmp_path / "out").mkdir()
-    ran = {"samples_per_second": 100.0, "plan": plan.describe(), "nm": plan.nm, "D": plan.D, "mode": "hetpipe"}
+    model = {"name": job.model.name, "factory": None, "args": dict(job.model.args)}
+    ran = {"samples_per_second": 100.0, "plan": plan.describe(), "nm": plan.nm, "D": plan.D, "mode": "hetpipe",
+           "model": model, "batch_size": job.data.batch_size, "precision": "fp32", "schedule": "hetpipe",
+           "microbatches": 1}
     other_layout = {**ran, "plan": [{**plan.describe()[0], "layers": [0, 1]}, plan.describe()[1]]}
+    other_work = [{**ran, "batch_size": job.data.batch_size * 2}, {**ran, "precision": "bf16"},
+                  {**ran, "model": {**model, "args": {**model["args"], "hidden": [8]}}}]
     for summary, shown in ((ran, True), ({**ran, "nm": plan.nm + 1}, False), (other_layout, False),
-                           ({**ran, "mode": "ddp"}, False), ({"samples_per_second": 100.0}, False)):
+                           ({**ran, "mode": "ddp"}, False), ({"samples_per_second": 100.0}, False),
+                           *((work, False) for work in other_work)):
         (tmp_path / "out" / "summary.json").write_text(json.dumps(summary))
         code, out, _ = _plan(capsys, tmp_path, {**EMULATED, "output": {"dir": str(tmp_path / "out")}})
         assert code == 0
