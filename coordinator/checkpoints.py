@@ -8,6 +8,7 @@ its own state."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import threading
@@ -38,15 +39,26 @@ def manifest(folder: Path, wave: int) -> dict[str, Any]:
 
 
 # Recorded since cuts began to record them: a cut without one matches any (it was taken before).
+# The same for a field of a section that a cut records without it (data.sha256).
 LATER_KEYS = ("optimizer", "model", "batch_size", "shuffle", "seed", "data")
+
+
+def data_digest(job: JobConfig) -> str | None:
+    """The first 16 hex digits of the SHA-256 of data.path's file (None without one): a file
+    rewritten in place under the same name would otherwise resume on other rows unnoticed. The
+    file is an npz that every run loads whole, so reading it once more costs little."""
+    if job.data.path is None:
+        return None
+    with open(job.resolve(job.data.path), "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
 
 
 def job_shape(job: JobConfig, plan: Plan, shards: int) -> dict[str, Any]:
     """What a cut records of its job, and a job resumed from it must match: the optimizer (its
     state in the stages' checkpoints is that optimizer's, sgd's momentum or adam's moments), the
     model (its layers' shapes), and what decides each minibatch's rows (the data's source and
-    held-out share, batch size, shuffle, seed), so that a resumed run goes on as the uninterrupted
-    one would have. A data file changed in place under the same path is not seen."""
+    held-out share, batch size, shuffle, seed, and data.path's content), so that a resumed run goes
+    on as the uninterrupted one would have."""
     d = job.data
     return {"virtual_workers": plan.virtual_workers, "stages_per_vw": plan.stages_per_vw, "nm": plan.nm,
             "steps": job.train.steps, "ps_shards": shards, "dtype": job.train.dtype,
@@ -54,7 +66,7 @@ def job_shape(job: JobConfig, plan: Plan, shards: int) -> dict[str, Any]:
             "model": {"name": job.model.name, "factory": job.model.factory, "args": dict(job.model.args)},
             "batch_size": job.data.batch_size, "shuffle": job.data.shuffle, "seed": job.train.seed,
             "data": {"name": d.name, "factory": d.factory, "path": d.path, "args": dict(d.args),
-                     "eval_fraction": d.eval_fraction, "eval_factory": d.eval_factory}}
+                     "eval_fraction": d.eval_fraction, "eval_factory": d.eval_factory, "sha256": data_digest(job)}}
 
 
 def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
@@ -65,7 +77,8 @@ def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
         if old == v or (k in LATER_KEYS and k not in m):
             continue
         if isinstance(old, dict) and isinstance(v, dict):   # name the fields that differ: data.eval_fraction
-            mismatch.update({f"{k}.{f}": (old.get(f), v.get(f)) for f in {**old, **v} if old.get(f) != v.get(f)})
+            mismatch.update({f"{k}.{f}": (old.get(f), v.get(f)) for f in {**old, **v}
+                             if old.get(f) != v.get(f) and f in old})
         else:
             mismatch[k] = (old, v)
     if mismatch:

@@ -173,7 +173,7 @@ def test_a_cut_records_what_decides_each_minibatchs_rows(make_job) -> None:
     plan = make_plan(job)
     shape = checkpoints.job_shape(job, plan, 0)
     assert shape["data"] == {"name": "digits", "factory": None, "path": None, "args": {}, "eval_fraction": 0.1,
-                             "eval_factory": None}
+                             "eval_factory": None, "sha256": None}
     cut = {**shape, "evicted": []}
     for override, field in (({"eval_fraction": 0.2}, "data.eval_fraction 0.1 there, 0.2 now"),
                             ({"name": "synthetic", "args": {"rows": 64}}, "data.name digits there, synthetic now")):
@@ -182,3 +182,25 @@ def test_a_cut_records_what_decides_each_minibatchs_rows(make_job) -> None:
         refused = checkpoints.refusal(cut, 4, checkpoints.job_shape(other, make_plan(other), 0))
         assert refused is not None and field in refused, refused
     assert checkpoints.refusal(cut, 4, shape) is None
+
+
+def test_a_data_file_rewritten_in_place_is_refused_and_a_cut_from_before_the_digest_is_not(
+        make_job, tmp_path: Path) -> None:
+    """data.path's content is part of the shape: the same name with other rows would resume the
+    run on them. A cut recorded before the digest was has no data.sha256, and matches."""
+    import numpy as np
+
+    from coordinator.planner import make_plan
+
+    rows = tmp_path / "rows.npz"
+    x = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    np.savez(rows, x=x, y=np.arange(64) % 10)
+    job = make_job({"model": {"args": {"in_features": 8}}, "data": {"name": "npz", "path": str(rows)}})
+    plan = make_plan(job)
+    cut = {**checkpoints.job_shape(job, plan, 0), "evicted": []}
+    assert checkpoints.refusal(cut, 2, checkpoints.job_shape(job, plan, 0)) is None
+    np.savez(rows, x=x[::-1].copy(), y=np.arange(64) % 10)   # the same name, the rows in another order
+    refused = checkpoints.refusal(cut, 2, checkpoints.job_shape(job, plan, 0))
+    assert refused is not None and f"data.sha256 {cut['data']['sha256']} there" in refused, refused
+    before_digests = {**cut, "data": {k: v for k, v in cut["data"].items() if k != "sha256"}}
+    assert checkpoints.refusal(before_digests, 2, checkpoints.job_shape(job, plan, 0)) is None
