@@ -20,7 +20,7 @@ import grpc
 
 from coordinator.planner import Plan
 from hetpipe import outputs, rpc, weight_files, wire
-from hetpipe.config import JobConfig
+from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed
 from hetpipe.v1 import ps_pb2, wire_pb2
 
@@ -47,10 +47,14 @@ def data_digest(job: JobConfig) -> str | None:
     """The first 16 hex digits of the SHA-256 of data.path's file (None without one): a file
     rewritten in place under the same name would otherwise resume on other rows unnoticed. The
     file is an npz that every run loads whole, so reading it once more costs little."""
-    if job.data.path is None:
+    if job.data.name != "npz" or job.data.path is None:   # the only data that reads data.path
         return None
-    with open(job.resolve(job.data.path), "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    path = job.resolve(job.data.path)
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    except OSError as exc:
+        raise ConfigError(f"data.path: {path} cannot be read: {exc.strerror}") from None
 
 
 def job_shape(job: JobConfig, plan: Plan, shards: int) -> dict[str, Any]:

@@ -124,6 +124,10 @@ class JobDriver:
         self.evicted: list[dict[str, Any]] = []  # VWs that left (parallel.on_vw_failure: continue)
         self.started = time.time()
 
+    def stop_watching(self) -> None:
+        """No more shard restarts or verdicts: the job has ended (its workers are being stopped)."""
+        self._shard_watch.close()
+
     def close(self) -> None:
         self._shard_watch.close()
         for ch in [s.channel for s in self.stages] + self._ps_channels:

@@ -278,6 +278,7 @@ class JobRunner:
                 self.machine.try_to(JobState.FAILED, f"coordinator error: {type(exc).__name__}: {exc}")
         finally:
             if driver is not None:
+                driver.stop_watching()
                 self._stop_workers(driver)
                 driver.close()
             self.registry.release()

@@ -74,6 +74,8 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         "D": plan.D,
         "emulated": plan.emulated,
         "precision": job.train.precision,
+        "dtype": job.train.dtype,
+        "emulate": job.emulate.work() if job.emulate else None,
         "batch_size": job.data.batch_size,
         "model": {"name": job.model.name, "factory": job.model.factory, "args": dict(job.model.args)},
         "wait_seconds": sum(h.last.wait_seconds for h in d.stages),

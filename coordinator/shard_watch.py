@@ -7,6 +7,7 @@ DEADLINE_EXCEEDED, instead of being named within train.stall_timeout_s."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2
 from hetpipe import rpc
 from coordinator.stall import StallWatch
 
+log = logging.getLogger(__name__)
 SHARD_PROBE_S = 1.0  # how often a job's shards are asked whether they answer
 
 
@@ -53,8 +55,11 @@ class ShardWatch:
 
     def _run(self) -> None:
         while not self._closed.wait(self._interval):
-            if not self.probe():
-                return
+            try:
+                if not self.probe():
+                    return
+            except Exception:   # a bug here must not end the watch quietly: the job would hang again
+                log.exception("the shard watch failed; asking again in %gs", self._interval)
 
     def probe(self) -> bool:
         """Asks every shard once and acts on the silent ones; False once one fails the job."""

@@ -40,6 +40,12 @@ class EmulateConfig:
     def fixed_times(self) -> bool:
         return bool(self.forward_seconds or self.backward_seconds)
 
+    def work(self) -> dict[str, Any]:
+        """What the emulated tasks are timed as (summary.json's `emulate`), JSON as it is."""
+        return {"time_scale": self.time_scale, "forward_seconds": self.forward_seconds,
+                "backward_seconds": self.backward_seconds, "model_args": dict(self.model_args),
+                "network": self.network is not None}
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:

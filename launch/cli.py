@@ -52,8 +52,10 @@ def _run_job(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _error(str(exc))
         return EXIT_USAGE
-    # Marked before the imports (a second): `hetpipe stop --job` finds the run from then on.
-    with nullcontext() if args.coordinator else run_marker.marked(Path(job.resolve(job.output.dir))):
+    # Marked before the imports (a second): `hetpipe stop --job` finds the run from then on. Not a
+    # baseline (ddp, torch-pipeline): it publishes no coordinator to stop it through.
+    local = not args.coordinator and job.parallel.mode == "hetpipe"
+    with run_marker.marked(Path(job.resolve(job.output.dir))) if local else nullcontext():
         return _run_loaded(args, job)
 
 

@@ -33,14 +33,15 @@ def _count(n: int, noun: str) -> str:
 def measured(job: JobConfig, plan: Plan, summary: dict[str, Any]) -> float | None:
     """The samples/s of the run a summary.json holds, if that run had this plan's shape (its
     VWs, stages and their layers and GPUs, nm, D) and did the same work per step (model, batch
-    size, precision, schedule): another run's speed says nothing of this one."""
+    size, precision, dtype, an emulated cluster's task times, schedule): another run's speed says
+    nothing of this one."""
     ran = [(s.get("vw"), s.get("stage"), s.get("gpu"), s.get("layers")) for s in summary.get("plan") or []]
     planned = [(s.vw, s.stage, s.label, [s.layer_begin, s.layer_end]) for s in plan.stages]
     model = {"name": job.model.name, "factory": job.model.factory, "args": dict(job.model.args)}
-    work = (plan.nm, plan.D, job.parallel.mode, model, job.data.batch_size, job.train.precision,
-            job.parallel.schedule, job.parallel.microbatches)
+    work = (plan.nm, plan.D, job.parallel.mode, model, job.data.batch_size, job.train.precision, job.train.dtype,
+            job.emulate.work() if job.emulate else None, job.parallel.schedule, job.parallel.microbatches)
     same = ran == planned and tuple(summary.get(k) for k in (
-        "nm", "D", "mode", "model", "batch_size", "precision", "schedule", "microbatches")) == work
+        "nm", "D", "mode", "model", "batch_size", "precision", "dtype", "emulate", "schedule", "microbatches")) == work
     value = summary.get("samples_per_second")
     return float(value) if same and isinstance(value, (int, float)) else None
 

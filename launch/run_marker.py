@@ -10,19 +10,32 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from hetpipe.outputs import write_text_atomically
 
+# A process's start time as psutil gives it moves with the wall clock (an NTP step): two readings
+# of one process agree to well within this, two processes that shared a pid cannot.
+SAME_START_S = 1.0
 
-def _folder() -> Path:
-    return Path(tempfile.gettempdir()) / f"hetpipe-{os.getuid()}" / "runs"
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    pid: int
+    created: float   # its process's start time (seconds since the epoch)
+
+
+def _folders() -> tuple[Path, Path]:
+    user = Path(tempfile.gettempdir()) / f"hetpipe-{os.getuid()}"
+    return user, user / "runs"
 
 
 def _key(out_dir: Path) -> str:
@@ -36,17 +49,29 @@ def _ours(folder: Path) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
+def _make(folder: Path) -> None:
+    """folder, made private (mkdir's mode is cut by the umask: 002 would leave it group-writable);
+    one that exists is left as it is, and then is ours or is not used."""
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        return
+    os.chmod(folder, 0o700)
+
+
 @contextmanager
 def marked(out_dir: Path) -> Iterator[None]:
     """This process marked as a run into out_dir while the block runs (best effort: where the
     temp folder cannot take the mark, there is none, and `hetpipe stop` works as before)."""
     path = None
     try:
-        folder = _folder()
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if _ours(folder) and _ours(folder.parent):
+        user, runs = _folders()
+        _make(user)
+        if _ours(user):
+            _make(runs)
+        if _ours(user) and _ours(runs):
             me = psutil.Process()
-            path = folder / f"{_key(out_dir)}.{me.pid}"
+            path = runs / f"{_key(out_dir)}.{me.pid}"
             write_text_atomically(path, json.dumps({"pid": me.pid, "created": me.create_time()}))
     except OSError:
         path = None
@@ -57,21 +82,23 @@ def marked(out_dir: Path) -> Iterator[None]:
             path.unlink(missing_ok=True)
 
 
-def live_run(out_dir: Path) -> int | None:
-    """The pid of a `hetpipe run` into out_dir that is alive now, if any."""
-    folder = _folder()
+def live_run(out_dir: Path) -> Run | None:
+    """The `hetpipe run` into out_dir that is alive now, if any."""
+    user, runs = _folders()
+    key = _key(out_dir)
     try:
-        if not (_ours(folder) and _ours(folder.parent)):
+        if not (_ours(user) and _ours(runs)):
             return None
-        paths = list(folder.glob(f"{_key(out_dir)}.*"))
+        paths = [p for p in runs.glob(f"{key}.*") if re.fullmatch(rf"{key}\.\d+", p.name)]   # not a mark being written
     except OSError:
         return None
     for path in paths:
         try:
             mark = json.loads(path.read_text())
-            run = psutil.Process(int(mark["pid"]))
-            if run.create_time() == float(mark["created"]) and run.status() != psutil.STATUS_ZOMBIE:
-                return int(mark["pid"])
+            run = Run(int(mark["pid"]), float(mark["created"]))
+            process = psutil.Process(run.pid)
+            if abs(process.create_time() - run.created) < SAME_START_S and process.status() != psutil.STATUS_ZOMBIE:
+                return run
         except (OSError, ValueError, KeyError, TypeError, psutil.Error):
             pass
         path.unlink(missing_ok=True)   # its run ended without removing it (a kill -9)

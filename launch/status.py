@@ -62,37 +62,50 @@ def _left_behind(args: argparse.Namespace, out_dir: Path) -> int | None:
 START_WAIT_S = 300.0   # how long `hetpipe stop` waits for a starting run's coordinator
 
 
-def _starting(args: argparse.Namespace, pid: int) -> int:
+def _starting(args: argparse.Namespace, run: run_marker.Run) -> int:
     """`hetpipe status` of a run whose coordinator is not up yet."""
     if args.json:
-        print(json.dumps({"job": {"state": "STARTING", "pid": pid}, "workers": []}, indent=2))
+        print(json.dumps({"job": {"state": "STARTING", "pid": run.pid}, "workers": []}, indent=2))
     else:
-        print(f"job: STARTING (`hetpipe run` pid {pid}: its coordinator is not up yet)")
+        print(f"job: STARTING (`hetpipe run` pid {run.pid}: its coordinator is not up yet)")
     return 0
 
 
-def _wait_for_address(job: str, out_dir: Path, pid: int) -> bool:
+def _published(path: Path, run: run_marker.Run) -> bool:
+    """run's coordinator address is at path: written since run started (a file from before is an
+    earlier run's, which a kill -9 left behind: this run removes it once it has planned)."""
+    try:
+        return path.stat().st_mtime >= run.created
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for_address(job: str, out_dir: Path, run: run_marker.Run) -> bool:
     """`hetpipe stop` of a run still starting: waits until it publishes its coordinator's address
     (True: it is stopped there), ends, or START_WAIT_S pass."""
-    print(f"hetpipe: the run of {job} (pid {pid}) is starting; stopping it once its coordinator is up",
+    print(f"hetpipe: the run of {job} (pid {run.pid}) is starting; stopping it once its coordinator is up",
           file=sys.stderr)
     deadline = time.monotonic() + START_WAIT_S
     path = out_dir / ADDRESS_FILE
-    while not path.exists() and run_marker.live_run(out_dir) == pid and time.monotonic() < deadline:
+    while not _published(path, run) and run_marker.live_run(out_dir) == run and time.monotonic() < deadline:
         time.sleep(0.05)
-    return path.exists()
+    return _published(path, run)
 
 
-def _never_up(job: str, out_dir: Path, pid: int) -> int:
+def _never_up(args: argparse.Namespace, out_dir: Path, run: run_marker.Run) -> int:
     """The starting run ended before its coordinator was up (refused, say: it said why), or is
     still starting after START_WAIT_S."""
-    if run_marker.live_run(out_dir) == pid:
-        error(f"the run of {job} (pid {pid}) is still starting after {START_WAIT_S:.0f}s; its coordinator is not up")
+    if run_marker.live_run(out_dir) == run:
+        error(f"the run of {args.job} (pid {run.pid}) is still starting after {START_WAIT_S:.0f}s; its coordinator "
+              "is not up")
         return EXIT_UNAVAILABLE
     ending = read_status(out_dir)
-    if ending is not None:
-        return _nothing_to_stop(job, ending["state"], ending.get("reason", ""))
-    print(f"job {job} ended before its coordinator was up (pid {pid} said why); nothing to stop")
+    if ending is not None and ending.get("finished", 0) >= run.created:   # else an earlier run's
+        return _nothing_to_stop(args.job, ending["state"], ending.get("reason", ""))
+    if args.json:
+        print(json.dumps({"job": {"state": "ENDED_BEFORE_START", "pid": run.pid}, "workers": []}, indent=2))
+    else:
+        print(f"job {args.job} ended before its coordinator was up (pid {run.pid} said why); nothing to stop")
     return 0
 
 
@@ -112,11 +125,12 @@ def status(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         out_dir, job_security = Path(job.resolve(job.output.dir)), job.security_files()
         path = out_dir / ADDRESS_FILE
-        if not path.exists() and (starting := run_marker.live_run(out_dir)) is not None:
+        starting = run_marker.live_run(out_dir)
+        if starting is not None and not _published(path, starting):
             if args.command == "status":
                 return _starting(args, starting)
             if not _wait_for_address(args.job, out_dir, starting):
-                return _never_up(args.job, out_dir, starting)
+                return _never_up(args, out_dir, starting)
         if not path.exists():
             ended = _left_behind(args, out_dir)
             if ended is None:

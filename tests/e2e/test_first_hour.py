@@ -56,7 +56,7 @@ def test_stop_during_the_first_seconds_stops_the_job(tmp_path: Path) -> None:
     assert status.returncode == 0 and status.stdout.startswith("job: STOPPED"), status
 
 
-SLOW_NET = """
+HELD_NET = """
 import time
 from pathlib import Path
 
@@ -64,39 +64,57 @@ import torch
 
 
 def build(width):
-    slept = Path(__file__).with_name("slept")
-    if not slept.exists():   # the first build, the launcher's: it plans with it before it starts its coordinator
-        slept.touch()
-        time.sleep(4)
+    here = Path(__file__).parent
+    if not (here / "planned").exists():   # the first build, the launcher's: it plans with it first
+        (here / "planned").touch()
+        deadline = time.monotonic() + 60
+        while not (here / "go").exists() and time.monotonic() < deadline:   # until the test lets it go on
+            time.sleep(0.01)
     return torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, 10))
 """
 
 
 def test_stop_before_the_coordinator_is_up_waits_for_it_and_stops_the_job(tmp_path: Path) -> None:
-    """The run plans (here for 4 s more, in the model's factory) before it starts its coordinator and
-    publishes its address: `hetpipe stop --job` then finds the run starting, waits, and stops it."""
-    (tmp_path / "slow_net.py").write_text(SLOW_NET)
+    """The run plans (here held in the model's factory until the test says go) before it starts
+    its coordinator and publishes its address: `hetpipe stop --job` then finds the run starting,
+    waits, and stops it. The address and status a killed earlier run left there do not count."""
+    (tmp_path / "held_net.py").write_text(HELD_NET)
     job = _job_file(tmp_path, train={"steps": 5000}, parallel={"stages_per_vw": 1})
     raw = yaml.safe_load(job.read_text())
-    job.write_text(yaml.safe_dump({**raw, "model": {"factory": "slow_net:build", "args": {"width": 16}}}))
+    job.write_text(yaml.safe_dump({**raw, "model": {"factory": "held_net:build", "args": {"width": 16}}}))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    for name, text in (("coordinator.address", "127.0.0.1:1\n"),   # an earlier run's, killed with -9
+                       ("status.json", json.dumps({"state": "COMPLETED", "reason": "", "finished": 1.0}))):
+        (out_dir / name).write_text(text)
+        os.utime(out_dir / name, (1.0, 1.0))
     run = subprocess.Popen([*HETPIPE, "run", "-q", str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
-    out_dir = tmp_path / "out"
+    stop = None
     try:
-        deadline = time.monotonic() + 30
-        while run_marker.live_run(out_dir) != run.pid:
-            assert time.monotonic() < deadline and run.poll() is None, "hetpipe run never marked itself"
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "planned").exists():
+            assert time.monotonic() < deadline and run.poll() is None, "hetpipe run never planned"
             time.sleep(0.01)
+        marked = run_marker.live_run(out_dir)
+        assert marked is not None and marked.pid == run.pid
         status = _cli("status", "--job", str(job))
         assert status.returncode == 0 and status.stdout.startswith(f"job: STARTING (`hetpipe run` pid {run.pid}"), status
-        stop = _cli("stop", "--job", str(job))
-        assert stop.returncode == 0, stop.stderr
-        assert f"the run of {job} (pid {run.pid}) is starting; stopping it once its coordinator is up" in stop.stderr
-        assert stop.stdout.startswith("job: STOPPED (stopped by request)"), stop.stdout
+        stop = subprocess.Popen([*HETPIPE, "stop", "--job", str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        assert stop.stderr is not None
+        said = stop.stderr.readline()   # once stop has found the run starting
+        assert said == f"hetpipe: the run of {job} (pid {run.pid}) is starting; stopping it once its coordinator is up\n"
+        (tmp_path / "go").touch()
+        stopped, err = stop.communicate(timeout=60)
+        assert stop.returncode == 0, err
+        assert stopped.startswith("job: STOPPED (stopped by request)"), stopped
         out, err = run.communicate(timeout=60)
     finally:
-        if run.poll() is None:
-            run.kill()
+        (tmp_path / "go").touch()
+        for process in (run, stop):
+            if process is not None and process.poll() is None:
+                process.kill()
     assert run.returncode == 1 and "hetpipe: job stopped: stopped by request" in err, (out, err)
     assert run_marker.live_run(out_dir) is None
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from coordinator import checkpoints
+from hetpipe.config import ConfigError
 from hetpipe import outputs, rpc, weight_files, wire
 from hetpipe.v1 import ps_pb2_grpc, wire_pb2
 from messages import messages
@@ -204,3 +205,9 @@ def test_a_data_file_rewritten_in_place_is_refused_and_a_cut_from_before_the_dig
     assert refused is not None and f"data.sha256 {cut['data']['sha256']} there" in refused, refused
     before_digests = {**cut, "data": {k: v for k, v in cut["data"].items() if k != "sha256"}}
     assert checkpoints.refusal(before_digests, 2, checkpoints.job_shape(job, plan, 0)) is None
+    rows.unlink()
+    with pytest.raises(ConfigError, match=rf"data.path: {rows} cannot be read: No such file or directory"):
+        checkpoints.job_shape(job, plan, 0)
+    # Only npz reads data.path: another source's (unused, here a folder) is not read.
+    digits = make_job({"data": {"name": "digits", "path": str(tmp_path)}}, name="digits.yaml")
+    assert checkpoints.job_shape(digits, make_plan(digits), 0)["data"]["sha256"] is None

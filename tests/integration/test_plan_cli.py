@@ -191,10 +191,13 @@ def test_the_prediction_is_set_beside_a_measured_run_of_the_same_shape_alone(cap
     (tmp_path / "out").mkdir()
     model = {"name": job.model.name, "factory": None, "args": dict(job.model.args)}
     ran = {"samples_per_second": 100.0, "plan": plan.describe(), "nm": plan.nm, "D": plan.D, "mode": "hetpipe",
-           "model": model, "batch_size": job.data.batch_size, "precision": "fp32", "schedule": "hetpipe",
-           "microbatches": 1}
+           "model": model, "batch_size": job.data.batch_size, "precision": "fp32", "dtype": "float32",
+           "emulate": {"time_scale": 1.0, "forward_seconds": 0.02, "backward_seconds": 0.04, "model_args": {},
+                       "network": False},
+           "schedule": "hetpipe", "microbatches": 1}
     other_layout = {**ran, "plan": [{**plan.describe()[0], "layers": [0, 1]}, plan.describe()[1]]}
-    other_work = [{**ran, "batch_size": job.data.batch_size * 2}, {**ran, "precision": "bf16"},
+    other_work = [{**ran, "batch_size": job.data.batch_size * 2}, {**ran, "precision": "bf16"}, {**ran, "dtype": "float64"},
+                  {**ran, "emulate": {**ran["emulate"], "forward_seconds": 0.03}},
                   {**ran, "model": {**model, "args": {**model["args"], "hidden": [8]}}}]
     for summary, shown in ((ran, True), ({**ran, "nm": plan.nm + 1}, False), (other_layout, False),
                            ({**ran, "mode": "ddp"}, False), ({"samples_per_second": 100.0}, False),
