@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hetpipe import children, data, devices, metrics, outputs, rpc, security
+from hetpipe import data, devices, metrics, outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
 from hetpipe.outputs import ADDRESS_FILE, JOB_ID_FILE, TOKEN_FILE, STATUS_FILE, publish_address, unpublish_address, write_status
@@ -26,6 +26,7 @@ from coordinator.planner import Plan, make_plan
 from coordinator.servicer import PROTO_STATE
 from coordinator.state import JobState
 from launch.interrupts import interrupts_held
+from launch import processes
 from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses
 
 TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
@@ -153,7 +154,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
 
         with outputs.locked(out_dir):
             return run_baseline(job, quiet=quiet)
-    children.warm_up()  # the fork server imports torch while this process plans
+    processes.warm_up()  # the fork server imports torch while this process plans
     plan = preflight(job)
     # Every refusal comes before an earlier run's results are cleared: a refused run changes nothing.
     resume_wave = _resume_wave(out_dir, job, plan, resume=resume, fresh=fresh)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import multiprocessing.util
 import os
@@ -87,6 +88,22 @@ class RunDir:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
         return removed
+
+
+_LAUNCHER: RunDir | None = None   # warm_up's record of this process's fork server, for its lifetime
+
+
+def warm_up() -> None:
+    """Starts the fork server now (children.warm_up), once its folder is recorded in a run folder
+    this process holds until it exits: a launcher killed from here on, before any worker started,
+    leaves nothing that the next launcher's sweep does not remove."""
+    global _LAUNCHER
+    if _LAUNCHER is None:
+        shm.sweep()
+        RunDir.sweep()
+        _LAUNCHER = RunDir()
+        atexit.register(_LAUNCHER.cleanup)
+    children.warm_up()
 
 
 @dataclass

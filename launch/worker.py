@@ -25,12 +25,13 @@ from types import FrameType
 
 import grpc
 
-from hetpipe import catalog, children, rpc, security
+from hetpipe import catalog, rpc, security
 from hetpipe.config import ConfigError
 from hetpipe.errors import JobFailed
 from hetpipe.service import EXIT_ORPHANED, loopback
 from hetpipe.v1 import wire_pb2
 from launch.interrupts import interrupts_held
+from launch import processes
 from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses, Process
 
 POLL_S = 0.5          # how often the children are checked
@@ -293,7 +294,7 @@ def serve(cfg: WorkerConfig) -> int:
     # The children run in the output root: the coordinator names a job's trace files relative to it.
     sys.path[:] = [os.path.abspath(p) for p in sys.path]
     os.chdir(root)
-    children.warm_up()
+    processes.warm_up()
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         launcher.start(stages)

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 
 from conftest import BASE_JOB, deep_update
 from launch import cli, run_marker
+from launch.processes import RunDir
 
 pytestmark = pytest.mark.timeout(120)
 HETPIPE = [sys.executable, "-m", "launch.cli"]
@@ -117,6 +119,31 @@ def test_stop_before_the_coordinator_is_up_waits_for_it_and_stops_the_job(tmp_pa
                 process.kill()
     assert run.returncode == 1 and "hetpipe: job stopped: stopped by request" in err, (out, err)
     assert run_marker.live_run(out_dir) is None
+
+
+def test_a_run_killed_while_it_plans_leaves_nothing_the_next_launcher_does_not_sweep(tmp_path: Path) -> None:
+    """The fork server starts before the run plans, and its folder (/tmp/pymp-*) outlives a run
+    killed with -9: it is recorded before the server starts, so the next launcher removes it."""
+    (tmp_path / "held_net.py").write_text(HELD_NET)
+    job = _job_file(tmp_path, parallel={"stages_per_vw": 1})
+    job.write_text(yaml.safe_dump({**yaml.safe_load(job.read_text()), "model": {"factory": "held_net:build",
+                                                                                 "args": {"width": 16}}}))
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob("pymp-*"))
+    run = subprocess.Popen([*HETPIPE, "run", "-q", str(job)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "planned").exists():
+            assert time.monotonic() < deadline and run.poll() is None, "hetpipe run never planned"
+            time.sleep(0.01)
+        left = set(temp.glob("pymp-*")) - before
+        assert left, "no fork server folder: the test proves nothing"
+    finally:
+        run.kill()
+        run.wait(timeout=30)
+    assert all(p.exists() for p in left), "removed by the killed run itself"
+    RunDir.sweep()   # what the next launcher does first
+    assert not [p for p in left if p.exists()]
 
 
 def test_status_after_the_run_ends_reports_how_it_ended(tmp_path: Path) -> None:
