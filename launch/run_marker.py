@@ -2,11 +2,13 @@
 address is published only once the run has planned and started it (seconds later), and until
 then `hetpipe stop --job` would find nothing to stop. The mark lies outside output.dir, which a
 refused run must leave as it was: one file per run, in a folder of this user's under the temp
-folder, naming the run's pid and its process's start time (a pid reused by another process
-after a kill -9 does not pass for the run)."""
+folder, naming the run's pid. The run holds a shared flock on it for as long as it lives, as a
+shared-memory segment's owner does (hetpipe/shm.py): the kernel drops it however the run ends,
+so a mark nobody holds is a dead run's, whatever became of its pid."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -18,19 +20,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
-from hetpipe.outputs import write_text_atomically
-
-# A process's start time as psutil gives it moves with the wall clock (an NTP step): two readings
-# of one process agree to well within this, two processes that shared a pid cannot.
-SAME_START_S = 1.0
+_MAKING = ".new"   # a mark being made: locked, then renamed to its name
 
 
 @dataclass(frozen=True, slots=True)
 class Run:
     pid: int
-    created: float   # its process's start time (seconds since the epoch)
+    created: float   # when it marked itself (its mark's mtime, seconds since the epoch)
 
 
 def _folders() -> tuple[Path, Path]:
@@ -63,16 +59,20 @@ def _make(folder: Path) -> None:
 def marked(out_dir: Path) -> Iterator[None]:
     """This process marked as a run into out_dir while the block runs (best effort: where the
     temp folder cannot take the mark, there is none, and `hetpipe stop` works as before)."""
-    path = None
+    path, fd = None, -1
     try:
         user, runs = _folders()
         _make(user)
         if _ours(user):
             _make(runs)
         if _ours(user) and _ours(runs):
-            me = psutil.Process()
-            path = runs / f"{_key(out_dir)}.{me.pid}"
-            write_text_atomically(path, json.dumps({"pid": me.pid, "created": me.create_time()}))
+            path = runs / f"{_key(out_dir)}.{os.getpid()}"
+            # Made under a name live_run skips, locked, then renamed: it never sees it unlocked.
+            making = path.with_name(path.name + _MAKING)
+            fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.write(fd, json.dumps({"pid": os.getpid()}).encode())
+            os.rename(making, path)
     except OSError:
         path = None
     try:
@@ -80,26 +80,33 @@ def marked(out_dir: Path) -> Iterator[None]:
     finally:
         if path is not None:
             path.unlink(missing_ok=True)
+        if fd >= 0:
+            os.close(fd)
 
 
 def live_run(out_dir: Path) -> Run | None:
-    """The `hetpipe run` into out_dir that is alive now, if any."""
+    """The `hetpipe run` into out_dir that is alive now, if any; removes the marks of dead ones."""
     user, runs = _folders()
     key = _key(out_dir)
     try:
         if not (_ours(user) and _ours(runs)):
             return None
-        paths = [p for p in runs.glob(f"{key}.*") if re.fullmatch(rf"{key}\.\d+", p.name)]   # not a mark being written
+        paths = [p for p in runs.glob(f"{key}.*") if re.fullmatch(rf"{key}\.\d+", p.name)]   # not a mark being made
     except OSError:
         return None
     for path in paths:
         try:
-            mark = json.loads(path.read_text())
-            run = Run(int(mark["pid"]), float(mark["created"]))
-            process = psutil.Process(run.pid)
-            if abs(process.create_time() - run.created) < SAME_START_S and process.status() != psutil.STATUS_ZOMBIE:
-                return run
-        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
-            pass
-        path.unlink(missing_ok=True)   # its run ended without removing it (a kill -9)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue   # gone meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:   # its run holds it: alive
+            try:
+                return Run(int(json.loads(os.read(fd, 4096))["pid"]), os.fstat(fd).st_mtime)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        finally:
+            os.close(fd)
+        path.unlink(missing_ok=True)   # nobody holds it: its run ended without removing it (a kill -9)
     return None

@@ -1,5 +1,6 @@
 """launch/run_marker: a run found by its output.dir while it lives, and only then; the mark's
-folders private whatever the umask; marks of ended runs, reused pids and foreign folders ignored."""
+folders private whatever the umask; marks nobody holds (ended runs, whatever their pid is now),
+marks being made and foreign folders ignored."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_a_mark_being_written_is_neither_read_nor_removed(tmp_path: Path) -> Non
     runs = _runs(tmp_path)
     runs.mkdir(parents=True, mode=0o700)
     os.chmod(runs.parent, 0o700)
-    writing = runs / f"{run_marker._key(tmp_path / 'out')}.{os.getpid()}.tmp"
+    writing = runs / f"{run_marker._key(tmp_path / 'out')}.{os.getpid()}{run_marker._MAKING}"
     writing.write_text("")
     assert run_marker.live_run(tmp_path / "out") is None
     assert writing.exists()
