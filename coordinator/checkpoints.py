@@ -67,7 +67,7 @@ def job_shape(job: JobConfig, plan: Plan, shards: int) -> dict[str, Any]:
     return {"virtual_workers": plan.virtual_workers, "stages_per_vw": plan.stages_per_vw, "nm": plan.nm,
             "steps": job.train.steps, "ps_shards": shards, "dtype": job.train.dtype,
             "layers": [[s.layer_begin, s.layer_end] for s in plan.stages], "optimizer": job.train.optimizer.name,
-            "model": {"name": job.model.name, "factory": job.model.factory, "args": dict(job.model.args)},
+            "model": job.model.identity(),
             "batch_size": job.data.batch_size, "shuffle": job.data.shuffle, "seed": job.train.seed,
             "data": {"name": d.name, "factory": d.factory, "path": d.path, "args": dict(d.args),
                      "eval_fraction": d.eval_fraction, "eval_factory": d.eval_factory, "sha256": data_digest(job)}}

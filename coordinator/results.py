@@ -77,7 +77,7 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         "dtype": job.train.dtype,
         "emulate": job.emulate.work() if job.emulate else None,
         "batch_size": job.data.batch_size,
-        "model": {"name": job.model.name, "factory": job.model.factory, "args": dict(job.model.args)},
+        "model": job.model.identity(),
         "wait_seconds": sum(h.last.wait_seconds for h in d.stages),
         "wait_idle_seconds": sum(h.last.wait_idle_seconds for h in d.stages),
         "idle_seconds": sum(h.last.idle_seconds for h in d.stages),

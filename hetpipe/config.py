@@ -29,6 +29,10 @@ class ModelConfig:
     args: Mapping[str, Any] = field(default_factory=dict)   # the factory's keyword arguments
     init: str | None = None       # weights to start from: safetensors, or a state_dict
 
+    def identity(self) -> dict[str, Any]:
+        """Which model with which layers, as a checkpoint and summary.json record it (JSON as it is)."""
+        return {"name": self.name, "factory": self.factory, "args": dict(self.args)}
+
 
 @dataclass(frozen=True, slots=True)
 class DataConfig:

@@ -37,11 +37,11 @@ def measured(job: JobConfig, plan: Plan, summary: dict[str, Any]) -> float | Non
     nothing of this one."""
     ran = [(s.get("vw"), s.get("stage"), s.get("gpu"), s.get("layers")) for s in summary.get("plan") or []]
     planned = [(s.vw, s.stage, s.label, [s.layer_begin, s.layer_end]) for s in plan.stages]
-    model = {"name": job.model.name, "factory": job.model.factory, "args": dict(job.model.args)}
-    work = (plan.nm, plan.D, job.parallel.mode, model, job.data.batch_size, job.train.precision, job.train.dtype,
-            job.emulate.work() if job.emulate else None, job.parallel.schedule, job.parallel.microbatches)
-    same = ran == planned and tuple(summary.get(k) for k in (
-        "nm", "D", "mode", "model", "batch_size", "precision", "dtype", "emulate", "schedule", "microbatches")) == work
+    work = {"nm": plan.nm, "D": plan.D, "mode": job.parallel.mode, "model": job.model.identity(),
+            "batch_size": job.data.batch_size, "precision": job.train.precision, "dtype": job.train.dtype,
+            "emulate": job.emulate.work() if job.emulate else None, "schedule": job.parallel.schedule,
+            "microbatches": job.parallel.microbatches}   # as summary.json records them
+    same = ran == planned and {k: summary.get(k) for k in work} == work
     value = summary.get("samples_per_second")
     return float(value) if same and isinstance(value, (int, float)) else None
 
