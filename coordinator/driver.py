@@ -27,7 +27,7 @@ from hetpipe.wsp import exact_pulls, total_waves
 from coordinator.planner import Plan, StagePlan, resolved_job
 from coordinator.planner.shapes import TensorShape, boundaries
 from coordinator import checkpoints
-from coordinator.shard_watch import ShardWatch
+from coordinator.shard_watch import ShardWatch, shard_name
 from coordinator.stall import StallWatch
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class JobDriver:
         if self._restart_shards and self.restart_hung_shard(index, address, why):
             return True
         loading = "" if self._restart_shards else " (while the stages loaded)"
-        self.silent_shard = f"ps shard {index} at {address} {why}{loading}"
+        self.silent_shard = f"{shard_name(index)} at {address} {why}{loading}"
         self._ps_channels[index].close()
         return False
 

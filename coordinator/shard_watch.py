@@ -37,6 +37,7 @@ class ShardWatch:
                  on_silent: Callable[[int, float], bool], *, interval: float = SHARD_PROBE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._health = list(health)   # grpc_health HealthStubs, one per shard
+        self._index = {shard_name(i): i for i in range(len(self._health))}   # the watch's names, the shards'
         self._watch, self._lock = watch, lock
         self._on_silent = on_silent
         self._interval = interval
@@ -81,9 +82,9 @@ class ShardWatch:
                     self._watch.unanswered(shard_name(i), now)
                 else:   # UNAVAILABLE: dead or restarting, which the launcher or the heartbeats report
                     self._watch.unreachable(now)
-                silent = [(who, s) for who, s in self._watch.not_responding(now) if who.startswith("ps shard ")]
+                silent = [(who, s) for who, s in self._watch.not_responding(now) if who in self._index]
             for who, seconds in silent:
-                if not self._on_silent(int(who.rsplit(" ", 1)[1]), seconds):
+                if not self._on_silent(self._index[who], seconds):
                     return False
                 with self._lock:
                     self._watch.answered(who)   # the restarted shard gets a fresh timeout
