@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from hetpipe import wire, zoo
 from hetpipe.factory_writes import FactoryWrites, check_parameters, reset_of
@@ -145,16 +146,35 @@ def _parameters_on_meta() -> Iterator[None]:
             nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+class _MetaDrawsSkipped(TorchFunctionMode):
+    """Skips the initialisers' draws on meta tensors, which hold no values to draw. torch runs
+    these ops on the meta device through their Python references, and the first such call
+    imports torch._dynamo: 0.9 s of a stage's start here, about 5 s where torch has no bytecode
+    cache (py-spy on the H200: most of a stage's load)."""
+
+    DRAWS = frozenset({"normal_", "log_normal_", "exponential_", "cauchy_", "geometric_", "erfinv_",
+                       "clamp_", "clamp_min_", "clamp_max_"})
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in self.DRAWS:   # Tensor.normal_(t, ...), nn.init.normal_(tensor=t, ...)
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = None, *,
               check_writes: bool = True) -> nn.Sequential:
     """The model with every parameter on the meta device (no memory): names, shapes, layers.
     args: instead of model.args (the planner sizes an emulated model this way). check_writes:
     refuse a factory that writes its parameters (the plan does; a stage, planned, need not: a
-    process's first dispatch mode imports about 300 modules, 0.75 s here)."""
+    process's first dispatch mode imports about 300 modules, 0.75 s here; without the check, the
+    initialisers' draws on the meta device are skipped too, which FactoryWrites would have seen)."""
     build = factory(cfg, base_dir)
     kwargs = dict(cfg.args if args is None else args)
     watch = FactoryWrites()
-    with _parameters_on_meta(), watch if check_writes else contextlib.nullcontext(), warnings.catch_warnings():
+    with _parameters_on_meta(), watch if check_writes else _MetaDrawsSkipped(), warnings.catch_warnings():
         # load_state_dict into the meta parameters is recorded as the write it is; torch's own
         # warning that it does nothing would only repeat the refusal, once per key.
         warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")

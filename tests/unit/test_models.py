@@ -3,6 +3,7 @@ the whole model, and a stage's slice of model.init."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -41,6 +42,23 @@ class Raw(nn.Module):
 
     def forward(self, x):
         return x * self.weight
+
+class Noise(nn.Module):
+    # A buffer drawn on the CPU while the factory runs, and a parameter drawn by its reset.
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("noise", torch.empty(6).normal_(generator=torch.Generator().manual_seed(3)))
+        self.weight = nn.Parameter(torch.empty(6))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.weight)
+
+    def forward(self, x):
+        return x
+
+def noise_net():
+    return nn.Sequential(Noise())
 
 def net(width=8, classes=3, features=4):
     return nn.Sequential(nn.Linear(features, width), nn.ReLU(), Scale(width), nn.Linear(width, classes))
@@ -163,6 +181,25 @@ def test_a_layers_values_do_not_depend_on_the_layers_before_it(tmp_path: Path) -
     assert small.state_dict()["0.weight"].shape != big.state_dict()["0.weight"].shape
     for key in ("2.weight", "3.weight", "3.bias"):
         assert torch.equal(small.state_dict()[key], big.state_dict()[key]), key
+
+
+def test_a_stage_skips_the_draws_on_the_meta_device_and_keeps_those_on_the_cpu(tmp_path: Path) -> None:
+    # A stage builds the structure without the FactoryWrites check, and with the initialisers'
+    # draws on meta tensors skipped: the first (torch's Python reference of normal_ on the meta
+    # device) would import torch._dynamo, about a second of every stage's start. A draw the
+    # factory makes on the CPU is its own, and kept.
+    j = job(tmp_path, factory="mymodels:noise_net")
+    model = structure(j.model, j.base_dir, check_writes=False)
+    assert model[0].weight.is_meta
+    assert torch.equal(model[0].noise, torch.empty(6).normal_(generator=torch.Generator().manual_seed(3)))
+    layers = build_layers(j, 0, 1)
+    assert torch.isfinite(layers[0].weight).all() and layers[0].weight.std() > 0, "its reset draws, off the meta device"
+    code = ("import sys; from hetpipe.config import ModelConfig; from hetpipe import models; "
+            "args = {'context': 8, 'dim': 16, 'heads': 2, 'layers': 1, 'vocab': 32}; "
+            "m = models.structure(ModelConfig(name='gpt', args=args), '.', check_writes=False); "
+            "assert all(p.is_meta for p in m.parameters()); print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
 
 
 def test_float64_jobs_get_float64_layers(tmp_path: Path) -> None:
