@@ -411,11 +411,13 @@ class Durability:
         if snapshot is not None:
             self.write(snapshot)
 
+    def capture_due(self, shard: Shard) -> bool:
+        """c_global has advanced every_clocks past the last checkpoint's."""
+        return shard.c_global() - self._checkpointed_clock >= self.every_clocks
+
     def maybe_capture(self, shard: Shard) -> Snapshot | None:
-        """A checkpoint to write() when c_global has advanced every_clocks past the last one."""
-        if shard.c_global() - self._checkpointed_clock >= self.every_clocks:
-            return self.capture(shard)
-        return None
+        """A checkpoint to write() when one is due (capture_due)."""
+        return self.capture(shard) if self.capture_due(shard) else None
 
 
 def _boot_id() -> str:

@@ -22,7 +22,7 @@ from ps_server.durability import Durability, Snapshot
 from ps_server.metrics import ShardSnapshot
 from ps_server.pull_slots import PullSlots
 from ps_server.headroom import push_sizes
-from ps_server.shard import Shard
+from ps_server.shard import Shard, Sums
 from ps_server.sync_rule import ShardError, SyncRule
 from ps_server.trace import ShardTrace
 
@@ -66,6 +66,10 @@ class ShardServicer:
         self.max_pull_wait_s = max_pull_wait_s
         self.restored_pushes = 0
         self._cv = threading.Condition()
+        # Keys whose accepted pushes are being added to w_global outside the lock (Shard.accept,
+        # then add): nothing reads or adds to them meanwhile. quiet() waits for none at all.
+        self._adding: set[str] = set()
+        self._quieting = 0   # threads in quiet(): no new add starts until they are done
         self.pull_wait_seconds = 0.0
         self.received_bytes = 0  # push payloads
         self.sent_bytes = 0      # pull payloads
@@ -102,6 +106,7 @@ class ShardServicer:
         if self.durability is not None:
             self.checkpoints_written()
             with self._cv:
+                self.quiet()
                 self.durability.checkpoint(self.shard)
                 self.durability.close()
 
@@ -112,6 +117,18 @@ class ShardServicer:
             self._unsaved = True
             self.durability.checkpoint(self.shard)
             self._unsaved = False
+
+    def quiet(self) -> None:
+        """Returns once no push's sums are being added outside the lock, for a reader of every key
+        (a snapshot, a digest) or a change of all of them. The caller holds self._cv; no new add
+        starts until it lets go, and the adds under way need no lock to finish."""
+        self._quieting += 1
+        try:
+            self._cv.wait_for(lambda: not self._adding)
+        finally:
+            self._quieting -= 1
+            if not self._quieting:
+                self._cv.notify_all()   # pushes held back by it
 
     def _check_init(self, stream: wire.Stream) -> None:
         if stream.header.WhichOneof("header") != "init":
@@ -139,6 +156,7 @@ class ShardServicer:
     def Init(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
         bundle = wire.decode(request_iterator, check=self._check_init)
         with self._cv:
+            self.quiet()
             try:
                 fresh = self.shard.init(bundle.header.init.virtual_workers, bundle.tensors,
                                         list(bundle.header.init.clocks), _sync_rule(bundle.header.init))
@@ -152,10 +170,12 @@ class ShardServicer:
                 write_text_atomically(path, f"{self.index}\n", durable=True)  # read by every restart
         return wire_pb2.Ack(message="initialised" if fresh else "already initialised")
 
-    def _update(self, kind: str, request_iterator: Iterator[bytes], apply: Callable[..., tuple[bool, R]]) -> R:
+    def _update(self, kind: str, request_iterator: Iterator[bytes],
+                apply: Callable[..., tuple[bool, R, Sums | None]]) -> R:
         """A push or an exchange: decoded and checked, then apply(tag, tensors, journal, sizes) under
-        the lock, which answers (whether it was new, the reply); checkpointed when due, traced.
-        sizes: a push's magnitudes (headroom.push_sizes), None for an exchange."""
+        the lock, which answers (whether it was new, the reply, and a push's sums still to add:
+        added outside the lock, so that pushes and pulls of other keys go on); checkpointed when
+        due, traced. sizes: a push's magnitudes (headroom.push_sizes), None for an exchange."""
         received = time.time()
         stream = wire.read(request_iterator, self.reader)
         self._check_update(stream, kind)
@@ -186,18 +206,40 @@ class ShardServicer:
             if logged is not None and durability is not None:
                 durability.settle(logged, applied=False)
             raise _rejected(exc) from None
+        keys = set(stream.names)
+        sums: Sums | None = None
         with self._cv:
+            # After the adds of these keys already under way: a key's sums go in one at a time, in
+            # the order of their places in the log, which restore replays.
+            self._cv.wait_for(lambda: not self._quieting and self._adding.isdisjoint(keys))
             start = time.time()
             try:
                 if logged is not None and durability is not None:
                     durability.place(logged)   # its place in the order of applies, which restore replays
-                applied, reply = apply(tag, tensors, journal, sizes)
+                applied, reply, sums = apply(tag, tensors, journal, sizes)
             except ShardError as exc:
                 raise _rejected(exc) from None
             finally:
-                if logged is not None and durability is not None:
+                if logged is not None and durability is not None and sums is None:
                     durability.settle(logged, applied=applied)
-            captured = durability.maybe_capture(self.shard) if applied and durability is not None else None
+            if sums is not None:
+                self._adding |= sums.keys
+        if sums is not None:
+            # The adds, a pass over these keys' values, outside the lock (py-spy of a 2x2 GPT: a push
+            # waited longer for the lock than it held it, mostly behind the adds of other keys).
+            try:
+                self.shard.add(sums)
+            finally:
+                with self._cv:
+                    self._adding -= sums.keys
+                    if logged is not None and durability is not None:
+                        durability.settle(logged, applied=True)   # its entry is read no more
+                    self._cv.notify_all()
+        with self._cv:
+            captured = None
+            if applied and durability is not None and durability.capture_due(self.shard):
+                self.quiet()
+                captured = durability.capture(self.shard)
             payload = _payload_bytes(tensors)
             self.trace.record(kind, tag.vw, tag.clock, start, time.time(), received=received,
                               duplicate=not applied, checkpoint=captured is not None, bytes=payload)
@@ -228,9 +270,9 @@ class ShardServicer:
     @handler
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushReply:
         def push(tag: wire_pb2.PushTag, deltas: list[tuple[str, torch.Tensor]], journal: Callable[[], None] | None,
-                 sizes: dict[str, float] | None) -> tuple[bool, ps_pb2.PushReply]:
-            applied = self.shard.push(tag.vw, tag.clock, deltas, journal=journal, sizes=sizes)
-            return applied, ps_pb2.PushReply(duplicate=not applied, c_global=self.shard.c_global())
+                 sizes: dict[str, float] | None) -> tuple[bool, ps_pb2.PushReply, Sums | None]:
+            sums = self.shard.accept(tag.vw, tag.clock, deltas, journal=journal, sizes=sizes)
+            return sums is not None, ps_pb2.PushReply(duplicate=sums is None, c_global=self.shard.c_global()), sums
 
         return self._update("push", request_iterator, push)
 
@@ -242,17 +284,18 @@ class ShardServicer:
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """sync elastic: a VW's replica values in, delta = alpha * (replica - master) out (and into the master)."""
         def exchange(tag: wire_pb2.ExchangeTag, replica: list[tuple[str, torch.Tensor]],
-                     journal: Callable[[], None] | None, _: None) -> tuple[bool, Iterator[bytes]]:
+                     journal: Callable[[], None] | None, _: None) -> tuple[bool, Iterator[bytes], None]:
             result = self.shard.exchange(tag.vw, tag.clock, replica, journal=journal)
             self.sent_bytes += _payload_bytes(result.deltas)
             reply = wire_pb2.ExchangeTag(vw=tag.vw, clock=tag.clock, duplicate=not result.applied)
-            return result.applied, wire.encode(result.deltas, exchange=reply)
+            return result.applied, wire.encode(result.deltas, exchange=reply), None
 
         return self._update("exchange", request_iterator, exchange)
 
     @handler
     def Evict(self, request: ps_pb2.EvictRequest, context: grpc.ServicerContext) -> wire_pb2.Ack:
         with self._cv:
+            self.quiet()   # a quorum round may close, adding to the values
             try:
                 fresh = self.shard.evict(request.vw)
             except ShardError as exc:
@@ -286,6 +329,9 @@ class ShardServicer:
                             f"(vw clocks {self.shard.vw_clocks(keys)})",
                         )
                     self._cv.wait(min(left, 0.5))
+                # Keys whose pushes are being added hold no whole generation yet: wait for those
+                # adds (a pass over the keys each, without the lock; pushes of other keys go on).
+                self._cv.wait_for(lambda: self._adding.isdisjoint(keys))
                 answering = time.time()
                 # Through shared memory the values are written into a slot right here, under the
                 # lock, instead of cloned here and copied again outside it; the VWs that pull the
@@ -336,6 +382,7 @@ class ShardServicer:
                 sync=s.rule.mode, exchanges_applied=s.exchanges_applied,
             )
             if s.ready:
+                self.quiet()   # the digest reads every key's values
                 status.c_global = s.c_global()
                 status.clock_distance = s.clock_distance()
                 status.values_digest = s.digest()

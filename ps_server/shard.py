@@ -4,6 +4,7 @@ rounds, elastic averaging's master), no I/O."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,16 @@ ADD_CHUNK = 1 << 20   # elements a narrower push is widened by at a time (4 MiB 
 class ExchangeResult:
     deltas: list[tuple[str, torch.Tensor]]   # alpha * (replica - master) per key, added to the master
     applied: bool                             # False: a retry, answered with the stored deltas
+
+
+@dataclass(frozen=True, slots=True)
+class Sums:
+    """An accepted push whose bookkeeping is done (clocks, bounds, what exact pulls keep) and whose
+    sums are still to be added to w_global: Shard.add() does that, once. Until then the keys'
+    values lack the push that their clocks already count."""
+
+    keys: frozenset[str]
+    adds: list[tuple[torch.Tensor, torch.Tensor]]   # (w_global's tensor, the push's delta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +78,7 @@ class Shard:
         self.exchanges_applied = 0
         self.at_c_global = AtCGlobal()                          # exact: values kept while a VW is ahead
         self.headroom = headroom.Headroom()   # how far each key is from overflowing; not state (derived)
-        self._scratch = torch.empty(0)        # _add's widening buffer (a push is applied under the servicer's lock)
+        self._scratch = threading.local()     # _add's widening buffer, per thread: pushes of other keys add at once
 
     @property
     def ready(self) -> bool:
@@ -207,6 +218,16 @@ class Shard:
         log) runs after validation, right before the update is applied; if it raises, nothing is.
         sizes: push_sizes(vw, clock, deltas), where the caller has measured them already.
         """
+        sums = self.accept(vw, clock, deltas, journal, sizes)
+        if sums is not None:
+            self.add(sums)
+        return sums is not None
+
+    def accept(self, vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]],
+               journal: Callable[[], None] | None = None, sizes: dict[str, float] | None = None) -> Sums | None:
+        """push() but for the adds to w_global, which it returns (None: a duplicate), for add().
+        The servicer adds them outside its lock: until add() returns, nothing may read or add
+        to those keys' values (pulls, other pushes of them, snapshots, digests)."""
         self.check_push(vw, [(k, d.dtype, tuple(d.shape)) for k, d in deltas])
         quorum = self.rule.mode == "quorum"
         if quorum:
@@ -221,7 +242,7 @@ class Shard:
         current = {self.clocks[k][vw] for k in keys}
         if current == {clock + 1}:
             self.pushes_duplicate += 1
-            return False
+            return None
         if current != {clock}:
             have = sorted(current)
             direction = "skips ahead" if clock > max(have) else "goes backwards"
@@ -240,20 +261,26 @@ class Shard:
             journal()
         self.headroom.commit(grown)
         live = self._live()
+        adds: list[tuple[torch.Tensor, torch.Tensor]] = []
         for key, delta in deltas:
             if self.rule.exact and any(self.clocks[key][v] <= clock for v in live if v != vw):
                 self.at_c_global.keep(key, clock, self.values[key])   # c_global stays at clock: pulls get this
             if quorum:
                 self.rounds[key].add(vw, clock, delta)
             else:
-                self._add(self.values[key], delta)
+                adds.append((self.values[key], delta))
             self.clocks[key][vw] = clock + 1
             if self.rule.exact:
                 self.at_c_global.trim(key, self._key_c_global(key))
         self._settle(keys if quorum else [])
         self.pushes_applied += 1
         self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
-        return True
+        return Sums(frozenset(keys), adds)
+
+    def add(self, sums: Sums) -> None:
+        """Adds an accepted push's sums to w_global (what accept() left to do)."""
+        for value, delta in sums.adds:
+            self._add(value, delta)
 
     def _add(self, value: torch.Tensor, delta: torch.Tensor) -> None:
         """value += delta; a narrower delta (a bf16 push) widened a chunk at a time into a small
@@ -264,11 +291,12 @@ class Shard:
             value.add_(delta)
             return
         flat, narrow = value.view(-1), delta.reshape(-1)
-        if self._scratch.dtype != value.dtype or self._scratch.numel() < ADD_CHUNK:
-            self._scratch = torch.empty(ADD_CHUNK, dtype=value.dtype)
+        scratch = getattr(self._scratch, "buffer", None)
+        if scratch is None or scratch.dtype != value.dtype or scratch.numel() < ADD_CHUNK:
+            scratch = self._scratch.buffer = torch.empty(ADD_CHUNK, dtype=value.dtype)
         for start in range(0, flat.numel(), ADD_CHUNK):
             part = narrow[start:start + ADD_CHUNK]
-            widened = self._scratch[:part.numel()].copy_(part)
+            widened = scratch[:part.numel()].copy_(part)
             flat[start:start + ADD_CHUNK].add_(widened)
 
     def _key_c_global(self, key: str) -> int:

@@ -400,6 +400,22 @@ def test_a_bf16_push_is_added_a_chunk_at_a_time_bit_for_bit(monkeypatch: pytest.
     assert shard.values["a"].dtype == torch.float32
 
 
+def test_an_accepted_push_counts_at_once_and_adds_its_sums_when_told() -> None:
+    """Shard.accept does a push's bookkeeping and leaves its sums to Shard.add (the servicer adds
+    them outside its lock): clocks and counts move at accept, the values at add, and a retry
+    accepted meanwhile is the duplicate it is, with nothing left to add."""
+    shard = two_key_shard(2)
+    u = [ones("a", shard), ones("b", shard)]
+    sums = shard.accept(0, 0, u)
+    assert sums is not None and sums.keys == {"a", "b"}
+    assert shard.key_clocks(0) == [1, 1] and shard.pushes_applied == 1
+    assert torch.equal(shard.values["a"], torch.zeros(2, 3, dtype=torch.float64)), "no sum before add()"
+    assert shard.accept(0, 0, u) is None and shard.pushes_duplicate == 1
+    shard.add(sums)
+    assert torch.equal(shard.values["a"], torch.ones(2, 3, dtype=torch.float64))
+    assert torch.equal(shard.values["b"], torch.full((3,), 2.0, dtype=torch.float64))
+
+
 def test_only_a_float32_key_takes_a_narrower_push_and_only_bf16() -> None:
     shard = Shard()
     shard.init(1, [("f32", torch.zeros(3)), ("f64", torch.zeros(3, dtype=torch.float64))])

@@ -1,0 +1,135 @@
+"""A shard adds a push's sums outside its lock (ps_server/servicer.py, Shard.accept then add): while
+one push's keys are being added, the pushes and pulls of other keys go on, and everything that
+reads or adds to those keys (a pull, another VW's push, a digest) waits for the add to end. What
+restore replays is still each key's order of applies."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ps_rig import CALL_S, InProcess, delta, in_process_shard
+from ps_server.durability import Durability
+from ps_server.shard import Shard
+
+pytestmark = pytest.mark.timeout(90)
+HOLD_S = 5.0   # how long a held add waits to be let go: the old, serial shard fails by this much
+
+
+@pytest.fixture
+def ps(tmp_path: Path) -> Iterator[InProcess]:
+    with in_process_shard(tmp_path) as shard:
+        yield shard
+
+
+class Call(threading.Thread):
+    """f() on a thread of its own; result() once it has returned (or raised)."""
+
+    def __init__(self, f: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self._f, self._out, self._error = f, None, None
+
+    def run(self) -> None:
+        try:
+            self._out = self._f()
+        except Exception as exc:   # handed to result(), in the test's thread
+            self._error = exc
+
+    def result(self) -> Any:
+        self.join(CALL_S)
+        assert not self.is_alive(), "the call did not return"
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+
+def hold_adds_to(monkeypatch: pytest.MonkeyPatch, value: torch.Tensor) -> tuple[threading.Event, threading.Event]:
+    """Adds to `value` (one key's w_global) wait, once begun, until `release` is set."""
+    entered, release = threading.Event(), threading.Event()
+    add = Shard._add
+
+    def held(shard: Shard, target: torch.Tensor, update: torch.Tensor) -> None:
+        if target is value and not release.is_set():
+            entered.set()
+            release.wait(HOLD_S)
+        add(shard, target, update)
+
+    monkeypatch.setattr(Shard, "_add", held)
+    return entered, release
+
+
+def test_while_a_key_is_being_added_other_keys_go_on_and_its_readers_wait(
+        ps: InProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    c, servicer = ps.client, ps.servicer
+    assert servicer.durability is not None
+    servicer.durability.every_clocks = 10**6   # no checkpoint due: it would wait for the add (below)
+    entered, release = hold_adds_to(monkeypatch, servicer.shard.values["l0.weight"])
+    weight = Call(lambda: c.push(1, 1, delta(1, 1, ["l0.weight"])))
+    weight.start()
+    assert entered.wait(CALL_S), "the push of l0.weight never began its add"
+
+    # Another key: its push is applied and its pull answered while l0.weight is being added.
+    assert not c.push(1, 1, delta(1, 1, ["l0.bias"])).duplicate
+    bias = c.pull(0, ["l0.bias"])
+    assert weight.is_alive(), "the push of l0.bias waited for the add of l0.weight"
+    expected_bias = ps.expected["l0.bias"] + delta(1, 1, ["l0.bias"])[0][1]
+    assert torch.equal(dict(bias.tensors)["l0.bias"], expected_bias)
+
+    # The key being added: its pull, another VW's push of it, and a digest of every key wait.
+    pull = Call(lambda: dict(c.pull(0, ["l0.weight"]).tensors)["l0.weight"])
+    other = Call(lambda: c.push(0, 2, delta(0, 2, ["l0.weight"])))
+    status = Call(c.status)
+    for call in (pull, other, status):
+        call.start()
+    weight.join(0.5)
+    assert pull.is_alive() and other.is_alive() and status.is_alive(), "read or added to a key being added"
+    release.set()
+
+    assert not weight.result().duplicate and not other.result().duplicate
+    first = ps.expected["l0.weight"] + delta(1, 1, ["l0.weight"])[0][1]
+    both = first + delta(0, 2, ["l0.weight"])[0][1]
+    pulled = pull.result()
+    assert torch.equal(pulled, first) or torch.equal(pulled, both), "a pull read a sum half added"
+    assert status.result().c_global == 2
+    assert torch.equal(servicer.shard.values["l0.weight"], both)
+    assert torch.equal(servicer.shard.values["l0.bias"], expected_bias)
+
+    servicer.checkpoints_written()
+    restored = Shard()   # what a restart after kill -9 replays: each key's applies in their order
+    Durability(str(tmp_path / "ckpt")).restore(restored)
+    assert restored.digest() == servicer.shard.digest()
+
+
+def test_a_checkpoint_waits_for_the_adds_under_way(ps: InProcess, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint captured while another push's sums are being added holds them whole, or not
+    at all: its snapshot is taken once no add is under way."""
+    c, servicer = ps.client, ps.servicer
+    durability = servicer.durability
+    assert durability is not None
+    durability.every_clocks = 1
+    entered, release = hold_adds_to(monkeypatch, servicer.shard.values["l0.weight"])
+    weight = Call(lambda: c.push(1, 1, delta(1, 1, ["l0.weight"])))
+    weight.start()
+    assert entered.wait(CALL_S)
+    # vw 1's push of l0.bias brings c_global to 2 once l0.weight's is in: a checkpoint is due.
+    bias = Call(lambda: c.push(1, 1, delta(1, 1, ["l0.bias"])))
+    bias.start()
+    bias.join(0.5)
+    release.set()
+    assert not weight.result().duplicate and not bias.result().duplicate
+    servicer.checkpoints_written()
+    snap = torch.load(durability.checkpoint_path, weights_only=True)
+    for key in ("l0.weight", "l0.bias"):
+        clocks = snap["clocks"][key].tolist()
+        values = snap["values"][key]
+        if clocks[1] == 2:   # the checkpoint counts vw 1's wave 1 for this key: it holds its sum
+            assert torch.equal(values, servicer.shard.values[key]), key
+    restored = Shard()
+    Durability(str(tmp_path / "ckpt")).restore(restored)
+    assert restored.digest() == servicer.shard.digest()
