@@ -46,6 +46,7 @@ def placement(keys: list[str], shards: int) -> dict[str, int]:
 @dataclass
 class Row:
     n: int
+    k: int                     # stages per VW: client processes, each with its block of the keys
     s: int
     durable: bool
     shm: bool
@@ -61,7 +62,8 @@ class Row:
 
     @property
     def label(self) -> str:
-        return f"N={self.n} S={self.s}" + (" shm" if self.shm else "") + (" durable" if self.durable else "")
+        stages = f" K={self.k}" if self.k > 1 else ""
+        return f"N={self.n}{stages} S={self.s}" + (" shm" if self.shm else "") + (" durable" if self.durable else "")
 
     @property
     def rate(self) -> float:
@@ -72,8 +74,13 @@ class Row:
         return self.moved / self.tcp_wall
 
 
+def stage_keys(keys: list[str], stages: int) -> list[list[str]]:
+    """Each stage's keys: a contiguous block, as a stage holds a run of layers."""
+    return [keys[j * len(keys) // stages:(j + 1) * len(keys) // stages] for j in range(stages)]
+
+
 def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: int, durable: bool, shm: bool,
-               keys: list[str], rounds: int) -> Row:
+               keys: list[str], rounds: int, stages: int = 1) -> Row:
     import torch
 
     from hetpipe import rpc, wire
@@ -88,17 +95,21 @@ def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: in
         with rpc.channel(address) as ch:
             rpc.Stub(ch, "ParameterServer").Init(
                 wire.encode(tensors, init=wire_pb2.InitTag(virtual_workers=n)), timeout=rpc.DATA_DEADLINE_S)
-    conns = clients.conns[:n]
-    cfg = {"addresses": addresses, "placement": place, "elems": elems, "rounds": rounds, "shm": shm}
-    for vw, conn in enumerate(conns):
-        conn.send(("config", {**cfg, "vw": vw}))
+    # A VW is `stages` client processes, each pushing and pulling its own keys (disjoint), as a
+    # VW's stages do; client i is stage i % stages of VW i // stages.
+    blocks = stage_keys(keys, stages)
+    conns = clients.conns[:n * stages]
+    cfg = {"addresses": addresses, "elems": elems, "rounds": rounds, "shm": shm}
+    for i, conn in enumerate(conns):
+        own = {key: place[key] for key in blocks[i % stages]}
+        conn.send(("config", {**cfg, "vw": i // stages, "placement": own}))
     for conn in conns:
         expect(conn, "warm", STEP_TIMEOUT_S)
     moved = 2 * n * rounds * len(keys) * elems * 4
     # Raw TCP moves half the bytes just before and half just after, so that load from other
     # processes drifting during the run hits both transports alike.
     tcp_before = tcp.move(moved // 2)
-    client_pids = [p.pid for p in clients.procs[:n]]
+    client_pids = [p.pid for p in clients.procs[:n * stages]]
     cpu_before = cpu_seconds(client_pids), cpu_seconds(shards.pids())
     start = time.perf_counter()
     for conn in conns:
@@ -112,10 +123,11 @@ def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: in
         with rpc.channel(address) as ch:
             status = rpc.Stub(ch, "ParameterServer").Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
         waves = WARM_ROUNDS + rounds
-        if (status.pushes_applied, status.pushes_duplicate, status.c_global) != (n * waves, 0, waves):
+        pushers = n * sum(any(place[key] == addresses.index(address) for key in block) for block in blocks)
+        if (status.pushes_applied, status.pushes_duplicate, status.c_global) != (pushers * waves, 0, waves):
             raise RuntimeError(f"shard {address}: unexpected state after the run:\n{status}")
     tcp_after = tcp.move(moved - moved // 2)
-    row = Row(n, s, durable, shm, moved, wall, tcp_before[0] + tcp_after[0], client_cpu, shard_cpu,
+    row = Row(n, stages, s, durable, shm, moved, wall, tcp_before[0] + tcp_after[0], client_cpu, shard_cpu,
               tcp_before[1] + tcp_after[1])
     for rounds_of_vw in per_vw:
         for push_s, pull_s, first_s in rounds_of_vw:
@@ -242,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="timed rounds per configuration (default 2)")
     parser.add_argument("--vws", type=int, nargs="+", default=list(VWS))
     parser.add_argument("--shards", type=int, nargs="+", default=list(SHARDS))
+    parser.add_argument("--stages", type=int, default=1, metavar="K",
+                        help="stages per VW: K client processes per VW, each pushing and pulling its own block "
+                             "of the keys at once (default 1)")
     parser.add_argument("--no-durable", action="store_true", help="skip the N=1 S=1 row with durability on")
     parser.add_argument("--transports", nargs="+", choices=["grpc", "shm"],
                         help="gRPC frames, or shared memory (the shards and VWs share this host); default both, "
@@ -269,6 +284,8 @@ def _measure(args: argparse.Namespace, far: Far | None) -> int:
     keys = key_names(model_mib)
     if not keys or model_mib % KEY_MIB or len(keys) < max(args.shards):
         raise SystemExit(f"--model-mib must be a multiple of {KEY_MIB} with at least one key per shard")
+    if not 1 <= args.stages <= len(keys):
+        raise SystemExit(f"--stages must be between 1 and the model's {len(keys)} keys")
     configs = [(n, s, False, t == "shm") for t in args.transports for s in args.shards for n in args.vws]
     if not args.no_durable:
         configs += [(1, 1, True, t == "shm") for t in args.transports]
@@ -292,7 +309,7 @@ def _measure(args: argparse.Namespace, far: Far | None) -> int:
             sub = workdir / f"config{i}"
             sub.mkdir()
             shard_sets.append(ShardProcs(ctx, s, sub, durable, far))
-        clients = Clients(ctx, max(n for n, _, _, _ in configs))
+        clients = Clients(ctx, max(n for n, _, _, _ in configs) * args.stages)
         tcp = TcpPair(ctx, len(keys) * KEY_MIB * MIB, far)
         clients.wait_started()
         for shards in shard_sets:
@@ -303,7 +320,7 @@ def _measure(args: argparse.Namespace, far: Far | None) -> int:
               f"load average {load_start[0]:.1f} on {os.cpu_count()} CPUs",
               flush=True)
         for (n, s, durable, shm), shards in zip(configs, shard_sets):
-            row = run_config(clients, tcp, shards, n, s, durable, shm, keys, rounds)
+            row = run_config(clients, tcp, shards, n, s, durable, shm, keys, rounds, args.stages)
             shards.close()  # frees its memory before the next configuration
             rows.append(row)
             print(f"  {row.label}: {row.rate / MIB:.0f} MiB/s aggregate, raw TCP {row.tcp_rate / MIB:.0f} MiB/s",
