@@ -26,9 +26,12 @@
 #              OUT/profile/); its samples/s are not the benchmark's (the profiler slows its window)
 #   peers      bench/peers.py: the CPU job's peers on this machine's GPUs
 # On an H100 (2026-11-27) env took 8 s, tests 40-68, transport 34, copies about 10 (its probe),
-# gpu about 135 and peers 96; on an H200 (2026-11-28) tests 48-52 s. profile is new (not yet timed
-# on a GPU; 1x1 and 2x2 at 60 steps, about 60-90 s expected): all together are close to one
-# 10-minute call, so give the steps a call in two parts where device time allows.
+# gpu about 135 and peers 96; on an H200 (2026-11-28) env 5 s, tests 48-60, transport 31, profile
+# 61, gpu at GPU_STEPS=200 154 s. All together are close to one 10-minute call, so give the steps a
+# call in two parts where device time allows; a machine's start takes about a minute more.
+# A sampling profile of any step: carry a py-spy wheel in .whl (it lands in KIT_SITE/bin), run
+# `py-spy record --subprocesses --idle --threads -f raw` around it, and gzip the output: files
+# over 16 MiB do not come back from the lent machines.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
