@@ -17,6 +17,7 @@ from hetpipe import devices, shm, wire
 from hetpipe.errors import Rejected
 from hetpipe.outputs import write_text_atomically
 from hetpipe.rpc import handler
+from hetpipe.service import exit_now
 from hetpipe.v1 import ps_pb2, wire_pb2
 from ps_server.durability import Durability, Snapshot
 from ps_server.metrics import ShardSnapshot
@@ -195,8 +196,8 @@ class ShardServicer:
         else:
             tensors = wire.receive(stream).tensors
         if durability is not None and logged is None:
-            log = durability.journal_push if kind == "push" else durability.journal_exchange
-            journal = lambda: log(tag.vw, tag.clock, tensors)  # noqa: E731
+            write = durability.journal_push if kind == "push" else durability.journal_exchange
+            journal = lambda: write(tag.vw, tag.clock, tensors)  # noqa: E731
         applied = False
         try:
             # The scan for NaN and for the overflow bound reads the push alone: here, before the
@@ -217,34 +218,37 @@ class ShardServicer:
                 if logged is not None and durability is not None:
                     durability.place(logged)   # its place in the order of applies, which restore replays
                 applied, reply, sums = apply(tag, tensors, journal, sizes)
+                if sums is not None and not sums.adds:
+                    sums = None   # nothing left to add: a quorum round keeps the push
             except ShardError as exc:
                 raise _rejected(exc) from None
             finally:
                 if logged is not None and durability is not None and sums is None:
                     durability.settle(logged, applied=applied)
-            if sums is not None:
+            held = time.time()
+            captured = None
+            if sums is None:
+                captured = self._done(kind, tag.vw, tag.clock, applied, (start, held), received, tensors)
+            else:
                 self._adding |= sums.keys
         if sums is not None:
             # The adds, a pass over these keys' values, outside the lock (py-spy of a 2x2 GPT: a push
             # waited longer for the lock than it held it, mostly behind the adds of other keys).
             try:
                 self.shard.add(sums)
-            finally:
-                with self._cv:
-                    self._adding -= sums.keys
-                    if logged is not None and durability is not None:
-                        durability.settle(logged, applied=True)   # its entry is read no more
-                    self._cv.notify_all()
-        with self._cv:
-            captured = None
-            if applied and durability is not None and durability.capture_due(self.shard):
-                self.quiet()
-                captured = durability.capture(self.shard)
-            payload = _payload_bytes(tensors)
-            self.trace.record(kind, tag.vw, tag.clock, start, time.time(), received=received,
-                              duplicate=not applied, checkpoint=captured is not None, bytes=payload)
-            self.received_bytes += payload
-            self._cv.notify_all()  # pulls wait on pushes, the final pulls on every VW's last exchange
+            except BaseException:
+                # Its clocks count it and its sums are half in: no state to serve from. Its entry,
+                # placed and not settled, stays in the log, and a restart replays it, once.
+                log.critical("ps shard %s: adding the push of vw %d for clock %d failed; exiting so that a "
+                             "restart replays it from the log", self.index, tag.vw, tag.clock, exc_info=True)
+                exit_now(70)
+                raise
+            with self._cv:
+                self._adding -= sums.keys
+                if logged is not None and durability is not None:
+                    durability.settle(logged, applied=True)   # its entry is read no more
+                captured = self._done(kind, tag.vw, tag.clock, applied, (start, held), received, tensors,
+                                      added=time.time())
         if logged is not None and durability is not None and not stream.shared_memory:
             # On disk before the acknowledgement, the pulls it released already on their way; a
             # duplicate waits for its original's entry, which may still be on the way to disk.
@@ -259,6 +263,22 @@ class ShardServicer:
             # in the log, whose entries stay until a checkpoint that covers them is written.
             self._checkpoint_writer.submit(self._write_checkpoint, durability, captured)
         return reply
+
+    def _done(self, kind: str, vw: int, clock: int, applied: bool, held: tuple[float, float], received: float,
+              tensors: list[tuple[str, torch.Tensor]], **added: float) -> Snapshot | None:
+        """An update's end, under the lock: a checkpoint captured if one is due (returned, for the
+        checkpoint thread), the trace's line (start..end: its time under the lock; added: when a
+        push's sums were in, after it), and the pulls waiting on it woken."""
+        captured = None
+        if applied and self.durability is not None and self.durability.capture_due(self.shard):
+            self.quiet()
+            captured = self.durability.capture(self.shard)
+        payload = _payload_bytes(tensors)
+        self.trace.record(kind, vw, clock, *held, received=received, duplicate=not applied,
+                          checkpoint=captured is not None, bytes=payload, **added)
+        self.received_bytes += payload
+        self._cv.notify_all()  # pulls wait on pushes, the final pulls on every VW's last exchange
+        return captured
 
     @staticmethod
     def _write_checkpoint(durability: Durability, snapshot: Snapshot) -> None:
@@ -373,6 +393,7 @@ class ShardServicer:
 
     def status(self) -> ps_pb2.ShardStatus:
         with self._cv:
+            self.quiet()   # the digest reads every key's values; every field is read after it
             s = self.shard
             status = ps_pb2.ShardStatus(
                 virtual_workers=s.virtual_workers, keys=len(s.values),
@@ -382,7 +403,6 @@ class ShardServicer:
                 sync=s.rule.mode, exchanges_applied=s.exchanges_applied,
             )
             if s.ready:
-                self.quiet()   # the digest reads every key's values
                 status.c_global = s.c_global()
                 status.clock_distance = s.clock_distance()
                 status.values_digest = s.digest()

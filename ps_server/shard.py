@@ -78,7 +78,10 @@ class Shard:
         self.exchanges_applied = 0
         self.at_c_global = AtCGlobal()                          # exact: values kept while a VW is ahead
         self.headroom = headroom.Headroom()   # how far each key is from overflowing; not state (derived)
-        self._scratch = threading.local()     # _add's widening buffer, per thread: pushes of other keys add at once
+        # _add's widening buffers: one per add under way (pushes of other keys add at once), kept
+        # for the next; as many as adds ever ran at once (a few: one per stage pushing).
+        self._scratch: list[torch.Tensor] = []
+        self._scratch_lock = threading.Lock()
 
     @property
     def ready(self) -> bool:
@@ -291,13 +294,18 @@ class Shard:
             value.add_(delta)
             return
         flat, narrow = value.view(-1), delta.reshape(-1)
-        scratch = getattr(self._scratch, "buffer", None)
+        with self._scratch_lock:
+            scratch = self._scratch.pop() if self._scratch else None
         if scratch is None or scratch.dtype != value.dtype or scratch.numel() < ADD_CHUNK:
-            scratch = self._scratch.buffer = torch.empty(ADD_CHUNK, dtype=value.dtype)
-        for start in range(0, flat.numel(), ADD_CHUNK):
-            part = narrow[start:start + ADD_CHUNK]
-            widened = scratch[:part.numel()].copy_(part)
-            flat[start:start + ADD_CHUNK].add_(widened)
+            scratch = torch.empty(ADD_CHUNK, dtype=value.dtype)
+        try:
+            for start in range(0, flat.numel(), ADD_CHUNK):
+                part = narrow[start:start + ADD_CHUNK]
+                widened = scratch[:part.numel()].copy_(part)
+                flat[start:start + ADD_CHUNK].add_(widened)
+        finally:
+            with self._scratch_lock:
+                self._scratch.append(scratch)
 
     def _key_c_global(self, key: str) -> int:
         return min(self.clocks[key][v] for v in self._live())

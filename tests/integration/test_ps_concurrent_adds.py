@@ -13,12 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from ps_rig import CALL_S, InProcess, delta, in_process_shard
+from hetpipe.v1 import ps_pb2
+from ps_rig import CALL_S, Code, InProcess, delta, in_process_shard, refused
+from ps_server import servicer as servicer_module
 from ps_server.durability import Durability
 from ps_server.shard import Shard
 
-pytestmark = pytest.mark.timeout(90)
-HOLD_S = 5.0   # how long a held add waits to be let go: the old, serial shard fails by this much
+pytestmark = pytest.mark.timeout(120)
+HOLD_S = 60.0   # a held add's own limit: the test lets it go long before (a serial shard fails at CALL_S)
 
 
 @pytest.fixture
@@ -121,6 +123,7 @@ def test_a_checkpoint_waits_for_the_adds_under_way(ps: InProcess, tmp_path: Path
     bias = Call(lambda: c.push(1, 1, delta(1, 1, ["l0.bias"])))
     bias.start()
     bias.join(0.5)
+    assert bias.is_alive(), "the checkpoint it made due did not wait for the add under way"
     release.set()
     assert not weight.result().duplicate and not bias.result().duplicate
     servicer.checkpoints_written()
@@ -133,3 +136,49 @@ def test_a_checkpoint_waits_for_the_adds_under_way(ps: InProcess, tmp_path: Path
     restored = Shard()
     Durability(str(tmp_path / "ckpt")).restore(restored)
     assert restored.digest() == servicer.shard.digest()
+
+
+def test_a_retry_and_an_evict_wait_for_the_add_under_way(ps: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retry of a push whose sums are being added is its duplicate once they are in; an Evict
+    (which may close quorum rounds and checkpoints every key) waits for them too, here another VW's."""
+    c, servicer = ps.client, ps.servicer
+    entered, release = hold_adds_to(monkeypatch, servicer.shard.values["l0.weight"])
+    first = Call(lambda: c.push(1, 1, delta(1, 1)))
+    first.start()
+    assert entered.wait(CALL_S)
+    retry = Call(lambda: c.push(1, 1, delta(1, 1)))
+    evict = Call(lambda: c.stub.Evict(ps_pb2.EvictRequest(vw=0), timeout=CALL_S))
+    retry.start()
+    evict.start()
+    first.join(0.5)
+    assert retry.is_alive() and evict.is_alive(), "a retry or an Evict did not wait for the add"
+    release.set()
+    assert not first.result().duplicate and retry.result().duplicate
+    assert evict.result().message == "vw 0 evicted"
+    for key, d in delta(1, 1):
+        assert torch.equal(servicer.shard.values[key], ps.expected[key] + d), key
+
+
+def test_an_add_that_fails_ends_the_shard_and_its_restart_replays_the_push_once(
+        ps: InProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push whose clocks moved but whose sums could not all be added leaves no state to serve
+    from: the shard exits (exit_now), its entry unsettled in the log, and a restore applies the
+    push exactly once."""
+    c, servicer = ps.client, ps.servicer
+    servicer.checkpoints_written()
+    exits: list[int] = []
+    monkeypatch.setattr(servicer_module, "exit_now", exits.append)
+
+    def no_memory(shard: Shard, target: torch.Tensor, update: torch.Tensor) -> None:
+        raise RuntimeError("out of memory")
+
+    add = Shard._add
+    monkeypatch.setattr(Shard, "_add", no_memory)
+    refused(lambda: c.push(1, 1, delta(1, 1, ["l0.bias"])), Code.INTERNAL, r"internal error \(RuntimeError")
+    assert exits == [70]
+    monkeypatch.setattr(Shard, "_add", add)   # the restarted shard's
+    restored = Shard()
+    Durability(str(tmp_path / "ckpt")).restore(restored)
+    assert restored.key_clocks(1) == [1, 2]   # l0.weight, l0.bias
+    assert torch.equal(restored.values["l0.bias"], ps.expected["l0.bias"] + delta(1, 1, ["l0.bias"])[0][1])
+    assert torch.equal(restored.values["l0.weight"], ps.expected["l0.weight"])

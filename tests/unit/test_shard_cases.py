@@ -9,6 +9,7 @@ The same rules against a reference model, on random interleavings, are in test_s
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -414,6 +415,36 @@ def test_an_accepted_push_counts_at_once_and_adds_its_sums_when_told() -> None:
     shard.add(sums)
     assert torch.equal(shard.values["a"], torch.ones(2, 3, dtype=torch.float64))
     assert torch.equal(shard.values["b"], torch.full((3,), 2.0, dtype=torch.float64))
+
+
+def test_bf16_sums_of_two_keys_added_at_once_each_widen_in_a_buffer_of_their_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The servicer adds the sums of pushes of other keys at once, on two threads: each add
+    widens its bf16 chunks in a buffer no other add writes meanwhile."""
+    monkeypatch.setattr(shard_module, "ADD_CHUNK", 4)
+    g = torch.Generator().manual_seed(11)
+    w0 = {key: torch.randn(4000, generator=g) for key in ("a", "b")}
+    shard = Shard()
+    shard.init(1, [(key, value.clone()) for key, value in w0.items()])
+    want = {key: value.clone() for key, value in w0.items()}
+    for clock in range(5):
+        updates = {key: torch.randn(4000, generator=g).to(torch.bfloat16) for key in w0}
+        sums = [shard.accept(0, clock, [(key, u)]) for key, u in updates.items()]
+        start = threading.Barrier(2)
+
+        def add(s: shard_module.Sums | None) -> None:
+            assert s is not None
+            start.wait()
+            shard.add(s)
+
+        threads = [threading.Thread(target=add, args=(s,)) for s in sums]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for key, u in updates.items():
+            want[key].add_(u.float())
+            assert torch.equal(shard.values[key], want[key]), (clock, key)
 
 
 def test_only_a_float32_key_takes_a_narrower_push_and_only_bf16() -> None:
