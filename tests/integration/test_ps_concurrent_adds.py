@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from hetpipe.v1 import ps_pb2
-from ps_rig import CALL_S, Code, InProcess, delta, in_process_shard, refused
+from hetpipe import rpc
+from hetpipe.v1 import ps_pb2, ps_pb2_grpc
+from ps_rig import CALL_S, Client, Code, InProcess, delta, in_process_shard, refused
 from ps_server import servicer as servicer_module
 from ps_server.durability import Durability
+from ps_server.servicer import ShardServicer
 from ps_server.shard import Shard
 
 pytestmark = pytest.mark.timeout(120)
@@ -182,3 +184,45 @@ def test_an_add_that_fails_ends_the_shard_and_its_restart_replays_the_push_once(
     assert restored.key_clocks(1) == [1, 2]   # l0.weight, l0.bias
     assert torch.equal(restored.values["l0.bias"], ps.expected["l0.bias"] + delta(1, 1, ["l0.bias"])[0][1])
     assert torch.equal(restored.values["l0.weight"], ps.expected["l0.weight"])
+
+
+def test_two_vws_of_two_stages_pushing_and_pulling_at_once_never_read_a_sum_half_added(tmp_path: Path) -> None:
+    """Two VWs x two stages, each stage on a thread of its own pushing its key (2M elements; one
+    stage's in bf16, added a chunk at a time) and pulling it for every wave: each pull holds every
+    push its clocks count, whole in every element, and the end holds each push once, as the log
+    replays it. Integer sums from zeros: exact in any order."""
+    waves, n = 16, 1 << 21
+    servicer = ShardServicer(Shard(), Durability(str(tmp_path / "ckpt")), max_pull_wait_s=30.0)
+    server = rpc.Server("127.0.0.1", 0, workers=16)
+    server.add("ParameterServer", servicer)
+    server.start()
+    try:
+        with rpc.channel(server.address) as ch:
+            c = Client(ps_pb2_grpc.ParameterServerStub(ch))
+            c.init([("a", torch.zeros(n)), ("b", torch.zeros(n))])
+            torn: list[str] = []
+
+            def stage(vw: int, key: str, dtype: torch.dtype) -> None:
+                for clock in range(waves):
+                    assert not c.push(vw, clock, [(key, torch.full((n,), float(vw + 1), dtype=dtype))]).duplicate
+                    bundle = c.pull(vw, [key], min_clock=clock)
+                    want = float(sum((v + 1) * k for v, k in enumerate(bundle.header.pull.vw_clocks)))
+                    value = dict(bundle.tensors)[key]
+                    if not bool((value == want).all()):
+                        torn.append(f"vw {vw} {key} wave {clock}: {sorted(set(value.unique().tolist()))[:4]}, want {want}")
+
+            calls = [Call(lambda vw=vw, key=key, dtype=dtype: stage(vw, key, dtype))
+                     for vw in (0, 1) for key, dtype in (("a", torch.float32), ("b", torch.bfloat16))]
+            for call in calls:
+                call.start()
+            for call in calls:
+                call.result()
+            assert not torn, torn[:3]
+            for key in ("a", "b"):
+                assert bool((servicer.shard.values[key] == 3.0 * waves).all()), key
+            servicer.checkpoints_written()
+            restored = Shard()
+            Durability(str(tmp_path / "ckpt")).restore(restored)
+            assert restored.digest() == servicer.shard.digest()
+    finally:
+        server.stop(0)
