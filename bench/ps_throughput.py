@@ -119,11 +119,11 @@ def run_config(clients: Clients, tcp: TcpPair, shards: ShardProcs, n: int, s: in
     client_cpu = cpu_seconds(client_pids) - cpu_before[0]
     shard_cpu = cpu_seconds(shards.pids()) - cpu_before[1]
     # Every push applied exactly once, every wave complete: the bytes counted really went in.
-    for address in addresses:
+    waves = WARM_ROUNDS + rounds
+    for i, address in enumerate(addresses):
         with rpc.channel(address) as ch:
             status = rpc.Stub(ch, "ParameterServer").Status(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
-        waves = WARM_ROUNDS + rounds
-        pushers = n * sum(any(place[key] == addresses.index(address) for key in block) for block in blocks)
+        pushers = n * sum(any(place[key] == i for key in block) for block in blocks)   # its stages' clients
         if (status.pushes_applied, status.pushes_duplicate, status.c_global) != (pushers * waves, 0, waves):
             raise RuntimeError(f"shard {address}: unexpected state after the run:\n{status}")
     tcp_after = tcp.move(moved - moved // 2)
