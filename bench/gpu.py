@@ -55,6 +55,9 @@ def job_dict(out: Path, model: dict[str, int], *, steps: int, precision: str, ba
     }
 
 
+STEADY_FROM = (1, 2, 4)   # the plain loop's steady rates: after these steps (the runs' nm), each a sync
+
+
 def plain_loop(path: str) -> dict[str, Any]:
     """The same model, data order, optimizer and autocast, in one process on the device a
     `hetpipe run` without a cluster section uses (cuda:0, else the CPU)."""
@@ -80,6 +83,7 @@ def plain_loop(path: str) -> dict[str, Any]:
         profile = profiling.StageProfile(str(trace / "profile_plain.json"), "plain loop", window.after,
                                          window.steps, cuda=device == "cuda")
     start = 0.0
+    marks: dict[int, float] = {}   # the end of step k, for the steady rates below
     for p in range(1, job.train.steps + 1):
         if profile is not None:
             profile.before(p - 1)
@@ -89,17 +93,23 @@ def plain_loop(path: str) -> dict[str, Any]:
             loss = compute_loss(job.train.loss, model(x), y)
         loss.backward()
         step_at(optimizer, job.train, p)
-        if p == 1:
+        if p in STEADY_FROM:
             # Timed from the end of the first step: its one-time costs (CUDA's libraries, kernel
             # selection) are left out here, and kept in HetPipe's wall, so the ratios err against it.
             float(loss)
-            start = time.monotonic()
+            marks[p] = time.monotonic()
+            start = marks[1]
         if profile is not None:
             profile.after_task(p)
     final = float(loss)  # waits for the last step
-    wall = time.monotonic() - start
+    end = time.monotonic()
+    wall = end - start
     timed = max(job.train.steps - 1, 1)
-    return {"samples_per_second": timed * job.data.batch_size / wall, "wall_seconds": wall,
+    # A HetPipe run's steady rate starts after its first wave of nm minibatches: the plain loop's
+    # after its first k steps, for each k a run may compare with.
+    steady = {str(k): (job.train.steps - k) * job.data.batch_size / (end - t)
+              for k, t in marks.items() if k < job.train.steps}
+    return {"samples_per_second": timed * job.data.batch_size / wall, "wall_seconds": wall, "steady_from": steady,
             "final_loss": final, "profile": profile.summary if profile is not None else {},
             "device_peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else 0}
 
@@ -155,17 +165,24 @@ def run(name: str, job: dict[str, Any], work: Path, timeout: float) -> dict[str,
 
 
 def report(results: list[dict[str, Any]]) -> None:
-    base = next((r["samples_per_second"] for r in results if r["name"] == "plain loop" and "error" not in r), None)
-    print(f"{'run':<40}{'samples/s':>11}{'x plain':>9}{'train s':>9}{'start-to-exit s':>17}{'overhead s':>12}"
-          f"{'CPU s':>8}{'G2 wait s':>11}{'idle s':>8}")
+    plain = next((r for r in results if r["name"] == "plain loop" and "error" not in r), None)
+    base = plain["samples_per_second"] if plain else None
+    print(f"{'run':<40}{'samples/s':>11}{'x plain':>9}{'steady/s':>10}{'x plain':>9}{'train s':>9}"
+          f"{'start-to-exit s':>17}{'overhead s':>12}{'CPU s':>8}{'G2 wait s':>11}{'idle s':>8}")
+    print("  (steady: after each run's first wave of nm minibatches, and the plain loop's after as many steps)")
     for r in results:
         if "error" in r:
             print(f"{r['name']:<40} FAILED: {' | '.join(r['error'])}")
             continue
         ratio = r["samples_per_second"] / base if base else float("nan")
+        steady = r.get("steady_samples_per_second") or float("nan")
+        if r is plain:
+            steady = plain["steady_from"].get("1", float("nan"))
+        plain_steady = plain["steady_from"].get(str(r.get("nm", 1)), float("nan")) if plain else float("nan")
         # HetPipe's stages, summed: waiting for a pull (G2), and with no task to run at all.
         waits = f"{r['wait_seconds']:>11.1f}{r['idle_seconds']:>8.1f}" if "idle_seconds" in r else ""
-        print(f"{r['name']:<40}{r['samples_per_second']:>11.1f}{ratio:>9.2f}{r['wall_seconds']:>9.1f}"
+        print(f"{r['name']:<40}{r['samples_per_second']:>11.1f}{ratio:>9.2f}{steady:>10.1f}{steady / plain_steady:>9.2f}"
+              f"{r['wall_seconds']:>9.1f}"
               f"{r['start_to_exit_seconds']:>17.1f}{r['start_to_exit_seconds'] - r['wall_seconds']:>12.1f}"
               f"{r['cpu_seconds']:>8.1f}{waits}")
         for p in r.get("processes", []):

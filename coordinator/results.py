@@ -4,6 +4,7 @@ model), and summary.json."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,18 @@ def _write_weights(d: JobDriver) -> list[Path]:
             raise JobFailed(f"writing the final weights: {exc}") from None
 
 
+def steady_samples_per_second(stages: Iterable[stage_pb2.StageStatus], batch_size: int) -> float | None:
+    """Samples/s after each VW's first wave (the stages' SteadyWindow): per VW, the rate of its
+    slowest stage in that window, summed over the VWs. None where a window is empty (steps <= nm)."""
+    by_vw: dict[int, float] = {}
+    for s in stages:
+        if s.steady_minibatches == 0 or s.steady_seconds <= 0:
+            return None
+        rate = s.steady_minibatches / s.steady_seconds
+        by_vw[s.vw] = min(rate, by_vw.get(s.vw, rate))
+    return sum(by_vw.values()) * batch_size if by_vw else None
+
+
 def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
     """The final evaluation, the weights (safetensors), and summary.json per DESIGN §8."""
     final = d.final_evaluation()
@@ -66,6 +79,9 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "steps": job.train.steps,
         "samples_per_second": samples / wall if wall > 0 else 0.0,
+        # Without the first wave's one-time costs; over a constant set of VWs only.
+        "steady_samples_per_second": (None if d.evicted else
+                                      steady_samples_per_second((h.last for h in d.stages), job.data.batch_size)),
         "wall_seconds": wall,
         "final_loss": sum(losses) / len(losses),
         "virtual_workers": plan.virtual_workers,

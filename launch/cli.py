@@ -84,8 +84,8 @@ def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
         print(f"hetpipe: job stopped: {exc}", file=sys.stderr)
         return EXIT_FAILED
     out = Path(job.resolve(job.output.dir))
-    print(json.dumps({k: summary[k] for k in ("steps", "samples_per_second", "final_loss", "eval_loss",
-                                              "eval_accuracy") if k in summary}))
+    print(json.dumps({k: summary[k] for k in ("steps", "samples_per_second", "steady_samples_per_second",
+                                              "final_loss", "eval_loss", "eval_accuracy") if k in summary}))
     weights = sorted(p.name for p in out.glob("model*.safetensors*"))
     extras = ["eval.jsonl"] * (out / "eval.jsonl").exists() + ["trace/"] * (job.output.trace and not args.coordinator)
     print(f"results: {out}/ ({', '.join([*weights[:2], *(['...'] if len(weights) > 2 else []), 'summary.json', *extras])})")

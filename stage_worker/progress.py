@@ -52,10 +52,39 @@ class Progress:
     cuda_ipc_bytes: int = 0     # of that, activations and gradients sent GPU to GPU (CUDA IPC)
     clock: int = 0
     min_clock: int = 0
+    steady_minibatches: int = 0         # stepped here since this run's first wave (SteadyWindow)
+    steady_seconds: float = 0.0         # ... and the seconds from then to DONE (or to now)
     evals: tuple[EvalResult, ...] = ()  # the last stage of VW 0: evaluations finished so far
     weights_digest: str = ""            # only when asked for: it reads every weight
 
     @property
     def compute_seconds(self) -> float:
         return self.forward_seconds + self.backward_seconds
+
+
+class SteadyWindow:
+    """A run's steady part at one stage: from the end of its first wave (nm minibatches stepped
+    here in this run) to DONE, the last push answered. The first wave carries the one-time costs
+    (kernel selection, the allocator's growth, the pipeline's fill) that a steady rate leaves out,
+    as a plain loop timed after its warm-up does."""
+
+    def __init__(self, nm: int, completed: int) -> None:
+        self._nm, self._start = nm, completed      # completed: minibatches stepped before this run
+        self._base = 0
+        self._from: float | None = None
+        self._end: float | None = None
+
+    def stepped(self, completed: int, now: float) -> None:
+        if self._from is None and completed - self._start >= self._nm:
+            self._from, self._base = now, completed
+
+    def done(self, now: float) -> None:
+        if self._end is None:
+            self._end = now
+
+    def read(self, completed: int, now: float) -> tuple[int, float]:
+        """Minibatches stepped in the window, and its seconds so far; (0, 0.0) before it opens."""
+        if self._from is None:
+            return 0, 0.0
+        return completed - self._base, (self._end if self._end is not None else now) - self._from
 

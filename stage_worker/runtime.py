@@ -28,7 +28,7 @@ from stage_worker.losses import read as losses_read
 from stage_worker.micro import MicroTasks
 from stage_worker.tasks import MinibatchTasks
 from stage_worker.micro_schedule import MicroSchedule
-from stage_worker.progress import Progress
+from stage_worker.progress import Progress, SteadyWindow
 from stage_worker.schedule import Task, TaskKind
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class StageRuntime:
         self._stepping = 0            # 1 while a completed minibatch's step is still to come (Ran.then)
         self._idle_seconds = self._wait_idle_seconds = 0.0
         self._phase_seconds = {"forward": 0.0, "backward": 0.0}
+        self._steady: SteadyWindow | None = None
 
     def _to(self, new: StageState) -> None:
         lifecycle.check(self.state, new)
@@ -268,12 +269,17 @@ class StageRuntime:
                 committed = s.scaling is None or not s.scaling.waiting
                 if self.state == StageState.RUNNING and s.schedule.done and committed and s.sync.finished():
                     self._to(StageState.DONE)  # stays up for the final evaluation, until stopped
+                    if self._steady is not None:
+                        self._steady.done(time.monotonic())
                 self._cv.wait(0.5)
 
     def _loop(self, s: Loaded) -> None:
         task: Task | None = None
         kind = MicroTasks if isinstance(s.schedule, MicroSchedule) else MinibatchTasks
         tasks = kind(self._inbox, self._cv, self._losses)
+        steady = SteadyWindow(s.job.nm, s.schedule.completed)
+        with self._cv:
+            self._steady = steady
         run = {TaskKind.FORWARD: tasks.forward, TaskKind.BACKWARD: tasks.backward,
                TaskKind.FORWARD_BACKWARD: tasks.forward_backward, TaskKind.EVAL: self._evaluate,
                TaskKind.MERGE_FINAL: self._merge_final}
@@ -311,6 +317,8 @@ class StageRuntime:
                     with self._cv:
                         self._phase_seconds["backward"] += time.monotonic() - began   # p's step is its backward's
                         self._stepping = 0
+                with self._cv:
+                    steady.stepped(s.schedule.completed, time.monotonic())
                 if s.profile is not None:
                     s.profile.after_task(s.schedule.completed)
         except Exception as exc:  # any bug or device error fails the stage loudly, naming p
@@ -376,6 +384,7 @@ class StageRuntime:
             setup, sched = s.setup, s.schedule
             links = (s.next, s.prev)
             done = sched.completed - self._stepping   # minibatches stepped here
+            steady = self._steady.read(done, time.monotonic()) if self._steady is not None else (0, 0.0)
             used, capacity = metrics.device_memory(setup)
             return Progress(
                 state=self.state, error=self.error, failed_at=self.failed_at, vw=setup.vw, stage=setup.stage, device=setup.device.name,
@@ -398,6 +407,7 @@ class StageRuntime:
                 shm_bytes=s.sync.shm_bytes + sum(link.shm_bytes for link in links if link is not None),
                 cuda_ipc_bytes=sum(link.cuda_ipc_bytes for link in links if link is not None),
                 clock=s.sync.clock, min_clock=s.sync.min_clock,
+                steady_minibatches=steady[0], steady_seconds=steady[1],
                 evals=tuple(s.evals.totals.results) if s.evals is not None else (),
                 weights_digest=s.compute.digest() if weights_digest else "",
             )

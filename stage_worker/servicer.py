@@ -39,6 +39,7 @@ def status_message(p: Progress) -> stage_pb2.StageStatus:
     s.wait_seconds, s.wait_idle_seconds, s.idle_seconds = p.wait_seconds, p.wait_idle_seconds, p.idle_seconds
     s.compute_seconds = p.compute_seconds
     s.clock, s.min_clock = p.clock, p.min_clock
+    s.steady_minibatches, s.steady_seconds = p.steady_minibatches, p.steady_seconds
     s.weights_digest = p.weights_digest
     s.memory_used_bytes, s.memory_capacity_bytes = int(p.memory_used_bytes), int(p.memory_capacity_bytes)
     s.peak_rss_bytes, s.device_peak_bytes = p.peak_rss_bytes, p.device_peak_bytes

@@ -58,6 +58,10 @@ def test_the_driver_runs_a_job_and_collects_the_trained_weights(make_job, stages
     assert [f.name for f in files] == ["model.safetensors"]
     weights = weight_files.read_weights(files[0].parent)
     assert wall > 0 and seen[-1] == 12 * job.data.batch_size and seen == sorted(seen)
+    # The steady window: each stage's minibatches after its first wave (nm 1), up to its DONE.
+    windows = [(h.last.steady_minibatches, h.last.steady_seconds) for h in driver.stages]
+    assert [n for n, _ in windows] == [11, 11] and all(0 < s < wall for _, s in windows), windows
+    assert results.steady_samples_per_second((h.last for h in driver.stages), 1) == min(n / s for n, s in windows)
     want = train_reference(job).state_dict()
     assert sorted(weights) == sorted(want)
     for key in want:
