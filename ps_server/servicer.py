@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from hetpipe.service import exit_now
 from hetpipe.v1 import ps_pb2, wire_pb2
 from ps_server.durability import Durability, Snapshot
 from ps_server.metrics import ShardSnapshot
-from ps_server.pull_slots import PullSlots
+from ps_server.pull_slots import Claim, PullSlots
 from ps_server.headroom import push_sizes
 from ps_server.shard import Shard, Sums
 from ps_server.sync_rule import ShardError, SyncRule
@@ -70,7 +71,10 @@ class ShardServicer:
         # Keys whose accepted pushes are being added to w_global outside the lock (Shard.accept,
         # then add): nothing reads or adds to them meanwhile. quiet() waits for none at all.
         self._adding: set[str] = set()
-        self._quieting = 0   # threads in quiet(): no new add starts until they are done
+        # Keys whose values pulls are copying into their slots outside the lock: nothing changes
+        # them meanwhile (a push's add, an exchange, an Init, an Evict). A count per key.
+        self._reading: Counter[str] = Counter()
+        self._quieting = 0   # threads in quiet(): no new add or slot write starts until they are done
         self.pull_wait_seconds = 0.0
         self.received_bytes = 0  # push payloads
         self.sent_bytes = 0      # pull payloads
@@ -120,12 +124,13 @@ class ShardServicer:
             self._unsaved = False
 
     def quiet(self) -> None:
-        """Returns once no push's sums are being added outside the lock, for a reader of every key
-        (a snapshot, a digest) or a change of all of them. The caller holds self._cv; no new add
-        starts until it lets go, and the adds under way need no lock to finish."""
+        """Returns once no push's sums are being added and no pull's slot written outside the lock,
+        for a reader of every key (a snapshot, a digest) or a change of all of them. The caller
+        holds self._cv; no new add or write starts until it lets go, and those under way need no
+        lock to finish."""
         self._quieting += 1
         try:
-            self._cv.wait_for(lambda: not self._adding)
+            self._cv.wait_for(lambda: not self._adding and not self._reading)
         finally:
             self._quieting -= 1
             if not self._quieting:
@@ -211,8 +216,10 @@ class ShardServicer:
         sums: Sums | None = None
         with self._cv:
             # After the adds of these keys already under way: a key's sums go in one at a time, in
-            # the order of their places in the log, which restore replays.
-            self._cv.wait_for(lambda: not self._quieting and self._adding.isdisjoint(keys))
+            # the order of their places in the log, which restore replays. And after the pulls
+            # copying these keys out: their slots take the values as they were answered.
+            self._cv.wait_for(lambda: not self._quieting and self._adding.isdisjoint(keys)
+                              and self._reading.keys().isdisjoint(keys))
             start = time.time()
             try:
                 if logged is not None and durability is not None:
@@ -336,6 +343,7 @@ class ShardServicer:
         budget = self.max_pull_wait_s if remaining is None else min(remaining, self.max_pull_wait_s)
         deadline = time.monotonic() + budget
         started, requested = time.monotonic(), time.time()
+        claim: Claim | None = None
         with self._cv:
             try:
                 self.shard.check_pull(request.vw, keys)
@@ -351,26 +359,46 @@ class ShardServicer:
                     self._cv.wait(min(left, 0.5))
                 # Keys whose pushes are being added hold no whole generation yet: wait for those
                 # adds (a pass over the keys each, without the lock; pushes of other keys go on).
-                self._cv.wait_for(lambda: self._adding.isdisjoint(keys))
+                # Through shared memory, wait too for a pull writing this generation: it is shared.
+                self._cv.wait_for(lambda: not self._quieting and self._adding.isdisjoint(keys) and not (
+                    request.shm and self.pull_slots.writing(keys, self.shard.generation)))
                 answering = time.time()
-                # Through shared memory the values are written into a slot right here, under the
-                # lock, instead of cloned here and copied again outside it; the VWs that pull the
-                # same generation after it share that slot.
+                # Through shared memory the values are written into a slot straight from the live
+                # tensors, with the lock let go and the keys marked as read (a pass over the values
+                # each; pushes and pulls of other keys go on), instead of cloned here and copied
+                # again; the VWs that pull the same generation after it share that slot.
                 result = self.shard.pull(request.vw, keys, copy=not request.shm)
                 tag = wire_pb2.PullTag(c_global=result.c_global, own_clock=result.own_clock,
                                        vw_clocks=result.vw_clocks)
-                reply: Iterable[bytes]
+                reply: Iterable[bytes] = ()
                 if request.shm:
-                    slots = self.pull_slots.writer(request.vw, keys, self.shard.generation)
-                    reply = list(wire.encode(result.values, pull=tag, ring=slots))
+                    claim = self.pull_slots.claim(request.vw, keys, self.shard.generation,
+                                                  _payload_bytes(result.values))
+                    if claim.writes:
+                        self._reading.update(keys)
+                    else:   # in a slot already, or /dev/shm full: gRPC frames, copied here
+                        reply = list(wire.encode(result.values, pull=tag, ring=claim))
+                        claim = None
                 else:
                     reply = wire.encode(result.values, pull=tag)
             except ShardError as exc:
                 raise _rejected(exc) from None
-            self.trace.record("pull", request.vw, request.min_clock, answering, time.time(), requested=requested,
-                              c_global=result.c_global)
+            answered = time.time()
             self.pull_wait_seconds += time.monotonic() - started
             self.sent_bytes += _payload_bytes(result.values)
+            if claim is None:
+                self.trace.record("pull", request.vw, request.min_clock, answering, answered, requested=requested,
+                                  c_global=result.c_global)
+        if claim is not None:
+            try:
+                reply = list(wire.encode(result.values, pull=tag, ring=claim))
+            finally:
+                with self._cv:
+                    claim.done()
+                    self._reading -= Counter(keys)   # and drops the keys no pull reads any more
+                    self.trace.record("pull", request.vw, request.min_clock, answering, answered,
+                                      requested=requested, c_global=result.c_global, written=time.time())
+                    self._cv.notify_all()   # pushes of these keys, and pulls of this generation
         return iter(reply)
 
     @handler

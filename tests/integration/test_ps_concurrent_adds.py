@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from hetpipe import rpc
-from hetpipe.v1 import ps_pb2, ps_pb2_grpc
+from hetpipe import rpc, shm, wire
+from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
 from ps_rig import CALL_S, Client, Code, InProcess, delta, in_process_shard, refused
 from ps_server import servicer as servicer_module
 from ps_server.durability import Durability
+from ps_server.pull_slots import Claim
 from ps_server.servicer import ShardServicer
 from ps_server.shard import Shard
 
@@ -161,6 +162,77 @@ def test_a_retry_and_an_evict_wait_for_the_add_under_way(ps: InProcess, monkeypa
         assert torch.equal(servicer.shard.values[key], ps.expected[key] + d), key
 
 
+def hold_slot_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """A pull's write into its shared-memory slot waits, once begun, until `release` is set."""
+    entered, release = threading.Event(), threading.Event()
+    write = Claim.write
+
+    def held(claim: Claim, pieces: Any) -> Any:
+        if claim.writes and not release.is_set():
+            entered.set()
+            release.wait(HOLD_S)
+        return write(claim, pieces)
+
+    monkeypatch.setattr(Claim, "write", held)
+    return entered, release
+
+
+def pull_through_shm(c: Client, vw: int, key: str) -> tuple[wire_pb2.ShmRef, torch.Tensor]:
+    """vw's pull of key through shared memory: the slot it names, and what it holds."""
+    frames = list(c.stub.Pull(ps_pb2.PullRequest(vw=vw, keys=[key], shm=True), timeout=CALL_S))
+    return frames[0].shm, wire.decode(frames, reader=shm.Reader()).tensors[0][1]
+
+
+def test_while_a_pull_writes_its_slot_other_keys_go_on_and_what_changes_its_keys_waits(
+        ps: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pull through shared memory copies the live values into its slot with the shard's lock let
+    go: pushes and pulls of other keys go on, and a push of its keys and a Status wait for the copy."""
+    c, servicer = ps.client, ps.servicer
+    entered, release = hold_slot_writes(monkeypatch)
+    first = Call(lambda: pull_through_shm(c, 1, "l0.weight"))
+    first.start()
+    assert entered.wait(CALL_S), "the pull never began its slot write"
+
+    assert not c.push(1, 1, delta(1, 1, ["l0.bias"])).duplicate
+    bias = dict(c.pull(0, ["l0.bias"]).tensors)["l0.bias"]
+    assert first.is_alive(), "the push or pull of l0.bias waited for the slot write of l0.weight"
+    assert torch.equal(bias, ps.expected["l0.bias"] + delta(1, 1, ["l0.bias"])[0][1])
+
+    push = Call(lambda: c.push(1, 1, delta(1, 1, ["l0.weight"])))
+    push.start()
+    push.join(0.5)
+    assert push.is_alive(), "a push changed a key being written out"
+    status = Call(c.status)   # (a quiet() of its own would hold the push back too)
+    status.start()
+    status.join(0.5)
+    assert status.is_alive(), "Status read every key while one was being written out"
+    release.set()
+
+    _, answered = first.result()   # the values as they were answered, without the push that waited
+    assert torch.equal(answered, ps.expected["l0.weight"])
+    assert not push.result().duplicate and status.result().c_global in (1, 2)   # before or after the push
+    assert torch.equal(servicer.shard.values["l0.weight"], ps.expected["l0.weight"] + delta(1, 1, ["l0.weight"])[0][1])
+    assert not servicer._reading, "a key stayed marked as read"
+
+
+def test_a_pull_of_the_generation_being_written_waits_for_it_and_shares_the_slot(
+        ps: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = ps.client
+    entered, release = hold_slot_writes(monkeypatch)
+    first = Call(lambda: pull_through_shm(c, 1, "l0.weight"))
+    first.start()
+    assert entered.wait(CALL_S)
+    same = Call(lambda: pull_through_shm(c, 0, "l0.weight"))
+    same.start()
+    same.join(0.5)
+    assert same.is_alive(), "a second pull of the generation being written did not wait for it"
+    release.set()
+    (ref, value), (shared_ref, shared) = first.result(), same.result()
+    assert ref.name and shared_ref == ref, "two copies of one generation"
+    assert torch.equal(value, ps.expected["l0.weight"]) and torch.equal(shared, value)
+    assert ps.servicer.pull_slots.bytes_written == ref.nbytes
+
+
 def test_an_add_that_fails_ends_the_shard_and_its_restart_replays_the_push_once(
         ps: InProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A push whose clocks moved but whose sums could not all be added leaves no state to serve
@@ -188,9 +260,10 @@ def test_an_add_that_fails_ends_the_shard_and_its_restart_replays_the_push_once(
 
 def test_two_vws_of_two_stages_pushing_and_pulling_at_once_never_read_a_sum_half_added(tmp_path: Path) -> None:
     """Two VWs x two stages, each stage on a thread of its own pushing its key (2M elements; one
-    stage's in bf16, added a chunk at a time) and pulling it for every wave: each pull holds every
-    push its clocks count, whole in every element, and the end holds each push once, as the log
-    replays it. Integer sums from zeros: exact in any order."""
+    stage's in bf16, added a chunk at a time) and pulling it for every wave (one VW through shared
+    memory, one in frames): each pull holds every push its clocks count, whole in every element,
+    and the end holds each push once, as the log replays it. Integer sums from zeros: exact in
+    any order."""
     waves, n = 16, 1 << 21
     servicer = ShardServicer(Shard(), Durability(str(tmp_path / "ckpt")), max_pull_wait_s=30.0)
     server = rpc.Server("127.0.0.1", 0, workers=16)
@@ -203,9 +276,12 @@ def test_two_vws_of_two_stages_pushing_and_pulling_at_once_never_read_a_sum_half
             torn: list[str] = []
 
             def stage(vw: int, key: str, dtype: torch.dtype) -> None:
+                reader = shm.Reader()
                 for clock in range(waves):
                     assert not c.push(vw, clock, [(key, torch.full((n,), float(vw + 1), dtype=dtype))]).duplicate
-                    bundle = c.pull(vw, [key], min_clock=clock)
+                    # vw 0 pulls through shared memory (its slot written outside the lock), vw 1 in frames.
+                    request = ps_pb2.PullRequest(vw=vw, keys=[key], min_clock=clock, shm=vw == 0)
+                    bundle = wire.decode(c.stub.Pull(request, timeout=CALL_S), reader=reader)
                     want = float(sum((v + 1) * k for v, k in enumerate(bundle.header.pull.vw_clocks)))
                     value = dict(bundle.tensors)[key]
                     if not bool((value == want).all()):

@@ -1,6 +1,6 @@
 """A shard's pull slots (ps_server/pull_slots.py): the VWs that pull one generation share one
-copy, a slot is never rewritten while a VW it went to may still read it, and none outlives its
-group or the shard."""
+copy, a slot is never rewritten while a VW it went to may still read it, nor handed out or closed
+while a pull writes it outside the shard's lock, and none outlives its group or the shard."""
 
 from __future__ import annotations
 
@@ -22,10 +22,19 @@ def _values(fill: float, n: int = 1000) -> list[tuple[str, torch.Tensor]]:
     return [(KEYS[0], torch.full((n, 4), fill)), (KEYS[1], torch.full((n,), fill))]
 
 
+def _nbytes(values: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in values)
+
+
 def _pull(slots: PullSlots, vw: int, generation: int, fill: float, n: int = 1000) -> list[bytes]:
     """vw's reply for the values of `generation` (all `fill`), as the servicer encodes it."""
     tag = wire_pb2.PullTag(c_global=generation)
-    return list(wire.encode(_values(fill, n), pull=tag, ring=slots.writer(vw, KEYS, generation)))
+    values = _values(fill, n)
+    claim = slots.claim(vw, KEYS, generation, _nbytes(values))
+    try:
+        return list(wire.encode(values, pull=tag, ring=claim))
+    finally:
+        claim.done()
 
 
 def _read(frames: list[bytes], reader: shm.Reader) -> float:
@@ -110,8 +119,9 @@ def test_the_least_recent_key_sets_give_their_slots_back() -> None:
     try:
         names = []
         for i in range(3):
-            writer = slots.writer(0, [f"key{i}"], generation=0)
-            names.append(writer.write([memoryview(bytes(64))]).name)
+            claim = slots.claim(0, [f"key{i}"], generation=0, nbytes=64)
+            names.append(claim.write([memoryview(bytes(64))]).name)
+            claim.done()
         assert names[0] not in shm.segments() and set(names[1:]) <= set(shm.segments())
         assert slots.segments() == 2
     finally:
@@ -135,3 +145,51 @@ def test_an_evicted_vw_holds_no_slot(slots: PullSlots) -> None:
     assert slots.segments() == 0 and _ref(b).name not in shm.segments()
     slots.release(2)   # an Evict retried
     assert _pull(slots, vw=3, generation=2, fill=2.0) and slots.segments() == 1
+
+
+def test_a_slot_being_written_is_neither_shared_nor_reused_until_done(slots: PullSlots) -> None:
+    """The servicer writes a claimed slot with its lock let go: until done(), writing() holds back
+    the pulls of that generation (they share it after), and no other claim takes the slot."""
+    reader = shm.Reader()
+    values = _values(1.0)
+    claim = slots.claim(0, KEYS, generation=1, nbytes=_nbytes(values))
+    assert claim.writes and claim.ref is None
+    assert slots.writing(KEYS, 1) and not slots.writing(KEYS, 2) and not slots.writing(("other",), 1)
+    other = _pull(slots, vw=1, generation=2, fill=2.0)   # another generation meanwhile: another slot
+    frames = list(wire.encode(values, pull=wire_pb2.PullTag(c_global=1), ring=claim))
+    assert _ref(other).name != _ref(frames).name and slots.bytes_written == _ref(other).nbytes
+    claim.done()
+    claim.done()   # idempotent
+    assert not slots.writing(KEYS, 1) and slots.bytes_written == _ref(other).nbytes + _ref(frames).nbytes
+    shared = _pull(slots, vw=2, generation=1, fill=9.0)
+    assert _ref(shared) == _ref(frames) and _read(shared, reader) == 1.0
+
+
+def test_a_claim_that_wrote_nothing_leaves_its_slot_free_and_holding_no_generation(slots: PullSlots) -> None:
+    values = _values(1.0)
+    claim = slots.claim(0, KEYS, generation=1, nbytes=_nbytes(values))
+    with pytest.raises(ValueError, match="claimed for"):
+        claim.write([memoryview(bytes(8))])   # not the bytes it was claimed for
+    claim.done()
+    assert slots.bytes_written == 0 and slots.segments() == 1
+    again = _pull(slots, vw=1, generation=1, fill=3.0)   # generation 1 is written afresh, into that slot
+    assert _read(again, shm.Reader()) == 3.0 and slots.segments() == 1
+
+
+def test_a_slot_let_go_while_it_is_written_is_closed_once_written() -> None:
+    before = _mine()
+    slots = PullSlots(max_groups=1)
+    try:
+        claim = slots.claim(0, ["key0"], generation=0, nbytes=64)
+        slots.claim(0, ["key1"], generation=0, nbytes=64).done()   # key0's group is let go meanwhile
+        ref = claim.write([memoryview(bytes(64))])
+        assert ref.name in shm.segments(), "closed under the writer"
+        claim.done()
+        assert ref.name not in shm.segments() and slots.segments() == 1
+        busy = slots.claim(0, ["key2"], generation=0, nbytes=64)
+        slots.close()   # at shutdown, with a pull still writing
+        busy.write([memoryview(bytes(64))])
+        busy.done()
+    finally:
+        slots.close()
+    assert _mine() == before
