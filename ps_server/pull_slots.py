@@ -84,9 +84,10 @@ class PullSlots:
 
     def release(self, vw: int) -> None:
         """vw left the job (Evict) and pulls no more: it holds no slot, and the slots only it held
-        are closed (one per key set it pulled, otherwise pinned for the rest of the job)."""
+        are closed (one per key set it pulled, otherwise pinned for the rest of the job). Evict
+        runs in quiet(): no slot is being written."""
         for group in self._groups.values():
-            for slot in [s for s in group if vw in s.holders and not s.writing]:
+            for slot in [s for s in group if vw in s.holders]:
                 slot.holders.discard(vw)
                 if not slot.holders:
                     group.remove(slot)
@@ -130,16 +131,20 @@ class Claim:
         self._written = wire_pb2.ShmRef(name=self._slot.segment.name, version=version, nbytes=nbytes)
         return self._written
 
-    def done(self) -> None:
-        """After write() or in its place (a write that failed, or none): idempotent."""
+    def done(self) -> bool:
+        """After write() or in its place (a write that failed, or none); idempotent. False where
+        the slot written was let go meanwhile (its group pushed out by MAX_GROUPS others): the
+        handle names nothing, and the reply goes in frames instead."""
         slot, self._slot = self._slot, None
         if slot is None:
-            return
+            return True
         slot.writing = False
+        if slot.let_go:
+            slot.segment.close()
+            return self._written is None
         if self._written is not None:
             slot.ref = self._written
             self._slots.bytes_written += self._nbytes
         else:
             slot.generation, slot.holders = None, set()
-        if slot.let_go:
-            slot.segment.close()
+        return True

@@ -280,11 +280,11 @@ class ShardServicer:
         if applied and self.durability is not None and self.durability.capture_due(self.shard):
             self.quiet()
             captured = self.durability.capture(self.shard)
+        self._cv.notify_all()  # pulls wait on pushes, the final pulls on every VW's last exchange
         payload = _payload_bytes(tensors)
+        self.received_bytes += payload
         self.trace.record(kind, vw, clock, *held, received=received, duplicate=not applied,
                           checkpoint=captured is not None, bytes=payload, **added)
-        self.received_bytes += payload
-        self._cv.notify_all()  # pulls wait on pushes, the final pulls on every VW's last exchange
         return captured
 
     @staticmethod
@@ -390,15 +390,22 @@ class ShardServicer:
                 self.trace.record("pull", request.vw, request.min_clock, answering, answered, requested=requested,
                                   c_global=result.c_global)
         if claim is not None:
+            written = False
             try:
                 reply = list(wire.encode(result.values, pull=tag, ring=claim))
+                written = True
             finally:
                 with self._cv:
-                    claim.done()
-                    self._reading -= Counter(keys)   # and drops the keys no pull reads any more
-                    self.trace.record("pull", request.vw, request.min_clock, answering, answered,
-                                      requested=requested, c_global=result.c_global, written=time.time())
-                    self._cv.notify_all()   # pushes of these keys, and pulls of this generation
+                    try:
+                        if not claim.done() and written:
+                            # Its slot went while it was written: in frames, the keys still marked.
+                            reply = list(wire.encode(result.values, pull=tag))
+                    finally:
+                        self._reading -= Counter(keys)   # and drops the keys no pull reads any more
+                        self._cv.notify_all()   # pushes of these keys, and pulls of this generation
+                    if written:
+                        self.trace.record("pull", request.vw, request.min_clock, answering, answered,
+                                          requested=requested, c_global=result.c_global, written=time.time())
         return iter(reply)
 
     @handler

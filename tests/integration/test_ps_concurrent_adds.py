@@ -18,7 +18,7 @@ from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
 from ps_rig import CALL_S, Client, Code, InProcess, delta, in_process_shard, refused
 from ps_server import servicer as servicer_module
 from ps_server.durability import Durability
-from ps_server.pull_slots import Claim
+from ps_server.pull_slots import Claim, PullSlots
 from ps_server.servicer import ShardServicer
 from ps_server.shard import Shard
 
@@ -162,13 +162,14 @@ def test_a_retry_and_an_evict_wait_for_the_add_under_way(ps: InProcess, monkeypa
         assert torch.equal(servicer.shard.values[key], ps.expected[key] + d), key
 
 
-def hold_slot_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
-    """A pull's write into its shared-memory slot waits, once begun, until `release` is set."""
+def hold_slot_writes(monkeypatch: pytest.MonkeyPatch, *, first_only: bool = False) -> tuple[threading.Event, threading.Event]:
+    """A pull's write into its shared-memory slot waits, once begun, until `release` is set
+    (first_only: only the first write; the later ones go straight through)."""
     entered, release = threading.Event(), threading.Event()
     write = Claim.write
 
     def held(claim: Claim, pieces: Any) -> Any:
-        if claim.writes and not release.is_set():
+        if claim.writes and not release.is_set() and not (first_only and entered.is_set()):
             entered.set()
             release.wait(HOLD_S)
         return write(claim, pieces)
@@ -231,6 +232,36 @@ def test_a_pull_of_the_generation_being_written_waits_for_it_and_shares_the_slot
     assert ref.name and shared_ref == ref, "two copies of one generation"
     assert torch.equal(value, ps.expected["l0.weight"]) and torch.equal(shared, value)
     assert ps.servicer.pull_slots.bytes_written == ref.nbytes
+
+
+def test_a_slot_write_that_fails_leaves_no_key_marked(ps: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    c, servicer = ps.client, ps.servicer
+
+    def broken(claim: Claim, pieces: Any) -> Any:
+        raise RuntimeError("no slot today")
+
+    monkeypatch.setattr(Claim, "write", broken)
+    refused(lambda: pull_through_shm(c, 1, "l0.weight"), Code.INTERNAL, "RuntimeError")
+    assert not servicer._reading, "a failed write left its keys marked: their pushes would wait forever"
+    assert not c.push(1, 1, delta(1, 1, ["l0.weight"])).duplicate
+    assert c.status().c_global == 1
+
+
+def test_a_slot_let_go_while_written_sends_its_reply_in_frames(ps: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_GROUPS key sets the least recent lose their slots, one being written too: that
+    reply goes in frames, its keys still marked, instead of naming a segment that is gone."""
+    c, servicer = ps.client, ps.servicer
+    servicer.pull_slots = PullSlots(max_groups=1)
+    entered, release = hold_slot_writes(monkeypatch, first_only=True)
+    first = Call(lambda: pull_through_shm(c, 1, "l0.weight"))
+    first.start()
+    assert entered.wait(CALL_S)
+    _, bias = pull_through_shm(c, 0, "l0.bias")   # pushes l0.weight's key set out
+    release.set()
+    ref, weight = first.result()
+    assert not ref.name, "the reply named a slot"
+    assert torch.equal(weight, ps.expected["l0.weight"]) and torch.equal(bias, ps.expected["l0.bias"])
+    assert not servicer._reading
 
 
 def test_an_add_that_fails_ends_the_shard_and_its_restart_replays_the_push_once(

@@ -158,8 +158,7 @@ def test_a_slot_being_written_is_neither_shared_nor_reused_until_done(slots: Pul
     other = _pull(slots, vw=1, generation=2, fill=2.0)   # another generation meanwhile: another slot
     frames = list(wire.encode(values, pull=wire_pb2.PullTag(c_global=1), ring=claim))
     assert _ref(other).name != _ref(frames).name and slots.bytes_written == _ref(other).nbytes
-    claim.done()
-    claim.done()   # idempotent
+    assert claim.done() and claim.done()   # idempotent
     assert not slots.writing(KEYS, 1) and slots.bytes_written == _ref(other).nbytes + _ref(frames).nbytes
     shared = _pull(slots, vw=2, generation=1, fill=9.0)
     assert _ref(shared) == _ref(frames) and _read(shared, reader) == 1.0
@@ -184,7 +183,7 @@ def test_a_slot_let_go_while_it_is_written_is_closed_once_written() -> None:
         slots.claim(0, ["key1"], generation=0, nbytes=64).done()   # key0's group is let go meanwhile
         ref = claim.write([memoryview(bytes(64))])
         assert ref.name in shm.segments(), "closed under the writer"
-        claim.done()
+        assert not claim.done(), "a reply naming a closed slot: it must go in frames"
         assert ref.name not in shm.segments() and slots.segments() == 1
         busy = slots.claim(0, ["key2"], generation=0, nbytes=64)
         slots.close()   # at shutdown, with a pull still writing
@@ -193,3 +192,14 @@ def test_a_slot_let_go_while_it_is_written_is_closed_once_written() -> None:
     finally:
         slots.close()
     assert _mine() == before
+
+
+def test_a_vw_that_pulls_again_while_its_last_pull_writes_gets_another_slot(slots: PullSlots) -> None:
+    """Pulling again frees what the VW held, but not a slot its last pull is still writing."""
+    values = _values(1.0)
+    claim = slots.claim(0, KEYS, generation=1, nbytes=_nbytes(values))
+    again = _pull(slots, vw=0, generation=2, fill=2.0)
+    frames = list(wire.encode(values, pull=wire_pb2.PullTag(c_global=1), ring=claim))
+    assert claim.done() and _ref(again).name != _ref(frames).name
+    reader = shm.Reader()
+    assert _read(frames, reader) == 1.0 and _read(again, reader) == 2.0
