@@ -234,6 +234,27 @@ def test_a_pull_of_the_generation_being_written_waits_for_it_and_shares_the_slot
     assert ps.servicer.pull_slots.bytes_written == ref.nbytes
 
 
+def test_a_quiet_under_way_holds_new_pulls_back(ps: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Status waiting for an add under way (quiet()) holds back the pulls that arrive meanwhile,
+    even of other keys: pulls through shared memory mark their keys as read, and a stream of them
+    could otherwise keep the reader of every key waiting for good."""
+    c, servicer = ps.client, ps.servicer
+    entered, release = hold_adds_to(monkeypatch, servicer.shard.values["l0.weight"])
+    weight = Call(lambda: c.push(1, 1, delta(1, 1, ["l0.weight"])))
+    weight.start()
+    assert entered.wait(CALL_S)
+    status = Call(c.status)
+    status.start()
+    status.join(0.5)
+    bias = Call(lambda: pull_through_shm(c, 0, "l0.bias"))
+    bias.start()
+    bias.join(0.5)
+    assert status.is_alive() and bias.is_alive(), "a pull went ahead of the quiet() waiting for the add"
+    release.set()
+    assert not weight.result().duplicate and status.result().c_global == 1
+    assert torch.equal(bias.result()[1], ps.expected["l0.bias"])
+
+
 def test_a_slot_write_that_fails_leaves_no_key_marked(ps: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     c, servicer = ps.client, ps.servicer
 
