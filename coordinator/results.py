@@ -56,15 +56,19 @@ def _write_weights(d: JobDriver) -> list[Path]:
 
 
 def steady_samples_per_second(stages: Iterable[stage_pb2.StageStatus], batch_size: int) -> float | None:
-    """Samples/s after each VW's first wave (the stages' SteadyWindow): per VW, the rate of its
-    slowest stage in that window, summed over the VWs. None where a window is empty (steps <= nm)."""
-    by_vw: dict[int, float] = {}
+    """Samples/s after each VW's first wave (the stages' SteadyWindow): every VW's minibatches in
+    its window over the longest window, a VW's being its slowest stage's. A fast VW that ends
+    early (elastic, quorum, D > 0 on mixed GPUs) does not count as training on at its own rate
+    while the slow one finishes. None where a window is empty (no more than nm minibatches)."""
+    by_vw: dict[int, tuple[int, float]] = {}
     for s in stages:
         if s.steady_minibatches == 0 or s.steady_seconds <= 0:
             return None
-        rate = s.steady_minibatches / s.steady_seconds
-        by_vw[s.vw] = min(rate, by_vw.get(s.vw, rate))
-    return sum(by_vw.values()) * batch_size if by_vw else None
+        n, seconds = by_vw.get(s.vw, (s.steady_minibatches, 0.0))
+        by_vw[s.vw] = (min(n, s.steady_minibatches), max(seconds, s.steady_seconds))
+    if not by_vw:
+        return None
+    return sum(n for n, _ in by_vw.values()) * batch_size / max(seconds for _, seconds in by_vw.values())
 
 
 def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:

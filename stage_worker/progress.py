@@ -66,7 +66,7 @@ class SteadyWindow:
     """A run's steady part at one stage: from the end of its first wave (nm minibatches stepped
     here in this run) to DONE, the last push answered. The first wave carries the one-time costs
     (kernel selection, the allocator's growth, the pipeline's fill) that a steady rate leaves out,
-    as a plain loop timed after its warm-up does."""
+    as a plain loop timed after its warm-up does. No lock of its own: the runtime's guards it."""
 
     def __init__(self, nm: int, completed: int) -> None:
         self._nm, self._start = nm, completed      # completed: minibatches stepped before this run

@@ -4,6 +4,7 @@ the stage, where it is and how far it got."""
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,14 +59,28 @@ def test_the_driver_runs_a_job_and_collects_the_trained_weights(make_job, stages
     assert [f.name for f in files] == ["model.safetensors"]
     weights = weight_files.read_weights(files[0].parent)
     assert wall > 0 and seen[-1] == 12 * job.data.batch_size and seen == sorted(seen)
-    # The steady window: each stage's minibatches after its first wave (nm 1), up to its DONE.
-    windows = [(h.last.steady_minibatches, h.last.steady_seconds) for h in driver.stages]
-    assert [n for n, _ in windows] == [11, 11] and all(0 < s < wall for _, s in windows), windows
-    assert results.steady_samples_per_second((h.last for h in driver.stages), 1) == min(n / s for n, s in windows)
     want = train_reference(job).state_dict()
     assert sorted(weights) == sorted(want)
     for key in want:
         torch.testing.assert_close(weights[key], want[key], rtol=0, atol=1e-9)
+
+
+def test_each_stage_times_its_minibatches_after_its_first_wave_until_done(make_job, stages: list[rpc.Server]) -> None:
+    """StageStatus.steady_*: a stage's window holds the steps - nm minibatches after its first
+    wave, and closes at DONE (a status polled later reads the same)."""
+    job = make_job({"train": {"steps": 10}, "parallel": {"stages_per_vw": 2, "nm": 2}, "output": {"trace": False}})
+    driver = JobDriver(job, make_plan(job), [s.address for s in stages])
+    try:
+        driver.setup()
+        wall = driver.run(interval=0.01)
+        windows = [(h.last.steady_minibatches, h.last.steady_seconds) for h in driver.stages]
+        time.sleep(0.3)
+        later = [h.stub.Status(stage_pb2.StatusRequest(), timeout=rpc.STATUS_DEADLINE_S) for h in driver.stages]
+    finally:
+        driver.close()
+    assert [n for n, _ in windows] == [8, 8] and all(0 < s < wall for _, s in windows), windows
+    assert [(s.steady_minibatches, s.steady_seconds) for s in later] == windows, "the window stayed open after DONE"
+    assert results.steady_samples_per_second(later, 1) == pytest.approx(8 / max(s for _, s in windows))
 
 
 class _Failing:

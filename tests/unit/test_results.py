@@ -62,9 +62,13 @@ def _stage(vw: int, minibatches: int, seconds: float) -> stage_pb2.StageStatus:
     return stage_pb2.StageStatus(vw=vw, steady_minibatches=minibatches, steady_seconds=seconds)
 
 
-def test_the_steady_rate_takes_each_vws_slowest_stage_and_sums_the_vws() -> None:
+def test_the_steady_rate_counts_every_vws_minibatches_over_the_longest_window() -> None:
     stages = [_stage(0, 36, 2.0), _stage(0, 36, 3.0), _stage(1, 36, 4.0), _stage(1, 36, 1.0)]
-    assert results.steady_samples_per_second(stages, batch_size=8) == pytest.approx((12 + 9) * 8)
+    assert results.steady_samples_per_second(stages, batch_size=8) == pytest.approx(72 / 4.0 * 8)
+    # A VW twice as fast ends halfway through the slow one's window: the job trained 2 x 99
+    # minibatches in 19.8 s, not 10 + 5 a second.
+    unequal = [_stage(0, 99, 9.9), _stage(1, 99, 19.8)]
+    assert results.steady_samples_per_second(unequal, batch_size=1) == pytest.approx(10.0)
     assert results.steady_samples_per_second([_stage(0, 36, 2.0), _stage(1, 0, 0.0)], 8) is None, \
         "a VW with no steady window (steps <= nm) leaves the job without a steady rate"
     assert results.steady_samples_per_second([], 8) is None
