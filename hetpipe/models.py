@@ -169,11 +169,14 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
     """The model with every parameter on the meta device (no memory): names, shapes, layers.
     args: instead of model.args (the planner sizes an emulated model this way). check_writes:
     refuse a factory that writes its parameters (the plan does; a stage, planned, need not: a
-    process's first dispatch mode imports about 300 modules, 0.75 s here; without the check, the
-    initialisers' draws on the meta device are skipped too, which FactoryWrites would have seen)."""
+    process's first dispatch mode imports about 300 modules, 0.7 s here and several seconds where
+    torch has no bytecode cache; without the check, the initialisers' draws on the meta device
+    are skipped too, which FactoryWrites would have seen). A zoo model (model.name) is ours, and
+    checked once by the tests (tests/unit/test_models.py), not in every run's plan."""
     build = factory(cfg, base_dir)
     kwargs = dict(cfg.args if args is None else args)
     watch = FactoryWrites()
+    check_writes = check_writes and cfg.factory is not None
     with _parameters_on_meta(), watch if check_writes else _MetaDrawsSkipped(), warnings.catch_warnings():
         # load_state_dict into the meta parameters is recorded as the write it is; torch's own
         # warning that it does nothing would only repeat the refusal, once per key.
