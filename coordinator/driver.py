@@ -33,6 +33,7 @@ from coordinator.stall import StallWatch
 log = logging.getLogger(__name__)
 State = stage_pb2.StageStatus.State
 FINAL_EVAL_TIMEOUT_S = 600.0
+FINAL_POLL_S = 0.01   # the poll interval once every minibatch is through the last stages
 
 
 @dataclass
@@ -385,8 +386,11 @@ class JobDriver:
         start = time.monotonic()
         while not self.poll():
             self._check_progress()
-            on_progress(self._progress(start))
-            time.sleep(interval)
+            progress = self._progress(start)
+            on_progress(progress)
+            # Once every minibatch is through the last stages, only the pipeline's drain and the
+            # last pushes are left: look often, for the run ends when its last stage is seen DONE.
+            time.sleep(interval if progress.samples < progress.total else min(interval, FINAL_POLL_S))
         wall = time.monotonic() - start
         on_progress(self._progress(start))
         return wall

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from coordinator import results
+from coordinator import driver as driver_module
 from coordinator.driver import JobDriver
 from coordinator.planner import make_plan
 from hetpipe import rpc, weight_files
@@ -121,6 +123,35 @@ class _Failing:
             return stage_pb2.StageStatus(state=State.RUNNING, forwards_done=self.polls, backwards_done=self.polls - 1)
         return stage_pb2.StageStatus(state=State.FAILED, error="stage 1 of vw 0: RuntimeError: boom at minibatch 3",
                                      forwards_done=3, backwards_done=2)
+
+
+class _Draining(_Failing):
+    """A lone stage whose every minibatch is done while its last push is still on its way: DONE
+    only at its sixth poll."""
+
+    @handler
+    def Status(self, request: Any, context: grpc.ServicerContext) -> stage_pb2.StageStatus:
+        self.polls += 1
+        return stage_pb2.StageStatus(state=State.DONE if self.polls >= 6 else State.RUNNING,
+                                     forwards_done=12, backwards_done=12)
+
+
+def test_once_every_minibatch_is_done_the_driver_looks_often_for_the_end(make_job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's wall ends when its last stage is seen DONE: after the last minibatch, the polls
+    come every FINAL_POLL_S instead of every interval."""
+    job = make_job({"train": {"steps": 12}, "parallel": {"stages_per_vw": 1, "nm": 1}, "output": {"trace": False}})
+    draining = _serve(_Draining())
+    driver = JobDriver(job, make_plan(job), [draining.address])
+    slept: list[float] = []
+    clock = types.SimpleNamespace(monotonic=time.monotonic, time=time.time, sleep=slept.append)   # no real waits
+    try:
+        driver.setup()
+        monkeypatch.setattr(driver_module, "time", clock)
+        driver.run(interval=5.0)
+    finally:
+        driver.close()
+        draining.stop(grace=0)
+    assert slept and all(s == driver_module.FINAL_POLL_S for s in slept), slept
 
 
 def test_a_stage_that_fails_fails_the_job_naming_it_and_its_progress(make_job, stages: list[rpc.Server]) -> None:
