@@ -25,16 +25,21 @@
 #              stage of 1x1 and 2x2 (what a step costs: wall, kernels, launches; the tables in
 #              OUT/profile/); its samples/s are not the benchmark's (the profiler slows its window)
 #   peers      bench/peers.py: the CPU job's peers on this machine's GPUs
+#   spy        py-spy (its wheel carried like the rest) over bench/gpu.py's 2x2 at GPU_STEPS, every
+#              process and thread, waits included; bench/spy_summary.py prints where each kind of
+#              process spent its samples, and the raw profile is kept gzipped (OUT/spy.raw.gz).
+#              Not in the default steps: name it.
 # On an H100 (2026-11-27) env took 8 s, tests 40-68, transport 34, copies about 10 (its probe),
 # gpu about 135 and peers 96; on an H200 (2026-11-28) env 5 s, tests 48-60, transport 31, profile
 # 61, gpu at GPU_STEPS=200 154 s. All together are close to one 10-minute call, so give the steps a
 # call in two parts where device time allows; a machine's start takes about a minute more.
-# A sampling profile of any step: carry a py-spy wheel in .whl (it lands in KIT_SITE/bin), run
-# `py-spy record --subprocesses --idle --threads -f raw` around it, and gzip the output: files
-# over 16 MiB do not come back from the lent machines.
+# A sampling profile of another step: `py-spy record --subprocesses --idle --threads -f raw` around
+# it (py-spy lands in KIT_SITE/bin), and gzip the output: files over 16 MiB do not come back from
+# the lent machines.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 WHEELS="${KIT_WHEELS:-$ROOT/.whl}"   # where `wheels` puts them and `run` installs them from
 # What a CUDA machine with PyTorch, numpy and pytest lacks: pyproject's dependencies, the test
 # runner's timeout plugin, hypothesis (test_data.py, which the cuda step collects, imports it) and
@@ -42,7 +47,7 @@ WHEELS="${KIT_WHEELS:-$ROOT/.whl}"   # where `wheels` puts them and `run` instal
 # none of its own dependencies is needed); versions from constraints.txt.
 KIT="grpcio grpcio-health-checking grpcio-reflection protobuf cryptography cffi pycparser safetensors
      setproctitle psutil tqdm prometheus-client PyYAML pytest-timeout hypothesis sortedcontainers
-     scikit-learn"
+     scikit-learn py-spy"
 STEPS="env tests transport copies gpu profile peers"
 
 die() { echo "gpu_kit: $*" >&2; exit 2; }
@@ -82,7 +87,8 @@ print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\
         gpu)       cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-100}" --json "$out/gpu.json") ;;
         profile)   cmd=(python3 bench/gpu.py --steps 60 --runs plain h11 h22 --profile 30 5 --tables "$out/profile") ;;
         peers)     cmd=(python3 bench/peers.py --json "$out/peers.json") ;;
-        *)         die "no step '$name' (steps: $STEPS)" ;;
+        spy)       cmd=(bash "$SELF" _spy "$out") ;;
+        *)         die "no step '$name' (steps: $STEPS spy)" ;;
     esac
     echo "=== $name: ${cmd[*]}"
     local start=$SECONDS
@@ -90,6 +96,19 @@ print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\
     status=${PIPESTATUS[0]}
     echo "=== $name: exit $status after $((SECONDS - start)) s" | tee -a "$out/$name.txt"
     return "$status"
+}
+
+spy() {  # the spy step: py-spy over bench/gpu.py's 2x2, its summary, the raw profile gzipped
+    local out=$1 spy
+    spy=$(command -v py-spy || echo "${KIT_SITE:-/tmp/hetpipe-kit-site}/bin/py-spy")
+    [[ -x $spy ]] || die "no py-spy: carry its wheel (bench/gpu_kit.sh wheels)"
+    # py-spy exits 0 whatever its child did: the run's own status is kept apart, and returned.
+    rm -f "$out/spy.status"
+    "$spy" record --subprocesses --idle --threads -r 200 -f raw -o "$out/spy.raw" -- \
+        bash -c 'python3 bench/gpu.py --steps "$0" --runs h22; echo $? > "$1/spy.status"' "${GPU_STEPS:-100}" "$out" \
+        || return
+    python3 bench/spy_summary.py "$out/spy.raw" && gzip -f "$out/spy.raw" || return
+    return "$(cat "$out/spy.status" 2> /dev/null || echo 2)"
 }
 
 run() {
@@ -121,5 +140,6 @@ run() {
 case ${1:-} in
     wheels) shift; wheels "$@" ;;
     run)    shift; run "$@" ;;
+    _spy)   shift; spy "$@" ;;
     *)      awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 2 ;;
 esac

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
 import subprocess
@@ -45,7 +46,7 @@ def test_the_tests_step_runs_every_cuda_test_file_and_keeps_its_output(tmp_path:
 def test_an_unknown_step_is_named_and_fails(tmp_path: Path) -> None:
     done = kit("run", tmp_path, "bogus", site=tmp_path / "site")
     assert done.returncode == 2
-    assert "no step 'bogus'" in done.stderr and "env tests transport copies gpu profile peers" in done.stderr
+    assert "no step 'bogus'" in done.stderr and "env tests transport copies gpu profile peers spy" in done.stderr
 
 
 def test_without_a_command_it_prints_its_usage() -> None:
@@ -79,3 +80,49 @@ def test_the_host_copies_bench_runs_without_a_gpu(tmp_path: Path) -> None:
     # reference's 0.4 MB on a fast host).
     assert all(float(rate) > 0 for _, rate, _ in rows.values()), rows
     assert list(tmp_path.iterdir()) == [], "the entry it wrote is removed"
+
+
+def test_the_spy_step_without_py_spy_says_what_to_carry(tmp_path: Path) -> None:
+    done = kit("run", tmp_path / "out", "spy", site=tmp_path / "site")
+    assert done.returncode == 1 and "failed: spy" in done.stdout
+    assert "no py-spy: carry its wheel" in (tmp_path / "out" / "spy.txt").read_text() + done.stderr
+
+
+RAW = """\
+process 10:"python bench/gpu.py";process 11:"python -m ps_server --port 0";thread (21): ThreadPoolExecutor-0_3;Thread._bootstrap (/usr/lib/python3.12/threading.py:1030);ShardServicer.Pull (/x/ps_server/servicer.py:359);Condition.wait (/usr/lib/python3.12/threading.py:331) 30
+process 10:"python bench/gpu.py";process 11:"python -m ps_server --port 0";thread (22): ThreadPoolExecutor-0_4;ShardServicer._update (/x/ps_server/servicer.py:241);Shard.add (/x/ps_server/shard.py:286) 10
+process 10:"python bench/gpu.py";process 12:"python -m stage_worker --port 0";thread (31): compute;StageRuntime._loop (/x/stage_worker/runtime.py:296);_engine_run_backward (/site/torch/autograd/graph.py:979) 45
+process 10:"python bench/gpu.py";process 13:"python -m stage_worker --port 0";thread (41): compute;StageRuntime._loop (/x/stage_worker/runtime.py:296);_engine_run_backward (/site/torch/autograd/graph.py:979) 5
+process 10:"python bench/gpu.py";process 12:"python -m stage_worker --port 0";thread (32): Thread-7 (_run);_run_channel_spin_thread.<locals>.channel_spin (/site/grpc/_channel.py:1725) 10
+not a sample line
+"""
+
+
+def test_the_spy_summary_charges_each_sample_to_its_process_thread_and_line(tmp_path: Path) -> None:
+    """bench/spy_summary.py over a raw py-spy profile (the spy step's): samples summed per kind
+    of process and thread (numbered threads as one), each at the deepest line of the project's
+    code, beside the frame it ended in; gzipped alike."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import spy_summary
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    kinds = spy_summary.summarize(RAW.splitlines(keepends=True))
+    assert set(kinds) == {"ps shard", "stage worker"}
+    shard, stage = kinds["ps shard"], kinds["stage worker"]
+    assert shard.samples == 40 and stage.samples == 60 and len(stage.processes) == 2
+    assert shard.threads == {"ThreadPoolExecutor": 40}
+    assert shard.lines["ThreadPoolExecutor"] == {
+        "ShardServicer.Pull (ps_server/servicer.py:359) -> Condition.wait (threading.py:331)": 30,
+        "Shard.add (ps_server/shard.py:286)": 10}
+    assert stage.threads == {"compute": 50, "Thread (_run)": 10}
+    assert stage.lines["Thread (_run)"] == {"(outside the project) _run_channel_spin_thread.<locals>.channel_spin "
+                                            "(_channel.py:1725)": 10}
+    gz = tmp_path / "spy.raw.gz"
+    gz.write_bytes(gzip.compress(RAW.encode()))
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "spy_summary.py"), str(gz), "--top", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[:3] == [
+        "== stage worker: 60 samples in 2 process(es)", "  compute: 50 samples (83%)",
+        "         50 100.0%  StageRuntime._loop (stage_worker/runtime.py:296) -> _engine_run_backward (graph.py:979)"]
