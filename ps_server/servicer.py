@@ -390,23 +390,30 @@ class ShardServicer:
                 self.trace.record("pull", request.vw, request.min_clock, answering, answered, requested=requested,
                                   c_global=result.c_global)
         if claim is not None:
-            written = False
-            try:
-                reply = list(wire.encode(result.values, pull=tag, ring=claim))
-                written = True
-            finally:
-                with self._cv:
-                    try:
-                        if not claim.done() and written:
-                            # Its slot went while it was written: in frames, the keys still marked.
-                            reply = list(wire.encode(result.values, pull=tag))
-                    finally:
-                        self._reading -= Counter(keys)   # and drops the keys no pull reads any more
-                        self._cv.notify_all()   # pushes of these keys, and pulls of this generation
-                    if written:
-                        self.trace.record("pull", request.vw, request.min_clock, answering, answered,
-                                          requested=requested, c_global=result.c_global, written=time.time())
+            reply = self._write_slot(claim, keys, result.values, tag)
+            with self._cv:
+                self.trace.record("pull", request.vw, request.min_clock, answering, answered,
+                                  requested=requested, c_global=result.c_global, written=time.time())
         return iter(reply)
+
+    def _write_slot(self, claim: Claim, keys: list[str], values: list[tuple[str, torch.Tensor]],
+                    tag: wire_pb2.PullTag) -> list[bytes]:
+        """A pull's reply written into its claimed slot, without the lock: its keys are marked as
+        read until then, and unmarked whatever happens (else their pushes would wait for good)."""
+        written = False
+        try:
+            reply = list(wire.encode(values, pull=tag, ring=claim))
+            written = True
+        finally:
+            with self._cv:
+                try:
+                    if not claim.done() and written:
+                        # Its slot went while it was written: in frames, the keys still marked.
+                        reply = list(wire.encode(values, pull=tag))
+                finally:
+                    self._reading -= Counter(keys)   # and drops the keys no pull reads any more
+                    self._cv.notify_all()   # pushes of these keys, and pulls of this generation
+        return reply
 
     @handler
     def Status(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> ps_pb2.ShardStatus:
