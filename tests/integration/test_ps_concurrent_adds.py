@@ -6,6 +6,7 @@ restore replays is still each key's order of applies."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -310,12 +311,21 @@ def test_an_add_that_fails_ends_the_shard_and_its_restart_replays_the_push_once(
     assert torch.equal(restored.values["l0.weight"], ps.expected["l0.weight"])
 
 
-def test_two_vws_of_two_stages_pushing_and_pulling_at_once_never_read_a_sum_half_added(tmp_path: Path) -> None:
+def test_two_vws_of_two_stages_pushing_and_pulling_at_once_never_read_a_sum_half_added(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two VWs x two stages, each stage on a thread of its own pushing its key (2M elements; one
     stage's in bf16, added a chunk at a time) and pulling it for every wave (one VW through shared
     memory, one in frames): each pull holds every push its clocks count, whole in every element,
     and the end holds each push once, as the log replays it. Integer sums from zeros: exact in
-    any order."""
+    any order. Each slot write starts 20 ms late, which widens the window in which a change of its
+    keys would tear it: without the pushes' wait for the readers it failed in 5 of 5 runs here."""
+    write = Claim.write
+
+    def late(claim: Claim, pieces: Any) -> Any:
+        time.sleep(0.02)
+        return write(claim, pieces)
+
+    monkeypatch.setattr(Claim, "write", late)
     waves, n = 16, 1 << 21
     servicer = ShardServicer(Shard(), Durability(str(tmp_path / "ckpt")), max_pull_wait_s=30.0)
     server = rpc.Server("127.0.0.1", 0, workers=16)
