@@ -371,9 +371,9 @@ class ShardServicer:
                 tag = wire_pb2.PullTag(c_global=result.c_global, own_clock=result.own_clock,
                                        vw_clocks=result.vw_clocks)
                 reply: Iterable[bytes] = ()
+                nbytes = _payload_bytes(result.values)
                 if request.shm:
-                    claim = self.pull_slots.claim(request.vw, keys, self.shard.generation,
-                                                  _payload_bytes(result.values))
+                    claim = self.pull_slots.claim(request.vw, keys, self.shard.generation, nbytes)
                     if claim.writes:
                         self._reading.update(keys)
                     else:   # in a slot already, or /dev/shm full: gRPC frames, copied here
@@ -385,7 +385,7 @@ class ShardServicer:
                 raise _rejected(exc) from None
             answered = time.time()
             self.pull_wait_seconds += time.monotonic() - started
-            self.sent_bytes += _payload_bytes(result.values)
+            self.sent_bytes += nbytes
             if claim is None:
                 self.trace.record("pull", request.vw, request.min_clock, answering, answered, requested=requested,
                                   c_global=result.c_global)
