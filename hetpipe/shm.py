@@ -27,7 +27,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -203,44 +203,91 @@ class Segment:
 class Writer(Protocol):
     """Where a sender puts a bundle's bytes for a peer on this host: a Ring, or a shard's pull slots."""
 
-    def write(self, pieces: Sequence[memoryview]) -> wire_pb2.ShmRef: ...
+    def refs(self, pieces: Sequence[memoryview]) -> Iterator[wire_pb2.ShmRef]:
+        """The handles of the pieces' bytes, in order, each slot written as its handle is asked for."""
+        ...
+
+
+# A bundle larger than WHOLE_UP_TO goes through a Ring in slots of CHUNK_BYTES, each handed on as
+# it is written: the receiver copies one out while the sender writes the next, where a whole slot
+# would be written, then copied, one after the other (two passes over the bundle in a row).
+CHUNK_BYTES = 8 << 20
+WHOLE_UP_TO = 16 << 20
+
+
+def chunks(pieces: Sequence[memoryview], chunk_bytes: int) -> Iterator[list[memoryview]]:
+    """The pieces' bytes in order, in groups of chunk_bytes (the last one shorter); a piece is
+    split where a group ends."""
+    group: list[memoryview] = []
+    size, first = 0, True
+    for piece in pieces:
+        while len(piece):
+            n = min(len(piece), chunk_bytes - size)
+            group.append(piece[:n])
+            size += n
+            piece = piece[n:]
+            if size == chunk_bytes:
+                yield group
+                group, size, first = [], 0, False
+    if group or first:
+        yield group   # an empty bundle still has its (empty) slot
 
 
 class Ring:
     """A sender's segments for one peer, used in turn: with `slots` of them a slot is rewritten
     only after that many later bundles, by which time the peer has long copied it out (a sender
-    that waits for each ack needs one; the receiver's version check catches any other case).
-    write() raises OSError where /dev/shm has no room; the caller sends in gRPC frames instead."""
+    that waits for each ack needs one; the receiver's version check catches any other case). A
+    slot holds one segment per chunk of its bundle (CHUNK_BYTES, for bundles over WHOLE_UP_TO).
+    Writing raises OSError where /dev/shm has no room; the caller sends in gRPC frames instead."""
 
-    def __init__(self, slots: int = 2) -> None:
+    def __init__(self, slots: int = 2, chunk_bytes: int = CHUNK_BYTES, whole_up_to: int = WHOLE_UP_TO) -> None:
         if slots < 1:
             raise ValueError(f"a ring needs at least one slot, got {slots}")
-        self._slots: list[Segment | None] = [None] * slots
+        if chunk_bytes < 1:
+            raise ValueError(f"a ring's chunks need at least one byte, got {chunk_bytes}")
+        self._slots: list[list[Segment | None]] = [[] for _ in range(slots)]
+        self._chunk_bytes, self._whole_up_to = chunk_bytes, whole_up_to
         self._turn = 0
         self._lock = threading.Lock()
         self.bytes_written = 0
 
-    def write(self, pieces: Sequence[memoryview]) -> wire_pb2.ShmRef:
-        nbytes = sum(len(p) for p in pieces)
+    def refs(self, pieces: Sequence[memoryview]) -> Iterator[wire_pb2.ShmRef]:
+        """The pieces in the next slot, in chunks if they are large, each written when its handle
+        is asked for: the handles go out while the rest is written. Every segment the bundle
+        needs is made first, so a /dev/shm without room fails before the first handle."""
+        whole = sum(len(p) for p in pieces) <= self._whole_up_to
+        groups = [list(pieces)] if whole else list(chunks(pieces, self._chunk_bytes))
         with self._lock:
             i = self._turn
             self._turn = (i + 1) % len(self._slots)
-            segment = self._slots[i]
+            segments = self._reserve(self._slots[i], [sum(len(p) for p in g) for g in groups])
+        for segment, group in zip(segments, groups):
+            with self._lock:   # not while close() runs
+                version = segment.write(group)
+                self.bytes_written += sum(len(p) for p in group)
+            yield wire_pb2.ShmRef(name=segment.name, version=version, nbytes=sum(len(p) for p in group))
+
+    @staticmethod
+    def _reserve(slot: list[Segment | None], sizes: list[int]) -> list[Segment]:
+        """A segment of the slot for each size, made or regrown where it is missing or too small."""
+        while len(slot) < len(sizes):
+            slot.append(None)
+        for j, nbytes in enumerate(sizes):
+            segment = slot[j]
             if segment is None or segment.capacity < nbytes:
                 if segment is not None:
-                    self._slots[i] = None  # closed: a new one that fails for room must not leave it here
+                    slot[j] = None  # closed: a new one that fails for room must not leave it here
                     segment.close()
-                segment = self._slots[i] = Segment(capacity(nbytes, PAGE))
-            version = segment.write(pieces)
-            self.bytes_written += nbytes
-            return wire_pb2.ShmRef(name=segment.name, version=version, nbytes=nbytes)
+                slot[j] = Segment(capacity(nbytes, PAGE))
+        return [s for s in slot[: len(sizes)] if s is not None]   # all of them, made above
 
     def close(self) -> None:
         with self._lock:
-            for segment in self._slots:
-                if segment is not None:
-                    segment.close()
-            self._slots = [None] * len(self._slots)
+            for slot in self._slots:
+                for segment in slot:
+                    if segment is not None:
+                        segment.close()
+                slot.clear()
 
 
 class Reader:

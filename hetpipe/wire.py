@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import mmap
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -153,7 +154,8 @@ def encode(
     straight from the tensor into the outgoing message, instead of through a protobuf object.
     Calls and replies that carry them skip gRPC's serializer (hetpipe.rpc registers and calls
     every TensorFrame stream that way). With a ring (a peer on this host), the bytes go into its
-    next shared-memory slot instead and the one frame carries the handle. With cuda (the bytes
+    next shared-memory slot instead and the frames carry only handles: one, or for a large bundle
+    one a chunk, each frame made as its chunk is written (shm.Ring.refs). With cuda (the bytes
     already lie in a CUDA IPC slot, hetpipe/cuda_ipc.py), the one frame carries its handles.
     """
     first = _first_frame(tensors, minibatch, push, init, pull, commit, exchange)
@@ -163,12 +165,15 @@ def encode(
         yield first.SerializeToString()
         return
     if ring is not None:
+        refs = ring.refs([raw_bytes(t) for _, t in tensors])
         try:
-            first.shm.CopyFrom(ring.write([raw_bytes(t) for _, t in tensors]))
+            first.shm.CopyFrom(next(refs))
         except OSError as exc:  # /dev/shm is full: this bundle goes in frames
             _warn_once(f"shared memory unavailable ({exc.strerror}); sending in gRPC frames")
         else:
             yield first.SerializeToString()
+            for ref in refs:   # a large bundle's further chunks, each written as the last one goes
+                yield wire_pb2.TensorFrame(shm=ref).SerializeToString()
             return
     # Field 9 is the highest-numbered field written here, so appending it keeps the canonical order.
     head: bytes | None = first.SerializeToString()
@@ -284,26 +289,48 @@ class Stream:
 
 def _shared(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | bytes], reader: shm.Reader | None,
             total: int) -> Iterator[memoryview]:
-    """The payload of a bundle whose bytes are in the sender's shared memory; checked once they are read."""
+    """The payload of a bundle whose bytes are in the sender's shared memory, a chunk a frame: the
+    first frame's handle is checked now, each chunk again once it is read. read()'s pieces check
+    that the chunks add up to the bundle."""
     if first.data:
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "a frame carries both data and a shared-memory handle")
     if reader is None:
         raise WireError(grpc.StatusCode.FAILED_PRECONDITION, "this call takes no shared-memory handles")
-    try:
-        view, mapping = reader.open(first.shm, total)
-    except shm.HandleError as exc:
-        raise WireError(exc.code, str(exc)) from None
+    opened = _chunk(reader, first.shm, total, total)
 
     def payloads() -> Iterator[memoryview]:
-        yield view
-        if next(it, None) is not None:
-            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "frames after a shared-memory handle")
-        try:
-            reader.verify(first.shm, mapping)   # the copy is done: was it overwritten meanwhile?
-        except shm.HandleError as exc:
-            raise WireError(exc.code, str(exc)) from None
+        ref, (view, mapping), left = first.shm, opened, total
+        while True:
+            yield view
+            left -= len(view)
+            try:
+                reader.verify(ref, mapping)   # the copy is done: was it overwritten meanwhile?
+            except shm.HandleError as exc:
+                raise WireError(exc.code, str(exc)) from None
+            frame = next(it, None)
+            if frame is None:
+                return
+            parsed = _parsed(frame)
+            if not parsed.HasField("shm") or len(parsed.ListFields()) != 1:
+                raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                                "a frame after a shared-memory handle carries more than the next chunk's handle")
+            ref = parsed.shm
+            view, mapping = _chunk(reader, ref, left, total)
 
     return payloads()
+
+
+def _chunk(reader: shm.Reader, ref: wire_pb2.ShmRef, left: int, total: int) -> tuple[memoryview, mmap.mmap]:
+    """One chunk's bytes and their mapping; the chunk must fit in the left of the bundle's total
+    bytes, and hold some unless the bundle holds none."""
+    if ref.nbytes > left or (ref.nbytes == 0 and total > 0):
+        raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"shared-memory handle of {ref.name[:80]} holds {ref.nbytes} bytes, where the shapes in "
+                        f"the header ({total} bytes) leave {left}")
+    try:
+        return reader.open(ref, ref.nbytes)
+    except shm.HandleError as exc:
+        raise WireError(exc.code, str(exc)) from None
 
 
 def _gpu(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | bytes], ipc: cuda_ipc.Opener | None,

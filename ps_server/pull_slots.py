@@ -4,7 +4,7 @@ generation of the values is copied into a slot once, however many VWs pull it.""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from hetpipe import shm
@@ -116,6 +116,10 @@ class Claim:
     def writes(self) -> bool:
         """Whether write() reads the values (its caller keeps them unchanged until done())."""
         return self._slot is not None
+
+    def refs(self, pieces: Sequence[memoryview]) -> Iterator[wire_pb2.ShmRef]:
+        """One handle: a reply goes whole into its slot, which pulls of its generation share."""
+        yield self.write(pieces)
 
     def write(self, pieces: Sequence[memoryview]) -> wire_pb2.ShmRef:
         """The handle of a slot holding pieces; OSError where /dev/shm has no room."""

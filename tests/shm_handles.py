@@ -51,11 +51,20 @@ def forged_handles(tensors: list[tuple[str, torch.Tensor]], **tag: Any) -> Itera
     """The bad handles of a bundle of these tensors under this tag, and a good one; every segment
     made here is removed on exit."""
     ring = shm.Ring(slots=1)
+    chunked_ring = shm.Ring(slots=1, chunk_bytes=16, whole_up_to=16)   # this bundle in chunks of 16 bytes
     junk = shm.SHM_DIR / f"{shm.PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     try:
         stale = messages(wire.encode(tensors, ring=ring, **tag))
         good = messages(wire.encode(tensors, ring=ring, **tag))   # the one slot moves on: `stale` is
         nbytes = good[0].shm.nbytes
+        chunked = messages(wire.encode(tensors, ring=chunked_ring, **tag))
+        assert len(chunked) > 2, "the forged chunks below need a bundle of three chunks or more"
+        beside = wire_pb2.TensorFrame()
+        beside.CopyFrom(chunked[1])
+        beside.data = b"\x00" * 4
+        empty = wire_pb2.TensorFrame()
+        empty.CopyFrom(chunked[1])
+        empty.shm.nbytes = 0
         junk.write_bytes(b"\x00not a segment" * 100)
         grpc_frames = messages(wire.encode(tensors, **tag))
         both = _edited(good)
@@ -75,10 +84,22 @@ def forged_handles(tensors: list[tuple[str, torch.Tensor]], **tag: Any) -> Itera
             "a future version": (_edited(good, version=good[0].shm.version + 2), Code.FAILED_PRECONDITION,
                                  "stale shared-memory handle"),
             "fewer bytes than the shapes": (_edited(good, nbytes=nbytes - 4), Code.INVALID_ARGUMENT,
-                                            f"holds {nbytes - 4} bytes, the shapes in the header {nbytes}"),
+                                            rf"byte length {nbytes - 4} does not match the shapes in the header \({nbytes} bytes\)"),
+            "more bytes than the shapes": (_edited(good, nbytes=nbytes + 4), Code.INVALID_ARGUMENT,
+                                           rf"holds {nbytes + 4} bytes, where the shapes in the header \({nbytes} bytes\) leave {nbytes}$"),
             "data beside the handle": (both, Code.INVALID_ARGUMENT, "both data and a shared-memory handle"),
             "frames after the handle": (good + [wire_pb2.TensorFrame(data=b"\x00" * 8)], Code.INVALID_ARGUMENT,
-                                        "frames after a shared-memory handle"),
+                                        "a frame after a shared-memory handle carries more than the next chunk's handle"),
+            # A large bundle goes in chunks, a handle a frame (shm.Ring.refs).
+            "a chunk past the bundle's end": (chunked + chunked[-1:], Code.INVALID_ARGUMENT,
+                                              rf"holds {chunked[-1].shm.nbytes} bytes, where the shapes in the header "
+                                              rf"\({nbytes} bytes\) leave 0"),
+            "data beside a chunk's handle": (chunked[:1] + [beside] + chunked[2:], Code.INVALID_ARGUMENT,
+                                             "carries more than the next chunk's handle"),
+            "an empty chunk": (chunked[:1] + [empty] + chunked[2:], Code.INVALID_ARGUMENT, "holds 0 bytes"),
+            "a chunk missing": (chunked[:1] + chunked[2:], Code.INVALID_ARGUMENT,
+                                rf"byte length {nbytes - chunked[1].shm.nbytes} does not match the shapes in the header "
+                                rf"\({nbytes} bytes\)"),
             # A CUDA IPC handle (hetpipe/cuda_ipc.py) goes only from a GPU stage to a GPU stage.
             "a CUDA IPC handle to a process off the GPU": (_with_cuda(good), Code.FAILED_PRECONDITION,
                                                            "takes no CUDA IPC handles"),
@@ -90,4 +111,5 @@ def forged_handles(tensors: list[tuple[str, torch.Tensor]], **tag: Any) -> Itera
         yield Handles(bad, good)
     finally:
         ring.close()
+        chunked_ring.close()
         junk.unlink(missing_ok=True)

@@ -25,17 +25,22 @@ class Neighbour:
 
     def __init__(self) -> None:
         self.got: list[int] = []
+        self.tensors: list[list[tuple[str, torch.Tensor]]] = []
+        self.frames: list[int] = []
         self.reader = shm.Reader()
         self.refuse: list[grpc.StatusCode] = []
         self.cv = threading.Condition()
 
     @handler
     def Forward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        bundle = wire.decode(request_iterator, reader=self.reader)
+        frames = list(request_iterator)
+        bundle = wire.decode(frames, reader=self.reader)
         with self.cv:
             if self.refuse:
                 raise Rejected(self.refuse.pop(0), "not now")
             self.got.append(int(bundle.header.minibatch.minibatch))
+            self.tensors.append(bundle.tensors)
+            self.frames.append(len(frames))
             self.cv.notify_all()
         return wire_pb2.Ack()
 
@@ -75,6 +80,32 @@ def test_sends_arrive_in_order_and_are_counted() -> None:
         while link.bytes_sent < 20 * (4 * 4 + 8) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert link.bytes_sent == 20 * (4 * 4 + 8) and not failures
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
+def test_large_bundles_go_through_shared_memory_in_chunks_and_arrive_whole() -> None:
+    """A bundle over shm.WHOLE_UP_TO travels a chunk a frame on the link's stream call (the
+    receiver copies one out while the next is written): every byte arrives, in order."""
+    neighbour = Neighbour()
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
+                shared_memory=True)
+    n = (shm.WHOLE_UP_TO + shm.CHUNK_BYTES // 2) // 4 + 3   # two chunks and a part, split mid-tensor
+    sent = []
+    try:
+        for p in range(1, 4):
+            tag = wire_pb2.MinibatchTag(vw=0, minibatch=p, stage=0)
+            sent.append([("activation", torch.arange(n, dtype=torch.float32) * p), ("target", torch.tensor([p]))])
+            link.send(Outgoing(tag, sent[-1]))
+        assert neighbour.wait_for(3) == [1, 2, 3] and not failures
+        assert neighbour.frames == [3, 3, 3], "a handle a chunk"
+        for got, want in zip(neighbour.tensors, sent):
+            assert [k for k, _ in got] == [k for k, _ in want]
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
+        assert link.ring is not None and link.ring.bytes_written == sum(4 * n + 8 for _ in sent)
     finally:
         link.close()
         server.stop(grace=0)

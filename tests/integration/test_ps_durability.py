@@ -132,20 +132,29 @@ def test_push_is_acknowledged_once_its_log_entry_is_on_disk(ps: InProcess, tmp_p
     assert restored.digest() == ps.servicer.shard.digest()
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 12], ids=["whole", "in-chunks"])
 def test_a_push_through_shared_memory_is_acknowledged_once_its_entry_is_written(ps: InProcess, tmp_path: Path,
-                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                                  chunk_bytes: int | None) -> None:
     """A pusher that shares the shard's machine (its push came through shared memory) is answered
     once the entry is whole in the page cache, without an fsync: a kill -9 of the shard keeps the
     entry (a restart replays it), and a restart of the machine would end the pusher as well. A
-    push in gRPC frames, from a pusher that may be elsewhere, still waits for the disk."""
+    push in gRPC frames, from a pusher that may be elsewhere, still waits for the disk. A large
+    push comes a chunk a frame, and is logged and applied the same."""
     c, durability = ps.client, ps.servicer.durability
     assert durability is not None
     durability.every_clocks = 10**6   # no checkpoint: it would cover the entries
     synced = record_fsyncs(monkeypatch)
-    ring = shm.Ring(slots=1)
+    ring = shm.Ring(slots=1) if chunk_bytes is None else shm.Ring(slots=1, chunk_bytes=chunk_bytes, whole_up_to=chunk_bytes)
     try:
         tag = wire_pb2.PushTag(vw=1, clock=1)
-        assert not c.stub.Push(iter(_frames(delta(1, 1), push=tag, ring=ring)), timeout=CALL_S).duplicate
+        frames = _frames(delta(1, 1), push=tag, ring=ring)
+        assert (len(frames) > 2) == (chunk_bytes is not None)
+        expected = {k: v.clone() for k, v in ps.servicer.shard.values.items()}
+        for key, value in delta(1, 1):
+            expected[key] += value
+        assert not c.stub.Push(iter(frames), timeout=CALL_S).duplicate
+        assert all(torch.equal(ps.servicer.shard.values[k], v) for k, v in expected.items())
         assert ps.servicer.shard.c_global() == 2 and not synced, "acknowledged without waiting for the disk"
         (written,) = durability.log_dir.glob("*.written")
         assert c.stub.Push(iter(_frames(delta(1, 1), push=tag, ring=ring)), timeout=CALL_S).duplicate

@@ -248,7 +248,7 @@ def test_a_push_logged_from_shared_memory_is_the_shards_own_copy(tmp_path: Path)
     try:
         pushed = [delta("a", shard, 2.0)]
         seq, logged = dur.log_stream(0, 0, wire.read(wire.encode(pushed, push=wire_pb2.PushTag(), ring=ring), reader))
-        ring.write([raw_bytes(torch.full_like(shard.values["a"], 7.0))])   # the stage's next use of the slot
+        next(ring.refs([raw_bytes(torch.full_like(shard.values["a"], 7.0))]))   # the stage's next use of the slot
         assert torch.equal(logged[0][1], pushed[0][1])
         dur.place(seq)
         assert shard.push(0, 0, logged)
@@ -256,7 +256,7 @@ def test_a_push_logged_from_shared_memory_is_the_shards_own_copy(tmp_path: Path)
         dur.sync(seq)
 
         torn = wire.read(wire.encode([delta("a", shard, 3.0)], push=wire_pb2.PushTag(), ring=ring), reader)
-        ring.write([raw_bytes(torch.full_like(shard.values["a"], 9.0))])   # while the shard reads it
+        next(ring.refs([raw_bytes(torch.full_like(shard.values["a"], 9.0))]))   # while the shard reads it
         with pytest.raises(wire.WireError, match="stale shared-memory handle") as info:
             dur.log_stream(0, 1, torn)
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION

@@ -84,6 +84,50 @@ def test_a_slot_overwritten_while_it_is_read_is_refused() -> None:
         ring.close()
 
 
+def test_a_large_bundle_goes_in_chunks_each_written_as_its_frame_is_asked_for() -> None:
+    """Over whole_up_to bytes a bundle travels a chunk a frame (tensors split where a chunk ends);
+    a chunk is written only when its frame is asked for, so the receiver copies one out while the
+    sender writes the next; the slot's segments are reused by the next bundle of the slot."""
+    bundle = _bundle()
+    nbytes = sum(t.numel() * t.element_size() for _, t in bundle)
+    chunk = 10_000   # not a multiple of any tensor's size: tensors are split across chunks
+    ring, reader = shm.Ring(slots=1, chunk_bytes=chunk, whole_up_to=chunk), shm.Reader()
+    before = _mine()
+    try:
+        for round_ in range(2):
+            frames = wire.encode(bundle, ring=ring)
+            sent = [next(frames)]
+            assert ring.bytes_written == (round_ * nbytes) + chunk, "only the first chunk is written yet"
+            sent += list(frames)
+            assert len(sent) == -(-nbytes // chunk) and ring.bytes_written == (round_ + 1) * nbytes
+            got = wire.decode(sent, reader=reader).tensors
+            assert [n for n, _ in got] == [n for n, _ in bundle]
+            assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(got, bundle))
+            assert len(_mine() - before) == len(sent), "one segment a chunk, the same ones each round"
+        small = list(wire.encode([("x", torch.ones(10))], ring=ring))   # whole again: the slot's first segment
+        assert len(small) == 1 and torch.equal(wire.decode(small, reader=reader).tensors[0][1], torch.ones(10))
+    finally:
+        ring.close()
+    assert _mine() == before
+
+
+def test_a_chunk_overwritten_while_it_is_read_is_refused() -> None:
+    """Each chunk is checked against its own version once it is copied out."""
+    ring, reader = shm.Ring(slots=1, chunk_bytes=4096, whole_up_to=4096), shm.Reader()
+    try:
+        frames = list(wire.encode(_bundle(), ring=ring))
+        stream = wire.read(frames, reader)
+        pieces = iter(stream.pieces)
+        next(pieces)                                   # the first chunk is being read ...
+        list(wire.encode(_bundle(), ring=ring))        # ... when the sender reuses the slot
+        with pytest.raises(wire.WireError, match="stale shared-memory handle") as info:
+            for _ in pieces:
+                pass
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        ring.close()
+
+
 def test_sweep_removes_a_killed_owners_segments_and_no_live_ones() -> None:
     """The launcher's part: a process killed with -9 cannot unlink its segments."""
     code = ("import sys, torch; from hetpipe import shm, wire; r = shm.Ring();"
@@ -155,15 +199,17 @@ def test_a_full_dev_shm_sends_in_frames(monkeypatch: pytest.MonkeyPatch) -> None
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    ring, before = shm.Ring(), set(shm.segments())
-    try:
-        frames = list(wire.encode(_bundle(), ring=ring))
-        assert not wire_pb2.TensorFrame.FromString(frames[0]).HasField("shm")
-        got = wire.decode(frames, reader=shm.Reader()).tensors
-        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, _bundle()))
-        assert set(shm.segments()) <= before and not list(shm.SHM_DIR.glob(f"{shm.PREFIX}{os.getpid()}-*.new"))
-    finally:
-        ring.close()
+    # Whole, and in chunks: every chunk's segment is made before the first handle goes out.
+    for ring in shm.Ring(), shm.Ring(chunk_bytes=4096, whole_up_to=4096):
+        before = set(shm.segments())
+        try:
+            frames = list(wire.encode(_bundle(), ring=ring))
+            assert not wire_pb2.TensorFrame.FromString(frames[0]).HasField("shm")
+            got = wire.decode(frames, reader=shm.Reader()).tensors
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, _bundle()))
+            assert set(shm.segments()) <= before and not list(shm.SHM_DIR.glob(f"{shm.PREFIX}{os.getpid()}-*.new"))
+        finally:
+            ring.close()
 
 
 def _mapped_here(name: str) -> list[str]:
