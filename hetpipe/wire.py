@@ -296,7 +296,7 @@ def _shared(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | byt
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "a frame carries both data and a shared-memory handle")
     if reader is None:
         raise WireError(grpc.StatusCode.FAILED_PRECONDITION, "this call takes no shared-memory handles")
-    opened = _chunk(reader, first.shm, total, total)
+    opened = _chunk(reader, first.shm, total, total, first=True)
 
     def payloads() -> Iterator[memoryview]:
         ref, (view, mapping), left = first.shm, opened, total
@@ -315,15 +315,16 @@ def _shared(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | byt
                 raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
                                 "a frame after a shared-memory handle carries more than the next chunk's handle")
             ref = parsed.shm
-            view, mapping = _chunk(reader, ref, left, total)
+            view, mapping = _chunk(reader, ref, left, total, first=False)
 
     return payloads()
 
 
-def _chunk(reader: shm.Reader, ref: wire_pb2.ShmRef, left: int, total: int) -> tuple[memoryview, mmap.mmap]:
-    """One chunk's bytes and their mapping; the chunk must fit in the left of the bundle's total
-    bytes, and hold some unless the bundle holds none."""
-    if ref.nbytes > left or (ref.nbytes == 0 and total > 0):
+def _chunk(reader: shm.Reader, ref: wire_pb2.ShmRef, left: int, total: int, *,
+           first: bool) -> tuple[memoryview, mmap.mmap]:
+    """One chunk's bytes and their mapping; the chunk must fit in what is left of the bundle's
+    total bytes, and hold some, unless it is the one chunk of a bundle that holds none."""
+    if ref.nbytes > left or (ref.nbytes == 0 and not (first and total == 0)):
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"shared-memory handle of {ref.name[:80]} holds {ref.nbytes} bytes, where the shapes in "
                         f"the header ({total} bytes) leave {left}")

@@ -238,15 +238,19 @@ def test_an_entry_is_a_safetensors_file_even_over_a_longer_one(tmp_path: Path, d
         assert loaded[name].dtype == dtype and torch.equal(loaded[name], tensor), name
 
 
-def test_a_push_logged_from_shared_memory_is_the_shards_own_copy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk_bytes", [None, 8], ids=["whole", "in-chunks"])
+def test_a_push_logged_from_shared_memory_is_the_shards_own_copy(tmp_path: Path, chunk_bytes: int | None) -> None:
     """The entry is the copy the shard applies: the stage writing its slot again afterwards
     changes neither; a slot rewritten while it was being logged is refused as stale, and its
-    entry becomes a spare that no restore replays."""
+    entry becomes a spare that no restore replays. The same for a push a chunk a frame."""
     shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
     dur.checkpoint(shard)
-    ring, reader = shm.Ring(slots=1), shm.Reader()
+    ring = shm.Ring(slots=1) if chunk_bytes is None else shm.Ring(slots=1, chunk_bytes=chunk_bytes, whole_up_to=chunk_bytes)
+    reader = shm.Reader()
     try:
         pushed = [delta("a", shard, 2.0)]
+        frames = list(wire.encode(pushed, push=wire_pb2.PushTag(), ring=ring))
+        assert (len(frames) > 1) == (chunk_bytes is not None)
         seq, logged = dur.log_stream(0, 0, wire.read(wire.encode(pushed, push=wire_pb2.PushTag(), ring=ring), reader))
         next(ring.refs([raw_bytes(torch.full_like(shard.values["a"], 7.0))]))   # the stage's next use of the slot
         assert torch.equal(logged[0][1], pushed[0][1])

@@ -112,20 +112,71 @@ def test_a_large_bundle_goes_in_chunks_each_written_as_its_frame_is_asked_for() 
 
 
 def test_a_chunk_overwritten_while_it_is_read_is_refused() -> None:
-    """Each chunk is checked against its own version once it is copied out."""
+    """Each chunk is checked against its own version once it is copied out: here only the first
+    chunk is written over, while it is read (the chunks after it are still the bundle's)."""
     ring, reader = shm.Ring(slots=1, chunk_bytes=4096, whole_up_to=4096), shm.Reader()
     try:
-        frames = list(wire.encode(_bundle(), ring=ring))
+        frames = list(wire.encode([("x", torch.zeros(3000))], ring=ring))
+        assert len(frames) == 3
         stream = wire.read(frames, reader)
         pieces = iter(stream.pieces)
-        next(pieces)                                   # the first chunk is being read ...
-        list(wire.encode(_bundle(), ring=ring))        # ... when the sender reuses the slot
+        next(pieces)                                                  # the first chunk is being read ...
+        next(wire.encode([("x", torch.ones(3000))], ring=ring))       # ... when the sender writes it again
         with pytest.raises(wire.WireError, match="stale shared-memory handle") as info:
             for _ in pieces:
                 pass
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         ring.close()
+
+
+def test_a_bundle_whose_call_ended_writes_no_chunk_once_a_later_one_has_its_slot() -> None:
+    """gRPC's thread may ask an ended call's frames for one more after a retry took the slot:
+    that late chunk is not written, so the retry's chunks stay as it sent them."""
+    ring, reader = shm.Ring(slots=1, chunk_bytes=4096, whole_up_to=4096), shm.Reader()
+    try:
+        ended = wire.encode([("x", torch.zeros(3000))], ring=ring)
+        next(ended)                                                   # the call that ended
+        retry = list(wire.encode([("x", torch.ones(3000))], ring=ring))
+        assert list(ended) == [], "the ended call's generator wrote on"
+        (_, got), = wire.decode(retry, reader=reader).tensors
+        assert torch.equal(got, torch.ones(3000))
+    finally:
+        ring.close()
+
+
+def test_an_empty_bundle_takes_no_further_chunks() -> None:
+    ring, reader = shm.Ring(slots=1), shm.Reader()
+    try:
+        (frame,) = messages = list(wire.encode([("none", torch.zeros(0))], ring=ring))
+        assert wire.decode(messages, reader=reader).tensors[0][1].numel() == 0
+        ref = wire_pb2.TensorFrame.FromString(frame).shm
+        more = wire_pb2.TensorFrame(shm=ref).SerializeToString()   # an empty chunk after it
+        with pytest.raises(wire.WireError, match="holds 0 bytes") as info:
+            wire.decode([frame, more], reader=reader)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        ring.close()
+
+
+def test_a_reader_keeps_every_chunk_of_several_large_senders_mapped() -> None:
+    """A shard reads every VW's large pushes, a segment a chunk: its reader keeps them all mapped
+    (a mapping made anew faults its pages in again on every read)."""
+    rings = [shm.Ring(slots=1, chunk_bytes=4096, whole_up_to=4096) for _ in range(4)]
+    reader = shm.Reader()
+    bundle = [("x", torch.arange(40_000.0))]   # 40 chunks a sender
+    try:
+        for ring in rings:
+            wire.decode(list(wire.encode(bundle, ring=ring)), reader=reader)
+        mapped = dict(reader._maps)
+        for ring in rings:
+            (_, got), = wire.decode(list(wire.encode(bundle, ring=ring)), reader=reader).tensors
+            assert torch.equal(got, bundle[0][1])
+        assert len(mapped) == 160 and all(reader._maps[name][0] is m for name, (m, _) in mapped.items()), \
+            "a chunk's segment was mapped anew"
+    finally:
+        for ring in rings:
+            ring.close()
 
 
 def test_sweep_removes_a_killed_owners_segments_and_no_live_ones() -> None:
@@ -210,6 +261,32 @@ def test_a_full_dev_shm_sends_in_frames(monkeypatch: pytest.MonkeyPatch) -> None
             assert set(shm.segments()) <= before and not list(shm.SHM_DIR.glob(f"{shm.PREFIX}{os.getpid()}-*.new"))
         finally:
             ring.close()
+
+
+def test_a_dev_shm_that_fills_up_midway_through_a_bundles_chunks_sends_it_in_frames(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every segment a bundle needs is made before its first handle goes out: where the third
+    finds no room, the bundle goes in gRPC frames (a handle already sent could not be taken back)."""
+    import errno
+
+    real, made = os.posix_fallocate, [0]
+
+    def third_full(fd: int, offset: int, length: int) -> None:
+        made[0] += 1
+        if made[0] == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", third_full)
+    ring, before = shm.Ring(chunk_bytes=4096, whole_up_to=4096), _mine()
+    try:
+        frames = list(wire.encode([("x", torch.arange(5000.0))], ring=ring))
+        assert not any(wire_pb2.TensorFrame.FromString(f).HasField("shm") for f in frames)
+        (_, got), = wire.decode(frames).tensors
+        assert torch.equal(got, torch.arange(5000.0))
+    finally:
+        ring.close()
+    assert _mine() == before
 
 
 def _mapped_here(name: str) -> list[str]:
