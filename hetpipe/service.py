@@ -6,6 +6,7 @@ import argparse
 import ctypes
 import logging
 import os
+import resource
 import socket
 import sys
 import threading
@@ -100,6 +101,7 @@ def run_server(
     """Starts server and metrics, handles signals and orphaning, registers, and blocks until
     stopped. Returns the exit code: EXIT_ORPHANED when the coordinator that gave this process
     its job restarted (holds_job: whether it has one), else 0."""
+    raise_open_files_limit()
     metrics_port = metrics.serve(flags.metrics_port, flags.host)  # where --host says, as gRPC
     server.start()
     server.stop_on_signals(shutdown)
@@ -127,6 +129,29 @@ def run_server(
     server.wait()
     stopped.set()
     return EXIT_ORPHANED if orphaned.is_set() else 0
+
+
+# A soft limit raised no higher than this where the hard one is unlimited (Linux refuses more
+# than fs.nr_open, 1048576 by default).
+MAX_OPEN_FILES = 1 << 20
+
+
+def raise_open_files_limit() -> int:
+    """Raises this process's soft limit on open files to its hard limit; returns the soft limit.
+
+    Every shared-memory segment a process keeps mapped holds a descriptor: a reader keeps up to
+    256 mappings (a shard reading the chunks of several VWs' large pushes, a stage its two
+    neighbours'), and a sender's segment holds two. A stage with both readers full and rings of
+    GiB bundles passes 1024, the common soft default, and would fail to map a segment."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):  # a limit the kernel will not grant: keep the one we have
+            pass
+    return soft
 
 
 def return_large_buffers() -> None:

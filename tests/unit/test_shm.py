@@ -111,17 +111,22 @@ def test_a_large_bundle_goes_in_chunks_each_written_as_its_frame_is_asked_for() 
     assert _mine() == before
 
 
-def test_a_chunk_overwritten_while_it_is_read_is_refused() -> None:
-    """Each chunk is checked against its own version once it is copied out: here only the first
-    chunk is written over, while it is read (the chunks after it are still the bundle's)."""
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_a_chunk_overwritten_while_it_is_read_is_refused(chunk: int) -> None:
+    """Each chunk is checked against its own version once it is copied out: here one chunk alone
+    is written over while it is read (those before it checked already, those after still the
+    bundle's)."""
     ring, reader = shm.Ring(slots=1, chunk_bytes=4096, whole_up_to=4096), shm.Reader()
     try:
-        frames = list(wire.encode([("x", torch.zeros(3000))], ring=ring))
+        frames = list(wire.encode([("x", torch.zeros(3000))], ring=ring))   # 12000 bytes: 3 chunks
         assert len(frames) == 3
         stream = wire.read(frames, reader)
         pieces = iter(stream.pieces)
-        next(pieces)                                                  # the first chunk is being read ...
-        next(wire.encode([("x", torch.ones(3000))], ring=ring))       # ... when the sender writes it again
+        for _ in range(chunk + 1):
+            next(pieces)                                              # chunk `chunk` is being read ...
+        again = wire.encode([("x", torch.ones(3000))], ring=ring)
+        for _ in range(chunk + 1):
+            next(again)                                               # ... when the sender writes it again
         with pytest.raises(wire.WireError, match="stale shared-memory handle") as info:
             for _ in pieces:
                 pass
