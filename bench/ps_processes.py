@@ -81,7 +81,8 @@ def _client_run(conn: Connection, cfg: dict[str, Any]) -> None:
         # Exactly WspSync._push's call.
         tag = wire_pb2.PushTag(vw=vw, clock=wave)
         tensors = [(key, update[key]) for key in groups[shard]]
-        reply = stubs[shard].Push(wire.encode(tensors, push=tag, ring=rings[shard]), timeout=rpc.DATA_DEADLINE_S)
+        reply = rpc.send_bundle(stubs[shard], "Push", wire.encode(tensors, push=tag, ring=rings[shard]),
+                                timeout=rpc.DATA_DEADLINE_S)
         if reply.duplicate:
             raise RuntimeError(f"vw {vw}: push of wave {wave} to shard {shard} was taken for a duplicate")
 

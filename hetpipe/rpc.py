@@ -387,12 +387,17 @@ def send_bundle(stub: Stub, method: str, frames: Iterator[bytes], duplex: Duplex
                 **kwargs: Any) -> Any:
     """Calls `method` with a TensorFrame stream; a bundle in one frame (in shared memory, or
     small) goes through duplex when there is one, else by the unary twin `methodFrame`: a stream
-    call costs a thread to feed it and about twice a unary call's latency."""
+    call costs a thread to feed it and about twice a unary call's latency. frames: wire.encode's,
+    which say whether the first is the only one; any other iterator is asked for a second."""
     first = next(frames)   # wire.encode yields at least the header
-    second = next(frames, None)
-    if second is None:
+    single = getattr(frames, "single", None)
+    if single is None:
+        second = next(frames, None)
+        single = second is None
+        frames = itertools.chain([] if second is None else [second], frames)
+    if single:
         return duplex.call(first) if duplex is not None else getattr(stub, f"{method}Frame")(first, **kwargs)
-    return getattr(stub, method)(itertools.chain([first, second], frames), **kwargs)
+    return getattr(stub, method)(itertools.chain([first], frames), **kwargs)
 
 
 R = TypeVar("R")

@@ -135,6 +135,22 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+class Frames:
+    """encode()'s frames, serialized, made as they are asked for; `single`, once the first is out:
+    whether no other follows. rpc.send_bundle reads it rather than ask for a second frame, which
+    for a bundle in shared-memory chunks would be written before the call even starts."""
+
+    def __init__(self) -> None:
+        self.single: bool | None = None
+        self._frames: Iterator[bytes] = iter(())
+
+    def __iter__(self) -> Frames:
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._frames)
+
+
 def encode(
     tensors: Sequence[tuple[str, torch.Tensor]],
     *,
@@ -147,7 +163,7 @@ def encode(
     chunk_bytes: int = CHUNK_BYTES,
     ring: shm.Writer | None = None,
     cuda: tuple[wire_pb2.ShmRef, wire_pb2.CudaRef] | None = None,
-) -> Iterator[bytes]:
+) -> Frames:
     """The frames of one tensor bundle, serialized: the first carries the header and metas.
 
     Byte for byte what the TensorFrame messages serialize to, but each payload is copied once,
@@ -158,25 +174,39 @@ def encode(
     one a chunk, each frame made as its chunk is written (shm.Ring.refs). With cuda (the bytes
     already lie in a CUDA IPC slot, hetpipe/cuda_ipc.py), the one frame carries its handles.
     """
+    frames = Frames()
     first = _first_frame(tensors, minibatch, push, init, pull, commit, exchange)
+    frames._frames = _frames(frames, first, tensors, chunk_bytes, ring, cuda)
+    return frames
+
+
+def _frames(out: Frames, first: wire_pb2.TensorFrame, tensors: Sequence[tuple[str, torch.Tensor]],
+            chunk_bytes: int, ring: shm.Writer | None,
+            cuda: tuple[wire_pb2.ShmRef, wire_pb2.CudaRef] | None) -> Iterator[bytes]:
+    """encode()'s frames; sets out.single before the first one goes."""
     if cuda is not None:
         first.shm.CopyFrom(cuda[0])
         first.cuda.CopyFrom(cuda[1])
+        out.single = True
         yield first.SerializeToString()
         return
+    raw = [raw_bytes(t) for _, t in tensors]
+    total = sum(len(r) for r in raw)
     if ring is not None:
-        refs = ring.refs([raw_bytes(t) for _, t in tensors])
+        refs = ring.refs(raw)
         try:
             first.shm.CopyFrom(next(refs))
         except OSError as exc:  # /dev/shm is full: this bundle goes in frames
             _warn_once(f"shared memory unavailable ({exc.strerror}); sending in gRPC frames")
         else:
+            out.single = first.shm.nbytes == total
             yield first.SerializeToString()
             for ref in refs:   # a large bundle's further chunks, each written as the last one goes
                 yield wire_pb2.TensorFrame(shm=ref).SerializeToString()
             return
     # Field 9 is the highest-numbered field written here, so appending it keeps the canonical order.
     head: bytes | None = first.SerializeToString()
+    out.single = total <= chunk_bytes   # one group: _groups fills a frame up to chunk_bytes
     for group in _groups(tensors, chunk_bytes):
         yield b"".join((head or b"", _DATA_TAG_BYTE, _varint(sum(len(p) for p in group)), *group))
         head = None

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ class Outgoing:
     ready: Any = None   # a torch.cuda.Event: the tensors' copies to the host are done once it is
     staged: ipc.Staged | None = None   # the tensors are being copied into this CUDA IPC slot
 
-    def encode(self, ring: shm.Ring | None, gpu: ipc.Ring | None = None) -> Iterator[bytes]:
+    def encode(self, ring: shm.Ring | None, gpu: ipc.Ring | None = None) -> wire.Frames:
         if isinstance(self.tag, wire_pb2.CommitTag):
             return wire.encode(self.tensors, commit=self.tag, ring=ring)
         if self.staged is not None and gpu is not None:

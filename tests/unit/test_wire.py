@@ -353,3 +353,57 @@ def test_bad_stream_is_answered_with_invalid_argument(stage_server: tuple[str, _
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "malformed TensorFrame" in (info.value.details() or "")
     assert recorder.bundles == []
+
+
+class _Stub:
+    """Stands in for a generated stub: records which call a bundle took, and what the sender's
+    ring had written when the call began (before gRPC asks for the frames after the first)."""
+
+    def __init__(self, ring: Any = None) -> None:
+        self.ring, self.calls = ring, []
+
+    def Push(self, frames: Iterator[bytes], **kwargs: Any) -> list[bytes]:
+        self.calls.append(("stream", None if self.ring is None else self.ring.bytes_written))
+        return list(frames)
+
+    def PushFrame(self, frame: bytes, **kwargs: Any) -> list[bytes]:
+        self.calls.append(("unary", None))
+        return [frame]
+
+
+@pytest.mark.parametrize("nbytes, chunk_bytes, call", [(4096, 1 << 20, "unary"), (0, 1 << 20, "unary"),
+                                                        (1024, 1024, "unary"), (1028, 1024, "stream"),
+                                                        (4096, 1024, "stream")])
+def test_send_bundle_takes_the_unary_call_for_one_frame_without_asking_for_a_second(
+        nbytes: int, chunk_bytes: int, call: str) -> None:
+    tensors = [("x", torch.arange(nbytes // 4, dtype=torch.float32))]
+    frames = wire.encode(tensors, chunk_bytes=chunk_bytes)
+    stub = _Stub()
+    sent = rpc.send_bundle(stub, "Push", frames)   # type: ignore[arg-type]
+    assert [c for c, _ in stub.calls] == [call]
+    (_, got), = wire.decode(sent).tensors
+    assert torch.equal(got, tensors[0][1])
+    # Any other iterator is asked for a second frame.
+    stub = _Stub()
+    rpc.send_bundle(stub, "Push", iter(list(wire.encode(tensors, chunk_bytes=chunk_bytes))))   # type: ignore[arg-type]
+    assert [c for c, _ in stub.calls] == [call]
+
+
+def test_a_bundle_in_shared_memory_chunks_starts_its_call_before_the_second_chunk_is_written() -> None:
+    """The receiver copies a chunk out while the sender writes the next: the call must begin
+    once the first chunk is written, not after the second (rpc.send_bundle used to peek at it)."""
+    from hetpipe import shm
+
+    ring = shm.Ring(slots=1, chunk_bytes=4096, whole_up_to=4096)
+    try:
+        tensors = [("x", torch.arange(3000, dtype=torch.float32))]   # 12000 bytes: 3 chunks
+        stub = _Stub(ring)
+        sent = rpc.send_bundle(stub, "Push", wire.encode(tensors, ring=ring))   # type: ignore[arg-type]
+        assert stub.calls == [("stream", 4096)] and len(sent) == 3
+        (_, got), = wire.decode(sent, reader=shm.Reader()).tensors
+        assert torch.equal(got, tensors[0][1])
+        stub = _Stub(ring)
+        small = [("x", torch.ones(10))]
+        assert rpc.send_bundle(stub, "Push", wire.encode(small, ring=ring)) and stub.calls == [("unary", None)]   # type: ignore[arg-type]
+    finally:
+        ring.close()
