@@ -394,7 +394,8 @@ def send_bundle(stub: Stub, method: str, frames: Iterator[bytes], duplex: Duplex
     if single is None:
         second = next(frames, None)
         single = second is None
-        frames = itertools.chain([] if second is None else [second], frames)
+        if second is not None:
+            frames = itertools.chain([second], frames)
     if single:
         return duplex.call(first) if duplex is not None else getattr(stub, f"{method}Frame")(first, **kwargs)
     return getattr(stub, method)(itertools.chain([first], frames), **kwargs)

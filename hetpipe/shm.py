@@ -259,13 +259,14 @@ class Ring:
         needs is made first, so a /dev/shm without room fails before the first handle."""
         whole = sum(len(p) for p in pieces) <= self._whole_up_to
         groups = [list(pieces)] if whole else list(chunks(pieces, self._chunk_bytes))
+        sizes = [sum(len(p) for p in g) for g in groups]
         with self._lock:
             i = self._turn
             self._turn = (i + 1) % len(self._slots)
-            segments = self._reserve(self._slots[i], [sum(len(p) for p in g) for g in groups])
+            segments = self._reserve(self._slots[i], sizes)
             self._taken += 1
             self._writers[i] = mine = self._taken
-        for segment, group in zip(segments, groups):
+        for segment, group, nbytes in zip(segments, groups, sizes):
             with self._lock:   # not while close() runs
                 if self._writers[i] != mine:
                     # A later bundle has the slot: this one's call ended (a retry took its place)
@@ -273,8 +274,8 @@ class Ring:
                     # that bundle's chunk.
                     return
                 version = segment.write(group)
-                self.bytes_written += sum(len(p) for p in group)
-            yield wire_pb2.ShmRef(name=segment.name, version=version, nbytes=sum(len(p) for p in group))
+                self.bytes_written += nbytes
+            yield wire_pb2.ShmRef(name=segment.name, version=version, nbytes=nbytes)
 
     @staticmethod
     def _reserve(slot: list[Segment | None], sizes: list[int]) -> list[Segment]:

@@ -138,11 +138,12 @@ def _varint(value: int) -> bytes:
 class Frames:
     """encode()'s frames, serialized, made as they are asked for; `single`, once the first is out:
     whether no other follows. rpc.send_bundle reads it rather than ask for a second frame, which
-    for a bundle in shared-memory chunks would be written before the call even starts."""
+    for a bundle in shared-memory chunks would be written before the call even starts.
+    make(frames) yields them, and sets frames.single before the first."""
 
-    def __init__(self) -> None:
+    def __init__(self, make: Callable[[Frames], Iterator[bytes]]) -> None:
         self.single: bool | None = None
-        self._frames: Iterator[bytes] = iter(())
+        self._frames = make(self)
 
     def __iter__(self) -> Frames:
         return self
@@ -174,10 +175,8 @@ def encode(
     one a chunk, each frame made as its chunk is written (shm.Ring.refs). With cuda (the bytes
     already lie in a CUDA IPC slot, hetpipe/cuda_ipc.py), the one frame carries its handles.
     """
-    frames = Frames()
     first = _first_frame(tensors, minibatch, push, init, pull, commit, exchange)
-    frames._frames = _frames(frames, first, tensors, chunk_bytes, ring, cuda)
-    return frames
+    return Frames(lambda out: _frames(out, first, tensors, chunk_bytes, ring, cuda))
 
 
 def _frames(out: Frames, first: wire_pb2.TensorFrame, tensors: Sequence[tuple[str, torch.Tensor]],
@@ -190,10 +189,11 @@ def _frames(out: Frames, first: wire_pb2.TensorFrame, tensors: Sequence[tuple[st
         out.single = True
         yield first.SerializeToString()
         return
-    raw = [raw_bytes(t) for _, t in tensors]
-    total = sum(len(r) for r in raw)
+    # Counted, not read: in frames, a tensor that is not a contiguous CPU one is copied to the
+    # host only when its turn comes (_pieces), not all of them at once.
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
     if ring is not None:
-        refs = ring.refs(raw)
+        refs = ring.refs([raw_bytes(t) for _, t in tensors])
         try:
             first.shm.CopyFrom(next(refs))
         except OSError as exc:  # /dev/shm is full: this bundle goes in frames
