@@ -140,12 +140,15 @@ class Durability:
         self._captured = 0                 # checkpoints captured; the number of the last one written:
         self._written = 0
         self._write_lock = threading.Lock()
-        # Read before this start's boot id replaces it: written entries outlive a process, not a
-        # machine. No boot id recorded: a first start, with no written entry.
-        boot = _boot_id()
-        recorded = self.boot_path.read_text() if self.boot_path.exists() else ""
-        self._machine_restarted = not boot or recorded != boot
-        write_text_atomically(self.boot_path, boot, durable=True)
+        # Written entries outlive a process, not a machine. The recorded boot id vouches for every
+        # written entry in the folder, so this start's replaces it only once none from before a
+        # restart is left (here, or in restore once it has dropped them): a start that dies in
+        # between leaves them suspect for the next. No boot id recorded: a first start.
+        self._boot = _boot_id()
+        self._recorded = self.boot_path.read_text() if self.boot_path.exists() else ""
+        self._machine_restarted = not self._boot or self._recorded != self._boot
+        if not any(self.log_dir.glob(f"*{WRITTEN_SUFFIX}")):
+            self._record_boot()
 
     @property
     def checkpoint_path(self) -> Path:
@@ -163,6 +166,11 @@ class Durability:
     @property
     def boot_path(self) -> Path:
         return self.dir / "boot_id"
+
+    def _record_boot(self) -> None:
+        if self._recorded != self._boot:
+            write_text_atomically(self.boot_path, self._boot, durable=True)
+            self._recorded = self._boot
 
     def entries(self) -> list[Path]:
         """The log's entries, oldest first."""
@@ -184,6 +192,7 @@ class Durability:
                 fsync(left)
                 os.replace(left, self.entry_path(_seq_of(left)))
         fsync(self.log_dir)
+        self._record_boot()
         covered = 0
         if self.checkpoint_path.exists():
             snap = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)

@@ -83,6 +83,24 @@ def test_an_entry_not_yet_on_disk_is_replayed_after_a_kill_but_not_after_a_machi
     assert damaged.clocks == {"a": [0, 0], "b": [0, 1]}
 
 
+def test_a_start_after_a_machine_restart_that_dies_before_restore_leaves_the_old_entries_suspect(
+        tmp_path: Path) -> None:
+    """The folder's boot id vouches for its written entries: the first start after a power cut must
+    not record its own until it has dropped those, or the next start replays what may be torn."""
+    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
+    dur.checkpoint(shard)
+    unsynced, _ = log_push(dur, 0, 0, [delta("a", shard)])
+    dur.place(unsynced)
+    assert shard.push(0, 0, [delta("a", shard)])
+    dur.settle(unsynced, applied=True)                 # applied; the machine lost power before sync()
+    dur.boot_path.write_text("a boot before this one\n")
+    Durability(str(tmp_path))                          # a start that dies before its restore
+    again = Shard()
+    assert Durability(str(tmp_path)).restore(again) == 0
+    assert again.clocks["a"] == [0, 0], "an entry written before the machine restarted was replayed"
+    assert dur.boot_path.read_text() != "a boot before this one\n", "restore records this boot once it is safe"
+
+
 def test_entries_a_checkpoint_covered_are_written_over_then_deleted_at_close(tmp_path: Path) -> None:
     """Once covered, an entry's file is a spare that a later entry is written into (same inode, no
     new file), shorter or longer than before; restore reads them right; close() deletes spares."""
