@@ -50,11 +50,13 @@ class Inbox:
         if header.WhichOneof("header") == "commit":
             _check_verdicts_alone(s, header.commit, len(metas))
             return None
-        p, k = _check(s, header, len(metas), s.setup.stage - 1, "activation", training)
+        p, k = _check(s, header, len(metas), s.setup.stage - 1, "activation")
         if k and p in self.eval_received.get(k, ()):  # the last stage would count it twice
             raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"activation: evaluation {k} minibatch {p} arrived already")
         m, spec = _micro(s, header, "activation", s.setup.specs.activation, training=not k)
         spec.check("activation", *metas[0])
+        if not k:
+            _check_training(s, p, m, "forward", training)
         _check_verdicts(s, header.minibatch.verdicts, "activation")
         return p, k, m
 
@@ -86,9 +88,10 @@ class Inbox:
         """check_forward's twin for a gradient from the next stage; returns its minibatch and micro-batch."""
         if s.setup.last:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the last stage computes the loss and takes no gradients")
-        p, _ = _check(s, header, len(metas), s.setup.stage + 1, "gradient", training)
+        p, _ = _check(s, header, len(metas), s.setup.stage + 1, "gradient")
         m, spec = _micro(s, header, "gradient", s.setup.specs.output, training=True)
         spec.check("gradient", *metas[0])
+        _check_training(s, p, m, "backward", training)
         tag = header.minibatch
         if s.scaling is not None and not (math.isfinite(tag.loss_scale) and tag.loss_scale >= 1.0):
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
@@ -117,11 +120,15 @@ def _check_verdicts_alone(s: Loaded, tag: wire_pb2.CommitTag, tensors: int) -> N
                                                          f"expected stage {s.setup.stage - 1} of vw {s.setup.vw}")
     if tensors:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"verdicts: expected no tensors, got {tensors}")
+    known = s.scaling.verdicts
+    if tag.verdicts.through <= known.through and set(tag.verdicts.skipped) <= known.skipped:
+        # Only the minibatches after the last verdicts can be new: this is a resend (its answer lost).
+        raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"verdicts through minibatch {tag.verdicts.through} "
+                                                       "arrived already")
     _check_verdicts(s, tag.verdicts, "verdicts")
 
 
-def _check(s: Loaded, header: wire_pb2.TensorFrame, tensors: int, from_stage: int, what: str,
-           training: bool) -> tuple[int, int]:
+def _check(s: Loaded, header: wire_pb2.TensorFrame, tensors: int, from_stage: int, what: str) -> tuple[int, int]:
     """(minibatch, evaluation) of a valid single-tensor input from stage from_stage."""
     if header.WhichOneof("header") != "minibatch":
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: first frame lacks the minibatch tag")
@@ -136,10 +143,20 @@ def _check(s: Loaded, header: wire_pb2.TensorFrame, tensors: int, from_stage: in
                      or tag.eval > s.evals.schedule.final_id or what != "activation"):
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: evaluation {tag.eval} minibatch {tag.minibatch} "
                                                          f"is not one this stage runs")
-    if not training and not tag.eval:
-        raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                       f"{what} for minibatch {tag.minibatch} refused in state DONE: training has ended")
     return int(tag.minibatch), int(tag.eval)
+
+
+def _check_training(s: Loaded, p: int, m: int, kind: str, training: bool) -> None:
+    """A training input that came already is a resend whose answer was lost: ALREADY_EXISTS, which
+    the sender counts as delivered, before anything that has changed since it first came (the
+    stage may have finished: DONE; its verdicts may be known now) could refuse it."""
+    what = "activation" if kind == "forward" else "gradient"
+    if s.schedule.received(kind, p, m):
+        unit = f"micro-batch {m} of minibatch {p}" if m else f"minibatch {p}"
+        raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"{what} for {unit} was already received")
+    if not training:
+        raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                       f"{what} for minibatch {p} refused in state DONE: training has ended")
 
 
 def _micro(s: Loaded, header: wire_pb2.TensorFrame, what: str, whole: TensorSpec, *,

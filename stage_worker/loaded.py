@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -177,10 +178,13 @@ class Loaded:
         # quorum is WSP at the stage (the shards close the rounds); elastic exchanges instead.
         return (ElasticSync if job.parallel.sync == "elastic" else WspSync)(config, callbacks, self.compute.params)
 
-    def save_cut(self, wave: int) -> None:
-        """Its part of the checkpoint after `wave`; it then waits there until continued."""
+    def cut_state(self) -> dict[str, Any]:
+        """What its part of a checkpoint holds, copied now (save_cut writes it)."""
+        return checkpoint.capture(self.compute, self.sync)
+
+    def save_cut(self, wave: int, state: dict[str, Any]) -> None:
+        """Its part of the checkpoint after `wave`, cut_state() then; it then waits there until continued."""
         setup = self.setup
-        state = checkpoint.capture(self.compute, self.sync)
         path = weight_files.save_stage_state(setup.checkpoint_dir, wave, setup.vw, setup.stage, state)
         self.cuts.saved = wave
         log.info("stage %d of vw %d: checkpoint of wave %d saved to %s", setup.stage, setup.vw, wave, path)

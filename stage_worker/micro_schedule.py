@@ -93,12 +93,21 @@ class MicroSchedule:
             want = "0 (the whole minibatch)" if high == 0 else f"1..{self.micro}"
             raise ScheduleError(Rejection.UNKNOWN, f"{what} for micro-batch {m} of minibatch {p}: expected {want}")
 
+    def received(self, kind: str, p: int, m: int) -> bool:
+        """Whether micro-batch m of p's activation (kind "forward") or gradient ("backward") came
+        already: it is waiting here or has run (a minibatch the job does not have never did)."""
+        if not 1 <= p <= self.steps:
+            return False
+        if kind == "forward":
+            return (p, m) < self.forward_unit or (p, m) in self._forward_ready
+        return (p, m) < self.backward_unit or (p, m) in self._backward_ready
+
     def accept_forward(self, p: int, m: int) -> None:
         """An activation for micro-batch m of p arrived from the previous stage."""
         if self.first:
             raise ScheduleError(Rejection.NOT_ACCEPTED, "stage 0 reads its own data and takes no activations")
         self.check_unit(p, m, "activation")
-        if (p, m) < self.forward_unit or (p, m) in self._forward_ready:
+        if self.received("forward", p, m):
             raise ScheduleError(Rejection.DUPLICATE, f"activation for micro-batch {m} of minibatch {p} "
                                                      "was already received")
         if p >= self.next_backward + self.nm:
@@ -112,7 +121,7 @@ class MicroSchedule:
         if self.last:
             raise ScheduleError(Rejection.NOT_ACCEPTED, "the last stage computes the loss and takes no gradients")
         self.check_unit(p, m, "gradient")
-        if (p, m) < self.backward_unit or (p, m) in self._backward_ready:
+        if self.received("backward", p, m):
             raise ScheduleError(Rejection.DUPLICATE, f"gradient for micro-batch {m} of minibatch {p} "
                                                      "was already received")
         forwarded = (p, m) < self.forward_unit if self.flushed else p < self.next_forward

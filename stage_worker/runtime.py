@@ -259,7 +259,15 @@ class StageRuntime:
                 commit.commit_decided(s)
                 wave = s.cuts.due(s.schedule.completed, s.sync.acked_waves)
                 if wave is not None:
-                    s.save_cut(wave)
+                    state = s.cut_state()
+                    # Written and fsynced without the lock: Status (the driver's liveness check,
+                    # 2 s deadlines) and the neighbours' inputs are answered meanwhile.
+                    self._cv.release()
+                    try:
+                        s.save_cut(wave, state)
+                    finally:
+                        self._cv.acquire()
+                    continue
                 task = self._eval_task(s) or s.schedule.next_task(s.forward_allowed)
                 waiting = s.sync.waiting
                 if task is not None:

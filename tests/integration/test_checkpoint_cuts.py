@@ -211,3 +211,34 @@ def test_a_data_file_rewritten_in_place_is_refused_and_a_cut_from_before_the_dig
     # Only npz reads data.path: another source's (unused, here a folder) is not read.
     digits = make_job({"data": {"name": "digits", "path": str(tmp_path)}}, name="digits.yaml")
     assert checkpoints.job_shape(digits, make_plan(digits), 0)["data"]["sha256"] is None
+
+
+def test_a_stage_answers_status_and_its_neighbours_while_it_writes_its_cut(make_job, monkeypatch) -> None:
+    """A stage's part of a cut (weights and optimizer state, fsynced) may take a slow disk many
+    seconds: the stage must keep answering Status, the driver's liveness check, whose deadline is 2
+    s, and it must keep taking its neighbours' inputs. The write here waits until both were answered."""
+    from stage_rig import middle_stage
+    from hetpipe.v1 import stage_pb2
+
+    real, writing, answered = weight_files.save_stage_state, threading.Event(), threading.Event()
+
+    def held_save(*args: Any, **kwargs: Any) -> Path:
+        writing.set()
+        answered.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(weight_files, "save_stage_state", held_save)
+    with middle_stage(make_job, checkpoint_every=1) as rig:
+        for p in (1, 2):
+            rig.stub.Forward(iter(rig.activation(p)), timeout=10)
+        rig.wait_until("forwards_done", 2)
+        for p in (1, 2):
+            rig.stub.Backward(iter(rig.gradient(p)), timeout=10)
+        assert writing.wait(10), "no cut was written"
+        try:
+            status = rig.stub.Status(stage_pb2.StatusRequest(), timeout=rpc.STATUS_DEADLINE_S)
+            rig.stub.Forward(iter(rig.activation(3)), timeout=rpc.STATUS_DEADLINE_S)
+        finally:
+            answered.set()
+        assert status.backwards_done == 2 and status.cut == 0   # the cut is not saved until it is on disk
+        assert rig.wait_until("cut", 1).cut == 1

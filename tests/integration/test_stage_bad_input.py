@@ -263,6 +263,29 @@ def test_the_final_evaluation_waits_for_the_stages_merge_and_takes_each_minibatc
         assert rig.runtime._final_merged
 
 
+def test_a_resend_after_training_ended_counts_as_delivered_and_nothing_new_is_taken(rig: Rig) -> None:
+    """The last gradient's answer was lost, and the stage finished (DONE) before the link sent it
+    again: ALREADY_EXISTS, which the link counts as delivered. FAILED_PRECONDITION would fail the
+    sending stage, and the job, at its very end."""
+    sent: dict[str, list[wire_pb2.TensorFrame]] = {}
+    for p in range(1, STEPS + 1):
+        sent["activation"] = rig.activation(p)
+        rig.stub.Forward(iter(sent["activation"]), timeout=10)
+        rig.wait_until("forwards_done", p)
+        sent["gradient"] = rig.gradient(p)
+        rig.stub.Backward(iter(sent["gradient"]), timeout=10)
+        rig.wait_until("backwards_done", p)
+    rig.wait_until("state", State.DONE)
+    done = rig.snapshot()
+    refused(rig.stub.Backward, iter(sent["gradient"]), Code.ALREADY_EXISTS,
+            f"gradient for minibatch {STEPS} was already received")
+    refused(rig.stub.Forward, iter(sent["activation"]), Code.ALREADY_EXISTS,
+            f"activation for minibatch {STEPS} was already received")
+    refused(rig.stub.Forward, iter(rig.activation(STEPS + 1)), Code.FAILED_PRECONDITION,
+            f"activation for minibatch {STEPS + 1} refused in state DONE: training has ended")
+    assert rig.snapshot() == done and rig.status().state == State.DONE
+
+
 def test_control_calls_out_of_turn_are_refused(rig: Rig) -> None:
     before = rig.snapshot()
     refused(rig.stub.Start, wire_pb2.Empty(), Code.FAILED_PRECONDITION, "cannot start in state RUNNING")

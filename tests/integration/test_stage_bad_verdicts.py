@@ -67,6 +67,33 @@ def test_bad_verdicts_and_scales_are_refused_and_a_minibatch_waits_for_its_verdi
         assert (method, alone.stage, alone.verdicts.through, list(alone.verdicts.skipped), tensors) == (
             "Forward", 1, 1, [1], [])
 
+        # The same verdicts again: a resend whose answer was lost, counted as delivered, no news.
+        settled = rig.snapshot()
+        refused(rig.stub.Forward, iter(verdicts_alone(1, [1])), Code.ALREADY_EXISTS,
+                "verdicts through minibatch 1 arrived already")
+        refused(rig.stub.Forward, iter(verdicts_alone(1, [])), Code.ALREADY_EXISTS,
+                "verdicts through minibatch 1 arrived already")
+        assert rig.snapshot() == settled
+
+
+def test_a_resent_activation_whose_verdicts_are_known_now_counts_as_delivered(make_job) -> None:
+    """Its first send landed and taught the stage its verdicts; the answer was lost and the link
+    sends it again. It must come back ALREADY_EXISTS (the link counts it delivered), not be checked
+    against the verdicts it brought itself (INVALID_ARGUMENT, which fails the sending stage)."""
+    with middle_stage(make_job, precision="fp16") as rig:
+        for p in (1, 2):
+            rig.stub.Forward(iter(rig.activation(p)), timeout=10)
+        rig.wait_until("forwards_done", 2)
+        rig.stub.Backward(iter(with_tag(rig.gradient(1), loss_scale=1024.0, overflow=True)), timeout=10)
+        rig.wait_until("backwards_done", 1)
+        third = with_tag(rig.activation(3), verdicts=wire_pb2.Verdicts(through=1, skipped=[1]))
+        rig.stub.Forward(iter(third), timeout=10)   # stage 0 skipped minibatch 1: the verdict rides on 3
+        rig.wait_until("local_version", 1)
+        rig.wait_until("forwards_done", 3)
+        landed = rig.snapshot()
+        refused(rig.stub.Forward, iter(third), Code.ALREADY_EXISTS, "activation for minibatch 3 was already received")
+        assert rig.snapshot() == landed
+
 
 def _refuses_what_no_pipeline_sends(rig: Rig) -> None:
     before = rig.snapshot()
