@@ -161,7 +161,11 @@ class ShardServicer:
     @handler
     def Init(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
         bundle = wire.decode(request_iterator, check=self._check_init)
+        index = int(bundle.header.init.shard)
         with self._cv:
+            if self.index is not None and index != self.index:   # each stage of VW 0 inits its own keys
+                raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"Init as ps shard {index}: this shard is "
+                                                               f"already initialised as ps shard {self.index}")
             self.quiet()
             try:
                 fresh = self.shard.init(bundle.header.init.virtual_workers, bundle.tensors,
@@ -169,7 +173,7 @@ class ShardServicer:
             except ShardError as exc:
                 raise _rejected(exc) from None
             self._checkpoint_change(fresh)
-            self.index = int(bundle.header.init.shard)
+            self.index = index
             self.trace.open(self.index, append=False)
             path = self._index_path()
             if path is not None:

@@ -73,6 +73,9 @@ def bad_inputs(c: Client) -> dict[str, tuple[Callable[[], Any], grpc.StatusCode,
                                Code.INVALID_ARGUMENT, r"unknown dtype code 99"),
         "init again with other values": (lambda: c.init(other_init), Code.ALREADY_EXISTS, r"already initialised"),
         "init again with other vws": (lambda: c.init(w0(), vws=3), Code.ALREADY_EXISTS, r"already initialised"),
+        "init again as another shard": (
+            lambda: c.stub.Init(iter(_frames(w0(), init=wire_pb2.InitTag(virtual_workers=2, shard=1))), timeout=CALL_S),
+            Code.ALREADY_EXISTS, r"Init as ps shard 1: this shard is already initialised as ps shard 0"),
         "init without init tag": (lambda: c.stub.Init(iter(_frames(w0())), timeout=CALL_S),
                                   Code.INVALID_ARGUMENT, r"lacks the init tag"),
     }
