@@ -39,6 +39,17 @@ def _refused(state: StageState, what: str) -> Rejected:
     return Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"{what} in state {state.name}")
 
 
+def _where(task: Task | None, completed: int) -> str:
+    """Where the compute thread was when it failed, for the stage's error."""
+    if task is None:
+        return f" between tasks, after {completed} minibatches"
+    if task.kind == TaskKind.MERGE_FINAL:
+        return " in the final merge of w_global"
+    if task.kind == TaskKind.EVAL:
+        return f" at evaluation {task.eval}, its minibatch {task.p}"
+    return f" at minibatch {task.p}" + (f", micro-batch {task.micro}" if task.micro else "")
+
+
 def _metas(stream: Stream) -> Metas:
     return [(dtype, tuple(shape)) for dtype, shape, _ in stream.specs]
 
@@ -123,6 +134,8 @@ class StageRuntime:
         with self._cv:
             if self.state != StageState.READY or self._s is None:
                 raise _refused(self.state, "cannot start")
+            if self._stopping:   # stop() closes what it finds: links made after it would outlive it
+                raise _refused(self.state, "cannot start: the stage is stopping")
             s, setup = self._s, self._s.setup
             if not setup.last:
                 s.next = Link(address=setup.next_address, method="Forward", hold_s=setup.next_send_seconds,
@@ -331,9 +344,7 @@ class StageRuntime:
                     s.profile.after_task(s.schedule.completed)
         except Exception as exc:  # any bug or device error fails the stage loudly, naming p
             log.exception("%s crashed", s.setup.name)
-            where = (f" at {'evaluation' if task.kind == TaskKind.EVAL else 'minibatch'} {task.p}" if task
-                     else f" between tasks, after {s.schedule.completed} minibatches")
-            self.fail(f"{type(exc).__name__}: {exc}{where}")
+            self.fail(f"{type(exc).__name__}: {exc}{_where(task, s.schedule.completed)}")
 
     # ---- evaluation --------------------------------------------------------------------------
 

@@ -305,3 +305,14 @@ def test_cuda_ipc_is_kept_only_where_the_link_shares_memory(idle: Any) -> None:
     assert validate(assignment_variant(good, prev_cuda_ipc=True, prev_shm=True)).prev_cuda_ipc
     assert not validate(assignment_variant(good, prev_cuda_ipc=True, prev_shm=False)).prev_cuda_ipc
     assert not validate(assignment_variant(good, next_cuda_ipc=True, next_shm=True)).next_cuda_ipc
+
+
+def test_a_stage_that_is_stopping_does_not_start(idle: Any) -> None:
+    """Stop closes the links and the sync it finds; a Start after it would make links that outlive
+    the stage. Refused, naming why."""
+    good, stub, runtime, _ = idle
+    stub.Assign(good, timeout=10)
+    assert _loaded(stub).state == State.READY
+    runtime.stop()
+    refused(stub.Start, wire_pb2.Empty(), Code.FAILED_PRECONDITION, "cannot start: the stage is stopping")
+    assert runtime._s is not None and runtime._s.prev is None and runtime._thread is None

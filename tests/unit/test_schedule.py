@@ -322,3 +322,13 @@ def test_forward_gate_blocks_forwards_not_backwards() -> None:
     s.complete(Task(TaskKind.BACKWARD, 1))
     assert s.next_task(lambda p: False) is None
     assert s.next_task(lambda p: True) == Task(TaskKind.FORWARD, 2)
+
+
+def test_a_stage_that_fails_names_the_task_it_was_running() -> None:
+    from stage_worker.runtime import _where
+
+    assert _where(Task(TaskKind.BACKWARD, 7), 6) == " at minibatch 7"
+    assert _where(Task(TaskKind.FORWARD, 7, micro=2), 6) == " at minibatch 7, micro-batch 2"
+    assert _where(Task(TaskKind.EVAL, 3, eval=2), 6) == " at evaluation 2, its minibatch 3"
+    assert _where(Task(TaskKind.MERGE_FINAL, 0), 6) == " in the final merge of w_global"
+    assert _where(None, 6) == " between tasks, after 6 minibatches"
