@@ -120,7 +120,8 @@ def _grpc_receiver(conn: Connection, site: Site, cuda: bool = False) -> None:
     server.stop()
 
 
-def grpc_sender(address: str, shared_memory: bool = False, cuda_ipc: bool = False) -> Callable[[Any], None]:
+def grpc_sender(address: str, shared_memory: bool = False, cuda_ipc: bool = False) -> Callable[..., None]:
+    from hetpipe import rpc
     from hetpipe.v1 import wire_pb2
     from stage_worker.links import Link, Outgoing
 
@@ -131,19 +132,28 @@ def grpc_sender(address: str, shared_memory: bool = False, cuda_ipc: bool = Fals
                 shared_memory=shared_memory, cuda_ipc=cuda_ipc)
     tag = wire_pb2.MinibatchTag(vw=0, minibatch=1, weight_version=0, stage=0)
 
-    def send(tensor: Any) -> None:
-        # Link.send's staging (a CUDA IPC slot, else pinned host memory for a GPU tensor), then
-        # Link._deliver, the exact production send: wire encoding, deadline, retry policy.
-        item = link.prepare(Outgoing(tag, [("activation", tensor)]))
-        if item.ready is not None:
-            item.ready.synchronize()
-        if not link._deliver(item):
+    def send(tensor: Any, burst: int = 1) -> None:
+        if burst == 1:
+            # Link.send's staging (a CUDA IPC slot, else pinned host memory for a GPU tensor), then
+            # Link._deliver, the exact production send: wire encoding, deadline, retry policy.
+            item = link.prepare(Outgoing(tag, [("activation", tensor)]))
+            if item.ready is not None:
+                item.ready.synchronize()
+            if not link._deliver(item):
+                raise RuntimeError("gRPC send failed")
+            return
+        # A burst goes as a stage's does: queued, and sent by the link's thread, links.WINDOW at once.
+        for _ in range(burst):
+            link.send(Outgoing(tag, [("activation", tensor)]))
+        if not link.flush(rpc.DATA_DEADLINE_S):
             raise RuntimeError("gRPC send failed")
 
     return send
 
 
 # --- raw TCP: length prefix + sendall on one side, recv_into a fresh tensor on the other -------
+
+_ACK_BIT = 1 << 63   # in the length prefix: acknowledge this message (a burst's last)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -170,13 +180,15 @@ def _tcp_receiver(conn: Connection, site: Site) -> None:
         prefix = bytearray(8)
         while True:
             _recv_exact(sock, memoryview(prefix))
-            (nbytes,) = struct.unpack("<Q", prefix)
+            (word,) = struct.unpack("<Q", prefix)
+            nbytes, ack = word & ~_ACK_BIT, bool(word & _ACK_BIT)
             if nbytes == 0:
                 return
             tensor = wire.empty((nbytes // 4,), torch.float32)
             _recv_exact(sock, tensor.numpy().data.cast("B"))
             _check(tensor, nbytes)
-            sock.sendall(b"\x01")
+            if ack:
+                sock.sendall(b"\x01")
 
 
 def _tcp_sender(address: str) -> Callable[[Any], None]:
@@ -185,13 +197,15 @@ def _tcp_sender(address: str) -> Callable[[Any], None]:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ack = bytearray(1)
 
-    def send(tensor: Any) -> None:
+    def send(tensor: Any, burst: int = 1) -> None:
         raw = tensor.numpy().data.cast("B")
-        sock.sendall(struct.pack("<Q", len(raw)))
         if not raw:  # the zero length that tells the receiver to finish: no acknowledgement
+            sock.sendall(struct.pack("<Q", 0))
             sock.close()
             return
-        sock.sendall(raw)
+        for i in range(burst):   # the last one of a burst is acknowledged
+            sock.sendall(struct.pack("<Q", len(raw) | (_ACK_BIT if i == burst - 1 else 0)))
+            sock.sendall(raw)
         _recv_exact(sock, memoryview(ack))
 
     return send
@@ -220,12 +234,13 @@ def _gloo_receiver(conn: Connection, site: Site, address: str) -> None:
     ack = torch.ones(1)
     # The receiver learns each batch's size from the parent, so no size message rides on gloo.
     while (command := conn.recv()) is not None:
-        nbytes, count = command
-        for _ in range(count):
-            tensor = wire.empty((nbytes // 4,), torch.float32)
-            dist.recv(tensor, src=0)
-            _check(tensor, nbytes)
-            dist.send(ack, dst=0)
+        nbytes, count, burst = command
+        for _ in range(count // burst):
+            for _ in range(burst):
+                tensor = wire.empty((nbytes // 4,), torch.float32)
+                dist.recv(tensor, src=0)
+                _check(tensor, nbytes)
+            dist.send(ack, dst=0)   # for the burst's last
     dist.destroy_process_group()
 
 
@@ -236,8 +251,9 @@ def _gloo_sender(address: str) -> Callable[[Any], None]:
     _gloo_init(address, rank=0)
     ack = torch.empty(1)
 
-    def send(tensor: Any) -> None:
-        dist.send(tensor, dst=1)
+    def send(tensor: Any, burst: int = 1) -> None:
+        for _ in range(burst):
+            dist.send(tensor, dst=1)
         dist.recv(ack, src=1)
 
     return send
@@ -250,8 +266,9 @@ def _d2d_sender(address: str) -> Callable[[Any], None]:
     """No peer: a device-to-device copy into a fresh tensor, in this process."""
     import torch
 
-    def send(tensor: Any) -> None:
-        torch.empty_like(tensor).copy_(tensor)
+    def send(tensor: Any, burst: int = 1) -> None:
+        for _ in range(burst):
+            torch.empty_like(tensor).copy_(tensor)
         torch.cuda.synchronize()
 
     return send
@@ -273,15 +290,15 @@ def _sender_main(conn: Connection, transport: str, address: str, cuda: bool = Fa
     tensors: dict[int, Any] = {}
     conn.send("ready")
     while (command := conn.recv()) is not None:
-        nbytes, count = command
+        nbytes, count, burst = command
         if nbytes not in tensors:
             tensors[nbytes] = _pattern(nbytes).cuda() if cuda else _pattern(nbytes)
         tensor = tensors[nbytes]
         seconds = []
-        for _ in range(count):
+        for _ in range(count // burst):
             start = time.perf_counter()
-            send(tensor)  # returns once the receiver has acknowledged the whole tensor
-            seconds.append(time.perf_counter() - start)
+            send(tensor, burst)  # returns once the receiver has acknowledged the (last) whole tensor
+            seconds.append((time.perf_counter() - start) / burst)
         conn.send(seconds)
     if transport == "raw_tcp":
         send(torch.empty(0))
@@ -332,12 +349,13 @@ class Pair:
         receiver, sender = (psutil.Process(proc.pid).cpu_times() for proc in self.procs)
         return sender.user + sender.system, receiver.user + receiver.system
 
-    def run(self, nbytes: int, count: int) -> tuple[list[float], tuple[float, float]]:
-        """Wall seconds of each of count sends, and the CPU seconds the batch cost each side."""
+    def run(self, nbytes: int, count: int, burst: int = 1) -> tuple[list[float], tuple[float, float]]:
+        """Wall seconds a send of count sends (of each burst's, over its sends), and the CPU
+        seconds the batch cost each side. burst: sends back to back, the last acknowledged."""
         before = self.cpu_seconds()
         if self.transport == "gloo":
-            self._recv_conn.send((nbytes, count))
-        self._send_conn.send((nbytes, count))
+            self._recv_conn.send((nbytes, count, burst))
+        self._send_conn.send((nbytes, count, burst))
         seconds: list[float] = self._send_conn.recv()
         after = self.cpu_seconds()
         return seconds, (after[0] - before[0], after[1] - before[1])
@@ -363,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", nargs="+", choices=sorted({*TRANSPORTS, *CUDA_TRANSPORTS}),
                         help=f"default: {' '.join(TRANSPORTS)} (--netns: no shm, which needs one host); "
                              f"--cuda: {' '.join(CUDA_TRANSPORTS)}")
+    parser.add_argument("--burst", type=_positive, default=1, metavar="N",
+                        help="sends back to back, the last acknowledged (OSU's bandwidth test; ours through "
+                             "the Link's thread, which keeps links.WINDOW on their way); default 1: each "
+                             "acknowledged before the next (a ping-pong)")
     parser.add_argument("--netns", action="store_true",
                         help="receivers in another network namespace, across a veth pair (needs root and ip)")
     parser.add_argument("--cuda", action="store_true", help="GPU tensors on cuda:0 at both ends (a CUDA machine)")
@@ -392,6 +414,7 @@ def _measure(args: argparse.Namespace, transports: list[str], veth: Veth | None)
     rounds = 3 if args.quick else 6
     # Repetitions per round: about 64 MiB per round and size, at least 2.
     reps = {mib: args.reps or max(2, (16 if args.quick else 64) // mib) for mib in args.sizes}
+    reps = {mib: -(-n // args.burst) * args.burst for mib, n in reps.items()}   # whole bursts
 
     ctx = mp.get_context("spawn")  # gRPC does not survive fork
     pairs: list[Pair] = []
@@ -407,7 +430,7 @@ def _measure(args: argparse.Namespace, transports: list[str], veth: Veth | None)
         for _ in range(rounds):
             for mib in args.sizes:
                 for pair in pairs:
-                    seconds, (send_cpu, recv_cpu) = pair.run(mib * MIB, reps[mib])
+                    seconds, (send_cpu, recv_cpu) = pair.run(mib * MIB, reps[mib], args.burst)
                     samples[(pair.transport, mib)] += seconds
                     cpu[(pair.transport, mib)][0] += send_cpu
                     cpu[(pair.transport, mib)][1] += recv_cpu
@@ -418,7 +441,8 @@ def _measure(args: argparse.Namespace, transports: list[str], veth: Veth | None)
     gibs = {key: (key[1] / 1024) / statistics.median(secs) for key, secs in samples.items()}
     path = "loopback" if veth is None else f"across a veth pair into namespace {veth.namespace}"
     tensors = "GPU tensors on cuda:0" if args.cuda else "CPU tensors"
-    print(f"one-directional throughput {path}, {tensors}, median GiB/s ({BUFFER_POLICY})")
+    how = "each acknowledged" if args.burst == 1 else f"in bursts of {args.burst}, the last acknowledged"
+    print(f"one-directional throughput {path}, {tensors}, {how}, median GiB/s ({BUFFER_POLICY})")
     names = [p.transport for p in pairs]
     ratios = [(o, r) for o in OURS for r in BASELINES if o in names and r in names]
     header = f"{'size':>8}" + "".join(f"{n:>10}" for n in names) + "".join(f"{o + '/' + r:>14}" for o, r in ratios)
@@ -433,7 +457,7 @@ def _measure(args: argparse.Namespace, transports: list[str], veth: Veth | None)
     for mib in args.sizes:
         cells = []
         for n in names:
-            gib = len(samples[(n, mib)]) * mib / 1024
+            gib = len(samples[(n, mib)]) * args.burst * mib / 1024
             send_cpu, recv_cpu = cpu[(n, mib)]
             cells.append(f"{send_cpu / gib:.2f}+{recv_cpu / gib:.2f}")
         print(f"{str(mib) + ' MiB':>8}" + "".join(f"{c:>14}" for c in cells))

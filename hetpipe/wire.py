@@ -144,12 +144,22 @@ class Frames:
     def __init__(self, make: Callable[[Frames], Iterator[bytes]]) -> None:
         self.single: bool | None = None
         self._frames = make(self)
+        self._peeked: bytes | None = None
 
     def __iter__(self) -> Frames:
         return self
 
     def __next__(self) -> bytes:
+        if self._peeked is not None:
+            frame, self._peeked = self._peeked, None
+            return frame
         return next(self._frames)
+
+    def peek(self) -> bytes:
+        """The next frame, made now and returned again by next(): after the first, `single` is known."""
+        if self._peeked is None:
+            self._peeked = next(self._frames)
+        return self._peeked
 
 
 def encode(

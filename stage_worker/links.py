@@ -6,7 +6,8 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,11 +16,16 @@ import torch
 
 from hetpipe import cuda_ipc as ipc
 from hetpipe import rpc, shm, wire
-from hetpipe.duplex import Duplex
+from hetpipe.duplex import Duplex, Opened
 from hetpipe.v1 import wire_pb2
 from stage_worker import host_copies
 
 log = logging.getLogger(__name__)
+
+# One-frame bundles on the held stream before the oldest is answered: the next goes out while the
+# peer copies the last one in. 1 MiB through shared memory, a burst: 1.96 GiB/s with two, 0.86 with
+# one at a time (docs/benchmarks.md, twenty-fourth pass); more did not help.
+WINDOW = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +81,12 @@ class Link:
     With hold_s (an emulated network), each bundle is held that long before it goes out; the one
     sender thread makes bundles queue behind each other as on a real link. With shared_memory
     (the peer shares this host), the bytes go through a ring of shared-memory slots and the call
-    carries only their handle; the peer copies them out before it answers, so a slot is free
-    again once the next call is acknowledged. With cuda_ipc as well (both compute on GPUs), GPU
-    tensors go through a ring of GPU slots instead (hetpipe/cuda_ipc.py), never through the host.
+    carries only their handle; the peer copies them out before it answers. With cuda_ipc as well
+    (both compute on GPUs), GPU tensors go through a ring of GPU slots instead
+    (hetpipe/cuda_ipc.py), never through the host. Up to WINDOW one-frame bundles are on their way
+    at once; a bundle in several frames goes by a call of its own, after them. A failure sends
+    every one unanswered again, in order, by the retrying path (the peer answers one it has
+    already with ALREADY_EXISTS).
     """
 
     def __init__(
@@ -86,7 +95,11 @@ class Link:
     ) -> None:
         self.address, self.method, self.peer = address, method, peer
         self._what = "activation" if method == "Forward" else "gradient"
-        self.ring = shm.Ring() if shared_memory else None
+        # A bundle is written once the one WINDOW before it is answered (the peer answers once it
+        # has copied a bundle out), so WINDOW slots would do; one more, as a margin (measured a
+        # little faster), so that a resend after a failure does not take a slot a dead call's read
+        # may still use (the peer's version check would refuse that read).
+        self.ring = shm.Ring(slots=WINDOW + 1) if shared_memory else None
         self._cuda_ipc = shared_memory and cuda_ipc
         self.gpu_ring: ipc.Ring | None = None   # made for the first GPU bundle
         self.cuda_ipc_bytes = 0   # delivered GPU to GPU
@@ -97,13 +110,31 @@ class Link:
         self._stub = rpc.Stub(self._channel, "Stage")
         self._duplex = Duplex(getattr(self._stub, f"{method}Link"), rpc.DATA_DEADLINE_S)   # one-frame bundles
         self._queue: queue.Queue[Outgoing | None] = queue.Queue()
+        self._in_flight: deque[tuple[Outgoing, Opened]] = deque()   # put on the held stream, unanswered
         self._closing = threading.Event()
         self.bytes_sent = 0
+        self._sent = threading.Condition()   # flush() waits on it
+        self._queued = self._delivered = 0   # bundles given to send(), and answered
+        self._flush_at = 0                   # flush() waits for this many to be answered (0: none waits)
+        self._ended = False                  # the link's thread has ended: failed, or closed
         self._thread = threading.Thread(target=self._run, name=f"link-{method}", daemon=True)
         self._thread.start()
 
     def send(self, item: Outgoing) -> None:
+        with self._sent:
+            self._queued += 1
         self._queue.put(self.prepare(item))
+
+    def flush(self, timeout: float) -> bool:
+        """Waits until every bundle sent so far is answered; False if the link ended (failed or
+        closed) first, or timeout passed."""
+        with self._sent:
+            self._flush_at = target = self._queued
+            try:
+                return self._sent.wait_for(lambda: self._delivered >= target or self._ended, timeout) and (
+                    self._delivered >= target)
+            finally:
+                self._flush_at = 0
 
     def prepare(self, item: Outgoing) -> Outgoing:
         """item on its way off the compute stream: being copied into a CUDA IPC slot, or its GPU
@@ -145,29 +176,81 @@ class Link:
 
     @property
     def backlog(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + len(self._in_flight)
 
     def _run(self) -> None:
         item: Outgoing | None = None
         try:
-            while (item := self._queue.get()) is not None:
+            while True:
+                if self._in_flight and (len(self._in_flight) >= WINDOW or self._queue.empty() or self._duplex.due):
+                    if not self._settle():
+                        return
+                    continue
+                if (item := self._queue.get()) is None:
+                    while self._in_flight:   # what is on its way is answered (or given up) first
+                        if not self._settle():
+                            return
+                    return
                 if item.ready is not None:
                     item.ready.synchronize()
                 if self._hold_s > 0 and self._closing.wait(self._hold_s):
                     return
-                if not self._deliver(item):
+                if not self._send(item):
                     return
         except Exception as exc:  # a bug or a device error must fail the stage, not end the link quietly
             log.exception("link to %s failed", self.peer)
             if not self._closing.is_set():
                 self._on_failure(f"could not send the {self._what} of {item.what if item else '?'} to {self.peer}: "
                                  f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._sent:
+                self._ended = True
+                self._sent.notify_all()
 
-    def _deliver(self, item: Outgoing) -> bool:
+    def _send(self, item: Outgoing) -> bool:
+        """item on the held stream if it is one frame, else by its own call once those before it
+        are answered. False: the link failed."""
+        frames = item.encode(self.ring, self.gpu_ring)
+        first = frames.peek()
+        if frames.single:
+            self._in_flight.append((item, self._duplex.put(first)))
+            return True
+        while self._in_flight:
+            if not self._settle():
+                return False
+        return self._deliver(item, frames)
+
+    def _settle(self) -> bool:
+        """The oldest bundle in flight answered. After a failure that a resend may mend, every one
+        in flight is sent again in order, each until it is answered. False: the link failed."""
+        item, opened = self._in_flight[0]
         try:
-            rpc.retrying(lambda: rpc.send_bundle(self._stub, self.method, item.encode(self.ring, self.gpu_ring),
-                                                 self._duplex, timeout=rpc.DATA_DEADLINE_S),
-                         give_up_s=self._give_up_s, closing=self._closing)
+            self._duplex.take(opened)
+        except grpc.RpcError as exc:
+            again = [unanswered for unanswered, _ in self._in_flight]   # the stream is gone, and their answers
+            self._in_flight.clear()
+            if exc.code() not in rpc.RETRYABLE and not (item.staged is not None and handle_refused(exc)):
+                self._release(item)
+                if not self._answered(item, exc):
+                    return False
+                again.pop(0)
+            return all(self._deliver(unanswered) for unanswered in again)   # stops at the first that fails
+        self._in_flight.popleft()
+        self._release(item)
+        self._count(item)
+        return True
+
+    def _deliver(self, item: Outgoing, frames: Iterator[bytes] | None = None) -> bool:
+        """item sent, retried until it is answered or give_up_s has passed; frames: its first
+        attempt's, encoded already. False: the link failed."""
+        first = [] if frames is None else [frames]
+
+        def attempt() -> Any:
+            encoded = first.pop() if first else item.encode(self.ring, self.gpu_ring)
+            return rpc.send_bundle(self._stub, self.method, encoded, self._duplex, timeout=rpc.DATA_DEADLINE_S)
+
+        try:
+            rpc.retrying(attempt, give_up_s=self._give_up_s, closing=self._closing)
         except grpc.RpcError as exc:
             if item.staged is not None and handle_refused(exc):
                 # The peer cannot map our GPU memory (no peer access, another driver's rules): this
@@ -179,16 +262,33 @@ class Link:
                 if host.ready is not None:
                     host.ready.synchronize()
                 return self._deliver(host)
-            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # else an earlier attempt landed
-                if not self._closing.is_set():
-                    self._on_failure(f"could not send the {self._what} of {item.what} to {self.peer} "
-                                     f"at {self.address}: {exc.code().name}: {exc.details()}")
-                return False
+            return self._answered(item, exc)
         finally:
-            if item.staged is not None and self.gpu_ring is not None:
-                self.gpu_ring.release(item.staged)   # acknowledged, refused or given up: the peer is done with it
+            self._release(item)   # acknowledged, refused or given up: the peer is done with its slot
+        self._count(item)
+        return True
+
+    def _answered(self, item: Outgoing, exc: grpc.RpcError) -> bool:
+        """An answer that no resend changes: ALREADY_EXISTS (an earlier attempt landed) is a
+        delivery; any other fails the link."""
+        if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+            self._count(item)
+            return True
+        if not self._closing.is_set():
+            self._on_failure(f"could not send the {self._what} of {item.what} to {self.peer} "
+                             f"at {self.address}: {exc.code().name}: {exc.details()}")
+        return False
+
+    def _release(self, item: Outgoing) -> None:
+        if item.staged is not None and self.gpu_ring is not None:
+            self.gpu_ring.release(item.staged)
+
+    def _count(self, item: Outgoing) -> None:
         nbytes = sum(t.numel() * t.element_size() for _, t in item.tensors)
         self.bytes_sent += nbytes
         if item.staged is not None:
             self.cuda_ipc_bytes += nbytes
-        return True
+        with self._sent:
+            self._delivered += 1
+            if self._flush_at and self._delivered >= self._flush_at:   # a wake-up per flush, not per bundle
+                self._sent.notify_all()

@@ -85,6 +85,97 @@ def test_sends_arrive_in_order_and_are_counted() -> None:
         server.stop(grace=0)
 
 
+class LateAnswers(Neighbour):
+    """Answers a bundle on the held stream only once the next one has come (the last, `last`, at
+    once): a sender that waits for each answer before it sends the next never gets one. After a
+    refusal it answers each at once, as the resends go one at a time."""
+
+    def __init__(self, last: int) -> None:
+        super().__init__()
+        self.last = last
+        self.refuse_at: dict[int, grpc.StatusCode] = {}   # p -> refused once, the first time it comes
+
+    @handler
+    def ForwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
+        waiting = 0
+        for frame in frames:
+            p = int(wire.decode([frame], reader=self.reader).header.minibatch.minibatch)
+            if waiting:
+                yield wire_pb2.Ack()
+                waiting -= 1
+            if p in self.refuse_at:
+                self.last = 0
+                raise Rejected(self.refuse_at.pop(p), f"minibatch {p}: not now")
+            with self.cv:
+                self.got.append(p)
+                self.cv.notify_all()
+            if p == self.last or not self.last:
+                yield from [wire_pb2.Ack()] * (waiting + 1)
+                waiting = 0
+            else:
+                waiting += 1
+
+
+class Gate:
+    """An Outgoing's `ready` that holds the link's thread until opened: the bundles after it are
+    queued by then, a burst."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.open.wait(10)
+
+
+def _burst(link: Link, ps: list[int]) -> None:
+    gate = Gate()
+    link.send(Outgoing(_message(ps[0]).tag, _message(ps[0]).tensors, ready=gate))
+    for p in ps[1:]:
+        link.send(_message(p))
+    gate.open.set()
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["frames", "shm"])
+def test_a_burst_has_the_next_bundle_on_its_way_before_the_last_is_answered(shared_memory: bool) -> None:
+    neighbour = LateAnswers(last=5)
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
+                shared_memory=shared_memory)
+    try:
+        _burst(link, [1, 2, 3, 4, 5])
+        assert neighbour.wait_for(5) == [1, 2, 3, 4, 5] and not failures
+        deadline = time.monotonic() + 5
+        while link.backlog and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.backlog == 0 and link.bytes_sent == 5 * (4 * 4 + 8)
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
+@pytest.mark.parametrize("refusal", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS])
+def test_a_failure_with_bundles_in_flight_sends_them_again_in_order(refusal: grpc.StatusCode) -> None:
+    """Bundle 2 is refused while 3 is on its way behind it on the same stream, which the refusal
+    ends: both go again, in order (2 again only if the refusal was no answer for good)."""
+    neighbour = LateAnswers(last=4)
+    neighbour.refuse_at = {2: refusal}
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append)
+    try:
+        _burst(link, [1, 2, 3, 4])
+        want = [1, 2, 3, 4] if refusal == grpc.StatusCode.UNAVAILABLE else [1, 3, 4]
+        assert neighbour.wait_for(len(want)) == want and not failures
+        deadline = time.monotonic() + 5
+        while link.bytes_sent < 4 * (4 * 4 + 8) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.bytes_sent == 4 * (4 * 4 + 8), "each counted once"
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
 def test_large_bundles_go_through_shared_memory_in_chunks_and_arrive_whole() -> None:
     """A bundle over shm.WHOLE_UP_TO travels a chunk a frame on the link's stream call (the
     receiver copies one out while the next is written): every byte arrives, in order."""
