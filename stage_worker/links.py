@@ -114,8 +114,8 @@ class Link:
         self._closing = threading.Event()
         self.bytes_sent = 0
         self._sent = threading.Condition()   # flush() waits on it
-        self._queued = self._delivered = 0   # bundles given to send(), and answered
-        self._flush_at = 0                   # flush() waits for this many to be answered (0: none waits)
+        self._queued = self._finished = 0    # bundles given to send(), and done with (answered or failed)
+        self._flush_at = 0                   # flush() waits for this many to be done with (0: none waits)
         self._ended = False                  # the link's thread has ended: failed, or closed
         self._thread = threading.Thread(target=self._run, name=f"link-{method}", daemon=True)
         self._thread.start()
@@ -131,8 +131,8 @@ class Link:
         with self._sent:
             self._flush_at = target = self._queued
             try:
-                return self._sent.wait_for(lambda: self._delivered >= target or self._ended, timeout) and (
-                    self._delivered >= target)
+                return self._sent.wait_for(lambda: self._finished >= target or self._ended, timeout) and (
+                    self._finished >= target and not self._ended)
             finally:
                 self._flush_at = 0
 
@@ -218,7 +218,7 @@ class Link:
         while self._in_flight:
             if not self._settle():
                 return False
-        return self._deliver(item, frames)
+        return self._done_with(self._deliver(item, frames))
 
     def _settle(self) -> bool:
         """The oldest bundle in flight answered. After a failure that a resend may mend, every one
@@ -231,14 +231,23 @@ class Link:
             self._in_flight.clear()
             if exc.code() not in rpc.RETRYABLE and not (item.staged is not None and handle_refused(exc)):
                 self._release(item)
-                if not self._answered(item, exc):
+                if not self._done_with(self._answered(item, exc)):
                     return False
                 again.pop(0)
-            return all(self._deliver(unanswered) for unanswered in again)   # stops at the first that fails
+            # Stops at the first that fails.
+            return all(self._done_with(self._deliver(unanswered)) for unanswered in again)
         self._in_flight.popleft()
         self._release(item)
         self._count(item)
-        return True
+        return self._done_with(True)
+
+    def _done_with(self, delivered: bool) -> bool:
+        """A bundle of send()'s is done with, delivered or not (then the link has failed)."""
+        with self._sent:
+            self._finished += 1
+            if self._flush_at and self._finished >= self._flush_at:   # a wake-up per flush, not per bundle
+                self._sent.notify_all()
+        return delivered
 
     def _deliver(self, item: Outgoing, frames: Iterator[bytes] | None = None) -> bool:
         """item sent, retried until it is answered or give_up_s has passed; frames: its first
@@ -288,7 +297,3 @@ class Link:
         self.bytes_sent += nbytes
         if item.staged is not None:
             self.cuda_ipc_bytes += nbytes
-        with self._sent:
-            self._delivered += 1
-            if self._flush_at and self._delivered >= self._flush_at:   # a wake-up per flush, not per bundle
-                self._sent.notify_all()

@@ -23,6 +23,7 @@ def test_the_bench_sends_a_tensor_through_the_production_stage_servicer(shared_m
         send = transport.grpc_sender(server.address, shared_memory=shared_memory)
         for nbytes in (4096, 3 << 20):   # one frame, then several (gRPC) or one slot (shm)
             send(transport._pattern(nbytes))
+            send(transport._pattern(nbytes), 5)   # a burst (--burst), through the link's thread
         with pytest.raises(RuntimeError, match="could not send .* INTERNAL"):
             send(torch.zeros(1024))   # the receiver checks what arrives: a wrong tensor fails the send
     finally:

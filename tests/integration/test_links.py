@@ -144,10 +144,8 @@ def test_a_burst_has_the_next_bundle_on_its_way_before_the_last_is_answered(shar
                 shared_memory=shared_memory)
     try:
         _burst(link, [1, 2, 3, 4, 5])
-        assert neighbour.wait_for(5) == [1, 2, 3, 4, 5] and not failures
-        deadline = time.monotonic() + 5
-        while link.backlog and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert link.flush(10), "not every bundle was answered"
+        assert neighbour.got == [1, 2, 3, 4, 5] and not failures
         assert link.backlog == 0 and link.bytes_sent == 5 * (4 * 4 + 8)
     finally:
         link.close()
@@ -165,11 +163,9 @@ def test_a_failure_with_bundles_in_flight_sends_them_again_in_order(refusal: grp
     link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append)
     try:
         _burst(link, [1, 2, 3, 4])
+        assert link.flush(10), "not every bundle was answered"
         want = [1, 2, 3, 4] if refusal == grpc.StatusCode.UNAVAILABLE else [1, 3, 4]
-        assert neighbour.wait_for(len(want)) == want and not failures
-        deadline = time.monotonic() + 5
-        while link.bytes_sent < 4 * (4 * 4 + 8) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert neighbour.got == want and not failures
         assert link.bytes_sent == 4 * (4 * 4 + 8), "each counted once"
     finally:
         link.close()
@@ -249,8 +245,7 @@ def test_a_refusal_that_no_retry_can_fix_fails_at_once() -> None:
     try:
         started = time.monotonic()
         link.send(_message(3))
-        while not failures and time.monotonic() - started < 10:
-            time.sleep(0.01)
+        assert not link.flush(10), "a flush waits no longer once the link has failed"
         assert failures and "INVALID_ARGUMENT" in failures[0] and time.monotonic() - started < 5
     finally:
         link.close()
