@@ -178,7 +178,13 @@ def _parse_data(d: Section) -> DataConfig:
     factory = d.optional_text("factory")
     if factory is not None and d.get("name") is not None:
         raise ConfigError("data: give data.name (a built-in) or data.factory ('package.module:function'), not both")
-    name = d.choice("name", str(default.name), ("synthetic", "npz", "digits")) if factory is None else None
+    # A path names an npz: only npz reads one, so without a name it is npz, and beside another it is refused.
+    implied = "npz" if d.get("path") is not None else str(default.name)
+    name = d.choice("name", implied, ("synthetic", "npz", "digits")) if factory is None else None
+    if name != "npz" and d.get("path") is not None:
+        raise ConfigError(f"data.path: only data.name npz reads a file, and this job's data is "
+                          f"{'data.factory ' + factory if factory else 'data.name ' + str(name)}: "
+                          "drop data.path, or use name: npz")
     eval_factory = d.optional_text("eval_factory")
     eval_fraction = d.number("eval_fraction", default.eval_fraction, maximum=0.9)
     if eval_factory is not None and eval_fraction > 0:
@@ -222,6 +228,9 @@ def _check_together(job: JobConfig) -> None:
     if par.mode != "hetpipe" and job.train.precision == "fp16":
         raise ConfigError(f"train.precision: fp16 needs loss scaling, which HetPipe's stages do and parallel.mode "
                           f"{par.mode} does not; use bf16 or fp32")
+    if par.mode != "hetpipe" and job.train.checkpoint_every:   # a baseline saves no cut, and resumes from none
+        raise ConfigError(f"train.checkpoint_every: parallel.mode {par.mode} writes no checkpoints; leave it 0, "
+                          "or run parallel.mode hetpipe")
     if par.mode == "ddp" and par.schedule != "hetpipe":
         raise ConfigError(f"parallel.schedule: {par.schedule} needs a pipeline; parallel.mode ddp has none")
     if par.mode == "torch-pipeline" and job.eval is not None:  # silently without eval_loss otherwise

@@ -145,7 +145,7 @@ def _from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
         dataset = make(**dict(job.data.args))
     except TypeError as exc:
         raise ConfigError(f"data.args: {spec}: {exc}") from None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:   # a factory that exits (an argparse in it) ends nothing but itself
         raise ConfigError(f"{key}: {spec}(**data.args) failed: {type(exc).__name__}: {exc}") from None
     if isinstance(dataset, Mapping) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise ConfigError(f"{key}: {spec} returned a {type(dataset).__name__}, expected a map-style "

@@ -187,7 +187,7 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
             raise
         except TypeError as exc:  # arguments the factory does not take
             raise ConfigError(f"model.args: {describe(cfg)}: {exc}") from None
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:   # a factory that exits (an argparse in it) ends nothing but itself
             raise ConfigError(f"model: {describe(cfg)}(**model.args) failed: {type(exc).__name__}: {exc}") from None
     if not isinstance(model, nn.Sequential):
         raise ConfigError(f"model: {describe(cfg)} returned a {type(model).__name__}, expected an nn.Sequential "
@@ -256,7 +256,7 @@ def build_layers(job: JobConfig, begin: int, end: int, *, device: str = "cpu",
             if p.is_floating_point() and bool(torch.isnan(p).any()):
                 raise ConfigError(f"model: parameter {index}.{name} of {describe(job.model)} is not initialised by "
                                   f"any reset_parameters(); give the model a reset_parameters() or a model.init file")
-        layer.to(device=device, dtype=dtype if dtype != torch.float32 else None)
+        layer.to(device=device, dtype=dtype)   # a factory's float64 or half layers too: train.dtype decides
     return stage
 
 

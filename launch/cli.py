@@ -87,9 +87,10 @@ def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
     print(json.dumps({k: summary[k] for k in ("steps", "samples_per_second", "steady_samples_per_second",
                                               "final_loss", "eval_loss", "eval_accuracy") if k in summary}))
     weights = sorted(p.name for p in out.glob("model*.safetensors*"))
-    extras = ["eval.jsonl"] * (out / "eval.jsonl").exists() + ["trace/"] * (job.output.trace and not args.coordinator)
+    traced = job.output.trace and job.parallel.mode == "hetpipe"   # the baselines write none
+    extras = ["eval.jsonl"] * (out / "eval.jsonl").exists() + ["trace/"] * (traced and not args.coordinator)
     print(f"results: {out}/ ({', '.join([*weights[:2], *(['...'] if len(weights) > 2 else []), 'summary.json', *extras])})")
-    if job.output.trace and args.coordinator:
+    if traced and args.coordinator:
         print("trace: on each worker's host, in trace/ under its `hetpipe worker --output-root`")
     return 0
 

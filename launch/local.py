@@ -149,6 +149,9 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     out_dir = Path(job.resolve(job.output.dir))
     _check_real_gpus(job)
     if job.parallel.mode != "hetpipe":  # the baselines (DESIGN §7): ddp, torch-pipeline
+        if resume or fresh:
+            raise ConfigError(f"--{'resume' if resume else 'fresh'}: parallel.mode {job.parallel.mode} writes no "
+                              "checkpoints, so there is none to resume from or delete")
         outputs.check_reads(out_dir, job.read_paths, folders=())   # what their outputs.clear removes
         from baselines import run_baseline
 

@@ -283,3 +283,12 @@ def test_ddp_names_the_failed_rank_and_stops_every_worker(make_job, tmp_path: Pa
     (exc,) = failure
     assert isinstance(exc, JobFailed)
     assert "rank 1 (rtx-2060 (emulated) on n1) was killed by SIGKILL" in str(exc), str(exc)
+
+
+@pytest.mark.parametrize("flag", ["resume", "fresh"])
+def test_a_baseline_refuses_resume_and_fresh_which_it_has_no_checkpoints_for(make_job, flag: str) -> None:
+    from hetpipe.config import ConfigError
+
+    job = make_job({"parallel": {"mode": "ddp", "virtual_workers": 2, "stages_per_vw": 1}})
+    with pytest.raises(ConfigError, match=rf"--{flag}: parallel.mode ddp writes no checkpoints"):
+        run_local(job, **{flag: True})

@@ -208,8 +208,8 @@ def test_a_data_file_rewritten_in_place_is_refused_and_a_cut_from_before_the_dig
     rows.unlink()
     with pytest.raises(ConfigError, match=rf"data.path: {rows} cannot be read: No such file or directory"):
         checkpoints.job_shape(job, plan, 0)
-    # Only npz reads data.path: another source's (unused, here a folder) is not read.
-    digits = make_job({"data": {"name": "digits", "path": str(tmp_path)}}, name="digits.yaml")
+    # Only npz reads a file (data.path, which another source refuses): another source has no digest.
+    digits = make_job({"data": {"name": "digits"}}, name="digits.yaml")
     assert checkpoints.job_shape(digits, make_plan(digits), 0)["data"]["sha256"] is None
 
 

@@ -247,6 +247,11 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
     ({"data": {"eval_fraction": 0.2}}, "data.eval_fraction: rows held out, but no eval section evaluates them"),
     ({"parallel": {"mode": "torch-pipeline"}, "eval": {"every": 10}, "data": {"eval_fraction": 0.2}},
      "eval: parallel.mode torch-pipeline does not evaluate"),
+    ({"parallel": {"mode": "ddp"}, "train": {"checkpoint_every": 5}},
+     "train.checkpoint_every: parallel.mode ddp writes no checkpoints"),
+    ({"data": {"name": "synthetic", "path": "train.npz"}},
+     "data.path: only data.name npz reads a file, and this job's data is data.name synthetic"),
+    ({"data": {"name": "digits", "path": "train.npz"}}, "this job's data is data.name digits"),
 ])
 def test_keys_that_do_not_go_together_are_refused(overrides: dict[str, Any], message: str) -> None:
     raw = base()
@@ -254,6 +259,12 @@ def test_keys_that_do_not_go_together_are_refused(overrides: dict[str, Any], mes
         raw.setdefault(section, {}).update(values)
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_job(raw)
+
+
+def test_a_data_path_alone_is_an_npz() -> None:
+    raw = base()
+    raw["data"] = {"path": "train.npz", "batch_size": 8}
+    assert (parse_job(raw).data.name, parse_job(raw).data.path) == ("npz", "train.npz")
 
 
 def test_flushed_schedules_take_nm_auto_as_one() -> None:
@@ -369,9 +380,11 @@ valid_jobs = st.fixed_dictionaries(
                                      st.one_of(st.integers(1, 9), st.lists(st.integers(1, 9), max_size=3)))},
             optional={"init": st.one_of(st.none(), names)},
         ),
-        "data": st.fixed_dictionaries(
-            {"name": st.sampled_from(["synthetic", "npz", "digits"]), "path": names},
-            optional={"batch_size": st.integers(1, 512), "shuffle": st.booleans()},
+        "data": st.one_of(   # only npz reads a path
+            st.fixed_dictionaries({"name": st.just("npz"), "path": names},
+                                  optional={"batch_size": st.integers(1, 512), "shuffle": st.booleans()}),
+            st.fixed_dictionaries({"name": st.sampled_from(["synthetic", "digits"])},
+                                  optional={"batch_size": st.integers(1, 512), "shuffle": st.booleans()}),
         ),
         "train": st.fixed_dictionaries(
             {},

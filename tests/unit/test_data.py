@@ -245,6 +245,10 @@ def broken(rows=20):
     raise RuntimeError("disk on fire")
 
 
+def exits(rows=20):
+    raise SystemExit(0)
+
+
 class Items(torch.utils.data.Dataset):
     def __init__(self, item, rows=20):
         self.item, self.rows = item, rows
@@ -322,6 +326,7 @@ def test_reading_minibatches_draws_nothing_from_torchs_global_generator(tmp_path
     ("mydata:missing", r"data\.factory: module 'mydata' has no attribute 'missing'"),
     ("mydata:not_a_dataset", r"data\.factory: mydata:not_a_dataset's items are ints, expected \(input, target\)"),
     ("mydata:broken", r"data\.factory: mydata:broken\(\*\*data\.args\) failed: RuntimeError: disk on fire"),
+    ("mydata:exits", r"data\.factory: mydata:exits\(\*\*data\.args\) failed: SystemExit: 0"),
     ("mydata:pairs_of_inputs", r"data\.factory: mydata:pairs_of_inputs's inputs are tuples, expected one tensor"),
     ("mydata:list_inputs", r"data\.factory: mydata:list_inputs's inputs are lists, expected one tensor"),
     ("mydata:string_targets", r"data\.factory: mydata:string_targets's targets are strs, expected a tensor"),

@@ -127,6 +127,20 @@ def tied_across_layers():
     first, last = nn.Linear(4, 4), nn.Linear(4, 4)
     last.weight = first.weight
     return nn.Sequential(first, nn.ReLU(), last)
+
+
+def frozen_first():
+    model = net()
+    model[0].requires_grad_(False)
+    return model
+
+
+def in_float64():
+    return net().double()
+
+
+def exits():
+    raise SystemExit(2)
 """
 
 
@@ -208,6 +222,11 @@ def test_float64_jobs_get_float64_layers(tmp_path: Path) -> None:
     assert all(t.dtype == torch.float64 for t in build(j).state_dict().values())
 
 
+def test_a_factorys_float64_layers_train_in_train_dtype(tmp_path: Path) -> None:
+    j = job(tmp_path, factory="mymodels:in_float64")
+    assert all(t.dtype == torch.float32 for t in build(j).state_dict().values())
+
+
 @pytest.mark.parametrize(("factory", "args", "match"), [
     ("nowhere:net", {}, r"model\.factory: cannot import module 'nowhere'"),
     ("nowhere.deeper:net", {}, r"model\.factory: cannot import module 'nowhere\.deeper'"),
@@ -227,6 +246,8 @@ def test_float64_jobs_get_float64_layers(tmp_path: Path) -> None:
     ("mymodels:one_module_twice", {}, r"model: mymodels:one_module_twice uses one module as layers 0 and 2"),
     ("mymodels:tied_across_layers", {}, r"model: mymodels:tied_across_layers ties 0\.weight and 2\.weight \(one "
                                         r"parameter in two layers\)"),
+    ("mymodels:exits", {}, r"model: mymodels:exits\(\*\*model\.args\) failed: SystemExit: 2"),
+    ("mymodels:frozen_first", {}, r"model: mymodels:frozen_first freezes 0\.weight, 0\.bias \(requires_grad False\)"),
 ])
 def test_a_factory_that_does_not_fit_says_why(tmp_path: Path, factory: str, args: dict[str, Any], match: str) -> None:
     j = job(tmp_path, factory, args=args)
