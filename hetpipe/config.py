@@ -171,6 +171,11 @@ def _parse_model(m: Section) -> ModelConfig:
     return ModelConfig(name=name, factory=factory, args=m.mapping("args"), init=init)
 
 
+# What each built-in data set reads from data.args (hetpipe/data.py).
+BUILTIN_DATA_ARGS: dict[str, tuple[str, ...]] = {
+    "synthetic": ("rows", "seed", "features", "classes", "vocab", "context"), "npz": (), "digits": ()}
+
+
 def _parse_data(d: Section) -> DataConfig:
     d.check_known(("name", "factory", "eval_factory", "eval_fraction", "path", "batch_size", "shuffle", "workers",
                    "args"))
@@ -185,6 +190,12 @@ def _parse_data(d: Section) -> DataConfig:
         raise ConfigError(f"data.path: only data.name npz reads a file, and this job's data is "
                           f"{'data.factory ' + factory if factory else 'data.name ' + str(name)}: "
                           "drop data.path, or use name: npz")
+    args = d.mapping("args")
+    if name is not None:   # a factory takes what its signature says (checked when it is called)
+        taken = BUILTIN_DATA_ARGS[name]
+        if not taken and args:
+            raise ConfigError(f"data.args: data.name {name} takes none, got {sorted(args, key=str)[:5]}")
+        Section(args, "data.args").check_known(taken)
     eval_factory = d.optional_text("eval_factory")
     eval_fraction = d.number("eval_fraction", default.eval_fraction, maximum=0.9)
     if eval_factory is not None and eval_fraction > 0:
@@ -194,7 +205,7 @@ def _parse_data(d: Section) -> DataConfig:
         path=d.text("path") if name == "npz" else d.optional_text("path"),
         batch_size=d.integer("batch_size", default.batch_size, minimum=1, maximum=1 << 20),
         shuffle=d.flag("shuffle", default.shuffle), workers=d.integer("workers", default.workers, maximum=64),
-        args=d.mapping("args"),
+        args=args,
     )
 
 

@@ -252,6 +252,9 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
     ({"data": {"name": "synthetic", "path": "train.npz"}},
      "data.path: only data.name npz reads a file, and this job's data is data.name synthetic"),
     ({"data": {"name": "digits", "path": "train.npz"}}, "this job's data is data.name digits"),
+    ({"data": {"name": "synthetic", "path": None, "args": {"row": 64}}},
+     "data.args.row: unknown key; known keys are rows, seed, features, classes, vocab, context"),
+    ({"data": {"name": "digits", "path": None, "args": {"rows": 5}}}, "data.args: data.name digits takes none, got ['rows']"),
 ])
 def test_keys_that_do_not_go_together_are_refused(overrides: dict[str, Any], message: str) -> None:
     raw = base()
