@@ -89,7 +89,10 @@ class TokenEmbedding(nn.Module):
         self.position = nn.Embedding(context, dim)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        length, context = tokens.shape[1], self.position.num_embeddings
+        if length > context:   # found at plan time too (on the meta device), not at minibatch 1
+            raise ValueError(f"sequences of {length} tokens, but model.args.context is {context}")
+        positions = torch.arange(length, device=tokens.device)
         return self.token(tokens) + self.position(positions)
 
 

@@ -120,6 +120,18 @@ def test_forward_shape(name: str) -> None:
     assert torch.isfinite(out).all()
 
 
+def test_a_gpt_refuses_sequences_longer_than_its_context_on_the_meta_device_too() -> None:
+    """At plan time (the model on the meta device) as well: an embedding cannot check its indices
+    there, and the first minibatch failed with torch's 'index out of range in self'."""
+    args = SMALL["gpt"]
+    tokens = torch.zeros(BATCH, args["context"] + 1, dtype=torch.int64)
+    for device in ("cpu", "meta"):
+        model = build_model("gpt", args, seed=0).to(device)
+        with pytest.raises(ValueError, match=rf"sequences of {args['context'] + 1} tokens, but model.args.context is "
+                                             rf"{args['context']}"):
+            model(tokens.to(device))
+
+
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_state_dict_keys_start_with_the_layer_index(name: str) -> None:
     model = build_model(name, SMALL[name], seed=0)
