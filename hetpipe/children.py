@@ -113,9 +113,20 @@ def _ensure_server() -> None:
 
     before = os.environ.get("PYTHONSAFEPATH")
     os.environ["PYTHONSAFEPATH"] = "1"
+    # Started with SIGINT ignored: it ignores SIGINT itself only once its preload (torch, a second
+    # or more) is done, and a Ctrl-C at the terminal before then printed its traceback under our
+    # one line. Blocked here meanwhile, so that a Ctrl-C is not lost to this process (Linux keeps a
+    # blocked signal pending even while it is ignored). The services the server forks handle
+    # SIGINT again (rpc.Server.stop_on_signals).
+    main = threading.current_thread() is threading.main_thread()   # where signal.signal works
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         forkserver.ensure_running()
     finally:
+        if main:
+            signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if before is None:
             del os.environ["PYTHONSAFEPATH"]
         else:

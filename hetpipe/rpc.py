@@ -236,6 +236,7 @@ class Server:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # blocked in a fork server's children
 
 
 def channel(address: str) -> grpc.Channel:

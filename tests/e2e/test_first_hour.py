@@ -190,6 +190,39 @@ def test_ctrl_c_while_the_command_starts_ends_it_in_one_line(tmp_path: Path, aft
     assert (plan.returncode, err) == (130, "hetpipe: interrupted\n"), (plan.returncode, err, out)
 
 
+def test_ctrl_c_at_a_terminal_while_the_fork_server_starts_ends_the_run_in_one_line(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C goes to the whole process group: the fork server too, which imports torch
+    first and printed its traceback under our one line when the signal came during that import."""
+    import psutil
+
+    hetpipe = Path(sys.executable).parent / "hetpipe"
+    run = subprocess.Popen([str(hetpipe), "run", "-q", str(_job_file(tmp_path))], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True,   # a group of its own
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        def importing_torch() -> bool:   # the fork server's preload: torch's library mapped, its modules to come
+            for child in psutil.Process(run.pid).children():
+                try:
+                    if "forkserver" in " ".join(child.cmdline()) and any(
+                            "libtorch" in m.path for m in child.memory_maps(grouped=True)):
+                        return True
+                except psutil.Error:
+                    pass
+            return False
+
+        deadline = time.monotonic() + 60
+        while not importing_torch():
+            assert time.monotonic() < deadline and run.poll() is None, "no fork server started"
+            time.sleep(0.01)
+        os.killpg(run.pid, signal.SIGINT)
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 130 and err.startswith("hetpipe: interrupted") and err.count("\n") == 1, (
+        run.returncode, err, out)
+
+
 def test_commands_that_neither_plan_nor_run_start_without_torch() -> None:
     """status, stop, trace, certs and --help import no torch (a second of the command's start):
     the planner and the launchers are imported by the commands that use them."""
