@@ -221,7 +221,11 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
 
 
 def from_namespace(ns: argparse.Namespace) -> Security:
-    return Security(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca, token_file=ns.token_file)
+    """The command line's flags, their paths absolute: as from where the command was given, whatever
+    folder it works in later (`hetpipe worker` moves into its --output-root)."""
+    paths = (ns.tls_cert, ns.tls_key, ns.tls_ca, ns.token_file)
+    cert, key, ca, token_file = (os.path.abspath(p) if p else "" for p in paths)
+    return Security(cert=cert, key=key, ca=ca, token_file=token_file)
 
 
 def child_args(security: Security) -> list[str]:

@@ -141,3 +141,15 @@ def test_a_security_section_that_secures_nothing_is_refused(make_job, section: d
     """It would take the place of the per-run token and leave every method open."""
     with pytest.raises(ConfigError, match=r"security: give token_file, tls or both"):
         make_job({"security": section})
+
+
+def test_the_command_lines_security_paths_are_absolute_from_where_it_was_given(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hetpipe worker --token-file token` moves into its --output-root before its children read it."""
+    import argparse
+
+    monkeypatch.chdir(tmp_path)
+    ns = argparse.Namespace(tls_cert="certs/node.crt", tls_key="", tls_ca="/etc/ca.crt", token_file="token")
+    flags = security.from_namespace(ns)
+    assert (flags.cert, flags.key, flags.ca, flags.token_file) == (
+        str(tmp_path / "certs/node.crt"), "", "/etc/ca.crt", str(tmp_path / "token"))
