@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import sys
 import threading
 import warnings
@@ -306,6 +307,31 @@ class _InitFile:
             raise ConfigError(f"model.init: {self.path} lacks {missing[:5]}{hint}")
 
 
+class _Sharded:
+    """A sharded safetensors model, opened by its index (a run's model.safetensors.index.json),
+    read as one safetensors file: each key from the file the index names for it."""
+
+    def __init__(self, index: Path, stack: contextlib.ExitStack) -> None:
+        from safetensors import safe_open
+
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v == Path(v).name for k, v in weight_map.items()):
+            raise ValueError("its weight_map is not a map of keys to file names beside it")
+        files = {name: stack.enter_context(safe_open(str(index.parent / name), framework="pt"))
+                 for name in sorted(set(weight_map.values()))}
+        self._where = {key: files[name] for key, name in weight_map.items()}
+
+    def keys(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def get_slice(self, key: str) -> Any:
+        return self._where[key].get_slice(key)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self._where[key].get_tensor(key)  # type: ignore[no-any-return]
+
+
 @contextlib.contextmanager
 def _open_init(job: JobConfig) -> Iterator[_InitFile]:
     """ConfigError names a missing file or one that is not a weights file."""
@@ -313,17 +339,20 @@ def _open_init(job: JobConfig) -> Iterator[_InitFile]:
     path = Path(job.resolve(job.model.init))
     with contextlib.ExitStack() as stack:
         try:
-            if path.suffix == ".safetensors":
+            if path.name.endswith(".safetensors.index.json"):   # a model written in several files
+                reader: Any = _Sharded(path, stack)
+            elif path.suffix == ".safetensors":
                 from safetensors import safe_open
 
-                reader: Any = stack.enter_context(safe_open(str(path), framework="pt"))
+                reader = stack.enter_context(safe_open(str(path), framework="pt"))
             else:
                 reader = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except FileNotFoundError:
             raise ConfigError(f"model.init: {path} does not exist") from None
         except Exception as exc:  # not a weights file: pickled objects, truncated, ...
-            raise ConfigError(f"model.init: {path} is not a safetensors file or a plain state_dict: {exc}") from None
-        if path.suffix != ".safetensors" and not isinstance(reader, Mapping):
+            raise ConfigError(f"model.init: {path} is not a safetensors file, the index of several, or a plain "
+                              f"state_dict: {exc}") from None
+        if not isinstance(reader, (Mapping, _Sharded)) and path.suffix != ".safetensors":
             raise ConfigError(f"model.init: {path} holds a {type(reader).__name__}, expected a state_dict")
         yield _InitFile(path, reader)
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetpipe.outputs import TRACE_FILE
+
 Row = dict[str, Any]
-TRACE_FILE = "trace.json"   # written into the output directory unless told otherwise
 _STAGE_FILE = re.compile(r"vw(\d+)_stage(\d+)\.jsonl")
 _SHARD_FILE = re.compile(r"shard(\d+)\.jsonl")
 

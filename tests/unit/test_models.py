@@ -3,6 +3,7 @@ the whole model, and a stage's slice of model.init."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -283,15 +284,25 @@ def test_a_zoo_name_and_a_factory_are_the_same_thing() -> None:
         parse_job({"model": {"name": "mlp", "factory": "hetpipe.zoo:mlp"}})
 
 
-@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def _save(state: dict[str, torch.Tensor], path: Path) -> None:
+    """As a run writes its weights: one safetensors file, several and their index; or torch.save's."""
+    if path.name.endswith(".index.json"):   # two files, every other key in the second
+        names = {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(state)}
+        for name in set(names.values()):
+            save_file({k: v for k, v in state.items() if names[k] == name}, str(path.parent / name))
+        path.write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    elif path.suffix == ".safetensors":
+        save_file(state, str(path))
+    else:
+        torch.save(state, path)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".safetensors.index.json", ".pt"])
 def test_model_init_is_read_key_by_key(tmp_path: Path, suffix: str) -> None:
     j = job(tmp_path)
     state = {k: v + 1 for k, v in build(j).state_dict().items()}
     path = tmp_path / f"init{suffix}"
-    if suffix == ".safetensors":
-        save_file(state, str(path))
-    else:
-        torch.save(state, path)
+    _save(state, path)
     j = job(tmp_path, init=path.name)
     layers = build_layers(j, 2, 4)
     keys = list(layers.state_dict())
@@ -299,11 +310,12 @@ def test_model_init_is_read_key_by_key(tmp_path: Path, suffix: str) -> None:
     assert all(torch.equal(layers.state_dict()[k], state[k]) for k in keys)
     with pytest.raises(ConfigError, match=r"model\.init: .* lacks \['9\.weight'\] \(it holds \['0\.bias', "):
         load_init(j, ["9.weight"])
-    wrapped = tmp_path / f"ddp{suffix}"   # saved from a DistributedDataParallel model
-    (save_file if suffix == ".safetensors" else torch.save)({f"module.{k}": v for k, v in state.items()}, str(wrapped))
+    wrapped = tmp_path / "ddp" / f"init{suffix}"   # saved from a DistributedDataParallel model
+    wrapped.parent.mkdir()
+    _save({f"module.{k}": v for k, v in state.items()}, wrapped)
     with pytest.raises(ConfigError, match=r"lacks \['2\.weight', .*: its keys start with 'module\.', as a "
                                           r"DistributedDataParallel model's state_dict does"):
-        load_init(job(tmp_path, init=wrapped.name), keys)
+        load_init(job(tmp_path, init=f"ddp/{wrapped.name}"), keys)
     state["3.bias"][0] = float("nan")
     with pytest.raises(ConfigError, match=r"model\.init: 3\.bias holds NaN or Inf"):
         initialise_from(layers, {"3.bias": state["3.bias"]}, "model.init")
@@ -324,7 +336,7 @@ def test_a_pickled_model_init_is_refused_without_running_it(tmp_path: Path) -> N
     """A .pt init that would run code when unpickled is refused, and its code never runs."""
     path, marker = tmp_path / "evil.pt", tmp_path / "ran"
     torch.save({"0.weight": torch.zeros(1), "code": _Touch(marker)}, path)  # not a plain state_dict
-    with pytest.raises(ConfigError, match="not a safetensors file or a plain state_dict"):
+    with pytest.raises(ConfigError, match="not a safetensors file, the index of several, or a plain state_dict"):
         load_init(job(tmp_path, init="evil.pt"), ["0.weight"])
     assert not marker.exists(), "loading model.init ran the pickle's code"
 

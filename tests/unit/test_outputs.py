@@ -55,7 +55,7 @@ def _tree(root: Path) -> list[str]:
 def test_a_fresh_start_removes_what_runs_write_and_nothing_else(tmp_path: Path) -> None:
     """By name: a run's results, shard state, cuts, logs and traces; the user's files beside them
     stay, and so do the folders that hold them. Folders left empty go."""
-    ours = ["model.safetensors", "model-00001-of-00002.safetensors", "summary.json", "eval.jsonl",
+    ours = ["model.safetensors", "model-00001-of-00002.safetensors", "summary.json", "eval.jsonl", "trace.json",
             "ps/shard0/000000000001.log", "checkpoints/cut000004/manifest.json", "logs/stage_worker_0.log",
             "logs/ps_server_1.log", "trace/vw0_stage1.jsonl", "trace/acked_vw1_stage0.pt",
             "trace/sync/vw0_stage0.jsonl", "trace/ps/shard0.jsonl"]
@@ -66,8 +66,8 @@ def test_a_fresh_start_removes_what_runs_write_and_nothing_else(tmp_path: Path) 
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(name)
     assert sorted(str(p.relative_to(tmp_path)) for p in outputs.written(tmp_path)) == sorted(
-        ["model.safetensors", "model-00001-of-00002.safetensors", "summary.json", "eval.jsonl", "ps/shard0",
-         "checkpoints/cut000004", "logs/stage_worker_0.log", "logs/ps_server_1.log", "trace/vw0_stage1.jsonl",
+        ["model.safetensors", "model-00001-of-00002.safetensors", "summary.json", "eval.jsonl", "trace.json",
+         "ps/shard0", "checkpoints/cut000004", "logs/stage_worker_0.log", "logs/ps_server_1.log", "trace/vw0_stage1.jsonl",
          "trace/acked_vw1_stage0.pt", "trace/sync/vw0_stage0.jsonl", "trace/ps/shard0.jsonl"])
     outputs.start_fresh(tmp_path, keep_checkpoints=True, folders=outputs.WRITTEN)
     assert _tree(tmp_path) == sorted(["checkpoints/", "checkpoints/cut000004/", "checkpoints/cut000004/manifest.json",
