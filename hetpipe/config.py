@@ -308,7 +308,9 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfi
     """Validates a job mapping (the YAML's content) into a JobConfig. base_dir None: take the
     job's own base_dir key (a job that travelled as JSON)."""
     top = Section(raw, "")
-    top.check_known(("cluster", "model", "data", "eval", "train", "parallel", "output", "security", "base_dir"))
+    # base_dir is where a job file lies, not a key of one: only a job that travelled as JSON holds it.
+    top.check_known(("cluster", "model", "data", "eval", "train", "parallel", "output", "security",
+                     *(("base_dir",) if base_dir is None else ())))
     out, do = top.section("output"), OutputConfig()
     out.check_known(("dir", "trace", "max_shard_bytes", "profile"))
     train = parse_train(top.section("train"))

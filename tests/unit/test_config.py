@@ -264,6 +264,14 @@ def test_keys_that_do_not_go_together_are_refused(overrides: dict[str, Any], mes
         parse_job(raw)
 
 
+def test_base_dir_is_no_key_of_a_job_file() -> None:
+    """Where the file lies decides it; a base_dir key in the YAML was taken and silently ignored."""
+    raw = {**base(), "base_dir": "/nonexistent"}
+    with pytest.raises(ConfigError, match="base_dir: unknown key"):
+        parse_job(raw)
+    assert JobConfig.from_json(json.dumps(raw)).base_dir == "/nonexistent"   # a job sent as JSON carries it
+
+
 def test_a_data_path_alone_is_an_npz() -> None:
     raw = base()
     raw["data"] = {"path": "train.npz", "batch_size": 8}
