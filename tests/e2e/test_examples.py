@@ -51,7 +51,7 @@ def test_paper_cluster_learns(tmp_path: Path) -> None:
     job = load_job(example_job(tmp_path, "paper-cluster", {
         "cluster": {"emulate": {"time_scale": 0.001}},
         "model": {"name": "resnet152", "args": {"in_shape": [1, 8, 8], "num_classes": 10, "width": 0.125}},
-        "data": {"name": "digits", "shuffle": True, "eval_fraction": 0.2},
+        "data": {"name": "digits", "args": None, "shuffle": True, "eval_fraction": 0.2},   # synthetic's args out
         "eval": {"rows": 352},
         "train": {"steps": 150, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
         "parallel": {"virtual_workers": 1},
