@@ -104,7 +104,9 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         "transport": job.parallel.transport,
         "shm_bytes": sum(h.last.shm_bytes for h in d.stages),
         "cuda_ipc_bytes": sum(h.last.cuda_ipc_bytes for h in d.stages),
-        "plan": plan.describe(),
+        # The node each stage ran on, where it registered one (a remote worker's; the plan's own
+        # placement names nodes of its cluster section, or "local").
+        "plan": [{**row, "node": h.node or row["node"]} for row, h in zip(plan.describe(), d.stages)],
         "mode": job.parallel.mode,
         "schedule": job.parallel.schedule,
         "microbatches": job.parallel.microbatches,

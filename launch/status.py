@@ -175,6 +175,13 @@ def status(args: argparse.Namespace) -> int:
                     return 0
                 error(f"the job of {args.job} has ended; coordinator {address}: {exc.details()}")
                 return EXIT_FAILED
+            if out_dir is not None and run_marker.live_run(out_dir) is None:
+                # Its coordinator went with it, and it said nothing: killed (kill -9, a power cut).
+                if args.command == "stop" and not args.json:
+                    return _nothing_to_stop(args.job, "KILLED", "no `hetpipe run` into its output.dir is alive")
+                error(f"the run of {args.job} is not alive, and it left no summary of how it ended: it was killed "
+                      f"(kill -9?) with its coordinator {address}; its logs are in {out_dir / 'logs'}")
+                return EXIT_FAILED
             print(f"hetpipe: coordinator {address} unreachable: {exc.code().name}: {exc.details()}", file=sys.stderr)
             if not (args.coordinator or args.job or os.environ.get("HETPIPE_COORDINATOR")):
                 print(f"hetpipe: a local `hetpipe run JOB.yaml` is found with `hetpipe {args.command} --job JOB.yaml`",

@@ -146,6 +146,28 @@ def test_a_run_killed_while_it_plans_leaves_nothing_the_next_launcher_does_not_s
     assert not [p for p in left if p.exists()]
 
 
+def test_status_of_a_run_killed_with_its_coordinator_says_it_was_killed(tmp_path: Path) -> None:
+    """A kill -9 leaves coordinator.address and no summary: status says the run is dead (not that a
+    coordinator is unreachable, as if one might come back), and stop has nothing to stop."""
+    job = _job_file(tmp_path, train={"steps": 5000})
+    run = subprocess.Popen([*HETPIPE, "run", "-q", str(job)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    try:
+        address = tmp_path / "out" / "coordinator.address"
+        deadline = time.monotonic() + 30
+        while not address.exists():
+            assert time.monotonic() < deadline and run.poll() is None, "hetpipe run never wrote its address"
+            time.sleep(0.01)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)   # the launcher and every process it started
+        run.wait(timeout=30)
+    status = _cli("status", "--job", str(job))
+    assert status.returncode == 1 and "is not alive, and it left no summary of how it ended: it was killed" in (
+        status.stderr), status
+    stop = _cli("stop", "--job", str(job))
+    assert stop.returncode == 0 and "already ended: killed" in stop.stdout, stop
+
+
 def test_status_after_the_run_ends_reports_how_it_ended(tmp_path: Path) -> None:
     job = _job_file(tmp_path, train={"steps": 20})
     run = _cli("run", "-q", str(job), "--set", "train.steps=12")   # the run's steps, not the file's
