@@ -118,8 +118,10 @@ class Checkpoints:
     def _keys(self, shard: int) -> list[str]:
         return [k for k, s in self.key_shard.items() if s == shard]
 
-    def take(self, wave: int, lead_vw: int, evicted: list[int]) -> None:
-        """Writes the shards' part of the cut after `wave` and its manifest, and drops older cuts."""
+    def take(self, wave: int, lead_vw: int, evicted: list[int], seconds: float) -> None:
+        """Writes the shards' part of the cut after `wave` and its manifest, and drops older cuts.
+        seconds: training time up to the cut, this run's and the runs' it resumed from (what a
+        --resume's eval.jsonl rows count on from)."""
         where = outputs.cut_dir(self.folder, wave)
         clocks: list[int] = []
         for i, stub in enumerate(self.shards):
@@ -130,7 +132,8 @@ class Checkpoints:
                                                            closing=self.closing)
                 except JobFailed as exc:
                     raise JobFailed(f"checkpoint of wave {wave}: {exc}") from None
-        text = json.dumps({"wave": wave, "clocks": clocks, "evicted": evicted, **self.job_shape}, indent=2)
+        text = json.dumps({"wave": wave, "clocks": clocks, "evicted": evicted, "seconds": round(seconds, 3),
+                           **self.job_shape}, indent=2)
         # On disk before the older cuts go, so that a power cut leaves one whole cut: the stages'
         # files (they fsync their own) and the shards' (WeightsWriter.close) are, the manifest's
         # rename fsyncs the cut's folder, and the cut's own entry is in the checkpoints folder.
@@ -155,8 +158,9 @@ class Checkpoints:
             raise JobFailed(f"ps shard {i}'s clocks differ between keys ({clocks})")
         return clocks
 
-    def restore_shards(self, wave: int) -> None:
-        """Gives every shard the cut's values and each VW's clock (instead of VW 0's w0)."""
+    def restore_shards(self, wave: int) -> float:
+        """Gives every shard the cut's values and each VW's clock (instead of VW 0's w0); returns
+        the training seconds up to the cut (0 for a cut from before they were recorded)."""
         m = manifest(self.folder, wave)
         refused = refusal(m, wave, self.job_shape)
         if refused is not None:
@@ -175,4 +179,6 @@ class Checkpoints:
             except grpc.RpcError as exc:
                 raise JobFailed(f"--resume: ps shard {i} refused the checkpoint's values: "
                                 f"{exc.code().name}: {exc.details()}") from None
+        seconds = m.get("seconds", 0.0)
+        return float(seconds) if isinstance(seconds, (int, float)) and 0 <= seconds < float("inf") else 0.0
 

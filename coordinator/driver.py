@@ -124,6 +124,7 @@ class JobDriver:
         self.evals: dict[int, stage_pb2.EvalResult] = {}
         self.evicted: list[dict[str, Any]] = []  # VWs that left (parallel.on_vw_failure: continue)
         self.started = time.time()
+        self.seconds_before = 0.0   # --resume: the training seconds of the runs before, up to the cut
 
     def stop_watching(self) -> None:
         """No more shard restarts or verdicts: the job has ended (its workers are being stopped)."""
@@ -216,7 +217,7 @@ class JobDriver:
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))
         if self.checkpoints is not None and self.resume_wave:  # VW 0's stages give w0 only on a fresh start
-            self.checkpoints.restore_shards(self.resume_wave)
+            self.seconds_before = self.checkpoints.restore_shards(self.resume_wave)
         self._wait_loaded()
         self._restart_shards = True
         self.started = time.time()
@@ -298,7 +299,7 @@ class JobDriver:
                 raise JobFailed(f"{lost}; evicting vw {lost.vw} failed at ps shard {i}: "
                                 f"{exc.code().name}: {exc.details()}") from None
         minibatches = max(h.last.backwards_done for h in gone)
-        self.evicted.append({"vw": lost.vw, "seconds": time.time() - self.started, "minibatches": minibatches,
+        self.evicted.append({"vw": lost.vw, "seconds": self._seconds(time.time()), "minibatches": minibatches,
                              "reason": str(lost)})
         log.warning("vw %d left the job after %d minibatches (%s); %d virtual workers train on",
                     lost.vw, minibatches, lost, len(live) - 1)
@@ -344,12 +345,17 @@ class JobDriver:
                 raise JobFailed(f"training diverged: the loss of vw {h.plan.vw} is {h.last.diverged_loss} at minibatch "
                                 f"{p} ({lr}; a smaller one, or a look at the data, may help; {h.name} at {h.at})")
 
+    def _seconds(self, at: float) -> float:
+        """Training seconds at time `at`: since this run started, after those of the runs it resumed
+        from (up to their cut), so that eval.jsonl's rows count on across a --resume."""
+        return self.seconds_before + at - self.started
+
     def _take_cut(self) -> None:
         """Once every stage waits at the same checkpoint, its shard part, then on they go."""
         waves = {h.last.cut for h in self.stages}
         if self.checkpoints is None or len(waves) != 1 or (wave := waves.pop()) <= self.checkpoints.taken:
             return
-        self.checkpoints.take(wave, self.lead_vw, [e["vw"] for e in self.evicted])
+        self.checkpoints.take(wave, self.lead_vw, [e["vw"] for e in self.evicted], self._seconds(time.time()))
         log.info("checkpoint of wave %d in %s", wave, self.checkpoint_dir)
         for h in self.stages:
             self.call(h, "Continue", wire_pb2.Empty())
@@ -430,7 +436,7 @@ class JobDriver:
         vws, batch = self.plan.virtual_workers, self.job.data.batch_size
         outputs.append_evals(self.out_dir, [{
             "id": e.id, "final": e.final, "minibatches": e.minibatches, "samples": e.minibatches * batch * vws,
-            "seconds": e.time - self.started, "rows": e.rows, "loss": e.loss,
+            "seconds": self._seconds(e.time), "rows": e.rows, "loss": e.loss,
             "accuracy": e.accuracy if self.job.train.loss == "cross_entropy" else None,
         } for e in new])
 

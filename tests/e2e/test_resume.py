@@ -100,6 +100,9 @@ def _resume_and_compare(tmp_path: Path, uninterrupted: Run) -> None:
     kept = [e for e in first if e["minibatches"] < wave * nm]
     assert kept and evals[:len(kept)] == kept, (first, evals)
     assert evals[-1]["loss"] == pytest.approx(want_evals[-1]["loss"], rel=0, abs=1e-9)
+    # The resumed rows count training time on from the cut's, not from 0 again.
+    seconds = [e["seconds"] for e in evals]
+    assert seconds == sorted(seconds), seconds
 
 
 def test_kill_9_of_hetpipe_run_then_resume(uninterrupted: Run, tmp_path: Path) -> None:

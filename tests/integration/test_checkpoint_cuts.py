@@ -83,13 +83,13 @@ def test_a_cut_is_on_disk_before_the_older_cuts_go(tmp_path: Path, stub: ps_pb2_
     cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1})
     stage = {"weights": torch.ones(4)}
     weight_files.save_stage_state(folder, 1, 0, 0, stage)
-    cuts.take(1, lead_vw=0, evicted=[])
+    cuts.take(1, lead_vw=0, evicted=[], seconds=1.0)
 
     disk = Disk(monkeypatch)
     part = weight_files.save_stage_state(folder, 2, 0, 0, stage)
     # A stage on another host has its own checkpoints folder, which no driver fsyncs.
     assert ("fsync", folder) in disk.events, "the stage did not put its cut's folder on disk"
-    cuts.take(2, lead_vw=0, evicted=[])
+    cuts.take(2, lead_vw=0, evicted=[], seconds=2.0)
 
     new, old = outputs.cut_dir(folder, 2), outputs.cut_dir(folder, 1)
     assert checkpoints.latest(folder) == 2 and not old.exists()
@@ -154,10 +154,11 @@ def test_a_cut_is_taken_whole_through_a_shard_that_dies_and_comes_back(tmp_path:
     try:
         entries = {k: weight_files.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
         cuts = checkpoints.Checkpoints(tmp_path / "checkpoints", [stub], {k: 0 for k in SHAPES}, entries, {})
-        cuts.take(1, lead_vw=0, evicted=[])
+        cuts.take(1, lead_vw=0, evicted=[], seconds=1.0)
         got = load_file(outputs.cut_dir(tmp_path / "checkpoints", 1) / "shard0" / outputs.SINGLE_FILE)
         assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
         assert checkpoints.latest(tmp_path / "checkpoints") == 1
+        assert checkpoints.manifest(tmp_path / "checkpoints", 1)["seconds"] == 1.0   # a --resume counts on from it
     finally:
         later.join()
         channel.close()
