@@ -96,9 +96,9 @@ class Link:
         self.address, self.method, self.peer = address, method, peer
         self._what = "activation" if method == "Forward" else "gradient"
         # A bundle is written once the one WINDOW before it is answered (the peer answers once it
-        # has copied a bundle out), so WINDOW slots would do; one more, as a margin (measured a
-        # little faster), so that a resend after a failure does not take a slot a dead call's read
-        # may still use (the peer's version check would refuse that read).
+        # has copied a bundle out), so WINDOW slots would do; one more measured a little faster.
+        # After a failure a resend may take a slot that a dead call's read still uses: the peer's
+        # version check refuses that read, on a call nobody waits for any more.
         self.ring = shm.Ring(slots=WINDOW + 1) if shared_memory else None
         self._cuda_ipc = shared_memory and cuda_ipc
         self.gpu_ring: ipc.Ring | None = None   # made for the first GPU bundle
@@ -121,13 +121,14 @@ class Link:
         self._thread.start()
 
     def send(self, item: Outgoing) -> None:
+        prepared = self.prepare(item)   # may raise: then nothing is queued, nor counted for flush
         with self._sent:
             self._queued += 1
-        self._queue.put(self.prepare(item))
+        self._queue.put(prepared)
 
     def flush(self, timeout: float) -> bool:
         """Waits until every bundle sent so far is answered; False if the link ended (failed or
-        closed) first, or timeout passed."""
+        closed) first, or timeout passed. One caller at a time."""
         with self._sent:
             self._flush_at = target = self._queued
             try:
@@ -180,6 +181,7 @@ class Link:
 
     def _run(self) -> None:
         item: Outgoing | None = None
+        self._current: Outgoing | None = None   # the bundle being sent or answered: a failure names it
         try:
             while True:
                 if self._in_flight and (len(self._in_flight) >= WINDOW or self._queue.empty() or self._duplex.due):
@@ -191,6 +193,7 @@ class Link:
                         if not self._settle():
                             return
                     return
+                self._current = item
                 if item.ready is not None:
                     item.ready.synchronize()
                 if self._hold_s > 0 and self._closing.wait(self._hold_s):
@@ -200,7 +203,8 @@ class Link:
         except Exception as exc:  # a bug or a device error must fail the stage, not end the link quietly
             log.exception("link to %s failed", self.peer)
             if not self._closing.is_set():
-                self._on_failure(f"could not send the {self._what} of {item.what if item else '?'} to {self.peer}: "
+                current = self._current.what if self._current else "?"
+                self._on_failure(f"could not send the {self._what} of {current} to {self.peer}: "
                                  f"{type(exc).__name__}: {exc}")
         finally:
             with self._sent:
@@ -215,15 +219,19 @@ class Link:
         if frames.single:
             self._in_flight.append((item, self._duplex.put(first)))
             return True
+        waited = bool(self._in_flight)
         while self._in_flight:
             if not self._settle():
                 return False
-        return self._done_with(self._deliver(item, frames))
+        # Encoded again after a wait: resends of those before it (after a failure) take the ring's
+        # next slots, and may have come round to the one its first chunk was written into.
+        return self._done_with(self._deliver(item, None if waited else frames))
 
     def _settle(self) -> bool:
         """The oldest bundle in flight answered. After a failure that a resend may mend, every one
         in flight is sent again in order, each until it is answered. False: the link failed."""
         item, opened = self._in_flight[0]
+        self._current = item
         try:
             self._duplex.take(opened)
         except grpc.RpcError as exc:
@@ -253,6 +261,7 @@ class Link:
         """item sent, retried until it is answered or give_up_s has passed; frames: its first
         attempt's, encoded already. False: the link failed."""
         first = [] if frames is None else [frames]
+        self._current = item
 
         def attempt() -> Any:
             encoded = first.pop() if first else item.encode(self.ring, self.gpu_ring)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -167,6 +168,69 @@ def test_a_failure_with_bundles_in_flight_sends_them_again_in_order(refusal: grp
         want = [1, 2, 3, 4] if refusal == grpc.StatusCode.UNAVAILABLE else [1, 3, 4]
         assert neighbour.got == want and not failures
         assert link.bytes_sent == 4 * (4 * 4 + 8), "each counted once"
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
+def test_a_large_bundle_behind_one_resent_again_and_again_still_arrives_whole() -> None:
+    """A bundle in chunks waits for the bundle in flight before it, whose first chunk is written
+    already (to learn that it takes several frames). The bundle before it, refused three times,
+    takes the ring's next slots with its resends and comes round to that one: the large bundle is
+    then encoded again, not sent with a handle to a chunk written over."""
+    neighbour = Neighbour()
+    neighbour.refuse = [grpc.StatusCode.UNAVAILABLE] * 3   # minibatch 1 on the stream, then twice resent
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
+                shared_memory=True)
+    try:
+        gate = Gate()
+        link.send(Outgoing(_message(1).tag, _message(1).tensors, ready=gate))
+        n = (shm.WHOLE_UP_TO + shm.CHUNK_BYTES // 2) // 4   # three chunks
+        big = torch.arange(n, dtype=torch.float32)
+        link.send(Outgoing(wire_pb2.MinibatchTag(vw=0, minibatch=2, stage=0), [("activation", big)]))
+        gate.open.set()
+        assert link.flush(20) and not failures, failures
+        assert neighbour.got == [1, 2] and torch.equal(neighbour.tensors[1][0][1], big)
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
+def test_a_failure_while_an_earlier_bundle_is_resent_names_that_bundle(monkeypatch: pytest.MonkeyPatch) -> None:
+    neighbour = Neighbour()
+    neighbour.refuse = [grpc.StatusCode.UNAVAILABLE]   # minibatch 1 refused on the stream: resent
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append)
+    encode, encoded = Outgoing.encode, []
+
+    def failing_resend(item: Outgoing, ring: Any, gpu: Any = None) -> Any:
+        encoded.append(item.tag.minibatch)
+        if encoded.count(1) == 2:   # the resend of minibatch 1: a device error, say
+            raise RuntimeError("device error")
+        return encode(item, ring, gpu)
+
+    monkeypatch.setattr(Outgoing, "encode", failing_resend)
+    try:
+        _burst(link, [1, 2])
+        assert not link.flush(10)
+        assert failures and "could not send the activation of minibatch 1 " in failures[0], failures
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
+def test_a_send_whose_preparation_failed_is_not_waited_for() -> None:
+    neighbour = Neighbour()
+    server = _serve(neighbour)
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=lambda m: None)
+    try:
+        link.send(_message(1))
+        with pytest.raises(AttributeError):
+            link.send(Outgoing(_message(2).tag, [("activation", None)]))   # type: ignore[list-item]
+        assert link.flush(10) and neighbour.got == [1]
     finally:
         link.close()
         server.stop(grace=0)
