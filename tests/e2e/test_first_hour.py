@@ -35,16 +35,20 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*HETPIPE, *args], capture_output=True, text=True, timeout=60)
 
 
+def _until_published(tmp_path: Path, run: subprocess.Popen[str]) -> None:
+    """Waits until the run has written its coordinator's address into tmp_path/out."""
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "out" / "coordinator.address").exists():
+        assert time.monotonic() < deadline and run.poll() is None, "hetpipe run never wrote its address"
+        time.sleep(0.01)
+
+
 def test_stop_during_the_first_seconds_stops_the_job(tmp_path: Path) -> None:
     job = _job_file(tmp_path, train={"steps": 5000})
     run = subprocess.Popen([*HETPIPE, "run", "-q", str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     try:
-        address = tmp_path / "out" / "coordinator.address"
-        deadline = time.monotonic() + 30
-        while not address.exists():  # the job exists from here on, before any worker has started
-            assert time.monotonic() < deadline and run.poll() is None, "hetpipe run never wrote its address"
-            time.sleep(0.01)
+        _until_published(tmp_path, run)   # the job exists from here on, before any worker has started
         stop = _cli("stop", "--job", str(job))
         assert stop.returncode == 0, stop.stderr
         out, err = run.communicate(timeout=60)
@@ -153,11 +157,7 @@ def test_status_of_a_run_killed_with_its_coordinator_says_it_was_killed(tmp_path
     run = subprocess.Popen([*HETPIPE, "run", "-q", str(job)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)
     try:
-        address = tmp_path / "out" / "coordinator.address"
-        deadline = time.monotonic() + 30
-        while not address.exists():
-            assert time.monotonic() < deadline and run.poll() is None, "hetpipe run never wrote its address"
-            time.sleep(0.01)
+        _until_published(tmp_path, run)
     finally:
         os.killpg(run.pid, signal.SIGKILL)   # the launcher and every process it started
         run.wait(timeout=30)
