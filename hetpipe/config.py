@@ -184,9 +184,10 @@ def _parse_data(d: Section) -> DataConfig:
     if factory is not None and d.get("name") is not None:
         raise ConfigError("data: give data.name (a built-in) or data.factory ('package.module:function'), not both")
     # A path names an npz: only npz reads one, so without a name it is npz, and beside another it is refused.
-    implied = "npz" if d.get("path") is not None else str(default.name)
+    has_path = d.get("path") is not None
+    implied = "npz" if has_path else str(default.name)
     name = d.choice("name", implied, ("synthetic", "npz", "digits")) if factory is None else None
-    if name != "npz" and d.get("path") is not None:
+    if name != "npz" and has_path:
         raise ConfigError(f"data.path: only data.name npz reads a file, and this job's data is "
                           f"{'data.factory ' + factory if factory else 'data.name ' + str(name)}: "
                           "drop data.path, or use name: npz")
@@ -202,7 +203,7 @@ def _parse_data(d: Section) -> DataConfig:
         raise ConfigError("data: give data.eval_factory or data.eval_fraction for the held-out set, not both")
     return DataConfig(
         name=name, factory=factory, eval_factory=eval_factory, eval_fraction=eval_fraction,
-        path=d.text("path") if name == "npz" else d.optional_text("path"),
+        path=d.text("path") if name == "npz" else None,   # refused above beside any other source
         batch_size=d.integer("batch_size", default.batch_size, minimum=1, maximum=1 << 20),
         shuffle=d.flag("shuffle", default.shuffle), workers=d.integer("workers", default.workers, maximum=64),
         args=args,

@@ -17,7 +17,7 @@ from hetpipe.wire import Bundle
 from stage_worker.assignment import TensorSpec
 from stage_worker.loaded import Loaded
 from stage_worker.micro_schedule import MicroSchedule
-from stage_worker.schedule import Rejection, ScheduleError
+from stage_worker.schedule import INPUT, Rejection, ScheduleError
 
 Metas = list[tuple[torch.dtype, tuple[int, ...]]]   # each received tensor's dtype and shape
 
@@ -150,13 +150,13 @@ def _check_training(s: Loaded, p: int, m: int, kind: str, training: bool) -> Non
     """A training input that came already is a resend whose answer was lost: ALREADY_EXISTS, which
     the sender counts as delivered, before anything that has changed since it first came (the
     stage may have finished: DONE; its verdicts may be known now) could refuse it."""
-    what = "activation" if kind == "forward" else "gradient"
-    if s.schedule.received(kind, p, m):
-        unit = f"micro-batch {m} of minibatch {p}" if m else f"minibatch {p}"
-        raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"{what} for {unit} was already received")
+    try:
+        s.schedule.check_new(kind, p, m)
+    except ScheduleError as exc:
+        raise Rejected(_SCHEDULE_CODES[exc.reason], str(exc)) from None
     if not training:
         raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                       f"{what} for minibatch {p} refused in state DONE: training has ended")
+                       f"{INPUT[kind]} for minibatch {p} refused in state DONE: training has ended")
 
 
 def _micro(s: Loaded, header: wire_pb2.TensorFrame, what: str, whole: TensorSpec, *,

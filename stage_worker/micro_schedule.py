@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from hetpipe.timeline import version_differences
 from hetpipe.wsp import may_inject
-from stage_worker.schedule import Rejection, ScheduleError, Task, TaskKind
+from stage_worker.schedule import INPUT, Rejection, ScheduleError, Task, TaskKind
 
 Unit = tuple[int, int]  # (p, micro)
 
@@ -93,23 +93,26 @@ class MicroSchedule:
             want = "0 (the whole minibatch)" if high == 0 else f"1..{self.micro}"
             raise ScheduleError(Rejection.UNKNOWN, f"{what} for micro-batch {m} of minibatch {p}: expected {want}")
 
-    def received(self, kind: str, p: int, m: int) -> bool:
-        """Whether micro-batch m of p's activation (kind "forward") or gradient ("backward") came
-        already: it is waiting here or has run (a minibatch the job does not have never did)."""
+    def check_new(self, kind: str, p: int, m: int) -> None:
+        """ScheduleError (DUPLICATE) if micro-batch m of p's activation (kind "forward") or gradient
+        ("backward") came already: it is waiting here or has run (a minibatch the job does not have
+        never did)."""
         if not 1 <= p <= self.steps:
-            return False
+            return
         if kind == "forward":
-            return (p, m) < self.forward_unit or (p, m) in self._forward_ready
-        return (p, m) < self.backward_unit or (p, m) in self._backward_ready
+            came = (p, m) < self.forward_unit or (p, m) in self._forward_ready
+        else:
+            came = (p, m) < self.backward_unit or (p, m) in self._backward_ready
+        if came:
+            raise ScheduleError(Rejection.DUPLICATE, f"{INPUT[kind]} for micro-batch {m} of minibatch {p} "
+                                                     "was already received")
 
     def accept_forward(self, p: int, m: int) -> None:
         """An activation for micro-batch m of p arrived from the previous stage."""
         if self.first:
             raise ScheduleError(Rejection.NOT_ACCEPTED, "stage 0 reads its own data and takes no activations")
         self.check_unit(p, m, "activation")
-        if self.received("forward", p, m):
-            raise ScheduleError(Rejection.DUPLICATE, f"activation for micro-batch {m} of minibatch {p} "
-                                                     "was already received")
+        self.check_new("forward", p, m)
         if p >= self.next_backward + self.nm:
             raise ScheduleError(Rejection.WINDOW, f"activation for minibatch {p} while minibatch "
                                                   f"{self.next_backward} has not finished here: at most "
@@ -121,9 +124,7 @@ class MicroSchedule:
         if self.last:
             raise ScheduleError(Rejection.NOT_ACCEPTED, "the last stage computes the loss and takes no gradients")
         self.check_unit(p, m, "gradient")
-        if self.received("backward", p, m):
-            raise ScheduleError(Rejection.DUPLICATE, f"gradient for micro-batch {m} of minibatch {p} "
-                                                     "was already received")
+        self.check_new("backward", p, m)
         forwarded = (p, m) < self.forward_unit if self.flushed else p < self.next_forward
         if not forwarded:
             raise ScheduleError(Rejection.ORDER, f"gradient for micro-batch {m} of minibatch {p}, which this "

@@ -33,6 +33,9 @@ class Rejection(enum.Enum):
     NOT_ACCEPTED = "not_accepted"  # this stage takes no such input
 
 
+INPUT = {"forward": "activation", "backward": "gradient"}   # what a forward or a backward takes in
+
+
 class ScheduleError(Exception):
     def __init__(self, reason: Rejection, message: str) -> None:
         super().__init__(message)
@@ -81,23 +84,25 @@ class StageSchedule:
         if not 1 <= p <= self.steps:
             raise ScheduleError(Rejection.UNKNOWN, f"{what} for minibatch {p}: the job has minibatches 1..{self.steps}")
 
-    def received(self, kind: str, p: int, m: int = 0) -> bool:
-        """Whether p's activation (kind "forward") or gradient ("backward") came already: it is
-        waiting here or has run (a minibatch the job does not have never did). m: a micro-batch,
-        which this schedule's inputs do not have."""
+    def check_new(self, kind: str, p: int, m: int = 0) -> None:
+        """ScheduleError (DUPLICATE) if p's activation (kind "forward") or gradient ("backward")
+        came already: it is waiting here or has run (a minibatch the job does not have never did).
+        m: a micro-batch, which this schedule's inputs do not have."""
         if not 1 <= p <= self.steps:
-            return False
+            return
         if kind == "forward":
-            return p < self.next_forward or p in self._forward_ready
-        return p < self.next_backward or p in self._backward_ready
+            came = p < self.next_forward or p in self._forward_ready
+        else:
+            came = p < self.next_backward or p in self._backward_ready
+        if came:
+            raise ScheduleError(Rejection.DUPLICATE, f"{INPUT[kind]} for minibatch {p} was already received")
 
     def accept_forward(self, p: int) -> None:
         """An activation for p arrived from the previous stage."""
         if self.first:
             raise ScheduleError(Rejection.NOT_ACCEPTED, "stage 0 reads its own data and takes no activations")
         self._check_known(p, "activation")
-        if self.received("forward", p):
-            raise ScheduleError(Rejection.DUPLICATE, f"activation for minibatch {p} was already received")
+        self.check_new("forward", p)
         # p is only injected once p - nm has completed everywhere (L1), so its backward is done here.
         if p >= self.next_backward + self.nm:
             raise ScheduleError(
@@ -112,8 +117,7 @@ class StageSchedule:
         if self.last:
             raise ScheduleError(Rejection.NOT_ACCEPTED, "the last stage computes the loss and takes no gradients")
         self._check_known(p, "gradient")
-        if self.received("backward", p):
-            raise ScheduleError(Rejection.DUPLICATE, f"gradient for minibatch {p} was already received")
+        self.check_new("backward", p)
         if p >= self.next_forward:
             raise ScheduleError(Rejection.ORDER, f"gradient for minibatch {p}, which this stage has not forwarded")
         self._arrive(self._backward_ready, p)
