@@ -160,7 +160,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
 
     from safetensors.torch import save_file
 
-    from hetpipe import data, models
+    from hetpipe import data, model_init, models
     from hetpipe.optim import compute_dtype, compute_loss, for_loss, make_optimizer, step_at
     from hetpipe.reference import minibatch
 
@@ -175,7 +175,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     begin, end = me["layers"]
     layers = models.build_layers(job, begin, end, device=str(device))
     if job.model.init is not None:
-        models.initialise_from(layers, models.load_init(job, list(layers.state_dict())), "model.init")
+        model_init.initialise(job, layers)
     params = list(layers.parameters())
     optimizer = make_optimizer(params, job.train.optimizer) if params else None
     first, last = rank == 0, rank == k - 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hetpipe import data, models
+from hetpipe import data, model_init, models
 from hetpipe.config import JobConfig
 from hetpipe.optim import compute_loss, make_optimizer, step_at
 
@@ -13,7 +13,7 @@ def initial_model(job: JobConfig) -> torch.nn.Sequential:
     """w0, whole: model.init if given, else the per-layer seeded initialisation the stages use."""
     model = models.build(job)
     if job.model.init:
-        models.initialise_from(model, models.load_init(job, list(model.state_dict())), "model.init")
+        model_init.initialise(job, model)
     return model
 
 

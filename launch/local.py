@@ -96,7 +96,7 @@ def preflight(job: JobConfig) -> Plan:
     section's files can be read; the job has a plan. Raises ConfigError or PlanError naming what
     is wrong, in one line."""
     from coordinator.planner.shapes import boundaries
-    from hetpipe import models
+    from hetpipe import model_init, models
 
     _check_security(job.security_files())
     for env in (devices.THREADS_ENV, devices.PS_THREADS_ENV):
@@ -104,7 +104,7 @@ def preflight(job: JobConfig) -> Plan:
     model = models.structure(job.model, job.base_dir)
     data.check(job, lambda x: boundaries(model, x, strict=True)[-1][0])
     if job.model.init is not None:
-        models.check_init(job, model)
+        model_init.check_init(job, model)
     outputs.check_dir(Path(job.resolve(job.output.dir)))
     return make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hetpipe import data, faults, models, outputs, weight_files
+from hetpipe import data, faults, model_init, models, outputs, weight_files
 from hetpipe.parallelism import MICRO_SCHEDULES
 from hetpipe.optim import compute_dtype, compute_loss, for_loss
 from stage_worker import checkpoint, metrics
@@ -97,8 +97,7 @@ class Loaded:
         layers = models.build_layers(job, setup.layer_begin, setup.layer_end, model=model)
         if job.model.init is not None:
             progress("reading its slice of model.init")
-            keys = models.layer_keys(model, setup.layer_begin, setup.layer_end)
-            models.initialise_from(layers, models.load_init(job, keys), "model.init")
+            model_init.initialise(job, layers)
         # No update can come between a minibatch's forward and backward on the last stage (one
         # task) or at nm 1: those forwards run on the live weights, not on a stashed copy.
         # The micro-batch schedules run on the live weights: gpipe and 1f1b step between minibatches,

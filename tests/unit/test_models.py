@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from hetpipe import zoo
 from hetpipe.config import ConfigError, JobConfig, ModelConfig, parse_job
-from hetpipe.models import build, build_layers, initialise_from, layer_keys, load_init, structure
+from hetpipe.model_init import initialise_from, load_init
+from hetpipe.models import build, build_layers, layer_keys, structure
 
 USER_MODELS = """
 import torch
