@@ -177,7 +177,9 @@ class Link:
 
     @property
     def backlog(self) -> int:
-        return self._queue.qsize() + len(self._in_flight)
+        """Bundles given to send() and not yet done with: queued, in flight, or being sent again."""
+        with self._sent:
+            return self._queued - self._finished
 
     def _run(self) -> None:
         item: Outgoing | None = None

@@ -133,6 +133,7 @@ def _burst(link: Link, ps: list[int]) -> None:
     link.send(Outgoing(_message(ps[0]).tag, _message(ps[0]).tensors, ready=gate))
     for p in ps[1:]:
         link.send(_message(p))
+    assert link.backlog == len(ps)   # the first, held by its gate, as much as those queued behind it
     gate.open.set()
 
 
