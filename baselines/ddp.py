@@ -226,7 +226,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
 
     from safetensors.torch import save_file
 
-    from hetpipe import data
+    from hetpipe import data, models
     from hetpipe.optim import autocast, compute_dtype, compute_loss, for_loss, make_optimizer, step_at
     from hetpipe.reference import initial_model, minibatch
 
@@ -239,7 +239,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         torch.cuda.set_device(device)
     model = initial_model(job).to(device)
     dataset = data.training_set(job)
-    params = list(model.parameters())
+    params = [p for _, p in models.trainable(model)]
     buffers = list(model.buffers())
     optimizer = make_optimizer(params, job.train.optimizer)
     through_cpu = spec["backend"] == "gloo" and device.type == "cuda"

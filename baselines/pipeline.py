@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hetpipe.config import ConfigError, JobConfig, with_overrides
-from hetpipe import faults, outputs, weight_files
+from hetpipe import faults, models, outputs, weight_files
 from hetpipe.optim import autocast, to_compute
 from baselines import common
 
@@ -127,7 +127,7 @@ class _Timed(nn.Module):
         self.forward_s, self.backward_s, self.padder = forward_s, backward_s, padder
         self.busy = 0.0
         self._bwd_started = 0.0
-        self._params = list(layers.parameters())
+        self._params = [p for _, p in models.trainable(layers)]
         self._padding = forward_s > 0 or backward_s > 0 or padder.high > 0
         if self._params:
             torch.autograd.graph.register_multi_grad_hook(self._params, self._backward_done, mode="all")
@@ -160,7 +160,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
 
     from safetensors.torch import save_file
 
-    from hetpipe import data, model_init, models
+    from hetpipe import data, model_init
     from hetpipe.optim import compute_dtype, compute_loss, for_loss, make_optimizer, step_at
     from hetpipe.reference import minibatch
 
@@ -176,7 +176,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     layers = models.build_layers(job, begin, end, device=str(device))
     if job.model.init is not None:
         model_init.initialise(job, layers)
-    params = list(layers.parameters())
+    params = [p for _, p in models.trainable(layers)]
     optimizer = make_optimizer(params, job.train.optimizer) if params else None
     first, last = rank == 0, rank == k - 1
     dtype = compute_dtype(job.train.precision)

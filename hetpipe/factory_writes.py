@@ -60,8 +60,7 @@ class FactoryWrites(TorchDispatchMode):
 
 def check_parameters(what: str, model: nn.Sequential, writes: list[tuple[str, Any]]) -> None:
     """ConfigError for what a stage's own build would silently lose: parameters tied across layers
-    (each stage materialises its layers apart), frozen parameters (a stage trains every one) and
-    the factory's own writes to its parameters (FactoryWrites.writes). what: "model: <the
+    (each stage materialises its layers apart) and the factory's own writes to its parameters (FactoryWrites.writes). what: "model: <the
     factory>", for the message."""
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -71,11 +70,6 @@ def check_parameters(what: str, model: nn.Sequential, writes: list[tuple[str, An
             raise ConfigError(f"{what} ties {names[0]} and {names[1]} (one parameter in two layers): "
                               "each stage builds its layers apart, so they would train as two; give each layer its "
                               "own parameter, or keep both uses in one layer")
-    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise ConfigError(f"{what} freezes {', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''} "
-                          "(requires_grad False): every stage trains all its layers' parameters, so it would train; "
-                          "keep a fixed tensor as a buffer (register_buffer) instead")
     named = {p.untyped_storage()._cdata: name for name, p in model.named_parameters()}
     found = list(dict.fromkeys(f"{op} on {named[storage._cdata]}" for op, storage in writes
                                if storage._cdata in named))

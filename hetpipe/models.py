@@ -271,6 +271,12 @@ def layer_keys(model: nn.Sequential, begin: int, end: int) -> list[str]:
     return [k for k in model.state_dict(keep_vars=True) if begin <= int(k.split(".", 1)[0]) < end]
 
 
+def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters that train (requires_grad), named, in order. A frozen one is held as a
+    buffer is: by the stages, never by an optimizer or a parameter server."""
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
 def parameter_keys(model: nn.Sequential, begin: int, end: int) -> list[str]:
-    """Names of the parameters of layers [begin, end), in order."""
-    return [k for k, _ in model.named_parameters() if begin <= int(k.split(".", 1)[0]) < end]
+    """Names of the trained parameters of layers [begin, end), in order: a stage's pushes and pulls."""
+    return [k for k, _ in trainable(model) if begin <= int(k.split(".", 1)[0]) < end]

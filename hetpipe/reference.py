@@ -32,7 +32,7 @@ def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu
     """
     model = initial_model(job).to(device)
     dataset = data.training_set(job)
-    params = list(model.parameters())
+    params = [p for _, p in models.trainable(model)]
     n = job.parallel.virtual_workers
     if n > 1 and (job.train.optimizer.name != "sgd" or job.train.optimizer.momentum):
         raise ValueError("the N-VW reference is defined for plain SGD only")

@@ -14,6 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 from hetpipe.buffers import raw_bytes
+from hetpipe.models import trainable
 from hetpipe.optim import StageOptimizer, autocast, compute_dtype, compute_loss, for_loss, to_compute
 from hetpipe.training import OptimizerConfig
 
@@ -55,8 +56,9 @@ class StageCompute:
         self.loss_kind = loss
         self.compute_dtype = compute_dtype(precision)
         self._device_type = torch.device(device).type
-        self.names = [n for n, _ in self.module.named_parameters()]
-        self.params: list[torch.Tensor] = [p for _, p in self.module.named_parameters()]
+        # Frozen parameters (requires_grad False) are not among them: never stepped, pushed or pulled.
+        self.names = [n for n, _ in trainable(self.module)]
+        self.params: list[torch.Tensor] = [p for _, p in trainable(self.module)]
         # A stage may hold only parameter-free layers (a ReLU); it still counts versions.
         self.optimizer = StageOptimizer(self.params, optimizer) if self.params else None
         self.version = 0  # own minibatch updates applied so far

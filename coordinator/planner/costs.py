@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from hetpipe.config import JobConfig
+from hetpipe.models import trainable
 from hetpipe.network import shard_node
 from coordinator.planner.partition import Partition, StageCut
 from coordinator.planner.placement import home_shards, place_keys
@@ -62,8 +63,9 @@ class StageCosts:
         self.scale = time_scale(job)
         self.nodes = [n.name for n in job.cluster.nodes] if job.cluster else []
         itemsize = getattr(torch, job.train.dtype).itemsize
-        self.real_bytes = {name: p.numel() * itemsize for name, p in model.named_parameters()}
-        self.emulated_bytes = {name: p.numel() * itemsize for name, p in emulated_model.named_parameters()}
+        # What a stage pushes and pulls: its trained parameters (frozen ones never leave it).
+        self.real_bytes = {name: p.numel() * itemsize for name, p in trainable(model)}
+        self.emulated_bytes = {name: p.numel() * itemsize for name, p in trainable(emulated_model)}
         # Parameter names per layer, once: every candidate plan asks for every stage's bytes.
         self.layer_params: list[list[str]] = [[] for _ in range(len(model))]
         for name in self.real_bytes:

@@ -6,13 +6,15 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from hetpipe.models import trainable
+
 
 def place_keys(model: nn.Sequential, ranges: Sequence[tuple[int, int]], shards: int, placement: str,
                home: Sequence[int] | None = None) -> dict[str, int]:
-    """Owning shard of every parameter. `default`: layers with parameters round-robin over the
+    """Owning shard of every trained parameter. `default`: layers with parameters round-robin over the
     shards; `local`: stage q's layers on shard home[q] (mod S), the shard on stage q's node, so
     that with ED, where stage q of every VW sits on the same node, pushes stay inside nodes."""
-    keys = [name for name, _ in model.named_parameters()]
+    keys = [name for name, _ in trainable(model)]   # a frozen parameter stays with its stages
     layer_of = {key: int(key.split(".", 1)[0]) for key in keys}
     if placement == "local":
         home = list(home) if home is not None else list(range(len(ranges)))

@@ -131,12 +131,6 @@ def tied_across_layers():
     return nn.Sequential(first, nn.ReLU(), last)
 
 
-def frozen_first():
-    model = net()
-    model[0].requires_grad_(False)
-    return model
-
-
 def in_float64():
     return net().double()
 
@@ -249,7 +243,6 @@ def test_a_factorys_float64_layers_train_in_train_dtype(tmp_path: Path) -> None:
     ("mymodels:tied_across_layers", {}, r"model: mymodels:tied_across_layers ties 0\.weight and 2\.weight \(one "
                                         r"parameter in two layers\)"),
     ("mymodels:exits", {}, r"model: mymodels:exits\(\*\*model\.args\) failed: SystemExit: 2"),
-    ("mymodels:frozen_first", {}, r"model: mymodels:frozen_first freezes 0\.weight, 0\.bias \(requires_grad False\)"),
 ])
 def test_a_factory_that_does_not_fit_says_why(tmp_path: Path, factory: str, args: dict[str, Any], match: str) -> None:
     j = job(tmp_path, factory, args=args)

@@ -1,0 +1,57 @@
+"""Frozen parameters (requires_grad False, as a fine-tune freezes an embedding): held by the stages
+as buffers are, never stepped, pushed or pulled, and written out as built; the rest trains as the
+single-process reference does (float64, 1e-9): O1 with one VW, O2 with two under WSP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.local import run_local
+from hetpipe import weight_files
+from hetpipe.reference import initial_model, train_reference
+
+pytestmark = pytest.mark.timeout(150)
+
+# The mlp's layers: 0 Linear, 1 ReLU, 2 Linear, 3 ReLU, 4 Linear, 5 ReLU, 6 Linear. Layer 2 is
+# frozen whole, between trained layers (its input's gradient still flows back); layer 4 keeps a
+# frozen weight beside a trained bias.
+FACTORY = '''
+from hetpipe import zoo
+
+def mlp(**args):
+    model = zoo.mlp(**args)
+    model[2].requires_grad_(False)
+    model[4].weight.requires_grad_(False)
+    return model
+'''
+FROZEN = ("2.weight", "2.bias", "4.weight")
+
+
+@pytest.mark.parametrize(("n", "k", "training"), [
+    (1, 3, {"optimizer": {"name": "adam", "lr": 0.01, "weight_decay": 0.01}}),
+    (2, 2, {"optimizer": {"name": "sgd", "lr": 0.02}}),
+], ids=["O1-adam", "O2-wsp"])
+def test_frozen_parameters_keep_their_values_and_the_rest_trains_as_one_process(
+        make_job, tmp_path: Path, n: int, k: int, training: dict) -> None:
+    (tmp_path / "frozen_mlp.py").write_text(FACTORY)
+    job = make_job({
+        "model": {"name": None, "factory": "frozen_mlp:mlp"},
+        "train": {"dtype": "float64", "steps": 15, **training},
+        "parallel": {"virtual_workers": n, "stages_per_vw": k, "nm": 1, "D": 0, "ps_shards": 2},
+        "output": {"trace": False},
+    })
+    summary = run_local(job, quiet=True)
+    assert len(summary["plan"]) == n * k
+    got = weight_files.read_weights(tmp_path / "out")
+    want = train_reference(job).state_dict()
+    w0 = initial_model(job).state_dict()
+    assert sorted(got) == sorted(want), "frozen parameters are written out with the rest"
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+    for key in FROZEN:
+        assert torch.equal(got[key], w0[key]), f"{key} is frozen, yet it changed"
+    moved = min(float((want[key] - w0[key]).abs().max()) for key in want if key not in FROZEN)
+    assert moved > 1e-4, "every trained parameter must move, the layers before the frozen ones too"
