@@ -131,6 +131,10 @@ def tied_across_layers():
     return nn.Sequential(first, nn.ReLU(), last)
 
 
+def all_frozen():
+    return net().requires_grad_(False)
+
+
 def in_float64():
     return net().double()
 
@@ -243,6 +247,8 @@ def test_a_factorys_float64_layers_train_in_train_dtype(tmp_path: Path) -> None:
     ("mymodels:tied_across_layers", {}, r"model: mymodels:tied_across_layers ties 0\.weight and 2\.weight \(one "
                                         r"parameter in two layers\)"),
     ("mymodels:exits", {}, r"model: mymodels:exits\(\*\*model\.args\) failed: SystemExit: 2"),
+    ("mymodels:all_frozen", {}, r"model: mymodels:all_frozen freezes every parameter \(requires_grad False\): there "
+                                r"is nothing to train"),
 ])
 def test_a_factory_that_does_not_fit_says_why(tmp_path: Path, factory: str, args: dict[str, Any], match: str) -> None:
     j = job(tmp_path, factory, args=args)
