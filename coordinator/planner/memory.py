@@ -47,7 +47,8 @@ def stage_memory(profile: ModelProfile, begin: int, end: int, stage: int, k: int
 
     params P (the weights and their gradients: 2 P) + optimizer state (sgd 0, sgd+momentum 1 P,
     adam 2 P) + stashed weight versions (one copy per in-flight minibatch, at most: minibatches
-    forwarded between two updates share one, stage_worker/stage.py) + in-flight activations
+    forwarded between two updates share one, stage_worker/stage.py); a frozen parameter has no
+    gradient, optimizer state or stashed copy + in-flight activations
     (per minibatch: the stage's input and what its layers keep for backward) + workspace (the
     largest transient of one of its layers; layers run one at a time).
     Not counted: the runtime's WSP buffers (the wave's accumulated update, pulled weights).
@@ -57,10 +58,12 @@ def stage_memory(profile: ModelProfile, begin: int, end: int, stage: int, k: int
         raise ValueError(f"layers [{begin}, {end}) outside the model's {len(layers)} layers")
     m = in_flight(stage, k, nm)
     params = sum(layer.param_bytes for layer in layers[begin:end])
+    frozen = sum(layer.frozen_bytes for layer in layers[begin:end])
     inputs = profile.input_bytes if begin == 0 else layers[begin - 1].output_bytes
     activations = inputs + sum(layer.saved_bytes for layer in layers[begin:end])
     workspace = max(layer.workspace_bytes for layer in layers[begin:end])
-    return params * (2 + optimizer_state(optimizer)) + m * (params + activations) + workspace
+    return (params * (2 + optimizer_state(optimizer)) + m * (params + activations) + workspace
+            - frozen * (1 + optimizer_state(optimizer) + m))
 
 
 def memory_matrix(profile: ModelProfile, m: int, optimizer: str) -> np.ndarray:
@@ -68,6 +71,7 @@ def memory_matrix(profile: ModelProfile, m: int, optimizer: str) -> np.ndarray:
     layers = profile.layers
     n = len(layers)
     param = np.array([0] + [layer.param_bytes for layer in layers], dtype=np.int64).cumsum()
+    frozen = np.array([0] + [layer.frozen_bytes for layer in layers], dtype=np.int64).cumsum()
     saved = np.array([0] + [layer.saved_bytes for layer in layers], dtype=np.int64).cumsum()
     inputs = np.array([profile.input_bytes] + [layer.output_bytes for layer in layers[:-1]], dtype=np.int64)
     work = np.array([layer.workspace_bytes for layer in layers], dtype=np.int64)
@@ -75,6 +79,7 @@ def memory_matrix(profile: ModelProfile, m: int, optimizer: str) -> np.ndarray:
     factor = 2 + optimizer_state(optimizer) + m
     for b in range(n):
         p = param[b + 1:] - param[b]
+        f = frozen[b + 1:] - frozen[b]
         a = inputs[b] + saved[b + 1:] - saved[b]
-        out[b, b + 1:] = p * factor + m * a + np.maximum.accumulate(work[b:])
+        out[b, b + 1:] = p * factor - f * (factor - 1) + m * a + np.maximum.accumulate(work[b:])
     return out

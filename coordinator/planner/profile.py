@@ -31,7 +31,7 @@ from hetpipe.devices import THREADS_ENV, env_threads, local_devices
 from coordinator.planner.meter import model_structure, signature
 
 # Bump when what is measured or how changes: old cache files are then ignored.
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 MEASURED_TYPES = ("cpu", "cuda")
 # A stage's kernels are launched from Python one operator at a time: a floor under every op.
 OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 8e-6}
@@ -48,6 +48,7 @@ class LayerProfile:
     workspace_bytes: int         # transient working memory while it runs
     forward_seconds: dict[str, float]   # derived, per device type name
     backward_seconds: dict[str, float]
+    frozen_bytes: int = 0        # of param_bytes, the parameters that do not train (requires_grad False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,7 @@ def profile_model(job: JobConfig, device_types: Sequence[str], *, args: Mapping[
             workspace_bytes=int(layer["workspace_bytes"]),
             forward_seconds={t: _roofline(g, layer["forward_ops"], half, overhead[t]) for t, g in rooflines.items()},
             backward_seconds={t: _roofline(g, layer["backward_ops"], half, overhead[t]) for t, g in rooflines.items()},
+            frozen_bytes=int(layer["frozen_bytes"]),
         )
         for i, layer in enumerate(structure["layers"])
     )

@@ -3,6 +3,7 @@ every order of the GPUs and every contiguous cut of the layers."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -28,15 +29,16 @@ ERROR = re.compile(r"stage (\d+) on (\S+) \((\S+)\), layers \[(\d+), (\d+)\): ne
 
 def spec_memory(p: ModelProfile, b: int, e: int, q: int, k: int, nm: int, optimizer: str) -> int:
     """weights + gradients + optimizer state + one stashed copy and one set of activations (input
-    plus saved) per in-flight minibatch + the largest layer workspace."""
+    plus saved) per in-flight minibatch + the largest layer workspace; a frozen weight has no
+    gradient, optimizer state or stashed copy."""
     m = in_flight(q, k, nm)
-    params = 0
-    saved = 0
+    params = trained = saved = 0
     for layer in p.layers[b:e]:
         params += layer.param_bytes
+        trained += layer.param_bytes - layer.frozen_bytes
         saved += layer.saved_bytes
     x = p.input_bytes if b == 0 else p.layers[b - 1].output_bytes
-    return (2 + OPT_STATE[optimizer]) * params + m * params + m * (x + saved) + max(
+    return params + (1 + OPT_STATE[optimizer] + m) * trained + m * (x + saved) + max(
         layer.workspace_bytes for layer in p.layers[b:e])
 
 
@@ -82,9 +84,10 @@ def random_profile(rng: random.Random, n: int) -> ModelProfile:
         nbytes = rng.uniform(1e6, 5e8)
         fwd = {t: CATALOG[t].seconds(flops, nbytes) for t in TYPES}
         bwd = {t: CATALOG[t].seconds(2 * flops, 2 * nbytes) for t in TYPES}
+        param_bytes = rng.choice([0, rng.randint(1, 600) << 20])
         layers.append(LayerProfile(
             index=i, forward_flops=flops, backward_flops=2 * flops,
-            param_bytes=rng.choice([0, rng.randint(1, 600) << 20]),
+            param_bytes=param_bytes, frozen_bytes=rng.choice([0, 0, param_bytes // 3, param_bytes]),
             output_bytes=rng.randint(1, 400) << 20,
             saved_bytes=rng.randint(0, 800) << 20,
             workspace_bytes=rng.randint(0, 300) << 20,
@@ -286,6 +289,9 @@ def test_stage_memory_composition() -> None:
     # Stage 0 of 2 with nm = 4: 4 in flight, input is the minibatch (100 bytes).
     assert stage_memory(p, 0, 2, 0, 2, 4, "sgd") == 2 * 4000 + 4 * (4000 + 100 + 20 + 40) + 7
     assert stage_memory(p, 0, 2, 0, 2, 4, "adam") - stage_memory(p, 0, 2, 0, 2, 4, "sgd") == 2 * 4000
+    # Layer 1's 3000 bytes frozen: held once, with no gradient, Adam moments or stashed copies.
+    frozen = ModelProfile("m", 32, "float32", 100, (p.layers[0], dataclasses.replace(p.layers[1], frozen_bytes=3000)))
+    assert stage_memory(frozen, 0, 2, 0, 2, 4, "adam") == 3000 + 4 * 1000 + 4 * 1000 + 4 * (100 + 20 + 40) + 7
     with pytest.raises(ValueError, match="optimizer"):
         stage_memory(p, 0, 2, 0, 2, 4, "lbfgs")
 

@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from coordinator.planner.meter import model_structure
 from coordinator.planner.profile import ModelProfile, profile_model
 from hetpipe import models
 from hetpipe.catalog import CATALOG, EFFICIENCY, GiB, match
@@ -45,6 +46,14 @@ def test_linear_flops_and_bytes_are_exact() -> None:
     assert doubled.input_bytes == 2 * p.input_bytes
     assert [d.param_bytes for d in doubled.layers] == [2 * s.param_bytes for s in p.layers]
     assert [d.forward_flops for d in doubled.layers] == [s.forward_flops for s in p.layers]
+
+
+def test_a_frozen_parameter_is_counted_apart_for_the_memory_model() -> None:
+    model = models.structure(parse_job({"model": {"name": "mlp", "args": MLP}}).model, ".")
+    model[0].weight.requires_grad_(False)   # its bias trains
+    layers = model_structure(model.train(), torch.empty(5, 8, device="meta"))["layers"]
+    assert [layer["frozen_bytes"] for layer in layers] == [8 * 16 * 4, 0, 0]
+    assert layers[0]["param_bytes"] == (8 * 16 + 16) * 4
 
 
 def test_gpu_type_seconds_is_a_roofline() -> None:
