@@ -281,6 +281,8 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         for w in params:
             w.grad = flat[offset : offset + w.numel()].view_as(w)
             offset += w.numel()
+        if job.train.max_grad_norm:   # as DeepSpeed and torch DDP users clip: the averaged gradient
+            torch.nn.utils.clip_grad_norm_(params, job.train.max_grad_norm)
         step_at(optimizer, job.train, p)
         losses.append(float(loss.detach()))
         progress.write(p, losses[-1], force=p == job.train.steps)

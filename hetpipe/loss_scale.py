@@ -1,10 +1,13 @@
-"""fp16 dynamic loss scaling agreed by every stage of a virtual worker (pure rules, no threads).
+"""What every stage of a virtual worker agrees on per minibatch (pure rules, no threads): fp16's
+dynamic loss scale and skipped steps, and the clip coefficient of train.max_grad_norm.
 
 The last stage multiplies minibatch p's loss by a scale S_p; every stage checks its gradients of
-p. Only stage 0, whose backward of p comes last, can know whether any stage's gradients of p were
-not finite: it decides p (step it, or skip it), and the decision travels forward along the
-pipeline with the activations. Every other stage keeps its gradients of p until the decision
-arrives and commits them in minibatch order: all stages step p, or none does.
+p and adds their squared norm to the later stages'. Only stage 0, whose backward of p comes last,
+can know whether any stage's gradients of p were not finite, and their global norm: it decides p
+(step it, or skip it, and by what coefficient its gradients are clipped), and the decision
+travels forward along the pipeline with the activations. Every other stage keeps its gradients
+of p until the decision arrives and commits them in minibatch order: all stages step p, or none
+does, each clipped as torch.nn.utils.clip_grad_norm_ clips the whole model's gradients.
 
 A decision for p reaches stage q before the activation of p + Nm (stage 0 injects p + Nm only
 after its backward of p, L1), so the forward of m still sees every update <= m - Nm (L2). S_p is
@@ -14,7 +17,8 @@ does not depend on timing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 INITIAL_SCALE = 2.0 ** 16
@@ -64,47 +68,85 @@ class LossScale:
         return self.scale
 
 
+def clip_coefficient(norm_sq: float, max_norm: float, scale: float = 1.0) -> float:
+    """What torch.nn.utils.clip_grad_norm_ multiplies gradients by, for gradients at loss scale
+    `scale` whose squared L2 norms sum to norm_sq: min(1, max_norm / (norm + 1e-6)) of the
+    unscaled norm. 1 where the norm is not finite: fp16 skips those gradients, and in fp32 they
+    are a non-finite loss, named as such."""
+    norm = math.sqrt(norm_sq) / scale
+    return min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+
+
 @dataclass
 class Verdicts:
-    """What a stage knows of stage 0's decisions, and what it has told its next stage."""
+    """What a stage knows of stage 0's decisions, and what it has told its next stage. Only the
+    coefficients not yet committed here, or not yet told (relays: there is a next stage), are kept."""
 
     through: int = 0
     skipped: set[int] = field(default_factory=set)
+    clipped: dict[int, float] = field(default_factory=dict)   # p -> its clip coefficient, where < 1
     told: int = 0         # the next stage knows 1..told
+    relays: bool = True   # a next stage is told (the last stage tells none)
+    committed: int = 0    # this stage has taken the coefficients of 1..committed
 
-    def decide(self, p: int, overflow: bool) -> None:
+    def decide(self, p: int, overflow: bool, coefficient: float = 1.0) -> None:
         """Stage 0, after its backward of p (backwards run in p order)."""
         if p != self.through + 1:
             raise ValueError(f"verdict for minibatch {p} after {self.through}")
         if overflow:
             self.skipped.add(p)
+        elif coefficient < 1.0:
+            self.clipped[p] = coefficient
         self.through = p
 
-    def check(self, through: int, skipped: Iterable[int], steps: int) -> None:
+    def check(self, through: int, skipped: Iterable[int], steps: int, clipped: Mapping[int, float] | None = None) -> None:
         """ValueError for news that no stage 0 of a run of `steps` minibatches could have sent."""
         if through > steps:
             raise ValueError(f"verdicts through minibatch {through}, but the run has {steps}")
         new = set(skipped)
         if any(not self.through < p <= through for p in new):
             raise ValueError(f"skipped minibatches {sorted(new)[:5]} outside ({self.through}, {through}]")
+        clipped = clipped or {}
+        if any(not self.through < p <= through for p in clipped):
+            raise ValueError(f"clipped minibatches {sorted(clipped)[:5]} outside ({self.through}, {through}]")
+        if both := sorted(new & set(clipped)):
+            raise ValueError(f"minibatches {both[:5]} both skipped and clipped")
+        if bad := [c for c in clipped.values() if not (math.isfinite(c) and 0.0 < c < 1.0)]:
+            raise ValueError(f"clip coefficients {bad[:3]}: expected each in (0, 1)")
 
-    def learn(self, through: int, skipped: Iterable[int]) -> None:
+    def learn(self, through: int, skipped: Iterable[int], clipped: Mapping[int, float] | None = None) -> None:
         """Merges what the previous stage says (checked first)."""
         if through > self.through:
             self.skipped |= set(skipped)
+            self.clipped.update(clipped or {})
             self.through = through
 
-    def news(self) -> tuple[int, list[int]]:
-        """(through, skipped since the last news) for the next stage; marks them told.
+    def news(self) -> tuple[int, list[int], dict[int, float]]:
+        """(through, skipped and clipped since the last news) for the next stage; marks them told.
 
         The compute thread asks while a gRPC thread may learn(): through is read once, before
-        the skipped (which learn() extends first), so news never claims a minibatch without its
-        skip. Copying the set is one step under the GIL."""
+        the skipped and clipped (which learn() extends first), so news never claims a minibatch
+        without its skip or coefficient. Copying the set and the dict is one step under the GIL."""
         through = self.through
         out = sorted(p for p in set(self.skipped) if self.told < p <= through)
+        clipped = {p: c for p, c in dict(self.clipped).items() if self.told < p <= through}
         self.told = through
-        return through, out
+        self._forget()
+        return through, out, clipped
 
     def stepped(self, p: int) -> bool | None:
         """True: step p; False: skip it; None: not decided yet."""
         return None if p > self.through else p not in self.skipped
+
+    def take(self, p: int) -> float:
+        """p's clip coefficient (1: none), for p's commit here; commits run in p order."""
+        self.committed = p
+        coefficient = self.clipped.get(p, 1.0)
+        self._forget()
+        return coefficient
+
+    def _forget(self) -> None:
+        done = min(self.told, self.committed) if self.relays else self.committed
+        for p in list(self.clipped):   # a copy: a gRPC thread may learn() meanwhile (only later ones)
+            if p <= done:
+                self.clipped.pop(p, None)

@@ -27,8 +27,9 @@ def minibatch(job: JobConfig, dataset: torch.utils.data.Dataset, p: int, vw: int
 def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu") -> torch.nn.Sequential:
     """Synchronous data parallelism with summed updates over the job's VWs (one VW: plain training).
 
-    Each step every VW v computes its gradient on its minibatch p; plain SGD then applies the sum
-    of the VWs' updates. With N=1 this is ordinary training with any optimizer.
+    Each step every VW v computes its gradient on its minibatch p (clipped by
+    torch.nn.utils.clip_grad_norm_ to train.max_grad_norm, as each VW clips its own); plain SGD
+    then applies the sum of the VWs' updates. With N=1 this is ordinary training with any optimizer.
     """
     model = initial_model(job).to(device)
     dataset = data.training_set(job)
@@ -44,12 +45,18 @@ def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu
             x, y = x.to(device), y.to(device)
             # Micro-batch schedules: each micro-batch's loss weighted 1/m, the gradients summed.
             m = job.parallel.microbatches
+            mine = [torch.zeros_like(w) for w in params]
             for xs, ys in zip(x.chunk(m), y.chunk(m)):
                 loss = compute_loss(job.train.loss, model(xs), ys) / m if m > 1 else compute_loss(
                     job.train.loss, model(xs), ys)
-                grads = torch.autograd.grad(loss, params)
-                for t, g in zip(total, grads):
+                for t, g in zip(mine, torch.autograd.grad(loss, params)):
                     t.add_(g)
+            if job.train.max_grad_norm:   # clip_grad_norm_ scales the parameters' .grad in place: `mine`
+                for w, g in zip(params, mine):
+                    w.grad = g
+                torch.nn.utils.clip_grad_norm_(params, job.train.max_grad_norm)
+            for t, g in zip(total, mine):
+                t.add_(g)
         for w, g in zip(params, total):
             w.grad = g  # summed: each VW's SGD update -lr*g_v is applied once
         step_at(optimizer, job.train, p)

@@ -49,6 +49,7 @@ class TrainConfig:
     setup_timeout_s: float = 600.0   # how long the stages may take to load before the job fails
     stall_timeout_s: float = 30.0    # a process not answering, or no progress at all, this long: named
     checkpoint_every: int = 0        # waves between checkpoints a run can --resume from; 0: none
+    max_grad_norm: float = 0.0       # clip each minibatch's gradients to this global L2 norm; 0: none
 
 
 def learning_rate(train: TrainConfig, p: int) -> float:
@@ -72,7 +73,7 @@ def learning_rate(train: TrainConfig, p: int) -> float:
 
 def parse_train(t: Section) -> TrainConfig:
     t.check_known(("steps", "loss", "optimizer", "lr_schedule", "dtype", "precision", "seed", "setup_timeout_s",
-                   "stall_timeout_s", "checkpoint_every"))
+                   "stall_timeout_s", "checkpoint_every", "max_grad_norm"))
     d = TrainConfig()
     steps = t.integer("steps", d.steps, minimum=1, maximum=MAX_STEPS)
     optimizer = _parse_optimizer(t.section("optimizer"))
@@ -84,6 +85,7 @@ def parse_train(t: Section) -> TrainConfig:
         setup_timeout_s=t.number("setup_timeout_s", d.setup_timeout_s, minimum=1.0, maximum=86400.0),
         stall_timeout_s=t.number("stall_timeout_s", d.stall_timeout_s, minimum=1.0, maximum=86400.0),
         checkpoint_every=t.integer("checkpoint_every", d.checkpoint_every, maximum=MAX_STEPS),
+        max_grad_norm=t.number("max_grad_norm", d.max_grad_norm),
     )
 
 

@@ -17,6 +17,7 @@ from hetpipe.wire import Bundle
 from stage_worker.assignment import TensorSpec
 from stage_worker.loaded import Loaded
 from stage_worker.micro_schedule import MicroSchedule
+from stage_worker.scaling import Incoming
 from stage_worker.schedule import INPUT, Rejection, ScheduleError
 
 Metas = list[tuple[torch.dtype, tuple[int, ...]]]   # each received tensor's dtype and shape
@@ -67,7 +68,7 @@ class Inbox:
         if checked is None:
             tag = bundle.header.commit
             assert s.scaling is not None
-            s.scaling.verdicts.learn(tag.verdicts.through, tag.verdicts.skipped)
+            s.scaling.verdicts.learn(tag.verdicts.through, tag.verdicts.skipped, tag.verdicts.clipped)
             s.scaling.relay = True
             self.received += 1
             return
@@ -80,7 +81,7 @@ class Inbox:
         else:
             self.forward[_accept(s, p, m, "forward")] = x.to(s.compute.device, non_blocking=True)
         if s.scaling is not None:
-            s.scaling.verdicts.learn(verdicts.through, verdicts.skipped)
+            s.scaling.verdicts.learn(verdicts.through, verdicts.skipped, verdicts.clipped)
         self.received += 1
 
     def check_backward(self, s: Loaded, header: wire_pb2.TensorFrame, metas: Metas, *,
@@ -96,6 +97,15 @@ class Inbox:
         if s.scaling is not None and not (math.isfinite(tag.loss_scale) and tag.loss_scale >= 1.0):
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                            f"gradient: loss_scale {tag.loss_scale} of minibatch {p}: expected a finite scale >= 1")
+        if s.scaling is not None and not s.scaling.fp16 and tag.loss_scale != 1.0:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"gradient: loss_scale {tag.loss_scale} of minibatch {p}, but this job does not scale its loss")
+        if tag.norm_sq < 0 or math.isnan(tag.norm_sq) or (tag.norm_sq and (s.scaling is None or not s.scaling.max_grad_norm)):
+            # +inf is a norm too large for a double: clip_coefficient leaves such gradients alone.
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"gradient: norm_sq {tag.norm_sq} of minibatch {p}: expected " +
+                           ("a squared norm >= 0" if s.scaling is not None and s.scaling.max_grad_norm
+                            else "none: this job does not clip its gradients"))
         return p, m
 
     def offer_backward(self, s: Loaded, bundle: Bundle, *, training: bool) -> None:
@@ -104,7 +114,7 @@ class Inbox:
         tag = bundle.header.minibatch
         self.backward[_accept(s, p, m, "backward")] = bundle.tensors[0][1].to(s.compute.device, non_blocking=True)
         if s.scaling is not None:
-            s.scaling.incoming[p] = (tag.loss_scale, tag.overflow)
+            s.scaling.incoming[p] = Incoming(tag.loss_scale, tag.overflow, tag.norm_sq)
         self.received += 1
 
 
@@ -114,14 +124,17 @@ def _metas(bundle: Bundle) -> Metas:
 
 def _check_verdicts_alone(s: Loaded, tag: wire_pb2.CommitTag, tensors: int) -> None:
     if s.scaling is None:
-        raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "verdicts: this job does not scale its loss (fp16 only)")
+        raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                       "verdicts: this job neither scales its loss nor clips its gradients (fp16, max_grad_norm only)")
     if tag.vw != s.setup.vw or tag.stage != s.setup.stage - 1:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"verdicts: from stage {tag.stage} of vw {tag.vw}, "
                                                          f"expected stage {s.setup.stage - 1} of vw {s.setup.vw}")
     if tensors:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"verdicts: expected no tensors, got {tensors}")
     known = s.scaling.verdicts
-    if tag.verdicts.through <= known.through and set(tag.verdicts.skipped) <= known.skipped:
+    # A coefficient forgotten once committed and told counts as known.
+    if tag.verdicts.through <= known.through and set(tag.verdicts.skipped) <= known.skipped and all(
+            known.clipped.get(p, c) == c for p, c in tag.verdicts.clipped.items()):
         # Only the minibatches after the last verdicts can be new: this is a resend (its answer lost).
         raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"verdicts through minibatch {tag.verdicts.through} "
                                                        "arrived already")
@@ -181,7 +194,7 @@ def _check_verdicts(s: Loaded, verdicts: wire_pb2.Verdicts, what: str) -> None:
     if s.scaling is None:
         return
     try:
-        s.scaling.verdicts.check(verdicts.through, verdicts.skipped, s.job.train.steps)
+        s.scaling.verdicts.check(verdicts.through, verdicts.skipped, s.job.train.steps, verdicts.clipped)
     except ValueError as exc:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {exc}") from None
 

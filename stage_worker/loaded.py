@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hetpipe import data, faults, model_init, models, outputs, weight_files
+from hetpipe.loss_scale import LossScale, Verdicts
 from hetpipe.parallelism import MICRO_SCHEDULES
 from hetpipe.optim import compute_dtype, compute_loss, for_loss
 from stage_worker import checkpoint, metrics
@@ -130,7 +131,13 @@ class Loaded:
         if self.evals is not None and start > 1 and self.evals.schedule.every:
             # Those before the cut ran in the first run; one right at the cut runs again.
             self.evals.schedule.done = min(self.evals.schedule.periodic, (start - 2) // self.evals.schedule.every)
-        self.scaling = Scaling() if job.train.precision == "fp16" else None
+        self.scaling: Scaling | None = None
+        if job.train.precision == "fp16" or job.train.max_grad_norm:
+            # A resumed job decides on from its cut (fp16 is refused with checkpoints: its scale is not saved).
+            before = start - 1
+            self.scaling = Scaling(job.train.precision == "fp16", job.train.max_grad_norm,
+                                   Verdicts(through=before, told=before, committed=before, relays=not setup.last),
+                                   LossScale(through=before))
         # Tests: minibatches whose gradients come out infinite here (HETPIPE_FAULTS overflow).
         self.overflow_at = {p for q, p in faults.from_env().overflow if q == setup.stage}
         self.trace = MinibatchTrace(setup.trace_path, setup.vw, setup.stage)

@@ -222,9 +222,10 @@ class StageCompute:
         return bool(torch.stack(flags).all()) if flags else True
 
     @torch.no_grad()
-    def commit(self, grads: Grads, *, lr: float, scale: float = 1.0, skip: bool = False,
+    def commit(self, grads: Grads, *, lr: float, scale: float = 1.0, clip: float = 1.0, skip: bool = False,
                into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """L3: the optimizer step with these gradients (divided by the loss scale) at learning rate
+        """L3: the optimizer step with these gradients (divided by the loss scale, then multiplied
+        by the clip coefficient, as GradScaler.unscale_ and clip_grad_norm_ do) at learning rate
         lr (training.learning_rate of the minibatch), a new version;
         skip: a version without a step (fp16: some stage's gradients of this minibatch overflowed).
         Returns the update u = w_after - w_before (empty unless tracked for WSP), written into
@@ -236,7 +237,18 @@ class StageCompute:
             return [b.zero_() for b in into] if into is not None else [torch.zeros_like(p) for p in self.params]
         if scale != 1.0:
             grads = [None if g is None else g.div_(scale) for g in grads]
+        if clip != 1.0:
+            grads = [None if g is None else g.mul_(clip) for g in grads]
         return self._step(grads, into, lr)
+
+    @staticmethod
+    def norm_sq(grads: Grads) -> float:
+        """The squared L2 norm of all these gradients (clip_grad_norm_'s per-tensor norms, squared
+        and summed in float64). Reads one number from the device."""
+        present = [g for g in grads if g is not None]
+        if not present:
+            return 0.0
+        return float(torch.stack(torch._foreach_norm(present)).double().square().sum())
 
     def _grads(
         self, stashed: _Stashed, out: torch.Tensor, grad_out: torch.Tensor | None

@@ -47,9 +47,9 @@ class MinibatchTasks:
         s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version, bwd_start=start, bwd_end=time.time())
         if s.scaling is None:
             return Ran(commit.gradient(s, p, version, grad_in), then=lambda: commit.commit(s, p, grads))
-        scale, later = s.scaling.incoming.pop(p)
-        overflow = commit.scaled_backward(s, p, grads, grad_in, scale, later)
-        return Ran(commit.gradient(s, p, version, grad_in, scale, overflow))
+        later = s.scaling.incoming.pop(p)
+        agreed = commit.agreed_backward(s, p, grads, grad_in, later.scale, later)
+        return Ran(commit.gradient(s, p, version, grad_in, later.scale, agreed))
 
     def forward_backward(self, s: Loaded, task: Task) -> Ran:
         p = task.p
@@ -63,7 +63,7 @@ class MinibatchTasks:
         start = time.time()
         min_clock = s.sync.min_clock
         scale = 1.0
-        if s.scaling is not None:  # the verdicts <= p - nm came with p's activation (or were made here)
+        if s.scaling is not None and s.scaling.fp16:  # the verdicts <= p - nm came with p's activation (or were made here)
             scale = s.scaling.loss_scale.for_minibatch(p, s.job.nm, s.scaling.verdicts)
         loss, grad_in, version, grads, forward_end = s.compute.forward_backward(p, x, y, scale)
         s.observe.forward(p, version, s.sync.clock, min_clock)
@@ -81,5 +81,5 @@ class MinibatchTasks:
                              loss=float(loss))
         if s.scaling is None:
             return Ran(commit.gradient(s, p, version, grad_in), forward, then=lambda: commit.commit(s, p, grads))
-        overflow = commit.scaled_backward(s, p, grads, grad_in, scale, False)
-        return Ran(commit.gradient(s, p, version, grad_in, scale, overflow), forward)
+        agreed = commit.agreed_backward(s, p, grads, grad_in, scale, None)
+        return Ran(commit.gradient(s, p, version, grad_in, scale, agreed), forward)

@@ -61,7 +61,13 @@ def hostile(descriptor: Descriptor, rnd: random.Random, depth: int = 0) -> Any:
             continue
         repeated = field.is_repeated
         count = rnd.choice([1, 2, 3, 9, 5000]) if repeated else 1
-        if field.type == F.TYPE_MESSAGE:
+        entry = field.message_type
+        if entry is not None and entry.GetOptions().map_entry:   # a map: extreme keys to extreme values
+            key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
+            target = getattr(message, field.name)
+            for _ in range(min(count, 9)):
+                target[_scalar(key, rnd)] = _scalar(value, rnd)
+        elif field.type == F.TYPE_MESSAGE:
             if depth >= 3:
                 continue
             count = min(count, 9)

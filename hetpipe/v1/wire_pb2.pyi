@@ -39,7 +39,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MinibatchTag(_message.Message):
-    __slots__ = ("vw", "minibatch", "weight_version", "stage", "eval", "verdicts", "loss_scale", "overflow", "micro")
+    __slots__ = ("vw", "minibatch", "weight_version", "stage", "eval", "verdicts", "loss_scale", "overflow", "micro", "norm_sq")
     VW_FIELD_NUMBER: _ClassVar[int]
     MINIBATCH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class MinibatchTag(_message.Message):
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     OVERFLOW_FIELD_NUMBER: _ClassVar[int]
     MICRO_FIELD_NUMBER: _ClassVar[int]
+    NORM_SQ_FIELD_NUMBER: _ClassVar[int]
     vw: int
     minibatch: int
     weight_version: int
@@ -58,15 +59,25 @@ class MinibatchTag(_message.Message):
     loss_scale: float
     overflow: bool
     micro: int
-    def __init__(self, vw: _Optional[int] = ..., minibatch: _Optional[int] = ..., weight_version: _Optional[int] = ..., stage: _Optional[int] = ..., eval: _Optional[int] = ..., verdicts: _Optional[_Union[Verdicts, _Mapping]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., micro: _Optional[int] = ...) -> None: ...
+    norm_sq: float
+    def __init__(self, vw: _Optional[int] = ..., minibatch: _Optional[int] = ..., weight_version: _Optional[int] = ..., stage: _Optional[int] = ..., eval: _Optional[int] = ..., verdicts: _Optional[_Union[Verdicts, _Mapping]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., micro: _Optional[int] = ..., norm_sq: _Optional[float] = ...) -> None: ...
 
 class Verdicts(_message.Message):
-    __slots__ = ("through", "skipped")
+    __slots__ = ("through", "skipped", "clipped")
+    class ClippedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     THROUGH_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_FIELD_NUMBER: _ClassVar[int]
     through: int
     skipped: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, through: _Optional[int] = ..., skipped: _Optional[_Iterable[int]] = ...) -> None: ...
+    clipped: _containers.ScalarMap[int, float]
+    def __init__(self, through: _Optional[int] = ..., skipped: _Optional[_Iterable[int]] = ..., clipped: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class CommitTag(_message.Message):
     __slots__ = ("vw", "stage", "verdicts")

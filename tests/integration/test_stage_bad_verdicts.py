@@ -1,5 +1,6 @@
-"""fp16 loss scaling on the wire: a stage refuses verdicts and loss scales that no pipeline could
-send, keeps its state, and commits a minibatch only once stage 0's verdict on it arrives.
+"""fp16 loss scaling and max_grad_norm clipping on the wire: a stage refuses verdicts, loss scales
+and norms that no pipeline could send, keeps its state, and commits a minibatch only once stage
+0's verdict on it arrives.
 
 The stage under test is stage_rig's middle stage of a 3-stage job (nm 2), between fake neighbours.
 """
@@ -20,8 +21,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def verdicts_alone(through: int, skipped: list[int], *, stage: int = 0, vw: int = 0,
-                   tensors: list[tuple[str, torch.Tensor]] | None = None) -> list[wire_pb2.TensorFrame]:
-    tag = wire_pb2.CommitTag(vw=vw, stage=stage, verdicts=wire_pb2.Verdicts(through=through, skipped=skipped))
+                   tensors: list[tuple[str, torch.Tensor]] | None = None,
+                   clipped: dict[int, float] | None = None) -> list[wire_pb2.TensorFrame]:
+    tag = wire_pb2.CommitTag(vw=vw, stage=stage, verdicts=wire_pb2.Verdicts(through=through, skipped=skipped,
+                                                                            clipped=clipped or {}))
     return messages(wire.encode(tensors or [], commit=tag))
 
 
@@ -36,12 +39,60 @@ def with_tag(request: list[wire_pb2.TensorFrame], **fields: Any) -> list[wire_pb
     return request
 
 
-def test_a_stage_without_loss_scaling_refuses_verdicts(make_job) -> None:
+def test_a_stage_without_loss_scaling_or_clipping_refuses_verdicts_and_norms(make_job) -> None:
     with middle_stage(make_job) as rig:
         before = rig.snapshot()
         refused(rig.stub.Forward, iter(verdicts_alone(1, [])), Code.FAILED_PRECONDITION,
-                r"verdicts: this job does not scale its loss \(fp16 only\)")
-        assert rig.snapshot() == before
+                r"verdicts: this job neither scales its loss nor clips its gradients \(fp16, max_grad_norm only\)")
+        rig.stub.Forward(iter(rig.activation(1)), timeout=10)
+        rig.wait_until("forwards_done", 1)
+        forwarded = rig.snapshot()
+        refused(rig.stub.Backward, iter(with_tag(rig.gradient(1), norm_sq=0.25)), Code.INVALID_ARGUMENT,
+                "gradient: norm_sq 0.25 of minibatch 1: expected none: this job does not clip its gradients")
+        assert rig.snapshot() == forwarded and before["weights_digest"] == forwarded["weights_digest"]
+
+
+def test_clipping_refuses_bad_norms_and_coefficients_and_commits_with_stage_0s(make_job) -> None:
+    with middle_stage(make_job, max_grad_norm=1.0) as rig:
+        before = rig.snapshot()
+        cases = {
+            "a coefficient of 1": (verdicts_alone(1, [], clipped={1: 1.0}), r"clip coefficients \[1\.0\]"),
+            "a coefficient of 0": (verdicts_alone(1, [], clipped={1: 0.0}), r"clip coefficients \[0\.0\]"),
+            "a NaN coefficient": (verdicts_alone(1, [], clipped={1: float("nan")}), r"clip coefficients \[nan\]"),
+            "a coefficient outside what is decided": (verdicts_alone(1, [], clipped={2: 0.5}),
+                                                      r"clipped minibatches \[2\] outside \(0, 1\]"),
+            "skipped and clipped": (verdicts_alone(1, [1], clipped={1: 0.5}), r"minibatches \[1\] both skipped and clipped"),
+        }
+        for name, (request, match) in cases.items():
+            refused(rig.stub.Forward, iter(request), Code.INVALID_ARGUMENT, "verdicts: " + match)
+            assert rig.snapshot() == before, name
+        rig.stub.Forward(iter(rig.activation(1)), timeout=10)
+        rig.wait_until("forwards_done", 1)
+        forwarded = rig.snapshot()
+        for norm_sq, match in ((-1.0, "norm_sq -1.0"), (float("nan"), "norm_sq nan")):
+            refused(rig.stub.Backward, iter(with_tag(rig.gradient(1), loss_scale=1.0, norm_sq=norm_sq)),
+                    Code.INVALID_ARGUMENT, rf"gradient: {match} of minibatch 1: expected a squared norm >= 0")
+        refused(rig.stub.Backward, iter(with_tag(rig.gradient(1), loss_scale=2.0, norm_sq=1.0)), Code.INVALID_ARGUMENT,
+                "gradient: loss_scale 2.0 of minibatch 1, but this job does not scale its loss")
+        assert rig.snapshot() == forwarded
+
+        # The gradient goes back with this stage's squared norm added; the step waits for stage 0.
+        rig.stub.Backward(iter(with_tag(rig.gradient(1), loss_scale=1.0, norm_sq=0.25)), timeout=10)
+        rig.wait_until("backwards_done", 1)
+        rig.prev.wait_for(1)
+        _, tag, _ = rig.prev.got[0]
+        assert tag.loss_scale == 1.0 and tag.norm_sq > 0.25 and not tag.overflow
+        assert rig.snapshot()["local_version"] == 0
+        rig.stub.Forward(iter(verdicts_alone(1, [], clipped={1: 0.5})), timeout=10)
+        after = rig.wait_until("local_version", 1)
+        assert after.weights_digest != before["weights_digest"]
+        rig.next.wait_for(2)  # minibatch 1's activation, then the verdict with its coefficient
+        _, alone, _ = rig.next.got[1]
+        assert (alone.verdicts.through, dict(alone.verdicts.clipped)) == (1, {1: 0.5})
+        settled = rig.snapshot()
+        refused(rig.stub.Forward, iter(verdicts_alone(1, [], clipped={1: 0.5})), Code.ALREADY_EXISTS,
+                "verdicts through minibatch 1 arrived already")
+        assert rig.snapshot() == settled
 
 
 def test_bad_verdicts_and_scales_are_refused_and_a_minibatch_waits_for_its_verdict(make_job) -> None:

@@ -6,7 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetpipe.loss_scale import INITIAL_SCALE, MIN_SCALE, Diverged, LossScale, Verdicts
+import math
+
+import torch
+
+from hetpipe.loss_scale import INITIAL_SCALE, MIN_SCALE, Diverged, LossScale, Verdicts, clip_coefficient
 
 
 def decided(skipped: set[int], through: int) -> Verdicts:
@@ -82,13 +86,13 @@ def test_verdicts_are_decided_in_order_and_relayed_once() -> None:
     stage0.decide(2, True)
     with pytest.raises(ValueError, match="verdict for minibatch 4 after 2"):
         stage0.decide(4, False)
-    through, skipped = stage0.news()
-    assert (through, skipped) == (2, [2]) and stage0.news() == (2, [])
+    through, skipped, clipped = stage0.news()
+    assert (through, skipped, clipped) == (2, [2], {}) and stage0.news() == (2, [], {})
     stage1.check(through, skipped, steps=10)
     stage1.learn(through, skipped)
     assert [stage1.stepped(p) for p in (1, 2, 3)] == [True, False, None]
     stage0.decide(3, True)
-    assert stage0.news() == (3, [3]), "only what the next stage was not told yet"
+    assert stage0.news() == (3, [3], {}), "only what the next stage was not told yet"
 
 
 def test_news_told_while_a_verdict_arrives_loses_no_skip() -> None:
@@ -107,11 +111,11 @@ def test_news_told_while_a_verdict_arrives_loses_no_skip() -> None:
 
     middle = Racing()
     middle.learn(4, [])
-    assert middle.news() == (4, [])
+    assert middle.news() == (4, [], {})
     armed = True
     told = [middle.news(), middle.news()]
     assert arrived and told[-1][0] == 6
-    assert sorted(p for _, skipped in told for p in skipped) == [5]
+    assert sorted(p for _, skipped, _ in told for p in skipped) == [5]
 
 
 @pytest.mark.parametrize(("through", "skipped", "message"), [
@@ -124,3 +128,56 @@ def test_news_no_stage_0_could_send_is_refused(through: int, skipped: list[int],
     with pytest.raises(ValueError, match=message):
         v.check(through, skipped, steps=10)
     assert (v.through, v.skipped) == (2, {1}), "a refused message changes nothing"
+
+
+def test_coefficients_travel_once_and_are_forgotten_once_committed_and_told() -> None:
+    stage0, middle, last = Verdicts(), Verdicts(), Verdicts(relays=False)
+    stage0.decide(1, False, 0.5)
+    stage0.decide(2, True, 0.25)   # a skipped minibatch has no coefficient
+    stage0.decide(3, False, 1.0)
+    assert stage0.take(1) == 0.5 and stage0.take(2) == 1.0 and stage0.take(3) == 1.0
+    news = stage0.news()
+    assert news == (3, [2], {1: 0.5}) and stage0.news() == (3, [], {})
+    assert not stage0.clipped, "committed and told: forgotten"
+    middle.check(*news[:2], steps=10, clipped=news[2])
+    middle.learn(*news)
+    assert middle.news() == news, "told on before this stage committed it"
+    assert middle.clipped == {1: 0.5}, "kept until committed here"
+    assert middle.take(1) == 0.5 and not middle.clipped
+    last.learn(*news)
+    assert last.take(1) == 0.5 and not last.clipped, "the last stage tells no one: forgotten once committed"
+
+
+@pytest.mark.parametrize(("clipped", "skipped", "message"), [
+    ({3: 0.5}, [], r"clipped minibatches \[3\] outside \(0, 2\]"),
+    ({1: 1.0}, [], r"clip coefficients \[1\.0\]: expected each in \(0, 1\)"),
+    ({1: -0.5}, [], r"clip coefficients \[-0\.5\]"),
+    ({1: math.inf}, [], r"clip coefficients \[inf\]"),
+    ({1: 0.5}, [1], r"minibatches \[1\] both skipped and clipped"),
+])
+def test_coefficients_no_stage_0_could_send_are_refused(clipped: dict[int, float], skipped: list[int],
+                                                       message: str) -> None:
+    v = Verdicts()
+    with pytest.raises(ValueError, match=message):
+        v.check(2, skipped, steps=10, clipped=clipped)
+    assert (v.through, v.clipped) == (0, {})
+
+
+@given(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=20), st.floats(1e-3, 10.0),
+       st.sampled_from([1.0, 1024.0]))
+@settings(max_examples=60, deadline=None)
+def test_the_coefficient_is_clip_grad_norm_s(values: list[float], max_norm: float, scale: float) -> None:
+    grads = [torch.tensor(values[: len(values) // 2 + 1], dtype=torch.float64),
+             torch.tensor(values[len(values) // 2 + 1:] or [0.0], dtype=torch.float64)]
+    params = [torch.zeros_like(g, requires_grad=True) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm_sq = sum(float(g.square().sum()) for g in grads) * scale ** 2   # as the stages sum them, scaled
+    c = clip_coefficient(norm_sq, max_norm, scale)
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(g * c, p.grad, rtol=1e-12, atol=1e-300)
+
+
+def test_a_norm_that_is_not_finite_is_not_clipped() -> None:
+    assert clip_coefficient(math.inf, 1.0) == 1.0 and clip_coefficient(math.nan, 1.0) == 1.0

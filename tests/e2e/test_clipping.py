@@ -1,0 +1,97 @@
+"""train.max_grad_norm: a VW's gradients of each minibatch clipped to one L2 norm over all its
+stages, as torch.nn.utils.clip_grad_norm_ clips a whole model's. Stage 0 learns the norm with the
+last gradient, decides the coefficient, and it travels forward with the activations: every stage
+commits p with the same coefficient."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hetpipe import weight_files
+from hetpipe.config import with_overrides
+from hetpipe.reference import train_reference
+from launch.local import run_local
+from trace_rules import by_stage, check_complete, check_local_rules, load_trace
+
+pytestmark = pytest.mark.timeout(150)
+
+MAX_NORM = 0.3   # the base job's gradient norms are 0.2-0.4: some minibatches are clipped, some not
+
+
+def _coefficients(rows: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
+    """(vw, p) -> the clip coefficient every stage of the VW committed p with (one, or it fails)."""
+    seen: dict[tuple[int, int], set[float]] = {}
+    for r in rows:
+        seen.setdefault((r["vw"], r["p"]), set()).add(r["clip"])
+    assert all(len(c) == 1 for c in seen.values()), {k: c for k, c in seen.items() if len(c) > 1}
+    return {key: c.pop() for key, c in seen.items()}
+
+
+@pytest.mark.parametrize(("n", "k", "optimizer"), [
+    (1, 3, {"name": "sgd", "lr": 0.05, "momentum": 0.9}),
+    (2, 2, {"name": "sgd", "lr": 0.05}),
+], ids=["O1", "O2-wsp"])
+def test_clipped_training_equals_one_process_clipped_by_torch(make_job, tmp_path: Path, n: int, k: int,
+                                                                optimizer: dict[str, Any]) -> None:
+    job = make_job({
+        "train": {"dtype": "float64", "steps": 30, "optimizer": optimizer, "max_grad_norm": MAX_NORM},
+        "parallel": {"virtual_workers": n, "stages_per_vw": k, "nm": 1, "D": 0, "ps_shards": 2},
+    })
+    run_local(job, quiet=True)
+    got = weight_files.read_weights(tmp_path / "out")
+    want = train_reference(job).state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+    unclipped = train_reference(with_overrides(job, train={"max_grad_norm": 0.0})).state_dict()
+    assert max(float((want[key] - unclipped[key]).abs().max()) for key in want) > 1e-4, "clipping must matter"
+    clips = _coefficients(load_trace(tmp_path / "out" / "trace"))
+    assert len(clips) == n * 30
+    assert 0 < sum(c < 1 for c in clips.values()) < len(clips), "some minibatches clipped, not all"
+
+
+def test_clipping_keeps_the_rules_with_minibatches_in_flight_and_two_vws(make_job, tmp_path: Path) -> None:
+    """nm 3: a stage after 0 commits p when its coefficient arrives (with p + nm's activation, or
+    alone after the last minibatch), so the forward of m sees exactly the updates <= m - nm."""
+    steps = 22
+    job = make_job({"train": {"steps": steps, "max_grad_norm": MAX_NORM},
+                    "parallel": {"virtual_workers": 2, "stages_per_vw": 3, "nm": 3, "D": 1, "ps_shards": 2}})
+    summary = run_local(job, quiet=True)
+    rows = load_trace(tmp_path / "out" / "trace")
+    check_complete(rows, vws=2, stages=3, steps=steps)
+    check_local_rules(rows, 3)
+    assert summary["max_clock_distance"] <= 2
+    for (v, q), rs in by_stage(rows).items():
+        if q > 0:  # committed only once stage 0 had decided: never before its own backward ended
+            assert all(r["committed"] >= r["bwd_end"] for r in rs), f"vw {v} stage {q}"
+    clips = _coefficients(rows)
+    assert len(clips) == 2 * steps and any(c < 1 for c in clips.values())
+
+
+def test_ddp_clips_its_averaged_gradient_as_torch_does(make_job, tmp_path: Path) -> None:
+    job = make_job({"train": {"dtype": "float64", "steps": 20, "max_grad_norm": MAX_NORM},
+                    "parallel": {"virtual_workers": 1, "stages_per_vw": 1, "mode": "ddp"},
+                    "output": {"trace": False}})
+    run_local(job, quiet=True)
+    got = weight_files.read_weights(tmp_path / "out")
+    for key, value in train_reference(job).state_dict().items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-9, msg=f"{key} differs")
+
+
+def test_a_checkpoint_cut_does_not_wait_for_a_coefficient_that_only_the_next_wave_would_carry(
+        make_job, tmp_path: Path) -> None:
+    """Stages after 0 commit a cut's last minibatch once its coefficient arrives, and no activation
+    comes until the driver lets the stages past the cut: stage 0 sends the verdicts alone."""
+    job = make_job({"train": {"steps": 12, "max_grad_norm": MAX_NORM, "checkpoint_every": 2},
+                    "parallel": {"stages_per_vw": 3, "nm": 2}})
+    run_local(job, quiet=True)
+    cuts = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
+    assert cuts == ["cut000004"], "the last cut kept (waves 2 and 4 cut; 6 is the end)"
+    assert sorted(f.name for f in (tmp_path / "out" / "checkpoints" / "cut000004").glob("vw0_stage*.pt")) == [
+        "vw0_stage0.pt", "vw0_stage1.pt", "vw0_stage2.pt"]
+    rows = load_trace(tmp_path / "out" / "trace")
+    check_complete(rows, vws=1, stages=3, steps=12)
+    check_local_rules(rows, 2)
