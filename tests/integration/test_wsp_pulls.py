@@ -8,6 +8,7 @@ elastic exchange sends the replica as its wave left it, on the CPU and from a GP
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -234,3 +235,95 @@ def test_an_elastic_exchange_sends_the_replica_as_its_wave_left_it(shard: tuple[
         assert not failures
     finally:
         sync.close()
+
+
+def _wait_acked(sync: WspSync, waves: int, failures: list[str]) -> None:
+    deadline = time.monotonic() + 20
+    while sync.acked_waves < waves:
+        assert time.monotonic() < deadline and not failures, failures
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_a_pull_merged_mid_wave_keeps_the_open_waves_updates_for_its_push(shard: tuple[str, ShardServicer],
+                                                                         shm: bool) -> None:
+    """nm 2: a pull merged between the two minibatches of wave 1 drops the pushed wave 0 (now in
+    w_global), not the half of wave 1 summed so far: the weights keep it (G3), and wave 1's push
+    carries both its minibatches (G1), so w_global ends as w0 plus every update."""
+    address, servicer = shard
+    failures: list[str] = []
+    sync, weights = _stage(address, 0, 0, shm, failures, nm=2)
+    try:
+        w0 = [torch.arange(12.0).reshape(4, 3), torch.ones(4)]
+        u = {p: [torch.full((4, 3), float(2 ** p)), torch.full((4,), float(3 ** p))] for p in (1, 2, 3, 4)}
+        sync.initialise(1, w0)
+        for p in (1, 2):
+            sync.after_update(p, [t.clone() for t in u[p]])
+        sync.on_wave_end(0)
+        _wait_acked(sync, 1, failures)
+        sync.after_update(3, [t.clone() for t in u[3]])
+        sync.pull_now(weights, 1)
+        for got, w, a, b, c in zip(weights.params, w0, u[1], u[2], u[3]):
+            assert torch.equal(got, w + a + b + c), "G3: w_global (w0 + wave 0) plus the open wave's minibatch 3"
+        sync.after_update(4, [t.clone() for t in u[4]])
+        sync.on_wave_end(1)
+        _wait_acked(sync, 2, failures)
+        for key, w, *ups in zip(KEYS, w0, u[1], u[2], u[3], u[4]):
+            assert torch.equal(servicer.shard.values[key], w + sum(ups)), f"{key}: an update was lost"
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_a_pull_adds_back_every_own_wave_the_shard_has_not_applied(shard: tuple[str, ShardServicer],
+                                                                   shm: bool) -> None:
+    """Wave 1's push is still on its way (an emulated network holds it) and wave 2 is open when a
+    pull for min_clock 1 is merged: both are added to w_global (G3), from the slot or the frames."""
+    failures: list[str] = []
+    sync, weights = _stage(shard[0], 0, 1, shm, failures, steps=6)
+    try:
+        w0 = [torch.arange(12.0).reshape(4, 3), torch.ones(4)]
+        u = {p: [torch.full((4, 3), float(2 ** p)), torch.full((4,), float(3 ** p))] for p in (1, 2, 3)}
+        sync.initialise(1, w0)
+        _push(sync, 0, u[1], failures)
+        sync.cfg = dataclasses.replace(sync.cfg, push_hold_s=5.0)   # wave 1's push waits on the "network"
+        sync.after_update(2, [t.clone() for t in u[2]])
+        sync.on_wave_end(1)
+        sync.after_update(3, [t.clone() for t in u[3]])
+        sync.pull_now(weights, 1)
+        assert sync.acked_waves == 1, "wave 1 had not reached the shard"
+        for got, w, a, b, c in zip(weights.params, w0, u[1], u[2], u[3]):
+            assert torch.equal(got, w + a + b + c), "G3: w_global (w0 + wave 0) plus waves 1 and 2"
+    finally:
+        sync.close()
+
+
+def test_a_stage_over_two_shards_holds_the_clock_of_the_one_behind(tmp_path: Path) -> None:
+    """G2 across shards: the stage's keys live on two shards, and the first has applied one more
+    wave than the second. Merged, the stage's weights are w_global through the second's c_global
+    only for its keys, so its min_clock is the smaller of the two."""
+    servers = []
+    for i in range(2):
+        servicer = ShardServicer(Shard(), Durability(str(tmp_path / f"ckpt{i}")), max_pull_wait_s=30.0)
+        server = rpc.Server("127.0.0.1", 0, workers=8)
+        server.add("ParameterServer", servicer)
+        server.start()
+        servers.append((server, servicer))
+    failures: list[str] = []
+    weights = Weights()
+    config = SyncConfig(vw=0, nm=1, D=1, steps=4, keys=KEYS, key_shards=(0, 1),
+                        addresses=tuple(s.address for s, _ in servers), shared_memory=(False, False))
+    sync = WspSync(config, SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3),
+                   weights.params)
+    try:
+        sync.initialise(1, [torch.zeros(4, 3), torch.zeros(4)])
+        _push(sync, 0, [torch.ones(4, 3), torch.ones(4)], failures)
+        # Wave 1 reached the first shard only (its push to the second is still on its way).
+        assert servers[0][1].shard.push(0, 1, [(KEYS[0], torch.full((4, 3), 2.0))])
+        sync.pull_now(weights, 1)
+        assert sync.min_clock == 1, "c_global is the smallest over the shards the stage's keys live on"
+        assert not failures
+    finally:
+        sync.close()
+        for server, _ in servers:
+            server.stop(grace=0)

@@ -106,6 +106,24 @@ def test_a_lone_vw_tracks_no_updates_and_weights_can_be_replaced() -> None:
     assert (float(out), version) == (6.0, 1), "set_weights changes the weights, not the version"
 
 
+@pytest.mark.parametrize("merge", ["set_weights", "overwrite"])
+def test_a_pull_merged_between_two_forwards_reaches_the_next_one(merge: str) -> None:
+    """A pull changes the weights, not the version (G3): the forward it let through (G2) runs on
+    the merged weights, not on the stash the forward before it made at the same version; that
+    earlier minibatch's backward still runs on what its forward saw (L2)."""
+    c = StageCompute(_linear(2.0, 0.0), SGD, loss="mse", device="cpu", track_updates=True)
+    out1, _ = c.forward(1, x(1.0))
+    pulled = [torch.tensor([[5.0]], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)]
+    if merge == "set_weights":          # a pull received in gRPC frames
+        c.set_weights(pulled)
+    else:                               # a pull copied from the shard's slot in place
+        c.overwrite(lambda params: [p.copy_(v) for p, v in zip(params, pulled)])
+    out2, v2 = c.forward(2, x(1.0))
+    assert (float(out1), float(out2), v2) == (2.0, 6.0, 0)
+    grad_in, version, _ = c.backward(1, x(1.0))
+    assert (float(grad_in), version) == (2.0, 0), "minibatch 1's backward on its own stash (w = 2)"
+
+
 def test_a_stage_without_parameters_still_counts_its_minibatches() -> None:
     c = StageCompute(nn.Sequential(nn.ReLU()), SGD, loss="mse", device="cpu", track_updates=True)
     out, _ = c.forward(1, torch.tensor([[-1.0, 2.0]], dtype=torch.float64))
