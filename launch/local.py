@@ -224,7 +224,10 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
                 # right after anyway, and Ctrl-C must end the run within seconds even on a busy host.
                 runner.stop(interrupt_reason(exc))
                 runner.machine.wait_terminal(2.0)
-                raise
+                if runner.machine.state != JobState.COMPLETED:
+                    raise
+                # It came after the job had ended: its results stand, and the run ends as the job did.
+                status = stub.GetJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
     except BaseException as exc:
         # What status.json says: a start-up failure's own message, an interrupt's signal.
         if isinstance(exc, JobFailed):

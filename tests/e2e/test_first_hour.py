@@ -262,3 +262,24 @@ def test_a_bare_status_with_no_coordinator_says_how_to_find_a_local_run(monkeypa
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("hetpipe: coordinator 127.0.0.1:1 unreachable: UNAVAILABLE")
     assert err[1] == "hetpipe: a local `hetpipe run JOB.yaml` is found with `hetpipe status --job JOB.yaml`"
+
+
+def test_ctrl_c_after_the_job_completed_keeps_its_results_and_ends_as_it_did(make_job, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that lands after the job's end, before the run's: the weights and status.json say
+    COMPLETED, and so does the run (its summary, exit 0), not "interrupted" (130)."""
+    from launch import local
+
+    real = local.follow
+
+    def then_ctrl_c(*args: object, **kwargs: object) -> object:
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local, "follow", then_ctrl_c)
+    try:
+        summary = local.run_local(make_job({"train": {"steps": 4}, "output": {"trace": False}}), quiet=True)
+    except KeyboardInterrupt:   # not let through: it would end the whole suite
+        pytest.fail("the run was reported interrupted after its job had completed")
+    assert summary["steps"] == 4
+    assert json.loads((tmp_path / "out" / "status.json").read_text())["state"] == "COMPLETED"
