@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from emulated import Run, covered, job_dict, load_average, median_ms, run_job, stage_tasks
+from hetpipe.config import with_setting
 
 K = 4
 TARGET_NM, TARGET_RATIO = 4, 0.95  # issue 12 (0.9 before)
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", action=argparse.BooleanOptionalAction, default=None,
                         help="also time a 2 KiB send over gRPC and raw TCP (default: on unless --quick)")
     parser.add_argument("--out", type=Path, default=None, help="keep run outputs here (default: a temp dir)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="change one setting of the job, as `hetpipe run --set` (e.g. train.max_grad_norm=1.0)")
     args = parser.parse_args(argv)
     nms = args.nm or ([1, TARGET_NM] if args.quick else list(range(1, 7)))
     steps = args.steps or (28 if args.quick else 40)
@@ -145,13 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     period = f + b  # every stage does F+B per minibatch (the last as one task): the slowest stage's time
 
     print(f"pipeline: 1 VW, k={K} stages, emulated F={args.forward_ms:g} ms B={args.backward_ms:g} ms per stage, "
-          f"{steps} minibatches per run; ideal = 1/(F+B) = {1 / period:.2f} minibatches/s")
+          f"{steps} minibatches per run; ideal = 1/(F+B) = {1 / period:.2f} minibatches/s"
+          + "".join(f"; --set {s}" for s in args.set))
     print(f"start: {load_average()}")
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="hetpipe-bench-pipeline-") as tmp:
         root = args.out or Path(tmp)
         for nm in nms:
             raw = job_dict(out_dir=root / f"nm{nm}", forward_s=f, backward_s=b, steps=steps, nm=nm, stages=K)
+            for setting in args.set:
+                raw = with_setting(raw, setting)
             began = time.monotonic()
             run = run_job(raw)
             results.append(analyse(run, nm, steps, f, b))
