@@ -235,8 +235,6 @@ def _check_together(job: JobConfig) -> None:
     """Checks between keys: what `hetpipe plan` must refuse because `hetpipe run` would."""
     par = job.parallel
     check_sync(job.parallel, job.train.checkpoint_every)
-    if job.train.checkpoint_every and job.train.precision == "fp16":  # its loss scale is not saved yet
-        raise ConfigError("train.checkpoint_every: not with train.precision fp16 yet (use bf16 or fp32)")
     if par.mode != "hetpipe" and job.train.precision == "fp16":
         raise ConfigError(f"train.precision: fp16 needs loss scaling, which HetPipe's stages do and parallel.mode "
                           f"{par.mode} does not; use bf16 or fp32")

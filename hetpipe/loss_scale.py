@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 INITIAL_SCALE = 2.0 ** 16
 GROWTH_INTERVAL = 2000   # decided-good minibatches in a row before the scale doubles
@@ -58,6 +59,21 @@ class LossScale:
                     self.scale *= 2
                     self._good = 0
             self.through = p
+
+    def state(self, verdicts: Verdicts) -> dict[str, Any]:
+        """What a checkpoint keeps for the scales after its cut to come out as without it: the
+        scale and its streak, the minibatches whose verdicts are still to be folded in (their
+        scales, and which of them were skipped)."""
+        return {"scale": self.scale, "good": self._good, "through": self.through,
+                "ran": [[p, s] for p, s in sorted(self._ran.items())],
+                "skipped": sorted(p for p in verdicts.skipped if p > self.through)}
+
+    @classmethod
+    def restored(cls, state: Mapping[str, Any]) -> tuple[LossScale, set[int]]:
+        """state()'s scale, and the skips to put back into the stage's verdicts."""
+        ran = {int(p): float(s) for p, s in state["ran"]}
+        scale = cls(scale=float(state["scale"]), through=int(state["through"]), _good=int(state["good"]), _ran=ran)
+        return scale, {int(p) for p in state["skipped"]}
 
     def for_minibatch(self, p: int, nm: int, verdicts: Verdicts) -> float:
         """S_p: the scale after the verdicts of minibatches <= p - nm (always known here by then)."""

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from hetpipe.loss_scale import LossScale
 from hetpipe.wsp import total_waves
+from stage_worker.scaling import Scaling
 from stage_worker.stage import StageCompute
 from stage_worker.sync import Sync
 
@@ -56,9 +58,10 @@ def load(path: Path) -> dict[str, Any]:
     return state
 
 
-def capture(compute: StageCompute, sync: Sync) -> dict[str, Any]:
+def capture(compute: StageCompute, sync: Sync, scaling: Scaling | None = None) -> dict[str, Any]:
     """The stage's state at a cut: weights and buffers, its own updates count, the optimizer's
-    state, and the WSP state."""
+    state, the WSP state, and fp16's loss scale (clipping keeps nothing: every coefficient
+    through the cut is committed)."""
     opt = compute.optimizer
     return {
         "module": {k: v.detach().cpu().clone() for k, v in compute.module.state_dict().items()},
@@ -68,11 +71,13 @@ def capture(compute: StageCompute, sync: Sync) -> dict[str, Any]:
             "exp_avg": [t.cpu().clone() for t in opt.exp_avg], "exp_avg_sq": [t.cpu().clone() for t in opt.exp_avg_sq],
             "steps": [t.clone() for t in opt.steps]},
         "sync": sync.state(),
+        "loss_scale": None if scaling is None or not scaling.fp16 else scaling.loss_scale.state(scaling.verdicts),
     }
 
 
-def restore(compute: StageCompute, sync: Sync, state: dict[str, Any]) -> None:
-    """Puts a captured state back (ValueError naming what does not fit the stage's layers)."""
+def restore(compute: StageCompute, sync: Sync, state: dict[str, Any], scaling: Scaling | None = None) -> None:
+    """Puts a captured state back (ValueError naming what does not fit the stage's layers). A cut
+    without a loss scale (one from an fp32 or bf16 run) starts fp16's afresh."""
     module = state["module"]
     own = compute.module.state_dict()
     if set(module) != set(own) or any(tuple(module[k].shape) != tuple(own[k].shape) for k in own):
@@ -90,3 +95,6 @@ def restore(compute: StageCompute, sync: Sync, state: dict[str, Any]) -> None:
         for target, value in zip(opt.steps, saved["steps"]):
             target.copy_(value)
     sync.restore(state["sync"], device)
+    if scaling is not None and scaling.fp16 and state.get("loss_scale"):
+        scaling.loss_scale, skipped = LossScale.restored(state["loss_scale"])
+        scaling.verdicts.skipped |= skipped

@@ -133,7 +133,7 @@ class Loaded:
             self.evals.schedule.done = min(self.evals.schedule.periodic, (start - 2) // self.evals.schedule.every)
         self.scaling: Scaling | None = None
         if job.train.precision == "fp16" or job.train.max_grad_norm:
-            # A resumed job decides on from its cut (fp16 is refused with checkpoints: its scale is not saved).
+            # A resumed job decides on from its cut (its loss scale comes back with the stage's state).
             before = start - 1
             self.scaling = Scaling(job.train.precision == "fp16", job.train.max_grad_norm,
                                    Verdicts(through=before, told=before, committed=before, relays=not setup.last),
@@ -156,7 +156,7 @@ class Loaded:
                 progress(f"restoring its state at the checkpoint of wave {setup.resume_wave}")
                 path = outputs.stage_state_path(setup.checkpoint_dir, setup.resume_wave, setup.vw, setup.stage)
                 try:
-                    checkpoint.restore(self.compute, self.sync, checkpoint.load(path))
+                    checkpoint.restore(self.compute, self.sync, checkpoint.load(path), self.scaling)
                 except (OSError, ValueError, KeyError, RuntimeError) as exc:
                     raise LoadError(f"{path}: {exc}") from None
             elif setup.synced and setup.vw == 0:  # a resumed job's driver gives the shards the checkpoint's values
@@ -186,7 +186,7 @@ class Loaded:
 
     def cut_state(self) -> dict[str, Any]:
         """What its part of a checkpoint holds, copied now (save_cut writes it)."""
-        return checkpoint.capture(self.compute, self.sync)
+        return checkpoint.capture(self.compute, self.sync, self.scaling)
 
     def save_cut(self, wave: int, state: dict[str, Any]) -> None:
         """Its part of the checkpoint after `wave`, cut_state() then; it then waits there until continued."""

@@ -4,6 +4,7 @@ stage skips that minibatch's step on every stage, the loss scale halves, and the
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,38 @@ def test_fp16_verdicts_keep_the_rules_with_minibatches_in_flight_and_two_vws(mak
     assert len(scale) == 2 * steps and all(scale[(v, p)] == scale[(0, p)] for v, p in scale), "one scale rule"
     assert scale[(0, 7)] == INITIAL_SCALE / 2 and scale[(0, 6)] == INITIAL_SCALE  # p sees verdicts <= p - 3
     assert math.isfinite(summary["final_loss"])
+
+
+def test_a_run_resumed_from_a_cut_goes_on_at_the_loss_scale_it_had(make_job, inject_faults, tmp_path: Path) -> None:
+    """Overflows before the first cut halve the scale twice; the run is stopped after the cut and
+    resumed: the minibatches after it run at a quarter of the initial scale, as without the stop."""
+    import threading
+
+    from coordinator.checkpoints import latest
+    from hetpipe import outputs
+    from hetpipe.errors import JobStopped
+    from launch import cli
+
+    inject_faults(overflow=((1, 2), (0, 3)))   # nm 1: S_3 = S/2, S_p = S/4 from p = 4 on
+    job = make_job({"train": {"precision": "fp16", "steps": 40, "checkpoint_every": 4},
+                    "parallel": {"stages_per_vw": 2, "nm": 1},
+                    "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 2}]}],
+                                "emulate": {"forward_seconds": 0.02, "backward_seconds": 0.02}}})
+    out = tmp_path / "out"
+
+    def stop_after_the_first_cut() -> None:
+        while latest(out / outputs.CHECKPOINTS) is None:
+            time.sleep(0.02)
+        cli.main(["stop", "--job", str(tmp_path / "job.yaml")])
+
+    stopper = threading.Thread(target=stop_after_the_first_cut, daemon=True)
+    stopper.start()
+    with pytest.raises(JobStopped):
+        run_local(job, quiet=True)
+    stopper.join(10)
+    cut = latest(out / outputs.CHECKPOINTS)
+    assert cut is not None and cut < 40
+    run_local(job, quiet=True, resume=True)
+    after = [r for r in load_trace(out / "trace") if r["p"] > cut]
+    assert {r["p"] for r in after} == set(range(cut + 1, 41))
+    assert {r["loss_scale"] for r in after} == {INITIAL_SCALE / 4}, "the scale at the cut, not the initial one"

@@ -181,3 +181,28 @@ def test_the_coefficient_is_clip_grad_norm_s(values: list[float], max_norm: floa
 
 def test_a_norm_that_is_not_finite_is_not_clipped() -> None:
     assert clip_coefficient(math.inf, 1.0) == 1.0 and clip_coefficient(math.nan, 1.0) == 1.0
+
+
+@given(st.sets(st.integers(1, 60), max_size=12), st.integers(1, 4), st.integers(1, 14))
+@settings(max_examples=150, deadline=None)
+def test_a_scale_restored_at_a_cut_goes_on_as_without_it(skipped: set[int], nm: int, cut_wave: int) -> None:
+    """The last stage's scales for minibatches 1..60, uninterrupted and with a checkpoint at the
+    end of wave cut_wave (state() saved, restored() into a fresh stage that knows the verdicts
+    through the cut and none before): the same scales, and Diverged at the same minibatch."""
+    steps, cut = 60, cut_wave * nm
+
+    def scales(resume_at: int | None) -> list[float | str]:
+        scale, verdicts, out = LossScale(scale=4.0, growth_interval=5), Verdicts(), []   # 3 skips reach 1
+        for p in range(1, steps + 1):
+            if resume_at is not None and p == resume_at + 1:
+                scale, known = LossScale.restored(scale.state(verdicts))
+                scale.growth_interval = 5
+                verdicts = Verdicts(through=resume_at, skipped=known)
+            try:
+                out.append(scale.for_minibatch(p, nm, verdicts))
+            except Diverged:
+                return [*out, "diverged"]
+            verdicts.decide(p, p in skipped)
+        return out
+
+    assert scales(cut) == scales(None)
