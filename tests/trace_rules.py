@@ -201,6 +201,17 @@ def check_local_rules(rows: list[Row], nm: int) -> None:
     check_in_flight(rows, nm)
 
 
+def check_agreed_commits(rows: list[Row], *, vws: int, stages: int, steps: int, nm: int) -> None:
+    """fp16 and max_grad_norm: every row there, the within-VW rules with commits as the updates,
+    and a stage after the first commits p only once stage 0 has decided it, never before its own
+    backward of p ended."""
+    check_complete(rows, vws=vws, stages=stages, steps=steps)
+    check_local_rules(rows, nm)
+    for (v, q), rs in by_stage(rows).items():
+        if q > 0:
+            assert all(r["committed"] >= r["bwd_end"] for r in rs), f"vw {v} stage {q} committed before its backward"
+
+
 def check_conservation(job: Any, out: Path, ledgers: int, left: Iterable[int] = (), atol: float = 1e-9) -> None:
     """O3: the final model is w0 plus every acknowledged push exactly once, from each stage's
     ledger of what its shards acknowledged (trace/acked_vw*_stage*.pt). For a VW that left the
