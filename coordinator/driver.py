@@ -232,13 +232,18 @@ class JobDriver:
             self.check_shards()
             loading = []
             for h in self.stages:
-                h.last = self.call(h, "Status", stage_pb2.StatusRequest(), deadline=rpc.STATUS_DEADLINE_S)
+                # A stage busy loading (torch's import, a large model's build) may miss a Status
+                # deadline: the job fails only once it has been silent for train.stall_timeout_s.
+                if not self._ask_status(h):
+                    loading.append(h)
+                    continue
                 if h.last.state == State.FAILED:
                     raise JobFailed(f"{h.last.error} (at {h.at})" if h.node else h.last.error)
                 if h.last.state == State.LOADING:
                     loading.append(h)
             if not loading:
                 return
+            self._name_the_silent(loading=True)
             if time.monotonic() > deadline:
                 what = "; ".join(f"{h.name} at {h.at} ({h.last.detail or 'loading'})" for h in loading[:4])
                 raise JobFailed(f"stages still loading after train.setup_timeout_s "
@@ -304,19 +309,26 @@ class JobDriver:
         log.warning("vw %d left the job after %d minibatches (%s); %d virtual workers train on",
                     lost.vw, minibatches, lost, len(live) - 1)
 
+    def _ask_status(self, h: StageHandle) -> bool:
+        """h.last from its Status; False where the call ran out of time (the watch counts h
+        silent from then). Any other failure fails the job, naming h."""
+        try:
+            # Short: a frozen stage must not hold up the heartbeat check on the next poll.
+            h.last = h.stub.Status(stage_pb2.StatusRequest(), timeout=rpc.STATUS_DEADLINE_S)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._failed(h, "Status", exc)
+            with self._watch_lock:
+                self.watch.unanswered(h.name, time.monotonic())
+            return False
+        with self._watch_lock:
+            self.watch.answered(h.name)
+        return True
+
     def _poll(self) -> bool:
         self.check_processes()
         for h in self.stages:
-            # Short: a frozen stage must not hold up the heartbeat check on the next poll.
-            try:
-                h.last = h.stub.Status(stage_pb2.StatusRequest(), timeout=rpc.STATUS_DEADLINE_S)
-                with self._watch_lock:
-                    self.watch.answered(h.name)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    self._failed(h, "Status", exc)
-                with self._watch_lock:
-                    self.watch.unanswered(h.name, time.monotonic())
+            self._ask_status(h)
         self._check_diverged()   # before the failures: a shard refusing a NaN update is the symptom
         failed = [h for h in self.stages if h.last.state == State.FAILED]
         if failed:
@@ -360,15 +372,16 @@ class JobDriver:
         for h in self.stages:
             self.call(h, "Continue", wire_pb2.Empty())
 
-    def _name_the_silent(self) -> None:
+    def _name_the_silent(self, *, loading: bool = False) -> None:
         """A stage silent for train.stall_timeout_s (silent shards are the shard watch's)."""
         with self._watch_lock:
             silent = self.watch.not_responding(time.monotonic())
         for who, seconds in silent:
             h = next((h for h in self.stages if h.name == who), None)
             if h is not None:
-                raise StageLost(h.plan.vw, f"{h.name} at {h.at} not responding: no answer to Status for "
-                                f"{seconds:.0f}s ({h.progress()})")
+                doing, done = (" while it loads", "") if loading else ("", f"; {h.progress()}")
+                raise StageLost(h.plan.vw, f"{h.name} at {h.at} not responding{doing}: no answer to Status for "
+                                f"{seconds:.0f}s (train.stall_timeout_s{done})")
 
     def _check_progress(self) -> None:
         """Fails a job that stopped moving although every process answers: a stage stuck inside

@@ -152,3 +152,39 @@ def test_a_frozen_shard_that_cannot_be_restarted_fails_the_job_before_its_calls_
     assert re.match(r"ps shard 0 at 127\.0\.0\.1:\d+ not responding: no answer to health checks for \d+s;",
                     str(info.value)), info.value
     assert failed - FROZEN[0] < rpc.DATA_DEADLINE_S / 2, "the read waited out its deadline"
+
+
+def _freeze_stage_worker_0(resume_after_s: float | None) -> None:
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if any("stage_worker_0.ready" in part for part in proc.cmdline()):
+                proc.send_signal(signal.SIGSTOP)
+                if resume_after_s is not None:
+                    threading.Timer(resume_after_s, proc.send_signal, (signal.SIGCONT,)).start()
+                return
+        except psutil.Error:
+            continue
+    raise AssertionError("no stage worker 0 to freeze")
+
+
+@pytest.mark.parametrize("frozen_s", [2.5, None], ids=["2.5s", "for good"])
+def test_a_stage_frozen_while_it_loads_is_waited_for_up_to_the_stall_timeout(
+        make_job, monkeypatch: pytest.MonkeyPatch, frozen_s: float | None) -> None:
+    """Status answers within 2 s or times out; a stage busy loading (torch's import, a large
+    model's build) may miss that. Frozen 2.5 s under a stall timeout of 3.5 s the job goes on;
+    frozen for good, it is named as not responding while it loads."""
+    wait_loaded = JobDriver._wait_loaded
+
+    def frozen_first(driver: JobDriver, *args: object, **kwargs: object) -> None:
+        _freeze_stage_worker_0(frozen_s)
+        wait_loaded(driver, *args, **kwargs)
+
+    monkeypatch.setattr(JobDriver, "_wait_loaded", frozen_first)
+    job = make_job({"train": {"steps": 6, "stall_timeout_s": 3.5}, "output": {"trace": False}})
+    if frozen_s is not None:
+        assert run_local(job, quiet=True)["steps"] == 6
+        return
+    with pytest.raises(JobFailed) as info:
+        run_local(job, quiet=True)
+    assert re.match(r"stage \d of vw 0 at 127\.0\.0\.1:\d+ on node local not responding while it loads: no answer "
+                    r"to Status for \d+s \(train\.stall_timeout_s\)", str(info.value)), info.value
