@@ -37,6 +37,18 @@ PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "numpy", "yaml", "p
            "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "prometheus_client"]
 
 
+FORK_SERVER_GONE = 255   # multiprocessing's exit code for a child whose fork server died
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 class Forked:
     """A process forked from the fork server, with the subprocess.Popen calls the launchers use."""
 
@@ -48,6 +60,10 @@ class Forked:
     @property
     def returncode(self) -> int | None:
         code = self._process.exitcode
+        if code == FORK_SERVER_GONE and _running(self.pid):
+            # multiprocessing says 255 for every child once the fork server is gone (killed, say),
+            # whether or not the child is: it reads each exit code from the server.
+            return None
         return None if code is None else int(code)
 
     def poll(self) -> int | None:

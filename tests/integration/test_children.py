@@ -1,0 +1,45 @@
+"""hetpipe/children.py: workers forked from multiprocessing's fork server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from multiprocessing import forkserver
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hetpipe import children
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_worker_is_running_while_it_runs_though_its_fork_server_was_killed(tmp_path: Path) -> None:
+    """multiprocessing reads each child's exit code from the fork server, and says 255 for every
+    child once the server is gone: the launcher took every live worker for dead (a shard
+    "restarted" beside itself, a stage "exited with code 255")."""
+    worker = children.start([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"], tmp_path / "log")
+    try:
+        server = forkserver._forkserver._forkserver_pid   # type: ignore[attr-defined]
+        assert server is not None and worker.poll() is None
+        os.kill(server, signal.SIGKILL)
+        while psutil.Process(server).status() != psutil.STATUS_ZOMBIE:   # left unreaped: ensure_running reaps it
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert worker.poll() is None, "a live worker taken for dead"
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while worker.poll() is None:   # reaped by init now, its fork server gone: the code is 255
+        assert time.monotonic() < deadline, "a dead worker taken for live"
+        time.sleep(0.05)
+    assert worker.returncode == children.FORK_SERVER_GONE
+
+    again = children.start([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"], tmp_path / "log2")
+    try:
+        assert again.poll() is None, "the next worker comes from a fork server started again"
+    finally:
+        os.kill(again.pid, signal.SIGKILL)
