@@ -85,8 +85,18 @@ def parse_train(t: Section) -> TrainConfig:
         setup_timeout_s=t.number("setup_timeout_s", d.setup_timeout_s, minimum=1.0, maximum=86400.0),
         stall_timeout_s=t.number("stall_timeout_s", d.stall_timeout_s, minimum=1.0, maximum=86400.0),
         checkpoint_every=t.integer("checkpoint_every", d.checkpoint_every, maximum=MAX_STEPS),
-        max_grad_norm=t.number("max_grad_norm", d.max_grad_norm),
+        max_grad_norm=_max_grad_norm(t, d.max_grad_norm),
     )
+
+
+MIN_GRAD_NORM = 1e-6   # smaller, a clip coefficient could underflow to 0 and train nothing
+
+
+def _max_grad_norm(t: Section, default: float) -> float:
+    value = t.number("max_grad_norm", default)
+    if 0 < value < MIN_GRAD_NORM:
+        raise fail(t.path("max_grad_norm"), value, f"0 (no clipping) or at least {MIN_GRAD_NORM:g}")
+    return value
 
 
 def _parse_optimizer(o: Section) -> OptimizerConfig:

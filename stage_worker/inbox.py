@@ -97,11 +97,13 @@ class Inbox:
         if s.scaling is not None and not (math.isfinite(tag.loss_scale) and tag.loss_scale >= 1.0):
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                            f"gradient: loss_scale {tag.loss_scale} of minibatch {p}: expected a finite scale >= 1")
-        if s.scaling is not None and not s.scaling.fp16 and tag.loss_scale != 1.0:
+        if s.scaling is not None and not s.scaling.fp16 and (tag.loss_scale != 1.0 or tag.overflow):
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"gradient: loss_scale {tag.loss_scale} of minibatch {p}, but this job does not scale its loss")
-        if tag.norm_sq < 0 or math.isnan(tag.norm_sq) or (tag.norm_sq and (s.scaling is None or not s.scaling.max_grad_norm)):
-            # +inf is a norm too large for a double: clip_coefficient leaves such gradients alone.
+                           f"gradient: loss_scale {tag.loss_scale}{', overflow' if tag.overflow else ''} of minibatch {p}, "
+                           "but this job does not scale its loss")
+        if tag.norm_sq < 0 or (tag.norm_sq != 0 and (s.scaling is None or not s.scaling.max_grad_norm)):
+            # NaN and +inf are norms of gradients that are not finite: clip_coefficient leaves them
+            # alone, and the loss names them (a refusal would fail the sender's link instead).
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                            f"gradient: norm_sq {tag.norm_sq} of minibatch {p}: expected " +
                            ("a squared norm >= 0" if s.scaling is not None and s.scaling.max_grad_norm
@@ -193,6 +195,12 @@ def _micro(s: Loaded, header: wire_pb2.TensorFrame, what: str, whole: TensorSpec
 def _check_verdicts(s: Loaded, verdicts: wire_pb2.Verdicts, what: str) -> None:
     if s.scaling is None:
         return
+    if verdicts.skipped and not s.scaling.fp16:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: skipped minibatches {list(verdicts.skipped)[:5]}, "
+                                                         "but this job does not scale its loss")
+    if verdicts.clipped and not s.scaling.max_grad_norm:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: clipped minibatches {sorted(verdicts.clipped)[:5]}, "
+                                                         "but this job does not clip its gradients")
     try:
         s.scaling.verdicts.check(verdicts.through, verdicts.skipped, s.job.train.steps, verdicts.clipped)
     except ValueError as exc:

@@ -246,7 +246,9 @@ class WspSync:
 
     @property
     def acked_waves(self) -> int:
-        return self._acked_waves
+        # A stage without keys (its layers have no trained parameters) pushes nothing: each wave
+        # it completes is as good as acknowledged, or a checkpoint's cut would wait for it forever.
+        return self._acked_waves if self.keys else self._clock
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps (nothing is in flight at a cut): the clocks, the own waves not

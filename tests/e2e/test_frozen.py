@@ -55,3 +55,30 @@ def test_frozen_parameters_keep_their_values_and_the_rest_trains_as_one_process(
         assert torch.equal(got[key], w0[key]), f"{key} is frozen, yet it changed"
     moved = min(float((want[key] - w0[key]).abs().max()) for key in want if key not in FROZEN)
     assert moved > 1e-4, "every trained parameter must move, the layers before the frozen ones too"
+
+
+def test_a_linear_probe_whose_first_stage_trains_nothing_passes_its_checkpoints(make_job, tmp_path: Path) -> None:
+    """Every layer but the head frozen, as a linear probe is: stage 0 has no trained parameter,
+    so it pushes nothing, and a checkpoint's cut must not wait for its pushes' acknowledgements."""
+    (tmp_path / "probe.py").write_text('''
+from hetpipe import zoo
+
+def mlp(**args):
+    model = zoo.mlp(**args)
+    for layer in list(model)[:-1]:
+        layer.requires_grad_(False)
+    return model
+''')
+    job = make_job({
+        "model": {"name": None, "factory": "probe:mlp"},
+        "train": {"dtype": "float64", "steps": 12, "checkpoint_every": 2, "stall_timeout_s": 10},
+        "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": 1, "D": 0, "ps_shards": 1},
+        "output": {"trace": False},
+    })
+    summary = run_local(job, quiet=True)
+    head = 6   # the mlp's last Linear
+    assert all(p["layers"][1] <= head for p in summary["plan"] if p["stage"] == 0), "stage 0 must train nothing"
+    assert (tmp_path / "out" / "checkpoints" / "cut000010").is_dir()
+    got, want = weight_files.read_weights(tmp_path / "out"), train_reference(job).state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")

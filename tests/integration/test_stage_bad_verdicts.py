@@ -61,7 +61,6 @@ def test_clipping_refuses_bad_norms_and_coefficients_and_commits_with_stage_0s(m
             "a NaN coefficient": (verdicts_alone(1, [], clipped={1: float("nan")}), r"clip coefficients \[nan\]"),
             "a coefficient outside what is decided": (verdicts_alone(1, [], clipped={2: 0.5}),
                                                       r"clipped minibatches \[2\] outside \(0, 1\]"),
-            "skipped and clipped": (verdicts_alone(1, [1], clipped={1: 0.5}), r"minibatches \[1\] both skipped and clipped"),
         }
         for name, (request, match) in cases.items():
             refused(rig.stub.Forward, iter(request), Code.INVALID_ARGUMENT, "verdicts: " + match)
@@ -69,11 +68,14 @@ def test_clipping_refuses_bad_norms_and_coefficients_and_commits_with_stage_0s(m
         rig.stub.Forward(iter(rig.activation(1)), timeout=10)
         rig.wait_until("forwards_done", 1)
         forwarded = rig.snapshot()
-        for norm_sq, match in ((-1.0, "norm_sq -1.0"), (float("nan"), "norm_sq nan")):
-            refused(rig.stub.Backward, iter(with_tag(rig.gradient(1), loss_scale=1.0, norm_sq=norm_sq)),
-                    Code.INVALID_ARGUMENT, rf"gradient: {match} of minibatch 1: expected a squared norm >= 0")
-        refused(rig.stub.Backward, iter(with_tag(rig.gradient(1), loss_scale=2.0, norm_sq=1.0)), Code.INVALID_ARGUMENT,
-                "gradient: loss_scale 2.0 of minibatch 1, but this job does not scale its loss")
+        refused(rig.stub.Backward, iter(with_tag(rig.gradient(1), loss_scale=1.0, norm_sq=-1.0)),
+                Code.INVALID_ARGUMENT, "gradient: norm_sq -1.0 of minibatch 1: expected a squared norm >= 0")
+        for fp16_only, match in (({"loss_scale": 2.0}, "loss_scale 2.0"), ({"loss_scale": 1.0, "overflow": True},
+                                                                             "loss_scale 1.0, overflow")):
+            refused(rig.stub.Backward, iter(with_tag(rig.gradient(1), norm_sq=1.0, **fp16_only)), Code.INVALID_ARGUMENT,
+                    f"gradient: {match} of minibatch 1, but this job does not scale its loss")
+        refused(rig.stub.Forward, iter(verdicts_alone(1, [1])), Code.INVALID_ARGUMENT,
+                r"verdicts: skipped minibatches \[1\], but this job does not scale its loss")
         assert rig.snapshot() == forwarded
 
         # The gradient goes back with this stage's squared norm added; the step waits for stage 0.
@@ -110,6 +112,9 @@ def test_bad_verdicts_and_scales_are_refused_and_a_minibatch_waits_for_its_verdi
         assert waiting["local_version"] == 0 and waiting["weights_digest"] == before["weights_digest"]
 
         # Stage 0 skips it: a version without a step, and the verdict goes on to the next stage.
+        refused(rig.stub.Forward, iter(verdicts_alone(1, [], clipped={1: 0.5})), Code.INVALID_ARGUMENT,
+                r"verdicts: clipped minibatches \[1\], but this job does not clip its gradients")
+        assert rig.snapshot()["local_version"] == 0
         rig.stub.Forward(iter(verdicts_alone(1, [1])), timeout=10)
         after = rig.wait_until("local_version", 1)
         assert after.weights_digest == before["weights_digest"], "a skipped minibatch changes no weight"

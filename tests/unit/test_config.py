@@ -240,6 +240,7 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
     ({"parallel": {"mode": "torch-pipeline"}, "train": {"max_grad_norm": 1.0}},
      "train.max_grad_norm: not with parallel.mode torch-pipeline yet"),
     ({"train": {"max_grad_norm": -1.0}}, "train.max_grad_norm: expected a finite number >= 0.0, got -1.0"),
+    ({"train": {"max_grad_norm": 1e-9}}, "train.max_grad_norm: expected 0 (no clipping) or at least 1e-06, got 1e-09"),
     ({"parallel": {"microbatches": 2}}, "parallel.microbatches: 2 applies to the schedules gpipe, 1f1b and nf1b"),
     ({"parallel": {"mode": "torch-pipeline", "microbatches": 3}}, "must divide data.batch_size 32"),
     ({"parallel": {"mode": "torch-pipeline", "schedule": "1f1b", "stages_per_vw": 4, "microbatches": 2}},
