@@ -206,7 +206,7 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
         "backend": devices.backend,
         "allreduce_hook": hook.__name__ if hook is not None else None,
         "allreduce_seconds": devices.allreduce_seconds,
-        "mode": "ddp",
+        **outputs.work_fields(job),
         **{k: v for k, v in results[0].items() if k.startswith("eval_")},
     }
     if "eval_loss" in results[0]:  # the final evaluation's line, as HetPipe's eval.jsonl ends

@@ -87,10 +87,9 @@ def run_pipeline(job: JobConfig, *, quiet: bool = False, cache_dir: str | None =
         "compute_seconds": sum(r["busy_seconds"] for r in results),
         "plan": [{"vw": 0, "stage": q, "node": s.node, "gpu": s.label, "device": s.device,
                   "layers": [s.layer_begin, s.layer_end]} for q, s in enumerate(stages)],
-        "schedule": schedule,
-        "microbatches": job.parallel.microbatches,
+        **outputs.work_fields(job),
+        "schedule": schedule,   # torch's name for it
         "backend": backend,
-        "mode": "torch-pipeline",
     }
     return outputs.write_summary(out_dir, fields)
 

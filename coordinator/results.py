@@ -93,11 +93,7 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         "nm": plan.nm,
         "D": plan.D,
         "emulated": plan.emulated,
-        "precision": job.train.precision,
-        "dtype": job.train.dtype,
-        "emulate": job.emulate.work() if job.emulate else None,
-        "batch_size": job.data.batch_size,
-        "model": job.model.identity(),
+        **outputs.work_fields(job),
         "wait_seconds": sum(h.last.wait_seconds for h in d.stages),
         "wait_idle_seconds": sum(h.last.wait_idle_seconds for h in d.stages),
         "idle_seconds": sum(h.last.idle_seconds for h in d.stages),
@@ -107,9 +103,6 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         # The node each stage ran on, where it registered one (a remote worker's; the plan's own
         # placement names nodes of its cluster section, or "local").
         "plan": [{**row, "node": h.node or row["node"]} for row, h in zip(plan.describe(), d.stages)],
-        "mode": job.parallel.mode,
-        "schedule": job.parallel.schedule,
-        "microbatches": job.parallel.microbatches,
         "sync": job.parallel.sync,
         "sync_args": dict(job.parallel.sync_args),
         "ps_shards": len(d.shards),

@@ -16,10 +16,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 from hetpipe.validate import ConfigError
+
+if TYPE_CHECKING:
+    from hetpipe.config import JobConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -206,6 +209,15 @@ def _strict(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_strict(v) for v in value]
     return value
+
+
+def work_fields(job: JobConfig) -> dict[str, Any]:
+    """What decides a step's work, as every mode's summary.json records it (and `hetpipe plan`
+    compares a run's with the job's): the model, batch size, precision, dtype, an emulated
+    cluster's task times, the mode and its schedule."""
+    return {"model": job.model.identity(), "batch_size": job.data.batch_size, "precision": job.train.precision,
+            "dtype": job.train.dtype, "emulate": job.emulate.work() if job.emulate else None,
+            "mode": job.parallel.mode, "schedule": job.parallel.schedule, "microbatches": job.parallel.microbatches}
 
 
 def write_summary(out_dir: Path, fields: Mapping[str, Any]) -> dict[str, Any]:

@@ -326,9 +326,10 @@ def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
                 desc = "train (emulated GPUs)" if status.emulated else "train"
                 shown = (_Bar if sys.stderr.isatty() else _Lines)(status.total_samples, desc)
             if shown is not None and status.total_samples:  # the last one too: a bar left at 0% reads as a hang
-                # No loss until a minibatch has finished: the wire's 0.0 stands for none yet.
-                shown.show(status.samples, status.loss if status.samples else None, status.samples_per_second,
-                           last=ended)
+                # No loss until a minibatch of this run has finished (a resumed one starts at the
+                # cut's samples): the wire's 0.0 stands for none yet.
+                trained = status.samples and status.samples_per_second
+                shown.show(status.samples, status.loss if trained else None, status.samples_per_second, last=ended)
             if ended:
                 return status
             time.sleep(0.1)

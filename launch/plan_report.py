@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from hetpipe import outputs
 from hetpipe.config import ConfigError, JobConfig, with_overrides
 from hetpipe.units import format_bytes, format_seconds
 from coordinator.planner import Plan, PlanError, make_plan
@@ -37,10 +38,7 @@ def measured(job: JobConfig, plan: Plan, summary: dict[str, Any]) -> float | Non
     nothing of this one."""
     ran = [(s.get("vw"), s.get("stage"), s.get("gpu"), s.get("layers")) for s in summary.get("plan") or []]
     planned = [(s.vw, s.stage, s.label, [s.layer_begin, s.layer_end]) for s in plan.stages]
-    work = {"nm": plan.nm, "D": plan.D, "mode": job.parallel.mode, "model": job.model.identity(),
-            "batch_size": job.data.batch_size, "precision": job.train.precision, "dtype": job.train.dtype,
-            "emulate": job.emulate.work() if job.emulate else None, "schedule": job.parallel.schedule,
-            "microbatches": job.parallel.microbatches}   # as summary.json records them
+    work = {"nm": plan.nm, "D": plan.D, **outputs.work_fields(job)}   # as summary.json records them
     same = ran == planned and {k: summary.get(k) for k in work} == work
     value = summary.get("samples_per_second")
     return float(value) if same and isinstance(value, (int, float)) else None

@@ -60,6 +60,39 @@ def _left_behind(args: argparse.Namespace, out_dir: Path) -> int | None:
 
 
 START_WAIT_S = 300.0   # how long `hetpipe stop` waits for a starting run's coordinator
+STOP_WAIT_S = 30.0     # and for a stopped job to end (its stages stop within seconds)
+
+
+def _stopped(args: argparse.Namespace, stub: rpc.Stub, job_ref: coordinator_pb2.JobRef,
+             job_status: coordinator_pb2.JobStatus, out_dir: Path | None) -> int:
+    """`hetpipe stop`'s answer: StopJob answers at once, the job still running, so this waits (up
+    to STOP_WAIT_S) for the end the stop asked for. A local run's coordinator ends with its job:
+    then how it ended is in status.json."""
+    state = coordinator_pb2.JobStatus.State
+    deadline = time.monotonic() + STOP_WAIT_S
+    while state.Name(job_status.state) not in TERMINAL and time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            job_status = stub.GetJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
+        except grpc.RpcError:
+            # The run writes status.json after its coordinator has gone: read it once the run has.
+            while out_dir is not None and run_marker.live_run(out_dir) is not None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            ending = read_status(out_dir) if out_dir is not None else None
+            if ending is not None:
+                job_status = coordinator_pb2.JobStatus(state=state.Value(ending["state"]), reason=ending.get("reason", ""),
+                                                       job_id=job_status.job_id)
+            break
+    name = state.Name(job_status.state)
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps({"job": MessageToDict(job_status), "workers": []}, indent=2))
+    elif name in TERMINAL:
+        print(f"job: {name}" + (f" ({job_status.reason})" if job_status.reason else ""))
+    else:
+        print(f"job: STOPPING (asked to stop; still {name} after {STOP_WAIT_S:.0f}s)")
+    return 0
 
 
 def _starting(args: argparse.Namespace, run: run_marker.Run) -> int:
@@ -161,7 +194,7 @@ def status(args: argparse.Namespace) -> int:
             # ended": only a job that has not ended is asked to stop.
             already_ended = args.command == "stop" and State.Name(job_status.state) in TERMINAL
             if args.command == "stop" and not already_ended:
-                job_status = stub.StopJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
+                return _stopped(args, stub, job_ref, stub.StopJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S), out_dir)
             workers = stub.ListWorkers(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
         except grpc.RpcError as exc:
             # The run this file points at may have ended since: say how, from what it left.

@@ -33,7 +33,8 @@ from hetpipe.reference import initial_model, train_reference
 pytestmark = pytest.mark.timeout(180)
 
 SUMMARY_FIELDS = {"steps", "samples_per_second", "wall_seconds", "final_loss", "virtual_workers",
-                  "stages_per_vw", "nm", "D", "emulated", "wait_seconds", "plan", "mode"}
+                  "stages_per_vw", "nm", "D", "emulated", "wait_seconds", "plan", "mode", "precision", "dtype",
+                  "batch_size", "model", "emulate"}
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w0: dict[str, torch.Tensor]) -> None:

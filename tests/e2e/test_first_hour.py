@@ -51,6 +51,7 @@ def test_stop_during_the_first_seconds_stops_the_job(tmp_path: Path) -> None:
         _until_published(tmp_path, run)   # the job exists from here on, before any worker has started
         stop = _cli("stop", "--job", str(job))
         assert stop.returncode == 0, stop.stderr
+        assert stop.stdout == "job: STOPPED (stopped by request)\n", "it says what it did, once it is done"
         out, err = run.communicate(timeout=60)
     finally:
         if run.poll() is None:

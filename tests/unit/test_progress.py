@@ -88,3 +88,14 @@ def test_a_log_does_not_repeat_the_last_line_when_the_job_ends_on_it(monkeypatch
     follow(lambda: next(statuses), quiet=False)
     assert capsys.readouterr().err.splitlines() == ["train: 50% (40/80 samples), 640 samples/s, loss 2.5000",
                                                     "train: 100% (80/80 samples), 640 samples/s, loss 2.2000"]
+
+
+def test_a_resumed_run_shows_no_loss_before_its_own_first_minibatch(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """It starts at the cut's samples, with no loss and no rate of its own yet: not "loss 0.0000"."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    statuses = iter([coordinator_pb2.JobStatus(state=State.Value("RUNNING"), samples=40, total_samples=80),
+                     *_job(("COMPLETED", 80, 1.5))])
+    follow(lambda: next(statuses), quiet=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "train: 50% (40/80 samples), 0 samples/s", lines
