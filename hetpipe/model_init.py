@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,13 @@ def _open_init(job: JobConfig) -> Iterator[_InitFile]:
                 reader = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except FileNotFoundError:
             raise ConfigError(f"model.init: {path} does not exist") from None
-        except Exception as exc:  # not a weights file: pickled objects, truncated, ...
+        except pickle.UnpicklingError:   # torch's own text says to load it with weights_only=False: not here
+            raise ConfigError(f"model.init: {path} holds pickled objects besides tensors (a whole module, an "
+                              "optimizer?), which are never loaded: save model.state_dict() with torch.save, or "
+                              "safetensors") from None
+        except Exception as exc:  # not a weights file: truncated, another format, ...
             raise ConfigError(f"model.init: {path} is not a safetensors file, the index of several, or a plain "
-                              f"state_dict: {exc}") from None
+                              f"state_dict: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
         if not isinstance(reader, (Mapping, _Sharded)) and path.suffix != ".safetensors":
             raise ConfigError(f"model.init: {path} holds a {type(reader).__name__}, expected a state_dict")
         yield _InitFile(path, reader)

@@ -336,9 +336,13 @@ def test_a_pickled_model_init_is_refused_without_running_it(tmp_path: Path) -> N
     """A .pt init that would run code when unpickled is refused, and its code never runs."""
     path, marker = tmp_path / "evil.pt", tmp_path / "ran"
     torch.save({"0.weight": torch.zeros(1), "code": _Touch(marker)}, path)  # not a plain state_dict
-    with pytest.raises(ConfigError, match="not a safetensors file, the index of several, or a plain state_dict"):
+    with pytest.raises(ConfigError, match="holds pickled objects besides tensors") as info:
         load_init(job(tmp_path, init="evil.pt"), ["0.weight"])
     assert not marker.exists(), "loading model.init ran the pickle's code"
+    assert "\n" not in str(info.value) and "weights_only=False" not in str(info.value), "one line, and no advice to unpickle"
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pt")   # a whole module saved, not its state_dict
+    with pytest.raises(ConfigError, match=r"save model\.state_dict\(\) with torch\.save, or safetensors$"):
+        load_init(job(tmp_path, init="module.pt"), ["0.weight"])
 
 
 def test_each_job_gets_the_factory_module_of_its_own_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
