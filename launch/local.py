@@ -159,6 +159,8 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
             return run_baseline(job, quiet=quiet)
     processes.warm_up()  # the fork server imports torch while this process plans
     plan = preflight(job)
+    for warning in plan.warnings:
+        print(f"hetpipe: warning: {warning}", file=sys.stderr)
     # Every refusal comes before an earlier run's results are cleared: a refused run changes nothing.
     resume_wave = _resume_wave(out_dir, job, plan, resume=resume, fresh=fresh)
     outputs.check_reads(out_dir, job.read_paths, keep_checkpoints=resume)

@@ -251,6 +251,11 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
     if best.nm > job.train.steps:
         warnings.append(f"parallel.nm {best.nm} > train.steps {job.train.steps}: at most {job.train.steps} "
                         f"minibatches are ever in flight")
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen and job.model.init is None:   # frozen at a random draw is rarely what a fine-tune meant
+        warnings.append(f"model: {', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''} frozen, and no model.init: "
+                        "they stay as their layers' reset_parameters() draw them (a factory's own values, such as "
+                        "from_pretrained's, are not kept); give their values as model.init")
     return Plan(
         virtual_workers=n, stages_per_vw=k, nm=best.nm, D=par.D, shards=par.ps_shards, stages=tuple(stages),
         key_shard=key_shard, policy=best.policy,

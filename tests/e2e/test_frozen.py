@@ -35,7 +35,7 @@ FROZEN = ("2.weight", "2.bias", "4.weight")
     (2, 2, {"optimizer": {"name": "sgd", "lr": 0.02}}),
 ], ids=["O1-adam", "O2-wsp"])
 def test_frozen_parameters_keep_their_values_and_the_rest_trains_as_one_process(
-        make_job, tmp_path: Path, n: int, k: int, training: dict) -> None:
+        make_job, capfd: pytest.CaptureFixture[str], tmp_path: Path, n: int, k: int, training: dict) -> None:
     (tmp_path / "frozen_mlp.py").write_text(FACTORY)
     job = make_job({
         "model": {"name": None, "factory": "frozen_mlp:mlp"},
@@ -45,6 +45,8 @@ def test_frozen_parameters_keep_their_values_and_the_rest_trains_as_one_process(
     })
     summary = run_local(job, quiet=True)
     assert len(summary["plan"]) == n * k
+    assert ("hetpipe: warning: model: 2.weight, 2.bias, 4.weight frozen, and no model.init: they stay as their "
+            "layers' reset_parameters() draw them") in capfd.readouterr().err, "a frozen random draw is named"
     got = weight_files.read_weights(tmp_path / "out")
     want = train_reference(job).state_dict()
     w0 = initial_model(job).state_dict()
