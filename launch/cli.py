@@ -146,6 +146,14 @@ def _plan(args: argparse.Namespace) -> int:
     job, plan = planned
     for warning in plan.warnings:
         print(f"hetpipe: warning: {warning}", file=sys.stderr)
+    if job.parallel.mode == "ddp":   # no HetPipe plan runs: say what does
+        try:
+            text, as_json = plan_report.ddp_layout(job)
+        except ConfigError as exc:
+            _error(str(exc))
+            return EXIT_USAGE
+        print(json.dumps(as_json, indent=2) if args.json else text)
+        return 0
     projected = _project(args.projection, inputs, job, plan) if inputs is not None else None
     if isinstance(projected, int):
         return projected
@@ -157,6 +165,9 @@ def _plan(args: argparse.Namespace) -> int:
                           **({"projection": projected[1]} if projected else {})}, indent=2))
         return 0
     print(plan_report.plan_table(job, plan, measured, summary_path))
+    if job.parallel.mode == "torch-pipeline":
+        print(f"parallel.mode torch-pipeline runs vw 0's stages above as one torch.distributed.pipelining pipeline "
+              f"({job.parallel.microbatches} micro-batches; no parameter servers); the prediction is HetPipe's")
     if projected:
         print("\n" + projected[0])
     return 0

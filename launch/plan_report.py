@@ -44,6 +44,23 @@ def measured(job: JobConfig, plan: Plan, summary: dict[str, Any]) -> float | Non
     return float(value) if same and isinstance(value, (int, float)) else None
 
 
+def ddp_layout(job: JobConfig) -> tuple[str, dict[str, Any]]:
+    """What `parallel.mode: ddp` runs instead of the HetPipe plan: one rank per device, each with
+    the whole model, the gradients averaged by allreduce; as text and as JSON."""
+    from baselines.ddp import select_devices
+
+    devices = select_devices(job)
+    lines = [f"parallel.mode ddp: {_count(len(devices.ranks), 'rank')}, each the whole model ({devices.layers} layers, "
+             f"{format_bytes(devices.model_bytes)}), gradients averaged by allreduce ({devices.backend}); no pipeline "
+             "and no parameter servers" + (" (emulated GPUs)" if devices.emulated else "")]
+    lines += [f"  rank {r.rank}  node {r.node}  {r.label}  {r.device}  needs {format_bytes(r.memory_bytes)} of "
+              f"{format_bytes(r.capacity_bytes)}" for r in devices.ranks]
+    lines += [f"  left out: {why}" for why in devices.left_out]
+    return "\n".join(lines), {"mode": "ddp", "backend": devices.backend, "layers": devices.layers,
+                              "model_bytes": devices.model_bytes, "emulated": devices.emulated,
+                              "ranks": [dataclasses.asdict(r) for r in devices.ranks], "left_out": list(devices.left_out)}
+
+
 def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path: Path) -> str:
     """The plan, a row per stage, and its predicted throughput beside a measured one (from
     summary_path) when a run has left one."""

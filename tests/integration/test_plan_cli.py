@@ -74,6 +74,25 @@ def test_nm_beyond_the_steps_is_a_warning(capsys: pytest.CaptureFixture[str], tm
     assert "warning: parallel.nm 40 > train.steps 30: at most 30 minibatches are ever in flight" in err
 
 
+def test_plan_of_a_ddp_job_shows_what_ddp_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Ranks with the whole model each, not the HetPipe plan's stages and shards it would not run."""
+    code, out, _ = _plan(capsys, tmp_path, {"parallel": {"mode": "ddp", "virtual_workers": 3, "stages_per_vw": 1}})
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("parallel.mode ddp: 3 ranks, each the whole model (7 layers, "), lines
+    assert [line.split()[:2] for line in lines[1:]] == [["rank", "0"], ["rank", "1"], ["rank", "2"]], lines
+    assert "shard" not in out.replace("no parameter servers", "")
+
+
+def test_plan_of_a_torch_pipeline_job_says_which_stages_it_runs(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path) -> None:
+    code, out, _ = _plan(capsys, tmp_path, {"parallel": {"mode": "torch-pipeline", "microbatches": 2}})
+    assert code == 0
+    assert out.splitlines()[-1] == ("parallel.mode torch-pipeline runs vw 0's stages above as one "
+                                    "torch.distributed.pipelining pipeline (2 micro-batches; no parameter servers); "
+                                    "the prediction is HetPipe's")
+
+
 PROJECTION = Path(__file__).resolve().parents[2] / "examples" / "projection-inception-v3.yaml"
 
 
