@@ -407,6 +407,8 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
         batch = (job.data.batch_size, *x.shape[1:])
         try:
             output = tuple(output_shape((batch, first.dtype)))
+        except ConfigError:   # the model's own fault, named by the check
+            raise
         except Exception as exc:  # the model's own forward, on the meta device
             reason = str(exc).splitlines()[0] if str(exc) else ""
             raise ConfigError(f"{source}: the model does not take x of shape {list(batch)} ({first.dtype}): "

@@ -11,6 +11,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from hetpipe.validate import ConfigError
+
 TensorShape = tuple[tuple[int, ...], torch.dtype]
 aten = torch.ops.aten
 # Products whose CPU and CUDA kernels take operands of one dtype only.
@@ -43,8 +45,12 @@ def boundaries(model: nn.Sequential, x: TensorShape, compute: torch.dtype | None
     value = torch.empty(x[0], dtype=x[1], device="meta")
     out = [x]
     with torch.no_grad(), _NumbersOfOneKind() if strict else contextlib.nullcontext():
-        for layer in model.to("meta"):
+        for i, layer in enumerate(model.to("meta")):
             value = layer(value)
+            if not isinstance(value, torch.Tensor):   # what would a stage send on?
+                raise ConfigError(f"model: layer {i} ({type(layer).__name__}) returns a {type(value).__name__}, not a "
+                                  "tensor: each layer of the nn.Sequential must return one tensor, the next layer's "
+                                  "input (wrap a layer that returns more in one that picks what goes on)")
             dtype = compute if compute is not None and value.is_floating_point() else value.dtype
             out.append((tuple(value.shape), dtype))
     return out

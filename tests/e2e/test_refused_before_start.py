@@ -102,6 +102,18 @@ def _reshape(state: dict[str, torch.Tensor]) -> None:
     state["0.weight"] = torch.zeros(5, 5)
 
 
+def _two_outputs(tmp_path: Path) -> dict[str, Any]:
+    (tmp_path / "twoout.py").write_text(
+        "from torch import nn\n\n"
+        "class TwoOut(nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        h = super().forward(x)\n"
+        "        return h, h\n\n"
+        "def net(**args):\n"
+        "    return nn.Sequential(TwoOut(64, 32), nn.Linear(32, 10))\n")
+    return {"model": {"name": None, "factory": "twoout:net"}}
+
+
 # case: (what to write under tmp_path, returning the job's overrides; the error, with {tmp} for
 # tmp_path and {out} for the job's output.dir)
 CASES: dict[str, tuple[Callable[[Path], dict[str, Any]], str]] = {
@@ -132,6 +144,8 @@ CASES: dict[str, tuple[Callable[[Path], dict[str, Any]], str]] = {
         lambda t: _npz(t, lambda x, y: ((x * 40 + 128).clip(0, 255).astype(np.uint8), y)),
         "data.path: {tmp}/data.npz: the model does not take x of shape [16, 64] (torch.uint8): RuntimeError: "
         "addmm of float32 and uint8 operands: its kernels take one dtype"),
+    "a layer that returns two tensors": (_two_outputs, "model: layer 0 (TwoOut) returns a tuple, not a tensor: each "
+                                                       "layer of the nn.Sequential must return one tensor"),
     "no data file": (lambda t: {"data": {"name": "npz", "path": "nowhere.npz"}},
                      "data.path: {tmp}/nowhere.npz does not exist"),
     "a data file that is not an npz": (_garbage, "data.path: {tmp}/data.npz is not a readable npz of plain arrays"),
