@@ -212,6 +212,16 @@ def check_agreed_commits(rows: list[Row], *, vws: int, stages: int, steps: int, 
             assert all(r["committed"] >= r["bwd_end"] for r in rs), f"vw {v} stage {q} committed before its backward"
 
 
+def clip_coefficients(rows: list[Row]) -> dict[tuple[int, int], float]:
+    """max_grad_norm: (vw, p) -> the clip coefficient every stage of the VW committed p with (one,
+    or it fails)."""
+    seen: dict[tuple[int, int], set[float]] = {}
+    for r in rows:
+        seen.setdefault((r["vw"], r["p"]), set()).add(r["clip"])
+    assert all(len(c) == 1 for c in seen.values()), {k: c for k, c in seen.items() if len(c) > 1}
+    return {key: c.pop() for key, c in seen.items()}
+
+
 def check_conservation(job: Any, out: Path, ledgers: int, left: Iterable[int] = (), atol: float = 1e-9) -> None:
     """O3: the final model is w0 plus every acknowledged push exactly once, from each stage's
     ledger of what its shards acknowledged (trace/acked_vw*_stage*.pt). For a VW that left the

@@ -16,7 +16,7 @@ from hetpipe.loss_scale import INITIAL_SCALE, LossScale, Verdicts
 from hetpipe.optim import compute_loss, make_optimizer, step_at
 from hetpipe.reference import initial_model, minibatch
 from launch.local import run_local
-from trace_rules import by_stage, check_agreed_commits, check_complete, check_local_rules, load_trace
+from trace_rules import by_stage, check_agreed_commits, check_complete, check_local_rules, clip_coefficients, load_trace
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -68,13 +68,14 @@ def test_an_overflow_on_any_stage_skips_the_minibatch_on_every_stage(make_job, i
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=f"{key}: not the reference's weights")
 
 
-def test_fp16_verdicts_keep_the_rules_with_minibatches_in_flight_and_two_vws(make_job, inject_faults,
-                                                                              tmp_path: Path) -> None:
-    """nm 3: a stage after 0 commits p when the verdict arrives (with p + nm's activation, or
-    alone after the last minibatch), so the forward of m sees exactly the updates <= m - nm."""
+def test_fp16_and_clipping_verdicts_keep_the_rules_with_minibatches_in_flight_and_two_vws(
+        make_job, inject_faults, tmp_path: Path) -> None:
+    """nm 3: a stage after 0 commits p when the verdict (a skip, a clip coefficient) arrives, with
+    p + nm's activation or alone after the last minibatch, so the forward of m sees exactly the
+    updates <= m - nm; every stage commits p with stage 0's coefficient."""
     inject_faults(overflow=((2, 4), (1, 11), (0, 20)))
     steps = 22
-    job = make_job({"train": {"precision": "fp16", "steps": steps},
+    job = make_job({"train": {"precision": "fp16", "steps": steps, "max_grad_norm": 0.3},
                     "parallel": {"virtual_workers": 2, "stages_per_vw": 3, "nm": 3, "D": 1, "ps_shards": 2}})
     summary = run_local(job, quiet=True)
     rows = load_trace(tmp_path / "out" / "trace")
@@ -85,6 +86,9 @@ def test_fp16_verdicts_keep_the_rules_with_minibatches_in_flight_and_two_vws(mak
     scale = {(r["vw"], r["p"]): r["loss_scale"] for r in rows}
     assert len(scale) == 2 * steps and all(scale[(v, p)] == scale[(0, p)] for v, p in scale), "one scale rule"
     assert scale[(0, 7)] == INITIAL_SCALE / 2 and scale[(0, 6)] == INITIAL_SCALE  # p sees verdicts <= p - 3
+    clips = clip_coefficients(rows)
+    assert all(clips[(v, p)] == 1.0 for v in (0, 1) for p in (4, 11, 20)), "a skipped minibatch is not clipped"
+    assert any(c < 1.0 for c in clips.values())
     assert math.isfinite(summary["final_loss"])
 
 
