@@ -204,6 +204,9 @@ def stop(children: Iterable[Child], grace: float = 3.0) -> None:
     alive = [c for c in children if c.popen.poll() is None]
     for c in alive:
         c.popen.terminate()
+        # A stopped child (SIGSTOP, a debugger) takes its SIGTERM only once continued: it would
+        # wait out the grace and die by SIGKILL, its shared-memory segments left for the sweep.
+        c.popen.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + grace
     for c in alive:
         try:

@@ -43,3 +43,13 @@ def test_a_worker_is_running_while_it_runs_though_its_fork_server_was_killed(tmp
         assert again.poll() is None, "the next worker comes from a fork server started again"
     finally:
         os.kill(again.pid, signal.SIGKILL)
+
+
+def test_a_stopped_worker_ends_by_its_sigterm_not_by_the_sigkill_after_the_grace(tmp_path: Path) -> None:
+    """A SIGSTOPped worker takes SIGTERM only once continued: stop() continues it, so it ends at
+    once, as a live one does (its own clean-up: shared memory), not 10 s later by SIGKILL."""
+    worker = children.start([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"], tmp_path / "log")
+    os.kill(worker.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    children.stop([children.Child("worker", worker, tmp_path / "log")], grace=10.0)
+    assert worker.returncode == -signal.SIGTERM and time.monotonic() - started < 5
