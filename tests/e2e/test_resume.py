@@ -24,7 +24,7 @@ from hetpipe import outputs, weight_files
 from coordinator.checkpoints import latest
 
 pytestmark = pytest.mark.timeout(300)
-STEPS = 40
+STEPS = 28
 JOB = deep_update(BASE_JOB, {
     "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}, "steps": STEPS, "checkpoint_every": 4},
     "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": 1, "D": 0, "ps_shards": 2},
