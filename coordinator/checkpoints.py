@@ -107,11 +107,11 @@ class Checkpoints:
     """Takes the cuts of one job and gives the shards a cut's values back."""
 
     def __init__(self, folder: Path, shards: Sequence[rpc.Stub], key_shard: dict[str, int],
-                 entries: dict[str, weight_files.Entry], job_shape: dict[str, Any], *, exact: bool = False,
+                 entries: dict[str, weight_files.Entry], job_shape: dict[str, Any], *, bound: dict[str, Any] | None = None,
                  closing: threading.Event | None = None) -> None:
         self.folder, self.shards, self.key_shard = folder, shards, key_shard
         self.entries, self.job_shape = entries, job_shape  # job_shape: what a resumed job must match
-        self.exact = exact   # the shards' rule, which every Init names (wsp.exact_pulls)
+        self.bound = bound or {}   # the shards' WSP bound, which every Init names (wsp.shard_bound)
         self.taken = 0
         self.closing = closing   # the job's stop: no more waiting for a shard to come back
 
@@ -172,7 +172,7 @@ class Checkpoints:
             values = weight_files.read_weights(outputs.cut_dir(self.folder, wave) / f"shard{i}")
             tensors = [(k, values[k]) for k in keys]
             tag = wire_pb2.InitTag(virtual_workers=self.job_shape["virtual_workers"], shard=i, clocks=m["clocks"],
-                                   sync="wsp", exact=self.exact)
+                                   sync="wsp", **self.bound)
             try:
                 rpc.retrying(lambda: stub.Init(wire.encode(tensors, init=tag), timeout=rpc.DATA_DEADLINE_S),
                              give_up_s=60.0)

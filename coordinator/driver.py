@@ -23,7 +23,7 @@ from hetpipe.errors import JobFailed, StageLost
 from hetpipe.optim import compute_dtype
 from hetpipe.training import learning_rate
 from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
-from hetpipe.wsp import exact_pulls, total_waves
+from hetpipe.wsp import shard_bound, total_waves
 from coordinator.planner import Plan, StagePlan, resolved_job
 from coordinator.planner.shapes import TensorShape, boundaries
 from coordinator import checkpoints
@@ -212,7 +212,7 @@ class JobDriver:
                 self.checkpoint_dir, self.shards, self.plan.key_shard,
                 weight_files.entries(self.model, getattr(torch, self.job.train.dtype)),
                 checkpoints.job_shape(self.job, self.plan, len(self.shards)),
-                exact=exact_pulls(self.job.parallel.sync, self.job.parallel.D), closing=self.stopping)
+                bound=shard_bound(self.job.parallel.sync, self.job.parallel.D), closing=self.stopping)
         self._shard_watch.start()
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,6 +51,12 @@ def exact_pulls(sync: str, D: int) -> bool:
     run is then the same whatever the timing of its pulls. Above 0, a pull also includes the
     later waves pushed by then, which G2, a lower bound, allows."""
     return sync == "wsp" and D == 0
+
+
+def shard_bound(sync: str, D: int) -> dict[str, Any]:
+    """The InitTag fields that tell a shard WSP's bound: exact pulls at D = 0, and D, against which
+    the shard checks every push (G4), whatever a stage does."""
+    return {"exact": exact_pulls(sync, D), "distance_bound": D} if sync == "wsp" else {}
 
 
 def total_waves(steps: int, nm: int) -> int:

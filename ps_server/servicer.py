@@ -53,11 +53,12 @@ def _rejected(exc: ShardError) -> Rejected:
 def _sync_rule(tag: wire_pb2.InitTag) -> SyncRule:
     """The InitTag's sync fields, those of its mode only (an unknown mode is refused by check_init)."""
     mode = tag.sync or "wsp"
+    D = tag.distance_bound if tag.HasField("distance_bound") else None   # refused by check_init but for wsp
     if mode == "quorum":
-        return SyncRule(mode, quorum=tag.quorum, total_waves=tag.total_waves)
+        return SyncRule(mode, quorum=tag.quorum, total_waves=tag.total_waves, D=D)
     if mode == "elastic":
-        return SyncRule(mode, alpha=tag.alpha, period=tag.period, total_waves=tag.total_waves)
-    return SyncRule(mode, exact=tag.exact)
+        return SyncRule(mode, alpha=tag.alpha, period=tag.period, total_waves=tag.total_waves, D=D)
+    return SyncRule(mode, exact=tag.exact, D=D)
 
 
 class ShardServicer:

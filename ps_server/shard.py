@@ -256,8 +256,8 @@ class Shard:
         if quorum and clock >= self.rule.total_waves:
             raise ShardError(ShardError.Kind.CLOCK, f"push of vw {vw} for clock {clock}: the job has "
                                                     f"{self.rule.total_waves} waves per virtual worker")
-        if self.rule.exact:
-            self._check_one_wave_past(vw, clock, keys)
+        if (lead := self.rule.lead) is not None:
+            self._check_lead(vw, clock, keys, lead)
         # Under quorum w_global + u is not the next state (the round may wait): the bound decides.
         grown = self._room(what, deltas, sizes, None if quorum else self._after)
         if journal is not None:
@@ -310,14 +310,15 @@ class Shard:
     def _key_c_global(self, key: str) -> int:
         return min(self.clocks[key][v] for v in self._live())
 
-    def _check_one_wave_past(self, vw: int, clock: int, keys: Sequence[str]) -> None:
-        """Exact pulls keep one copy per key (AtCGlobal): G4 at D = 0 lets a VW push the wave c_global
-        is at, never a later one, which a stage's G2 wait already ensures."""
-        past = {k: c for k in keys if clock > (c := self._key_c_global(k))}
+    def _check_lead(self, vw: int, clock: int, keys: Sequence[str], lead: int) -> None:
+        """G4: a VW pushes wave c only once c_global >= c - D (a stage's G2 wait before the wave's last
+        forward ensures it), so the clock distance never passes D + 1. Exact pulls (D = 0) keep one
+        copy per key (AtCGlobal) and rely on it."""
+        past = {k: c for k in keys if clock > (c := self._key_c_global(k)) + lead}
         if past:
             raise ShardError(ShardError.Kind.CLOCK,
-                             f"push of vw {vw} for clock {clock}: with D = 0 a VW may run one wave past c_global "
-                             f"(G4), and c_global is {sorted(set(past.values()))} for {sorted(past)[:5]}")
+                             f"push of vw {vw} for clock {clock}: G4 with D = {lead} takes wave c only once c_global "
+                             f">= c - D, and c_global is {sorted(set(past.values()))} for {sorted(past)[:5]}")
 
     def _room(self, what: str, updates: Sequence[tuple[str, torch.Tensor]], sizes: dict[str, float],
               after: Callable[[str, torch.Tensor], float] | None) -> dict[str, float]:
@@ -491,7 +492,8 @@ class Shard:
             "max_clock_distance": self.max_clock_distance,
             "evicted": torch.tensor(sorted(self.evicted), dtype=torch.int64),
             "sync": {"mode": self.rule.mode, "quorum": self.rule.quorum, "alpha": self.rule.alpha,
-                     "period": self.rule.period, "total_waves": self.rule.total_waves, "exact": self.rule.exact},
+                     "period": self.rule.period, "total_waves": self.rule.total_waves, "exact": self.rule.exact,
+                     "D": self.rule.D},
             "at_c_global": self.at_c_global.snapshot(),
             "rounds": {k: book.snapshot() for k, book in self.rounds.items()},
             "exchanged": {k: torch.tensor(c, dtype=torch.int64) for k, c in self.exchanged.items()},

@@ -41,6 +41,14 @@ class SyncRule:
     period: int = 1          # elastic: waves between a VW's exchanges
     total_waves: int = 0     # quorum, elastic: waves per VW in the job
     exact: bool = False      # wsp with D = 0: pulls get exactly the waves below c_global (Shard.pull)
+    D: int | None = None     # wsp: parallel.D, which pushes are checked against (G4); None: not told
+
+    @property
+    def lead(self) -> int | None:
+        """wsp: how many waves past c_global a VW may push (G4's D + 1 clock distance); None: unchecked."""
+        if self.mode != "wsp":
+            return None
+        return 0 if self.exact else self.D
 
     def check(self, virtual_workers: int) -> None:
         def invalid(what: str) -> ShardError:
@@ -58,3 +66,9 @@ class SyncRule:
             raise invalid(f"period must be in [1, {MAX_STEPS}], got {self.period}")
         if self.exact and self.mode != "wsp":
             raise invalid("exact pulls are for sync wsp with D = 0")
+        if self.D is not None and self.mode != "wsp":
+            raise invalid(f"distance_bound (D) is for sync wsp, got {self.D}")
+        if self.D is not None and not 0 <= self.D <= MAX_STEPS:
+            raise invalid(f"distance_bound (D) must be in [0, {MAX_STEPS}], got {self.D}")
+        if self.exact and self.D not in (None, 0):
+            raise invalid(f"exact pulls are for D = 0, not distance_bound {self.D}")

@@ -18,7 +18,8 @@ import torch
 from hetpipe import rpc, security, shm, wire
 from hetpipe.buffers import raw_bytes
 from hetpipe.v1 import ps_pb2, wire_pb2
-from hetpipe.wsp import NARROWED_PUSH, exact_pulls, g2_decision, merge_pulled, required_min_clock, total_waves, unpulled, wave_of, waves_included
+from hetpipe.wsp import (NARROWED_PUSH, g2_decision, merge_pulled, required_min_clock, shard_bound,
+                         total_waves, unpulled, wave_of, waves_included)
 from stage_worker import host_copies
 from stage_worker.sync import SyncCallbacks, SyncConfig, Weights, in_parallel
 from stage_worker.sync_record import SyncRecord
@@ -100,7 +101,7 @@ class WspSync:
         for shard, idx in self._by_shard().items():
             tag = wire_pb2.InitTag(virtual_workers=virtual_workers, shard=shard, sync=self.cfg.sync,
                                    quorum=self.cfg.quorum, alpha=self.cfg.alpha, period=self.cfg.period,
-                                   total_waves=self.total_waves, exact=exact_pulls(self.cfg.sync, self.cfg.D))
+                                   total_waves=self.total_waves, **shard_bound(self.cfg.sync, self.cfg.D))
             tensors = [(self.keys[i], values[i].detach().cpu()) for i in idx]
             stub = self._stubs[shard]
             # The seed credential: a stage's own token may push and pull, not (re)initialise a shard.

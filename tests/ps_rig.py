@@ -47,8 +47,10 @@ def delta(vw: int, clock: int, keys: list[str] = KEYS) -> list[tuple[str, torch.
 class Client:
     stub: ps_pb2_grpc.ParameterServerStub
 
-    def init(self, tensors: list[tuple[str, torch.Tensor]], vws: int = 2, **kw: Any) -> wire_pb2.Ack:
-        return self.stub.Init(iter(_frames(tensors, init=wire_pb2.InitTag(virtual_workers=vws))), timeout=CALL_S, **kw)
+    def init(self, tensors: list[tuple[str, torch.Tensor]], vws: int = 2, rule: dict[str, Any] | None = None,
+             **kw: Any) -> wire_pb2.Ack:
+        tag = wire_pb2.InitTag(virtual_workers=vws, **(rule or {}))
+        return self.stub.Init(iter(_frames(tensors, init=tag)), timeout=CALL_S, **kw)
 
     def push(self, vw: int, clock: int, tensors: list[tuple[str, torch.Tensor]], **kw: Any) -> ps_pb2.PushReply:
         tag = wire_pb2.PushTag(vw=vw, clock=clock)
@@ -85,8 +87,9 @@ class InProcess:
 
 
 @contextmanager
-def in_process_shard(tmp_path: Path) -> Iterator[InProcess]:
-    """A shard with 2 VWs and two float32 keys; vw 0 has pushed waves 0 and 1, vw 1 wave 0."""
+def in_process_shard(tmp_path: Path, rule: dict[str, Any] | None = None) -> Iterator[InProcess]:
+    """A shard with 2 VWs and two float32 keys; vw 0 has pushed waves 0 and 1, vw 1 wave 0.
+    rule: the InitTag's sync fields (default: wsp, not told D)."""
     servicer = ShardServicer(Shard(), Durability(str(tmp_path / "ckpt")), max_pull_wait_s=30.0)
     server = rpc.Server("127.0.0.1", 0, workers=16)
     server.add("ParameterServer", servicer)
@@ -94,7 +97,7 @@ def in_process_shard(tmp_path: Path) -> Iterator[InProcess]:
     ch = rpc.channel(server.address)
     try:
         client = Client(ps_pb2_grpc.ParameterServerStub(ch))
-        assert client.init(w0()).message == "initialised"
+        assert client.init(w0(), rule=rule).message == "initialised"
         expected = dict(w0())
         for vw, c in [(0, 0), (1, 0), (0, 1)]:
             reply = client.push(vw, c, delta(vw, c))

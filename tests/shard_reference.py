@@ -23,9 +23,11 @@ Deltas = list[tuple[str, torch.Tensor]]
 class RefShard:
     """DESIGN §3 for one shard: float64 weights, a clock per (key, vw), and the acknowledged pushes."""
 
-    def __init__(self, n: int, init: dict[str, torch.Tensor], *, exact: bool = False) -> None:
+    def __init__(self, n: int, init: dict[str, torch.Tensor], *, exact: bool = False, D: int | None = None) -> None:
         self.n = n
-        self.exact = exact   # wsp with D = 0: G4 lets a VW push no wave past a key's c_global
+        self.exact = exact   # wsp with D = 0: pulls get exactly the waves below c_global
+        # G4, when the shard is told D: a VW pushes wave c of a key only once its c_global >= c - D.
+        self.lead = 0 if exact else D
         self.w0 = {k: v.clone() for k, v in init.items()}
         self.w = {k: v.clone() for k, v in init.items()}
         self.clock = {(k, v): 0 for k in init for v in range(n)}
@@ -43,10 +45,13 @@ class RefShard:
             return Kind.INVALID
         clocks = [self.clock[(k, vw)] for k in keys]
         if all(x == c for x in clocks):
-            return Kind.CLOCK if self.exact and any(c > self.key_c_global(k) for k in keys) else "applied"
+            return Kind.CLOCK if self.past_g4(c, keys) else "applied"
         if all(x == c + 1 for x in clocks):
             return "duplicate"
         return Kind.CLOCK
+
+    def past_g4(self, c: int, keys: list[str]) -> bool:
+        return self.lead is not None and any(c > self.key_c_global(k) + self.lead for k in keys)
 
     def apply(self, vw: int, c: int, deltas: Deltas) -> None:
         for k, d in deltas:

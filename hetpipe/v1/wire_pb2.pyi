@@ -98,7 +98,7 @@ class PushTag(_message.Message):
     def __init__(self, vw: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
 
 class InitTag(_message.Message):
-    __slots__ = ("virtual_workers", "shard", "clocks", "sync", "quorum", "alpha", "period", "total_waves", "exact")
+    __slots__ = ("virtual_workers", "shard", "clocks", "sync", "quorum", "alpha", "period", "total_waves", "exact", "distance_bound")
     VIRTUAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     CLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class InitTag(_message.Message):
     PERIOD_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WAVES_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
+    DISTANCE_BOUND_FIELD_NUMBER: _ClassVar[int]
     virtual_workers: int
     shard: int
     clocks: _containers.RepeatedScalarFieldContainer[int]
@@ -117,7 +118,8 @@ class InitTag(_message.Message):
     period: int
     total_waves: int
     exact: bool
-    def __init__(self, virtual_workers: _Optional[int] = ..., shard: _Optional[int] = ..., clocks: _Optional[_Iterable[int]] = ..., sync: _Optional[str] = ..., quorum: _Optional[int] = ..., alpha: _Optional[float] = ..., period: _Optional[int] = ..., total_waves: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...
+    distance_bound: int
+    def __init__(self, virtual_workers: _Optional[int] = ..., shard: _Optional[int] = ..., clocks: _Optional[_Iterable[int]] = ..., sync: _Optional[str] = ..., quorum: _Optional[int] = ..., alpha: _Optional[float] = ..., period: _Optional[int] = ..., total_waves: _Optional[int] = ..., exact: _Optional[bool] = ..., distance_bound: _Optional[int] = ...) -> None: ...
 
 class ExchangeTag(_message.Message):
     __slots__ = ("vw", "clock", "duplicate")

@@ -76,6 +76,12 @@ def bad_inputs(c: Client) -> dict[str, tuple[Callable[[], Any], grpc.StatusCode,
         "init again as another shard": (
             lambda: c.stub.Init(iter(_frames(w0(), init=wire_pb2.InitTag(virtual_workers=2, shard=1))), timeout=CALL_S),
             Code.ALREADY_EXISTS, r"Init as ps shard 1: this shard is already initialised as ps shard 0"),
+        "init again told D": (lambda: c.init(w0(), rule={"distance_bound": 1}), Code.ALREADY_EXISTS,
+                               r"already initialised for SyncRule\(.*D=None\), not SyncRule\(.*D=1\)"),
+        "init as quorum told D": (lambda: c.init(w0(), rule={"sync": "quorum", "total_waves": 4, "distance_bound": 1}),
+                                  Code.INVALID_ARGUMENT, r"sync quorum: distance_bound \(D\) is for sync wsp, got 1"),
+        "init of exact pulls told D 2": (lambda: c.init(w0(), rule={"exact": True, "distance_bound": 2}),
+                                         Code.INVALID_ARGUMENT, r"exact pulls are for D = 0, not distance_bound 2"),
         "init without init tag": (lambda: c.stub.Init(iter(_frames(w0())), timeout=CALL_S),
                                   Code.INVALID_ARGUMENT, r"lacks the init tag"),
     }
@@ -150,6 +156,22 @@ def test_a_push_is_checked_and_logged_while_another_holds_the_shards_lock(ps: In
     restored = ShardServicer(Shard(), Durability(ps.servicer.durability.dir), max_pull_wait_s=1.0)
     restored.restore()
     assert restored.shard.digest() == ps.servicer.shard.digest(), "the refused push's entry is not replayed"
+
+
+def test_a_shard_told_D_refuses_a_push_past_g4_and_changes_nothing(tmp_path: Path) -> None:
+    """G4 checked by the shard, whatever a stage's G2 wait did: with D = 1 a VW pushes wave c only
+    once c_global >= c - 1. vw 0 has pushed waves 0 and 1 and vw 1 wave 0 (c_global 1), so vw 0's
+    wave 2 is taken and its wave 3 refused, until vw 1's wave 1 lets it in."""
+    with in_process_shard(tmp_path, rule={"distance_bound": 1}) as ps:
+        c = ps.client
+        assert not c.push(0, 2, delta(0, 2)).duplicate
+        before = state(c.status())
+        refused(lambda: c.push(0, 3, delta(0, 3)), Code.FAILED_PRECONDITION,
+                r"push of vw 0 for clock 3: G4 with D = 1 takes wave c only once c_global >= c - D, and c_global is \[1\]")
+        assert state(c.status()) == before
+        assert not c.push(1, 1, delta(1, 1)).duplicate
+        assert not c.push(0, 3, delta(0, 3)).duplicate
+        assert c.status().max_clock_distance == 2   # D + 1
 
 
 def test_pull_past_deadline_says_why(ps: InProcess) -> None:

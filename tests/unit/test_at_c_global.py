@@ -53,7 +53,7 @@ def test_an_exact_shard_refuses_a_push_two_waves_past_c_global() -> None:
     assert shard.push(0, 0, one)
     digest = shard.digest()
     err = assert_refused(Kind.CLOCK, shard.push, 0, 1, one)
-    assert "one wave past c_global (G4), and c_global is [0] for ['a', 'b']" in str(err)
+    assert "G4 with D = 0 takes wave c only once c_global >= c - D, and c_global is [0] for ['a', 'b']" in str(err)
     assert shard.digest() == digest
     assert shard.push(1, 0, one) and shard.push(0, 1, one)
     assert torch.equal(shard.pull(1, ["a"]).values[0][1], torch.full((2, 3), 2.0, dtype=torch.float64))

@@ -14,8 +14,9 @@ written later, outside the lock), through random interleavings of:
   shape, wrong dtype, a key named twice, no keys, keys at different clocks), which must raise
   ShardError of the right kind and change nothing (`digest()` before == after);
 - pulls, valid and invalid, whose values and clocks must match the reference; on a shard of
-  exact pulls (wsp with D = 0), with only the waves below each key's c_global, bit for bit (a push
-  that G4 forbids there, a VW two waves past c_global, is refused);
+  exact pulls (wsp with D = 0), with only the waves below each key's c_global, bit for bit;
+- on a shard told D (exact pulls are D = 0), pushes G4 forbids: wave c of a key whose c_global
+  is below c - D, refused;
 - checkpoints, including one whose log clean-up was cut short by a crash, and captured ones
   written late and out of order (an older one must not overwrite a newer one) or never (killed);
 - restarts: a fresh Shard restored by a fresh Durability from the same directory, after which
@@ -63,7 +64,7 @@ KEY_SHAPES: list[tuple[str, tuple[int, ...]]] = [("l0.weight", (2, 3)), ("l0.bia
 # ---- the state machine -----------------------------------------------------------------------------
 
 INVALID_PUSHES = ["reinit", "ahead", "backwards", "unknown_vw", "unknown_key", "shape", "dtype", "dup_key", "no_keys",
-                  "mixed"]
+                  "mixed", "past_g4"]
 
 
 class ShardMachine(RuleBasedStateMachine):
@@ -78,18 +79,19 @@ class ShardMachine(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
     @initialize(n=st.integers(1, 3), nkeys=st.integers(1, 3), every=st.integers(1, 3), seed=st.integers(0, 2**16),
-                exact=st.booleans())
-    def init(self, n: int, nkeys: int, every: int, seed: int, exact: bool) -> None:
+                bound=st.sampled_from(["untold", "exact", 1, 2]))
+    def init(self, n: int, nkeys: int, every: int, seed: int, bound: str | int) -> None:
         self.every = every
         self.shapes = dict(KEY_SHAPES[:nkeys])
         init = [(k, tensor(s, seed + i)) for i, (k, s) in enumerate(self.shapes.items())]
         self.shard = Shard()
         self.dur = Durability(str(self.dir), every)
-        self.rule = SyncRule("wsp", exact=exact)
+        exact, D = bound == "exact", None if bound == "untold" else 0 if bound == "exact" else int(bound)
+        self.rule = SyncRule("wsp", exact=exact, D=D)
         assert self.shard.init(n, init, (), self.rule) is True
         self.dur.checkpoint(self.shard)  # as the servicer does on a fresh Init
         self.captured: list[Snapshot] = []  # checkpoints captured and not yet written
-        self.ref = RefShard(n, dict(init), exact=exact)
+        self.ref = RefShard(n, dict(init), exact=exact, D=D)
         assert self.shard.init(n, init, (), self.rule) is False, "the same Init again is a no-op"
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -134,15 +136,13 @@ class ShardMachine(RuleBasedStateMachine):
     # -- rules ---------------------------------------------------------------------------------------
 
     def _next_wave(self, data: st.DataObject) -> tuple[int, int, list[str]]:
-        """A VW, its next wave for a group of its keys, and those keys (none where exact pulls' G4
-        lets that VW push none of them yet)."""
+        """A VW, its next wave for a group of its keys, and those keys (none where G4, with the D
+        the shard was told, lets that VW push none of them yet)."""
         vw = data.draw(st.integers(0, self.ref.n - 1), label="vw")
         keys = self._keys(data)
         c = self.ref.clock[(keys[0], vw)]
         keys = [k for k in keys if self.ref.clock[(k, vw)] == c]  # one wave of one key group
-        if self.rule.exact:
-            keys = [k for k in keys if c <= self.ref.key_c_global(k)]
-        return vw, c, keys
+        return vw, c, [k for k in keys if not self.ref.past_g4(c, [k])]
 
     @rule(data=st.data(), seed=st.integers(0, 2**16))
     def push_next_wave(self, data: st.DataObject, seed: int) -> None:
@@ -267,6 +267,10 @@ class ShardMachine(RuleBasedStateMachine):
             deltas.append((k0, deltas[bad][1].clone()))
         elif fault == "no_keys":
             deltas = []
+        elif fault == "past_g4":   # the next wave, of keys a slower VW holds back by more than D
+            deltas = [(k, d) for k, d in deltas if self.ref.past_g4(c, [k])]
+            if not deltas:
+                return
         elif fault == "mixed":
             clocks = {k: self.ref.clock[(k, vw)] for k in self.shapes}
             if len(set(clocks.values())) < 2:
