@@ -213,7 +213,7 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
             for i in range(_shards(job)):
                 procs.spawn("ps_server", f"ps server {i}",
                             [*register, "--checkpoint-dir", str(out_dir / "ps" / f"shard{i}"), *shard_trace])
-            procs.wait_ready()
+            procs.wait_ready(notice=None if quiet else lambda text: print(f"hetpipe: {text}", file=sys.stderr))
             logs.update((p.address, p.log_path) for p in procs.processes)
             targets = out_dir / TARGETS_FILE
             write_targets(targets, metrics_server.port, procs)

@@ -11,6 +11,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -154,17 +155,26 @@ class LocalProcesses:
             time.sleep(0.02)
         proc.metrics_port = int(proc.ready_file.read_text().split()[1])  # a fresh one (--metrics-port 0)
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        """Waits until every spawned process has published its address."""
-        deadline = time.monotonic() + timeout
+    def wait_ready(self, timeout: float = 120.0, notice: Callable[[str], None] | None = None,
+                   every: float = 15.0) -> None:
+        """Waits until every spawned process has published its address; tells `notice` every
+        `every` seconds which ones it still waits for (a slow torch import on a loaded host)."""
+        start = time.monotonic()
+        deadline, next_notice = start + timeout, start + every
         for proc in self.processes:
             while not proc.ready_file.exists():
                 if proc.popen.poll() is not None:
                     raise JobFailed(
                         f"{proc.name} {proc.exit_description()} before serving; log {proc.log_path}:\n{proc.log_tail()}"
                     )
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise JobFailed(f"{proc.name} did not start serving within {timeout:.0f}s; log {proc.log_path}")
+                if notice is not None and now >= next_notice:
+                    waiting = [p.name for p in self.processes if not p.ready_file.exists()]
+                    notice(f"waiting for {', '.join(waiting)} to start serving ({now - start:.0f}s of "
+                           f"{timeout:.0f}; logs in {self.log_dir})")
+                    next_notice = now + every
                 time.sleep(0.02)
             address, metrics = proc.ready_file.read_text().split()
             proc.address, proc.metrics_port = address, int(metrics)

@@ -199,7 +199,7 @@ class Launcher:
                 self._spawn(procs, "ps_server", f"ps shard {i}",
                             [*self.registration(), "--checkpoint-dir", str(checkpoints)])
         for procs in self.groups:
-            procs.wait_ready()
+            procs.wait_ready(notice=lambda text: print(f"hetpipe worker: {text}", file=sys.stderr))
 
     def processes(self) -> list[tuple[LocalProcesses, Process]]:
         return [(g, p) for g in self.groups for p in g.processes]
