@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from hetpipe.config import ConfigError, JobConfig
+from hetpipe.config import ConfigError, EvalConfig, JobConfig
 from hetpipe.validate import Section
 
 NUMBERS = "biuf"  # numpy kinds a tensor can be made of and a loss can take
@@ -356,6 +356,19 @@ def eval_batches(job: JobConfig, dataset: Dataset[Any], rows: int) -> list[list[
     return [[(i * b + r) % n for r in range(b)] for i in range(count)]
 
 
+def eval_rows_note(rows: int, held_out: int, batch_size: int, *, given: bool = True) -> str | None:
+    """A warning when an evaluation reads other than eval.rows held-out rows (eval_batches), else
+    None. given: eval.rows was set (the default asks for up to that many, in whole minibatches)."""
+    read = max(1, min(rows, held_out) // batch_size) * batch_size
+    if held_out < batch_size:
+        return (f"eval.rows {rows}: the held-out set has {held_out} rows, fewer than one minibatch of {batch_size}: "
+                f"each evaluation reads {read}, some rows twice")
+    if read == rows or not given:
+        return None
+    why = f"the held-out set has {held_out} rows" if held_out < rows else "whole minibatches"
+    return f"eval.rows {rows}: each evaluation reads {read} held-out rows ({why}, of data.batch_size {batch_size})"
+
+
 def first_item(job: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """One minibatch-shaped (x, y) pair of the training data, from its first row: what the
     planner and the driver need of the data (shapes and dtypes), without reading the rest."""
@@ -375,7 +388,7 @@ def read_rows(job: JobConfig, dataset: Dataset[Any], rows: Sequence[int]) -> tup
 CHECK_SLICE_BYTES = 16 << 20
 
 
-def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.dtype]], Sequence[int]]) -> None:
+def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.dtype]], Sequence[int]]) -> list[str]:
     """ConfigError, one line naming the file (or factory), the array and the element, for data that
     training would fail on once every process has started, or silently spoil: NaN or Inf in x or in
     float targets, labels outside the classes of the model's output (its last dimension), targets
@@ -383,15 +396,18 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
     output shape for a minibatch's (shape, dtype) of x, from a shape-only pass.
 
     Arrays held in memory (npz, digits, synthetic) are checked whole, in one pass over what is
-    loaded anyway; any other dataset, which may stream from disk, by its first item."""
+    loaded anyway; any other dataset, which may stream from disk, by its first item. Returns
+    warnings: what the job will do other than it says (eval.rows it cannot read)."""
     default = f"data.factory: {job.data.factory}" if job.data.factory else f"data.name: {job.data.name}"
     whole = _whole(job)
+    held_out = 0
     if job.data.eval_fraction > 0:  # a held-out share that leaves no rows to train on
-        _split(job, len(whole))  # type: ignore[arg-type]
+        held_out = len(_split(job, len(whole))[1])  # type: ignore[arg-type]
     sets: list[tuple[str, Dataset[Any]]] = [(default, whole)]
     if job.data.eval_factory is not None:
         sets.append((f"data.eval_factory: {job.data.eval_factory}",
                      _from_factory(job, job.data.eval_factory, "data.eval_factory")))
+        held_out = len(sets[-1][1])  # type: ignore[arg-type]
     for source, dataset in sets:
         if isinstance(dataset, ArrayDataset) and dataset.source:
             source = dataset.source
@@ -414,6 +430,10 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
             raise ConfigError(f"{source}: the model does not take x of shape {list(batch)} ({first.dtype}): "
                               f"{type(exc).__name__}: {reason}") from None
         _check_rows(job, source, x, y, output)
+    note = None
+    if job.eval is not None and held_out:
+        note = eval_rows_note(job.eval.rows, held_out, job.data.batch_size, given=job.eval.rows != EvalConfig().rows)
+    return [note] if note else []
 
 
 def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, output: tuple[int, ...]) -> None:

@@ -3,6 +3,7 @@ process that registers with it over gRPC, the job submitted at start as a compos
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -102,11 +103,12 @@ def preflight(job: JobConfig) -> Plan:
     for env in (devices.THREADS_ENV, devices.PS_THREADS_ENV):
         devices.env_threads(env)
     model = models.structure(job.model, job.base_dir)
-    data.check(job, lambda x: boundaries(model, x, strict=True)[-1][0])
+    notes = data.check(job, lambda x: boundaries(model, x, strict=True)[-1][0])
     if job.model.init is not None:
         model_init.check_init(job, model)
     outputs.check_dir(Path(job.resolve(job.output.dir)))
-    return make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
+    plan = make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
+    return dataclasses.replace(plan, warnings=(*plan.warnings, *notes))
 
 
 def _check_real_gpus(job: JobConfig) -> None:

@@ -74,6 +74,17 @@ def test_nm_beyond_the_steps_is_a_warning(capsys: pytest.CaptureFixture[str], tm
     assert "warning: parallel.nm 40 > train.steps 30: at most 30 minibatches are ever in flight" in err
 
 
+def test_eval_rows_the_held_out_set_cannot_give_is_a_warning(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """digits' 1797 rows, a fifth held out (359), in minibatches of 32: 400 rows cannot be read."""
+    held = {"data": {"name": "digits", "batch_size": 32, "eval_fraction": 0.2}, "eval": {"every": 10, "rows": 400}}
+    code, _, err = _plan(capsys, tmp_path, deep_update(EMULATED, held))
+    assert code == 0
+    assert ("warning: eval.rows 400: each evaluation reads 352 held-out rows (the held-out set has 359 rows, of "
+            "data.batch_size 32)") in err
+    code, _, err = _plan(capsys, tmp_path, deep_update(EMULATED, deep_update(held, {"eval": {"rows": 352}})))
+    assert code == 0 and "eval.rows" not in err
+
+
 def test_plan_of_a_ddp_job_shows_what_ddp_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """Ranks with the whole model each, not the HetPipe plan's stages and shards it would not run."""
     code, out, _ = _plan(capsys, tmp_path, {"parallel": {"mode": "ddp", "virtual_workers": 3, "stages_per_vw": 1}})

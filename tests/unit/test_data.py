@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import BASE_JOB, deep_update
 from hetpipe.config import ConfigError, JobConfig, parse_job
 from hetpipe import data
 from hetpipe.data import (IGNORED_LABEL, ArrayDataset, Minibatches, check, eval_batches, held_out_set, minibatch_rows,
@@ -406,3 +407,19 @@ def test_minibatches_are_ordered_as_they_are_read_not_all_up_front() -> None:
         x, _ = reader.next()
         expected = minibatch_rows(p, 1, virtual_workers=2, batch_size=4, rows=10, shuffle=True, seed=5)
         assert torch.equal(x, x_all[torch.from_numpy(expected)]), p
+
+
+@pytest.mark.parametrize("rows, held_out, given, note", [
+    (352, 359, True, None),
+    (400, 359, True, "eval.rows 400: each evaluation reads 352 held-out rows (the held-out set has 359 rows, of "
+                     "data.batch_size 32)"),
+    (100, 359, True, "eval.rows 100: each evaluation reads 96 held-out rows (whole minibatches, of data.batch_size 32)"),
+    (1024, 359, False, None),   # the default asks for up to 1024
+    (1024, 20, False, "eval.rows 1024: the held-out set has 20 rows, fewer than one minibatch of 32: each evaluation "
+                      "reads 32, some rows twice"),
+])
+def test_eval_rows_other_than_an_evaluation_reads_are_named(rows: int, held_out: int, given: bool, note: str | None) -> None:
+    assert data.eval_rows_note(rows, held_out, 32, given=given) == note
+    job = parse_job(deep_update(BASE_JOB, {"data": {"batch_size": 32}}))
+    read = eval_batches(job, ArrayDataset(np.zeros((held_out, 1)), np.zeros(held_out)), rows)
+    assert note is None or f"reads {len(read) * 32}" in note   # what the stages will read
