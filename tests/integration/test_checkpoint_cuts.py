@@ -112,7 +112,9 @@ def test_a_cut_of_another_optimizer_is_refused_and_one_from_before_it_was_record
     shape = {"virtual_workers": 1, "steps": 8, "optimizer": "adam"}
     cut = {"virtual_workers": 1, "steps": 8, "optimizer": "sgd", "evicted": []}
     assert checkpoints.refusal(cut, 4, shape) == ("--resume: the checkpoint of wave 4 was taken for another job: "
-                                                  "optimizer sgd there, adam now")
+                                                  "optimizer sgd there, adam now. --resume goes on with that job: set "
+                                                  "them back, or start again with --fresh (model.init can start it from "
+                                                  "weights you have)")
     assert checkpoints.refusal({**cut, "optimizer": "adam"}, 4, shape) is None
     older = {k: v for k, v in cut.items() if k != "optimizer"}
     assert checkpoints.refusal(older, 4, shape) is None
@@ -122,9 +124,9 @@ def test_a_cut_of_another_optimizer_is_refused_and_one_from_before_it_was_record
     later = {**cut, "optimizer": "adam", "model": model, "batch_size": 16, "shuffle": True, "seed": 0, "data": data}
     now = {**shape, "model": {**model, "args": {"width": 16}}, "batch_size": 32, "shuffle": True, "seed": 0,
            "data": {**data, "eval_fraction": 0.2}}
-    assert checkpoints.refusal(later, 4, now) == (
+    assert str(checkpoints.refusal(later, 4, now)).startswith(
         "--resume: the checkpoint of wave 4 was taken for another job: model.args {'width': 8} there, "
-        "{'width': 16} now, batch_size 16 there, 32 now, data.eval_fraction 0.1 there, 0.2 now")
+        "{'width': 16} now, batch_size 16 there, 32 now, data.eval_fraction 0.1 there, 0.2 now. --resume goes on")
 
 
 def test_a_cut_is_taken_whole_through_a_shard_that_dies_and_comes_back(tmp_path: Path) -> None:
