@@ -55,17 +55,20 @@ def _news(s: Loaded) -> wire_pb2.Verdicts:
     return wire_pb2.Verdicts(through=through, skipped=skipped, clipped=clipped)
 
 
-def commit(s: Loaded, p: int, grads: Grads, *, scale: float = 1.0, clip: float = 1.0, skip: bool = False) -> None:
+def commit(s: Loaded, p: int, grads: Grads, *, scale: float = 1.0, clip: float = 1.0, skip: bool = False,
+           norm: float | None = None) -> None:
     """L3: p's step (or, fp16, its skip), its gradients unscaled then clipped, folded into its
-    wave's update (G1)."""
-    update = s.compute.commit(grads, scale=scale, clip=clip, skip=skip, into=s.sync.spare_update(),
-                              lr=learning_rate(s.job.train, p))
+    wave's update (G1). norm: the VW's gradient norm of p before clipping (stage 0's, traced)."""
+    lr = learning_rate(s.job.train, p)
+    update = s.compute.commit(grads, scale=scale, clip=clip, skip=skip, into=s.sync.spare_update(), lr=lr)
     s.sync.after_update(p, update)
     if closes_wave(p, s.job.nm, s.job.train.steps):
         s.sync.on_wave_end(wave_of(p, s.job.nm))
     agreed = {} if s.scaling is None else {"loss_scale": scale, "clip": clip, "stepped": not skip,
                                            "committed": time.time()}
-    s.trace.commit(p, **agreed)
+    if norm is not None:
+        agreed["grad_norm"] = norm
+    s.trace.commit(p, lr=lr, **agreed)
 
 
 def commit_decided(s: Loaded) -> None:
@@ -107,7 +110,9 @@ def agreed_backward(s: Loaded, p: int, grads: Grads, grad_in: torch.Tensor | Non
     if s.setup.first:
         clip = clip_coefficient(norm_sq, s.scaling.max_grad_norm, scale) if s.scaling.max_grad_norm else 1.0
         s.scaling.verdicts.decide(p, overflow, clip)
-        commit(s, p, grads, scale=scale, clip=s.scaling.verdicts.take(p), skip=overflow)
+        norm = math.sqrt(norm_sq) / scale if s.scaling.max_grad_norm and not overflow else None
+        norm = norm if norm is not None and math.isfinite(norm) else None   # the trace is strict JSON
+        commit(s, p, grads, scale=scale, clip=s.scaling.verdicts.take(p), skip=overflow, norm=norm)
         # No activation follows to carry them: after the last minibatch, or (until the driver
         # lets the stages past) after a checkpoint's cut, which waits for every stage's commits.
         cut = p % s.job.nm == 0 and s.cuts.is_cut(p // s.job.nm)

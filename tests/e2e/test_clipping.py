@@ -39,9 +39,15 @@ def test_clipped_training_equals_one_process_clipped_by_torch(make_job, tmp_path
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
     unclipped = train_reference(with_overrides(job, train={"max_grad_norm": 0.0})).state_dict()
     assert max(float((want[key] - unclipped[key]).abs().max()) for key in want) > 1e-4, "clipping must matter"
-    clips = clip_coefficients(load_trace(tmp_path / "out" / "trace"))
+    rows = load_trace(tmp_path / "out" / "trace")
+    clips = clip_coefficients(rows)
     assert len(clips) == n * 30
     assert 0 < sum(c < 1 for c in clips.values()) < len(clips), "some minibatches clipped, not all"
+    # Stage 0 traces the VW's norm it clipped by, and every row the rate it stepped with.
+    norms = {(r["vw"], r["p"]): r["grad_norm"] for r in rows if r["stage"] == 0}
+    assert len(norms) == n * 30 and not any("grad_norm" in r for r in rows if r["stage"] > 0)
+    assert all(clips[key] == min(1.0, MAX_NORM / (norm + 1e-6)) for key, norm in norms.items())
+    assert {r["lr"] for r in rows} == {optimizer["lr"]}
 
 
 def test_ddp_clips_its_averaged_gradient_as_torch_does(make_job, tmp_path: Path) -> None:
