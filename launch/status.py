@@ -34,7 +34,9 @@ def _ended(out_dir: Path, as_json: bool) -> int | None:
     if as_json:
         print(json.dumps({"job": {**ending, "summary": summary}, "workers": []}, indent=2))
     else:
-        print(f"job: {ending['state']} (ended; no coordinator is running)"
+        # When: a run stopped before it started (Ctrl-C while planning, a refusal) leaves the last one's.
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ending.get("finished", 0))))
+        print(f"job: {ending['state']} (ended {when}; no coordinator is running)"
               + (f": {ending['reason']}" if ending.get("reason") else ""))
         if summary is not None:
             print(f"result: {summary.get('samples_per_second', 0):.0f} samples/s, final loss "

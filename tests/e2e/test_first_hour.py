@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,7 +176,8 @@ def test_status_after_the_run_ends_reports_how_it_ended(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     status = _cli("status", "--job", str(job))
     assert status.returncode == 0, status.stderr
-    assert status.stdout.startswith("job: COMPLETED (ended; no coordinator is running)")
+    assert re.match(r"job: COMPLETED \(ended \d{4}-\d\d-\d\d \d\d:\d\d:\d\d; no coordinator is running\)",
+                    status.stdout), status.stdout
     assert "samples/s" in status.stdout and "unreachable" not in status.stdout + status.stderr
     as_json = json.loads(_cli("status", "--job", str(job), "--json").stdout)
     assert as_json["job"]["state"] == "COMPLETED" and as_json["job"]["summary"]["steps"] == 12
