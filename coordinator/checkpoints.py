@@ -89,7 +89,7 @@ def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
         return (f"--resume: the checkpoint of wave {wave} was taken for another job: "
                 + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in mismatch.items())
                 + ". --resume goes on with that job: set them back, or start again with --fresh (model.init can "
-                  "start it from weights you have)")
+                  "start it from a finished run's model.safetensors)")
     if m["evicted"]:
         return (f"--resume: vw {m['evicted']} had left the job before the checkpoint of wave {wave}; "
                 "resuming without them is not supported yet")

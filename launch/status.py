@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -35,8 +36,11 @@ def _ended(out_dir: Path, as_json: bool) -> int | None:
         print(json.dumps({"job": {**ending, "summary": summary}, "workers": []}, indent=2))
     else:
         # When: a run stopped before it started (Ctrl-C while planning, a refusal) leaves the last one's.
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ending.get("finished", 0))))
-        print(f"job: {ending['state']} (ended {when}; no coordinator is running)"
+        finished = ending.get("finished")
+        when = ""
+        if isinstance(finished, (int, float)) and not isinstance(finished, bool) and math.isfinite(finished) and finished > 0:
+            when = " " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(finished))
+        print(f"job: {ending['state']} (ended{when}; no coordinator is running)"
               + (f": {ending['reason']}" if ending.get("reason") else ""))
         if summary is not None:
             print(f"result: {summary.get('samples_per_second', 0):.0f} samples/s, final loss "

@@ -182,11 +182,12 @@ class ShardServicer:
         return wire_pb2.Ack(message="initialised" if fresh else "already initialised")
 
     def _update(self, kind: str, request_iterator: Iterator[bytes],
-                apply: Callable[..., tuple[bool, R, Sums | None]]) -> R:
+                apply: Callable[..., tuple[bool, R, Sums | None]], wait_s: float = 0.0) -> R:
         """A push or an exchange: decoded and checked, then apply(tag, tensors, journal, sizes) under
         the lock, which answers (whether it was new, the reply, and a push's sums still to add:
         added outside the lock, so that pushes and pulls of other keys go on); checkpointed when
-        due, traced. sizes: a push's magnitudes (headroom.push_sizes), None for an exchange."""
+        due, traced. sizes: a push's magnitudes (headroom.push_sizes), None for an exchange. wait_s:
+        how long a push that G4 holds back may wait for the slower VWs (Shard.held_back)."""
         received = time.time()
         stream = wire.read(request_iterator, self.reader)
         self._check_update(stream, kind)
@@ -225,6 +226,12 @@ class ShardServicer:
             # copying these keys out: their slots take the values as they were answered.
             self._cv.wait_for(lambda: not self._quieting and self._adding.isdisjoint(keys)
                               and self._reading.keys().isdisjoint(keys))
+            if kind == "push" and self.shard.held_back(tag.vw, tag.clock, keys):
+                # G4 lets it in once the slower VWs push (a stage's G2 wait makes that the rule only
+                # after a restart stepped c_global back); past the pulls' wait, shard.push refuses it.
+                self._cv.wait_for(lambda: not self.shard.held_back(tag.vw, tag.clock, keys) and not self._quieting
+                                  and self._adding.isdisjoint(keys) and self._reading.keys().isdisjoint(keys),
+                                  timeout=wait_s)
             start = time.time()
             try:
                 if logged is not None and durability is not None:
@@ -306,7 +313,7 @@ class ShardServicer:
             sums = self.shard.accept(tag.vw, tag.clock, deltas, journal=journal, sizes=sizes)
             return sums is not None, ps_pb2.PushReply(duplicate=sums is None, c_global=self.shard.c_global()), sums
 
-        return self._update("push", request_iterator, push)
+        return self._update("push", request_iterator, push, self._wait_budget(context))
 
     @handler
     def PushFrame(self, request: bytes, context: grpc.ServicerContext) -> ps_pb2.PushReply:
@@ -337,15 +344,19 @@ class ShardServicer:
             self._cv.notify_all()  # pulls waiting on its clock may now be answered
         return wire_pb2.Ack(message=f"vw {request.vw} evicted" if fresh else f"vw {request.vw} was evicted already")
 
+    def _wait_budget(self, context: grpc.ServicerContext) -> float:
+        """How long a call may wait for the slower VWs: max_pull_wait_s, and a little less than the
+        caller's deadline, so that it gets this shard's answer (naming c_global) instead of racing
+        its own bare "Deadline Exceeded"."""
+        remaining = context.time_remaining()
+        if remaining is not None:
+            remaining -= min(1.0, 0.2 * remaining)
+        return self.max_pull_wait_s if remaining is None else max(0.0, min(remaining, self.max_pull_wait_s))
+
     @handler
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         keys = list(request.keys)
-        remaining = context.time_remaining()
-        if remaining is not None:
-            # Give up a little before the caller's deadline, so that it gets this shard's answer
-            # (naming c_global and min_clock) instead of racing its own bare "Deadline Exceeded".
-            remaining -= min(1.0, 0.2 * remaining)
-        budget = self.max_pull_wait_s if remaining is None else min(remaining, self.max_pull_wait_s)
+        budget = self._wait_budget(context)
         deadline = time.monotonic() + budget
         started, requested = time.monotonic(), time.time()
         claim: Claim | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,8 +59,9 @@ class Shard:
     round closes; under sync elastic the values are the master x~, which only exchanges change.
 
     Exact (wsp with D = 0, BSP): a pull gets w_global with every VW's waves below c_global and
-    none of the waves a faster VW has pushed since (`at_c_global`, ps_server/at_c_global.py),
-    and a push that would take a VW two waves past c_global (G4) is refused.
+    none of the waves a faster VW has pushed since (`at_c_global`, ps_server/at_c_global.py).
+    Under WSP with D told (every Init of a job names it), a push of wave c of a key whose
+    c_global is below c - D, which would take a VW past G4's clock distance D + 1, is refused.
     """
 
     def __init__(self) -> None:
@@ -310,11 +311,25 @@ class Shard:
     def _key_c_global(self, key: str) -> int:
         return min(self.clocks[key][v] for v in self._live())
 
+    def held_back(self, vw: int, clock: int, keys: Iterable[str]) -> bool:
+        """Whether G4 holds vw's push of wave `clock` back now (its next wave for every key, some
+        key's c_global below clock - D): the servicer lets it wait for the slower VWs, as a pull
+        waits, since c_global can step back while a restarted shard's pushers send again what a
+        power cut took from its log."""
+        lead = self.rule.lead
+        keys = list(keys)
+        if lead is None or not 0 <= vw < self.virtual_workers or not all(k in self.clocks for k in keys):
+            return False
+        return all(self.clocks[k][vw] == clock for k in keys) and bool(self._past_lead(clock, keys, lead))
+
+    def _past_lead(self, clock: int, keys: Sequence[str], lead: int) -> dict[str, int]:
+        return {k: c for k in keys if clock > (c := self._key_c_global(k)) + lead}
+
     def _check_lead(self, vw: int, clock: int, keys: Sequence[str], lead: int) -> None:
         """G4: a VW pushes wave c only once c_global >= c - D (a stage's G2 wait before the wave's last
         forward ensures it), so the clock distance never passes D + 1. Exact pulls (D = 0) keep one
         copy per key (AtCGlobal) and rely on it."""
-        past = {k: c for k in keys if clock > (c := self._key_c_global(k)) + lead}
+        past = self._past_lead(clock, keys, lead)
         if past:
             raise ShardError(ShardError.Kind.CLOCK,
                              f"push of vw {vw} for clock {clock}: G4 with D = {lead} takes wave c only once c_global "

@@ -35,7 +35,7 @@ def test_own_model_and_data_reach_the_stated_held_out_accuracy(tmp_path: Path) -
     # every 100 minibatches of VW 0 (100, 200) and the final one on w_global after the last push
     assert [(e["id"], e["minibatches"], e["final"]) for e in lines] == [(1, 100, False), (2, 200, False),
                                                                          (3, 300, True)]
-    assert all(e["rows"] == 352 for e in lines), "eval.rows of the 359 held out, in whole minibatches of 32"
+    assert all(e["rows"] == 352 for e in lines), "eval.rows of the 360 held out, in whole minibatches of 32"
     assert [e["samples"] for e in lines] == [100 * 2 * 32, 200 * 2 * 32, 300 * 2 * 32]
     assert lines[0]["seconds"] < lines[1]["seconds"] < lines[2]["seconds"]
     assert lines[-1]["accuracy"] == summary["eval_accuracy"] and lines[-1]["loss"] == summary["eval_loss"]

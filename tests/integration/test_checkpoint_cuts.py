@@ -114,7 +114,7 @@ def test_a_cut_of_another_optimizer_is_refused_and_one_from_before_it_was_record
     assert checkpoints.refusal(cut, 4, shape) == ("--resume: the checkpoint of wave 4 was taken for another job: "
                                                   "optimizer sgd there, adam now. --resume goes on with that job: set "
                                                   "them back, or start again with --fresh (model.init can start it from "
-                                                  "weights you have)")
+                                                  "a finished run's model.safetensors)")
     assert checkpoints.refusal({**cut, "optimizer": "adam"}, 4, shape) is None
     older = {k: v for k, v in cut.items() if k != "optimizer"}
     assert checkpoints.refusal(older, 4, shape) is None

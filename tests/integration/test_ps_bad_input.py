@@ -158,19 +158,30 @@ def test_a_push_is_checked_and_logged_while_another_holds_the_shards_lock(ps: In
     assert restored.shard.digest() == ps.servicer.shard.digest(), "the refused push's entry is not replayed"
 
 
-def test_a_shard_told_D_refuses_a_push_past_g4_and_changes_nothing(tmp_path: Path) -> None:
+def test_a_shard_told_d_holds_a_push_past_g4_until_the_slower_vw_pushes(tmp_path: Path) -> None:
     """G4 checked by the shard, whatever a stage's G2 wait did: with D = 1 a VW pushes wave c only
     once c_global >= c - 1. vw 0 has pushed waves 0 and 1 and vw 1 wave 0 (c_global 1), so vw 0's
-    wave 2 is taken and its wave 3 refused, until vw 1's wave 1 lets it in."""
+    wave 2 is taken at once and its wave 3 waits, as a pull would: refused, changing nothing, once
+    the call's deadline is near, and applied once vw 1's wave 1 lets it in."""
     with in_process_shard(tmp_path, rule={"distance_bound": 1}) as ps:
         c = ps.client
         assert not c.push(0, 2, delta(0, 2)).duplicate
         before = state(c.status())
-        refused(lambda: c.push(0, 3, delta(0, 3)), Code.FAILED_PRECONDITION,
+        early = lambda timeout: c.stub.Push(iter(_frames(delta(0, 3), push=wire_pb2.PushTag(vw=0, clock=3))),  # noqa: E731
+                                            timeout=timeout)
+        started = time.monotonic()
+        refused(lambda: early(2.0), Code.FAILED_PRECONDITION,
                 r"push of vw 0 for clock 3: G4 with D = 1 takes wave c only once c_global >= c - D, and c_global is \[1\]")
+        assert time.monotonic() - started >= 1.0, "it waited for the slower VW first"
         assert state(c.status()) == before
+        held: list[Any] = []
+        waiting = threading.Thread(target=lambda: held.append(early(CALL_S)))
+        waiting.start()
+        time.sleep(0.3)
+        assert not held and state(c.status()) == before
         assert not c.push(1, 1, delta(1, 1)).duplicate
-        assert not c.push(0, 3, delta(0, 3)).duplicate
+        waiting.join(CALL_S)
+        assert held and not held[0].duplicate
         assert c.status().max_clock_distance == 2   # D + 1
 
 

@@ -99,6 +99,10 @@ class ShardMachine(RuleBasedStateMachine):
     def _push(self, vw: int, c: int, deltas: Deltas) -> None:
         """Pushes through the shard as the servicer does and checks the outcome against the reference."""
         want = self.ref.expect_push(vw, c, deltas)
+        keys = [k for k, _ in deltas]
+        if 0 <= vw < self.ref.n and all(k in self.shapes for k in keys):   # what the servicer lets wait
+            g4 = all(self.ref.clock[(k, vw)] == c for k in keys) and self.ref.past_g4(c, keys)
+            assert self.shard.held_back(vw, c, keys) == g4
         before = self.shard.digest()
         logged: list[int] = []
 

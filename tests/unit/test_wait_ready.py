@@ -29,27 +29,34 @@ def _processes(tmp_path: Path, codes: list[int | None]) -> LocalProcesses:
     return procs
 
 
+def _serve(ready: Path, address: str) -> None:
+    """What a service does (hetpipe.service): its ready file written whole, by a rename."""
+    ready.with_suffix(".tmp").write_text(address)
+    ready.with_suffix(".tmp").rename(ready)
+
+
 def test_wait_ready_names_what_it_still_waits_for_until_each_serves(tmp_path: Path) -> None:
-    procs = _processes(tmp_path, [None, None])
+    procs = _processes(tmp_path, [None, None, None])
     notices: list[str] = []
-    serve = [threading.Timer(0.25, lambda: (tmp_path / "w0.ready").write_text("127.0.0.1:5000 9000")),
-             threading.Timer(0.6, lambda: (tmp_path / "w1.ready").write_text("127.0.0.1:5001 9001"))]
-    for t in serve:
-        t.start()
+    _serve(tmp_path / "w0.ready", "127.0.0.1:5000 9000")
+    serve = threading.Timer(0.35, lambda: (_serve(tmp_path / "w2.ready", "127.0.0.1:5002 9002"),
+                                           _serve(tmp_path / "w1.ready", "127.0.0.1:5001 9001")))
+    serve.start()
     try:
         procs.wait_ready(timeout=10, notice=notices.append, every=0.1)
     finally:
-        for t in serve:
-            t.cancel()
+        serve.cancel()
         procs.stop_all()
-    assert [(p.address, p.metrics_port) for p in procs.processes] == [("127.0.0.1:5000", 9000), ("127.0.0.1:5001", 9001)]
-    assert notices and notices[0].startswith("waiting for stage worker 0, stage worker 1 to start serving (0s of 10; logs in ")
-    assert notices[-1].startswith("waiting for stage worker 1 to start serving"), notices
+    assert [(p.address, p.metrics_port) for p in procs.processes] == [
+        ("127.0.0.1:5000", 9000), ("127.0.0.1:5001", 9001), ("127.0.0.1:5002", 9002)]
+    assert notices and notices[0].startswith("waiting for stage worker 1, stage worker 2 to start serving (0s of 10; "
+                                             f"logs in {tmp_path / 'logs'})")
+    assert all(n.startswith("waiting for stage worker 1") for n in notices), notices
 
 
 def test_wait_ready_names_a_process_that_died_or_never_served(tmp_path: Path) -> None:
     procs = _processes(tmp_path, [None, 1])
-    (tmp_path / "w0.ready").write_text("127.0.0.1:5000 9000")
+    _serve(tmp_path / "w0.ready", "127.0.0.1:5000 9000")
     (tmp_path / "w1.log").write_text("Traceback ...\nImportError: no module named torch\n")
     with pytest.raises(JobFailed, match=r"stage worker 1 exited with code 1 before serving; log .*w1\.log:\n"
                                         r"Traceback \.\.\.\nImportError: no module named torch"):
