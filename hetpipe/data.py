@@ -430,10 +430,19 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
             raise ConfigError(f"{source}: the model does not take x of shape {list(batch)} ({first.dtype}): "
                               f"{type(exc).__name__}: {reason}") from None
         _check_rows(job, source, x, y, output)
-    note = None
-    if job.eval is not None and held_out:
-        note = eval_rows_note(job.eval.rows, held_out, job.data.batch_size, given=job.eval.rows != EvalConfig().rows)
-    return [note] if note else []
+    return eval_warnings(job, held_out)
+
+
+def eval_warnings(job: JobConfig, held_out: int | None = None) -> list[str]:
+    """What the job's evaluations will read other than it says (eval_rows_note); held_out: the
+    held-out set's rows where known, else read here."""
+    if job.eval is None:
+        return []
+    if held_out is None:
+        held = held_out_set(job)
+        held_out = len(held) if held is not None else 0  # type: ignore[arg-type]
+    note = eval_rows_note(job.eval.rows, held_out, job.data.batch_size, given=job.eval.rows != EvalConfig().rows)
+    return [note] if held_out and note else []
 
 
 def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, output: tuple[int, ...]) -> None:

@@ -157,6 +157,9 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         outputs.check_reads(out_dir, job.read_paths, folders=())   # what their outputs.clear removes
         from baselines import run_baseline
 
+        for warning in data.eval_warnings(job):   # preflight's, which the baselines do not run
+            print(f"hetpipe: warning: {warning}", file=sys.stderr)
+
         with outputs.locked(out_dir):
             return run_baseline(job, quiet=quiet)
     processes.warm_up()  # the fork server imports torch while this process plans

@@ -225,12 +225,15 @@ def test_ddp_on_an_emulated_cluster_is_paced_by_its_devices(make_job) -> None:
     assert 0 <= summary["wait_seconds"] and 0 < summary["eval_accuracy"] <= 1 and summary["eval_rows"] == 64
 
 
-def test_ddp_evaluates_every_eval_every_steps(make_job, tmp_path: Path) -> None:
+def test_ddp_evaluates_every_eval_every_steps(make_job, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """eval.every holds for ddp as for HetPipe: rank 0 appends an evaluation every `every` steps
-    and the final one last, in eval.jsonl's format; the final one is the summary's."""
+    and the final one last, in eval.jsonl's format; the final one is the summary's. eval.rows it
+    cannot read (70 in minibatches of 16) is a warning, as for HetPipe."""
     job = emulated_job(make_job, 10, 0.01)
-    job = with_overrides(job, eval={"every": 4, "rows": 64})
+    job = with_overrides(job, eval={"every": 4, "rows": 70})
     summary = run_local(job, quiet=True)
+    assert ("hetpipe: warning: eval.rows 70: each evaluation reads 64 held-out rows (whole minibatches, of "
+            "data.batch_size 16)") in capsys.readouterr().err
     rows = [json.loads(line) for line in (tmp_path / "out" / "eval.jsonl").read_text().splitlines()]
     assert [(r["id"], r["minibatches"], r["final"]) for r in rows] == [(1, 4, False), (2, 8, False), (3, 10, True)]
     assert all(r["rows"] == 64 and 0 <= r["accuracy"] <= 1 for r in rows)
