@@ -221,17 +221,16 @@ class ShardServicer:
         keys = set(stream.names)
         sums: Sums | None = None
         with self._cv:
+            if kind == "push":
+                # G4 lets it in once the slower VWs push (a stage's G2 wait makes that the rule only
+                # after a restart stepped c_global back); past the pulls' wait, shard.push refuses it.
+                # First: c_global only grows while this process lives, so the wait below stays enough.
+                self._cv.wait_for(lambda: not self.shard.held_back(tag.vw, tag.clock, keys), timeout=wait_s)
             # After the adds of these keys already under way: a key's sums go in one at a time, in
             # the order of their places in the log, which restore replays. And after the pulls
             # copying these keys out: their slots take the values as they were answered.
             self._cv.wait_for(lambda: not self._quieting and self._adding.isdisjoint(keys)
                               and self._reading.keys().isdisjoint(keys))
-            if kind == "push" and self.shard.held_back(tag.vw, tag.clock, keys):
-                # G4 lets it in once the slower VWs push (a stage's G2 wait makes that the rule only
-                # after a restart stepped c_global back); past the pulls' wait, shard.push refuses it.
-                self._cv.wait_for(lambda: not self.shard.held_back(tag.vw, tag.clock, keys) and not self._quieting
-                                  and self._adding.isdisjoint(keys) and self._reading.keys().isdisjoint(keys),
-                                  timeout=wait_s)
             start = time.time()
             try:
                 if logged is not None and durability is not None:
