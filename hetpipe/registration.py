@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -12,6 +13,14 @@ from hetpipe import rpc
 from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# A process holding a job leaves it once the coordinator has refused connections (UNAVAILABLE)
+# for this many heartbeat intervals: the coordinator holds the job's state, and by then it has
+# died and the job with it, or declared this process lost (after 5 missed heartbeats). Training on
+# would keep a GPU busy on a job whose results nobody collects. Calls that time out do not count:
+# a paused coordinator (SIGSTOP of `hetpipe run`, a starved host) blames no worker when it runs
+# again (coordinator/registry.py), and its workers wait for it too.
+UNREACHABLE_HEARTBEATS = 10
 
 
 def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped: threading.Event, *,
@@ -22,13 +31,15 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
 
     A process that holds a job (holds_job) when the coordinator has forgotten it does not
     register again: the job ended with the coordinator that ran it, and a new job must not find
-    it assigned (a stage) or holding another job's clocks (a shard). on_orphaned() ends it, and
-    its launcher starts a fresh one."""
+    it assigned (a stage) or holding another job's clocks (a shard). Nor does it when the
+    coordinator has refused connections for UNREACHABLE_HEARTBEATS intervals. on_orphaned() ends
+    it, and its launcher starts a fresh one."""
 
     def loop() -> None:
         channel = rpc.channel(coordinator)
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         worker_id, interval = "", 1.0
+        unreachable_since: float | None = None
         while not stopped.is_set():
             try:
                 if not worker_id:
@@ -44,12 +55,24 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
                         break
                     worker_id = ""
                     continue
+                unreachable_since = None
             except grpc.RpcError as exc:
                 if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
                     log.error("coordinator refused registration: %s", exc.details())
                     stopped.wait(5 * interval)
                 else:
                     log.warning("coordinator %s unreachable: %s", coordinator, exc.code().name)
+                    now = time.monotonic()
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        unreachable_since = None
+                    elif unreachable_since is None:
+                        unreachable_since = now
+                    elif worker_id and holds_job() and now - unreachable_since >= UNREACHABLE_HEARTBEATS * interval:
+                        log.warning("coordinator %s unreachable for %.0fs while this process serves its job: the "
+                                    "job is lost with it; exiting, for a fresh process in its place",
+                                    coordinator, now - unreachable_since)
+                        on_orphaned()
+                        break
             stopped.wait(interval)
         channel.close()
 

@@ -1,0 +1,61 @@
+"""A worker's registration (hetpipe/registration.py) against a coordinator that dies: a process
+holding a job leaves it once the coordinator has refused connections for UNREACHABLE_HEARTBEATS
+intervals (the job is gone with it, and a GPU would train on for nobody); one holding none keeps
+trying, to register with the coordinator when it comes back."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hetpipe import rpc
+from hetpipe.registration import UNREACHABLE_HEARTBEATS, keep_registered
+from hetpipe.v1 import coordinator_pb2
+
+pytestmark = pytest.mark.timeout(60)
+INTERVAL_S = 0.05
+
+
+class _Coordinator:
+    """Registers anyone and knows them: the two calls a worker's heartbeat thread makes."""
+
+    def __init__(self) -> None:
+        self.heartbeats = 0
+
+    def Register(self, request: coordinator_pb2.WorkerInfo, context: object) -> coordinator_pb2.RegisterReply:
+        return coordinator_pb2.RegisterReply(worker_id="w1", heartbeat_interval_s=INTERVAL_S)
+
+    def Heartbeat(self, request: coordinator_pb2.HeartbeatRequest, context: object) -> coordinator_pb2.HeartbeatReply:
+        self.heartbeats += 1
+        return coordinator_pb2.HeartbeatReply(known=True)
+
+
+@pytest.mark.parametrize("holds_job", [True, False], ids=["serving a job", "free"])
+def test_a_worker_leaves_its_job_once_its_coordinator_is_gone(holds_job: bool) -> None:
+    coordinator = _Coordinator()
+    server = rpc.Server("127.0.0.1", 0)
+    server.add("Coordinator", coordinator)
+    server.start()
+    stopped, orphaned = threading.Event(), threading.Event()
+    info = coordinator_pb2.WorkerInfo(role=coordinator_pb2.WorkerInfo.STAGE_WORKER, address="127.0.0.1:1")
+    thread = keep_registered(server.address, info, stopped, holds_job=lambda: holds_job, on_orphaned=orphaned.set)
+    try:
+        deadline = time.monotonic() + 10
+        while coordinator.heartbeats < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert coordinator.heartbeats >= 3 and not orphaned.is_set(), "registered, heartbeating"
+        server.stop()
+        gone = time.monotonic()
+        if holds_job:
+            assert orphaned.wait(10), "the job outlived its coordinator"
+            assert time.monotonic() - gone >= UNREACHABLE_HEARTBEATS * INTERVAL_S, "not at the first refusal"
+            thread.join(5)
+            assert not thread.is_alive()
+        else:
+            assert not orphaned.wait(3 * UNREACHABLE_HEARTBEATS * INTERVAL_S), "a free worker waits for a coordinator"
+            assert thread.is_alive()
+    finally:
+        stopped.set()
+        thread.join(5)
