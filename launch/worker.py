@@ -298,7 +298,7 @@ def serve(cfg: WorkerConfig) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         launcher.start(stages)
-        print(f"hetpipe worker: node {cfg.node} joined coordinator {cfg.coordinator}; output root {root}\n"
+        print(f"hetpipe worker: node {cfg.node} serving for coordinator {cfg.coordinator}; output root {root}\n"
               f"{launcher.listing(stages)}\nserving until Ctrl-C or SIGTERM", file=sys.stderr)
         return _watch(launcher)
     except JobFailed as exc:
@@ -330,6 +330,11 @@ def _watch(launcher: Launcher) -> int:
                         print(f"hetpipe worker: coordinator {launcher.cfg.coordinator} answers again", file=sys.stderr)
                     unreachable = False
                 except grpc.RpcError as exc:
+                    if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                        # Not an outage: retrying the same credentials would wait forever.
+                        raise JobFailed(f"coordinator {launcher.cfg.coordinator} refused this worker's credentials "
+                                        f"({exc.code().name}: {exc.details()}); give every worker the "
+                                        "coordinator's --token-file") from None
                     if not unreachable:
                         print(f"hetpipe worker: coordinator {launcher.cfg.coordinator} unreachable "
                               f"({exc.code().name}); the workers keep trying to register", file=sys.stderr)

@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from conftest import BASE_JOB, deep_update
-from hetpipe import rpc, weight_files
+from hetpipe import rpc, security, weight_files
 from hetpipe.config import load_job
 from hetpipe.reference import initial_model, train_reference
 from hetpipe.v1 import coordinator_pb2, wire_pb2
@@ -256,3 +256,25 @@ def test_a_restarted_coordinator_gets_fresh_workers_for_its_next_job(cluster: Cl
     got, want = weight_files.read_weights(tmp_path / "out"), train_reference(job).state_dict()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9)
+
+
+def test_a_worker_with_another_token_than_the_coordinators_exits_naming_it(tmp_path: Path) -> None:
+    """A refused token is no outage: `hetpipe worker` ends (exit 1) saying so, instead of waiting
+    for the coordinator to answer forever."""
+    for name in ("good", "bad"):
+        security.write_secret(tmp_path / name, security.new_secret())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = Cluster(tmp_path, f"127.0.0.1:{port}")
+    try:
+        c.start("coordinator", "coordinator", "--port", str(port), "--token-file", str(tmp_path / "good"),
+                "--output-root", str(tmp_path / "coordinator" / "runs"))
+        c.start("hostb", "worker", "--coordinator", c.address, "--emulate", "t4", "--node", "hostb",
+                "--token-file", str(tmp_path / "bad"))
+        assert c.procs["hostb"].wait(60) == 1, c.log("hostb")
+        assert re.search(rf"hetpipe worker: error: coordinator 127\.0\.0\.1:{port} refused this worker's credentials "
+                         r"\(UNAUTHENTICATED: .*an invalid token.*\); give every worker the coordinator's --token-file",
+                         c.log("hostb")), c.log("hostb")
+    finally:
+        c.stop()
