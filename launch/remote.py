@@ -170,7 +170,9 @@ def _get_job(stub: rpc.Stub, job_id: str, address: str) -> coordinator_pb2.JobSt
         if exc.code() == grpc.StatusCode.NOT_FOUND:   # it answers, but restarted: its jobs ended with it
             raise JobFailed(f"coordinator {address} no longer knows job {job_id} (it restarted, and a job does not "
                             f"outlive its coordinator): {exc.details()}") from None
-        raise CoordinatorUnreachable(f"coordinator {address} unreachable: {exc.code().name}: {exc.details()}") from None
+        raise CoordinatorUnreachable(f"coordinator {address} unreachable for {GIVE_UP_S:.0f}s while job {job_id} ran: "
+                                     f"{exc.code().name}: {exc.details()}; the job is lost with it (a job does not "
+                                     "outlive its coordinator, and its workers leave it)") from None
     return status
 
 

@@ -182,3 +182,21 @@ def test_the_bytes_in_all_are_bounded(tmp_path: Path, monkeypatch: pytest.Monkey
     with pytest.raises(ValueError, match="more than 10 bytes in all"):
         receive(lambda _: [_chunk("a.json", 0, b"x" * 8, True), _chunk("b.json", 0, b"x" * 8, True)], "", tmp_path)
     assert not (tmp_path / "b.json").exists() and not (tmp_path / "b.json.part").exists()
+
+
+def test_a_coordinator_gone_while_its_job_runs_is_named_with_the_job_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from hetpipe import rpc
+    from launch import remote as client
+
+    with socket.socket() as s:   # a port nobody listens on: the coordinator died
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(client, "GIVE_UP_S", 0.3)
+    with rpc.channel(address) as channel:
+        with pytest.raises(client.CoordinatorUnreachable) as info:
+            client._get_job(rpc.Stub(channel, "Coordinator"), "ab" * 16, address)
+    assert str(info.value).startswith(f"coordinator {address} unreachable for 0s while job {'ab' * 16} ran: UNAVAILABLE")
+    assert str(info.value).endswith("; the job is lost with it (a job does not outlive its coordinator, and its "
+                                    "workers leave it)")
