@@ -84,12 +84,17 @@ class LossScale:
         return self.scale
 
 
+def grad_norm(norm_sq: float, scale: float = 1.0) -> float:
+    """The L2 norm of gradients at loss scale `scale` whose squared norms sum to norm_sq, unscaled."""
+    return math.sqrt(norm_sq) / scale
+
+
 def clip_coefficient(norm_sq: float, max_norm: float, scale: float = 1.0) -> float:
     """What torch.nn.utils.clip_grad_norm_ multiplies gradients by, for gradients at loss scale
     `scale` whose squared L2 norms sum to norm_sq: min(1, max_norm / (norm + 1e-6)) of the
     unscaled norm. 1 where the norm is not finite (NaN or Inf gradients): fp16 skips such a
     minibatch, and fp32 or bf16 steps it as without clipping."""
-    norm = math.sqrt(norm_sq) / scale
+    norm = grad_norm(norm_sq, scale)
     return min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
 
 

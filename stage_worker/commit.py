@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from hetpipe.loss_scale import clip_coefficient
+from hetpipe.loss_scale import clip_coefficient, grad_norm
 from hetpipe.training import learning_rate
 from hetpipe.v1 import wire_pb2
 from hetpipe.wsp import closes_wave, wave_of
@@ -110,9 +110,9 @@ def agreed_backward(s: Loaded, p: int, grads: Grads, grad_in: torch.Tensor | Non
     if s.setup.first:
         clip = clip_coefficient(norm_sq, s.scaling.max_grad_norm, scale) if s.scaling.max_grad_norm else 1.0
         s.scaling.verdicts.decide(p, overflow, clip)
-        norm = math.sqrt(norm_sq) / scale if s.scaling.max_grad_norm and not overflow else None
-        norm = norm if norm is not None and math.isfinite(norm) else None   # the trace is strict JSON
-        commit(s, p, grads, scale=scale, clip=s.scaling.verdicts.take(p), skip=overflow, norm=norm)
+        norm = grad_norm(norm_sq, scale) if s.scaling.max_grad_norm and not overflow else math.nan
+        commit(s, p, grads, scale=scale, clip=s.scaling.verdicts.take(p), skip=overflow,
+               norm=norm if math.isfinite(norm) else None)   # the trace is strict JSON
         # No activation follows to carry them: after the last minibatch, or (until the driver
         # lets the stages past) after a checkpoint's cut, which waits for every stage's commits.
         cut = p % s.job.nm == 0 and s.cuts.is_cut(p // s.job.nm)
