@@ -22,7 +22,7 @@ from launch import compose
 from launch import k8s
 from launch import run_marker
 from launch import worker
-from launch.ending import EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_UNAVAILABLE, EXIT_USAGE, error as _error
+from launch.ending import EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_UNAVAILABLE, EXIT_USAGE, error as _error, warn
 from launch.status import status as _status
 from launch.interrupts import EXIT_INTERRUPTED, interrupted, interrupts_held, run_interrupts
 
@@ -145,7 +145,7 @@ def _plan(args: argparse.Namespace) -> int:
         return planned
     job, plan = planned
     for warning in plan.warnings:
-        print(f"hetpipe: warning: {warning}", file=sys.stderr)
+        warn(warning)
     if job.parallel.mode == "ddp":   # no HetPipe plan runs: say what does
         try:
             text, as_json = plan_report.ddp_layout(job)

@@ -18,6 +18,10 @@ def error(message: str) -> None:
     print(f"hetpipe: error: {message}", file=sys.stderr)
 
 
+def warn(message: str) -> None:
+    print(f"hetpipe: warning: {message}", file=sys.stderr)
+
+
 def finish(code: int) -> NoReturn:
     """Ends the command once its work is done: its exit handlers run (the shared-memory segments
     it owns, logging, multiprocessing's fork server), Python's teardown does not. With torch

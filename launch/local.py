@@ -28,6 +28,7 @@ from coordinator.servicer import PROTO_STATE
 from coordinator.state import JobState
 from launch.interrupts import interrupts_held
 from launch import processes
+from launch.ending import warn
 from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses
 
 TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
@@ -158,14 +159,14 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         from baselines import run_baseline
 
         for warning in data.eval_warnings(job):   # preflight's, which the baselines do not run
-            print(f"hetpipe: warning: {warning}", file=sys.stderr)
+            warn(warning)
 
         with outputs.locked(out_dir):
             return run_baseline(job, quiet=quiet)
     processes.warm_up()  # the fork server imports torch while this process plans
     plan = preflight(job)
     for warning in plan.warnings:
-        print(f"hetpipe: warning: {warning}", file=sys.stderr)
+        warn(warning)
     # Every refusal comes before an earlier run's results are cleared: a refused run changes nothing.
     resume_wave = _resume_wave(out_dir, job, plan, resume=resume, fresh=fresh)
     outputs.check_reads(out_dir, job.read_paths, keep_checkpoints=resume)
