@@ -61,7 +61,7 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
                     log.error("coordinator refused registration: %s", exc.details())
                     stopped.wait(5 * interval)
                 else:
-                    log.warning("coordinator %s unreachable: %s", coordinator, exc.code().name)
+                    log.warning("coordinator %s", rpc.unreachable(coordinator, exc))
                     now = time.monotonic()
                     if exc.code() != grpc.StatusCode.UNAVAILABLE:
                         unreachable_since = None

@@ -171,8 +171,8 @@ def _get_job(stub: rpc.Stub, job_id: str, address: str) -> coordinator_pb2.JobSt
             raise JobFailed(f"coordinator {address} no longer knows job {job_id} (it restarted, and a job does not "
                             f"outlive its coordinator): {exc.details()}") from None
         raise CoordinatorUnreachable(f"coordinator {address} unreachable for {GIVE_UP_S:.0f}s while job {job_id} ran: "
-                                     f"{exc.code().name}: {exc.details()}; the job is lost with it (a job does not "
-                                     "outlive its coordinator, and its workers leave it)") from None
+                                     f"{rpc.failure(exc)}; the job is lost with it (a job does not outlive its "
+                                     "coordinator, and its workers leave it)") from None
     return status
 
 
@@ -184,8 +184,10 @@ def _submit(stub: rpc.Stub, job: JobConfig, address: str) -> str:
         return job_id
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details()
+        if rpc.handshake_failed(exc):   # not an outage: the same call fails again
+            raise ConfigError(f"coordinator {rpc.unreachable(address, exc)} ({details})") from None
         if code in rpc.RETRYABLE:
-            raise CoordinatorUnreachable(f"coordinator {address} unreachable: {code.name}: {details}") from None
+            raise CoordinatorUnreachable(f"coordinator {rpc.unreachable(address, exc)}") from None
         if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.PERMISSION_DENIED
                                                        and (details or "").endswith(security.ROLE_REFUSAL)):
             raise ConfigError(f"coordinator {address} refused the job: {details} (give the job a security section, "

@@ -221,7 +221,7 @@ def status(args: argparse.Namespace) -> int:
                 error(f"the run of {args.job} is not alive, and it left no summary of how it ended: it was killed "
                       f"(kill -9?) with its coordinator {address}; its logs are in {out_dir / 'logs'}")
                 return EXIT_FAILED
-            print(f"hetpipe: coordinator {address} unreachable: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"hetpipe: coordinator {rpc.unreachable(address, exc)}", file=sys.stderr)
             if not (args.coordinator or args.job or os.environ.get("HETPIPE_COORDINATOR")):
                 print(f"hetpipe: a local `hetpipe run JOB.yaml` is found with `hetpipe {args.command} --job JOB.yaml`",
                       file=sys.stderr)

@@ -335,8 +335,11 @@ def _watch(launcher: Launcher) -> int:
                         raise JobFailed(f"coordinator {launcher.cfg.coordinator} refused this worker's credentials "
                                         f"({exc.code().name}: {exc.details()}); give every worker the "
                                         "coordinator's --token-file") from None
+                    if rpc.handshake_failed(exc):
+                        raise JobFailed(f"coordinator {rpc.unreachable(launcher.cfg.coordinator, exc)} "
+                                        f"({exc.details()})") from None
                     if not unreachable:
-                        print(f"hetpipe worker: coordinator {launcher.cfg.coordinator} unreachable "
-                              f"({exc.code().name}); the workers keep trying to register", file=sys.stderr)
+                        print(f"hetpipe worker: coordinator {rpc.unreachable(launcher.cfg.coordinator, exc)}; "
+                              "the workers keep trying to register", file=sys.stderr)
                     unreachable = True
             time.sleep(POLL_S)

@@ -29,6 +29,7 @@ from hetpipe import rpc, security, weight_files
 from hetpipe.config import load_job
 from hetpipe.reference import initial_model, train_reference
 from hetpipe.v1 import coordinator_pb2, wire_pb2
+from launch import certs
 
 pytestmark = pytest.mark.timeout(150)
 HETPIPE = [sys.executable, "-m", "launch.cli"]
@@ -258,23 +259,60 @@ def test_a_restarted_coordinator_gets_fresh_workers_for_its_next_job(cluster: Cl
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9)
 
 
-def test_a_worker_with_another_token_than_the_coordinators_exits_naming_it(tmp_path: Path) -> None:
-    """A refused token is no outage: `hetpipe worker` ends (exit 1) saying so, instead of waiting
-    for the coordinator to answer forever."""
-    for name in ("good", "bad"):
-        security.write_secret(tmp_path / name, security.new_secret())
+@contextlib.contextmanager
+def _coordinator(tmp_path: Path, *flags: str) -> Iterator[Cluster]:
+    """A cluster of a coordinator alone, with these security flags."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     c = Cluster(tmp_path, f"127.0.0.1:{port}")
     try:
-        c.start("coordinator", "coordinator", "--port", str(port), "--token-file", str(tmp_path / "good"),
+        c.start("coordinator", "coordinator", "--port", str(port), *flags,
                 "--output-root", str(tmp_path / "coordinator" / "runs"))
+        yield c
+    finally:
+        c.stop()
+
+
+def test_a_worker_with_another_token_than_the_coordinators_exits_naming_it(tmp_path: Path) -> None:
+    """A refused token is no outage: `hetpipe worker` ends (exit 1) saying so, instead of waiting
+    for the coordinator to answer forever."""
+    for name in ("good", "bad"):
+        security.write_secret(tmp_path / name, security.new_secret())
+    with _coordinator(tmp_path, "--token-file", str(tmp_path / "good")) as c:
         c.start("hostb", "worker", "--coordinator", c.address, "--emulate", "t4", "--node", "hostb",
                 "--token-file", str(tmp_path / "bad"))
         assert c.procs["hostb"].wait(60) == 1, c.log("hostb")
-        assert re.search(rf"hetpipe worker: error: coordinator 127\.0\.0\.1:{port} refused this worker's credentials "
-                         r"\(UNAUTHENTICATED: .*an invalid token.*\); give every worker the coordinator's --token-file",
+        assert re.search(rf"hetpipe worker: error: coordinator {re.escape(c.address)} refused this worker's "
+                         r"credentials \(UNAUTHENTICATED: .*an invalid token.*\); give every worker the "
+                         "coordinator's --token-file", c.log("hostb")), c.log("hostb")
+
+
+def test_a_worker_whose_tls_the_coordinator_does_not_share_exits_naming_it(tmp_path: Path) -> None:
+    """A TLS handshake that fails is no outage either, though gRPC reports it as one (UNAVAILABLE):
+    a worker with certificates from another CA exits 1 naming the TLS flags. One without TLS at
+    all is told that the coordinator may use it."""
+    certs.make(tmp_path / "ours", ["localhost"])
+    certs.make(tmp_path / "other", ["localhost"])
+
+    def tls(d: str) -> list[str]:
+        return security.child_args(security.Security(
+            cert=str(tmp_path / d / "localhost.pem"), key=str(tmp_path / d / "localhost.key"),
+            ca=str(tmp_path / d / "ca.pem"), token_file=str(tmp_path / "ours" / "token")))
+
+    with _coordinator(tmp_path, *tls("ours")) as c:
+        c.start("hostb", "worker", "--coordinator", c.address, "--emulate", "t4", "--node", "hostb", *tls("other"))
+        c.start("hostc", "worker", "--coordinator", c.address, "--emulate", "t4", "--node", "hostc",
+                "--token-file", str(tmp_path / "ours" / "token"))
+        assert c.procs["hostb"].wait(60) == 1, c.log("hostb")
+        assert re.search(rf"hetpipe worker: error: coordinator {re.escape(c.address)} unreachable: UNAVAILABLE: the "
+                         r"TLS handshake failed: both ends need certificates from the same CA "
+                         r"\(--tls-cert/--tls-key/--tls-ca\), or neither uses TLS \(.*Tls handshake failed",
                          c.log("hostb")), c.log("hostb")
-    finally:
-        c.stop()
+        deadline = time.monotonic() + 60
+        while "does it use TLS" not in c.log("hostc") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert f"hetpipe worker: coordinator {c.address} unreachable: UNAVAILABLE: it closed the connection at " \
+               "once: does it use TLS (--tls-cert/--tls-key/--tls-ca), which this process does not?; the workers " \
+               "keep trying to register" in c.log("hostc"), c.log("hostc")
+        assert c.procs["hostc"].poll() is None   # it may be the coordinator that is wrong: it keeps trying

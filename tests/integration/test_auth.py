@@ -4,9 +4,11 @@ not stop a stage or initialise a shard; paths from the network stay inside the o
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +19,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from hetpipe import rpc, security
 from hetpipe.v1 import coordinator_pb2, stage_pb2, wire_pb2
-from launch import certs
+from hetpipe.config import ConfigError
+from launch import certs, remote
 from tests import service_process
 
 pytestmark = pytest.mark.timeout(120)
@@ -106,6 +109,55 @@ def test_plaintext_to_a_tls_server_fails_the_handshake_for_every_method(cluster:
             codes = _call_every_method(cluster.addresses[module], service, ch)
         assert set(codes.values()) == {grpc.StatusCode.UNAVAILABLE}, (module, codes)
     assert _state(cluster) == before
+
+
+def _health_error(address: str) -> grpc.RpcError:
+    """The error of a health check of address through this process's rpc.channel."""
+    with rpc.channel(address) as ch, pytest.raises(grpc.RpcError) as err:
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return err.value
+
+
+def test_a_tls_mismatch_is_told_apart_from_an_outage(cluster: Cluster, tmp_path: Path, make_job) -> None:
+    """gRPC reports each as UNAVAILABLE; rpc.why_unreachable says which, in words a user can act on,
+    and only a failed handshake counts as one (a worker exits on it rather than wait)."""
+    address = cluster.addresses["coordinator"]
+    certs.make(tmp_path / "other", ["localhost"])
+    other_ca = security.Security(cert=str(tmp_path / "other/localhost.pem"), key=str(tmp_path / "other/localhost.key"),
+                                 ca=str(tmp_path / "other/ca.pem"))
+    with security.using(other_ca, security.COORDINATOR, "test"):
+        err = _health_error(address)
+    assert rpc.handshake_failed(err), err.details()
+    assert rpc.unreachable(address, err) == (
+        f"{address} unreachable: UNAVAILABLE: the TLS handshake failed: both ends need certificates from the "
+        "same CA (--tls-cert/--tls-key/--tls-ca), or neither uses TLS")
+
+    with security.using(security.Security(), security.COORDINATOR, "test"):
+        err = _health_error(address)
+        assert not rpc.handshake_failed(err)
+        assert "does it use TLS (--tls-cert/--tls-key/--tls-ca), which this process does not?" in \
+            rpc.why_unreachable(err), err.details()
+
+        with socket.socket() as s:   # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            closed = f"127.0.0.1:{s.getsockname()[1]}"
+        err = _health_error(closed)
+        assert not rpc.handshake_failed(err)
+        assert rpc.why_unreachable(err) == "nothing listens at that address (not started yet, or stopped)"
+
+    with security.using(other_ca, security.COORDINATOR, "test"), rpc.channel(address) as ch:
+        with pytest.raises(ConfigError, match="the TLS handshake failed"):   # `hetpipe run --coordinator`: no retries
+            remote._submit(rpc.Stub(ch, "Coordinator"), make_job(), address)
+
+    with security.using(cluster.credentials, security.COORDINATOR, "test"):   # TLS to a plaintext server
+        server = grpc.server(futures.ThreadPoolExecutor(1))
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            err = _health_error(f"127.0.0.1:{port}")
+        finally:
+            server.stop(0)
+    assert rpc.handshake_failed(err), err.details()
 
 
 def test_a_forged_token_is_unauthenticated(cluster: Cluster, tmp_path: Path) -> None:

@@ -200,3 +200,4 @@ def test_a_coordinator_gone_while_its_job_runs_is_named_with_the_job_lost(monkey
     assert str(info.value).startswith(f"coordinator {address} unreachable for 0s while job {'ab' * 16} ran: UNAVAILABLE")
     assert str(info.value).endswith("; the job is lost with it (a job does not outlive its coordinator, and its "
                                     "workers leave it)")
+    assert "UNAVAILABLE: nothing listens at that address (not started yet, or stopped);" in str(info.value)
