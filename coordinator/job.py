@@ -49,6 +49,7 @@ class JobView:
     virtual_workers: int = 0             # the plan's, once planned
     evicted: tuple[int, ...] = ()        # VWs that left the job (parallel.on_vw_failure: continue)
     job_id: str = ""                     # given at submit; empty before any
+    waiting: str = ""                    # before it runs: the workers it waits for, and what is free
 
 
 class JobRunner:
@@ -65,6 +66,7 @@ class JobRunner:
         self._progress: Progress | None = None
         self._plan: Plan | None = None
         self._summary: dict[str, Any] | None = None
+        self._waiting = ""   # what the job waits for before it runs: workers to register, or to free
         self._stop = threading.Event()
         self._stop_reason = "stopped by request"  # the first stop()'s: a launcher's failure, Ctrl-C
         self._dead: dict[str, str] = {}  # address -> why, reported by a local launcher
@@ -90,6 +92,7 @@ class JobRunner:
             self._stop_reason = "stopped by request"
             self._dead.clear()
             self._progress, self._plan, self._summary, self.out_dir = None, None, None, None
+            self._waiting = ""
             self.job_id = uuid.uuid4().hex
             self._thread = threading.Thread(target=self._run, args=(job, plan, resume_wave, remote), name="job",
                                             daemon=True)
@@ -165,7 +168,7 @@ class JobRunner:
             samples_per_second=p.samples_per_second if p else 0.0, loss=p.loss if p else math.nan,
             summary=self._summary, evicted=p.evicted if p else (),
             virtual_workers=self._plan.virtual_workers if self._plan is not None else 0,
-            job_id=self.job_id,
+            job_id=self.job_id, waiting=self._waiting,
         )
 
     # ---- the job thread -----------------------------------------------------------------------
@@ -221,15 +224,21 @@ class JobRunner:
                 break
             if self._stop.is_set():
                 raise JobStopped("stopped by request while waiting for workers")
+            shortfall = (f"the job needs {need} stage workers ({par.virtual_workers} virtual workers x "
+                         f"{par.stages_per_vw} stages); {have} free ones registered with this coordinator"
+                         + (f" ({remote.describe(cluster)})" if cluster is not None else ""))
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the job needs {need} stage workers ({par.virtual_workers} virtual workers x {par.stages_per_vw} "
-                    f"stages); {have} free ones registered with this coordinator after {self.claim_timeout_s:.0f}s"
-                    + (f" ({remote.describe(cluster)})" if cluster is not None else ""))
+                raise TimeoutError(f"{shortfall} after {self.claim_timeout_s:.0f}s")
+            self._waiting = shortfall
             time.sleep(0.2)
+        self._waiting = ""
         if cluster is not None:
             log.info("planning over the registered workers: %s", remote.describe(cluster))
         return cluster
+
+    def _wait_for(self, shortfall: str) -> None:
+        """Registry.claim's report (under the registry's lock: an assignment, no lock of ours)."""
+        self._waiting = shortfall and f"{shortfall} (waiting up to {self.claim_timeout_s:.0f}s)"
 
     def _run(self, job: JobConfig, plan: Plan | None, resume_wave: int, from_remote: bool = False) -> None:
         driver: JobDriver | None = None
@@ -241,11 +250,11 @@ class JobRunner:
             self._advance(JobState.PLANNED)
             stages = self.registry.claim(
                 Role.STAGE_WORKER, [(f"stage {s.stage} of vw {s.vw}", s.node, s.gpu) for s in plan.stages],
-                self.claim_timeout_s, cancel=self._stop,
+                self.claim_timeout_s, cancel=self._stop, waiting=self._wait_for,
             )
             shards = plan.shards if plan.virtual_workers > 1 else 0
             ps = self.registry.claim(Role.PS_SHARD, [(f"ps shard {i}", "", "") for i in range(shards)],
-                                     self.claim_timeout_s, cancel=self._stop)
+                                     self.claim_timeout_s, cancel=self._stop, waiting=self._wait_for)
             driver = JobDriver(job, plan, [w.info.address for w in stages],
                                ps_addresses=[w.info.address for w in ps], resume_wave=resume_wave,
                                nodes=[w.info.node for w in stages],

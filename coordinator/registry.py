@@ -6,6 +6,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -183,28 +184,46 @@ class Registry:
                     if w.assigned and w.info.role == role and now - max(w.last_heartbeat, resumed) > limit]
 
     def claim(self, role: int, wanted: list[tuple[str, str, str]], timeout: float, *,
-              cancel: threading.Event | None = None) -> list[Worker]:
+              cancel: threading.Event | None = None, waiting: Callable[[str], None] = lambda shortfall: None,
+              ) -> list[Worker]:
         """Claims one live worker per (label, node, gpu_type) wanted, waiting up to timeout
-        (TimeoutError), or until cancel is set (JobStopped).
+        (TimeoutError), or until cancel is set (JobStopped). waiting(shortfall) is told what the
+        claim lacks whenever that changes while it waits ('' once it is over); it runs under the
+        registry's lock, so it only records it.
 
         A worker that registered with a node and GPU type serves only that (node, type); one
         that registered without a type is generic (emulation, or this machine's own devices).
         """
         deadline = time.monotonic() + timeout
-        with self._lock:
-            while True:
-                chosen = self._match(role, wanted)
-                if chosen is not None:
-                    for w, (label, _, _) in zip(chosen, wanted):
-                        w.assigned = label
-                    return chosen
-                if cancel is not None and cancel.is_set():
-                    raise JobStopped("stopped by request while waiting for workers")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{Role.Name(role).lower()}s needed: {_tally(wanted)}; free and alive "
-                                       f"after {timeout:.0f}s: {_tally(self._free(role)) or 'none'}")
-                self._lock.wait(min(left, 0.2))
+        told = ""
+        try:
+            with self._lock:
+                while True:
+                    chosen = self._match(role, wanted)
+                    if chosen is not None:
+                        for w, (label, _, _) in zip(chosen, wanted):
+                            w.assigned = label
+                        return chosen
+                    if cancel is not None and cancel.is_set():
+                        raise JobStopped("stopped by request while waiting for workers")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"after {timeout:.0f}s, {self._shortfall(role, wanted)}")
+                    shortfall = self._shortfall(role, wanted)
+                    if shortfall != told:
+                        waiting(told := shortfall)
+                    self._lock.wait(min(left, 0.2))
+        finally:
+            if told:
+                waiting("")
+
+    def _shortfall(self, role: int, wanted: list[tuple[str, str, str]]) -> str:
+        """'stage_workers needed: ...; free and alive: ...', and the registered ones that stopped
+        heartbeating (a host that died: its `hetpipe worker` may start fresh ones)."""
+        silent = [(w.info.address, w.info.node, w.info.gpu_type) for w in self._workers.values()
+                  if w.info.role == role and not w.assigned and not self._is_spent(w) and not self._alive(w)]
+        return (f"{Role.Name(role).lower()}s needed: {_tally(wanted)}; free and alive: "
+                f"{_tally(self._free(role)) or 'none'}" + (f"; silent: {_tally(silent)}" if silent else ""))
 
     def listing(self) -> coordinator_pb2.WorkerList:
         """Every worker as ListWorkers gives it."""

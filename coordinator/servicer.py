@@ -26,7 +26,7 @@ PROTO_STATE = {state: ProtoState.Value(state.name) for state in JobState}
 
 def job_status(view: JobView) -> coordinator_pb2.JobStatus:
     s = coordinator_pb2.JobStatus(state=PROTO_STATE[view.state], reason=view.reason, emulated=view.emulated,
-                                  job_id=view.job_id,
+                                  job_id=view.job_id, waiting=view.waiting,
                                   samples=view.samples, total_samples=view.total_samples,
                                   samples_per_second=view.samples_per_second,
                                   loss=0.0 if math.isnan(view.loss) else view.loss)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
 import sys
 import time
@@ -34,6 +35,7 @@ from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses
 TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
 ROLES = {"stage_worker": "stage_worker", "ps_server": "ps_shard"}  # module -> `role` label (docs/metrics.md)
 TERMINAL = {PROTO_STATE[s] for s in JobState if s.is_terminal}
+WAITING_EVERY_S = 5.0   # what a job waits for, said again when it changed, at most this often
 
 
 def write_targets(path: Path, coordinator_metrics_port: int, procs: LocalProcesses) -> None:
@@ -322,12 +324,18 @@ def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
     launcher watches its processes there)."""
     shown: _Bar | _Lines | None = None
     running = PROTO_STATE[JobState.RUNNING]
+    waiting, told_at = "", -math.inf
     try:
         while True:
             status = get_status()
             ended = status.state in TERMINAL
             if not ended:
                 on_status(status)
+            if status.waiting != waiting and not quiet and time.monotonic() - told_at >= WAITING_EVERY_S:
+                # Before it runs, a job may wait for workers up to its claim timeout: say for which.
+                waiting, told_at = status.waiting, time.monotonic()
+                if waiting:
+                    print(f"hetpipe: waiting for workers: {waiting}", file=sys.stderr)
             # The total comes with the first progress report, a moment after the job is RUNNING
             # (a short job may end before this loop sees one: its last line is still shown).
             if (status.state == running or ended) and shown is None and not quiet and status.total_samples:

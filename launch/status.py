@@ -234,6 +234,8 @@ def status(args: argparse.Namespace) -> int:
         print(json.dumps({"job": MessageToDict(job_status), "workers": MessageToDict(workers)}, indent=2))
     else:
         print(f"job: {State.Name(job_status.state)}" + (f" ({job_status.reason})" if job_status.reason else ""))
+        if job_status.waiting:
+            print(f"waiting for workers: {job_status.waiting}")
         if job_status.total_samples:
             print(f"progress: {job_status.samples}/{job_status.total_samples} samples, loss {job_status.loss:.4f}, "
                   f"{job_status.samples_per_second:.0f} samples/s{' (emulated GPUs)' if job_status.emulated else ''}")

@@ -92,7 +92,7 @@ class JobRef(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("state", "reason", "plan_json", "samples", "total_samples", "loss", "samples_per_second", "summary_json", "emulated", "job_id")
+    __slots__ = ("state", "reason", "plan_json", "samples", "total_samples", "loss", "samples_per_second", "summary_json", "emulated", "job_id", "waiting")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[JobStatus.State]
@@ -121,6 +121,7 @@ class JobStatus(_message.Message):
     SUMMARY_JSON_FIELD_NUMBER: _ClassVar[int]
     EMULATED_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     state: JobStatus.State
     reason: str
     plan_json: str
@@ -131,7 +132,8 @@ class JobStatus(_message.Message):
     summary_json: str
     emulated: bool
     job_id: str
-    def __init__(self, state: _Optional[_Union[JobStatus.State, str]] = ..., reason: _Optional[str] = ..., plan_json: _Optional[str] = ..., samples: _Optional[int] = ..., total_samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., summary_json: _Optional[str] = ..., emulated: _Optional[bool] = ..., job_id: _Optional[str] = ...) -> None: ...
+    waiting: str
+    def __init__(self, state: _Optional[_Union[JobStatus.State, str]] = ..., reason: _Optional[str] = ..., plan_json: _Optional[str] = ..., samples: _Optional[int] = ..., total_samples: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., summary_json: _Optional[str] = ..., emulated: _Optional[bool] = ..., job_id: _Optional[str] = ..., waiting: _Optional[str] = ...) -> None: ...
 
 class ResultsRequest(_message.Message):
     __slots__ = ("job_id", "skip_files", "offset")

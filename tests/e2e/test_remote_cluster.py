@@ -316,3 +316,23 @@ def test_a_worker_whose_tls_the_coordinator_does_not_share_exits_naming_it(tmp_p
                "once: does it use TLS (--tls-cert/--tls-key/--tls-ca), which this process does not?; the workers " \
                "keep trying to register" in c.log("hostc"), c.log("hostc")
         assert c.procs["hostc"].poll() is None   # it may be the coordinator that is wrong: it keeps trying
+
+
+def test_a_job_short_of_workers_says_which_it_waits_for_then_fails_naming_them(tmp_path: Path) -> None:
+    """The plan names hostb, whose worker never came: `hetpipe run --coordinator` says what the job
+    waits for while it waits (not only its plan), and the claim timeout's failure names it too."""
+    with _coordinator(tmp_path, "--claim-timeout", "6", "--heartbeat-interval", "0.5",
+                      "--data-root", str(tmp_path)) as c:
+        c.start("hosta", "worker", "--coordinator", c.address, "--emulate", "t4", "--shards", "1", "--node", "hosta")
+        job_file = _job_file(tmp_path, "job.yaml", {
+            "cluster": {"nodes": [{"name": "hosta", "gpus": [{"type": "t4"}]},
+                                  {"name": "hostb", "gpus": [{"type": "t4"}]}]},
+            "parallel": {"virtual_workers": 2, "stages_per_vw": 1, "nm": 1}, "output": {"trace": False},
+        })
+        run = subprocess.run([*HETPIPE, "run", str(job_file), "--coordinator", c.address], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=90)
+    lacking = "stage_workers needed: 1 x t4 on hosta, 1 x t4 on hostb; free and alive: "
+    assert run.returncode == 1, run.stderr
+    assert re.search(rf"hetpipe: waiting for workers: {lacking}(1 x t4 on hosta|none) \(waiting up to 6s\)",
+                     run.stderr), run.stderr
+    assert f"hetpipe: job failed: after 6s, {lacking}1 x t4 on hosta" in run.stderr, run.stderr

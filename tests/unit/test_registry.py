@@ -36,8 +36,8 @@ def test_claim_prefers_the_planned_node_and_type_and_falls_back_to_generic_worke
     chosen = r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "n0", "titan-v"), ("stage 1 of vw 0", "n2", "t4")], 1)
     assert [w.info.address for w in chosen] == ["127.0.0.1:7002", "127.0.0.1:7003"]
     assert [w.assigned for w in chosen] == ["stage 0 of vw 0", "stage 1 of vw 0"]
-    with pytest.raises(TimeoutError, match="stage_workers needed: 1 x titan-v on n0; free and alive after 0s: "
-                                           "1 x titan-v on n1"):
+    with pytest.raises(TimeoutError, match="after 0s, stage_workers needed: 1 x titan-v on n0; free and alive: "
+                                           "1 x titan-v on n1$"):
         r.claim(Info.STAGE_WORKER, [("stage 0 of vw 1", "n0", "titan-v")], 0.1)
     r.release()
     assert all(not w.assigned for w, _, _ in r.workers())
@@ -53,6 +53,21 @@ def test_claim_waits_for_workers_and_stops_when_asked() -> None:
     with pytest.raises(JobStopped):
         r.claim(Info.STAGE_WORKER, [("stage 1 of vw 0", "", "")], 30, cancel=cancel)
     assert time.monotonic() - started < 5, "a stop must not wait out the claim timeout"
+
+
+def test_a_waiting_claim_says_what_it_lacks_and_which_workers_fell_silent() -> None:
+    """What `hetpipe run` and `status` show while a job waits for workers (JobStatus.waiting)."""
+    r = Registry(heartbeat_interval_s=0.1)
+    r.register(info("127.0.0.1:7001", node="n0", gpu="t4"))
+    time.sleep(0.1 * (MISSED_HEARTBEATS + 1))   # its host died
+    r.register(info("127.0.0.1:7002", node="n1", gpu="t4"))
+    reports: list[str] = []
+    threading.Timer(0.2, lambda: r.register(info("127.0.0.1:7003", node="n0", gpu="t4"))).start()
+    (chosen,) = r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "n0", "t4")], 5, waiting=reports.append)
+    assert chosen.info.address == "127.0.0.1:7003"
+    assert reports == ["stage_workers needed: 1 x t4 on n0; free and alive: 1 x t4 on n1; silent: 1 x t4 on n0", ""]
+    assert r.claim(Info.STAGE_WORKER, [("stage 1 of vw 0", "n1", "t4")], 5, waiting=reports.append)
+    assert len(reports) == 2, "a claim that need not wait reports nothing"
 
 
 def test_a_restarted_process_takes_over_its_assignment_but_another_node_cannot() -> None:

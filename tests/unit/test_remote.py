@@ -105,7 +105,7 @@ def test_a_process_that_served_a_job_is_never_claimed_again_but_its_fresh_succes
     (w,) = r.claim(Info.PS_SHARD, [("ps shard 0", "", "")], 1)
     r.release()
     assert [e.spent for e in r.listing().workers] == [True]
-    with pytest.raises(TimeoutError, match="free and alive after 0s: none"):
+    with pytest.raises(TimeoutError, match="after 0s, ps_shards needed: 1 x any; free and alive: none$"):
         r.claim(Info.PS_SHARD, [("ps shard 0", "", "")], 0.05)
     # The same process registering again (the registry forgot it) is still spent.
     r.register(Info(role=Info.PS_SHARD, address="h:7001", node="n0", device="cpu", name="pid 10"))
