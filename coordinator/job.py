@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 # A shard is durable: the launcher (or compose) restarts it and it restores its checkpoint, so
 # it may be silent this much longer than a stage before the job gives up on it.
 SHARD_RESTART_GRACE_S = 60.0
+# A stage that says it is stopping (a signal on its host) fails the job after this long, unless
+# the job is stopped meanwhile: then the stop was the cause.
+LEAVING_GRACE_S = 1.0
 JOB_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex, as submit gives it
 
 
@@ -183,6 +186,15 @@ class JobRunner:
         for i, address in enumerate(driver.ps_addresses):
             if address in dead and "restart" not in dead[address]:
                 raise JobFailed(f"ps shard {i} ({address}) {dead[address]}")
+        for worker in self.registry.leaving(Role.STAGE_WORKER):
+            # Before its neighbours' failures to reach it, which its going causes: it said why first.
+            left = stages.get(worker.info.address)
+            if left is not None:
+                # A Ctrl-C at a local run's terminal reaches its stages and its launcher at once:
+                # the launcher's stop is the cause, and it comes within moments.
+                if self._stop.wait(LEAVING_GRACE_S):
+                    raise JobStopped(self._stop_reason)
+                raise StageLost(left.plan.vw, f"{worker.label} {worker.leaving} on its host; {left.progress()}")
         for worker, silence in self.registry.silent(Role.STAGE_WORKER, 0.0):
             silent = stages.get(worker.info.address)
             if silent is not None:

@@ -22,7 +22,7 @@ Role = coordinator_pb2.WorkerInfo.Role
 MISSED_HEARTBEATS = 5
 FORGET_AFTER_MISSED = 30  # an unassigned worker silent this many intervals is forgotten
 MAX_WORKERS = 4096
-MAX_FIELD_CHARS = 256  # address, node, device, gpu_type, name, host_id
+MAX_FIELD_CHARS = 256  # address, node, device, gpu_type, name, host_id; a heartbeat's leaving
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
 _DEVICE = re.compile(r"^(cpu|cuda:\d{1,3})$")
 
@@ -73,6 +73,7 @@ class Worker:
     info: coordinator_pb2.WorkerInfo
     last_heartbeat: float
     assigned: str = ""
+    leaving: str = ""   # the process said it is stopping, and why (HeartbeatRequest.leaving)
 
     @property
     def label(self) -> str:
@@ -149,13 +150,23 @@ class Registry:
             self._lock.notify_all()
             return worker.worker_id
 
-    def heartbeat(self, worker_id: str) -> bool:
+    def heartbeat(self, worker_id: str, leaving: str = "") -> bool:
+        """A worker's heartbeat; False: unknown (register again). leaving: it is stopping, and why."""
+        if len(leaving) > MAX_FIELD_CHARS:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"leaving: {len(leaving)} characters, at most {MAX_FIELD_CHARS}")
         with self._lock:
             w = self._workers.get(worker_id)
             if w is None:
                 return False
             w.last_heartbeat = time.monotonic()
+            w.leaving = w.leaving or leaving
             return True
+
+    def leaving(self, role: int) -> list[Worker]:
+        """Assigned workers of role that said they are stopping (a signal on their host)."""
+        with self._lock:
+            return [w for w in self._workers.values() if w.assigned and w.info.role == role and w.leaving]
 
     def _alive(self, w: Worker) -> bool:
         return time.monotonic() - w.last_heartbeat <= MISSED_HEARTBEATS * self.interval

@@ -50,7 +50,7 @@ class CoordinatorServicer:
 
     @handler
     def Heartbeat(self, request: coordinator_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> coordinator_pb2.HeartbeatReply:
-        return coordinator_pb2.HeartbeatReply(known=self.registry.heartbeat(request.worker_id))
+        return coordinator_pb2.HeartbeatReply(known=self.registry.heartbeat(request.worker_id, request.leaving))
 
     @handler
     def ListWorkers(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> coordinator_pb2.WorkerList:

@@ -23,9 +23,35 @@ log = logging.getLogger(__name__)
 UNREACHABLE_HEARTBEATS = 10
 
 
+class Registration:
+    """A process's registration with its coordinator, kept by a daemon thread (keep_registered)."""
+
+    def __init__(self, coordinator: str) -> None:
+        self.coordinator = coordinator
+        self.channel = rpc.channel(coordinator)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.worker_id = ""
+        self.thread: threading.Thread | None = None
+        self._left = threading.Event()
+
+    def leave(self, why: str) -> None:
+        """Tells the coordinator this process is stopping, and why (a signal on its host), so that
+        a job it serves fails naming that rather than its neighbours' failed calls to it. Once,
+        with a short deadline: a coordinator gone or paused must not hold up the shutdown."""
+        if not self.worker_id or self._left.is_set():
+            return
+        self._left.set()
+        try:
+            self.stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id, leaving=why),
+                                timeout=rpc.STATUS_DEADLINE_S)
+        except grpc.RpcError as exc:
+            log.info("could not tell coordinator %s that this process is stopping: %s", self.coordinator,
+                     rpc.failure(exc))
+
+
 def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped: threading.Event, *,
                     holds_job: Callable[[], bool] = lambda: False,
-                    on_orphaned: Callable[[], None] = lambda: None) -> threading.Thread:
+                    on_orphaned: Callable[[], None] = lambda: None) -> Registration:
     """Registers with the coordinator and heartbeats on a daemon thread; re-registers whenever
     the coordinator has forgotten us (it restarted) and retries while it is unreachable.
 
@@ -34,18 +60,19 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
     it assigned (a stage) or holding another job's clocks (a shard). Nor does it when the
     coordinator has refused connections for UNREACHABLE_HEARTBEATS intervals. on_orphaned() ends
     it, and its launcher starts a fresh one."""
+    registration = Registration(coordinator)
+    stub = registration.stub
 
     def loop() -> None:
-        channel = rpc.channel(coordinator)
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        worker_id, interval = "", 1.0
+        interval = 1.0
         unreachable_since: float | None = None
         while not stopped.is_set():
+            worker_id = registration.worker_id
             try:
                 if not worker_id:
                     reply = stub.Register(info, timeout=rpc.CONTROL_DEADLINE_S)
-                    worker_id, interval = reply.worker_id, reply.heartbeat_interval_s
-                    log.info("registered with coordinator %s as %s", coordinator, worker_id)
+                    registration.worker_id, interval = reply.worker_id, reply.heartbeat_interval_s
+                    log.info("registered with coordinator %s as %s", coordinator, reply.worker_id)
                 elif not stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=worker_id),
                                         timeout=rpc.CONTROL_DEADLINE_S).known:
                     if holds_job():
@@ -53,7 +80,7 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
                                     "ended there; exiting, for a fresh process in its place", coordinator)
                         on_orphaned()
                         break
-                    worker_id = ""
+                    registration.worker_id = ""
                     continue
                 unreachable_since = None
             except grpc.RpcError as exc:
@@ -74,8 +101,8 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
                         on_orphaned()
                         break
             stopped.wait(interval)
-        channel.close()
+        registration.channel.close()
 
-    thread = threading.Thread(target=loop, name="heartbeat", daemon=True)
-    thread.start()
-    return thread
+    registration.thread = threading.Thread(target=loop, name="heartbeat", daemon=True)
+    registration.thread.start()
+    return registration

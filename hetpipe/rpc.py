@@ -227,12 +227,18 @@ class Server:
     def wait(self) -> None:
         self._stopped.wait()
 
-    def stop_on_signals(self, shutdown: Callable[[], None] | None = None) -> None:
-        """Graceful shutdown on SIGTERM and SIGINT, through shutdown if given (it must stop us)."""
+    def stop_on_signals(self, shutdown: Callable[[], None] | None = None, *,
+                        before: Callable[[signal.Signals], None] = lambda signum: None) -> None:
+        """Graceful shutdown on SIGTERM and SIGINT, through shutdown if given (it must stop us),
+        after before(the signal), on a thread of its own."""
+
+        def stop(signum: signal.Signals) -> None:
+            before(signum)
+            (shutdown or self.stop)()
 
         def on_signal(signum: int, _frame: Any) -> None:
             log.info("signal %d: shutting down", signum)
-            threading.Thread(target=shutdown or self.stop, daemon=True).start()
+            threading.Thread(target=stop, args=(signal.Signals(signum),), daemon=True).start()
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)

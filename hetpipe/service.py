@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import resource
+import signal
 import socket
 import sys
 import threading
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetpipe import children, metrics, outputs, rpc, security, shm
-from hetpipe.registration import keep_registered
+from hetpipe.registration import Registration, keep_registered
 from hetpipe.security import Security
 from hetpipe.v1 import coordinator_pb2
 
@@ -104,7 +105,13 @@ def run_server(
     raise_open_files_limit()
     metrics_port = metrics.serve(flags.metrics_port, flags.host)  # where --host says, as gRPC
     server.start()
-    server.stop_on_signals(shutdown)
+    registration: list[Registration] = []   # once registered: told of a signal before the server stops
+
+    def signalled(signum: signal.Signals) -> None:
+        for r in registration:
+            r.leave(f"stopped by {signum.name}")
+
+    server.stop_on_signals(shutdown, before=signalled)
     if flags.exit_with_parent:
         children.exit_with_parent(children.launcher_pid(), shutdown)
     address = flags.advertise or server.address
@@ -122,7 +129,7 @@ def run_server(
             memory_bytes=memory_bytes, metrics_port=metrics_port, name=f"pid {os.getpid()}",
             host_id=shm.host_id(),
         )
-        keep_registered(flags.coordinator, info, stopped, holds_job=holds_job, on_orphaned=leave)
+        registration.append(keep_registered(flags.coordinator, info, stopped, holds_job=holds_job, on_orphaned=leave))
     if flags.ready_file:
         # Atomically: a launcher that asked for port 0 polls for it and must never read half.
         outputs.write_atomically(flags.ready_file, lambda tmp: tmp.write_text(f"{address} {metrics_port}"))

@@ -231,6 +231,21 @@ def test_a_worker_host_that_dies_fails_the_job_fast_naming_it(cluster: Cluster, 
     assert cluster.procs["hosta"].poll() is None, "the other host serves on"
 
 
+def test_a_worker_host_stopped_by_its_operator_fails_the_job_saying_so(cluster: Cluster, tmp_path: Path) -> None:
+    """Ctrl-C at hostb's `hetpipe worker` (SIGINT to its terminal's process group): its stage tells
+    the coordinator before it stops serving, and the job fails naming that, not the calls that
+    then failed to reach it (a bare CANCELLED or UNAVAILABLE)."""
+    with _long_job(cluster, tmp_path) as client:
+        os.killpg(cluster.procs["hostb"].pid, signal.SIGINT)
+        code = client.wait(30)
+    err = (tmp_path / "client.err").read_text()
+    assert code == 1, err
+    assert re.search(r"hetpipe: job failed: stage 0 of vw \d \(pid \d+ at [\d.:]+ on hostb\) stopped by SIGINT on its "
+                     r"host; it had finished \d+ forwards and", err), err
+    assert cluster.procs["hostb"].wait(10) == 130, cluster.log("hostb")
+    assert "hetpipe worker: interrupted; stopped every process" in cluster.log("hostb")
+
+
 def test_a_restarted_coordinator_gets_fresh_workers_for_its_next_job(cluster: Cluster, tmp_path: Path) -> None:
     # The coordinator dies mid-job, and with it the job: its driver, its state. The stages and
     # the shard that served it must not train on for nobody, nor be claimed again holding it

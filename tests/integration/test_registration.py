@@ -40,7 +40,8 @@ def test_a_worker_leaves_its_job_once_its_coordinator_is_gone(holds_job: bool) -
     server.start()
     stopped, orphaned = threading.Event(), threading.Event()
     info = coordinator_pb2.WorkerInfo(role=coordinator_pb2.WorkerInfo.STAGE_WORKER, address="127.0.0.1:1")
-    thread = keep_registered(server.address, info, stopped, holds_job=lambda: holds_job, on_orphaned=orphaned.set)
+    thread = keep_registered(server.address, info, stopped, holds_job=lambda: holds_job, on_orphaned=orphaned.set).thread
+    assert thread is not None
     try:
         deadline = time.monotonic() + 10
         while coordinator.heartbeats < 3 and time.monotonic() < deadline:

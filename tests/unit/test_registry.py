@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 
 from coordinator.registry import MISSED_HEARTBEATS, Awake, Registry
@@ -68,6 +69,22 @@ def test_a_waiting_claim_says_what_it_lacks_and_which_workers_fell_silent() -> N
     assert reports == ["stage_workers needed: 1 x t4 on n0; free and alive: 1 x t4 on n1; silent: 1 x t4 on n0", ""]
     assert r.claim(Info.STAGE_WORKER, [("stage 1 of vw 0", "n1", "t4")], 5, waiting=reports.append)
     assert len(reports) == 2, "a claim that need not wait reports nothing"
+
+
+def test_a_worker_that_says_it_is_leaving_is_named_once_assigned_and_a_long_reason_changes_nothing() -> None:
+    r = Registry()
+    wid = r.register(info("127.0.0.1:7001"))
+    with pytest.raises(Rejected, match="leaving: 300 characters, at most 256") as err:
+        r.heartbeat(wid, "x" * 300)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "", "")], 1)
+    assert r.leaving(Info.STAGE_WORKER) == [], "the refused heartbeat recorded nothing"
+    assert r.heartbeat(wid, "stopped by SIGINT") and r.heartbeat(wid, "stopped by SIGTERM")
+    (w,) = r.leaving(Info.STAGE_WORKER)
+    assert w.leaving == "stopped by SIGINT", "the first reason stands"
+    assert r.leaving(Info.PS_SHARD) == []
+    r.release()
+    assert r.leaving(Info.STAGE_WORKER) == [], "only a job's workers fail it"
 
 
 def test_a_restarted_process_takes_over_its_assignment_but_another_node_cannot() -> None:
