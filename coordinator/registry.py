@@ -169,7 +169,8 @@ class Registry:
             return [w for w in self._workers.values() if w.assigned and w.info.role == role and w.leaving]
 
     def _alive(self, w: Worker) -> bool:
-        return time.monotonic() - w.last_heartbeat <= MISSED_HEARTBEATS * self.interval
+        """Heartbeating, and not stopping: one that said it is (leaving) is gone within moments."""
+        return not w.leaving and time.monotonic() - w.last_heartbeat <= MISSED_HEARTBEATS * self.interval
 
     def _forget_silent(self) -> None:
         """Unassigned workers silent for FORGET_AFTER_MISSED intervals are gone (a crashed or
@@ -234,7 +235,7 @@ class Registry:
         silent = [(w.info.address, w.info.node, w.info.gpu_type) for w in self._workers.values()
                   if w.info.role == role and not w.assigned and not self._is_spent(w) and not self._alive(w)]
         return (f"{Role.Name(role).lower()}s needed: {_tally(wanted)}; free and alive: "
-                f"{_tally(self._free(role)) or 'none'}" + (f"; silent: {_tally(silent)}" if silent else ""))
+                f"{_tally(self._free(role)) or 'none'}" + (f"; silent or stopped: {_tally(silent)}" if silent else ""))
 
     def listing(self) -> coordinator_pb2.WorkerList:
         """Every worker as ListWorkers gives it."""

@@ -66,7 +66,7 @@ def test_a_waiting_claim_says_what_it_lacks_and_which_workers_fell_silent() -> N
     threading.Timer(0.2, lambda: r.register(info("127.0.0.1:7003", node="n0", gpu="t4"))).start()
     (chosen,) = r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "n0", "t4")], 5, waiting=reports.append)
     assert chosen.info.address == "127.0.0.1:7003"
-    assert reports == ["stage_workers needed: 1 x t4 on n0; free and alive: 1 x t4 on n1; silent: 1 x t4 on n0", ""]
+    assert reports == ["stage_workers needed: 1 x t4 on n0; free and alive: 1 x t4 on n1; silent or stopped: 1 x t4 on n0", ""]
     assert r.claim(Info.STAGE_WORKER, [("stage 1 of vw 0", "n1", "t4")], 5, waiting=reports.append)
     assert len(reports) == 2, "a claim that need not wait reports nothing"
 
@@ -83,6 +83,7 @@ def test_a_worker_that_says_it_is_leaving_is_named_once_assigned_and_a_long_reas
     (w,) = r.leaving(Info.STAGE_WORKER)
     assert w.leaving == "stopped by SIGINT", "the first reason stands"
     assert r.leaving(Info.PS_SHARD) == []
+    assert [alive for _, _, alive in r.workers()] == [False], "`hetpipe status` shows it gone at once"
     r.release()
     assert r.leaving(Info.STAGE_WORKER) == [], "only a job's workers fail it"
 
