@@ -86,7 +86,17 @@ class MicroTasks:
             grad_in = s.compute.backward_recompute(p, grad)
             s.padder.pad(start, s.setup.backward_seconds)
         s.trace.micro(p, "bwd", m, start, time.time())
-        return Ran(commit.gradient(s, p, version, grad_in, micro=m), then=lambda: self._end(s, task, version))
+        if s.scaling is None:
+            return Ran(commit.gradient(s, p, version, grad_in, micro=m), then=lambda: self._end(s, task, version))
+        # train.max_grad_norm (gpipe, 1f1b): p's gradient here is whole once its last backward here
+        # is done. That backward's gradient carries its squared norm, with the later stages', to the
+        # previous stage; stage 0 decides, and the coefficient comes back with p + 1's activation.
+        agreed = commit.Agreed(overflow=False, norm_sq=0.0)
+        if sched.ends_minibatch(task):
+            self._ended(s, p, version)
+            later = None if s.setup.last else s.scaling.incoming.pop(p)
+            agreed = commit.agreed_backward(s, p, s.compute.take_summed(), grad_in, 1.0, later)
+        return Ran(commit.gradient(s, p, version, grad_in, 1.0, agreed, micro=m))
 
     def forward_backward(self, s: Loaded, task: Task) -> Ran:
         """nf1b's last stage: the last micro-batch's forward, then p's one backward."""
@@ -104,9 +114,12 @@ class MicroTasks:
         """p's step once its last backward here is done (L3), and its wave's update (G1)."""
         if not self._schedule(s).ends_minibatch(task):
             return
-        p = task.p
+        self._ended(s, task.p, version)
+        commit.commit(s, task.p, s.compute.take_summed())
+
+    def _ended(self, s: Loaded, p: int, version: int) -> None:
+        """p's last backward here is done: its loss (the last stage) and its trace row."""
         if s.setup.last:
             with self._lock:
                 self._losses.add(p, self._loss.pop(p))
         s.trace.backward(p, wave_of(p, s.job.nm), bwd_version=version)
-        commit.commit(s, p, s.compute.take_summed())

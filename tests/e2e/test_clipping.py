@@ -15,6 +15,7 @@ from hetpipe import weight_files
 from hetpipe.config import with_overrides
 from hetpipe.reference import train_reference
 from launch.local import run_local
+from tests import schedule_rules
 from trace_rules import check_complete, check_local_rules, clip_coefficients, load_trace
 
 pytestmark = pytest.mark.timeout(150)
@@ -48,6 +49,32 @@ def test_clipped_training_equals_one_process_clipped_by_torch(make_job, tmp_path
     assert len(norms) == n * 30 and not any("grad_norm" in r for r in rows if r["stage"] > 0)
     assert all(clips[key] == min(1.0, MAX_NORM / (norm + 1e-6)) for key, norm in norms.items())
     assert {r["lr"] for r in rows} == {optimizer["lr"]}
+
+
+@pytest.mark.parametrize(("schedule", "n", "k", "momentum"), [("gpipe", 1, 3, 0.9), ("1f1b", 1, 3, 0.9),
+                                                            ("1f1b", 2, 2, 0.0)])
+def test_flushed_schedules_clip_as_torch_does(make_job, tmp_path: Path, schedule: str, n: int, k: int,
+                                              momentum: float) -> None:
+    """gpipe and 1f1b: p's gradient summed over its micro-batches is clipped as a whole, by the
+    VW's norm over every stage (O1 float64; two VWs under WSP at D 0 too)."""
+    job = make_job({
+        "train": {"dtype": "float64", "steps": 20, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": momentum},
+                  "max_grad_norm": MAX_NORM},
+        "parallel": {"virtual_workers": n, "stages_per_vw": k, "nm": 1, "D": 0, "schedule": schedule,
+                     "microbatches": 4},
+    })
+    run_local(job, quiet=True)
+    got = weight_files.read_weights(tmp_path / "out")
+    want = train_reference(job).state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+    unclipped = train_reference(with_overrides(job, train={"max_grad_norm": 0.0})).state_dict()
+    assert max(float((want[key] - unclipped[key]).abs().max()) for key in want) > 1e-4, "clipping must matter"
+    rows = load_trace(tmp_path / "out" / "trace")
+    clips = clip_coefficients(rows)
+    assert len(clips) == n * 20 and 0 < sum(c < 1 for c in clips.values()) < len(clips), clips
+    # Still synchronous: every stage steps p, with its coefficient, before its forwards of p + 1.
+    schedule_rules.check_flushed(rows, schedule, k, 4)
 
 
 def test_ddp_clips_its_averaged_gradient_as_torch_does(make_job, tmp_path: Path) -> None:

@@ -235,8 +235,9 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
      "train.precision: not with parallel.schedule nf1b yet"),
     ({"parallel": {"schedule": "gpipe", "nm": 1}, "train": {"checkpoint_every": 2}},
      "train.checkpoint_every: not with parallel.schedule gpipe yet"),
-    ({"parallel": {"schedule": "1f1b", "nm": 1, "microbatches": 2}, "train": {"max_grad_norm": 1.0}},
-     "train.max_grad_norm: not with parallel.schedule 1f1b yet"),
+    ({"parallel": {"schedule": "nf1b", "nm": 2, "microbatches": 2}, "train": {"max_grad_norm": 1.0}},
+     "train.max_grad_norm: not with parallel.schedule nf1b yet (the stages agree on it per minibatch, which gpipe "
+     "and 1f1b do)"),
     ({"parallel": {"mode": "torch-pipeline"}, "train": {"max_grad_norm": 1.0}},
      "train.max_grad_norm: not with parallel.mode torch-pipeline yet"),
     ({"train": {"max_grad_norm": -1.0}}, "train.max_grad_norm: expected a finite number >= 0.0, got -1.0"),
