@@ -271,7 +271,8 @@ def _check_together(job: JobConfig) -> None:
             ("train.precision", job.train.precision == "fp16", "fp16's loss scaling is per minibatch"),
             ("train.max_grad_norm", job.train.max_grad_norm > 0 and par.schedule not in FLUSHED_SCHEDULES,
              "the stages agree on it per minibatch, which gpipe and 1f1b do"),
-            ("train.checkpoint_every", job.train.checkpoint_every > 0, "a cut would fall between micro-batches"),
+            ("train.checkpoint_every", job.train.checkpoint_every > 0 and par.schedule not in FLUSHED_SCHEDULES,
+             "a cut of its minibatches in flight is not built"),
         ):
             if value:
                 raise ConfigError(f"{key}: not with parallel.schedule {par.schedule} yet ({why}); "

@@ -115,7 +115,7 @@ class Loaded:
                                     saved=setup.resume_wave, continued=setup.resume_wave)
         self.schedule: StageSchedule | MicroSchedule = (
             MicroSchedule(schedule=job.parallel.schedule, stage=setup.stage, num_stages=setup.num_stages, nm=job.nm,
-                          micro=job.parallel.microbatches, steps=job.train.steps) if micro else
+                          micro=job.parallel.microbatches, steps=job.train.steps, start=start) if micro else
             StageSchedule(stage=setup.stage, num_stages=setup.num_stages, nm=job.nm, steps=job.train.steps,
                           start=start))
         pin = setup.device.kind == "cuda"

@@ -35,7 +35,9 @@ def flushed_order(schedule: str, stage: int, num_stages: int, micro: int) -> lis
 class MicroSchedule:
     """Which task a stage runs next under gpipe, 1f1b or nf1b; the same questions as StageSchedule."""
 
-    def __init__(self, *, schedule: str, stage: int, num_stages: int, nm: int, micro: int, steps: int) -> None:
+    def __init__(self, *, schedule: str, stage: int, num_stages: int, nm: int, micro: int, steps: int,
+                 start: int = 1) -> None:
+        # start: the first minibatch (a job resumed from a checkpoint: the first after the cut)
         if schedule not in ("gpipe", "1f1b", "nf1b"):
             raise ValueError(f"no micro-batch schedule {schedule!r}")
         self.schedule, self.stage, self.num_stages = schedule, stage, num_stages
@@ -44,8 +46,8 @@ class MicroSchedule:
         self.flushed = schedule != "nf1b"
         self._order = flushed_order(schedule, stage, num_stages, micro) if self.flushed else []
         self._at = 0                     # flushed: position in the current minibatch's order
-        self.forward_unit: Unit = (1, 1)  # the next forward
-        self.backward_unit: Unit = (1, 1 if self.flushed else 0)  # the next backward
+        self.forward_unit: Unit = (start, 1)  # the next forward
+        self.backward_unit: Unit = (start, 1 if self.flushed else 0)  # the next backward
         self._forward_ready: set[Unit] = set()
         self._backward_ready: set[Unit] = set()
 

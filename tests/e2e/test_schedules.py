@@ -42,6 +42,29 @@ def test_flushed_schedules_match_single_process(make_job, tmp_path: Path, schedu
     run_and_compare(job, tmp_path)
 
 
+@pytest.mark.parametrize(("schedule", "n"), [("gpipe", 1), ("1f1b", 2)])
+def test_flushed_schedules_resume_from_a_cut_as_if_never_stopped(make_job, tmp_path: Path, schedule: str,
+                                                                  n: int) -> None:
+    """train.checkpoint_every under gpipe and 1f1b: the cuts change nothing (O1 against the
+    reference), and a run resumed from the last one ends with the same weights (1e-9, float64,
+    D 0; SGD with momentum for one VW, so the optimizer's state must come back too)."""
+    job = make_job({
+        "train": {"dtype": "float64", "steps": 12, "checkpoint_every": 4,
+                  "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9 if n == 1 else 0.0}},
+        "parallel": {"virtual_workers": n, "stages_per_vw": 3 if n == 1 else 2, "nm": 1, "D": 0,
+                     "schedule": schedule, "microbatches": 4},
+        "output": {"trace": False},
+    })
+    run_and_compare(job, tmp_path)
+    whole = weight_files.read_weights(tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["cut000008"]
+    summary = run_local(job, quiet=True, resume=True)   # minibatches 9-12 again, from the cut
+    assert summary["steps"] == 12
+    resumed = weight_files.read_weights(tmp_path / "out")
+    for key in whole:
+        torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+
+
 # k 2: two VWs under WSP (D 1), so G2 is checked too; k 4: one VW.
 CASES = [("gpipe", 2, 1, 3), ("gpipe", 4, 1, 4), ("1f1b", 2, 1, 3), ("1f1b", 4, 1, 6),
          ("nf1b", 2, 3, 2), ("nf1b", 4, 2, 2)]

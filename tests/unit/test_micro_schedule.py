@@ -51,6 +51,28 @@ def rows_from_spans(schedule: str, stages: int, micro: int, steps: int) -> list[
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_resumed_schedule_starts_after_its_cut_and_refuses_what_came_before(schedule: str) -> None:
+    s = MicroSchedule(schedule=schedule, stage=1, num_stages=3, nm=1, micro=2, steps=6, start=5)
+    assert (s.next_forward, s.completed, s.done) == (5, 4, False)
+    with pytest.raises(ScheduleError) as err:
+        s.accept_forward(4, 2)
+    assert err.value.reason == Rejection.DUPLICATE, "minibatch 4 ran before the cut"
+    ran = 0
+    while not s.done:
+        for m in (1, 2):   # the previous stage's activations, as the window lets them come
+            unit = (s.next_forward, m)
+            if s.next_forward < s.next_backward + 1 and unit >= s.forward_unit and unit not in s._forward_ready:
+                s.accept_forward(*unit)
+        task = s.next_task()
+        assert task is not None and task.p in (5, 6)
+        s.complete(task)
+        if task.kind == TaskKind.FORWARD:
+            s.accept_backward(task.p, task.micro)
+        ran += 1
+    assert ran == 2 * 2 * 2 and s.next_task() is None
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages", range(1, 7))
 @pytest.mark.parametrize("micro", range(1, 9))
 def test_flushed_schedules_run_their_order(schedule: str, stages: int, micro: int) -> None:
