@@ -268,7 +268,8 @@ def _check_together(job: JobConfig) -> None:
                           f"minibatch, so one is in flight (its parallel.microbatches fill the pipeline): set nm 1")
     if par.mode == "hetpipe" and par.schedule in MICRO_SCHEDULES:
         for key, value, why in (
-            ("train.precision", job.train.precision == "fp16", "fp16's loss scaling is per minibatch"),
+            ("train.precision", job.train.precision == "fp16" and par.schedule not in FLUSHED_SCHEDULES,
+             "fp16's loss scaling is per minibatch, which gpipe and 1f1b do"),
             ("train.max_grad_norm", job.train.max_grad_norm > 0 and par.schedule not in FLUSHED_SCHEDULES,
              "the stages agree on it per minibatch, which gpipe and 1f1b do"),
             ("train.checkpoint_every", job.train.checkpoint_every > 0 and par.schedule not in FLUSHED_SCHEDULES,

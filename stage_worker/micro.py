@@ -30,6 +30,7 @@ class MicroTasks:
         self._x: dict[int, list[torch.Tensor]] = {}   # stage 0: p's micro-batches of x
         self._y: dict[int, list[torch.Tensor]] = {}   # the last stage: of y
         self._loss: dict[int, torch.Tensor] = {}      # the last stage: p's loss so far
+        self._scale: dict[int, float] = {}            # the last stage, fp16: p's loss scale
 
     @staticmethod
     def _schedule(s: Loaded) -> MicroSchedule:
@@ -58,7 +59,10 @@ class MicroTasks:
         x = self._input(s, p, m)
         start, min_clock = time.time(), s.sync.min_clock
         if s.setup.last:
-            loss = s.compute.loss_micro((p, m), x, self._target(s, p, m), 1.0 / sched.micro)
+            if m == 1 and s.scaling is not None and s.scaling.fp16:   # the verdicts <= p - 1 came with (p, 1)
+                self._scale[p] = s.scaling.loss_scale.for_minibatch(p, s.job.nm, s.scaling.verdicts)
+            scale = self._scale.get(p, 1.0)
+            loss = s.compute.loss_micro((p, m), x, self._target(s, p, m), scale / sched.micro)
             self._loss[p] = self._loss.get(p, 0.0) + loss / sched.micro
             sends, version = [], s.compute.version
         else:
@@ -88,15 +92,20 @@ class MicroTasks:
         s.trace.micro(p, "bwd", m, start, time.time())
         if s.scaling is None:
             return Ran(commit.gradient(s, p, version, grad_in, micro=m), then=lambda: self._end(s, task, version))
-        # train.max_grad_norm (gpipe, 1f1b): p's gradient here is whole once its last backward here
-        # is done. That backward's gradient carries its squared norm, with the later stages', to the
-        # previous stage; stage 0 decides, and the coefficient comes back with p + 1's activation.
+        # fp16 or train.max_grad_norm (gpipe, 1f1b): p's gradient here is whole once its last
+        # backward here is done. That backward's gradient carries whether it overflowed and its
+        # squared norm, with the later stages', to the previous stage; stage 0 decides, and the
+        # verdict comes back with p + 1's first activation. Every gradient of p carries its scale.
+        # An overflow is judged on the summed gradients alone: a gradient sent back that is not
+        # finite makes the previous stage's so, or reaches a stage with nothing to train.
+        scale = self._scale.get(p, 1.0) if s.setup.last else s.scaling.incoming[p].scale
         agreed = commit.Agreed(overflow=False, norm_sq=0.0)
         if sched.ends_minibatch(task):
             self._ended(s, p, version)
             later = None if s.setup.last else s.scaling.incoming.pop(p)
-            agreed = commit.agreed_backward(s, p, s.compute.take_summed(), grad_in, 1.0, later)
-        return Ran(commit.gradient(s, p, version, grad_in, 1.0, agreed, micro=m))
+            self._scale.pop(p, None)
+            agreed = commit.agreed_backward(s, p, s.compute.take_summed(), None, scale, later)
+        return Ran(commit.gradient(s, p, version, grad_in, scale, agreed, micro=m))
 
     def forward_backward(self, s: Loaded, task: Task) -> Ran:
         """nf1b's last stage: the last micro-batch's forward, then p's one backward."""

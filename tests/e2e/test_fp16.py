@@ -34,9 +34,14 @@ def fp16_reference(job: JobConfig, overflow: set[int]) -> tuple[dict[str, torch.
     for p in range(1, job.train.steps + 1):
         scales[p] = s = scale.for_minibatch(p, 1, verdicts)  # nm 1
         x, y = minibatch(job, dataset, p, 0)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = compute_loss(job.train.loss, model(x).float(), y)
-        grads = torch.autograd.grad(loss * s, params)
+        micro = job.parallel.microbatches   # gpipe, 1f1b: each micro-batch's loss weighted 1/micro
+        grads = None
+        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = compute_loss(job.train.loss, model(xm).float(), ym)
+            got = torch.autograd.grad(loss * s / micro, params)
+            grads = got if grads is None else tuple(a + b for a, b in zip(grads, got))
+        assert grads is not None
         skip = p in overflow or not all(bool(torch.isfinite(g).all()) for g in grads)
         verdicts.decide(p, skip)
         if not skip:
@@ -63,6 +68,27 @@ def test_an_overflow_on_any_stage_skips_the_minibatch_on_every_stage(make_job, i
     # nm 1: p's scale follows the verdicts <= p - 1
     assert (scales[5], scales[6], scales[9], scales[10]) == (INITIAL_SCALE, INITIAL_SCALE / 2, INITIAL_SCALE / 2,
                                                              INITIAL_SCALE / 4)
+    got = weight_files.read_weights(tmp_path / "out")
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=f"{key}: not the reference's weights")
+
+
+@pytest.mark.parametrize(("schedule", "stages"), [("gpipe", 2), ("1f1b", 3)])
+def test_flushed_schedules_skip_an_overflowed_minibatch_on_every_stage(make_job, inject_faults, tmp_path: Path,
+                                                                       schedule: str, stages: int) -> None:
+    """gpipe and 1f1b: the last stage scales each micro-batch's loss by p's scale, an overflow in
+    any stage's gradients of p (summed over its micro-batches) skips p everywhere, and the run
+    ends at the micro-batched fp16 reference's weights."""
+    inject_faults(overflow=tuple(OVERFLOWS))
+    job = make_job({"train": {"precision": "fp16", "steps": 20, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
+                    "parallel": {"stages_per_vw": stages, "nm": 1, "schedule": schedule, "microbatches": 4}})
+    run_local(job, quiet=True)
+    rows = load_trace(tmp_path / "out" / "trace")
+    check_complete(rows, vws=1, stages=stages, steps=20)
+    want, scales = fp16_reference(job, {p for _, p in OVERFLOWS})
+    for (_, q), rs in by_stage(rows).items():
+        assert {r["p"] for r in rs if not r["stepped"]} == {5, 9}, f"stage {q} skipped what stage 0 decided"
+        assert {r["p"]: r["loss_scale"] for r in rs} == scales, f"stage {q} unscaled by the last stage's scale"
     got = weight_files.read_weights(tmp_path / "out")
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=f"{key}: not the reference's weights")

@@ -232,7 +232,8 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
     ({"parallel": {"schedule": "nf1b", "mode": "torch-pipeline"}}, "nf1b runs on HetPipe's own stages"),
     ({"parallel": {"schedule": "nf1b", "microbatches": 5}}, "parallel.microbatches: 5 must divide data.batch_size"),
     ({"parallel": {"schedule": "nf1b", "microbatches": 2}, "train": {"precision": "fp16"}},
-     "train.precision: not with parallel.schedule nf1b yet"),
+     "train.precision: not with parallel.schedule nf1b yet (fp16's loss scaling is per minibatch, which gpipe and "
+     "1f1b do)"),
     ({"parallel": {"schedule": "nf1b", "nm": 2, "microbatches": 2}, "train": {"checkpoint_every": 2}},
      "train.checkpoint_every: not with parallel.schedule nf1b yet (a cut of its minibatches in flight is not built)"),
     ({"parallel": {"schedule": "nf1b", "nm": 2, "microbatches": 2}, "train": {"max_grad_norm": 1.0}},
