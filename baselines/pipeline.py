@@ -21,6 +21,7 @@ from torch import nn
 
 from hetpipe.config import ConfigError, JobConfig, with_overrides
 from hetpipe import faults, models, outputs, weight_files
+from hetpipe.loss_scale import clip_coefficient
 from hetpipe.optim import autocast, to_compute
 from baselines import common
 
@@ -153,6 +154,21 @@ class _Timed(nn.Module):
         self.busy += time.time() - self._bwd_started
 
 
+def _clip(params: list[torch.Tensor], max_norm: float, device: torch.device) -> None:
+    """train.max_grad_norm over the whole pipeline, as HetPipe's stages agree on it: every rank's
+    squared gradient norm (float64) summed by an allreduce, then clip_grad_norm_'s coefficient
+    (Megatron clips its pipeline stages the same way). A rank without weights adds 0."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_sq = (torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads
+               else torch.zeros((), dtype=torch.float64)).to(device)
+    dist.all_reduce(norm_sq)
+    coefficient = clip_coefficient(float(norm_sq), max_norm)
+    if coefficient != 1.0 and grads:
+        torch._foreach_mul_(grads, coefficient)
+
+
 def worker(spec: dict[str, Any], rank: int) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -212,6 +228,8 @@ def worker(spec: dict[str, Any], rank: int) -> None:
             schedule.step(target=y, losses=losses)
         else:
             schedule.step()
+        if job.train.max_grad_norm:
+            _clip(params, job.train.max_grad_norm, io)
         if optimizer is not None:
             step_at(optimizer, job.train, p)
         if last:

@@ -238,9 +238,6 @@ def _check_together(job: JobConfig) -> None:
     if par.mode != "hetpipe" and job.train.precision == "fp16":
         raise ConfigError(f"train.precision: fp16 needs loss scaling, which HetPipe's stages do and parallel.mode "
                           f"{par.mode} does not; use bf16 or fp32")
-    if par.mode == "torch-pipeline" and job.train.max_grad_norm:   # its stages would each clip their own norm
-        raise ConfigError("train.max_grad_norm: not with parallel.mode torch-pipeline yet (its stages do not "
-                          "share a gradient norm); use parallel.mode hetpipe or ddp")
     if par.mode != "hetpipe" and job.train.checkpoint_every:   # a baseline saves no cut, and resumes from none
         raise ConfigError(f"train.checkpoint_every: parallel.mode {par.mode} writes no checkpoints; leave it 0, "
                           "or run parallel.mode hetpipe")

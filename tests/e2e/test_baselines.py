@@ -95,6 +95,8 @@ TRAINING = {
     "adam": {"optimizer": {"name": "adam", "lr": 0.01}},
     "adamw-warmup-linear": {"optimizer": {"name": "adamw", "lr": 0.01},
                             "lr_schedule": {"warmup_steps": 4, "decay": "linear"}},
+    # The base job's gradient norms are 0.2-0.4: some minibatches clipped, some not.
+    "sgd-momentum-clipped": {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "max_grad_norm": 0.3},
 }
 
 
@@ -106,6 +108,7 @@ TRAINING = {
     ("1f1b", 1, 1, "adam"),
     ("1f1b", 2, 2, "adam"),
     ("gpipe", 2, 2, "adamw-warmup-linear"),
+    ("1f1b", 3, 4, "sgd-momentum-clipped"),   # one norm over the pipeline's ranks, as train_reference clips
 ])
 def test_pipeline_equals_plain_training(make_job, tmp_path: Path, schedule: str, k: int, microbatches: int,
                                         optimizer: str) -> None:

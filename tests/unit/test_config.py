@@ -239,8 +239,6 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
     ({"parallel": {"schedule": "nf1b", "nm": 2, "microbatches": 2}, "train": {"max_grad_norm": 1.0}},
      "train.max_grad_norm: not with parallel.schedule nf1b yet (the stages agree on it per minibatch, which gpipe "
      "and 1f1b do)"),
-    ({"parallel": {"mode": "torch-pipeline"}, "train": {"max_grad_norm": 1.0}},
-     "train.max_grad_norm: not with parallel.mode torch-pipeline yet"),
     ({"train": {"max_grad_norm": -1.0}}, "train.max_grad_norm: expected a finite number >= 0.0, got -1.0"),
     ({"train": {"max_grad_norm": 1e-9}}, "train.max_grad_norm: expected 0 (no clipping) or at least 1e-06, got 1e-09"),
     ({"parallel": {"microbatches": 2}}, "parallel.microbatches: 2 applies to the schedules gpipe, 1f1b and nf1b"),
