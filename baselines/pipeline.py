@@ -154,7 +154,7 @@ class _Timed(nn.Module):
         self.busy += time.time() - self._bwd_started
 
 
-def _clip(params: list[torch.Tensor], max_norm: float, device: torch.device) -> None:
+def _clip(params: list[nn.Parameter], max_norm: float, device: torch.device) -> None:
     """train.max_grad_norm over the whole pipeline, as HetPipe's stages agree on it: every rank's
     squared gradient norm (float64) summed by an allreduce, then clip_grad_norm_'s coefficient
     (Megatron clips its pipeline stages the same way). A rank without weights adds 0."""
