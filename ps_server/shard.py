@@ -16,9 +16,9 @@ from hetpipe.parallelism import MAX_VIRTUAL_WORKERS
 from hetpipe.training import MAX_STEPS
 from hetpipe.wsp import NARROWED_PUSH, clock_distance
 from ps_server import headroom
-from ps_server.at_c_global import AtCGlobal
 from ps_server.quorum import KeyRounds
 from ps_server.sync_rule import ShardError, SyncRule
+from ps_server.wave_hold import WaveHold
 
 
 ADD_CHUNK = 1 << 20   # elements a narrower push is widened by at a time (4 MiB of float32: stays in cache)
@@ -58,8 +58,10 @@ class Shard:
     Under sync quorum an accepted push waits in its key's round (ps_server/quorum.py) until the
     round closes; under sync elastic the values are the master x~, which only exchanges change.
 
-    Exact (wsp with D = 0, BSP): a pull gets w_global with every VW's waves below c_global and
-    none of the waves a faster VW has pushed since (`at_c_global`, ps_server/at_c_global.py).
+    Exact (wsp with D = 0, BSP): a key's wave that c_global has not reached is held back until
+    every live VW has pushed it, then added in VW order (ps_server/wave_hold.py): a pull gets
+    w_global with every VW's waves below c_global and none later, and the same sums in the same
+    order whatever the order of arrival.
     Under WSP with D told (every Init of a job names it), a push of wave c of a key whose
     c_global is below c - D, which would take a VW past G4's clock distance D + 1, is refused.
     """
@@ -77,7 +79,7 @@ class Shard:
         self.exchanged: dict[str, list[int]] = {}               # elastic: exchanges per (key, VW)
         self.last_delta: dict[str, list[torch.Tensor | None]] = {}  # elastic: each VW's latest, for its retry
         self.exchanges_applied = 0
-        self.at_c_global = AtCGlobal()                          # exact: values kept while a VW is ahead
+        self.hold = WaveHold()                                  # exact: each key's wave not yet complete
         self.headroom = headroom.Headroom()   # how far each key is from overflowing; not state (derived)
         # _add's widening buffers: one per add under way (pushes of other keys add at once), kept
         # for the next; as many as adds ever ran at once (a few: one per stage pushing).
@@ -178,8 +180,8 @@ class Shard:
             raise ShardError(ShardError.Kind.CLOCK, f"vw {vw} is the last one left: the job cannot go on without it")
         self.evicted.add(vw)
         self._settle(list(self.rounds))  # quorum: a round may now have the quorum of the VWs left
-        for key in self.at_c_global.keys():   # exact: c_global may have moved on without it
-            self.at_c_global.trim(key, self._key_c_global(key))
+        # exact: a wave it had not pushed may now be complete (the caller lets no add run meanwhile)
+        self.add(Sums(frozenset(), self._released(self.hold.keys())))
         return True
 
     def _check_keys(self, keys: Sequence[str]) -> None:
@@ -260,26 +262,37 @@ class Shard:
         if (lead := self.rule.lead) is not None:
             self._check_lead(vw, clock, keys, lead)
         # Under quorum w_global + u is not the next state (the round may wait): the bound decides.
-        grown = self._room(what, deltas, sizes, None if quorum else self._after)
+        # Exact: the sums the values take as u's wave goes in, in VW order, so far.
+        exact = self.rule.exact
+        after = None if quorum else (lambda key, u: self._after_wave(key, vw, u)) if exact else self._after
+        grown = self._room(what, deltas, sizes, after)
         if journal is not None:
             journal()
         self.headroom.commit(grown)
-        live = self._live()
         adds: list[tuple[torch.Tensor, torch.Tensor]] = []
         for key, delta in deltas:
-            if self.rule.exact and any(self.clocks[key][v] <= clock for v in live if v != vw):
-                self.at_c_global.keep(key, clock, self.values[key])   # c_global stays at clock: pulls get this
             if quorum:
                 self.rounds[key].add(vw, clock, delta)
+            elif exact:
+                self.hold.hold(key, clock, vw, delta)
             else:
                 adds.append((self.values[key], delta))
             self.clocks[key][vw] = clock + 1
-            if self.rule.exact:
-                self.at_c_global.trim(key, self._key_c_global(key))
+        if exact:
+            adds = self._released(keys)
         self._settle(keys if quorum else [])
         self.pushes_applied += 1
         self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
-        return Sums(frozenset(keys), adds)
+        return Sums(frozenset({k for k in keys if k not in self.hold.held} if exact else keys), adds)
+
+    def _released(self, keys: Iterable[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """exact: the adds of the held waves among keys that every live VW has now pushed, in VW order."""
+        adds: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key in keys:
+            wave = self.hold.wave(key)
+            if wave is not None and self._key_c_global(key) > wave:
+                adds += [(self.values[key], delta) for delta in self.hold.release(key)]
+        return adds
 
     def add(self, sums: Sums) -> None:
         """Adds an accepted push's sums to w_global (what accept() left to do)."""
@@ -327,8 +340,8 @@ class Shard:
 
     def _check_lead(self, vw: int, clock: int, keys: Sequence[str], lead: int) -> None:
         """G4: a VW pushes wave c only once c_global >= c - D (a stage's G2 wait before the wave's last
-        forward ensures it), so the clock distance never passes D + 1. Exact pulls (D = 0) keep one
-        copy per key (AtCGlobal) and rely on it."""
+        forward ensures it), so the clock distance never passes D + 1. Exact pulls (D = 0) hold one
+        wave per key (WaveHold) and rely on it."""
         past = self._past_lead(clock, keys, lead)
         if past:
             raise ShardError(ShardError.Kind.CLOCK,
@@ -350,13 +363,25 @@ class Shard:
         which are added to them in turn; one rounding per sum."""
         book = self.rounds.get(key)
         waiting = [] if book is None else [r.total for r in book.open.values() if r.total is not None]
+        waiting += self.hold.deltas(key)
         total = headroom.magnitude(self.values[key]) + sum(headroom.magnitude(t) for t in waiting)
         return total * (1 + torch.finfo(self.values[key].dtype).eps) ** (len(waiting) + 1)
 
     def _after(self, key: str, u: torch.Tensor) -> float:
-        """max |x| over key's values once u is added (what exact pulls keep are earlier values,
-        measured when they were current)."""
+        """max |x| over key's values once u is added."""
         return headroom.magnitude(self.values[key] + u)
+
+    def _after_wave(self, key: str, vw: int, u: torch.Tensor) -> float:
+        """exact: max |x| over the sums key's values take as its held wave goes in with vw's u, in
+        VW order (each push of the wave checks the sums of those come so far; the last, all)."""
+        wave = self.hold.wave(key)
+        by_vw = {} if wave is None else dict(self.hold.held[key][1])
+        by_vw[vw] = u
+        x, peak = self.values[key], 0.0
+        for v in sorted(by_vw):
+            x = x + by_vw[v]
+            peak = max(peak, headroom.magnitude(x))
+        return peak
 
     def _settle(self, keys: Sequence[str]) -> None:
         """quorum: closes every round of these keys that has its quorum; once every live VW has
@@ -465,17 +490,11 @@ class Shard:
         if self.rule.exact:   # its own waves from c_global on are taken out too: G3 adds them back
             own = [min(o, self._key_c_global(k)) for o, k in zip(own, keys)]
         return PullResult(
-            values=[(k, value.clone() if copy else value)
-                    for k in keys for value in [self._pulled(k)]],
+            values=[(k, self.values[k].clone() if copy else self.values[k]) for k in keys],
             own_clock=own,
             vw_clocks=self.vw_clocks(keys),
             c_global=self.c_global(keys),
         )
-
-    def _pulled(self, key: str) -> torch.Tensor:
-        """What a pull of key answers with: exact, its values at c_global while a VW is ahead."""
-        kept = self.at_c_global.value(key)
-        return self.values[key] if kept is None else kept
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -484,7 +503,7 @@ class Shard:
             h.update(raw_bytes(self.values[key]))
             h.update(str(self.clocks[key]).encode())
         h.update(str(sorted(self.evicted)).encode())
-        self.at_c_global.feed(h)   # exact: what pulls answer with
+        self.hold.feed(h)   # exact: the waves not yet complete
         if self.rule.mode != "wsp":
             h.update(str(self.rule).encode())
             for key in sorted(self.rounds):
@@ -509,7 +528,7 @@ class Shard:
             "sync": {"mode": self.rule.mode, "quorum": self.rule.quorum, "alpha": self.rule.alpha,
                      "period": self.rule.period, "total_waves": self.rule.total_waves, "exact": self.rule.exact,
                      "D": self.rule.D},
-            "at_c_global": self.at_c_global.snapshot(),
+            "held": self.hold.snapshot(),
             "rounds": {k: book.snapshot() for k, book in self.rounds.items()},
             "exchanged": {k: torch.tensor(c, dtype=torch.int64) for k, c in self.exchanged.items()},
             "last_delta": {k: [None if d is None else d.clone() for d in ds] for k, ds in self.last_delta.items()},
@@ -537,6 +556,8 @@ class Shard:
         self.exchanged = {k: [int(c) for c in t.tolist()] for k, t in exchanged.items()}
         self.last_delta = {k: [None if d is None else d.clone() for d in ds] for k, ds in last_delta.items()}
         self.exchanges_applied = int(snap.get("exchanges_applied", 0))  # type: ignore[call-overload]
-        kept = snap.get("at_c_global") or {}
-        assert isinstance(kept, dict)
-        self.at_c_global = AtCGlobal.restored(kept)
+        if snap.get("at_c_global"):   # an older version's copies of values at c_global: not the held waves
+            raise ValueError("a checkpoint of exact pulls from an earlier version of the shard: start the job afresh")
+        held = snap.get("held") or {}
+        assert isinstance(held, dict)
+        self.hold = WaveHold.restored(held)

@@ -25,7 +25,9 @@ class RefShard:
 
     def __init__(self, n: int, init: dict[str, torch.Tensor], *, exact: bool = False, D: int | None = None) -> None:
         self.n = n
-        self.exact = exact   # wsp with D = 0: pulls get exactly the waves below c_global
+        # wsp with D = 0: the values hold exactly the waves below each key's c_global, each wave
+        # summed in VW order (bit for bit, whatever the pushes' order); later ones are held.
+        self.exact = exact
         # G4, when the shard is told D: a VW pushes wave c of a key only once its c_global >= c - D.
         self.lead = 0 if exact else D
         self.w0 = {k: v.clone() for k, v in init.items()}
@@ -55,10 +57,31 @@ class RefShard:
 
     def apply(self, vw: int, c: int, deltas: Deltas) -> None:
         for k, d in deltas:
-            self.w[k] = self.w[k] + d
+            if not self.exact:
+                self.w[k] = self.w[k] + d
             self.clock[(k, vw)] = c + 1
         self.acked.append((vw, c, [(k, d.clone()) for k, d in deltas]))
+        if self.exact:
+            self.w = {k: self.waves_below(k, self.key_c_global(k)) for k in self.w}
         self.max_distance = max(self.max_distance, clock_distance(self.vw_clocks()))
+
+    def pushed(self, key: str, wave: int) -> dict[int, torch.Tensor]:
+        """Each VW's acknowledged delta of wave `wave` for key."""
+        return {vw: d for vw, c, deltas in self.acked if c == wave for k, d in deltas if k == key}
+
+    def waves_below(self, key: str, end: int) -> torch.Tensor:
+        """w0 plus every VW's waves below `end` of key: wave by wave, each in VW order."""
+        w = self.w0[key].clone()
+        for wave in range(end):
+            by_vw = self.pushed(key, wave)
+            for vw in sorted(by_vw):
+                w = w + by_vw[vw]
+        return w
+
+    def held(self, key: str) -> list[torch.Tensor]:
+        """exact: key's acknowledged deltas of the wave its c_global has not reached, in VW order."""
+        by_vw = self.pushed(key, self.key_c_global(key))
+        return [by_vw[vw] for vw in sorted(by_vw)]
 
     def expect_pull(self, vw: int, keys: list[str]) -> Kind | None:
         if not 0 <= vw < self.n or not keys or len(set(keys)) != len(keys):
@@ -79,16 +102,15 @@ class RefShard:
 
     def exact_pull(self, vw: int, keys: list[str]) -> tuple[dict[str, torch.Tensor], list[int]]:
         """An exact pull (wsp, D = 0): per key, w0 plus the acknowledged pushes of the waves below
-        its c_global, of every VW; the puller's own clock as far as that."""
-        w = {k: self.w0[k].clone() for k in keys}
-        for _, c, deltas in self.acked:
-            for k, d in deltas:
-                if k in w and c < self.key_c_global(k):
-                    w[k] = w[k] + d
+        its c_global, of every VW, wave by wave in VW order; the puller's own clock as far as that."""
+        w = {k: self.waves_below(k, self.key_c_global(k)) for k in keys}
         return w, [min(self.clock[(k, vw)], self.key_c_global(k)) for k in keys]
 
     def conserved(self) -> dict[str, torch.Tensor]:
-        """O3: w0 + the sum of every acknowledged push, recomputed from scratch."""
+        """O3: w0 + the sum of every acknowledged push, recomputed from scratch (exact: of the
+        waves below c_global; the rest is held, held())."""
+        if self.exact:
+            return {k: self.waves_below(k, self.key_c_global(k)) for k in self.w0}
         w = {k: v.clone() for k, v in self.w0.items()}
         for _, _, deltas in self.acked:
             for k, d in deltas:

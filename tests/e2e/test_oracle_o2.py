@@ -79,3 +79,23 @@ def test_the_final_evaluation_scores_the_model_written_out(make_job, tmp_path: P
         torch.testing.assert_close(value, want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
     # The baselines' evaluation of a whole model reads the same held-out minibatches.
     assert summary["eval_loss"] == pytest.approx(evaluate(job, model, torch.device("cpu"))["eval_loss"], rel=1e-12, abs=0)
+
+
+def test_a_run_at_d0_and_nm1_repeats_bit_for_bit_whatever_the_order_pushes_arrive_in(
+        make_job, inject_faults, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """float32 and momentum, three VWs: each run has another VW slow, so the pushes of a wave come
+    to the shard in other orders; the shard adds a wave in VW order (ps_server/wave_hold.py), so
+    the weights are the same, bit for bit."""
+    weights = []
+    for slow in (0, 2):
+        inject_faults(slow_vw=slow, slow_factor=4.0, task_delay=(0.0, 0.004))
+        job = make_job({
+            "train": {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "steps": 25},
+            "parallel": {"virtual_workers": 3, "stages_per_vw": 1, "nm": 1, "D": 0, "ps_shards": 1},
+            "output": {"dir": f"out{slow}", "trace": False},
+        }, name=f"job{slow}.yaml")
+        run_local(job, quiet=True)
+        weights.append(load_file(tmp_path / f"out{slow}" / "model.safetensors"))
+    assert weights[0].keys() == weights[1].keys()
+    for key in weights[0]:
+        assert torch.equal(weights[0][key], weights[1][key]), f"{key} differs between the runs"

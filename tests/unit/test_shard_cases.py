@@ -2,7 +2,7 @@
 and conflicts, c_global and the clock distance over keys and VWs, all-or-nothing pushes, the
 clock messages, a restore after a crash between a checkpoint and its log clean-up, overflow, and
 bf16 pushes into float32 keys. The push log's own cases are in test_push_log.py, exact pulls in
-test_at_c_global.py.
+test_wave_hold.py.
 
 The same rules against a reference model, on random interleavings, are in test_shard_property.py.
 """
@@ -365,11 +365,11 @@ def test_a_float32_key_takes_bf16_pushes_widened_and_logs_and_replays_them(tmp_p
     if rule.mode == "quorum":   # wave 1's round waits for its one VW: held open, summed
         assert torch.equal(shard.values["a"], wave0)
         assert torch.equal(shard.rounds["a"].open[1].total, one.float() + small.float())
+    elif rule.exact:   # c_global is 1: wave 1 is held, as pushed, and the pull gets wave 0's sums
+        assert torch.equal(shard.values["a"], wave0) and torch.equal(shard.pull(2, ["a"]).values[0][1], wave0)
+        assert [d.tolist() for d in shard.hold.deltas("a")] == [one.tolist(), small.tolist()]
     else:
         assert torch.equal(shard.values["a"], wave0 + one.float() + small.float())
-    if rule.exact:   # c_global is 1: the pull takes the held wave 1 out, as summed
-        got = shard.pull(2, ["a"]).values[0][1]
-        assert torch.equal(got, wave0 + one.float() + small.float() - (one.float() + small.float()))
     assert shard.values["a"].dtype == torch.float32
     assert shard.push(1, 1, [("a", small)]) is False, "a retried bf16 push is a duplicate as any other"
     restored = Shard()

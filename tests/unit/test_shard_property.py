@@ -390,6 +390,11 @@ class ShardMachine(RuleBasedStateMachine):
         conserved = ref.conserved()
         for k in ref.w:
             assert torch.equal(s.values[k], conserved[k]), f"O3 fails for {k}"
+            if ref.exact:   # the waves not yet complete: held, each push once
+                held = s.hold.deltas(k)
+                assert len(held) == len(ref.held(k)) and all(map(torch.equal, held, ref.held(k))), f"O3: {k}'s held"
+            else:
+                assert not s.hold
 
 
 MACHINE_SETTINGS = settings(
