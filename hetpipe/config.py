@@ -274,7 +274,7 @@ def _check_together(job: JobConfig) -> None:
         ):
             if value:
                 raise ConfigError(f"{key}: not with parallel.schedule {par.schedule} yet ({why}); "
-                                  "use parallel.schedule hetpipe")
+                                  "use parallel.schedule hetpipe, gpipe or 1f1b")
     if job.train.precision != "fp32" and job.train.dtype == "float64":
         raise ConfigError(f"train.precision: {job.train.precision} computes in 16 bits; train.dtype float64 asks for "
                           "exact float64 (the oracles): use one or the other")

@@ -108,6 +108,8 @@ class Inbox:
                            f"gradient: norm_sq {tag.norm_sq} of minibatch {p}: expected " +
                            ("a squared norm >= 0" if s.scaling is not None and s.scaling.max_grad_norm
                             else "none: this job does not clip its gradients"))
+        if s.scaling is not None and m:
+            _check_micro_verdict(s, p, m, tag)
         return p, m
 
     def offer_backward(self, s: Loaded, bundle: Bundle, *, training: bool) -> None:
@@ -190,6 +192,22 @@ def _micro(s: Loaded, header: wire_pb2.TensorFrame, what: str, whole: TensorSpec
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                        f"{what}: micro-batch {m}, but {whose} {what}s carry whole minibatches")
     return m, whole
+
+
+def _check_micro_verdict(s: Loaded, p: int, m: int, tag: wire_pb2.MinibatchTag) -> None:
+    """gpipe, 1f1b with fp16 or max_grad_norm: every gradient of p carries p's one loss scale, and
+    only the last micro-batch's whether p overflowed and its norm (stage_worker/micro.py): a claim
+    on an earlier one would be lost."""
+    assert s.scaling is not None and isinstance(s.schedule, MicroSchedule)
+    if m < s.schedule.micro and (tag.overflow or tag.norm_sq != 0):
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"gradient for micro-batch {m} of minibatch {p}: overflow {tag.overflow}, norm_sq "
+                       f"{tag.norm_sq}; only the last micro-batch's ({s.schedule.micro}) says those")
+    earlier = s.scaling.incoming.get(p)
+    if earlier is not None and earlier.scale != tag.loss_scale:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"gradient for micro-batch {m} of minibatch {p}: loss_scale {tag.loss_scale}, but its earlier "
+                       f"micro-batches came at {earlier.scale}: a minibatch has one loss scale")
 
 
 def _check_verdicts(s: Loaded, verdicts: wire_pb2.Verdicts, what: str) -> None:

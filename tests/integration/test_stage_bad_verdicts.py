@@ -15,7 +15,7 @@ import torch
 from hetpipe import wire
 from hetpipe.v1 import wire_pb2
 from messages import messages
-from stage_rig import STEPS, Code, Rig, middle_stage, refused
+from stage_rig import STEPS, Code, Rig, frames, middle_stage, refused
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -187,3 +187,38 @@ def _refuses_what_no_pipeline_sends(rig: Rig) -> None:
         assert rig.snapshot() == started
     refused(rig.stub.Backward, iter(with_tag(rig.gradient(2), loss_scale=1024.0)), Code.FAILED_PRECONDITION,
             "gradient for minibatch 2, which this stage has not forwarded")
+
+
+def test_gpipe_refuses_claims_on_a_micro_batch_before_the_last_and_a_second_loss_scale(make_job) -> None:
+    """gpipe with fp16 and clipping: every gradient of p carries p's one loss scale, and only the
+    last micro-batch's whether p overflowed and its norm (the stage reads them there alone); the
+    refusals change nothing, and the right gradients go on to stage 0."""
+    with middle_stage(make_job, {"schedule": "gpipe", "nm": 1, "microbatches": 2},
+                      precision="fp16", max_grad_norm=1.0) as rig:
+        def half(spec: Any) -> list[int]:
+            return [spec.shape[0] // 2, *spec.shape[1:]]
+
+        for m in (1, 2):
+            x = torch.randn(half(rig.in_spec), dtype=rig.in_spec.dtype)
+            rig.stub.Forward(iter(frames([("activation", x)], 1, stage=0, micro=m)), timeout=10)
+        rig.next.wait_for(2)
+
+        def gradient(m: int, **tag: Any) -> list[wire_pb2.TensorFrame]:
+            g = torch.randn(half(rig.out_spec), dtype=rig.out_spec.dtype)
+            return with_tag(frames([("gradient", g)], 1, stage=2, micro=m), **tag)
+
+        before = rig.snapshot()
+        for claim in ({"overflow": True}, {"norm_sq": 123.0}):
+            refused(rig.stub.Backward, iter(gradient(1, loss_scale=4.0, **claim)), Code.INVALID_ARGUMENT,
+                    r"gradient for micro-batch 1 of minibatch 1: overflow .*; only the last micro-batch's \(2\) says those")
+        assert rig.snapshot() == before
+        rig.stub.Backward(iter(gradient(1, loss_scale=4.0)), timeout=10)
+        rig.prev.wait_for(1)
+        taken = rig.snapshot()
+        refused(rig.stub.Backward, iter(gradient(2, loss_scale=8.0)), Code.INVALID_ARGUMENT,
+                r"micro-batch 2 of minibatch 1: loss_scale 8\.0, but its earlier micro-batches came at 4\.0")
+        assert rig.snapshot() == taken
+        rig.stub.Backward(iter(gradient(2, loss_scale=4.0, norm_sq=0.5)), timeout=10)
+        rig.prev.wait_for(2)
+        sent = [(tag.micro, tag.loss_scale, tag.overflow, tag.norm_sq > 0.5) for _, tag, _ in rig.prev.got]
+        assert sent == [(1, 4.0, False, False), (2, 4.0, False, True)], "p's norm: the later stages' and its own"
