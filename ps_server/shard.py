@@ -377,7 +377,8 @@ class Shard:
         wave = self.hold.wave(key)
         by_vw = {} if wave is None else dict(self.hold.held[key][1])
         by_vw[vw] = u
-        x, peak = self.values[key], 0.0
+        x = self.values[key]
+        peak = headroom.magnitude(x)   # the bound this commits must cover what the values hold now
         for v in sorted(by_vw):
             x = x + by_vw[v]
             peak = max(peak, headroom.magnitude(x))

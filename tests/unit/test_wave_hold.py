@@ -147,3 +147,17 @@ def test_an_exact_shard_keeps_its_own_copy_of_a_push_it_holds(tmp_path: Path) ->
     durability.place(seq)
     assert shard.push(0, 0, logged)
     assert torch.equal(shard.values["a"], torch.full((4,), 8.0, dtype=torch.float64)), "1 + 2 + 5, as pushed"
+
+
+def test_a_push_that_goes_in_before_a_held_one_is_checked_against_the_values_it_joins() -> None:
+    """VW 1's push is held; VW 0's, which the wave adds first, would overflow the values on its
+    own: refused (the key's bound covers the values, not only the sums after each delta)."""
+    top = torch.finfo(torch.float32).max
+    shard = Shard()
+    shard.init(2, [("a", torch.full((4,), 0.9 * top))], (), EXACT)
+    assert shard.push(1, 0, [("a", torch.full((4,), -0.9 * top))])
+    digest = shard.digest()
+    assert_refused(Kind.OVERFLOW, shard.push, 0, 0, [("a", torch.full((4,), 0.3 * top))])
+    assert shard.digest() == digest
+    assert shard.push(0, 0, [("a", torch.full((4,), -0.3 * top))])
+    assert torch.isfinite(shard.values["a"]).all()
