@@ -227,29 +227,32 @@ class JobRunner:
         par = job.parallel
         need = par.virtual_workers * par.stages_per_vw
         deadline = time.monotonic() + self.claim_timeout_s
-        while True:
-            entries = self.registry.listing().workers
-            cluster = remote.cluster_from_workers(entries)
-            have = (sum(g.count for n in cluster.nodes for g in n.gpus) if cluster is not None
-                    else len(remote.free_stage_workers(entries)))
-            if have >= need:
-                break
-            if self._stop.is_set():
-                raise JobStopped("stopped by request while waiting for workers")
-            shortfall = (f"the job needs {need} stage workers ({par.virtual_workers} virtual workers x "
-                         f"{par.stages_per_vw} stages); {have} free ones registered with this coordinator"
-                         + (f" ({remote.describe(cluster)})" if cluster is not None else ""))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{shortfall} after {self.claim_timeout_s:.0f}s")
-            self._waiting = shortfall
-            time.sleep(0.2)
-        self._waiting = ""
+        try:
+            while True:
+                entries = self.registry.listing().workers
+                cluster = remote.cluster_from_workers(entries)
+                have = (sum(g.count for n in cluster.nodes for g in n.gpus) if cluster is not None
+                        else len(remote.free_stage_workers(entries)))
+                if have >= need:
+                    break
+                if self._stop.is_set():
+                    raise JobStopped("stopped by request while waiting for workers")
+                shortfall = (f"the job needs {need} stage workers ({par.virtual_workers} virtual workers x "
+                             f"{par.stages_per_vw} stages); {have} free ones registered with this coordinator"
+                             + (f" ({remote.describe(cluster)})" if cluster is not None else ""))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{shortfall} after {self.claim_timeout_s:.0f}s")
+                self._wait_for(shortfall)
+                time.sleep(0.2)
+        finally:
+            self._wait_for("")
         if cluster is not None:
             log.info("planning over the registered workers: %s", remote.describe(cluster))
         return cluster
 
     def _wait_for(self, shortfall: str) -> None:
-        """Registry.claim's report (under the registry's lock: an assignment, no lock of ours)."""
+        """What the job waits for ('' once it is over): Registry.claim's report (under the
+        registry's lock: an assignment, no lock of ours), or _registered_cluster's."""
         self._waiting = shortfall and f"{shortfall} (waiting up to {self.claim_timeout_s:.0f}s)"
 
     def _run(self, job: JobConfig, plan: Plan | None, resume_wave: int, from_remote: bool = False) -> None:

@@ -199,11 +199,11 @@ class Child:
             return ""
 
 
-def stop(children: Iterable[Child], grace: float = 3.0) -> None:
-    """SIGTERM every live child, then SIGKILL what is still alive after grace seconds."""
+def stop(children: Iterable[Child], grace: float = 3.0, sig: signal.Signals = signal.SIGTERM) -> None:
+    """sig (SIGTERM) to every live child, then SIGKILL what is still alive after grace seconds."""
     alive = [c for c in children if c.popen.poll() is None]
     for c in alive:
-        c.popen.terminate()
+        c.popen.send_signal(sig)
         # A stopped child (SIGSTOP, a debugger) takes its SIGTERM only once continued: it would
         # wait out the grace and die by SIGKILL, its shared-memory segments left for the sweep.
         c.popen.send_signal(signal.SIGCONT)

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 # a paused coordinator (SIGSTOP of `hetpipe run`, a starved host) blames no worker when it runs
 # again (coordinator/registry.py), and its workers wait for it too.
 UNREACHABLE_HEARTBEATS = 10
+# How long a process stopping may take to tell the coordinator so (Registration.leave): on a
+# healthy network it answers in milliseconds, and a paused one must not hold the shutdown up.
+LEAVE_DEADLINE_S = 1.0
 
 
 class Registration:
@@ -43,7 +46,7 @@ class Registration:
         self._left.set()
         try:
             self.stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id, leaving=why),
-                                timeout=rpc.STATUS_DEADLINE_S)
+                                timeout=LEAVE_DEADLINE_S)
         except grpc.RpcError as exc:
             log.info("could not tell coordinator %s that this process is stopping: %s", self.coordinator,
                      rpc.failure(exc))

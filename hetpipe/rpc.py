@@ -225,20 +225,27 @@ class Server:
         self.grpc.stop(grace).wait(grace + 1)
 
     def wait(self) -> None:
-        self._stopped.wait()
+        # Timed: Python runs signal handlers on the main thread, and a signal that the kernel gives
+        # one of gRPC's threads never wakes an untimed wait to run them (SIGTERM went unanswered).
+        while not self._stopped.wait(0.2):
+            pass
 
     def stop_on_signals(self, shutdown: Callable[[], None] | None = None, *,
                         before: Callable[[signal.Signals], None] = lambda signum: None) -> None:
         """Graceful shutdown on SIGTERM and SIGINT, through shutdown if given (it must stop us),
-        after before(the signal), on a thread of its own."""
+        after before(the signal), on a thread of its own. Once: a later signal (a launcher's
+        SIGTERM right after the terminal's Ctrl-C) finds the shutdown under way, for the first."""
+        first: list[signal.Signals] = []
 
         def stop(signum: signal.Signals) -> None:
             before(signum)
             (shutdown or self.stop)()
 
-        def on_signal(signum: int, _frame: Any) -> None:
-            log.info("signal %d: shutting down", signum)
-            threading.Thread(target=stop, args=(signal.Signals(signum),), daemon=True).start()
+        def on_signal(signum: int, _frame: Any) -> None:   # on the main thread: one at a time
+            log.info("signal %d: %s", signum, "shutting down" if not first else "already shutting down")
+            if not first:
+                first.append(signal.Signals(signum))
+                threading.Thread(target=stop, args=(first[0],), daemon=True).start()
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
@@ -258,9 +265,12 @@ TLS_FLAGS = "--tls-cert/--tls-key/--tls-ca"
 
 
 def handshake_failed(exc: grpc.RpcError) -> bool:
-    """The call reached a server but the TLS handshake failed: a configuration, not an outage.
-    gRPC reports it as UNAVAILABLE, like a server that is down (its details say which)."""
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and "handshake failed" in (exc.details() or "").lower()
+    """The call reached a server but the TLS handshake failed (another CA, TLS at one end only,
+    a certificate that does not name the address dialled): a configuration, not an outage. gRPC
+    reports it as UNAVAILABLE, like a server that is down (its details say which)."""
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and ("handshake failed" in details
+                                                          or "verification check failed" in details)
 
 
 def why_unreachable(exc: grpc.RpcError) -> str:
@@ -269,6 +279,9 @@ def why_unreachable(exc: grpc.RpcError) -> str:
     if exc.code() != grpc.StatusCode.UNAVAILABLE:
         return ""
     details = exc.details() or ""
+    if handshake_failed(exc) and "hostname verification" in details.lower():
+        return ("the TLS handshake failed: its certificate does not name the address dialled (make it with "
+                "that name or IP: `hetpipe certs DIR HOST --san NAME`)")
     if handshake_failed(exc):
         return (f"the TLS handshake failed: both ends need certificates from the same CA ({TLS_FLAGS}), "
                 "or neither uses TLS")

@@ -8,6 +8,7 @@ import multiprocessing.util
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -191,9 +192,9 @@ class LocalProcesses:
     def dead(self) -> list[Process]:
         return [p for p in self.processes if p.popen.poll() is not None]
 
-    def stop_all(self, grace: float = 3.0) -> None:
-        """SIGTERM, then SIGKILL whatever is still alive after grace seconds."""
-        children.stop(self.processes, grace)
+    def stop_all(self, grace: float = 3.0, sig: signal.Signals = signal.SIGTERM) -> None:
+        """sig (SIGTERM), then SIGKILL whatever is still alive after grace seconds."""
+        children.stop(self.processes, grace, sig)
         # A process that was killed (or crashed) could not remove its shared-memory segments.
         shm.sweep()
         self._run_dir.cleanup()

@@ -222,6 +222,8 @@ def status(args: argparse.Namespace) -> int:
                       f"(kill -9?) with its coordinator {address}; its logs are in {out_dir / 'logs'}")
                 return EXIT_FAILED
             print(f"hetpipe: coordinator {rpc.unreachable(address, exc)}", file=sys.stderr)
+            if rpc.handshake_failed(exc):   # a configuration, as `hetpipe run --coordinator` says too
+                return EXIT_USAGE
             if not (args.coordinator or args.job or os.environ.get("HETPIPE_COORDINATOR")):
                 print(f"hetpipe: a local `hetpipe run JOB.yaml` is found with `hetpipe {args.command} --job JOB.yaml`",
                       file=sys.stderr)
@@ -234,7 +236,7 @@ def status(args: argparse.Namespace) -> int:
         print(json.dumps({"job": MessageToDict(job_status), "workers": MessageToDict(workers)}, indent=2))
     else:
         print(f"job: {State.Name(job_status.state)}" + (f" ({job_status.reason})" if job_status.reason else ""))
-        if job_status.waiting:
+        if job_status.waiting and State.Name(job_status.state) not in TERMINAL:
             print(f"waiting for workers: {job_status.waiting}")
         if job_status.total_samples:
             print(f"progress: {job_status.samples}/{job_status.total_samples} samples, loss {job_status.loss:.4f}, "

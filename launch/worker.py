@@ -245,9 +245,15 @@ class Launcher:
                 self.stopping.add(p.popen.pid)
                 p.popen.terminate()
 
-    def stop_all(self) -> None:
+    def stop_all(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """sig to every process at once (each may take its leave's deadline to tell the coordinator
+        it goes, registration.LEAVE_DEADLINE_S, which group after group would add up), then each
+        group stopped."""
+        for _, p in self.processes():
+            if p.popen.poll() is None:
+                p.popen.send_signal(sig)
         for group in self.groups:
-            group.stop_all()
+            group.stop_all(sig=sig)
 
     def listing(self, stages: list[StageDevice]) -> str:
         lines = []
@@ -296,6 +302,9 @@ def serve(cfg: WorkerConfig) -> int:
     os.chdir(root)
     processes.warm_up()
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # The signal that stops us, passed on: a stage tells the coordinator which (a Ctrl-C at the
+    # terminal reaches the stages too, but may do so after a SIGTERM from us would).
+    stop_with = signal.SIGTERM
     try:
         launcher.start(stages)
         print(f"hetpipe worker: node {cfg.node} serving for coordinator {cfg.coordinator}; output root {root}\n"
@@ -308,11 +317,12 @@ def serve(cfg: WorkerConfig) -> int:
         print("hetpipe worker: SIGTERM; stopped every process", file=sys.stderr)
         return 0
     except KeyboardInterrupt:
+        stop_with = signal.SIGINT
         print("hetpipe worker: interrupted; stopped every process", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        launcher.stop_all()
+        launcher.stop_all(stop_with)
 
 
 def _watch(launcher: Launcher) -> int:

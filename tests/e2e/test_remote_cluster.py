@@ -284,6 +284,12 @@ def _coordinator(tmp_path: Path, *flags: str) -> Iterator[Cluster]:
     try:
         c.start("coordinator", "coordinator", "--port", str(port), *flags,
                 "--output-root", str(tmp_path / "coordinator" / "runs"))
+        deadline = time.monotonic() + 60
+        while True:   # listening (TLS or not: a TCP connection is enough to know)
+            assert c.procs["coordinator"].poll() is None and time.monotonic() < deadline, c.log("coordinator")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.1)
         yield c
     finally:
         c.stop()

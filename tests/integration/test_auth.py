@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from hetpipe import rpc, security
@@ -157,7 +157,19 @@ def test_a_tls_mismatch_is_told_apart_from_an_outage(cluster: Cluster, tmp_path:
             err = _health_error(f"127.0.0.1:{port}")
         finally:
             server.stop(0)
+        assert rpc.handshake_failed(err), err.details()
+
+        # The cluster's CA, but dialled at a name its certificate lacks (it names localhost, 127.0.0.1).
+        server = grpc.server(futures.ThreadPoolExecutor(1))
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+        port = server.add_secure_port("0.0.0.0:0", security.server_credentials())
+        server.start()
+        try:
+            err = _health_error(f"127.0.0.2:{port}")
+        finally:
+            server.stop(0)
     assert rpc.handshake_failed(err), err.details()
+    assert "its certificate does not name the address dialled" in rpc.why_unreachable(err)
 
 
 def test_a_forged_token_is_unauthenticated(cluster: Cluster, tmp_path: Path) -> None:
