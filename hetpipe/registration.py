@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import grpc
 
-from hetpipe import rpc
+from hetpipe import reach, rpc
 from hetpipe.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Registration:
                                 timeout=LEAVE_DEADLINE_S)
         except grpc.RpcError as exc:
             log.info("could not tell coordinator %s that this process is stopping: %s", self.coordinator,
-                     rpc.failure(exc))
+                     reach.failure(exc))
 
 
 def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped: threading.Event, *,
@@ -91,7 +91,7 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
                     log.error("coordinator refused registration: %s", exc.details())
                     stopped.wait(5 * interval)
                 else:
-                    log.warning("coordinator %s", rpc.unreachable(coordinator, exc))
+                    log.warning("coordinator %s", reach.unreachable(coordinator, exc))
                     now = time.monotonic()
                     if exc.code() != grpc.StatusCode.UNAVAILABLE:
                         unreachable_since = None

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from hetpipe import outputs, rpc, security
+from hetpipe import outputs, reach, rpc, security
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
 from hetpipe.v1 import coordinator_pb2
@@ -171,7 +171,7 @@ def _get_job(stub: rpc.Stub, job_id: str, address: str) -> coordinator_pb2.JobSt
             raise JobFailed(f"coordinator {address} no longer knows job {job_id} (it restarted, and a job does not "
                             f"outlive its coordinator): {exc.details()}") from None
         raise CoordinatorUnreachable(f"coordinator {address} unreachable for {GIVE_UP_S:.0f}s while job {job_id} ran: "
-                                     f"{rpc.failure(exc)}; the job is lost with it (a job does not outlive its "
+                                     f"{reach.failure(exc)}; the job is lost with it (a job does not outlive its "
                                      "coordinator, and its workers leave it)") from None
     return status
 
@@ -184,10 +184,10 @@ def _submit(stub: rpc.Stub, job: JobConfig, address: str) -> str:
         return job_id
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details()
-        if rpc.handshake_failed(exc):   # not an outage: the same call fails again
-            raise ConfigError(f"coordinator {rpc.unreachable(address, exc)} ({details})") from None
+        if reach.handshake_failed(exc):   # not an outage: the same call fails again
+            raise ConfigError(f"coordinator {reach.unreachable(address, exc)} ({details})") from None
         if code in rpc.RETRYABLE:
-            raise CoordinatorUnreachable(f"coordinator {rpc.unreachable(address, exc)}") from None
+            raise CoordinatorUnreachable(f"coordinator {reach.unreachable(address, exc)}") from None
         if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.PERMISSION_DENIED
                                                        and (details or "").endswith(security.ROLE_REFUSAL)):
             raise ConfigError(f"coordinator {address} refused the job: {details} (give the job a security section, "

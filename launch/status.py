@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from hetpipe import outputs, rpc, security
+from hetpipe import outputs, reach, rpc, security
 from hetpipe.config import ConfigError, load_job
 from hetpipe.outputs import ADDRESS_FILE, TOKEN_FILE, published_job_id, read_status
 from hetpipe.v1 import coordinator_pb2, wire_pb2
@@ -221,8 +221,8 @@ def status(args: argparse.Namespace) -> int:
                 error(f"the run of {args.job} is not alive, and it left no summary of how it ended: it was killed "
                       f"(kill -9?) with its coordinator {address}; its logs are in {out_dir / 'logs'}")
                 return EXIT_FAILED
-            print(f"hetpipe: coordinator {rpc.unreachable(address, exc)}", file=sys.stderr)
-            if rpc.handshake_failed(exc):   # a configuration, as `hetpipe run --coordinator` says too
+            print(f"hetpipe: coordinator {reach.unreachable(address, exc)}", file=sys.stderr)
+            if reach.handshake_failed(exc):   # a configuration, as `hetpipe run --coordinator` says too
                 return EXIT_USAGE
             if not (args.coordinator or args.job or os.environ.get("HETPIPE_COORDINATOR")):
                 print(f"hetpipe: a local `hetpipe run JOB.yaml` is found with `hetpipe {args.command} --job JOB.yaml`",

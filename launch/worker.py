@@ -25,7 +25,7 @@ from types import FrameType
 
 import grpc
 
-from hetpipe import catalog, rpc, security
+from hetpipe import catalog, reach, rpc, security
 from hetpipe.config import ConfigError
 from hetpipe.errors import JobFailed
 from hetpipe.service import EXIT_ORPHANED, loopback
@@ -345,11 +345,11 @@ def _watch(launcher: Launcher) -> int:
                         raise JobFailed(f"coordinator {launcher.cfg.coordinator} refused this worker's credentials "
                                         f"({exc.code().name}: {exc.details()}); give every worker the "
                                         "coordinator's --token-file") from None
-                    if rpc.handshake_failed(exc):
-                        raise JobFailed(f"coordinator {rpc.unreachable(launcher.cfg.coordinator, exc)} "
+                    if reach.handshake_failed(exc):
+                        raise JobFailed(f"coordinator {reach.unreachable(launcher.cfg.coordinator, exc)} "
                                         f"({exc.details()})") from None
                     if not unreachable:
-                        print(f"hetpipe worker: coordinator {rpc.unreachable(launcher.cfg.coordinator, exc)}; "
+                        print(f"hetpipe worker: coordinator {reach.unreachable(launcher.cfg.coordinator, exc)}; "
                               "the workers keep trying to register", file=sys.stderr)
                     unreachable = True
             time.sleep(POLL_S)

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from hetpipe import rpc, security
+from hetpipe import reach, rpc, security
 from hetpipe.v1 import coordinator_pb2, stage_pb2, wire_pb2
 from hetpipe.config import ConfigError
 from launch import certs, remote
@@ -127,23 +127,23 @@ def test_a_tls_mismatch_is_told_apart_from_an_outage(cluster: Cluster, tmp_path:
                                  ca=str(tmp_path / "other/ca.pem"))
     with security.using(other_ca, security.COORDINATOR, "test"):
         err = _health_error(address)
-    assert rpc.handshake_failed(err), err.details()
-    assert rpc.unreachable(address, err) == (
+    assert reach.handshake_failed(err), err.details()
+    assert reach.unreachable(address, err) == (
         f"{address} unreachable: UNAVAILABLE: the TLS handshake failed: both ends need certificates from the "
         "same CA (--tls-cert/--tls-key/--tls-ca), or neither uses TLS")
 
     with security.using(security.Security(), security.COORDINATOR, "test"):
         err = _health_error(address)
-        assert not rpc.handshake_failed(err)
+        assert not reach.handshake_failed(err)
         assert "does it use TLS (--tls-cert/--tls-key/--tls-ca), which this process does not?" in \
-            rpc.why_unreachable(err), err.details()
+            reach.why(err), err.details()
 
         with socket.socket() as s:   # a port nothing listens on
             s.bind(("127.0.0.1", 0))
             closed = f"127.0.0.1:{s.getsockname()[1]}"
         err = _health_error(closed)
-        assert not rpc.handshake_failed(err)
-        assert rpc.why_unreachable(err) == "nothing listens at that address (not started yet, or stopped)"
+        assert not reach.handshake_failed(err)
+        assert reach.why(err) == "nothing listens at that address (not started yet, or stopped)"
 
     with security.using(other_ca, security.COORDINATOR, "test"), rpc.channel(address) as ch:
         with pytest.raises(ConfigError, match="the TLS handshake failed"):   # `hetpipe run --coordinator`: no retries
@@ -157,7 +157,7 @@ def test_a_tls_mismatch_is_told_apart_from_an_outage(cluster: Cluster, tmp_path:
             err = _health_error(f"127.0.0.1:{port}")
         finally:
             server.stop(0)
-        assert rpc.handshake_failed(err), err.details()
+        assert reach.handshake_failed(err), err.details()
 
         # The cluster's CA, but dialled at a name its certificate lacks (it names localhost, 127.0.0.1).
         server = grpc.server(futures.ThreadPoolExecutor(1))
@@ -168,8 +168,8 @@ def test_a_tls_mismatch_is_told_apart_from_an_outage(cluster: Cluster, tmp_path:
             err = _health_error(f"127.0.0.2:{port}")
         finally:
             server.stop(0)
-    assert rpc.handshake_failed(err), err.details()
-    assert "its certificate does not name the address dialled" in rpc.why_unreachable(err)
+    assert reach.handshake_failed(err), err.details()
+    assert "its certificate does not name the address dialled" in reach.why(err)
 
 
 def test_a_forged_token_is_unauthenticated(cluster: Cluster, tmp_path: Path) -> None:
