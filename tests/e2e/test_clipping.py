@@ -23,6 +23,19 @@ pytestmark = pytest.mark.timeout(150)
 MAX_NORM = 0.3   # the base job's gradient norms are 0.2-0.4: some minibatches are clipped, some not
 
 
+def run_against_the_reference(job: Any, tmp_path: Path) -> list[dict[str, Any]]:
+    """Runs job and compares its weights with the clipped reference (float64, 1e-9), checking
+    that clipping changed them; returns the trace's rows."""
+    run_local(job, quiet=True)
+    got = weight_files.read_weights(tmp_path / "out")
+    want = train_reference(job).state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+    unclipped = train_reference(with_overrides(job, train={"max_grad_norm": 0.0})).state_dict()
+    assert max(float((want[key] - unclipped[key]).abs().max()) for key in want) > 1e-4, "clipping must matter"
+    return load_trace(tmp_path / "out" / "trace")
+
+
 @pytest.mark.parametrize(("n", "k", "optimizer"), [
     (1, 3, {"name": "sgd", "lr": 0.05, "momentum": 0.9}),
     (2, 2, {"name": "sgd", "lr": 0.05}),
@@ -33,14 +46,7 @@ def test_clipped_training_equals_one_process_clipped_by_torch(make_job, tmp_path
         "train": {"dtype": "float64", "steps": 30, "optimizer": optimizer, "max_grad_norm": MAX_NORM},
         "parallel": {"virtual_workers": n, "stages_per_vw": k, "nm": 1, "D": 0, "ps_shards": 2},
     })
-    run_local(job, quiet=True)
-    got = weight_files.read_weights(tmp_path / "out")
-    want = train_reference(job).state_dict()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
-    unclipped = train_reference(with_overrides(job, train={"max_grad_norm": 0.0})).state_dict()
-    assert max(float((want[key] - unclipped[key]).abs().max()) for key in want) > 1e-4, "clipping must matter"
-    rows = load_trace(tmp_path / "out" / "trace")
+    rows = run_against_the_reference(job, tmp_path)
     clips = clip_coefficients(rows)
     assert len(clips) == n * 30
     assert 0 < sum(c < 1 for c in clips.values()) < len(clips), "some minibatches clipped, not all"
@@ -63,14 +69,7 @@ def test_flushed_schedules_clip_as_torch_does(make_job, tmp_path: Path, schedule
         "parallel": {"virtual_workers": n, "stages_per_vw": k, "nm": 1, "D": 0, "schedule": schedule,
                      "microbatches": 4},
     })
-    run_local(job, quiet=True)
-    got = weight_files.read_weights(tmp_path / "out")
-    want = train_reference(job).state_dict()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
-    unclipped = train_reference(with_overrides(job, train={"max_grad_norm": 0.0})).state_dict()
-    assert max(float((want[key] - unclipped[key]).abs().max()) for key in want) > 1e-4, "clipping must matter"
-    rows = load_trace(tmp_path / "out" / "trace")
+    rows = run_against_the_reference(job, tmp_path)
     clips = clip_coefficients(rows)
     assert len(clips) == n * 20 and 0 < sum(c < 1 for c in clips.values()) < len(clips), clips
     # Still synchronous: every stage steps p, with its coefficient, before its forwards of p + 1.

@@ -149,25 +149,23 @@ def test_a_tls_mismatch_is_told_apart_from_an_outage(cluster: Cluster, tmp_path:
         with pytest.raises(ConfigError, match="the TLS handshake failed"):   # `hetpipe run --coordinator`: no retries
             remote._submit(rpc.Stub(ch, "Coordinator"), make_job(), address)
 
-    with security.using(cluster.credentials, security.COORDINATOR, "test"):   # TLS to a plaintext server
-        server = grpc.server(futures.ThreadPoolExecutor(1))
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        try:
-            err = _health_error(f"127.0.0.1:{port}")
-        finally:
-            server.stop(0)
-        assert reach.handshake_failed(err), err.details()
-
-        # The cluster's CA, but dialled at a name its certificate lacks (it names localhost, 127.0.0.1).
+    def health_error_from(credentials: grpc.ServerCredentials | None, bind: str, dial: str) -> grpc.RpcError:
+        """The error of a health check at dial, of a server bound to bind:0 with credentials."""
         server = grpc.server(futures.ThreadPoolExecutor(1))
         health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-        port = server.add_secure_port("0.0.0.0:0", security.server_credentials())
+        port = (server.add_secure_port(f"{bind}:0", credentials) if credentials is not None
+                else server.add_insecure_port(f"{bind}:0"))
         server.start()
         try:
-            err = _health_error(f"127.0.0.2:{port}")
+            return _health_error(f"{dial}:{port}")
         finally:
             server.stop(0)
+
+    with security.using(cluster.credentials, security.COORDINATOR, "test"):
+        err = health_error_from(None, "127.0.0.1", "127.0.0.1")   # TLS to a plaintext server
+        assert reach.handshake_failed(err), err.details()
+        # The cluster's CA, but dialled at a name its certificate lacks (it names localhost, 127.0.0.1).
+        err = health_error_from(security.server_credentials(), "0.0.0.0", "127.0.0.2")
     assert reach.handshake_failed(err), err.details()
     assert "its certificate does not name the address dialled" in reach.why(err)
 
