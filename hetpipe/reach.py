@@ -34,9 +34,15 @@ def why(exc: grpc.RpcError) -> str:
     if "Socket closed" in details and not security.current().tls:
         # What a plaintext client meets at a TLS server: it hangs up on the first bytes.
         return f"it closed the connection at once: does it use TLS ({TLS_FLAGS}), which this process does not?"
-    if "Connection refused" in details:
+    if refused(exc):
         return "nothing listens at that address (not started yet, or stopped)"
     return ""
+
+
+def refused(exc: grpc.RpcError) -> bool:
+    """Nothing listens there: the call never reached a server (so it may be sent again, even
+    one that is not idempotent)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "Connection refused" in (exc.details() or "")
 
 
 def failure(exc: grpc.RpcError) -> str:

@@ -8,9 +8,10 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -29,6 +30,7 @@ MAX_RESULT_BYTES = 1 << 40        # 1 TiB: the weights of the largest models, in
 MAX_NAME_CHARS = 255
 _COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # no ".", "..", hidden names or odd characters
 GIVE_UP_S = 30.0                  # a coordinator silent this long while the job runs is gone
+SUBMIT_RETRY_S = 1.0              # between tries of a Submit that found nothing listening
 
 
 class CoordinatorUnreachable(Exception):
@@ -177,24 +179,41 @@ def _get_job(stub: rpc.Stub, job_id: str, address: str) -> coordinator_pb2.JobSt
 
 
 def _submit(stub: rpc.Stub, job: JobConfig, address: str) -> str:
-    """The job_id the coordinator gave the job; ConfigError, CoordinatorUnreachable or JobFailed."""
-    try:
-        status = stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=rpc.CONTROL_DEADLINE_S)
-        job_id: str = status.job_id
-        return job_id
-    except grpc.RpcError as exc:
-        code, details = exc.code(), exc.details()
-        if reach.handshake_failed(exc):   # not an outage: the same call fails again
-            raise ConfigError(f"coordinator {reach.unreachable(address, exc)} ({details})") from None
-        if code in rpc.RETRYABLE:
-            raise CoordinatorUnreachable(f"coordinator {reach.unreachable(address, exc)}") from None
-        if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.PERMISSION_DENIED
-                                                       and (details or "").endswith(security.ROLE_REFUSAL)):
-            raise ConfigError(f"coordinator {address} refused the job: {details} (give the job a security section, "
-                              "or set HETPIPE_TOKEN_FILE)") from None
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):  # details say why
-            raise ConfigError(f"coordinator {address} refused the job: {details}") from None
-        raise JobFailed(f"coordinator {address} did not take the job: {code.name}: {details}") from None
+    """The job_id the coordinator gave the job; ConfigError, CoordinatorUnreachable or JobFailed.
+    A coordinator that nothing listens for yet (started a moment ago) is tried again for GIVE_UP_S:
+    such a call never reached it, so the job cannot be submitted twice."""
+    request = coordinator_pb2.SubmitRequest(job_json=job.to_json())
+    deadline = time.monotonic() + GIVE_UP_S
+    told = False
+    while True:
+        try:
+            status = stub.Submit(request, timeout=rpc.CONTROL_DEADLINE_S)
+            job_id: str = status.job_id
+            return job_id
+        except grpc.RpcError as exc:
+            if not (reach.refused(exc) and time.monotonic() < deadline):
+                _refused(exc, address)
+            if not told:
+                print(f"hetpipe: coordinator {reach.unreachable(address, exc)}; trying again for "
+                      f"{GIVE_UP_S:.0f}s", file=sys.stderr)
+                told = True
+            time.sleep(SUBMIT_RETRY_S)
+
+
+def _refused(exc: grpc.RpcError, address: str) -> NoReturn:
+    """What a failed Submit means, raised: ConfigError, CoordinatorUnreachable or JobFailed."""
+    code, details = exc.code(), exc.details()
+    if reach.handshake_failed(exc):   # not an outage: the same call fails again
+        raise ConfigError(f"coordinator {reach.unreachable(address, exc)} ({details})") from None
+    if code in rpc.RETRYABLE:
+        raise CoordinatorUnreachable(f"coordinator {reach.unreachable(address, exc)}") from None
+    if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.PERMISSION_DENIED
+                                                   and (details or "").endswith(security.ROLE_REFUSAL)):
+        raise ConfigError(f"coordinator {address} refused the job: {details} (give the job a security section, "
+                          "or set HETPIPE_TOKEN_FILE)") from None
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):  # details say why
+        raise ConfigError(f"coordinator {address} refused the job: {details}") from None
+    raise JobFailed(f"coordinator {address} did not take the job: {code.name}: {details}") from None
 
 
 class _Announcer:

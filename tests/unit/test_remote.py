@@ -201,3 +201,46 @@ def test_a_coordinator_gone_while_its_job_runs_is_named_with_the_job_lost(monkey
     assert str(info.value).endswith("; the job is lost with it (a job does not outlive its coordinator, and its "
                                     "workers leave it)")
     assert "UNAVAILABLE: nothing listens at that address (not started yet, or stopped);" in str(info.value)
+
+
+def test_a_submit_to_a_coordinator_not_listening_yet_is_tried_again(make_job, capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A coordinator started a moment before `hetpipe run --coordinator` (compose, a script): the
+    Submit found nothing listening, so it never arrived, and is sent again until it does; one
+    that never comes is CoordinatorUnreachable after GIVE_UP_S."""
+    import socket
+    import threading
+
+    from hetpipe import rpc
+    from launch import remote as client
+
+    class Coordinator:
+        def Submit(self, request: coordinator_pb2.SubmitRequest, context: object) -> coordinator_pb2.JobStatus:
+            return coordinator_pb2.JobStatus(job_id="cd" * 16)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    monkeypatch.setattr(client, "SUBMIT_RETRY_S", 0.1)
+    servers: list[rpc.Server] = []
+
+    def start() -> None:   # binding is what makes the port answer
+        servers.append(rpc.Server("127.0.0.1", port))
+        servers[0].add("Coordinator", Coordinator())
+        servers[0].start()
+
+    timer = threading.Timer(0.6, start)
+    timer.start()
+    try:
+        with rpc.channel(address) as channel:
+            assert client._submit(rpc.Stub(channel, "Coordinator"), make_job(), address) == "cd" * 16
+    finally:
+        timer.join()
+        servers[0].stop(grace=0)
+    assert (f"hetpipe: coordinator {address} unreachable: UNAVAILABLE: nothing listens at that address (not started "
+            "yet, or stopped); trying again for 30s") in capsys.readouterr().err
+
+    monkeypatch.setattr(client, "GIVE_UP_S", 0.3)
+    with rpc.channel(address) as channel, pytest.raises(client.CoordinatorUnreachable, match="nothing listens"):
+        client._submit(rpc.Stub(channel, "Coordinator"), make_job(), address)
