@@ -27,6 +27,10 @@ import psutil
 
 log = logging.getLogger(__name__)
 LAUNCHER_PID_ENV = "HETPIPE_LAUNCHER_PID"  # whose death ends a service process (launcher_pid)
+# Set when the launcher ignores SIGINT (a script's background job, nohup): a Ctrl-C at that
+# terminal is not for its services either. They cannot tell by themselves: the fork server they
+# come from ignores SIGINT whatever the launcher does.
+SIGINT_IGNORED_ENV = "HETPIPE_SIGINT_IGNORED"
 
 # The libraries every service imports. autograd.grad imports symbolic_shapes (and sympy, 0.4 s) on
 # its first call with grad_outputs: preloaded, no stage pays it inside its first backward. gRPC's
@@ -158,6 +162,9 @@ def start(args: list[str], log_path: Path, *, env: Mapping[str, str] | None = No
     context = _context()
     # The worker follows this process, not the fork server it is forked from (launcher_pid).
     environment = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())})
+    environment.pop(SIGINT_IGNORED_ENV, None)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        environment[SIGINT_IGNORED_ENV] = "1"
     process = context.Process(
         target=_run_module, name=args[2],
         args=(args[2], args[3:], str(log_path), append, environment, os.getcwd(), list(sys.path)),
@@ -217,6 +224,11 @@ def stop(children: Iterable[Child], grace: float = 3.0, sig: signal.Signals = si
 
 
 # ---- the child's side: follow the launcher ----------------------------------------------------------
+
+def sigint_ignored() -> bool:
+    """In a service: whether its launcher ignores SIGINT (SIGINT_IGNORED_ENV)."""
+    return os.environ.get(SIGINT_IGNORED_ENV) == "1"
+
 
 def launcher_pid() -> int:
     """The process whose death ends this one: the launcher that started it (hetpipe.children sets

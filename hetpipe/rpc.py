@@ -20,7 +20,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hetpipe import security
+from hetpipe import children, security
 from hetpipe.duplex import Duplex
 from hetpipe.errors import Rejected
 from hetpipe.metrics import ServerMetricsInterceptor
@@ -248,8 +248,9 @@ class Server:
                 threading.Thread(target=stop, args=(first[0],), daemon=True).start()
 
         signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # blocked in a fork server's children
+        if not children.sigint_ignored():   # as its launcher does: a background job's Ctrl-C is not for it
+            signal.signal(signal.SIGINT, on_signal)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # blocked in a fork server's children
 
 
 def channel(address: str) -> grpc.Channel:

@@ -45,12 +45,15 @@ class Cluster:
     address: str
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start(self, name: str, *args: str) -> None:
+    def start(self, name: str, *args: str, sigint: Any = signal.SIG_DFL) -> None:
+        """`hetpipe ARGS` as host `name`; sigint: its SIGINT disposition, as a terminal's command
+        has it (a test runner started in the background hands its children SIGINT ignored)."""
         (self.tmp / name).mkdir(exist_ok=True)
         with open(self.tmp / f"{name}.log", "wb") as log:
             self.procs[name] = subprocess.Popen([*HETPIPE, *args], cwd=self.tmp / name, stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                                env={**os.environ, "PYTHONPATH": str(REPO)},
+                                                preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
     def start_coordinator(self) -> None:
         self.start("coordinator", "coordinator", "--port", self.address.rsplit(":", 1)[1], "--heartbeat-interval",
@@ -244,6 +247,29 @@ def test_a_worker_host_stopped_by_its_operator_fails_the_job_saying_so(cluster: 
                      r"host; it had finished \d+ forwards and", err), err
     assert cluster.procs["hostb"].wait(10) == 130, cluster.log("hostb")
     assert "hetpipe worker: interrupted; stopped every process" in cluster.log("hostb")
+
+
+def test_a_worker_host_that_ignores_ctrl_c_keeps_its_stages_serving(cluster: Cluster, tmp_path: Path) -> None:
+    """A `hetpipe worker` that a script started in the background ignores SIGINT, and so do the
+    processes it starts (they come from a fork server that ignores it whatever the launcher does:
+    the launcher tells them). A Ctrl-C at that terminal stops nothing: the job trains on."""
+    gone = {w.info.address for w in cluster.registered() if w.info.node == "hostb"}
+    cluster.kill("hostb")
+    cluster.start("hostb", "worker", "--coordinator", cluster.address, "--emulate", "t4", "--node", "hostb",
+                  sigint=signal.SIG_IGN)
+    deadline = time.monotonic() + 60
+    while len(alive := [w for w in cluster.registered() if w.alive]) < 3 or gone & {w.info.address for w in alive}:
+        assert time.monotonic() < deadline, cluster.log("hostb")
+        time.sleep(0.1)
+    with _long_job(cluster, tmp_path) as client:
+        os.killpg(cluster.procs["hostb"].pid, signal.SIGINT)
+        before = cluster.job().samples
+        time.sleep(3)
+        status = cluster.job()
+        assert status.state == State.RUNNING and status.samples > before, (tmp_path / "client.err").read_text()
+        assert client.poll() is None and cluster.procs["hostb"].poll() is None, cluster.log("hostb")
+    (stage_log,) = (tmp_path / "hostb" / "runs" / "logs" / "hostb").glob("stage_worker_*.log")
+    assert "signal 2" not in stage_log.read_text()
 
 
 def test_a_restarted_coordinator_gets_fresh_workers_for_its_next_job(cluster: Cluster, tmp_path: Path) -> None:
