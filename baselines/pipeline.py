@@ -22,7 +22,7 @@ from torch import nn
 from hetpipe.config import ConfigError, JobConfig, with_overrides
 from hetpipe import faults, models, outputs, weight_files
 from hetpipe.loss_scale import clip_coefficient
-from hetpipe.optim import autocast, to_compute
+from hetpipe.optim import autocast, squared_norm, to_compute
 from baselines import common
 
 SCHEDULE_NAMES = {"hetpipe": "gpipe", "gpipe": "gpipe", "1f1b": "1f1b"}  # unset (hetpipe) means GPipe
@@ -156,13 +156,12 @@ class _Timed(nn.Module):
 
 def _clip(params: list[nn.Parameter], max_norm: float, device: torch.device) -> None:
     """train.max_grad_norm over the whole pipeline, as HetPipe's stages agree on it: every rank's
-    squared gradient norm (float64) summed by an allreduce, then clip_grad_norm_'s coefficient
-    (Megatron clips its pipeline stages the same way). A rank without weights adds 0."""
+    squared gradient norm summed by an allreduce, then clip_grad_norm_'s coefficient (Megatron
+    clips its pipeline stages the same way). A rank without weights adds 0."""
     import torch.distributed as dist
 
     grads = [p.grad for p in params if p.grad is not None]
-    norm_sq = (torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads
-               else torch.zeros((), dtype=torch.float64)).to(device)
+    norm_sq = squared_norm(grads).to(device)
     dist.all_reduce(norm_sq)
     coefficient = clip_coefficient(float(norm_sq), max_norm)
     if coefficient != 1.0 and grads:

@@ -48,6 +48,15 @@ def use_foreach(params: Sequence[torch.Tensor]) -> bool:
     return bool(params) and all(p.device.type == "cuda" for p in params)
 
 
+def squared_norm(grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """The squared L2 norm of all these gradients, as clip_grad_norm_ takes it (per-tensor norms,
+    squared and summed in float64), left on their device; 0 where there are none."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(torch._foreach_norm(present)).double().square().sum()
+
+
 class StageOptimizer:
     """A stage's SGD, Adam or AdamW step: torch.optim's own functional kernels, so bit for bit what
     torch.optim.SGD/Adam/AdamW compute with the same foreach choice and learning rate, the state

@@ -25,7 +25,7 @@ from types import FrameType
 
 import grpc
 
-from hetpipe import catalog, reach, rpc, security
+from hetpipe import catalog, children, reach, rpc, security
 from hetpipe.config import ConfigError
 from hetpipe.errors import JobFailed
 from hetpipe.service import EXIT_ORPHANED, loopback
@@ -246,13 +246,11 @@ class Launcher:
                 p.popen.terminate()
 
     def stop_all(self, sig: signal.Signals = signal.SIGTERM) -> None:
-        """sig to every process at once (each may take its leave's deadline to tell the coordinator
-        it goes, registration.LEAVE_DEADLINE_S, which group after group would add up), then each
-        group stopped."""
-        for _, p in self.processes():
-            if p.popen.poll() is None:
-                p.popen.send_signal(sig)
-        for group in self.groups:
+        """sig to every process at once, SIGKILL to what is left after one grace (each may take its
+        leave's deadline to tell the coordinator it goes, registration.LEAVE_DEADLINE_S, which
+        group after group would add up), then each group's clean-up."""
+        children.stop([p for _, p in self.processes()], sig=sig)
+        for group in self.groups:   # nothing left to stop: each group's clean-up
             group.stop_all(sig=sig)
 
     def listing(self, stages: list[StageDevice]) -> str:

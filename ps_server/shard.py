@@ -283,7 +283,7 @@ class Shard:
         self._settle(keys if quorum else [])
         self.pushes_applied += 1
         self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
-        return Sums(frozenset({k for k in keys if k not in self.hold.held} if exact else keys), adds)
+        return Sums(frozenset({k for k in keys if self.hold.wave(k) is None} if exact else keys), adds)
 
     def _released(self, keys: Iterable[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """exact: the adds of the held waves among keys that every live VW has now pushed, in VW order."""
@@ -374,13 +374,10 @@ class Shard:
     def _after_wave(self, key: str, vw: int, u: torch.Tensor) -> float:
         """exact: max |x| over the sums key's values take as its held wave goes in with vw's u, in
         VW order (each push of the wave checks the sums of those come so far; the last, all)."""
-        wave = self.hold.wave(key)
-        by_vw = {} if wave is None else dict(self.hold.held[key][1])
-        by_vw[vw] = u
         x = self.values[key]
         peak = headroom.magnitude(x)   # the bound this commits must cover what the values hold now
-        for v in sorted(by_vw):
-            x = x + by_vw[v]
+        for delta in self.hold.deltas(key, joined=(vw, u)):
+            x = x + delta
             peak = max(peak, headroom.magnitude(x))
         return peak
 

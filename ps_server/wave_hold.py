@@ -41,9 +41,12 @@ class WaveHold:
         assert entry[0] == wave and vw not in entry[1], f"{key}: wave {wave} of vw {vw} on {entry[0]}, {sorted(entry[1])}"
         entry[1][vw] = delta
 
-    def deltas(self, key: str) -> list[torch.Tensor]:
-        entry = self.held.get(key)
-        return [] if entry is None else [entry[1][v] for v in sorted(entry[1])]
+    def deltas(self, key: str, joined: tuple[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """key's held deltas in VW order; joined: (vw, delta), a push not held yet, in its place."""
+        by_vw = dict(self.held[key][1]) if key in self.held else {}
+        if joined is not None:
+            by_vw[joined[0]] = joined[1]
+        return [by_vw[v] for v in sorted(by_vw)]
 
     def release(self, key: str) -> list[torch.Tensor]:
         """key's held deltas in VW order, let go: its wave is complete, they go into its values."""

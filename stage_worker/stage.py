@@ -15,7 +15,8 @@ from torch.func import functional_call
 
 from hetpipe.buffers import raw_bytes
 from hetpipe.models import trainable
-from hetpipe.optim import StageOptimizer, autocast, compute_dtype, compute_loss, for_loss, to_compute, use_foreach
+from hetpipe.optim import (StageOptimizer, autocast, compute_dtype, compute_loss, for_loss, squared_norm, to_compute,
+                           use_foreach)
 from hetpipe.training import OptimizerConfig
 
 
@@ -245,10 +246,7 @@ class StageCompute:
     def norm_sq(grads: Grads) -> float:
         """The squared L2 norm of all these gradients (clip_grad_norm_'s per-tensor norms, squared
         and summed in float64). Reads one number from the device."""
-        present = [g for g in grads if g is not None]
-        if not present:
-            return 0.0
-        return float(torch.stack(torch._foreach_norm(present)).double().square().sum())
+        return float(squared_norm(grads))
 
     def _grads(
         self, stashed: _Stashed, out: torch.Tensor, grad_out: torch.Tensor | None
