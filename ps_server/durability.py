@@ -69,7 +69,7 @@ class _Entry:
             return 0
         if self.kind == "exchange":  # an elastic exchange: replayed in order, it gives the same deltas
             return int(shard.exchange(self.vw, self.clock, tensors).applied)
-        return int(shard.push(self.vw, self.clock, tensors))
+        return int(shard.push(self.vw, self.clock, tensors, applied_before=self.place > 0))
 
 
 def _unreadable(path: Path, exc: Exception) -> None:

@@ -79,7 +79,7 @@ class Shard:
         self.exchanged: dict[str, list[int]] = {}               # elastic: exchanges per (key, VW)
         self.last_delta: dict[str, list[torch.Tensor | None]] = {}  # elastic: each VW's latest, for its retry
         self.exchanges_applied = 0
-        self.hold = WaveHold()                                  # exact: each key's wave not yet complete
+        self.hold = WaveHold()                                  # exact: each key's waves not yet complete
         self.headroom = headroom.Headroom()   # how far each key is from overflowing; not state (derived)
         # _add's widening buffers: one per add under way (pushes of other keys add at once), kept
         # for the next; as many as adds ever ran at once (a few: one per stage pushing).
@@ -181,7 +181,7 @@ class Shard:
         self.evicted.add(vw)
         self._settle(list(self.rounds))  # quorum: a round may now have the quorum of the VWs left
         # exact: a wave it had not pushed may now be complete (the caller lets no add run meanwhile)
-        self.add(Sums(frozenset(), self._released(self.hold.keys())))
+        self.add(Sums(frozenset(), self._released(self.hold.keys())[1]))
         return True
 
     def _check_keys(self, keys: Sequence[str]) -> None:
@@ -217,23 +217,31 @@ class Shard:
                 )
 
     def push(self, vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]],
-             journal: Callable[[], None] | None = None, sizes: dict[str, float] | None = None) -> bool:
+             journal: Callable[[], None] | None = None, sizes: dict[str, float] | None = None, *,
+             applied_before: bool = False) -> bool:
         """G1: adds VW vw's wave-`clock` update once. Returns False for a retried duplicate.
 
         All-or-nothing: every key is validated before any is changed. `journal` (the durable push
         log) runs after validation, right before the update is applied; if it raises, nothing is.
         sizes: push_sizes(vw, clock, deltas), where the caller has measured them already.
+        applied_before: a push that log replay brings back (G4 is not asked again: see accept).
         """
-        sums = self.accept(vw, clock, deltas, journal, sizes)
+        sums = self.accept(vw, clock, deltas, journal, sizes, applied_before=applied_before)
         if sums is not None:
             self.add(sums)
         return sums is not None
 
     def accept(self, vw: int, clock: int, deltas: Sequence[tuple[str, torch.Tensor]],
-               journal: Callable[[], None] | None = None, sizes: dict[str, float] | None = None) -> Sums | None:
+               journal: Callable[[], None] | None = None, sizes: dict[str, float] | None = None, *,
+               applied_before: bool = False) -> Sums | None:
         """push() but for the adds to w_global, which it returns (None: a duplicate), for add().
         The servicer adds them outside its lock: until add() returns, nothing may read or add
-        to those keys' values (pulls, other pushes of them, snapshots, digests)."""
+        to those keys' values (pulls, other pushes of them, snapshots, digests).
+
+        applied_before: log replay of a push that this shard applied before (its entry has a place),
+        when it met G4. A power cut may since have taken a slower VW's unsynced push from the log
+        (its pusher shared the machine and died with it): the push is kept all the same, as it may
+        have been acknowledged, and exact pulls hold its wave with the others'."""
         self.check_push(vw, [(k, d.dtype, tuple(d.shape)) for k, d in deltas])
         quorum = self.rule.mode == "quorum"
         if quorum:
@@ -259,12 +267,14 @@ class Shard:
         if quorum and clock >= self.rule.total_waves:
             raise ShardError(ShardError.Kind.CLOCK, f"push of vw {vw} for clock {clock}: the job has "
                                                     f"{self.rule.total_waves} waves per virtual worker")
-        if (lead := self.rule.lead) is not None:
-            self._check_lead(vw, clock, keys, lead)
+        lead = self.rule.lead
+        past = {} if lead is None else self._past_lead(clock, keys, lead)
+        if past and not applied_before:
+            raise self._past_g4(vw, clock, past, lead)
         # Under quorum w_global + u is not the next state (the round may wait): the bound decides.
         # Exact: the sums the values take as u's wave goes in, in VW order, so far.
         exact = self.rule.exact
-        after = None if quorum else (lambda key, u: self._after_wave(key, vw, u)) if exact else self._after
+        after = None if quorum else (lambda key, u: self._after_wave(key, clock, vw, u)) if exact else self._after
         grown = self._room(what, deltas, sizes, after)
         if journal is not None:
             journal()
@@ -278,21 +288,25 @@ class Shard:
             else:
                 adds.append((self.values[key], delta))
             self.clocks[key][vw] = clock + 1
+        changed = frozenset(keys)
         if exact:
-            adds = self._released(keys)
+            changed, adds = self._released(keys)
         self._settle(keys if quorum else [])
         self.pushes_applied += 1
-        self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
-        return Sums(frozenset({k for k in keys if self.hold.wave(k) is None} if exact else keys), adds)
+        if not past:   # replayed past G4: what is missing is a slower VW's push, not this one's bound
+            self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
+        return Sums(changed, adds)
 
-    def _released(self, keys: Iterable[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """exact: the adds of the held waves among keys that every live VW has now pushed, in VW order."""
-        adds: list[tuple[torch.Tensor, torch.Tensor]] = []
+    def _released(self, keys: Iterable[str]) -> tuple[frozenset[str], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """exact: the keys among these whose held waves every live VW has now pushed, and those
+        waves' adds, in wave then VW order."""
+        released, adds = set(), []
         for key in keys:
             wave = self.hold.wave(key)
-            if wave is not None and self._key_c_global(key) > wave:
-                adds += [(self.values[key], delta) for delta in self.hold.release(key)]
-        return adds
+            if wave is not None and (c_global := self._key_c_global(key)) > wave:
+                released.add(key)
+                adds += [(self.values[key], delta) for delta in self.hold.release(key, c_global)]
+        return frozenset(released), adds
 
     def add(self, sums: Sums) -> None:
         """Adds an accepted push's sums to w_global (what accept() left to do)."""
@@ -338,15 +352,14 @@ class Shard:
     def _past_lead(self, clock: int, keys: Sequence[str], lead: int) -> dict[str, int]:
         return {k: c for k in keys if clock > (c := self._key_c_global(k)) + lead}
 
-    def _check_lead(self, vw: int, clock: int, keys: Sequence[str], lead: int) -> None:
+    @staticmethod
+    def _past_g4(vw: int, clock: int, past: dict[str, int], lead: int | None) -> ShardError:
         """G4: a VW pushes wave c only once c_global >= c - D (a stage's G2 wait before the wave's last
-        forward ensures it), so the clock distance never passes D + 1. Exact pulls (D = 0) hold one
-        wave per key (WaveHold) and rely on it."""
-        past = self._past_lead(clock, keys, lead)
-        if past:
-            raise ShardError(ShardError.Kind.CLOCK,
-                             f"push of vw {vw} for clock {clock}: G4 with D = {lead} takes wave c only once c_global "
-                             f">= c - D, and c_global is {sorted(set(past.values()))} for {sorted(past)[:5]}")
+        forward ensures it), so the clock distance never passes D + 1. Exact pulls (D = 0) then hold
+        one wave per key (WaveHold)."""
+        return ShardError(ShardError.Kind.CLOCK,
+                          f"push of vw {vw} for clock {clock}: G4 with D = {lead} takes wave c only once c_global "
+                          f">= c - D, and c_global is {sorted(set(past.values()))} for {sorted(past)[:5]}")
 
     def _room(self, what: str, updates: Sequence[tuple[str, torch.Tensor]], sizes: dict[str, float],
               after: Callable[[str, torch.Tensor], float] | None) -> dict[str, float]:
@@ -371,12 +384,12 @@ class Shard:
         """max |x| over key's values once u is added."""
         return headroom.magnitude(self.values[key] + u)
 
-    def _after_wave(self, key: str, vw: int, u: torch.Tensor) -> float:
-        """exact: max |x| over the sums key's values take as its held wave goes in with vw's u, in
-        VW order (each push of the wave checks the sums of those come so far; the last, all)."""
+    def _after_wave(self, key: str, wave: int, vw: int, u: torch.Tensor) -> float:
+        """exact: max |x| over the sums key's values take as its held waves go in with vw's u of
+        `wave`, in wave then VW order (each push checks the sums of those come so far; the last, all)."""
         x = self.values[key]
         peak = headroom.magnitude(x)   # the bound this commits must cover what the values hold now
-        for delta in self.hold.deltas(key, joined=(vw, u)):
+        for delta in self.hold.deltas(key, joined=(wave, vw, u)):
             x = x + delta
             peak = max(peak, headroom.magnitude(x))
         return peak

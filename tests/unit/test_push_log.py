@@ -20,7 +20,8 @@ from hetpipe.v1 import wire_pb2
 from hetpipe.weight_files import DTYPES
 from ps_server.durability import Durability, _write_entry, _write_stream
 from ps_server.shard import Shard
-from shard_reference import log_push, record_fsyncs, two_key_shard
+from ps_server.sync_rule import SyncRule
+from shard_reference import Kind, assert_refused, log_push, record_fsyncs, two_key_shard
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,6 +100,59 @@ def test_a_start_after_a_machine_restart_that_dies_before_restore_leaves_the_old
     assert Durability(str(tmp_path)).restore(again) == 0
     assert again.clocks["a"] == [0, 0], "an entry written before the machine restarted was replayed"
     assert dur.boot_path.read_text() != "a boot before this one\n", "restore records this boot once it is safe"
+
+
+@pytest.mark.parametrize("rule", [SyncRule("wsp", exact=True), SyncRule("wsp", D=1)], ids=["D0-exact", "D1"])
+def test_a_power_cut_keeps_the_acknowledged_pushes_of_a_vw_ahead_of_the_wave_it_took(
+        tmp_path: Path, rule: SyncRule) -> None:
+    """VW 0 shares the shard's machine and pushes through shared memory (acknowledged before its
+    entry is on disk); VW 1, on another machine, pushes in frames (on disk first) and runs D + 1
+    waves ahead, as G4 allows once VW 0's wave 0 is in. A power cut takes VW 0's entry, and
+    VW 0 with it: replay keeps every push of VW 1, though G4 would refuse its last one now
+    (c_global is back at 0). Exact pulls hold its waves, which go in, in wave then VW order, as
+    soon as VW 0's pushes come again (or VW 0 is evicted): the state a shard that never lost
+    power reaches, bit for bit. A live push past G4 is still refused. (Before, replay refused
+    VW 1's last push, and its next one was then refused as skipping ahead.)"""
+    lead = rule.lead
+    assert lead is not None
+    u = {(vw, wave): [("a", torch.randn(2, 3, dtype=torch.float64) * 1e-2)] for vw in range(2) for wave in range(lead + 3)}
+    init = torch.randn(2, 3, dtype=torch.float64)
+    shard, kept_power = Shard(), Shard()
+    for s in (shard, kept_power):
+        assert s.init(2, [("a", init.clone())], (), rule)
+    dur = Durability(str(tmp_path), every_clocks=100)
+    dur.checkpoint(shard)
+    unsynced, logged = log_push(dur, 0, 0, u[(0, 0)])
+    dur.place(unsynced)
+    assert shard.push(0, 0, logged)
+    dur.settle(unsynced, applied=True)                   # acknowledged through shared memory, not on disk
+    for wave in range(lead + 2):                         # VW 1 as far ahead as G4 lets it
+        push(shard, dur, 1, wave, u[(1, wave)])
+    dur.boot_path.write_text("a boot before this one\n")  # the power cut
+
+    rebooted = Shard()
+    assert Durability(str(tmp_path)).restore(rebooted) == lead + 2, "an acknowledged push of vw 1 was dropped"
+    assert rebooted.clocks["a"] == [0, lead + 2]
+    assert rebooted.max_clock_distance == shard.max_clock_distance == lead + 1, "G4 reported broken"
+    assert_refused(Kind.CLOCK, rebooted.push, 1, lead + 2, u[(1, lead + 2)])   # live, G4 holds
+    evicted = Shard()
+    evicted.restore(rebooted.snapshot())                 # the held waves' checkpoint, restored
+    assert evicted.digest() == rebooted.digest()
+
+    for wave in range(lead + 2):                         # VW 0 comes again (its retry, then more)
+        assert rebooted.push(0, wave, u[(0, wave)])
+        assert kept_power.push(0, wave, u[(0, wave)]) and kept_power.push(1, wave, u[(1, wave)])
+    assert not rebooted.hold
+    assert rebooted.clocks == kept_power.clocks
+    if rule.exact:   # without exact pulls, pushes go in as they come: the same sums, in another order
+        assert rebooted.digest() == kept_power.digest(), "not the state of a shard that kept its power"
+    assert torch.allclose(rebooted.values["a"], kept_power.values["a"], rtol=0, atol=1e-15)
+
+    assert evicted.evict(0)                              # or VW 0 leaves the job: VW 1's waves, in order
+    want = init
+    for wave in range(lead + 2):
+        want = want + u[(1, wave)][0][1]
+    assert not evicted.hold and torch.equal(evicted.values["a"], want)
 
 
 def test_entries_a_checkpoint_covered_are_written_over_then_deleted_at_close(tmp_path: Path) -> None:
