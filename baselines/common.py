@@ -242,7 +242,7 @@ def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> di
     dtype = compute_dtype(job.train.precision)
     model.eval()  # as the stages evaluate: dropout off, batch norm on its running statistics
     with torch.no_grad():
-        for batch in data.eval_batches(job, held_out, job.eval.rows):
+        for batch in data.eval_batches(job, held_out, job.eval.rows_read):
             x, y = data.read_rows(job, held_out, batch)
             with autocast(dtype, device.type):
                 out = for_loss(dtype, model(x.to(device)))  # as the stages score it

@@ -49,8 +49,15 @@ class DataConfig:
 
 @dataclass(frozen=True, slots=True)
 class EvalConfig:
-    every: int = 0       # minibatches per VW between evaluations (0: only at the end)
-    rows: int = 1024     # held-out rows per evaluation
+    every: int = 0             # minibatches per VW between evaluations (0: only at the end)
+    rows: int | None = None    # held-out rows per evaluation; None: up to DEFAULT_ROWS, whole minibatches
+
+    DEFAULT_ROWS = 1024
+
+    @property
+    def rows_read(self) -> int:
+        """The held-out rows an evaluation asks for (data.eval_batches reads whole minibatches)."""
+        return self.DEFAULT_ROWS if self.rows is None else self.rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +235,9 @@ def _parse_eval(raw: Any) -> EvalConfig | None:
         return None
     e, d = Section(raw, "eval"), EvalConfig()
     e.check_known(("every", "rows"))
-    return EvalConfig(every=e.integer("every", d.every, maximum=MAX_STEPS), rows=e.integer("rows", d.rows, minimum=1))
+    # None (left out, or from to_json) is the default: only rows given say how many must be read.
+    rows = None if e.raw.get("rows") is None else e.integer("rows", 0, minimum=1)
+    return EvalConfig(every=e.integer("every", d.every, maximum=MAX_STEPS), rows=rows)
 
 
 def _check_together(job: JobConfig) -> None:

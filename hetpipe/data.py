@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from hetpipe.config import ConfigError, EvalConfig, JobConfig
+from hetpipe.config import ConfigError, JobConfig
 from hetpipe.validate import Section
 
 NUMBERS = "biuf"  # numpy kinds a tensor can be made of and a loss can take
@@ -441,7 +441,7 @@ def eval_warnings(job: JobConfig, held_out: int | None = None) -> list[str]:
     if held_out is None:
         held = held_out_set(job)
         held_out = len(held) if held is not None else 0  # type: ignore[arg-type]
-    note = eval_rows_note(job.eval.rows, held_out, job.data.batch_size, given=job.eval.rows != EvalConfig().rows)
+    note = eval_rows_note(job.eval.rows_read, held_out, job.data.batch_size, given=job.eval.rows is not None)
     return [note] if held_out and note else []
 
 

@@ -51,7 +51,7 @@ class Evals:
         held_out = data.held_out_set(job)
         assert held_out is not None, "the job parser requires held-out data for eval"
         self.dataset = held_out
-        self.batches = data.eval_batches(job, held_out, job.eval.rows)
+        self.batches = data.eval_batches(job, held_out, job.eval.rows_read)
         self.totals = Totals(len(self.batches), job.train.loss == "cross_entropy")
         self.started: set[int] = set()
         self._partly_run: dict[int, int] = {}   # evaluation -> its minibatches run here so far, until all are

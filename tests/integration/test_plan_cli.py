@@ -83,6 +83,10 @@ def test_eval_rows_the_held_out_set_cannot_give_is_a_warning(capsys: pytest.Capt
             "data.batch_size 32)") in err
     code, _, err = _plan(capsys, tmp_path, deep_update(EMULATED, deep_update(held, {"eval": {"rows": 352}})))
     assert code == 0 and "eval.rows" not in err
+    code, _, err = _plan(capsys, tmp_path, deep_update(EMULATED, deep_update(held, {"eval": {"rows": 1024}})))
+    assert code == 0 and "warning: eval.rows 1024: each evaluation reads 352 held-out rows" in err, "given, not the default"
+    code, _, err = _plan(capsys, tmp_path, deep_update(EMULATED, {"data": held["data"], "eval": {"every": 10}}))
+    assert code == 0 and "eval.rows" not in err, "left out: up to 1024 rows, silently"
 
 
 def test_plan_of_a_ddp_job_shows_what_ddp_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
