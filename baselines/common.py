@@ -242,8 +242,8 @@ def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> di
     dtype = compute_dtype(job.train.precision)
     model.eval()  # as the stages evaluate: dropout off, batch norm on its running statistics
     with torch.no_grad():
-        for batch in data.eval_batches(job, held_out, job.eval.rows_read):
-            x, y = data.read_rows(job, held_out, batch)
+        for i, batch in enumerate(data.eval_batches(job, held_out, job.eval.rows_read), 1):
+            x, y = data.read_rows(job, held_out, batch, (data.EVAL_DRAW, i))   # as the stages draw it
             with autocast(dtype, device.type):
                 out = for_loss(dtype, model(x.to(device)))  # as the stages score it
             y = y.to(device)

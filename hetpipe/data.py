@@ -5,9 +5,11 @@ against the model that runs before any process starts."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
+import random
 import threading
 import traceback
 import weakref
@@ -157,7 +159,8 @@ def _from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
     if rows == 0:
         raise ConfigError(f"{key}: {spec} returned an empty dataset")
     try:
-        item = dataset[0]
+        with _seeded(job.train.seed, (CHECK_DRAW,)):   # an augmentation's draws move no one's generator
+            item = dataset[0]
     except Exception as exc:
         raise ConfigError(f"{key}: reading item 0 of {spec}'s dataset failed: {type(exc).__name__}: {exc}") from None
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
@@ -262,8 +265,72 @@ def cast(job: JobConfig, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor
     return x, y.long()
 
 
+# A draw names what is read: training minibatch (TRAIN_DRAW, vw, p), evaluation minibatch
+# (EVAL_DRAW, i), or (CHECK_DRAW,) the item a factory's dataset is checked by.
+TRAIN_DRAW, EVAL_DRAW, CHECK_DRAW = 0, 1, 2
+
+
+def _draws_at_random(job: JobConfig) -> bool:
+    """Whether the job's data comes from a factory (the user's code, which may draw at random: an
+    augmentation); the built-in datasets are arrays, read as they are."""
+    return job.data.factory is not None or job.data.eval_factory is not None
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, draw: tuple[int, ...]) -> Iterator[None]:
+    """torch's, numpy's and Python's global generators seeded for this draw, then put back."""
+    state = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    entropy = int(np.random.SeedSequence([seed & (2**63 - 1), *draw]).generate_state(2, np.uint64)[0])
+    torch.manual_seed(entropy)
+    np.random.seed(entropy % 2**32)
+    random.seed(entropy)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state[0])
+        np.random.set_state(state[1])
+        random.setstate(state[2])
+
+
+def _items(dataset: Dataset[Any], rows: Sequence[int]) -> list[Any]:
+    getitems = getattr(dataset, "__getitems__", None)
+    return getitems(list(rows)) if getitems is not None else [dataset[r] for r in rows]  # type: ignore[no-any-return]
+
+
+class _Arrays(Dataset[Any]):
+    """A built-in dataset (arrays) read by (draw, row) keys: no generator to seed."""
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitems__(self, keys: list[tuple[tuple[int, ...], int]]) -> list[Any]:
+        return _items(self.dataset, [row for _, row in keys])
+
+
+class _Drawn(Dataset[Any]):
+    """A factory's dataset, read a minibatch at a time under generators seeded for that minibatch
+    (its draw: the job's seed, the VW and p). Stage 0 reads a minibatch's inputs and the last
+    stage its targets, each on its own, and a random augmentation (a crop, mixup, a mask) must draw
+    the same at both, or inputs would train against another draw's targets; it does now, whatever
+    else used the generators in between (a dropout), on any data.workers, and again on --resume."""
+
+    def __init__(self, dataset: Dataset[Any], seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitems__(self, keys: list[tuple[tuple[int, ...], int]]) -> list[Any]:
+        with _seeded(self.seed, keys[0][0]):
+            return _items(self.dataset, [row for _, row in keys])
+
+
 class _Order:
-    """The rows of minibatches `numbers` of VW vw, each worked out as the loader reaches it."""
+    """The rows of minibatches `numbers` of VW vw, each worked out as the loader reaches it, as
+    (draw, row) keys of _Drawn."""
 
     def __init__(self, job: JobConfig, vw: int, rows: int, numbers: range) -> None:
         self.job, self.vw, self.rows, self.numbers = job, vw, rows, numbers
@@ -271,12 +338,13 @@ class _Order:
     def __len__(self) -> int:
         return len(self.numbers)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[tuple[tuple[int, ...], int]]]:
         job = self.job
         for p in self.numbers:
-            yield minibatch_rows(p, self.vw, virtual_workers=job.parallel.virtual_workers,
-                                 batch_size=job.data.batch_size, rows=self.rows, shuffle=job.data.shuffle,
-                                 seed=job.train.seed).tolist()
+            draw = (TRAIN_DRAW, self.vw, p)
+            yield [(draw, row) for row in minibatch_rows(
+                p, self.vw, virtual_workers=job.parallel.virtual_workers, batch_size=job.data.batch_size,
+                rows=self.rows, shuffle=job.data.shuffle, seed=job.train.seed).tolist()]
 
 
 class Minibatches:
@@ -295,7 +363,8 @@ class Minibatches:
         # A generator of its own: without one, each iterator draws its workers' base seed from
         # torch's global generator, under a layer's seeded initialisation on another thread.
         base_seed = torch.Generator().manual_seed(hash((job.train.seed, vw)) & (2**63 - 1))
-        self._loader = DataLoader(dataset, batch_sampler=order, collate_fn=_collate, num_workers=workers,
+        drawn = _Drawn(dataset, job.train.seed) if _draws_at_random(job) else _Arrays(dataset)
+        self._loader = DataLoader(drawn, batch_sampler=order, collate_fn=_collate, num_workers=workers,
                                   pin_memory=pin, multiprocessing_context="spawn" if workers else None,
                                   persistent_workers=False, generator=base_seed)
         started = set(threading.enumerate())
@@ -377,10 +446,16 @@ def first_item(job: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return cast(job, batch.x, batch.y)
 
 
-def read_rows(job: JobConfig, dataset: Dataset[Any], rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """These rows of dataset as one minibatch (x, y), cast as training takes them."""
-    getitems = getattr(dataset, "__getitems__", None)
-    batch = _collate(getitems(list(rows)) if getitems is not None else [dataset[r] for r in rows])
+def read_rows(job: JobConfig, dataset: Dataset[Any], rows: Sequence[int],
+              draw: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """These rows of dataset as one minibatch (x, y), cast as training takes them. draw: the
+    minibatch's name, which seeds a factory's random draws for it (_Drawn): every reader of
+    evaluation minibatch i passes (EVAL_DRAW, i)."""
+    if draw is not None and _draws_at_random(job):
+        items = _Drawn(dataset, job.train.seed).__getitems__([(draw, r) for r in rows])
+    else:
+        items = _items(dataset, rows)
+    batch = _collate(items)
     return cast(job, batch.x, batch.y)
 
 

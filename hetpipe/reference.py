@@ -21,7 +21,7 @@ def minibatch(job: JobConfig, dataset: torch.utils.data.Dataset, p: int, vw: int
     """Minibatch p of VW vw, in the DESIGN §8 order."""
     rows = data.minibatch_rows(p, vw, virtual_workers=job.parallel.virtual_workers, batch_size=job.data.batch_size,
                                rows=len(dataset), shuffle=job.data.shuffle, seed=job.train.seed)  # type: ignore[arg-type]
-    return data.read_rows(job, dataset, rows.tolist())
+    return data.read_rows(job, dataset, rows.tolist(), (data.TRAIN_DRAW, vw, p))
 
 
 def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu") -> torch.nn.Sequential:

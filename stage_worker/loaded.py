@@ -70,7 +70,7 @@ class Evals:
 
     def read(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.dataset is not None
-        return data.read_rows(self.job, self.dataset, self.batches[i - 1])
+        return data.read_rows(self.job, self.dataset, self.batches[i - 1], (data.EVAL_DRAW, i))
 
     def score(self, k: int, i: int, out: torch.Tensor, *, trained: int, name: str) -> None:
         """The last stage: evaluation k's minibatch i came out as out; `trained` minibatches of VW 0

@@ -166,3 +166,47 @@ def test_a_module_in_the_jobs_folder_does_not_stand_in_for_a_library(tmp_path: P
                           timeout=200)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+AUGMENTED = '''
+import torch
+from torch import nn
+
+
+class Drawn(torch.utils.data.Dataset):
+    # Every read draws a fresh pair: y at random, x noise with a bump at y (as mixup or masking do).
+    def __len__(self):
+        return 2000
+
+    def __getitem__(self, i):
+        y = int(torch.randint(0, 10, ()))
+        x = torch.randn(64) * 0.1
+        x[y] += 3.0
+        return x, y
+
+
+def drawn():
+    return Drawn()
+
+
+def net():
+    return nn.Sequential(nn.Dropout(0.1), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+'''
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_dataset_that_draws_at_random_trains_its_inputs_against_their_own_targets(tmp_path: Path,
+                                                                                     stages: int) -> None:
+    """Stage 0 reads the inputs and the last stage the targets (a lone stage: two readers), each
+    on its own, with a dropout drawing from torch's generator in between: each minibatch's draws
+    are seeded for it, so the pairs match (unseeded, this trained to chance, 0.1, exiting 0),
+    and the evaluation's too."""
+    (tmp_path / "augmented.py").write_text(AUGMENTED)
+    raw = {"model": {"factory": "augmented:net"},
+           "data": {"factory": "augmented:drawn", "eval_factory": "augmented:drawn", "batch_size": 32},
+           "train": {"steps": 60, "optimizer": {"name": "sgd", "lr": 0.1}},
+           "parallel": {"virtual_workers": 1, "stages_per_vw": stages, "nm": 2}, "eval": {"every": 0, "rows": 256},
+           "output": {"dir": str(tmp_path / "out")}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    summary = run_local(load_job(str(tmp_path / "job.yaml")), quiet=True)
+    assert summary["eval_accuracy"] >= 0.9 and summary["final_loss"] < 1.0, summary

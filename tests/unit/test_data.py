@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from conftest import BASE_JOB, deep_update
 from hetpipe.config import ConfigError, JobConfig, parse_job
 from hetpipe import data
-from hetpipe.data import (IGNORED_LABEL, ArrayDataset, Minibatches, check, eval_batches, held_out_set, minibatch_rows,
-                          read_rows, training_set)
+from hetpipe.data import (EVAL_DRAW, IGNORED_LABEL, ArrayDataset, Minibatches, check, eval_batches, held_out_set,
+                          minibatch_rows, read_rows, training_set)
 from hetpipe.reference import minibatch
 
 
@@ -275,6 +275,25 @@ def string_targets(rows=20):
 
 def negative_length(rows=20):
     return Items((torch.zeros(4), 1), rows=-1)
+
+
+class Augmented(torch.utils.data.Dataset):
+    # Each read draws: the target from torch, the input's noise from numpy and Python (mixup-like).
+    def __init__(self, rows=20):
+        self.rows = rows
+
+    def __len__(self):
+        return self.rows
+
+    def __getitem__(self, i):
+        import random
+        import numpy as np
+        y = int(torch.randint(0, 3, ()))
+        return torch.tensor([float(y), float(np.random.rand()), random.random(), float(i)]), y
+
+
+def augmented(rows=20):
+    return Augmented(rows)
 """
 
 
@@ -297,6 +316,43 @@ def test_a_data_factory_is_read_in_the_design_order(tmp_path: Path) -> None:
         rx, ry = reader.next()
         ex, ey = minibatch(job, dataset, p, 0)
         assert torch.equal(rx, ex) and torch.equal(ry, ey)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_datasets_random_draws_are_the_same_for_stage_0_and_the_last_stage(tmp_path: Path, workers: int) -> None:
+    """Stage 0 reads a minibatch's inputs and the last stage its targets, each on its own: a
+    dataset that draws at random (an augmentation) must draw the same for both, whatever else
+    used the generators in between (a dropout on stage 0), and the same again on --resume, or
+    inputs train against other draws' targets. Evaluation minibatches too. The generators are
+    left as they were."""
+    job = factory_job(tmp_path, factory="mydata:augmented", workers=workers, eval_fraction=0.25)
+    train = training_set(job)
+    first, last = (Minibatches(job, train, 0, steps=4) for _ in range(2))
+    resumed = Minibatches(job, train, 0, steps=4, start=3)
+    torch.manual_seed(5)
+    for p in range(1, 5):
+        x, _ = first.next()
+        torch.rand(7)                                            # stage 0's dropout
+        _, y = last.next()
+        assert torch.equal(x[:, 0], y.float()), f"minibatch {p}: inputs drawn against other targets"
+        if p >= 3:
+            assert torch.equal(resumed.next()[0], x), f"minibatch {p} drawn otherwise after --resume"
+        assert torch.equal(x, minibatch(job, train, p, 0)[0]), "the reference reads other draws"
+    after = torch.get_rng_state()
+    for reader in (first, last, resumed):
+        reader.close()
+    torch.manual_seed(5)
+    for _ in range(4):
+        torch.rand(7)
+    assert torch.equal(after, torch.get_rng_state()), "reading moved torch's global generator"
+    held = held_out_set(job)
+    assert held is not None
+    ex, _ = read_rows(job, held, [0, 1, 2], (EVAL_DRAW, 1))
+    torch.rand(3)
+    _, ey = read_rows(job, held, [0, 1, 2], (EVAL_DRAW, 1))
+    assert torch.equal(ex[:, 0], ey.float()), "an evaluation's inputs drawn against other targets"
+    unseeded = [read_rows(job, held, [0, 1, 2])[1] for _ in range(8)]
+    assert any(not torch.equal(unseeded[0], u) for u in unseeded), "the dataset draws: the test means something"
 
 
 @pytest.mark.cuda
