@@ -25,7 +25,8 @@ from coordinator.planner.cluster import Gpu, PlanError, cluster_gpus, vw_signatu
 from coordinator.planner.costs import StageCosts
 from coordinator.planner.memory import optimizer_kind, stage_memory
 from coordinator.planner.partition import Partition, max_nm, partition_vw
-from coordinator.planner.profile import ModelProfile, profile_model
+from coordinator.planner.profile import ModelProfile, example_input, profile_model
+from coordinator.planner.shapes import boundaries
 
 # nm auto tries 1..this: past it, a deeper pipeline buys little and costs staleness and memory.
 NM_AUTO_LIMIT = 16
@@ -104,6 +105,26 @@ class Plan:
             "dp_only": self.dp_only, "warnings": list(self.warnings),
             "stages": [{**dataclasses.asdict(s), "gpu": s.label} for s in self.stages],
         }
+
+
+def _check_cuts(job: JobConfig, model: torch.nn.Sequential, parts: Sequence[Partition]) -> None:
+    """ConfigError where a stage would begin at a layer whose input is not floating point (token
+    ids, say): no gradient flows back across such a boundary for the stage before it to run its
+    backward on."""
+    # The zoo's layers pass floats on (a GPT's token ids enter its first layer, where no stage begins).
+    if job.model.factory is None or all(len(part.stages) == 1 for part in parts):
+        return
+    flows = boundaries(model, example_input(job, job.model.args, model))
+    for v, part in enumerate(parts):
+        for q, cut in enumerate(part.stages[1:], 1):
+            shape, dtype = flows[cut.layer_begin]
+            if not (dtype.is_floating_point or dtype.is_complex):
+                raise ConfigError(
+                    f"parallel.stages_per_vw: stage {q} of vw {v} would begin at layer "
+                    f"{layer_names(model, cut.layer_begin, cut.layer_begin + 1)}, whose input is "
+                    f"{str(dtype).removeprefix('torch.')} {list(shape)}: a stage boundary must carry floating-point "
+                    "values, which a gradient can flow back across (join the layers before it, an nn.Embedding's "
+                    "input for one, into one layer with it, or use fewer stages)")
 
 
 def layer_names(model: torch.nn.Sequential, begin: int, end: int) -> str:
@@ -226,6 +247,7 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
     if best is None:
         raise PlanError("no plan fits: " + "; ".join(reasons[:4]))
 
+    _check_cuts(job, model, best.parts)
     key_shard = costs.key_shard(best.parts)
     here = local_devices()
     stages = []

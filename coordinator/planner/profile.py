@@ -60,7 +60,7 @@ class ModelProfile:
     layers: tuple[LayerProfile, ...]
 
 
-def _example(job: JobConfig, args: Mapping[str, Any], model: torch.nn.Sequential) -> tuple[tuple[int, ...], torch.dtype]:
+def example_input(job: JobConfig, args: Mapping[str, Any], model: torch.nn.Sequential) -> tuple[tuple[int, ...], torch.dtype]:
     """One minibatch of input. A zoo model says what it takes (at these args, which may be
     cluster.emulate.model_args); a user's model takes what its data gives."""
     batch = job.data.batch_size
@@ -89,7 +89,7 @@ def profile_model(job: JobConfig, device_types: Sequence[str], *, args: Mapping[
             raise ValueError(f"device type {t!r}: expected one of {', '.join([*MEASURED_TYPES, *CATALOG])}")
     args = dict(job.model.args if args is None else args)
     model = models.structure(job.model, job.base_dir, args)
-    shape, in_dtype = _example(job, args, model)
+    shape, in_dtype = example_input(job, args, model)
     dtype = _compute_dtype(job)
     key = {"version": PROFILE_VERSION, "model": models.describe(job.model), "args": _jsonable(args),
            "input": [list(shape), str(in_dtype)], "dtype": str(dtype), "layers": _digest(model)}

@@ -240,3 +240,39 @@ def test_the_prediction_is_set_beside_a_measured_run_of_the_same_shape_alone(cap
         code, out, _ = _plan(capsys, tmp_path, {**EMULATED, "output": {"dir": str(tmp_path / "out")}})
         assert code == 0
         assert ("measured 100.0 samples/s in" in out) is shown, (summary, out)
+
+
+TOKENS = '''
+import torch
+from torch import nn
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.arange(8) % 5, i % 3
+
+
+def tokens():
+    return Tokens()
+
+
+def net():
+    return nn.Sequential(nn.Identity(), nn.Embedding(5, 4), nn.Flatten(), nn.Linear(32, 3))
+'''
+
+
+def test_a_stage_that_would_begin_on_integers_is_refused_before_the_run(capsys: pytest.CaptureFixture[str],
+                                                                        tmp_path: Path) -> None:
+    """Token ids between two stages: no gradient flows back across them for the stage before to
+    run its backward on (the run failed at its first gradient, on a bare AssertionError)."""
+    (tmp_path / "tokens.py").write_text(TOKENS)
+    raw = {"model": {"factory": "tokens:net"}, "data": {"factory": "tokens:tokens", "batch_size": 8},
+           "train": {"steps": 4}, "parallel": {"stages_per_vw": 4, "nm": 1}}
+    code, _, err = _plan_with(capsys, tmp_path, raw)
+    assert code == 2 and ("parallel.stages_per_vw: stage 1 of vw 0 would begin at layer 1.Embedding, whose input is "
+                          "int64 [8, 8]: a stage boundary must carry floating-point values") in err, err
+    code, out, err = _plan_with(capsys, tmp_path, deep_update(raw, {"parallel": {"stages_per_vw": 1}}))
+    assert code == 0, err
