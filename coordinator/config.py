@@ -26,9 +26,9 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     ap = argparse.ArgumentParser(prog="python -m coordinator", description="HetPipe coordinator")
     add_service_flags(ap, default_port=DEFAULT_PORT, worker=False)
     ap.add_argument("--heartbeat-interval", type=float, default=float(env("HETPIPE_HEARTBEAT_INTERVAL", "1.0")),
-                    help="seconds between worker heartbeats; 5 missed = dead")
+                    help="seconds between worker heartbeats; 5 missed = dead (default 1)")
     ap.add_argument("--claim-timeout", type=float, default=120.0,
-                    help="seconds to wait for enough workers to register")
+                    help="seconds to wait for enough workers to register (default 120)")
     ap.add_argument("--job", default=env("HETPIPE_JOB", ""),
                     help="job YAML file to submit at start, as `hetpipe run` would (compose.yaml uses it)")
     ap.add_argument("--data-root", default=env("HETPIPE_DATA_ROOT", ""),

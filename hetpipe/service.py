@@ -47,7 +47,7 @@ def add_service_flags(ap: argparse.ArgumentParser, *, default_port: int = 0, wor
     env = os.environ.get
     ap.add_argument("--host", default=env("HETPIPE_HOST", "127.0.0.1"), help="address to bind")
     ap.add_argument("--port", type=int, default=int(env("HETPIPE_PORT", str(default_port))),
-                    help="gRPC port (0 = any free port)")
+                    help=f"gRPC port (0 = any free port; default {default_port})")
     ap.add_argument("--metrics-port", type=int, default=int(env("HETPIPE_METRICS_PORT", "0")),
                     help="Prometheus port (0 = any free port)")
     ap.add_argument("--ready-file", default=env("HETPIPE_READY_FILE", ""), help="write host:port here when serving")

@@ -170,10 +170,11 @@ class WeightsWriter:
         return paths
 
 
-def read_weights(out_dir: Path) -> dict[str, torch.Tensor]:
-    """The weights a run wrote, whichever way they were split (for tests and tools)."""
+def read_weights(out_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The weights a run wrote into out_dir, whichever way they were split (for tests and tools)."""
     from safetensors.torch import load_file
 
+    out_dir = Path(out_dir)
     index = out_dir / INDEX_FILE
     names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [SINGLE_FILE]
     out: dict[str, torch.Tensor] = {}

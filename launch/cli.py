@@ -216,6 +216,7 @@ def _compose(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)   # as `hetpipe k8s -o` makes its folder
         out.write_text(text)
     except OSError as exc:
         _error(f"cannot write {out}: {exc.strerror}")

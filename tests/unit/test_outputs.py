@@ -151,6 +151,7 @@ def test_a_weights_writer_whose_stream_fails_leaves_no_file_or_descriptor(tmp_pa
         writer.write("b", 0, torch.zeros(1000).numpy().tobytes())
         assert [p.name for p in writer.close()] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert torch.equal(weight_files.read_weights(tmp_path)["a"], torch.ones(4))
+    assert torch.equal(weight_files.read_weights(str(tmp_path))["b"], torch.zeros(1000)), "a path as a str, too"
 
 
 def test_weights_are_declared_as_the_stages_hold_them_and_checked_as_they_arrive(tmp_path: Path) -> None:
