@@ -122,6 +122,11 @@ class JobDriver:
         self.checkpoint_dir = self.out_dir / outputs.CHECKPOINTS if checkpointing else None
         self.checkpoints: checkpoints.Checkpoints | None = None  # made in setup, where the model is known
         self.evals: dict[int, stage_pb2.EvalResult] = {}
+        # --resume: the interrupted run's evaluations up to the cut, which eval.jsonl keeps. One
+        # right at the cut runs again (VW 0's stages cannot tell), on the restored w_global, not
+        # the weights the first run scored: its first row stays.
+        self._kept_evals = {row["id"] for row in outputs.evals_through(self.out_dir, resume_wave * self.plan.nm)
+                            } if resume_wave else set()
         self.evicted: list[dict[str, Any]] = []  # VWs that left (parallel.on_vw_failure: continue)
         self.started = time.time()
         self.seconds_before = 0.0   # --resume: the training seconds of the runs before, up to the cut
@@ -446,6 +451,9 @@ class JobDriver:
             return
         for e in new:
             self.evals[e.id] = e
+        new = [e for e in new if e.id not in self._kept_evals]
+        if not new:
+            return
         vws, batch = self.plan.virtual_workers, self.job.data.batch_size
         outputs.append_evals(self.out_dir, [{
             "id": e.id, "final": e.final, "minibatches": e.minibatches, "samples": e.minibatches * batch * vws,

@@ -236,10 +236,11 @@ def read_summary(out_dir: Path) -> dict[str, Any] | None:
     return summary if isinstance(summary, dict) else None
 
 
-def evals_before(out_dir: Path, cut: int) -> list[dict[str, Any]]:
-    """The evaluations in out_dir's eval.jsonl made after fewer than `cut` minibatches: what a
+def evals_through(out_dir: Path, cut: int) -> list[dict[str, Any]]:
+    """The evaluations in out_dir's eval.jsonl made after at most `cut` minibatches: what a
     --resume from the cut after minibatch `cut` keeps of the interrupted run's (one right at the
-    cut runs again). A line a kill cut short, or one not of this format, is left out."""
+    cut, if the first run wrote it, as it wrote it: run again, it would score the restored
+    weights, not those it scored). A line a kill cut short, or one not of this format, is left out."""
     kept = []
     try:
         lines = (out_dir / "eval.jsonl").read_text().splitlines()
@@ -251,7 +252,7 @@ def evals_before(out_dir: Path, cut: int) -> list[dict[str, Any]]:
         except ValueError:
             continue
         if (isinstance(row, dict) and not row.get("final") and isinstance(row.get("minibatches"), int)
-                and row["minibatches"] < cut):
+                and row["minibatches"] <= cut and isinstance(row.get("id"), int)):
             kept.append(row)
     return kept
 

@@ -178,7 +178,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         # With this launcher's own folders: an earlier run's logs of processes this one lacks, or
         # its trace where this one writes none, would pass for this run's (`hetpipe trace`).
         # Stages write their trace anew even on --resume; eval.jsonl keeps the evaluations before the cut.
-        kept = outputs.evals_before(out_dir, resume_wave * plan.nm) if resume_wave else []
+        kept = outputs.evals_through(out_dir, resume_wave * plan.nm) if resume_wave else []
         outputs.start_fresh(out_dir, keep_checkpoints=resume, folders=outputs.WRITTEN)
         if kept:
             outputs.append_evals(out_dir, kept)

@@ -90,14 +90,15 @@ def _resume_and_compare(tmp_path: Path, uninterrupted: Run) -> None:
     assert list(final) == list(want)
     for key in want:
         torch.testing.assert_close(final[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
-    # Each evaluation once, in order: those before the cut kept as the first run wrote them, one
-    # at the cut run again. (A periodic one scores VW 0's weights as they are, and whether a pull
-    # merged just before it varies from run to run; the final one scores the model written out.)
+    # Each evaluation once, in order: those up to the cut kept as the first run wrote them (one
+    # at the cut runs again, on the restored weights: its first row stays). (A periodic one scores
+    # VW 0's weights as they are, and whether a pull merged just before it varies from run to run;
+    # the final one scores the model written out.)
     evals = _evals(tmp_path / "out")
     assert [(e["id"], e["minibatches"], e["final"]) for e in evals] == [
         (e["id"], e["minibatches"], e["final"]) for e in want_evals]
     assert [e["minibatches"] for e in want_evals] == [*range(3, STEPS, 3), STEPS]
-    kept = [e for e in first if e["minibatches"] < wave * nm]
+    kept = [e for e in first if e["minibatches"] <= wave * nm]
     assert kept and evals[:len(kept)] == kept, (first, evals)
     assert evals[-1]["loss"] == pytest.approx(want_evals[-1]["loss"], rel=0, abs=1e-9)
     # The resumed rows count training time on from the cut's, not from 0 again.
