@@ -478,6 +478,7 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
     held_out = 0
     if job.data.eval_fraction > 0:  # a held-out share that leaves no rows to train on
         held_out = len(_split(job, len(whole))[1])  # type: ignore[arg-type]
+    train_rows = len(whole) - held_out  # type: ignore[arg-type]
     sets: list[tuple[str, Dataset[Any]]] = [(default, whole)]
     if job.data.eval_factory is not None:
         sets.append((f"data.eval_factory: {job.data.eval_factory}",
@@ -502,10 +503,16 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
             raise
         except Exception as exc:  # the model's own forward, on the meta device
             reason = str(exc).splitlines()[0] if str(exc) else ""
+            # A layer that reads values fails there, not on the data: say where the pass ran.
+            meta = (" (the planner runs the model on the meta device, shapes without values: a layer that reads "
+                    "values, with .item() or a branch on the data, cannot run there)") if "meta" in reason else ""
             raise ConfigError(f"{source}: the model does not take x of shape {list(batch)} ({first.dtype}): "
-                              f"{type(exc).__name__}: {reason}") from None
+                              f"{type(exc).__name__}: {reason}{meta}") from None
         _check_rows(job, source, x, y, output)
-    return eval_warnings(job, held_out)
+    small = [] if train_rows >= job.data.batch_size else [
+        f"data: the training set has {train_rows} rows, fewer than one minibatch of data.batch_size "
+        f"{job.data.batch_size}: each minibatch reads some rows more than once"]
+    return small + eval_warnings(job, held_out)
 
 
 def eval_warnings(job: JobConfig, held_out: int | None = None) -> list[str]:
@@ -530,7 +537,7 @@ def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, outpu
     if tuple(y.shape[1:]) != row:
         raise ConfigError(f"{source}: rows of y of shape {list(y.shape[1:])}, the model's output {list(output)} "
                           f"needs rows of shape {list(row)} for {job.train.loss}"
-                          + (f" (reshape y to {[len(y), *row]})" if math.prod(y.shape[1:]) == math.prod(row) else ""))
+                          + (f" (reshape each row of y to {list(row)})" if math.prod(y.shape[1:]) == math.prod(row) else ""))
     if not classification:
         if y.dtype.kind == "f" and (at := _first(y, lambda s: ~np.isfinite(s))) is not None:
             raise ConfigError(f"{source}: {_element('y', at)} is {y[at]}")

@@ -75,8 +75,8 @@ def parse_parallel(p: Section) -> ParallelConfig:
     d = ParallelConfig()
     nm: int | str = "auto" if p.get("nm") == "auto" else p.integer("nm", int(d.nm), minimum=1, maximum=MAX_NM)
     schedule = p.choice("schedule", d.schedule, SCHEDULES)
-    if schedule in FLUSHED_SCHEDULES and nm == "auto":
-        nm = 1  # one minibatch in flight: there is nothing to pick
+    if schedule in FLUSHED_SCHEDULES and (nm == "auto" or p.get("nm") is None):
+        nm = 1  # one minibatch in flight: there is nothing to pick (left out, not the default 2)
     return ParallelConfig(
         virtual_workers=p.integer("virtual_workers", d.virtual_workers, minimum=1, maximum=MAX_VIRTUAL_WORKERS),
         stages_per_vw=p.integer("stages_per_vw", d.stages_per_vw, minimum=1, maximum=MAX_STAGES),

@@ -136,7 +136,7 @@ CASES: dict[str, tuple[Callable[[Path], dict[str, Any]], str]] = {
     "targets of another shape": (
         lambda t: {**_npz(t, lambda x, y: (x, np.zeros((ROWS, 2, 5)))), "train": {"loss": "mse"}},
         "data.path: {tmp}/data.npz: rows of y of shape [2, 5], the model's output [16, 10] needs rows of shape "
-        "[10] for mse (reshape y to [" + str(ROWS) + ", 10])"),
+        "[10] for mse (reshape each row of y to [10])"),
     "x the model does not take": (lambda t: _npz(t, lambda x, y: (x[:, :32], y)),
                                   "data.path: {tmp}/data.npz: the model does not take x of shape [16, 32]"),
     # The shape-only pass multiplies any dtypes; the kernels a stage runs refuse them.

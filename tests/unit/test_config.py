@@ -284,9 +284,11 @@ def test_a_data_path_alone_is_an_npz() -> None:
     assert (parse_job(raw).data.name, parse_job(raw).data.path) == ("npz", "train.npz")
 
 
-def test_flushed_schedules_take_nm_auto_as_one() -> None:
+def test_flushed_schedules_take_nm_auto_or_left_out_as_one() -> None:
     raw = base()
     raw.setdefault("parallel", {}).update({"schedule": "1f1b", "nm": "auto", "microbatches": 4})
+    assert parse_job(raw).parallel.nm == 1
+    del raw["parallel"]["nm"]   # not the default 2, which the schedule would refuse as if it were given
     assert parse_job(raw).parallel.nm == 1
 
 

@@ -438,6 +438,28 @@ def test_the_check_accepts_what_training_takes(tmp_path: Path) -> None:
         check(gpt, lambda x: (*x[0], 2))
 
 
+def test_a_training_set_smaller_than_a_minibatch_is_warned_of(tmp_path: Path) -> None:
+    np.savez(tmp_path / "data.npz", x=np.zeros((3, 2)), y=np.zeros(3, dtype=np.int64))
+    assert check(npz_job(tmp_path), lambda x: (x[0][0], 3)) == [
+        "data: the training set has 3 rows, fewer than one minibatch of data.batch_size 4: each minibatch reads some "
+        "rows more than once"]
+    np.savez(tmp_path / "data.npz", x=np.zeros((4, 2)), y=np.zeros(4, dtype=np.int64))
+    assert check(npz_job(tmp_path), lambda x: (x[0][0], 3)) == []
+
+
+def test_a_model_that_reads_values_is_told_it_ran_on_the_meta_device(tmp_path: Path) -> None:
+    """The planner's shape-only pass has no values: a layer calling .item() fails there, and the
+    refusal says so rather than leaving the data to blame."""
+    np.savez(tmp_path / "data.npz", x=np.zeros((6, 2)), y=np.zeros(6, dtype=np.int64))
+
+    def reads_values(x: tuple[tuple[int, ...], torch.dtype]) -> tuple[int, ...]:
+        return (torch.empty(x[0], device="meta").sum().item(),)
+
+    with pytest.raises(ConfigError, match=r"cannot be called on meta tensors \(the planner runs the model on the "
+                                          r"meta device, shapes without values: a layer that reads values"):
+        check(npz_job(tmp_path), reads_values)
+
+
 def test_the_check_finds_the_first_bad_element_past_the_first_slice(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(data, "CHECK_SLICE_BYTES", 64)  # 4 rows of 2 float64 per slice
