@@ -66,6 +66,7 @@ def marked(out_dir: Path) -> Iterator[None]:
         if _ours(user):
             _make(runs)
         if _ours(user) and _ours(runs):
+            _sweep(runs)
             path = runs / f"{_key(out_dir)}.{os.getpid()}"
             # Made under a name live_run skips, locked, then renamed: it never sees it unlocked.
             making = path.with_name(path.name + _MAKING)
@@ -94,19 +95,33 @@ def live_run(out_dir: Path) -> Run | None:
         paths = [p for p in runs.glob(f"{key}.*") if re.fullmatch(rf"{key}\.\d+", p.name)]   # not a mark being made
     except OSError:
         return None
-    for path in paths:
+    live = [run for path in paths if (run := _alive(path)) is not None]
+    return live[0] if live else None
+
+
+def _alive(path: Path) -> Run | None:
+    """The run that holds the mark at path, or None: then the mark is removed (nobody holds it:
+    its run ended without removing it, a kill -9)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None   # gone meanwhile
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:   # its run holds it: alive
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue   # gone meanwhile
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:   # its run holds it: alive
-            try:
-                return Run(int(json.loads(os.read(fd, 4096))["pid"]), os.fstat(fd).st_mtime)
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-        finally:
-            os.close(fd)
-        path.unlink(missing_ok=True)   # nobody holds it: its run ended without removing it (a kill -9)
+            return Run(int(json.loads(os.read(fd, 4096))["pid"]), os.fstat(fd).st_mtime)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    finally:
+        os.close(fd)
+    path.unlink(missing_ok=True)
     return None
+
+
+def _sweep(runs: Path) -> None:
+    """Removes the marks of every dead run (of any output.dir): a kill -9'd run's would otherwise
+    stay until a run into its own output.dir came."""
+    for path in runs.iterdir():
+        if re.fullmatch(r"[0-9a-f]{16}\.\d+", path.name):
+            _alive(path)

@@ -91,3 +91,16 @@ def test_a_folder_others_can_write_is_not_used(tmp_path: Path) -> None:
     assert run_marker.live_run(tmp_path / "out") is None
     with run_marker.marked(tmp_path / "elsewhere"):
         assert [p.name for p in path.parent.iterdir()] == [path.name], "marked in a folder others can write"
+
+
+def test_a_new_run_sweeps_the_marks_of_dead_runs_into_other_folders(tmp_path: Path) -> None:
+    """A kill -9'd run's mark, unheld, went only when a run into its own output.dir came: marks of
+    tests and one-off folders piled up. Each run now removes every mark nobody holds, and keeps
+    those of runs alive (and marks being made)."""
+    dead = _mark(tmp_path, tmp_path / "gone", 999_999, 0.0)
+    making = _runs(tmp_path) / (dead.name + ".new")
+    making.write_text("{}")
+    with run_marker.marked(tmp_path / "alive"):
+        with run_marker.marked(tmp_path / "out"):
+            assert not dead.exists(), "a dead run's mark was left"
+            assert making.exists() and run_marker.live_run(tmp_path / "alive") is not None
