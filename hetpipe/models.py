@@ -205,11 +205,35 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
         raise ConfigError(f"model: {describe(cfg)} returned an nn.Sequential with named layers {names[:5]}; "
                           "build it from a list of layers, numbered 0..n-1")
     check_parameters(f"model: {describe(cfg)}", model, watch.writes)
+    if cfg.init is None and (bare := _without_reset(model)):   # found before any process starts
+        raise ConfigError(_not_initialised(bare[0], cfg))
     odd = {k: t.dtype for k, t in model.state_dict(keep_vars=True).items() if t.dtype not in wire.CARRIED}
     if odd:  # found now, not when the trained weights are written out
         raise ConfigError(f"model: {describe(cfg)}'s state_dict holds {sorted(map(str, set(odd.values())))} tensors "
                           f"({list(odd)[:5]}); HetPipe carries and writes {', '.join(map(str, wire.CARRIED))}")
     return model
+
+
+def _without_reset(model: nn.Sequential) -> list[str]:
+    """Parameters that no reset_parameters() can set: neither their module nor one above it in
+    their layer has one (a partial reset is found when a stage builds the layer: _materialise)."""
+    found: list[str] = []
+
+    def walk(module: nn.Module, prefix: str, covered: bool) -> None:
+        covered = covered or callable(reset_of(module))
+        found.extend(f"{prefix}{name}" for name, p in module._parameters.items() if p is not None and not covered)
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.", covered)
+
+    for index, layer in enumerate(model):
+        walk(layer, f"{index}.", False)
+    return found
+
+
+def _not_initialised(name: str, cfg: ModelConfig) -> str:
+    return (f"model: parameter {name} of {describe(cfg)} is not initialised by any reset_parameters(); give the model "
+            "a reset_parameters() or a model.init file")
 
 
 def layer_seed(seed: int, index: int) -> int:
@@ -253,9 +277,9 @@ def build_layers(job: JobConfig, begin: int, end: int, *, device: str = "cpu",
             torch.manual_seed(layer_seed(job.train.seed, index))
             _reset(layer)
         for name, p in layer.named_parameters():
-            if p.is_floating_point() and bool(torch.isnan(p).any()):
-                raise ConfigError(f"model: parameter {index}.{name} of {describe(job.model)} is not initialised by "
-                                  f"any reset_parameters(); give the model a reset_parameters() or a model.init file")
+            # model.init gives every parameter its value (check_init refuses one it lacks).
+            if job.model.init is None and p.is_floating_point() and bool(torch.isnan(p).any()):
+                raise ConfigError(_not_initialised(f"{index}.{name}", job.model))
         layer.to(device=device, dtype=dtype)   # a factory's float64 or half layers too: train.dtype decides
     return stage
 

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from hetpipe import zoo
 from hetpipe.config import ConfigError, JobConfig, ModelConfig, parse_job
-from hetpipe.model_init import initialise_from, load_init
+from hetpipe.model_init import initialise, initialise_from, load_init
 from hetpipe.models import build, build_layers, layer_keys, structure
 
 USER_MODELS = """
@@ -255,6 +255,19 @@ def test_a_factory_that_does_not_fit_says_why(tmp_path: Path, factory: str, args
     with pytest.raises(ConfigError, match=match):
         structure(j.model, j.base_dir)   # what the plan finds
         build(j)                         # what a stage finds: a parameter no reset initialised
+
+
+def test_a_parameter_no_reset_sets_is_taken_from_model_init(tmp_path: Path) -> None:
+    """Refused before any process starts without a model.init (no module above it has a reset),
+    and built with one: the stage's NaN check used to refuse it before model.init was read."""
+    with pytest.raises(ConfigError, match=r"parameter 0\.weight of mymodels:raw_net is not initialised"):
+        structure(job(tmp_path, "mymodels:raw_net").model, str(tmp_path))
+    save_file({"0.weight": torch.tensor([1.0, 2.0, 3.0])}, str(tmp_path / "init.safetensors"))
+    j = job(tmp_path, "mymodels:raw_net", init="init.safetensors")
+    structure(j.model, j.base_dir)
+    layers = build_layers(j, 0, 1)
+    initialise(j, layers)
+    assert layers[0].weight.tolist() == [1.0, 2.0, 3.0]
 
 
 def test_writes_to_what_is_not_a_parameter_are_the_factorys_own_business(tmp_path: Path) -> None:
