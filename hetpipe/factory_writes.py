@@ -61,8 +61,8 @@ class FactoryWrites(TorchDispatchMode):
 def check_parameters(what: str, model: nn.Sequential, writes: list[tuple[str, Any]]) -> None:
     """ConfigError for what a stage's own build would silently lose: parameters tied across layers
     (each stage materialises its layers apart) and the factory's own writes to its parameters
-    (FactoryWrites.writes); and for a model with every parameter frozen, which would train
-    nothing. what: "model: <the factory>", for the message."""
+    (FactoryWrites.writes); and for a model without a parameter to train (none, or every one
+    frozen). what: "model: <the factory>", for the message."""
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
@@ -71,7 +71,9 @@ def check_parameters(what: str, model: nn.Sequential, writes: list[tuple[str, An
             raise ConfigError(f"{what} ties {names[0]} and {names[1]} (one parameter in two layers): "
                               "each stage builds its layers apart, so they would train as two; give each layer its "
                               "own parameter, or keep both uses in one layer")
-    if any(True for _ in model.parameters()) and not any(p.requires_grad for p in model.parameters()):
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(f"{what} has no parameters: there is nothing to train")
+    if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"{what} freezes every parameter (requires_grad False): there is nothing to train")
     named = {p.untyped_storage()._cdata: name for name, p in model.named_parameters()}
     found = list(dict.fromkeys(f"{op} on {named[storage._cdata]}" for op, storage in writes

@@ -69,6 +69,9 @@ def net(width=8, classes=3, features=4):
 def raw_net():
     return nn.Sequential(Raw())
 
+def no_parameters():
+    return nn.Sequential(nn.Flatten(), nn.ReLU())
+
 def not_sequential():
     return nn.Linear(4, 4)
 
@@ -249,6 +252,7 @@ def test_a_factorys_float64_layers_train_in_train_dtype(tmp_path: Path) -> None:
     ("mymodels:exits", {}, r"model: mymodels:exits\(\*\*model\.args\) failed: SystemExit: 2"),
     ("mymodels:all_frozen", {}, r"model: mymodels:all_frozen freezes every parameter \(requires_grad False\): there "
                                 r"is nothing to train"),
+    ("mymodels:no_parameters", {}, r"model: mymodels:no_parameters has no parameters: there is nothing to train"),
 ])
 def test_a_factory_that_does_not_fit_says_why(tmp_path: Path, factory: str, args: dict[str, Any], match: str) -> None:
     j = job(tmp_path, factory, args=args)
