@@ -42,7 +42,9 @@ def _run(args: argparse.Namespace) -> int:
         with run_interrupts():
             return _run_job(args)
     except KeyboardInterrupt as exc:  # here too if it came before or after the job's own handling
-        print(f"hetpipe: {interrupt_reason(exc)}; stopped every process", file=sys.stderr)
+        # A job on a coordinator elsewhere: its workers are that cluster's, and stay.
+        done = f"asked the coordinator at {args.coordinator} to stop the job" if args.coordinator else "stopped every process"
+        print(f"hetpipe: {interrupt_reason(exc)}; {done}", file=sys.stderr)
         return 128 + exc.signum if isinstance(exc, Interrupted) else EXIT_INTERRUPTED
 
 
