@@ -125,8 +125,9 @@ class JobDriver:
         # --resume: the interrupted run's evaluations up to the cut, which eval.jsonl keeps. One
         # right at the cut runs again (VW 0's stages cannot tell), on the restored w_global, not
         # the weights the first run scored: its first row stays.
-        self._kept_evals = {row["id"] for row in outputs.evals_through(self.out_dir, resume_wave * self.plan.nm)
-                            } if resume_wave else set()
+        # By minibatches, not id: an id counts eval.every's, which a resume may change.
+        self._kept_evals = {row["minibatches"] for row in outputs.evals_through(
+            self.out_dir, resume_wave * self.plan.nm)} if resume_wave else set()
         self.evicted: list[dict[str, Any]] = []  # VWs that left (parallel.on_vw_failure: continue)
         self.started = time.time()
         self.seconds_before = 0.0   # --resume: the training seconds of the runs before, up to the cut
@@ -451,7 +452,7 @@ class JobDriver:
             return
         for e in new:
             self.evals[e.id] = e
-        new = [e for e in new if e.id not in self._kept_evals]
+        new = [e for e in new if e.final or e.minibatches not in self._kept_evals]
         if not new:
             return
         vws, batch = self.plan.virtual_workers, self.job.data.batch_size

@@ -278,18 +278,24 @@ def _draws_at_random(job: JobConfig) -> bool:
 
 @contextlib.contextmanager
 def _seeded(seed: int, draw: tuple[int, ...]) -> Iterator[None]:
-    """torch's, numpy's and Python's global generators seeded for this draw, then put back."""
-    state = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    """torch's (CPU), numpy's and Python's global generators seeded for this draw, then put back.
+    Not torch.manual_seed, which reseeds the GPUs' generators too, and put nothing back there: a
+    stage's dropout on a GPU would restart from the draw's seed every minibatch. Under the lock
+    that layers' seeded initialisation holds (models.GLOBAL_STATE): two stages of one process."""
+    from hetpipe.models import GLOBAL_STATE
+
     entropy = int(np.random.SeedSequence([seed & (2**63 - 1), *draw]).generate_state(2, np.uint64)[0])
-    torch.manual_seed(entropy)
-    np.random.seed(entropy % 2**32)
-    random.seed(entropy)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(state[0])
-        np.random.set_state(state[1])
-        random.setstate(state[2])
+    with GLOBAL_STATE:
+        state = torch.get_rng_state(), np.random.get_state(), random.getstate()
+        torch.default_generator.manual_seed(entropy)
+        np.random.seed(entropy % 2**32)
+        random.seed(entropy)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(state[0])
+            np.random.set_state(state[1])
+            random.setstate(state[2])
 
 
 def _items(dataset: Dataset[Any], rows: Sequence[int]) -> list[Any]:
@@ -442,7 +448,9 @@ def first_item(job: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """One minibatch-shaped (x, y) pair of the training data, from its first row: what the
     planner and the driver need of the data (shapes and dtypes), without reading the rest."""
     dataset = training_set(job)
-    batch = _collate([dataset[0]] * job.data.batch_size)
+    with _seeded(job.train.seed, (CHECK_DRAW,)) if _draws_at_random(job) else contextlib.nullcontext():
+        item = dataset[0]
+    batch = _collate([item] * job.data.batch_size)
     return cast(job, batch.x, batch.y)
 
 
@@ -487,7 +495,8 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
     for source, dataset in sets:
         if isinstance(dataset, ArrayDataset) and dataset.source:
             source = dataset.source
-        x, y = _rows(dataset)
+        with _seeded(job.train.seed, (CHECK_DRAW,)) if _draws_at_random(job) else contextlib.nullcontext():
+            x, y = _rows(dataset)   # the item _from_factory checked
         for name, array in (("x", x), ("y", y)):
             if array.dtype.kind not in NUMBERS:
                 raise ConfigError(f"{source}: {name} holds {array.dtype} values, expected numbers")

@@ -123,14 +123,14 @@ def describe(cfg: ModelConfig) -> str:
 # torch's one global generator, which reset_parameters() draws from. Two threads building at once
 # (two stages of one process, each loading in the background) would otherwise undo each other's
 # patch or draw each other's numbers: a layer then starts from another layer's values.
-_GLOBAL_STATE = threading.Lock()
+GLOBAL_STATE = threading.RLock()   # also held by data._seeded, which may run inside
 
 
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """While inside, every registered parameter is moved to the meta device: the factory's
     own initialisation touches no memory and draws no random numbers."""
-    with _GLOBAL_STATE:   # held from reading the original to putting it back
+    with GLOBAL_STATE:   # held from reading the original to putting it back
         register = nn.Module.register_parameter
 
         def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -215,19 +215,18 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
 
 
 def _without_reset(model: nn.Sequential) -> list[str]:
-    """Parameters that no reset_parameters() can set: neither their module nor one above it in
-    their layer has one (a partial reset is found when a stage builds the layer: _materialise)."""
+    """Parameters that no reset_parameters() can set: no module that holds them (one parameter may
+    sit in two modules of a layer, tied), nor one above such a module in their layer, has one. A
+    parameter the factory made off the meta device is kept as it is (_materialise); a partial
+    reset is found when a stage builds the layer."""
     found: list[str] = []
-
-    def walk(module: nn.Module, prefix: str, covered: bool) -> None:
-        covered = covered or callable(reset_of(module))
-        found.extend(f"{prefix}{name}" for name, p in module._parameters.items() if p is not None and not covered)
-        for name, child in module._modules.items():
-            if child is not None:
-                walk(child, f"{prefix}{name}.", covered)
-
     for index, layer in enumerate(model):
-        walk(layer, f"{index}.", False)
+        covered: set[int] = set()
+        for module in layer.modules():
+            if callable(reset_of(module)):
+                covered.update(id(p) for p in module.parameters())
+        found.extend(f"{index}.{name}" for name, p in layer.named_parameters()
+                     if p.device.type == "meta" and id(p) not in covered)
     return found
 
 
@@ -273,7 +272,7 @@ def build_layers(job: JobConfig, begin: int, end: int, *, device: str = "cpu",
     stage: nn.Sequential = model[begin:end]  # type: ignore[assignment]
     for index, layer in zip(range(begin, end), list(stage)):
         _materialise(layer)
-        with _GLOBAL_STATE, torch.random.fork_rng(devices=[]):
+        with GLOBAL_STATE, torch.random.fork_rng(devices=[]):
             torch.manual_seed(layer_seed(job.train.seed, index))
             _reset(layer)
         for name, p in layer.named_parameters():

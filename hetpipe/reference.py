@@ -69,7 +69,7 @@ def accuracy(job: JobConfig, model: torch.nn.Module, dataset: torch.utils.data.D
     correct = total = 0
     n = len(dataset)  # type: ignore[arg-type]
     for i in range(0, n, batch):
-        x, y = data.read_rows(job, dataset, range(i, min(n, i + batch)))
+        x, y = data.read_rows(job, dataset, range(i, min(n, i + batch)), (data.CHECK_DRAW, i))
         correct += int((model(x).argmax(dim=-1) == y).sum())
         total += y.numel()
     return correct / total

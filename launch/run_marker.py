@@ -124,4 +124,7 @@ def _sweep(runs: Path) -> None:
     stay until a run into its own output.dir came."""
     for path in runs.iterdir():
         if re.fullmatch(r"[0-9a-f]{16}\.\d+", path.name):
-            _alive(path)
+            try:
+                _alive(path)
+            except OSError:   # one mark that cannot be read or locked keeps this run's own from being made
+                continue

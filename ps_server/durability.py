@@ -59,7 +59,7 @@ class _Entry:
     kind: str
     vw: int
     clock: int
-    place: int   # in the order the updates were applied; 0: never applied
+    place: int   # in the order the updates were applied (given once the shard had checked it); 0: never applied
 
     def apply(self, shard: Shard) -> int:
         """1 if it changed shard, 0 for a duplicate or an entry unreadable on the disk; ShardError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -204,6 +205,10 @@ class ShardServicer:
         journal: Callable[[], None] | None = None
         if durability is not None and kind == "push" and self.shard.rule.mode == "wsp":
             logged, tensors = durability.log_stream(tag.vw, tag.clock, stream)
+            # Its place in the order of applies, which restore replays, once the shard has checked
+            # it, right before the apply: a refused push gets none, and replay asks G4 again only
+            # of entries without one (Shard.accept's applied_before).
+            journal = functools.partial(durability.place, logged)
         else:
             tensors = wire.receive(stream).tensors
         if durability is not None and logged is None:
@@ -233,8 +238,6 @@ class ShardServicer:
                               and self._reading.keys().isdisjoint(keys))
             start = time.time()
             try:
-                if logged is not None and durability is not None:
-                    durability.place(logged)   # its place in the order of applies, which restore replays
                 applied, reply, sums = apply(tag, tensors, journal, sizes)
                 if sums is not None and not sums.adds:
                     sums = None   # nothing left to add: a quorum round keeps the push

@@ -293,9 +293,19 @@ class Shard:
             changed, adds = self._released(keys)
         self._settle(keys if quorum else [])
         self.pushes_applied += 1
-        if not past:   # replayed past G4: what is missing is a slower VW's push, not this one's bound
-            self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
+        self._note_distance(vw, replayed_past_g4=bool(past))
         return Sums(changed, adds)
+
+    def _note_distance(self, vw: int, *, replayed_past_g4: bool = False) -> None:
+        """max_clock_distance after vw's push. Only a push that leaves vw the fastest can widen the
+        spread; after a power cut took a slower VW's pushes, neither a replayed push past G4 nor
+        that VW's catch-up counts: what made the gap is the lost pushes, not a VW past its bound."""
+        if replayed_past_g4:
+            return
+        clocks = self.vw_clocks()
+        live = [clocks[v] for v in self._live()]
+        if clocks[vw] >= max(live):
+            self.max_clock_distance = max(self.max_clock_distance, clock_distance(live))
 
     def _released(self, keys: Iterable[str]) -> tuple[frozenset[str], list[tuple[torch.Tensor, torch.Tensor]]]:
         """exact: the keys among these whose held waves every live VW has now pushed, and those

@@ -299,3 +299,25 @@ def test_kill_9_loses_no_acknowledged_push(tmp_path: Path) -> None:
         if ch is not None:
             ch.close()
         shard.stop()
+
+
+def test_a_push_refused_under_g4_gets_no_place_in_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry's place is given once the shard has checked the push, right before its apply:
+    log replay asks G4 again only of entries without one, so a kill -9 between a refusal and the
+    freeing of its entry must not leave it placed, or replay would apply a push never taken."""
+    with in_process_shard(tmp_path, rule={"exact": True, "distance_bound": 0}) as ps:
+        durability = ps.servicer.durability
+        assert durability is not None
+        placed: list[int] = []
+        real = durability.place
+
+        def place(seq: int) -> None:
+            placed.append(seq)
+            real(seq)
+
+        monkeypatch.setattr(durability, "place", place)
+        push = iter(_frames(delta(0, 2), push=wire_pb2.PushTag(vw=0, clock=2)))
+        refused(lambda: ps.client.stub.Push(push, timeout=2.0), Code.FAILED_PRECONDITION, r"G4 with D = 0")
+        assert placed == [], "a push the shard refused was placed"
+        assert not ps.client.push(1, 1, delta(1, 1)).duplicate
+        assert len(placed) == 1

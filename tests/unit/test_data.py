@@ -355,6 +355,18 @@ def test_a_datasets_random_draws_are_the_same_for_stage_0_and_the_last_stage(tmp
     assert any(not torch.equal(unseeded[0], u) for u in unseeded), "the dataset draws: the test means something"
 
 
+def test_a_seeded_read_leaves_the_gpus_generators_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.manual_seed would reseed every GPU's generator too, and nothing would put it back: a
+    stage's dropout on a GPU would restart from the minibatch's seed each time."""
+    job = factory_job(tmp_path, factory="mydata:augmented")
+    reseeded: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
+    reader = Minibatches(job, training_set(job), 0, steps=2)
+    reader.next()
+    reader.close()
+    assert reseeded == []
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_minibatches_for_a_gpu_stage_arrive_in_pinned_memory(tmp_path: Path) -> None:

@@ -69,6 +69,20 @@ def net(width=8, classes=3, features=4):
 def raw_net():
     return nn.Sequential(Raw())
 
+class TiedOut(nn.Module):
+    # The embedding's weight registered on the parent too, as the output projection: a tie within
+    # one layer, which the embedding's own reset initialises.
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.out_weight = self.embed.weight
+
+    def forward(self, x):
+        return nn.functional.linear(self.embed(x), self.out_weight)
+
+def tied_to_a_reset_child():
+    return nn.Sequential(TiedOut())
+
 def no_parameters():
     return nn.Sequential(nn.Flatten(), nn.ReLU())
 
@@ -272,6 +286,13 @@ def test_a_parameter_no_reset_sets_is_taken_from_model_init(tmp_path: Path) -> N
     layers = build_layers(j, 0, 1)
     initialise(j, layers)
     assert layers[0].weight.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_parameter_tied_to_a_child_with_a_reset_is_initialised_by_it(tmp_path: Path) -> None:
+    j = job(tmp_path, "mymodels:tied_to_a_reset_child")
+    structure(j.model, j.base_dir)
+    layer = build_layers(j, 0, 1)[0]
+    assert layer.out_weight is layer.embed.weight and bool(torch.isfinite(layer.out_weight).all())
 
 
 def test_writes_to_what_is_not_a_parameter_are_the_factorys_own_business(tmp_path: Path) -> None:

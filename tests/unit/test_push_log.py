@@ -155,6 +155,33 @@ def test_a_power_cut_keeps_the_acknowledged_pushes_of_a_vw_ahead_of_the_wave_it_
     assert not evicted.hold and torch.equal(evicted.values["a"], want)
 
 
+def test_a_vw_catching_up_after_a_power_cut_does_not_count_as_past_g4(tmp_path: Path) -> None:
+    """The cut took two of VW 0's unsynced pushes, and VW 1 had gone as far as G4 let it: the
+    spread after replay is the lost pushes', and VW 0's pushes as it catches up (each leaves it
+    behind VW 1) do not report a clock distance past D + 1."""
+    shard = Shard()
+    assert shard.init(2, [("a", torch.zeros(2, dtype=torch.float64))], (), SyncRule("wsp", exact=True))
+    dur = Durability(str(tmp_path), every_clocks=100)
+    dur.checkpoint(shard)
+    u = [("a", torch.full((2,), 0.01, dtype=torch.float64))]
+    for wave in range(2):
+        seq, logged = log_push(dur, 0, wave, u)   # through shared memory: not on disk when acknowledged
+        dur.place(seq)
+        assert shard.push(0, wave, logged)
+        dur.settle(seq, applied=True)
+        push(shard, dur, 1, wave, u)
+    push(shard, dur, 1, 2, u)
+    assert shard.max_clock_distance == 1
+    dur.boot_path.write_text("a boot before this one\n")   # the power cut
+    rebooted = Shard()
+    Durability(str(tmp_path)).restore(rebooted)
+    assert rebooted.clocks["a"] == [0, 3]
+    for wave in range(3):
+        assert rebooted.push(0, wave, u)
+        assert rebooted.max_clock_distance == 1, f"vw 0's wave {wave} reported past G4"
+    assert not rebooted.hold
+
+
 def test_entries_a_checkpoint_covered_are_written_over_then_deleted_at_close(tmp_path: Path) -> None:
     """Once covered, an entry's file is a spare that a later entry is written into (same inode, no
     new file), shorter or longer than before; restore reads them right; close() deletes spares."""
