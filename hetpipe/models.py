@@ -216,17 +216,17 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
 
 def _without_reset(model: nn.Sequential) -> list[str]:
     """Parameters that no reset_parameters() can set: no module that holds them (one parameter may
-    sit in two modules of a layer, tied), nor one above such a module in their layer, has one. A
-    parameter the factory made off the meta device is kept as it is (_materialise); a partial
-    reset is found when a stage builds the layer."""
+    sit in two modules of a layer, tied), nor one above such a module in their layer, has one;
+    also one the factory made off the meta device (not registered the usual way), which a stage
+    would keep at whatever the generator gave it then. A partial reset is found when a stage builds
+    the layer."""
     found: list[str] = []
     for index, layer in enumerate(model):
         covered: set[int] = set()
         for module in layer.modules():
             if callable(reset_of(module)):
                 covered.update(id(p) for p in module.parameters())
-        found.extend(f"{index}.{name}" for name, p in layer.named_parameters()
-                     if p.device.type == "meta" and id(p) not in covered)
+        found.extend(f"{index}.{name}" for name, p in layer.named_parameters() if id(p) not in covered)
     return found
 
 

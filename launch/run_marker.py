@@ -95,8 +95,13 @@ def live_run(out_dir: Path) -> Run | None:
         paths = [p for p in runs.glob(f"{key}.*") if re.fullmatch(rf"{key}\.\d+", p.name)]   # not a mark being made
     except OSError:
         return None
-    live = [run for path in paths if (run := _alive(path)) is not None]
-    return live[0] if live else None
+    for path in paths:
+        try:
+            if (run := _alive(path)) is not None:
+                return run
+        except OSError:   # not a mark of ours (a folder by its name): no run
+            continue
+    return None
 
 
 def _alive(path: Path) -> Run | None:

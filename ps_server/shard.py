@@ -149,6 +149,8 @@ class Shard:
             elif rule.mode == "elastic":
                 self.exchanged[key] = [0] * virtual_workers
                 self.last_delta[key] = [None] * virtual_workers
+        if new and clocks:   # a resumed job's spread: later pushes only record what they widen
+            self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
         return bool(new)
 
     @staticmethod

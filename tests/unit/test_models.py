@@ -83,6 +83,18 @@ class TiedOut(nn.Module):
 def tied_to_a_reset_child():
     return nn.Sequential(TiedOut())
 
+class Unregistered(nn.Module):
+    # A parameter put in place without register_parameter: not on the meta device, and no reset.
+    def __init__(self):
+        super().__init__()
+        self._parameters["scale"] = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return x * self.scale
+
+def unregistered():
+    return nn.Sequential(Unregistered())
+
 def no_parameters():
     return nn.Sequential(nn.Flatten(), nn.ReLU())
 
@@ -267,6 +279,7 @@ def test_a_factorys_float64_layers_train_in_train_dtype(tmp_path: Path) -> None:
     ("mymodels:all_frozen", {}, r"model: mymodels:all_frozen freezes every parameter \(requires_grad False\): there "
                                 r"is nothing to train"),
     ("mymodels:no_parameters", {}, r"model: mymodels:no_parameters has no parameters: there is nothing to train"),
+    ("mymodels:unregistered", {}, r"parameter 0\.scale of mymodels:unregistered is not initialised by any reset"),
 ])
 def test_a_factory_that_does_not_fit_says_why(tmp_path: Path, factory: str, args: dict[str, Any], match: str) -> None:
     j = job(tmp_path, factory, args=args)

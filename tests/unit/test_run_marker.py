@@ -104,3 +104,7 @@ def test_a_new_run_sweeps_the_marks_of_dead_runs_into_other_folders(tmp_path: Pa
         with run_marker.marked(tmp_path / "out"):
             assert not dead.exists(), "a dead run's mark was left"
             assert making.exists() and run_marker.live_run(tmp_path / "alive") is not None
+    odd = _runs(tmp_path) / f"{run_marker._key(tmp_path / 'odd')}.9"
+    odd.mkdir()   # not a mark: neither the sweep nor a lookup trips on it
+    with run_marker.marked(tmp_path / "out"):
+        assert run_marker.live_run(tmp_path / "odd") is None and run_marker.live_run(tmp_path / "out") is not None

@@ -113,6 +113,11 @@ def test_clock_distance_is_spread_of_per_vw_min_clocks() -> None:
     assert shard.vw_clocks() == [4, 3, 3] and shard.clock_distance() == 1
     assert shard.max_clock_distance == 4, "the largest distance ever seen is kept"
     assert Shard().clock_distance() == 0, "no keys yet"
+    resumed = Shard()   # a job resumed with its VWs apart: the spread it starts from counts
+    assert resumed.init(3, [("a", torch.zeros(2))], [6, 4, 4], SyncRule("wsp", D=1))
+    assert resumed.max_clock_distance == 2
+    resumed.push(1, 4, [("a", torch.ones(2))])
+    assert resumed.max_clock_distance == 2
 
 
 @pytest.mark.parametrize("bad", ["unknown key", "wrong shape", "wrong dtype", "key twice"])
