@@ -159,7 +159,7 @@ def _from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
     if rows == 0:
         raise ConfigError(f"{key}: {spec} returned an empty dataset")
     try:
-        with _seeded(job.train.seed, (CHECK_DRAW,)):   # an augmentation's draws move no one's generator
+        with _drawing(job, (CHECK_DRAW,)):   # an augmentation's draws move no one's generator
             item = dataset[0]
     except Exception as exc:
         raise ConfigError(f"{key}: reading item 0 of {spec}'s dataset failed: {type(exc).__name__}: {exc}") from None
@@ -298,40 +298,36 @@ def _seeded(seed: int, draw: tuple[int, ...]) -> Iterator[None]:
             random.setstate(state[2])
 
 
+def _drawing(job: JobConfig, draw: tuple[int, ...] | None) -> contextlib.AbstractContextManager[None]:
+    """_seeded for this draw where the job's data may draw at random, else nothing."""
+    return _seeded(job.train.seed, draw) if draw is not None and _draws_at_random(job) else contextlib.nullcontext()
+
+
 def _items(dataset: Dataset[Any], rows: Sequence[int]) -> list[Any]:
     getitems = getattr(dataset, "__getitems__", None)
     return getitems(list(rows)) if getitems is not None else [dataset[r] for r in rows]  # type: ignore[no-any-return]
 
 
-class _Arrays(Dataset[Any]):
-    """A built-in dataset (arrays) read by (draw, row) keys: no generator to seed."""
-
-    def __init__(self, dataset: Dataset[Any]) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitems__(self, keys: list[tuple[tuple[int, ...], int]]) -> list[Any]:
-        return _items(self.dataset, [row for _, row in keys])
-
-
 class _Drawn(Dataset[Any]):
-    """A factory's dataset, read a minibatch at a time under generators seeded for that minibatch
-    (its draw: the job's seed, the VW and p). Stage 0 reads a minibatch's inputs and the last
-    stage its targets, each on its own, and a random augmentation (a crop, mixup, a mask) must draw
-    the same at both, or inputs would train against another draw's targets; it does now, whatever
-    else used the generators in between (a dropout), on any data.workers, and again on --resume."""
+    """A dataset read a minibatch at a time by (draw, row) keys (_Order's); with a seed (a
+    factory's dataset), under generators seeded for that minibatch (its draw: the job's seed, the
+    VW and p). Stage 0 reads a minibatch's inputs and the last stage its targets, each on its own,
+    and a random augmentation (a crop, mixup, a mask) must draw the same at both, or inputs would
+    train against another draw's targets; it does, whatever else used the generators in between
+    (a dropout), on any data.workers, and again on --resume. Without one (arrays), no seeding."""
 
-    def __init__(self, dataset: Dataset[Any], seed: int) -> None:
+    def __init__(self, dataset: Dataset[Any], seed: int | None) -> None:
         self.dataset, self.seed = dataset, seed
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitems__(self, keys: list[tuple[tuple[int, ...], int]]) -> list[Any]:
+        rows = [row for _, row in keys]
+        if self.seed is None:
+            return _items(self.dataset, rows)
         with _seeded(self.seed, keys[0][0]):
-            return _items(self.dataset, [row for _, row in keys])
+            return _items(self.dataset, rows)
 
 
 class _Order:
@@ -369,7 +365,7 @@ class Minibatches:
         # A generator of its own: without one, each iterator draws its workers' base seed from
         # torch's global generator, under a layer's seeded initialisation on another thread.
         base_seed = torch.Generator().manual_seed(hash((job.train.seed, vw)) & (2**63 - 1))
-        drawn = _Drawn(dataset, job.train.seed) if _draws_at_random(job) else _Arrays(dataset)
+        drawn = _Drawn(dataset, job.train.seed if _draws_at_random(job) else None)
         self._loader = DataLoader(drawn, batch_sampler=order, collate_fn=_collate, num_workers=workers,
                                   pin_memory=pin, multiprocessing_context="spawn" if workers else None,
                                   persistent_workers=False, generator=base_seed)
@@ -448,7 +444,7 @@ def first_item(job: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """One minibatch-shaped (x, y) pair of the training data, from its first row: what the
     planner and the driver need of the data (shapes and dtypes), without reading the rest."""
     dataset = training_set(job)
-    with _seeded(job.train.seed, (CHECK_DRAW,)) if _draws_at_random(job) else contextlib.nullcontext():
+    with _drawing(job, (CHECK_DRAW,)):
         item = dataset[0]
     batch = _collate([item] * job.data.batch_size)
     return cast(job, batch.x, batch.y)
@@ -459,9 +455,7 @@ def read_rows(job: JobConfig, dataset: Dataset[Any], rows: Sequence[int],
     """These rows of dataset as one minibatch (x, y), cast as training takes them. draw: the
     minibatch's name, which seeds a factory's random draws for it (_Drawn): every reader of
     evaluation minibatch i passes (EVAL_DRAW, i)."""
-    if draw is not None and _draws_at_random(job):
-        items = _Drawn(dataset, job.train.seed).__getitems__([(draw, r) for r in rows])
-    else:
+    with _drawing(job, draw):
         items = _items(dataset, rows)
     batch = _collate(items)
     return cast(job, batch.x, batch.y)
@@ -495,7 +489,7 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
     for source, dataset in sets:
         if isinstance(dataset, ArrayDataset) and dataset.source:
             source = dataset.source
-        with _seeded(job.train.seed, (CHECK_DRAW,)) if _draws_at_random(job) else contextlib.nullcontext():
+        with _drawing(job, (CHECK_DRAW,)):
             x, y = _rows(dataset)   # the item _from_factory checked
         for name, array in (("x", x), ("y", y)):
             if array.dtype.kind not in NUMBERS:

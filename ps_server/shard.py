@@ -295,15 +295,13 @@ class Shard:
             changed, adds = self._released(keys)
         self._settle(keys if quorum else [])
         self.pushes_applied += 1
-        self._note_distance(vw, replayed_past_g4=bool(past))
+        if not past:   # replayed past G4: what made the gap is a slower VW's lost push
+            self._note_distance(vw)
         return Sums(changed, adds)
 
-    def _note_distance(self, vw: int, *, replayed_past_g4: bool = False) -> None:
+    def _note_distance(self, vw: int) -> None:
         """max_clock_distance after vw's push. Only a push that leaves vw the fastest can widen the
-        spread; after a power cut took a slower VW's pushes, neither a replayed push past G4 nor
-        that VW's catch-up counts: what made the gap is the lost pushes, not a VW past its bound."""
-        if replayed_past_g4:
-            return
+        spread: after a power cut took a slower VW's pushes, that VW's catch-up does not count."""
         clocks = self.vw_clocks()
         live = [clocks[v] for v in self._live()]
         if clocks[vw] >= max(live):

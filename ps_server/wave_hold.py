@@ -54,9 +54,9 @@ class WaveHold:
     def release(self, key: str, below: int) -> list[torch.Tensor]:
         """key's held deltas of the waves below `below` (its c_global: every live VW pushed them),
         in wave then VW order, let go: they go into its values."""
-        out = [self.held[key][wave].pop(vw) for wave, vw in self._at(key) if wave < below]
         waves = self.held.get(key, {})
-        for wave in [w for w, by_vw in waves.items() if not by_vw]:
+        out = [waves[wave][vw] for wave, vw in self._at(key) if wave < below]
+        for wave in [w for w in waves if w < below]:
             del waves[wave]
         if not waves:
             self.held.pop(key, None)
