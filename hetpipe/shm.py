@@ -120,6 +120,8 @@ def sweep() -> list[str]:
     their names. Safe beside live owners: theirs are locked."""
     removed = []
     for path in _files(creating=True):
+        if path.name.endswith(_CREATING) and _owner_lives(path.name):
+            continue  # made this instant: its owner may not have locked it yet
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
@@ -134,6 +136,19 @@ def sweep() -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+def _owner_lives(name: str) -> bool:
+    match = _NAME.match(name)
+    if match is None:
+        return False
+    try:
+        os.kill(int(match[1]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:   # another user's process: alive
+        return True
+    return True
 
 
 def segments() -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import random
 import shutil
 import threading
@@ -53,6 +54,16 @@ def _no_orphans() -> Iterator[None]:
             leftover.append(child)
             child.kill()
     assert not leftover, f"test left processes behind: {[c.cmdline() for c in leftover]}"
+
+
+@pytest.fixture
+def host_wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Held by tests that make, or count, what every process on the host sees (POSIX semaphores
+    in /dev/shm): they run one at a time across pytest-xdist's workers, which share the folder
+    above their own temporary ones."""
+    with open(tmp_path_factory.getbasetemp().parent / "host-wide.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def deep_update(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

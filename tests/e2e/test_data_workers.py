@@ -68,6 +68,7 @@ def _is_helper(command: str) -> bool:
     return "multiprocessing.forkserver" in command or "multiprocessing.resource_tracker" in command
 
 
+@pytest.mark.usefixtures("host_wide")   # counts every semaphore on the host
 @pytest.mark.parametrize("fails", [False, True], ids=["learns", "a-row-fails-to-read"])
 def test_data_workers_and_their_semaphores_end_with_the_run(tmp_path: Path, fails: bool) -> None:
     job = deep_update(BASE_JOB, {"train": {"steps": 20}, "output": {"trace": False}})

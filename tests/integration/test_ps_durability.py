@@ -260,7 +260,11 @@ def test_kill_9_loses_no_acknowledged_push(tmp_path: Path) -> None:
         push(1, 4, ["l0.bias"])   # half of vw 1's wave 4: keys of one VW at different clocks
         before = c.status()
         assert before.c_global == 4 and before.pushes_applied == len(acked) == 10
-        assert len(list((ckpt / "log").glob("*.safetensors"))) == 2, "the last two pushes are only in the log"
+        # The checkpoint at c_global 4 is written on a thread of its own once its push is answered.
+        deadline = time.monotonic() + 30
+        while len(logged := list((ckpt / "log").glob("*.safetensors"))) != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(logged) == 2, "the last two pushes are only in the log"
 
         assert shard.proc is not None
         shard.proc.send_signal(signal.SIGKILL)

@@ -318,6 +318,7 @@ def test_a_data_factory_is_read_in_the_design_order(tmp_path: Path) -> None:
         assert torch.equal(rx, ex) and torch.equal(ry, ey)
 
 
+@pytest.mark.usefixtures("host_wide")   # DataLoader workers make semaphores test_data_workers counts
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_datasets_random_draws_are_the_same_for_stage_0_and_the_last_stage(tmp_path: Path, workers: int) -> None:
     """Stage 0 reads a minibatch's inputs and the last stage its targets, each on its own: a

@@ -245,6 +245,23 @@ def test_host_identity_is_shared_by_processes_on_this_host() -> None:
     assert here and here == there
 
 
+def test_sweep_leaves_a_segment_being_made_by_a_live_process() -> None:
+    """Made, then locked: a sweep from another process in between must not take it (the owner's
+    rename would then fail); one left half-made by a dead process goes."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(10)
+    made = {pid: shm.SHM_DIR / f"{shm.PREFIX}{pid}-{os.urandom(8).hex()}.new" for pid in (os.getpid(), dead.pid)}
+    try:
+        for path in made.values():
+            path.touch()
+        removed = shm.sweep()
+        assert made[os.getpid()].exists() and made[os.getpid()].name not in removed
+        assert not made[dead.pid].exists() and made[dead.pid].name in removed
+    finally:
+        for path in made.values():
+            path.unlink(missing_ok=True)
+
+
 def test_a_full_dev_shm_sends_in_frames(monkeypatch: pytest.MonkeyPatch) -> None:
     """A container's /dev/shm is small (64 MiB by default): where it has no room the segment is
     refused at once (ENOSPC from fallocate, not SIGBUS on a later write) and the bundle travels
@@ -257,13 +274,13 @@ def test_a_full_dev_shm_sends_in_frames(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(os, "posix_fallocate", full)
     # Whole, and in chunks: every chunk's segment is made before the first handle goes out.
     for ring in shm.Ring(), shm.Ring(chunk_bytes=4096, whole_up_to=4096):
-        before = set(shm.segments())
+        before = set(_mine())
         try:
             frames = list(wire.encode(_bundle(), ring=ring))
             assert not wire_pb2.TensorFrame.FromString(frames[0]).HasField("shm")
             got = wire.decode(frames, reader=shm.Reader()).tensors
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, _bundle()))
-            assert set(shm.segments()) <= before and not list(shm.SHM_DIR.glob(f"{shm.PREFIX}{os.getpid()}-*.new"))
+            assert set(_mine()) <= before and not list(shm.SHM_DIR.glob(f"{shm.PREFIX}{os.getpid()}-*.new"))
         finally:
             ring.close()
 
