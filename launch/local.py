@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hetpipe import data, devices, metrics, outputs, rpc, security
+from hetpipe import data_check, devices, metrics, outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
 from hetpipe.outputs import ADDRESS_FILE, JOB_ID_FILE, TOKEN_FILE, STATUS_FILE, publish_address, unpublish_address, write_status
@@ -106,7 +106,7 @@ def preflight(job: JobConfig) -> Plan:
     for env in (devices.THREADS_ENV, devices.PS_THREADS_ENV):
         devices.env_threads(env)
     model = models.structure(job.model, job.base_dir)
-    notes = data.check(job, lambda x: boundaries(model, x, strict=True)[-1][0])
+    notes = data_check.check(job, lambda x: boundaries(model, x, strict=True)[-1][0])
     if job.model.init is not None:
         model_init.check_init(job, model)
     outputs.check_dir(Path(job.resolve(job.output.dir)))
@@ -160,7 +160,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         outputs.check_reads(out_dir, job.read_paths, folders=())   # what their outputs.clear removes
         from baselines import run_baseline
 
-        for warning in data.eval_warnings(job):   # preflight's, which the baselines do not run
+        for warning in data_check.eval_warnings(job):   # preflight's, which the baselines do not run
             warn(warning)
 
         with outputs.locked(out_dir):

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from conftest import BASE_JOB, deep_update
 from hetpipe.config import ConfigError, JobConfig, parse_job
-from hetpipe import data
-from hetpipe.data import (EVAL_DRAW, IGNORED_LABEL, ArrayDataset, Minibatches, check, eval_batches, held_out_set,
+from hetpipe import data_check
+from hetpipe.data import (EVAL_DRAW, IGNORED_LABEL, ArrayDataset, Minibatches, eval_batches, held_out_set,
                           minibatch_rows, read_rows, training_set)
+from hetpipe.data_check import check
 from hetpipe.reference import minibatch
 
 
@@ -475,7 +476,7 @@ def test_a_model_that_reads_values_is_told_it_ran_on_the_meta_device(tmp_path: P
 
 def test_the_check_finds_the_first_bad_element_past_the_first_slice(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data, "CHECK_SLICE_BYTES", 64)  # 4 rows of 2 float64 per slice
+    monkeypatch.setattr(data_check, "CHECK_SLICE_BYTES", 64)  # 4 rows of 2 float64 per slice
     x = np.zeros((40, 2))
     x[37, 1] = np.inf
     np.savez(tmp_path / "data.npz", x=x, y=np.zeros(40, dtype=np.int64))
@@ -510,7 +511,7 @@ def test_minibatches_are_ordered_as_they_are_read_not_all_up_front() -> None:
                       "reads 32, some rows twice"),
 ])
 def test_eval_rows_other_than_an_evaluation_reads_are_named(rows: int, held_out: int, given: bool, note: str | None) -> None:
-    assert data.eval_rows_note(rows, held_out, 32, given=given) == note
+    assert data_check.eval_rows_note(rows, held_out, 32, given=given) == note
     job = parse_job(deep_update(BASE_JOB, {"data": {"batch_size": 32}}))
     read = eval_batches(job, ArrayDataset(np.zeros((held_out, 1)), np.zeros(held_out)), rows)
     assert note is None or f"reads {len(read) * 32}" in note   # what the stages will read
