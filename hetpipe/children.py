@@ -246,6 +246,17 @@ def _born(pid: int) -> float | None:
         return None
 
 
+def _wake_siblings() -> None:
+    """SIGCONT to this process group: a sibling stopped with SIGSTOP cannot see the launcher go,
+    and continued it does, and exits as this one does. The kernel does as much for a group that
+    its launcher's death orphans within a terminal's session, but not for a launcher that leads
+    its own session (setsid, a service manager), whose group it leaves stopped for good."""
+    try:
+        os.killpg(os.getpgrp(), signal.SIGCONT)
+    except OSError:
+        pass
+
+
 def exit_with_parent(parent_pid: int, on_orphaned: Callable[[], None]) -> None:
     """Calls on_orphaned once parent_pid is gone, so a killed launcher leaves no orphans."""
     born = _born(parent_pid)
@@ -254,6 +265,7 @@ def exit_with_parent(parent_pid: int, on_orphaned: Callable[[], None]) -> None:
         while born is not None and _born(parent_pid) == born:
             time.sleep(0.5)
         log.warning("launcher %d is gone: exiting", parent_pid)
+        _wake_siblings()
         on_orphaned()
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

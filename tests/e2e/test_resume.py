@@ -115,14 +115,20 @@ def test_kill_9_of_hetpipe_run_then_resume(uninterrupted: Run, tmp_path: Path) -
         ready = next(Path(a).parent for p in family for a in " ".join(p.cmdline()).split() if a.endswith(".ready"))
         left = [ready, Path((ready / "forkserver_dir").read_text())]  # the launcher's scratch folders
         assert all(p.is_dir() for p in left)
+        # One worker stopped, as a debugger or an operator leaves it: it follows the others all the same.
+        stopped = next(p for p in family if "stage_worker" in " ".join(p.cmdline()))
+        stopped.suspend()
         os.kill(run.pid, signal.SIGKILL)  # the launcher alone: its workers follow it (exit with parent)
         run.wait(30)
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     assert not (tmp_path / "out" / "summary.json").exists(), "the run finished before the kill"
-    # Every worker notices within a second that its launcher is gone, and the fork server then exits.
+    # Every worker notices within a second that its launcher is gone, and the fork server then
+    # exits; the stopped one once the first to notice has continued it (SIGCONT to the group).
     _, alive = psutil.wait_procs(family, timeout=20)
+    for process in alive:
+        process.kill()
     assert not alive, f"left behind by the killed launcher: {[(p.pid, p.cmdline()[:3]) for p in alive]}"
     _resume_and_compare(tmp_path, uninterrupted)
     assert not any(p.exists() for p in left), f"the next launcher did not sweep {left}"
