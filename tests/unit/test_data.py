@@ -319,14 +319,16 @@ def test_a_data_factory_is_read_in_the_design_order(tmp_path: Path) -> None:
         assert torch.equal(rx, ex) and torch.equal(ry, ey)
 
 
-@pytest.mark.usefixtures("host_wide")   # DataLoader workers make semaphores test_data_workers counts
 @pytest.mark.parametrize("workers", [0, 1])
-def test_a_datasets_random_draws_are_the_same_for_stage_0_and_the_last_stage(tmp_path: Path, workers: int) -> None:
+def test_a_datasets_random_draws_are_the_same_for_stage_0_and_the_last_stage(tmp_path: Path, workers: int,
+                                                                              request: pytest.FixtureRequest) -> None:
     """Stage 0 reads a minibatch's inputs and the last stage its targets, each on its own: a
     dataset that draws at random (an augmentation) must draw the same for both, whatever else
     used the generators in between (a dropout on stage 0), and the same again on --resume, or
     inputs train against other draws' targets. Evaluation minibatches too. The generators are
     left as they were."""
+    if workers:
+        request.getfixturevalue("host_wide")   # DataLoader workers make semaphores, which test_data_workers counts
     job = factory_job(tmp_path, factory="mydata:augmented", workers=workers, eval_fraction=0.25)
     train = training_set(job)
     first, last = (Minibatches(job, train, 0, steps=4) for _ in range(2))
