@@ -228,7 +228,8 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
             try:
                 restarted = functools.partial(write_targets, targets, metrics_server.port, procs)
                 status = follow(lambda: stub.GetJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S), quiet=quiet,
-                                on_status=lambda _: _watch_processes(procs, runner, restarted))
+                                on_status=lambda _: _watch_processes(procs, runner, restarted),
+                                unsaid_wait_s=WAITING_EVERY_S)
             except KeyboardInterrupt as exc:
                 # Give the runner a moment to stop the stages cleanly; the processes are terminated
                 # right after anyway, and Ctrl-C must end the run within seconds even on a busy host.
@@ -318,22 +319,27 @@ class _Lines:
 
 
 def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
-           on_status: Callable[[coordinator_pb2.JobStatus], None] = lambda status: None) -> coordinator_pb2.JobStatus:
+           on_status: Callable[[coordinator_pb2.JobStatus], None] = lambda status: None,
+           unsaid_wait_s: float = 0.0) -> coordinator_pb2.JobStatus:
     """Shows progress until the job ends (a bar on a terminal, else a line now and then); returns
     its final status. on_status sees each status of the job while it is under way (a local
-    launcher watches its processes there)."""
+    launcher watches its processes there). unsaid_wait_s: a wait for workers this short goes
+    unsaid (a local run's own workers register a moment after they are ready)."""
     shown: _Bar | _Lines | None = None
     running = PROTO_STATE[JobState.RUNNING]
-    waiting, told_at = "", -math.inf
+    waiting, told_at, since = "", -math.inf, math.inf
     try:
         while True:
             status = get_status()
             ended = status.state in TERMINAL
             if not ended:
                 on_status(status)
-            if status.waiting != waiting and not quiet and time.monotonic() - told_at >= WAITING_EVERY_S:
+            now = time.monotonic()
+            since = min(since, now) if status.waiting else math.inf
+            if (status.waiting != waiting and not quiet and now - told_at >= WAITING_EVERY_S
+                    and (not status.waiting or now - since >= unsaid_wait_s)):
                 # Before it runs, a job may wait for workers up to its claim timeout: say for which.
-                waiting, told_at = status.waiting, time.monotonic()
+                waiting, told_at = status.waiting, now
                 if waiting:
                     print(f"hetpipe: waiting for workers: {waiting}", file=sys.stderr)
             # The total comes with the first progress report, a moment after the job is RUNNING

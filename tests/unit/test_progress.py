@@ -99,3 +99,23 @@ def test_a_resumed_run_shows_no_loss_before_its_own_first_minibatch(monkeypatch:
     follow(lambda: next(statuses), quiet=False)
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == "train: 50% (40/80 samples), 0 samples/s", lines
+
+
+@pytest.mark.parametrize("unsaid_wait_s", [0.0, 5.0])
+def test_a_wait_for_workers_is_said_once_it_lasts(unsaid_wait_s: float, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A local run's own workers register a moment after they are ready: a wait shorter than
+    unsaid_wait_s goes unsaid, a longer one is said (once, while it does not change)."""
+    clock = iter(range(0, 1000))   # a second a poll
+    monkeypatch.setattr("launch.local.time.monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr("launch.local.time.sleep", lambda seconds: None)
+    brief = "stage_workers needed: 2 x cpu on local; free and alive: 1 x any"
+    long = "stage_workers needed: 1 x t4 on hostb; free and alive: none"
+    polls = [*_job(("PLANNED", 0, 0.0)), *[coordinator_pb2.JobStatus(state=State.PLANNED, waiting=brief)] * 2,
+             *_job(("PLANNED", 0, 0.0)), *[coordinator_pb2.JobStatus(state=State.PLANNED, waiting=long)] * 8,
+             *_job(("COMPLETED", 80, 2.2))]
+    statuses = iter(polls)
+    follow(lambda: next(statuses), quiet=False, unsaid_wait_s=unsaid_wait_s)
+    said = [line for line in capsys.readouterr().err.splitlines() if "waiting for workers" in line]
+    told = [f"hetpipe: waiting for workers: {text}" for text in ([long] if unsaid_wait_s else [brief, long])]
+    assert said == told, said
