@@ -296,16 +296,23 @@ class Shard:
         self._settle(keys if quorum else [])
         self.pushes_applied += 1
         if not past:   # replayed past G4: what made the gap is a slower VW's lost push
-            self._note_distance(vw)
+            self._note_distance(vw, replayed=applied_before)
         return Sums(changed, adds)
 
-    def _note_distance(self, vw: int) -> None:
+    def _note_distance(self, vw: int, *, replayed: bool = False) -> None:
         """max_clock_distance after vw's push. Only a push that leaves vw the fastest can widen the
-        spread: after a power cut took a slower VW's pushes, that VW's catch-up does not count."""
+        spread: after a power cut took a slower VW's pushes, that VW's catch-up does not count.
+        replayed: log replay, where a spread past G4's D + 1 is not counted either. Each push met G4
+        when it was applied, so only a lost push can make one: of another key, whose clock counts
+        in a VW's (the min over keys), where it does not in the push's own G4 check."""
         clocks = self.vw_clocks()
         live = [clocks[v] for v in self._live()]
+        distance = clock_distance(live)
+        lead = self.rule.lead
+        if replayed and lead is not None and distance > lead + 1:
+            return
         if clocks[vw] >= max(live):
-            self.max_clock_distance = max(self.max_clock_distance, clock_distance(live))
+            self.max_clock_distance = max(self.max_clock_distance, distance)
 
     def _released(self, keys: Iterable[str]) -> tuple[frozenset[str], list[tuple[torch.Tensor, torch.Tensor]]]:
         """exact: the keys among these whose held waves every live VW has now pushed, and those

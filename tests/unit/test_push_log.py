@@ -182,6 +182,38 @@ def test_a_vw_catching_up_after_a_power_cut_does_not_count_as_past_g4(tmp_path: 
     assert not rebooted.hold
 
 
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_replay_counts_no_distance_that_a_lost_push_of_another_key_made(tmp_path: Path, order: str) -> None:
+    """Keys a (stage 0) and b (stage 1) on one shard, D 0. VW 0's stage 0 shares the shard's
+    machine, and the cut takes its push of a; VW 1's wave 1 of b meets G4 on b, but with VW 0's
+    a back at 0 the VWs' clocks (min over keys) are 2 apart. Replay reports the spread its
+    pushes had live (1), in whichever order they were applied."""
+    shard = Shard()
+    assert shard.init(2, [(k, torch.zeros(2, dtype=torch.float64)) for k in "ab"], (), SyncRule("wsp", exact=True))
+    dur = Durability(str(tmp_path), every_clocks=100)
+    dur.checkpoint(shard)
+
+    def u(key: str) -> list[tuple[str, torch.Tensor]]:
+        return [(key, torch.full((2,), 0.01, dtype=torch.float64))]
+
+    seq, logged = log_push(dur, 0, 0, u("a"))   # through shared memory: not on disk when acknowledged
+    dur.place(seq)
+    assert shard.push(0, 0, logged)
+    dur.settle(seq, applied=True)
+    push(shard, dur, 0, 0, u("b"))
+    for wave in range(2):
+        for key in order:
+            push(shard, dur, 1, wave, u(key))
+    assert shard.max_clock_distance == 1
+    dur.boot_path.write_text("a boot before this one\n")   # the power cut
+    rebooted = Shard()
+    Durability(str(tmp_path)).restore(rebooted)
+    assert rebooted.clocks == {"a": [0, 2], "b": [1, 2]}
+    assert rebooted.max_clock_distance == 1, "replay reported past G4"
+    assert rebooted.push(0, 0, u("a"))   # VW 0 comes again
+    assert rebooted.max_clock_distance == 1
+
+
 def test_entries_a_checkpoint_covered_are_written_over_then_deleted_at_close(tmp_path: Path) -> None:
     """Once covered, an entry's file is a spare that a later entry is written into (same inode, no
     new file), shorter or longer than before; restore reads them right; close() deletes spares."""
