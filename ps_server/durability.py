@@ -246,9 +246,11 @@ class Durability:
         if not entry.place:
             # Logged before it was checked (WSP, outside the lock), and the process died before it
             # was applied or refused: never acknowledged, and refused now. It goes, or a later
-            # restore, replaying it after more pushes, could find it in order and apply it.
+            # restore, replaying it after more pushes, could find it in order and apply it; for
+            # good (the folder fsynced), or a power cut could bring its name back.
             with self._lock:
                 self._spare(entry.path)
+            fsync(self.log_dir)
 
     def _replay(self, entry: _Entry, shard: Shard) -> int:
         """entry.apply(shard); an entry applied now for the first time is placed after the rest."""

@@ -332,6 +332,28 @@ def test_a_refused_push_frees_its_entry_for_the_next(tmp_path: Path) -> None:
     assert restored.digest() == shard.digest()
 
 
+def test_an_entry_that_replay_refuses_is_gone_for_good(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On disk, and its shard killed before the push was checked: never acknowledged, and refused
+    at replay (it skips ahead). Its name goes, and the folder is fsynced after, or a power cut
+    could bring it back for a later restore to apply once it is in order."""
+    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
+    dur.checkpoint(shard)
+    seq, _ = log_push(dur, 0, 5, [delta("a", shard)])
+    dur.sync(seq)
+    events = record_fsyncs(monkeypatch)
+    real_replace = os.replace
+
+    def replace(src: Path, dst: Path) -> None:
+        real_replace(src, dst)
+        events.append(f"{Path(src).name} -> {Path(dst).name}")
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert Durability(str(tmp_path)).restore(Shard()) == 0
+    assert not dur.entries()
+    freed = events.index(f"{dur.entry_path(seq).name} -> spare-{seq:012d}")
+    assert "log" in events[freed + 1:], events
+
+
 def _from_stream(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
     logged = _write_stream(path, wire.read(wire.encode(tensors, push=wire_pb2.PushTag())), metadata)
     for (name, tensor), (got_name, got) in zip(tensors, logged, strict=True):
