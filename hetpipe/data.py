@@ -143,7 +143,10 @@ def from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
 
     make = resolve(spec, key, job.base_dir)
     try:
-        dataset = make(**dict(job.data.args))
+        # Every process that reads the data builds it: one that shuffles or splits its rows as it
+        # is built must build the same rows in each, or inputs train against other rows' targets.
+        with drawing(job, (BUILD_DRAW,)):
+            dataset = make(**dict(job.data.args))
     except TypeError as exc:
         raise ConfigError(f"data.args: {spec}: {exc}") from None
     except (Exception, SystemExit) as exc:   # a factory that exits (an argparse in it) ends nothing but itself
@@ -265,8 +268,9 @@ def cast(job: JobConfig, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor
 
 
 # A draw names what is read: training minibatch (TRAIN_DRAW, vw, p), evaluation minibatch
-# (EVAL_DRAW, i), or (CHECK_DRAW,) the item a factory's dataset is checked by.
-TRAIN_DRAW, EVAL_DRAW, CHECK_DRAW = 0, 1, 2
+# (EVAL_DRAW, i), (CHECK_DRAW,) the item a factory's dataset is checked by, or (BUILD_DRAW,) the factory's
+# call itself.
+TRAIN_DRAW, EVAL_DRAW, CHECK_DRAW, BUILD_DRAW = 0, 1, 2, 3
 
 
 def _draws_at_random(job: JobConfig) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -295,6 +296,16 @@ class Augmented(torch.utils.data.Dataset):
 
 def augmented(rows=20):
     return Augmented(rows)
+
+
+def shuffled(rows=20):
+    # Rows in an order drawn as the dataset is built, from all three global generators.
+    import random
+    import numpy as np
+    order = [int(i) for i in torch.randperm(rows)]
+    random.shuffle(order)
+    order = [order[i] for i in np.random.permutation(rows)]
+    return [(torch.tensor([float(i), 0.0, 0.0, 0.0]), i % 3) for i in order]
 """
 
 
@@ -317,6 +328,24 @@ def test_a_data_factory_is_read_in_the_design_order(tmp_path: Path) -> None:
         rx, ry = reader.next()
         ex, ey = minibatch(job, dataset, p, 0)
         assert torch.equal(rx, ex) and torch.equal(ry, ey)
+
+
+def test_a_factory_that_draws_as_it_builds_builds_the_same_rows_in_every_process(tmp_path: Path) -> None:
+    """Each stage builds the dataset itself, its generators in whatever state its own work left
+    them: a factory that shuffles or splits its rows as it builds them builds the same in each
+    (stage 0's inputs, the last stage's targets), and leaves the generators as they were."""
+    job = factory_job(tmp_path, factory="mydata:shuffled", eval_factory="mydata:shuffled")
+    built = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        states = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+        built.append([training_set(job)[i] for i in range(20)] + [held_out_set(job)[i] for i in range(20)])
+        assert torch.equal(torch.get_rng_state(), states[0]) and (np.random.get_state()[1] == states[1]).all()
+        assert random.getstate() == states[2]
+    assert all(torch.equal(torch.as_tensor(a[0]), torch.as_tensor(b[0])) and a[1] == b[1] for a, b in zip(*built))
+    assert [float(x[0]) for x, _ in built[0][:20]] != sorted(float(x[0]) for x, _ in built[0][:20]), "not shuffled"
 
 
 @pytest.mark.parametrize("workers", [0, 1])
