@@ -233,12 +233,12 @@ def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> di
     """The held-out evaluation of a whole model (eval.rows rows, as the HetPipe stages read them):
     eval_loss, eval_accuracy and eval_rows for the summary; nothing without an eval section."""
     from hetpipe import data
-    from hetpipe.optim import compute_loss, for_loss
+    from hetpipe.optim import for_loss, score
 
     held_out = data.held_out_set(job) if job.eval is not None else None
     if held_out is None or job.eval is None:
         return {}
-    loss = correct = predictions = rows = 0.0
+    loss, counted, correct, rows = 0.0, 0, 0, 0
     dtype = compute_dtype(job.train.precision)
     model.eval()  # as the stages evaluate: dropout off, batch norm on its running statistics
     with torch.no_grad():
@@ -246,11 +246,10 @@ def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> di
             x, y = data.read_rows(job, held_out, batch, (data.EVAL_DRAW, i))   # as the stages draw it
             with autocast(dtype, device.type):
                 out = for_loss(dtype, model(x.to(device)))  # as the stages score it
-            y = y.to(device)
-            loss += float(compute_loss(job.train.loss, out, y)) * len(batch)
-            correct += float((out.argmax(dim=-1) == y).sum()) if job.train.loss == "cross_entropy" else 0.0
-            predictions += y.numel()
+            scored = score(job.train.loss, out, y.to(device))   # as the stages score it
+            loss, counted, correct = loss + scored.loss_sum, counted + scored.counted, correct + scored.correct
             rows += len(batch)
     model.train()
-    return {"eval_loss": loss / rows, "eval_rows": int(rows),
-            "eval_accuracy": correct / predictions if job.train.loss == "cross_entropy" else None}
+    classification = job.train.loss == "cross_entropy"
+    return {"eval_loss": loss / counted if counted else None, "eval_rows": rows,
+            "eval_accuracy": correct / counted if classification and counted else None}

@@ -26,8 +26,6 @@ from hetpipe.config import ConfigError, JobConfig
 from hetpipe.validate import Section
 
 NUMBERS = "biuf"  # numpy kinds a tensor can be made of and a loss can take
-# torch.nn.functional.cross_entropy skips targets of this value (its ignore_index): not a class.
-IGNORED_LABEL = -100
 MAX_SYNTHETIC = 1 << 27  # rows, features, classes, vocab, context of data.name synthetic: within memory
 
 

@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 from hetpipe import data
 from hetpipe.config import ConfigError, JobConfig
+from hetpipe.optim import IGNORED_LABEL
 
 # The checks read arrays in slices of about this many bytes: one pass, a small temporary.
 CHECK_SLICE_BYTES = 16 << 20
@@ -100,7 +101,7 @@ def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, outpu
             raise ConfigError(f"{source}: {_element('y', at)} is {y[at]}")
         return
     classes = output[-1]
-    at = _first(y, lambda s: ((s < 0) & (s != data.IGNORED_LABEL)) | (s >= classes))
+    at = _first(y, lambda s: ((s < 0) & (s != IGNORED_LABEL)) | (s >= classes))
     if at is not None:
         raise ConfigError(f"{source}: {_element('y', at)} is {y[at]}, not a class of the model's output "
                           f"(0 to {classes - 1})")

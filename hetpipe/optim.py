@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -107,6 +108,33 @@ def step_at(optimizer: torch.optim.Optimizer, train: TrainConfig, p: int) -> Non
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+# torch.nn.functional.cross_entropy skips targets of this value (its ignore_index): not a class.
+IGNORED_LABEL = -100
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """One evaluation minibatch's share of the evaluation's loss and accuracy."""
+
+    loss_sum: float   # its mean loss times `counted` (0 where it counts nothing)
+    counted: int      # what its loss is a mean over: rows (mse), or targets not IGNORED_LABEL
+    correct: int      # of those targets, the ones the output's argmax names (cross_entropy)
+
+
+def score(kind: str, output: torch.Tensor, target: torch.Tensor) -> Scored:
+    """compute_loss's mean with what it averages over, so that minibatches sum to the mean over
+    the evaluation; ignored targets count neither in the loss nor in the accuracy."""
+    if kind == "mse":
+        rows = int(output.shape[0])
+        return Scored(float(compute_loss(kind, output, target)) * rows, rows, 0)
+    counted = target != IGNORED_LABEL
+    n = int(counted.sum())
+    if n == 0:   # cross_entropy's mean over no target is NaN
+        return Scored(0.0, 0, 0)
+    correct = int(((output.argmax(dim=-1) == target) & counted).sum())
+    return Scored(float(compute_loss(kind, output, target)) * n, n, correct)
 
 
 def compute_loss(kind: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from hetpipe import data, model_init, models
 from hetpipe.config import JobConfig
-from hetpipe.optim import compute_loss, make_optimizer, step_at
+from hetpipe.optim import compute_loss, make_optimizer, score, step_at
 
 
 def initial_model(job: JobConfig) -> torch.nn.Sequential:
@@ -65,11 +65,12 @@ def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu
 
 @torch.no_grad()
 def accuracy(job: JobConfig, model: torch.nn.Module, dataset: torch.utils.data.Dataset, batch: int = 1024) -> float:
-    """Share of rows (or tokens) of dataset whose argmax prediction matches the label."""
+    """Share of rows (or tokens) of dataset whose argmax prediction matches the label (of those
+    not IGNORED_LABEL)."""
     correct = total = 0
     n = len(dataset)  # type: ignore[arg-type]
     for i in range(0, n, batch):
         x, y = data.read_rows(job, dataset, range(i, min(n, i + batch)), (data.CHECK_DRAW, i))
-        correct += int((model(x).argmax(dim=-1) == y).sum())
-        total += y.numel()
+        scored = score("cross_entropy", model(x), y)
+        correct, total = correct + scored.correct, total + scored.counted
     return correct / total

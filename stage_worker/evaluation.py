@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hetpipe.optim import Scored
+
 
 @dataclass(frozen=True, slots=True)
 class EvalResult:
@@ -24,8 +26,8 @@ class EvalResult:
     final: bool
     time: float          # when it finished (time.time())
     rows: int
-    loss: float          # mean over the rows
-    accuracy: float      # NaN unless the loss is cross_entropy
+    loss: float          # mean over the rows (cross_entropy: over the targets it counts)
+    accuracy: float      # NaN unless the loss is cross_entropy, and where no target counts
 
 
 class Schedule:
@@ -64,21 +66,23 @@ class Totals:
 
     def __init__(self, batches: int, classification: bool) -> None:
         self.batches, self.classification = batches, classification
-        # id -> (minibatches seen, loss x rows, correct predictions, predictions, rows)
+        # id -> (minibatches seen, loss summed, targets counted, correct predictions, rows)
         self._open: dict[int, tuple[int, float, int, int, int]] = {}
         self.results: list[EvalResult] = []
 
-    def add(self, k: int, *, loss: float, correct: int, predictions: int, rows: int, minibatches: int,
-            final: bool, now: float) -> EvalResult | None:
-        """Counts one minibatch of evaluation k (its mean loss over `rows` rows, and `correct` of
-        `predictions`, a row's or a token's); the result once its last minibatch is in."""
-        seen, total, right, made, count = self._open.get(k, (0, 0.0, 0, 0, 0))
-        seen, total, right, made, count = seen + 1, total + loss * rows, right + correct, made + predictions, count + rows
+    def add(self, k: int, scored: Scored, *, rows: int, minibatches: int, final: bool,
+            now: float) -> EvalResult | None:
+        """Counts one minibatch of evaluation k (of `rows` rows); the result once its last
+        minibatch is in."""
+        seen, total, counted, right, count = self._open.get(k, (0, 0.0, 0, 0, 0))
+        seen, total, counted, right, count = (seen + 1, total + scored.loss_sum, counted + scored.counted,
+                                              right + scored.correct, count + rows)
         if seen < self.batches:
-            self._open[k] = (seen, total, right, made, count)
+            self._open[k] = (seen, total, counted, right, count)
             return None
         self._open.pop(k, None)
-        result = EvalResult(k, minibatches, final, now, count, total / count,
-                            right / made if self.classification else math.nan)
+        mean = (lambda part: part / counted) if counted else (lambda part: math.nan)   # every target ignored
+        result = EvalResult(k, minibatches, final, now, count, mean(total),
+                            mean(right) if self.classification else math.nan)
         self.results.append(result)
         return result

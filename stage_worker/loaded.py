@@ -14,7 +14,7 @@ import torch
 from hetpipe import data, faults, model_init, models, outputs, weight_files
 from hetpipe.loss_scale import LossScale, Verdicts
 from hetpipe.parallelism import MICRO_SCHEDULES
-from hetpipe.optim import compute_dtype, compute_loss, for_loss
+from hetpipe.optim import compute_dtype, for_loss, score
 from stage_worker import checkpoint, metrics
 from stage_worker.assignment import Setup
 from stage_worker.evaluation import Schedule, Totals
@@ -77,9 +77,7 @@ class Evals:
         had trained the weights it ran on."""
         y = self.read(i)[1].to(out.device)
         logits = for_loss(compute_dtype(self.job.train.precision), out)  # as training's loss reads it
-        loss = float(compute_loss(self.job.train.loss, logits, y))
-        correct = int((logits.argmax(dim=-1) == y).sum()) if self.totals.classification else 0
-        result = self.totals.add(k, loss=loss, correct=correct, predictions=y.numel(), rows=int(out.shape[0]),
+        result = self.totals.add(k, score(self.job.train.loss, logits, y), rows=int(out.shape[0]),
                                  minibatches=trained, final=k == self.schedule.final_id, now=time.time())
         if result is not None:
             log.info("%s: evaluation %d after %d minibatches: loss %.4f, accuracy %.4f", name, k,

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from conftest import BASE_JOB, deep_update
 from hetpipe.config import ConfigError, JobConfig, parse_job
 from hetpipe import data_check
-from hetpipe.data import (EVAL_DRAW, IGNORED_LABEL, ArrayDataset, Minibatches, eval_batches, held_out_set,
+from hetpipe.optim import IGNORED_LABEL
+from hetpipe.data import (EVAL_DRAW, ArrayDataset, Minibatches, eval_batches, held_out_set,
                           minibatch_rows, read_rows, training_set)
 from hetpipe.data_check import check
 from hetpipe.reference import minibatch
