@@ -4,7 +4,9 @@ file (or factory), the array and the element."""
 
 from __future__ import annotations
 
+import io
 import math
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +38,8 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
     if job.data.eval_fraction > 0:  # a held-out share that leaves no rows to train on
         held_out = len(data.split_rows(job, len(whole))[1])  # type: ignore[arg-type]
     train_rows = len(whole) - held_out  # type: ignore[arg-type]
+    if job.data.workers:
+        _check_picklable(job, default, whole)
     sets: list[tuple[str, Dataset[Any]]] = [(default, whole)]
     if job.data.eval_factory is not None:
         sets.append((f"data.eval_factory: {job.data.eval_factory}",
@@ -70,24 +74,51 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
     small = [] if train_rows >= job.data.batch_size else [
         f"data: the training set has {train_rows} rows, fewer than one minibatch of data.batch_size "
         f"{job.data.batch_size}: each minibatch reads some rows more than once"]
-    return small + eval_warnings(job, held_out)
+    return small + _eval_warnings(job, held_out)
 
 
-def eval_warnings(job: JobConfig, held_out: int | None = None) -> list[str]:
-    """What the job's evaluations will read other than it says (eval_rows_note); held_out: the
-    held-out set's rows where known, else read here."""
+class _Discard(io.RawIOBase):
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return len(b)
+
+
+def _check_picklable(job: JobConfig, source: str, dataset: Dataset[Any]) -> None:
+    """data.workers start by spawn (a fork would copy gRPC's state), so each gets the training set
+    pickled: one that cannot be failed every stage after the processes had started."""
+    try:
+        pickle.Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(dataset)
+    except Exception as exc:
+        raise ConfigError(f"data.workers: {job.data.workers}: {source}'s dataset cannot be pickled for its worker "
+                          f"processes ({type(exc).__name__}: {exc}): keep lambdas, open files and locks out of it, "
+                          "or set data.workers: 0") from None
+
+
+def _eval_warnings(job: JobConfig, held_out: int) -> list[str]:
+    """What the job's evaluations will read other than it says (eval_rows_note), of a held-out set
+    of held_out rows."""
     if job.eval is None:
         return []
-    if held_out is None:
-        held = data.held_out_set(job)
-        held_out = len(held) if held is not None else 0  # type: ignore[arg-type]
     note = eval_rows_note(job.eval.rows_read, held_out, job.data.batch_size, given=job.eval.rows is not None)
     return [note] if held_out and note else []
 
 
+def _check_finite(job: JobConfig, source: str, name: str, array: np.ndarray) -> None:
+    """Float values that are NaN or Inf, or will be once cast to train.dtype, refused."""
+    if array.dtype.kind != "f":
+        return
+    limit = torch.finfo(getattr(torch, job.train.dtype)).max
+    at = _first(array, lambda s: ~(np.abs(s) <= limit))   # NaN too
+    if at is None:
+        return
+    past = f", past {job.train.dtype}'s largest finite value (train.dtype)" if np.isfinite(array[at]) else ""
+    raise ConfigError(f"{source}: {_element(name, at)} is {array[at]}{past}")
+
+
 def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, output: tuple[int, ...]) -> None:
-    if x.dtype.kind == "f" and (at := _first(x, lambda s: ~np.isfinite(s))) is not None:
-        raise ConfigError(f"{source}: {_element('x', at)} is {x[at]}")
+    _check_finite(job, source, "x", x)
     classification = job.train.loss == "cross_entropy"
     # The shape, not only the count: mse on an output of (B, 1) against y of (B,) broadcasts to
     # (B, B) and trains on a wrong loss without a word.
@@ -97,8 +128,7 @@ def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, outpu
                           f"needs rows of shape {list(row)} for {job.train.loss}"
                           + (f" (reshape each row of y to {list(row)})" if math.prod(y.shape[1:]) == math.prod(row) else ""))
     if not classification:
-        if y.dtype.kind == "f" and (at := _first(y, lambda s: ~np.isfinite(s))) is not None:
-            raise ConfigError(f"{source}: {_element('y', at)} is {y[at]}")
+        _check_finite(job, source, "y", y)
         return
     classes = output[-1]
     at = _first(y, lambda s: ((s < 0) & (s != IGNORED_LABEL)) | (s >= classes))

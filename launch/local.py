@@ -93,12 +93,20 @@ def _resume_wave(out_dir: Path, job: JobConfig, plan: Plan, *, resume: bool, fre
 
 
 def preflight(job: JobConfig) -> Plan:
-    """What must hold before any process starts, so that `hetpipe plan` finds what `hetpipe run`
-    would: the model factory gives a model (built on the meta device); the data factories give
-    datasets of (input, target) that the model takes and the loss can use, without NaN or Inf;
-    model.init has the model's keys and shapes, finite; output.dir can be written; the security
-    section's files can be read; the job has a plan. Raises ConfigError or PlanError naming what
-    is wrong, in one line."""
+    """What must hold before any process starts (checked_inputs), and the job's plan, so that
+    `hetpipe plan` finds what `hetpipe run` would. Raises ConfigError or PlanError naming what is
+    wrong, in one line."""
+    notes = checked_inputs(job)
+    plan = make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
+    return dataclasses.replace(plan, warnings=(*plan.warnings, *notes))
+
+
+def checked_inputs(job: JobConfig) -> list[str]:
+    """What any mode's processes need, checked before one starts: the model factory gives a model
+    (built on the meta device); the data factories give datasets of (input, target) that the model
+    takes and the loss can use, without NaN or Inf; model.init has the model's keys and shapes,
+    finite; output.dir can be written; the security section's files can be read. Raises
+    ConfigError naming what is wrong, in one line; returns warnings."""
     from coordinator.planner.shapes import boundaries
     from hetpipe import model_init, models
 
@@ -110,8 +118,7 @@ def preflight(job: JobConfig) -> Plan:
     if job.model.init is not None:
         model_init.check_init(job, model)
     outputs.check_dir(Path(job.resolve(job.output.dir)))
-    plan = make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
-    return dataclasses.replace(plan, warnings=(*plan.warnings, *notes))
+    return notes
 
 
 def _check_real_gpus(job: JobConfig) -> None:
@@ -160,7 +167,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         outputs.check_reads(out_dir, job.read_paths, folders=())   # what their outputs.clear removes
         from baselines import run_baseline
 
-        for warning in data_check.eval_warnings(job):   # preflight's, which the baselines do not run
+        for warning in checked_inputs(job):   # a baseline has no plan, and its data the same checks
             warn(warning)
 
         with outputs.locked(out_dir):

@@ -175,8 +175,8 @@ def paper_cluster_job(types: list[str], out: str = "out") -> dict[str, Any]:
     return {
         "cluster": {"nodes": [{"name": f"n{i}", "gpus": [{"type": t, "count": 2}]} for i, t in enumerate(types)],
                     "emulate": {"time_scale": 1.0}},
-        "model": {"name": "resnet152", "args": {}},
-        "data": {"name": "synthetic", "batch_size": 32},
+        "model": {"name": "resnet152", "args": {"in_shape": [3, 224, 224]}},
+        "data": {"name": "synthetic", "batch_size": 32, "args": {"rows": 32}},
         "train": {"steps": 1, "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9}},
         "parallel": {"virtual_workers": 1, "stages_per_vw": 1, "mode": "ddp"},
         "output": {"dir": out},

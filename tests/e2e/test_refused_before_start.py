@@ -187,6 +187,19 @@ def test_refused_in_one_line_before_any_process_starts(tmp_path: Path, case: str
     _refused(tmp_path, case, code, capsys.readouterr().err, overrides)
 
 
+@pytest.mark.parametrize("mode", ["ddp", "torch-pipeline"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_baseline_refuses_what_hetpipe_refuses(tmp_path: Path, case: str, mode: str, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The same checks before a baseline's ranks start: unchecked, NaN in x trained ddp to a
+    final_loss of null and exit 0, and a label beyond the classes ended in a traceback."""
+    overrides = CASES[case][0](tmp_path)
+    job = _job(tmp_path, **deep_update(overrides, {"parallel": {"mode": mode}}))
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(_args("run", job))
+    _refused(tmp_path, case, code, capsys.readouterr().err, overrides)
+
+
 @pytest.mark.parametrize("command", ["plan", "run"])
 def test_hetpipe_refuses_in_one_line_with_exit_2(tmp_path: Path, command: str) -> None:
     overrides = CASES["NaN in x"][0](tmp_path)

@@ -299,6 +299,12 @@ def augmented(rows=20):
     return Augmented(rows)
 
 
+def with_a_lambda(rows=20):
+    squares = Squares(rows)
+    squares.square = lambda v: v * v
+    return squares
+
+
 def shuffled(rows=20):
     # Rows in an order drawn as the dataset is built, from all three global generators.
     import random
@@ -514,6 +520,30 @@ def test_the_check_finds_the_first_bad_element_past_the_first_slice(tmp_path: Pa
     np.savez(tmp_path / "data.npz", x=x, y=np.zeros(40, dtype=np.int64))
     with pytest.raises(ConfigError, match=r"data\.path: .*data\.npz: x\[37, 1\] is inf$"):
         check(npz_job(tmp_path), lambda x: (x[0][0], 3))
+
+
+def test_a_dataset_data_workers_cannot_be_sent_is_refused(tmp_path: Path) -> None:
+    """The workers are spawned and get the dataset pickled: one that cannot be is refused before any
+    process starts, naming data.workers, rather than failing every stage once they have."""
+    with pytest.raises(ConfigError, match=r"^data\.workers: 2: data\.factory: mydata:with_a_lambda's dataset cannot "
+                                          r"be pickled for its worker processes \(.*lambda.*\): .* or set data\.workers: 0$"):
+        check(factory_job(tmp_path, factory="mydata:with_a_lambda", workers=2), lambda x: (x[0][0], 3))
+    check(factory_job(tmp_path, factory="mydata:with_a_lambda"), lambda x: (x[0][0], 3))
+
+
+def test_values_that_overflow_the_training_dtype_are_refused(tmp_path: Path) -> None:
+    """Finite as stored, Inf once cast to train.dtype: the first float32 step would diverge."""
+    x = np.zeros((6, 2))
+    x[4, 1] = 1e39
+    np.savez(tmp_path / "data.npz", x=x, y=np.zeros(6, dtype=np.int64))
+    with pytest.raises(ConfigError, match=r"data\.npz: x\[4, 1\] is 1e\+39, past float32's largest finite value"):
+        check(npz_job(tmp_path), lambda x: (x[0][0], 3))
+    check(npz_job(tmp_path, dtype="float64"), lambda x: (x[0][0], 3))
+    targets = np.zeros((6, 1))
+    targets[2, 0] = -4e38
+    np.savez(tmp_path / "data.npz", x=np.zeros((6, 2)), y=targets)
+    with pytest.raises(ConfigError, match=r"y\[2, 0\] is -4e\+38, past float32's"):
+        check(npz_job(tmp_path, loss="mse"), lambda x: (x[0][0], 1))
 
 
 def test_minibatches_are_ordered_as_they_are_read_not_all_up_front() -> None:
