@@ -38,7 +38,7 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
     if job.data.eval_fraction > 0:  # a held-out share that leaves no rows to train on
         held_out = len(data.split_rows(job, len(whole))[1])  # type: ignore[arg-type]
     train_rows = len(whole) - held_out  # type: ignore[arg-type]
-    if job.data.workers:
+    if job.data.workers and job.parallel.mode == "hetpipe":   # the baselines read without DataLoader workers
         _check_picklable(job, default, whole)
     sets: list[tuple[str, Dataset[Any]]] = [(default, whole)]
     if job.data.eval_factory is not None:
@@ -82,14 +82,23 @@ class _Discard(io.RawIOBase):
         return True
 
     def write(self, b: Any) -> int:
-        return len(b)
+        return memoryview(b).nbytes   # protocol 5 writes an array's bytes as a PickleBuffer
+
+
+class _Probe(pickle.Pickler):
+    """Pickles to nothing, to learn whether an object can be: a tensor always can, and torch's
+    own reduction would copy its bytes into memory first."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        return (int, ()) if isinstance(obj, torch.Tensor) else NotImplemented
 
 
 def _check_picklable(job: JobConfig, source: str, dataset: Dataset[Any]) -> None:
-    """data.workers start by spawn (a fork would copy gRPC's state), so each gets the training set
-    pickled: one that cannot be failed every stage after the processes had started."""
+    """The stages' data.workers start by spawn (a fork would copy gRPC's state), so each gets the
+    training set pickled: one that cannot be failed every stage after the processes had started.
+    Nothing is kept: _Discard drops what is written, and tensors are not serialized."""
     try:
-        pickle.Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(dataset)
+        _Probe(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(dataset)
     except Exception as exc:
         raise ConfigError(f"data.workers: {job.data.workers}: {source}'s dataset cannot be pickled for its worker "
                           f"processes ({type(exc).__name__}: {exc}): keep lambdas, open files and locks out of it, "

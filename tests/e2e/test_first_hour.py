@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,29 +128,37 @@ def test_stop_before_the_coordinator_is_up_waits_for_it_and_stops_the_job(tmp_pa
     assert run_marker.live_run(out_dir) is None
 
 
-def test_a_run_killed_while_it_plans_leaves_nothing_the_next_launcher_does_not_sweep(tmp_path: Path) -> None:
+def test_a_run_killed_while_it_plans_leaves_nothing_the_next_launcher_does_not_sweep(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fork server starts before the run plans, and its folder (/tmp/pymp-*) outlives a run
     killed with -9: it is recorded before the server starts, so the next launcher removes it."""
     (tmp_path / "held_net.py").write_text(HELD_NET)
     job = _job_file(tmp_path, parallel={"stages_per_vw": 1})
     job.write_text(yaml.safe_dump({**yaml.safe_load(job.read_text()), "model": {"factory": "held_net:build",
                                                                                  "args": {"width": 16}}}))
-    temp = Path(tempfile.gettempdir())
-    before = set(temp.glob("pymp-*"))
-    run = subprocess.Popen([*HETPIPE, "run", "-q", str(job)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # A temporary folder of the run's own, where no other test's launcher makes its folders; short,
+    # as the fork server's socket lies in it.
+    temp = Path(tempfile.mkdtemp(prefix="hp-"))
+    run = subprocess.Popen([*HETPIPE, "run", "-q", str(job)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "TMPDIR": str(temp)})
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "planned").exists():
             assert time.monotonic() < deadline and run.poll() is None, "hetpipe run never planned"
             time.sleep(0.01)
-        left = set(temp.glob("pymp-*")) - before
+        left = set(temp.glob("pymp-*"))
         assert left, "no fork server folder: the test proves nothing"
-    finally:
         run.kill()
         run.wait(timeout=30)
-    assert all(p.exists() for p in left), "removed by the killed run itself"
-    RunDir.sweep()   # what the next launcher does first
-    assert not [p for p in left if p.exists()]
+        assert all(p.exists() for p in left), "removed by the killed run itself"
+        monkeypatch.setattr(tempfile, "tempdir", str(temp))
+        RunDir.sweep()   # what the next launcher does first
+        assert not [p for p in left if p.exists()]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(timeout=30)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_status_of_a_run_killed_with_its_coordinator_says_it_was_killed(tmp_path: Path) -> None:

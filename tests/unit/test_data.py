@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import BASE_JOB, deep_update
-from hetpipe.config import ConfigError, JobConfig, parse_job
+from hetpipe.config import ConfigError, JobConfig, parse_job, with_overrides
 from hetpipe import data_check
 from hetpipe.optim import IGNORED_LABEL
 from hetpipe.data import (EVAL_DRAW, ArrayDataset, Minibatches, eval_batches, held_out_set,
@@ -529,6 +529,11 @@ def test_a_dataset_data_workers_cannot_be_sent_is_refused(tmp_path: Path) -> Non
                                           r"be pickled for its worker processes \(.*lambda.*\): .* or set data\.workers: 0$"):
         check(factory_job(tmp_path, factory="mydata:with_a_lambda", workers=2), lambda x: (x[0][0], 3))
     check(factory_job(tmp_path, factory="mydata:with_a_lambda"), lambda x: (x[0][0], 3))
+    baseline = with_overrides(factory_job(tmp_path, factory="mydata:with_a_lambda", workers=2), parallel={"mode": "ddp"})
+    check(baseline, lambda x: (x[0][0], 3))   # a baseline reads without workers
+    # Arrays go as protocol 5's out-of-band buffers: sent, not refused.
+    digits = parse_job({"model": {"name": "mlp"}, "data": {"name": "digits", "batch_size": 16, "workers": 2}})
+    check(digits, lambda x: (x[0][0], 10))
 
 
 def test_values_that_overflow_the_training_dtype_are_refused(tmp_path: Path) -> None:
