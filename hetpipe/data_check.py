@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from hetpipe import data
 from hetpipe.config import ConfigError, JobConfig
+from hetpipe.errors import first_line, meta_hint
 from hetpipe.optim import IGNORED_LABEL
 
 # The checks read arrays in slices of about this many bytes: one pass, a small temporary.
@@ -63,13 +64,9 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
             output = tuple(output_shape((batch, first.dtype)))
         except ConfigError:   # the model's own fault, named by the check
             raise
-        except Exception as exc:  # the model's own forward, on the meta device
-            reason = str(exc).splitlines()[0] if str(exc) else ""
-            # A layer that reads values fails there, not on the data: say where the pass ran.
-            meta = (" (the planner runs the model on the meta device, shapes without values: a layer that reads "
-                    "values, with .item() or a branch on the data, cannot run there)") if "meta" in reason else ""
+        except Exception as exc:  # its first layer's forward, on the meta device
             raise ConfigError(f"{source}: the model does not take x of shape {list(batch)} ({first.dtype}): "
-                              f"{type(exc).__name__}: {reason}{meta}") from None
+                              f"{type(exc).__name__}: {first_line(exc)}{meta_hint(exc)}") from None
         _check_rows(job, source, x, y, output)
     small = [] if train_rows >= job.data.batch_size else [
         f"data: the training set has {train_rows} rows, fewer than one minibatch of data.batch_size "

@@ -42,3 +42,15 @@ class StageLost(JobFailed):
     def __init__(self, vw: int, message: str) -> None:
         super().__init__(message)
         self.vw = vw
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message, for a one-line error."""
+    return str(exc).splitlines()[0] if str(exc) else ""
+
+
+def meta_hint(exc: BaseException) -> str:
+    """Where the planner's shape-only pass (the meta device) failed: a layer that reads values
+    fails there, not on the data or on the layer before it."""
+    return (" (the planner runs the model on the meta device, shapes without values: a layer that reads values, "
+            "with .item() or a branch on the data, cannot run there)") if "meta" in first_line(exc) else ""

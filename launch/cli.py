@@ -91,7 +91,7 @@ def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
     weights = sorted(p.name for p in out.glob("model*.safetensors*"))
     traced = job.output.trace and job.parallel.mode == "hetpipe"   # the baselines write none
     extras = ["eval.jsonl"] * (out / "eval.jsonl").exists() + ["trace/"] * (traced and not args.coordinator)
-    print(f"results: {out}/ ({', '.join([*weights[:2], *(['...'] if len(weights) > 2 else []), 'summary.json', *extras])})")
+    print(f"results: {out.resolve()}/ ({', '.join([*weights[:2], *(['...'] if len(weights) > 2 else []), 'summary.json', *extras])})")
     if traced and args.coordinator:
         print("trace: on each worker's host, in trace/ under its `hetpipe worker --output-root`")
     return 0

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from hetpipe.errors import first_line, meta_hint
 from hetpipe.validate import ConfigError
 
 TensorShape = tuple[tuple[int, ...], torch.dtype]
@@ -46,7 +47,15 @@ def boundaries(model: nn.Sequential, x: TensorShape, compute: torch.dtype | None
     out = [x]
     with torch.no_grad(), _NumbersOfOneKind() if strict else contextlib.nullcontext():
         for i, layer in enumerate(model.to("meta")):
-            value = layer(value)
+            try:
+                value = layer(value)
+            except Exception as exc:
+                if i == 0:   # what it takes is the data's: the caller names the data
+                    raise
+                # A layer that cannot take the one before it: the model's own fault, not the data's.
+                raise ConfigError(f"model: layer {i} ({type(layer).__name__}) does not take the output of layer {i - 1} "
+                                  f"({type(model[i - 1]).__name__}), {str(value.dtype).removeprefix('torch.')} "
+                                  f"{list(value.shape)}: {type(exc).__name__}: {first_line(exc)}{meta_hint(exc)}") from None
             if not isinstance(value, torch.Tensor):   # what would a stage send on?
                 raise ConfigError(f"model: layer {i} ({type(layer).__name__}) returns a {type(value).__name__}, not a "
                                   "tensor: each layer of the nn.Sequential must return one tensor, the next layer's "

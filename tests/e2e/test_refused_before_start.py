@@ -114,6 +114,14 @@ def _two_outputs(tmp_path: Path) -> dict[str, Any]:
     return {"model": {"name": None, "factory": "twoout:net"}}
 
 
+def _unchained(tmp_path: Path) -> dict[str, Any]:
+    (tmp_path / "unchained.py").write_text(
+        "from torch import nn\n\n"
+        "def net(**args):\n"
+        "    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(10, 10))\n")
+    return {"model": {"name": None, "factory": "unchained:net"}}
+
+
 # case: (what to write under tmp_path, returning the job's overrides; the error, with {tmp} for
 # tmp_path and {out} for the job's output.dir)
 CASES: dict[str, tuple[Callable[[Path], dict[str, Any]], str]] = {
@@ -144,6 +152,9 @@ CASES: dict[str, tuple[Callable[[Path], dict[str, Any]], str]] = {
         lambda t: _npz(t, lambda x, y: ((x * 40 + 128).clip(0, 255).astype(np.uint8), y)),
         "data.path: {tmp}/data.npz: the model does not take x of shape [16, 64] (torch.uint8): RuntimeError: "
         "addmm of float32 and uint8 operands: its kernels take one dtype"),
+    # The model's fault, not the data's: named as such, with the layer.
+    "layers that do not chain": (_unchained, "model: layer 2 (Linear) does not take the output of layer 1 (ReLU), "
+                                             "float32 [16, 32]: RuntimeError: "),
     "a layer that returns two tensors": (_two_outputs, "model: layer 0 (TwoOut) returns a tuple, not a tensor: each "
                                                        "layer of the nn.Sequential must return one tensor"),
     "no data file": (lambda t: {"data": {"name": "npz", "path": "nowhere.npz"}},
