@@ -178,6 +178,7 @@ def test_a_resume_with_another_eval_every_writes_its_own_rows(tmp_path: Path) ->
     resumed = _hetpipe(tmp_path, "run", "-q", "--resume", "--set", "eval.every=5", "job.yaml")
     _, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err
+    assert "finished (its summary.json is there): this one trains again from its latest checkpoint" in err, err
     evals = _evals(tmp_path / "out")
     assert [(e["minibatches"], e["final"]) for e in evals] == [
         *[(m, False) for m in range(3, cut + 1, 3)], *[(m, False) for m in range(5, steps, 5) if m > cut],
