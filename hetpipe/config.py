@@ -342,6 +342,17 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfi
     return job
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: where, what, and within what (its own message takes several,
+    each naming the text as "<unicode string>")."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(exc).split())
+    context, at = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    within = f" ({context} at line {at.line + 1})" if context and at is not None else ""
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}{within}"
+
+
 def load_job(path: str | Path, settings: Sequence[str] = ()) -> JobConfig:
     """Reads and validates a job YAML file, with `--set KEY=VALUE` settings applied in order."""
     path = Path(path)
@@ -354,7 +365,7 @@ def load_job(path: str | Path, settings: Sequence[str] = ()) -> JobConfig:
     except IsADirectoryError:
         raise ConfigError(f"job file {path} is a directory") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"job file {path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"job file {path} is not valid YAML: {_yaml_problem(exc)}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"job file {path} is not UTF-8 text (byte {exc.start})") from None
     except (ValueError, RecursionError) as exc:  # an integer of too many digits; nesting past the stack

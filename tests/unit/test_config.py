@@ -327,9 +327,12 @@ def test_load_job_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="nope.yaml does not exist"):
         load_job(missing)
     broken = tmp_path / "broken.yaml"
-    broken.write_text("model: {name: mlp\n")
-    with pytest.raises(ConfigError, match="broken.yaml is not valid YAML"):
+    broken.write_text("model: {name: mlp\ndata:\n  name: digits\n")
+    with pytest.raises(ConfigError) as err:
         load_job(broken)
+    # One line: where, what and within what, not PyYAML's five naming "<unicode string>".
+    assert str(err.value) == (f"job file {broken} is not valid YAML: line 2, column 5: expected ',' or '}}', but got "
+                              "':' (while parsing a flow mapping at line 1)")
 
 
 @pytest.mark.parametrize(("text", "value"), [("1e-3", 0.001), ("1E5", 1e5), ("-2e-4", -2e-4), (".5", 0.5),
