@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,12 @@ def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path:
         ratio = plan.predicted_samples_per_second / measured if measured else float("nan")
         line += f"; measured {measured:.1f} samples/s in {summary_path} (predicted/measured {ratio:.2f})"
     lines.append(line)
+    processes = len(plan.stages) + shards
+    cores = os.cpu_count() or 1
+    if job.cluster is None and all(s.device == "cpu" for s in plan.stages) and processes > cores:
+        lines.append(f"this machine's {_count(cores, 'CPU core')} run all {processes} processes: each stage's times above "
+                     "are its own with the CPU to itself, and its memory the whole machine's, so a run here measures "
+                     "less than predicted")
     return "\n".join(lines)
 
 
