@@ -44,7 +44,8 @@ PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "numpy", "yaml", "p
 FORK_SERVER_GONE = 255   # multiprocessing's exit code for a child whose fork server died
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Whether process pid lives (a zombie has exited)."""
     import psutil
 
     try:
@@ -64,7 +65,7 @@ class Forked:
     @property
     def returncode(self) -> int | None:
         code = self._process.exitcode
-        if code == FORK_SERVER_GONE and _running(self.pid):
+        if code == FORK_SERVER_GONE and running(self.pid):
             # multiprocessing says 255 for every child once the fork server is gone (killed, say),
             # whether or not the child is: it reads each exit code from the server.
             return None

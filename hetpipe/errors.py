@@ -45,8 +45,9 @@ class StageLost(JobFailed):
 
 
 def first_line(exc: BaseException) -> str:
-    """An exception's message, for a one-line error."""
-    return str(exc).splitlines()[0] if str(exc) else ""
+    """An exception's message, for a one-line error: its first line ("" where it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def meta_hint(exc: BaseException) -> str:

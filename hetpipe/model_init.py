@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hetpipe.config import JobConfig
+from hetpipe.errors import first_line
 from hetpipe.validate import ConfigError
 
 
@@ -101,7 +102,7 @@ def _open_init(job: JobConfig) -> Iterator[_InitFile]:
                               "safetensors") from None
         except Exception as exc:  # not a weights file: truncated, another format, ...
             raise ConfigError(f"model.init: {path} is not a safetensors file, the index of several, or a plain "
-                              f"state_dict: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+                              f"state_dict: {first_line(exc) or type(exc).__name__}") from None
         if not isinstance(reader, (Mapping, _Sharded)) and path.suffix != ".safetensors":
             raise ConfigError(f"model.init: {path} holds a {type(reader).__name__}, expected a state_dict")
         yield _InitFile(path, reader)

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import grpc
 
+from hetpipe import children
 from hetpipe.errors import Rejected
 from hetpipe.memcpy import copy_bytes
 from hetpipe.v1 import wire_pb2
@@ -120,7 +121,8 @@ def sweep() -> list[str]:
     their names. Safe beside live owners: theirs are locked."""
     removed = []
     for path in _files(creating=True):
-        if path.name.endswith(_CREATING) and _owner_lives(path.name):
+        owner = _NAME.match(path.name)
+        if path.name.endswith(_CREATING) and owner is not None and children.running(int(owner[1])):
             continue  # made this instant: its owner may not have locked it yet
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -136,19 +138,6 @@ def sweep() -> list[str]:
         finally:
             os.close(fd)
     return removed
-
-
-def _owner_lives(name: str) -> bool:
-    match = _NAME.match(name)
-    if match is None:
-        return False
-    try:
-        os.kill(int(match[1]), 0)
-    except ProcessLookupError:
-        return False
-    except OSError:   # another user's process: alive
-        return True
-    return True
 
 
 def segments() -> list[str]:

@@ -81,8 +81,9 @@ class Totals:
             self._open[k] = (seen, total, counted, right, count)
             return None
         self._open.pop(k, None)
-        mean = (lambda part: part / counted) if counted else (lambda part: math.nan)   # every target ignored
-        result = EvalResult(k, minibatches, final, now, count, mean(total),
-                            mean(right) if self.classification else math.nan)
+        # No target counted (every one ignored): no loss and no accuracy.
+        loss = total / counted if counted else math.nan
+        accuracy = right / counted if counted and self.classification else math.nan
+        result = EvalResult(k, minibatches, final, now, count, loss, accuracy)
         self.results.append(result)
         return result
