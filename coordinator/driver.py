@@ -210,8 +210,7 @@ class JobDriver:
         if (self.job.output.trace or self.job.output.profile) and self.trace_dir.parent == self.out_dir:  # not a folder on the stages' hosts
             self.trace_dir.mkdir(exist_ok=True)
         self.model = models.structure(self.job.model, self.job.base_dir)   # meta: names and shapes only
-        x, y = data.first_item(self.job)
-        self.batch = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
+        self.batch = data.batch_shapes(self.job)
         flows = boundaries(self.model, self.batch[0], compute_dtype(self.job.train.precision))
         if self.checkpoint_dir is not None:
             self.checkpoints = checkpoints.Checkpoints(

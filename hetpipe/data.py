@@ -195,7 +195,10 @@ def split_rows(job: JobConfig, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def training_set(job: JobConfig) -> Dataset[Any]:
     """The rows training reads (the dataset less any eval_fraction held out)."""
-    whole = whole_set(job)
+    return _training_rows(job, whole_set(job))
+
+
+def _training_rows(job: JobConfig, whole: Dataset[Any]) -> Dataset[Any]:
     if job.data.eval_fraction > 0:
         return Subset(whole, split_rows(job, len(whole))[0].tolist())  # type: ignore[arg-type]
     return whole
@@ -428,14 +431,28 @@ def eval_batches(job: JobConfig, dataset: Dataset[Any], rows: int) -> list[list[
     return [[(i * b + r) % n for r in range(b)] for i in range(count)]
 
 
-def first_item(job: JobConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """One minibatch-shaped (x, y) pair of the training data, from its first row: what the
-    planner and the driver need of the data (shapes and dtypes), without reading the rest."""
-    dataset = training_set(job)
-    with drawing(job, (CHECK_DRAW,)):
-        item = dataset[0]
-    batch = _collate([item] * job.data.batch_size)
-    return cast(job, batch.x, batch.y)
+Shape = tuple[tuple[int, ...], torch.dtype]
+_SHAPES: dict[str, tuple[Shape, Shape]] = {}
+_SHAPES_KEPT = 16
+
+
+def batch_shapes(job: JobConfig, whole: Dataset[Any] | None = None) -> tuple[Shape, Shape]:
+    """The (shape, dtype) of a training minibatch's x and of its y, from the first row: what the
+    planner and the driver need of the data. Kept per process for the job's data, so that a
+    launcher builds a factory's dataset once for its checks, its plan and its driver, not once
+    for each; whole: that dataset, where the caller has built it."""
+    key = repr((job.base_dir, job.data, job.model.name, job.model.args, job.train.seed, job.train.dtype,
+                job.train.loss))
+    if key not in _SHAPES:
+        dataset = _training_rows(job, whole if whole is not None else whole_set(job))
+        with drawing(job, (CHECK_DRAW,)):
+            item = dataset[0]
+        batch = _collate([item] * job.data.batch_size)
+        x, y = cast(job, batch.x, batch.y)
+        if len(_SHAPES) >= _SHAPES_KEPT:
+            del _SHAPES[next(iter(_SHAPES))]
+        _SHAPES[key] = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
+    return _SHAPES[key]
 
 
 def read_rows(job: JobConfig, dataset: Dataset[Any], rows: Sequence[int],

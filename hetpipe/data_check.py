@@ -68,6 +68,7 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
             raise ConfigError(f"{source}: the model does not take x of shape {list(batch)} ({first.dtype}): "
                               f"{type(exc).__name__}: {first_line(exc)}{meta_hint(exc)}") from None
         _check_rows(job, source, x, y, output)
+    data.batch_shapes(job, whole)   # kept: the plan and the driver need them, and need not build the set again
     small = [] if train_rows >= job.data.batch_size else [
         f"data: the training set has {train_rows} rows, fewer than one minibatch of data.batch_size "
         f"{job.data.batch_size}: each minibatch reads some rows more than once"]

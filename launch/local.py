@@ -100,7 +100,7 @@ def preflight(job: JobConfig) -> Plan:
     `hetpipe plan` finds what `hetpipe run` would. Raises ConfigError or PlanError naming what is
     wrong, in one line."""
     notes = checked_inputs(job)
-    plan = make_plan(job)  # profiles models.structure(...) and may read data.first_item(job)
+    plan = make_plan(job)  # profiles models.structure(...) and may read data.batch_shapes(job)
     return dataclasses.replace(plan, warnings=(*plan.warnings, *notes))
 
 

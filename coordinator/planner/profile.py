@@ -71,8 +71,7 @@ def example_input(job: JobConfig, args: Mapping[str, Any], model: torch.nn.Seque
         return (batch, math.prod(first.unflattened_size)), getattr(torch, job.train.dtype)
     if job.model.name is not None and isinstance(first, torch.nn.Linear):
         return (batch, first.in_features), getattr(torch, job.train.dtype)
-    x, _ = data.first_item(job)
-    return tuple(x.shape), x.dtype
+    return data.batch_shapes(job)[0]
 
 
 def _compute_dtype(job: JobConfig) -> torch.dtype:

@@ -582,3 +582,40 @@ def test_eval_rows_other_than_an_evaluation_reads_are_named(rows: int, held_out:
     job = parse_job(deep_update(BASE_JOB, {"data": {"batch_size": 32}}))
     read = eval_batches(job, ArrayDataset(np.zeros((held_out, 1)), np.zeros(held_out)), rows)
     assert note is None or f"reads {len(read) * 32}" in note   # what the stages will read
+
+
+COUNTED_MODULE = """
+import torch
+
+BUILT = []
+
+
+def rows(features=2, rows=20):
+    BUILT.append(("train", features))
+    return [(torch.full((features,), float(i)), i % 3) for i in range(rows)]
+
+
+def held(features=2, rows=20):
+    BUILT.append(("held", features))
+    return [(torch.full((features,), float(i)), i % 3) for i in range(rows)]
+"""
+
+
+def test_a_launcher_builds_each_dataset_once_for_its_checks_plan_and_driver(tmp_path: Path) -> None:
+    """A factory may take minutes (a download, a tokenizer): the launcher's checks, its plan and
+    its driver share one build of each set, and a job with other data.args gets its own shapes."""
+    from hetpipe import data
+    from hetpipe.models import resolve
+    from launch.local import preflight
+
+    (tmp_path / "counted.py").write_text(COUNTED_MODULE)
+    job = parse_job({"model": {"name": "mlp", "args": {"in_features": 2, "hidden": [8]}},
+                     "data": {"factory": "counted:rows", "eval_factory": "counted:held", "batch_size": 4},
+                     "train": {"steps": 2}, "output": {"dir": str(tmp_path / "out")}}, base_dir=str(tmp_path))
+    built = resolve("counted:rows", "data.factory", str(tmp_path)).__globals__["BUILT"]
+    preflight(job)
+    assert data.batch_shapes(job) == (((4, 2), torch.float32), ((4,), torch.int64)), "the driver's shapes"
+    assert built == [("train", 2), ("held", 2)]
+    other = with_overrides(job, data={"args": {"features": 3}})
+    assert data.batch_shapes(other)[0] == ((4, 3), torch.float32)
+    assert built[2:] == [("train", 3)]
