@@ -4,6 +4,7 @@ per-stage memory limits."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from hetpipe.network import Network
 from coordinator.planner.cluster import Gpu, PlanError, Usage
 from coordinator.planner.kinds import INF, NONE, OTHER, SAME, Tables, layer_times, min_max
 from coordinator.planner.memory import in_flight, stage_memory
-from coordinator.planner.profile import ModelProfile
+from coordinator.planner.profile import LayerProfile, ModelProfile
 
 @dataclass(frozen=True, slots=True)
 class StageCut:
@@ -40,6 +41,33 @@ class Partition:
     def bottleneck_seconds(self) -> float:
         """max over stages of forward + backward + receive: the pipeline's time per minibatch."""
         return max(s.seconds for s in self.stages)
+
+def join_layers(profile: ModelProfile, joined: Sequence[int]) -> tuple[ModelProfile, tuple[int, ...]]:
+    """The profile with each layer in `joined` (indices > 0, that no stage may begin at) made one
+    with the layer before it, and the original index each layer of it begins at. Exact for the
+    cost model: times, FLOPs and bytes add up, the workspace is the larger, and the output is the
+    later layer's."""
+    starts = tuple(i for i in range(len(profile.layers)) if i == 0 or i not in set(joined))
+    layers: list[LayerProfile] = []
+    for begin, end in zip(starts, (*starts[1:], len(profile.layers))):
+        group = profile.layers[begin:end]
+        layers.append(dataclasses.replace(
+            group[0], index=len(layers),
+            forward_flops=sum(g.forward_flops for g in group), backward_flops=sum(g.backward_flops for g in group),
+            param_bytes=sum(g.param_bytes for g in group), frozen_bytes=sum(g.frozen_bytes for g in group),
+            output_bytes=group[-1].output_bytes, saved_bytes=sum(g.saved_bytes for g in group),
+            workspace_bytes=max(g.workspace_bytes for g in group),
+            forward_seconds={t: sum(g.forward_seconds[t] for g in group) for t in group[0].forward_seconds},
+            backward_seconds={t: sum(g.backward_seconds[t] for g in group) for t in group[0].backward_seconds}))
+    return dataclasses.replace(profile, layers=tuple(layers)), starts
+
+
+def unjoin(part: Partition, starts: Sequence[int], layers: int) -> Partition:
+    """A partition of join_layers' profile as ranges of the original `layers` layers."""
+    ends = (*starts[1:], layers)
+    return Partition(tuple(dataclasses.replace(c, layer_begin=starts[c.layer_begin], layer_end=ends[c.layer_end - 1])
+                           for c in part.stages))
+
 
 _State = tuple[Usage, int, int]              # (usage, node of the last stage, where the next goes)
 

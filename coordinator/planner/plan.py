@@ -24,7 +24,7 @@ from coordinator.planner.allocation import allocate
 from coordinator.planner.cluster import Gpu, PlanError, cluster_gpus, vw_signature
 from coordinator.planner.costs import StageCosts
 from coordinator.planner.memory import optimizer_kind, stage_memory
-from coordinator.planner.partition import Partition, max_nm, partition_vw
+from coordinator.planner.partition import Partition, join_layers, max_nm, partition_vw, unjoin
 from coordinator.planner.profile import ModelProfile, example_input, profile_model
 from coordinator.planner.shapes import boundaries
 
@@ -107,24 +107,27 @@ class Plan:
         }
 
 
-def _check_cuts(job: JobConfig, model: torch.nn.Sequential, parts: Sequence[Partition]) -> None:
-    """ConfigError where a stage would begin at a layer whose input is not floating point (token
-    ids, say): no gradient flows back across such a boundary for the stage before it to run its
-    backward on."""
+def _joined(job: JobConfig, model: torch.nn.Sequential) -> list[tuple[int, tuple[int, ...], torch.dtype]]:
+    """The layers (index > 0, their input's shape and dtype) that no stage may begin at: their
+    input is not floating point (token ids, say), and no gradient flows back across such a
+    boundary for the stage before it to run its backward on. The partitioner joins each to the
+    layer before it."""
     # The zoo's layers pass floats on (a GPT's token ids enter its first layer, where no stage begins).
-    if job.model.factory is None or all(len(part.stages) == 1 for part in parts):
-        return
+    if job.model.factory is None or job.parallel.stages_per_vw == 1:
+        return []
     flows = boundaries(model, example_input(job, job.model.args, model))
-    for v, part in enumerate(parts):
-        for q, cut in enumerate(part.stages[1:], 1):
-            shape, dtype = flows[cut.layer_begin]
-            if not (dtype.is_floating_point or dtype.is_complex):
-                raise ConfigError(
-                    f"parallel.stages_per_vw: stage {q} of vw {v} would begin at layer "
-                    f"{layer_names(model, cut.layer_begin, cut.layer_begin + 1)}, whose input is "
-                    f"{str(dtype).removeprefix('torch.')} {list(shape)}: a stage boundary must carry floating-point "
-                    "values, which a gradient can flow back across (join the layers before it, an nn.Embedding's "
-                    "input for one, into one layer with it, or use fewer stages)")
+    return [(i, shape, dtype) for i, (shape, dtype) in enumerate(flows[: len(model)])
+            if i > 0 and not (dtype.is_floating_point or dtype.is_complex)]
+
+
+def _joined_note(model: torch.nn.Sequential, joined: Sequence[tuple[int, tuple[int, ...], torch.dtype]],
+                 starts: int) -> str:
+    if not joined:
+        return ""
+    named = ", ".join(f"{layer_names(model, i, i + 1)} ({str(dtype).removeprefix('torch.')} {list(shape)})"
+                      for i, shape, dtype in joined[:3])
+    return (f", {starts} a stage can begin at: no stage begins at {named}{', ...' if len(joined) > 3 else ''}, "
+            "whose input is not floating point, so no gradient flows back across it (use fewer stages)")
 
 
 def layer_names(model: torch.nn.Sequential, begin: int, end: int) -> str:
@@ -136,8 +139,11 @@ def layer_names(model: torch.nn.Sequential, begin: int, end: int) -> str:
 class _Partitions:
     """partition_vw, once per distinct VW shape: ED's identical VWs cost one search, not N."""
 
-    def __init__(self, profile: ModelProfile, optimizer: str, network: Network) -> None:
+    def __init__(self, profile: ModelProfile, optimizer: str, network: Network, starts: Sequence[int],
+                 layers: int) -> None:
+        """profile: join_layers' (starts: where each of its layers begins among the model's `layers`)."""
         self.profile, self.optimizer, self.network = profile, optimizer, network
+        self.starts, self.layers = starts, layers
         self._memo: dict[tuple[object, int], tuple[Partition, list[Gpu]]] = {}
 
     def __call__(self, group: Sequence[Gpu], nm: int) -> Partition:
@@ -146,7 +152,8 @@ class _Partitions:
             self._memo[signature, nm] = (partition_vw(self.profile, order, nm, self.optimizer, self.network), order)
         part, first = self._memo[signature, nm]
         rename = dict(zip(first, order))
-        return Partition(tuple(dataclasses.replace(c, gpu=rename[c.gpu]) for c in part.stages))
+        return unjoin(Partition(tuple(dataclasses.replace(c, gpu=rename[c.gpu]) for c in part.stages)),
+                      self.starts, self.layers)
 
 
 def _emulated_model(job: JobConfig, model: torch.nn.Sequential) -> torch.nn.Sequential:
@@ -191,15 +198,17 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
     gpus = cluster_gpus(job)
     types = sorted({g.type for g in gpus})
     profile = profile_model(job, types, args=job.emulated_model_args, cache_dir=cache_dir or default_cache_dir())
-    if k > len(profile.layers):
-        raise ConfigError(f"parallel.stages_per_vw: {k} stages but model {profile.model} has "
-                          f"{len(profile.layers)} layers")
-    optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
     model = models.structure(job.model, job.base_dir)
+    joined = _joined(job, model)
+    solved, starts = join_layers(profile, [i for i, _, _ in joined])
+    if k > len(solved.layers):
+        raise ConfigError(f"parallel.stages_per_vw: {k} stages but model {profile.model} has {len(profile.layers)} "
+                          f"layers{_joined_note(model, joined, len(solved.layers))}")
+    optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
     costs = StageCosts(job, profile, model, _emulated_model(job, model))
     # The partitioner weighs activation transfers by the emulated network, else the paper's.
     network = costs.network or Network()
-    partitions = _Partitions(profile, optimizer, network)
+    partitions = _Partitions(solved, optimizer, network, starts, len(profile.layers))
     # Identical local devices: every policy is the same.
     policies = ["ED"] if job.cluster is None else ["NP", "ED", "HD"] if par.policy == "auto" else [par.policy]
 
@@ -212,12 +221,12 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
             reasons.append(f"{policy}: {exc}")
             continue
         shapes = {vw_signature(g)[0]: g for g in groups}
-        limit_of = {sig: max_nm(profile, g, optimizer, network, limit=NM_MEMORY_LIMIT) for sig, g in shapes.items()}
+        limit_of = {sig: max_nm(solved, g, optimizer, network, limit=NM_MEMORY_LIMIT) for sig, g in shapes.items()}
         limits = [limit_of[vw_signature(g)[0]] for g in groups]
         if isinstance(par.nm, int) and 0 < min(limits) < par.nm:
             vw = limits.index(min(limits))
             try:
-                partition_vw(profile, groups[vw], par.nm, optimizer, network)
+                partition_vw(solved, groups[vw], par.nm, optimizer, network)
                 detail = ""
             except PlanError as exc:
                 detail = f" ({exc})"
@@ -228,7 +237,7 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
         if min(limits) == 0:
             worst = limits.index(0)
             try:
-                partition_vw(profile, groups[worst], 1, optimizer, network)
+                partition_vw(solved, groups[worst], 1, optimizer, network)
             except PlanError as exc:
                 reasons.append(f"{policy}: vw {worst}: {exc}")
             continue
@@ -247,7 +256,6 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
     if best is None:
         raise PlanError("no plan fits: " + "; ".join(reasons[:4]))
 
-    _check_cuts(job, model, best.parts)
     key_shard = costs.key_shard(best.parts)
     here = local_devices()
     stages = []

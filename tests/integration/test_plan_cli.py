@@ -279,15 +279,17 @@ def net():
 '''
 
 
-def test_a_stage_that_would_begin_on_integers_is_refused_before_the_run(capsys: pytest.CaptureFixture[str],
-                                                                        tmp_path: Path) -> None:
+def test_no_stage_begins_on_integers(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """Token ids between two stages: no gradient flows back across them for the stage before to
-    run its backward on (the run failed at its first gradient, on a bare AssertionError)."""
+    run its backward on (the run failed at its first gradient, on a bare AssertionError). The
+    planner joins such a layer to the one before it, and names it when too few layers are left."""
     (tmp_path / "tokens.py").write_text(TOKENS)
     raw = {"model": {"factory": "tokens:net"}, "data": {"factory": "tokens:tokens", "batch_size": 8},
            "train": {"steps": 4}, "parallel": {"stages_per_vw": 4, "nm": 1}}
     code, _, err = _plan_with(capsys, tmp_path, raw)
-    assert code == 2 and ("parallel.stages_per_vw: stage 1 of vw 0 would begin at layer 1.Embedding, whose input is "
-                          "int64 [8, 8]: a stage boundary must carry floating-point values") in err, err
-    code, out, err = _plan_with(capsys, tmp_path, deep_update(raw, {"parallel": {"stages_per_vw": 1}}))
+    assert code == 2 and ("parallel.stages_per_vw: 4 stages but model tokens:net has 4 layers, 3 a stage can begin "
+                          "at: no stage begins at 1.Embedding (int64 [8, 8]), whose input is not floating point") in err, err
+    code, out, err = _plan_with(capsys, tmp_path, deep_update(raw, {"parallel": {"stages_per_vw": 3}}))
     assert code == 0, err
+    assert [line.split()[4:6] for line in out.splitlines() if line.startswith("  0 ")] == [
+        ["[0,2)", "0.Identity-1.Embedding"], ["[2,3)", "2.Flatten"], ["[3,4)", "3.Linear"]], out

@@ -14,7 +14,7 @@ import pytest
 
 from coordinator.planner.cluster import Gpu, PlanError
 from coordinator.planner.memory import in_flight, stage_memory
-from coordinator.planner.partition import Partition, max_nm, partition_vw
+from coordinator.planner.partition import Partition, join_layers, max_nm, partition_vw, unjoin
 from coordinator.planner.profile import LayerProfile, ModelProfile
 from hetpipe.catalog import CATALOG, GiB
 from hetpipe.network import Network
@@ -64,12 +64,14 @@ def all_cuts(n: int, k: int) -> list[list[tuple[int, int]]]:
     return [list(itertools.pairwise((0, *c, n))) for c in itertools.combinations(range(1, n), k - 1)]
 
 
-def brute_force(p: ModelProfile, gpus: Sequence[Gpu], nm: int, optimizer: str, net: Network) -> float:
-    """The best bottleneck over all GPU orders and cuts that fit in memory (inf if none fits)."""
+def brute_force(p: ModelProfile, gpus: Sequence[Gpu], nm: int, optimizer: str, net: Network,
+                joined: Sequence[int] = ()) -> float:
+    """The best bottleneck over all GPU orders and cuts that fit in memory, no stage beginning at a
+    layer in `joined` (inf if none fits)."""
     k, best = len(gpus), math.inf
     for order in itertools.permutations(gpus):
         for cuts in all_cuts(len(p.layers), k):
-            if all(spec_memory(p, b, e, q, k, nm, optimizer) <= order[q].memory_bytes
+            if not any(b in joined for b, _ in cuts) and all(spec_memory(p, b, e, q, k, nm, optimizer) <= order[q].memory_bytes
                    for q, (b, e) in enumerate(cuts)):
                 best = min(best, max(spec_stage_seconds(p, order, cuts, q, net) for q in range(k)))
     return best
@@ -164,6 +166,35 @@ def test_matches_brute_force_on_300_random_instances() -> None:
         assert math.isclose(part.bottleneck_seconds, best, rel_tol=1e-12), (case, part.bottleneck_seconds, best)
         assert partition_vw(p, gpus, nm, optimizer, net) == part, "deterministic"
     assert feasible >= 100 and infeasible >= 30, (feasible, infeasible)
+
+
+
+def test_joined_layers_partition_as_the_best_cut_that_begins_no_stage_at_them() -> None:
+    """A layer no stage may begin at (its input is token ids) is joined to the one before it: the
+    partition of the joined profile, as ranges of the model's layers, is the best of the cuts
+    that begin no stage there, with the original profile's times and memory."""
+    rng = random.Random(11)
+    feasible = 0
+    for case in range(150):
+        n = rng.randint(2, 8)
+        joined = sorted(rng.sample(range(1, n), rng.randint(1, n - 1)))
+        p = random_profile(rng, n)
+        solved, starts = join_layers(p, joined)
+        assert starts == tuple(i for i in range(n) if i not in joined) and len(solved.layers) == len(starts)
+        k = rng.randint(1, min(3, len(starts)))
+        gpus = random_gpus(rng, k)
+        nm, optimizer, net = rng.randint(1, 4), rng.choice(list(OPT_STATE)), Network()
+        best = brute_force(p, gpus, nm, optimizer, net, joined)
+        if best == math.inf:
+            with pytest.raises(PlanError):
+                partition_vw(solved, gpus, nm, optimizer, net)
+            continue
+        feasible += 1
+        part = unjoin(partition_vw(solved, gpus, nm, optimizer, net), starts, n)
+        assert not any(s.layer_begin in joined for s in part.stages), (case, joined, part)
+        got = check_plan(part, p, gpus, nm, optimizer, net)
+        assert math.isclose(got, best, rel_tol=1e-12), (case, got, best)
+    assert feasible >= 50, feasible
 
 
 POOL = [Gpu("a/0", "a", "titan-v", 12 * GiB), Gpu("a/1", "a", "titan-v", 12 * GiB),
