@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hetpipe.catalog import gpu_type
 from hetpipe.network import Network
 from hetpipe.validate import Section, fail
 
@@ -86,12 +87,15 @@ def parse_cluster(raw: Any, max_gpus: int) -> ClusterConfig | None:
         for j, g_raw in enumerate(gpus_raw):
             g = Section(g_raw, f"cluster.nodes[{i}].gpus[{j}]")
             g.check_known(("type", "count"))
-            gpus.append(GpuGroup(type=g.text("type"), count=g.integer("count", GpuGroup("").count, minimum=1,
+            kind = g.text("type")
+            gpu_type(kind, g.path("type"))   # refused here, where the job file's line is known
+            gpus.append(GpuGroup(type=kind, count=g.integer("count", GpuGroup("").count, minimum=1,
                                                                       maximum=max_gpus)))
         nodes.append(NodeConfig(name=node.text("name", f"n{i}"), gpus=tuple(gpus)))
     names = [n.name for n in nodes]
-    if len(set(names)) != len(names):
-        raise fail("cluster.nodes[].name", names, "unique node names")
+    again = next((i for i, name in enumerate(names) if name in names[:i]), None)
+    if again is not None:
+        raise fail(f"cluster.nodes[{again}].name", names[again], f"a name no other node has ({names})")
     emulate = None
     if sec.get("emulate") is not None:
         em, d = sec.section("emulate"), EmulateConfig()

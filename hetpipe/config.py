@@ -16,7 +16,7 @@ from hetpipe.security import Security
 from hetpipe.parallelism import (FLUSHED_SCHEDULES, MAX_STAGES, MAX_VIRTUAL_WORKERS, MICRO_SCHEDULES,
                                  ParallelConfig, check_sync, parse_parallel)
 from hetpipe.training import MAX_STEPS, TrainConfig, parse_train
-from hetpipe.validate import ConfigError, JobLoader, Section, fail
+from hetpipe.validate import ConfigError, JobLoader, Section, at_line, fail
 
 __all__ = ["ConfigError", "JobConfig", "JobLoader", "ResolvedJob", "TrainConfig", "load_job", "parse_job", "resolve",
            "with_overrides", "with_setting"]
@@ -357,7 +357,11 @@ def load_job(path: str | Path, settings: Sequence[str] = ()) -> JobConfig:
     """Reads and validates a job YAML file, with `--set KEY=VALUE` settings applied in order."""
     path = Path(path)
     try:
-        raw = yaml.load(path.read_text(), Loader=JobLoader)
+        loader = JobLoader(path.read_text())
+        try:
+            raw = loader.get_single_data()
+        finally:
+            loader.dispose()
     except ConfigError:
         raise  # a key given twice, already named; not the ValueError below
     except FileNotFoundError:
@@ -373,7 +377,14 @@ def load_job(path: str | Path, settings: Sequence[str] = ()) -> JobConfig:
     raw = raw or {}
     for setting in settings:
         raw = with_setting(raw, setting)
-    return parse_job(raw, base_dir=str(path.resolve().parent))
+    try:
+        return parse_job(raw, base_dir=str(path.resolve().parent))
+    except ConfigError as exc:
+        # A --set setting's key is named as it was given, with no line.
+        given = {s.partition("=")[0].strip() for s in settings}
+        if str(exc).split(":", 1)[0] in given:
+            raise
+        raise ConfigError(at_line(str(exc), str(path), getattr(loader, "key_lines", {}))) from None
 
 
 def with_setting(raw: Any, setting: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -107,15 +108,28 @@ class Section:
     def check_known(self, known: tuple[str, ...]) -> None:
         unknown = sorted(set(self.raw) - set(known), key=str)
         if unknown:
-            raise ConfigError(f"{self.path(str(unknown[0]))}: unknown key; known keys are {', '.join(known)}")
+            close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+            meant = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(f"{self.path(str(unknown[0]))}: unknown key; {meant}known keys are {', '.join(known)}")
 
 
 class JobLoader(yaml.SafeLoader):
-    """Every job file's YAML: safe_load's, with YAML 1.2's floats, and no key given twice."""
+    """Every job file's YAML: safe_load's, with YAML 1.2's floats, and no key given twice.
+    key_lines: the line of each key, by its dotted path ("data.batch_size", "cluster.nodes[0]")."""
 
     def construct_document(self, node: yaml.Node) -> Any:
-        _refuse_repeats(node, "", set())
+        self.key_lines: dict[str, int] = {}
+        _refuse_repeats(node, "", set(), self.key_lines)
         return super().construct_document(node)
+
+
+def at_line(message: str, name: str, key_lines: Mapping[str, int]) -> str:
+    """A validation error prefixed with the file's name and the line of the key it names (or of
+    the nearest section around it), as compilers name a line: "job.yaml:4: data.batch_sise: ..."."""
+    key = message.split(":", 1)[0]
+    while key and key not in key_lines:
+        key = re.sub(r"(\.[^.\[]*|\[\d+\])$", "", key) if re.search(r"[.\[]", key) else ""
+    return f"{name}:{key_lines[key]}: {message}" if key else message
 
 
 # PyYAML reads YAML 1.1, where 1e-3 (no dot) and 1.0e3 (no exponent sign) are strings that the
@@ -126,23 +140,26 @@ JobLoader.add_implicit_resolver(
     list("-+.0123456789"))
 
 
-def _refuse_repeats(node: yaml.Node, key: str, seen: set[int]) -> None:
-    """PyYAML keeps the last of a key given twice: the author meant one of them, and we cannot tell which."""
+def _refuse_repeats(node: yaml.Node, key: str, seen: set[int], lines_of: dict[str, int]) -> None:
+    """PyYAML keeps the last of a key given twice: the author meant one of them, and we cannot tell
+    which. Notes each key's line in lines_of."""
     if id(node) in seen:  # an alias: checked where it was anchored (and a recursive one would never end)
         return
     seen.add(id(node))
     if isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _refuse_repeats(item, f"{key}[{i}]", seen)
+            lines_of.setdefault(f"{key}[{i}]", item.start_mark.line + 1)
+            _refuse_repeats(item, f"{key}[{i}]", seen, lines_of)
     elif isinstance(node, yaml.MappingNode):
         lines: dict[tuple[str, str], int] = {}
         for k, v in node.value:
             # A merge key's entries may be overridden here: that is what it is for.
             if not isinstance(k, yaml.ScalarNode) or k.tag == "tag:yaml.org,2002:merge":
-                _refuse_repeats(v, key, seen)
+                _refuse_repeats(v, key, seen, lines_of)
                 continue
             name, line = f"{key}.{k.value}" if key else k.value, k.start_mark.line + 1
             if (k.tag, k.value) in lines:
                 raise ConfigError(f"{name}: given twice (lines {lines[k.tag, k.value]} and {line})")
             lines[k.tag, k.value] = line
-            _refuse_repeats(v, name, seen)
+            lines_of.setdefault(name, line)
+            _refuse_repeats(v, name, seen, lines_of)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetpipe.validate import ConfigError, fail, is_number
+from hetpipe.validate import ConfigError, Section, fail, is_number
 
 __all__ = ["EpochCurve", "Inputs", "Recommendation", "Scaling", "hybrid_over_dp", "parse_inputs", "project",
            "recommend", "su_dp", "su_hybrid"]
@@ -211,9 +211,7 @@ def parse_inputs(raw: Any) -> Inputs:
     known = ("model", "mini_batch", "devices", "se", "speedup", "epochs", "su_mp")
     if not isinstance(raw, Mapping):
         raise fail("projection file", raw, "a mapping with keys " + ", ".join(known))
-    unknown = sorted(set(raw) - set(known), key=str)
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown key; known keys are {', '.join(known)}")
+    Section(raw, "").check_known(known)
     for key in ("mini_batch", "devices", "epochs"):
         if key not in raw:
             raise ConfigError(f"{key}: missing")

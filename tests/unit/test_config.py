@@ -259,7 +259,7 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
      "data.path: only data.name npz reads a file, and this job's data is data.name synthetic"),
     ({"data": {"name": "digits", "path": "train.npz"}}, "this job's data is data.name digits"),
     ({"data": {"name": "synthetic", "path": None, "args": {"row": 64}}},
-     "data.args.row: unknown key; known keys are rows, seed, features, classes, vocab, context"),
+     "data.args.row: unknown key; did you mean rows? known keys are rows, seed, features, classes, vocab, context"),
     ({"data": {"name": "digits", "path": None, "args": {"rows": 5}}}, "data.args: data.name digits takes none, got ['rows']"),
 ])
 def test_keys_that_do_not_go_together_are_refused(overrides: dict[str, Any], message: str) -> None:
@@ -333,6 +333,38 @@ def test_load_job_errors_name_the_file(tmp_path: Path) -> None:
     # One line: where, what and within what, not PyYAML's five naming "<unicode string>".
     assert str(err.value) == (f"job file {broken} is not valid YAML: line 2, column 5: expected ',' or '}}', but got "
                               "':' (while parsing a flow mapping at line 1)")
+
+
+def test_a_job_files_mistake_is_named_with_its_line(tmp_path: Path) -> None:
+    """A refused key is named as compilers name a line (in a list, the item's; a section's own
+    fault, the section's), a close spelling is offered, and a --set setting's key has no line."""
+    path = tmp_path / "job.yaml"
+    good = ("model: {name: mlp}\n"
+            "data:\n"
+            "  name: digits\n"
+            "  batch_size: 8\n"
+            "train:\n"
+            "  steps: 4\n"
+            "  optimizer: {name: sgd,\n"
+            "              lr: 0.1}\n"
+            "cluster:\n"
+            "  nodes:\n"
+            "    - {name: a, gpus: [{type: titan-v}]}\n"
+            "    - {name: b, gpus: [{type: rtx-2060}]}\n")
+    path.write_text(good)
+    load_job(path)
+    for right, wrong, named in (("batch_size", "batch_sise", "4: data.batch_sise: unknown key; did you mean batch_size? "),
+                                ("lr: 0.1", "lr: -1", "8: train.optimizer.lr: expected a finite number"),
+                                ("rtx-2060", "no-such-gpu", "12: cluster.nodes[1].gpus[0].type: "),
+                                ("{name: mlp}", "{}", "1: model: give exactly one of")):
+        path.write_text(good.replace(right, wrong))
+        with pytest.raises(ConfigError) as err:
+            load_job(path)
+        assert str(err.value).startswith(f"{path}:{named}"), err.value
+    path.write_text(good)
+    with pytest.raises(ConfigError) as err:
+        load_job(path, ["data.shufle=true"])
+    assert str(err.value).startswith("data.shufle: unknown key; did you mean shuffle?"), err.value
 
 
 @pytest.mark.parametrize(("text", "value"), [("1e-3", 0.001), ("1E5", 1e5), ("-2e-4", -2e-4), (".5", 0.5),
