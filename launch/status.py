@@ -172,10 +172,11 @@ def status(args: argparse.Namespace) -> int:
                 return _never_up(args, out_dir, starting)
         if not path.exists():
             ended = _left_behind(args, out_dir)
-            if ended is None:
-                error(f"no coordinator address at {path}: is `hetpipe run {args.job}` running?")
-                return EXIT_USAGE
-            return ended
+            if ended is not None:
+                return ended
+            error(f"{args.job} has not run here: its output.dir {out_dir} does not exist" if not out_dir.exists()
+                  else f"no coordinator address at {path}: is `hetpipe run {args.job}` running?")
+            return EXIT_USAGE
         address = path.read_text().strip()
         job_ref.job_id = published_job_id(out_dir)
     else:

@@ -181,6 +181,9 @@ def test_status_of_a_run_killed_with_its_coordinator_says_it_was_killed(tmp_path
 
 def test_status_after_the_run_ends_reports_how_it_ended(tmp_path: Path) -> None:
     job = _job_file(tmp_path, train={"steps": 20})
+    never = _cli("status", "--job", str(job))
+    assert never.returncode == 2 and f"{job} has not run here: its output.dir {tmp_path / 'out'} does not exist" in (
+        never.stderr), never
     run = _cli("run", "-q", str(job), "--set", "train.steps=12")   # the run's steps, not the file's
     assert run.returncode == 0, run.stderr
     status = _cli("status", "--job", str(job))
