@@ -20,7 +20,7 @@ import grpc
 from hetpipe.cluster import ClusterConfig
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, Rejected, StageLost
-from hetpipe import outputs
+from hetpipe import data, outputs
 from hetpipe.v1 import wire_pb2
 from coordinator import remote, results
 from coordinator.driver import JobDriver, Progress
@@ -261,7 +261,11 @@ class JobRunner:
             if from_remote:
                 job = self._remote_job(job)
             self.out_dir = Path(job.resolve(job.output.dir))
-            plan = self._plan = plan or make_plan(job, cancel=self._stop)
+            if plan is None:
+                # A standing coordinator's jobs: this one's data may have changed since the last.
+                data.forget_batch_shapes()
+                plan = make_plan(job, cancel=self._stop)
+            self._plan = plan
             self._advance(JobState.PLANNED)
             stages = self.registry.claim(
                 Role.STAGE_WORKER, [(f"stage {s.stage} of vw {s.vw}", s.node, s.gpu) for s in plan.stages],

@@ -380,9 +380,9 @@ def load_job(path: str | Path, settings: Sequence[str] = ()) -> JobConfig:
     try:
         return parse_job(raw, base_dir=str(path.resolve().parent))
     except ConfigError as exc:
-        # A --set setting's key is named as it was given, with no line.
-        given = {s.partition("=")[0].strip() for s in settings}
-        if str(exc).split(":", 1)[0] in given:
+        # What a --set setting gave (its key, or within its value) has no line in the file.
+        named = str(exc).split(":", 1)[0]
+        if any(named == g or named.startswith((g + ".", g + "[")) for g in (s.partition("=")[0].strip() for s in settings)):
             raise
         raise ConfigError(at_line(str(exc), str(path), getattr(loader, "key_lines", {}))) from None
 

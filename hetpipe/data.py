@@ -438,21 +438,27 @@ _SHAPES_KEPT = 16
 
 def batch_shapes(job: JobConfig, whole: Dataset[Any] | None = None) -> tuple[Shape, Shape]:
     """The (shape, dtype) of a training minibatch's x and of its y, from the first row: what the
-    planner and the driver need of the data. Kept per process for the job's data, so that a
-    launcher builds a factory's dataset once for its checks, its plan and its driver, not once
-    for each; whole: that dataset, where the caller has built it."""
+    planner and the driver need of the data. Kept per process for the job's data (until
+    forget_batch_shapes), so that a launcher builds a factory's dataset once for its checks, its
+    plan and its driver, not once for each; whole: that dataset as built now, read again."""
     key = repr((job.base_dir, job.data, job.model.name, job.model.args, job.train.seed, job.train.dtype,
                 job.train.loss))
-    if key not in _SHAPES:
+    if key not in _SHAPES or whole is not None:
         dataset = _training_rows(job, whole if whole is not None else whole_set(job))
         with drawing(job, (CHECK_DRAW,)):
             item = dataset[0]
         batch = _collate([item] * job.data.batch_size)
         x, y = cast(job, batch.x, batch.y)
         if len(_SHAPES) >= _SHAPES_KEPT:
-            del _SHAPES[next(iter(_SHAPES))]
-        _SHAPES[key] = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
+            _SHAPES.pop(next(iter(_SHAPES), ""), None)
+        _SHAPES[key] = shapes = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
+        return shapes
     return _SHAPES[key]
+
+
+def forget_batch_shapes() -> None:
+    """batch_shapes reads the data again: a long-lived coordinator's next job may find it changed."""
+    _SHAPES.clear()
 
 
 def read_rows(job: JobConfig, dataset: Dataset[Any], rows: Sequence[int],

@@ -142,24 +142,33 @@ JobLoader.add_implicit_resolver(
 
 def _refuse_repeats(node: yaml.Node, key: str, seen: set[int], lines_of: dict[str, int]) -> None:
     """PyYAML keeps the last of a key given twice: the author meant one of them, and we cannot tell
-    which. Notes each key's line in lines_of."""
+    which. Notes each key's line in lines_of: the first to spell its path, a mapping's own keys
+    before those of its merge keys (which they override), and a key spelt with a dot or a bracket
+    (`data.batch_size:` at the top) before any other (no known key has one: an error names it)."""
     if id(node) in seen:  # an alias: checked where it was anchored (and a recursive one would never end)
         return
     seen.add(id(node))
     if isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            lines_of.setdefault(f"{key}[{i}]", item.start_mark.line + 1)
+            if id(item) not in seen:   # an alias's mark is its anchor's: the list's line stands for it
+                lines_of.setdefault(f"{key}[{i}]", item.start_mark.line + 1)
             _refuse_repeats(item, f"{key}[{i}]", seen, lines_of)
     elif isinstance(node, yaml.MappingNode):
         lines: dict[tuple[str, str], int] = {}
+        merges = []
         for k, v in node.value:
             # A merge key's entries may be overridden here: that is what it is for.
             if not isinstance(k, yaml.ScalarNode) or k.tag == "tag:yaml.org,2002:merge":
-                _refuse_repeats(v, key, seen, lines_of)
+                merges.append(v)
                 continue
             name, line = f"{key}.{k.value}" if key else k.value, k.start_mark.line + 1
             if (k.tag, k.value) in lines:
                 raise ConfigError(f"{name}: given twice (lines {lines[k.tag, k.value]} and {line})")
             lines[k.tag, k.value] = line
-            lines_of.setdefault(name, line)
+            if re.search(r"[.\[]", k.value):
+                lines_of[name] = line
+            else:
+                lines_of.setdefault(name, line)
             _refuse_repeats(v, name, seen, lines_of)
+        for v in merges:
+            _refuse_repeats(v, key, seen, lines_of)

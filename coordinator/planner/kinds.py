@@ -231,6 +231,7 @@ class Tables:
                 worst = (need / gpu.memory_bytes, q, gpu, b, e, need)
         assert worst is not None
         _, q, gpu, b, e, need = worst
+        b, e = self.profile.model_range(b, e)
         return PlanError(
             f"no pipeline of {self.k} GPU(s) fits {self.profile.model} in memory at nm={self.nm}; closest: "
             f"stage {q} on {gpu.id} ({gpu.type}), layers [{b}, {e}): needs {format_bytes(need)} ({need} bytes), "

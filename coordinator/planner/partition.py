@@ -42,11 +42,11 @@ class Partition:
         """max over stages of forward + backward + receive: the pipeline's time per minibatch."""
         return max(s.seconds for s in self.stages)
 
-def join_layers(profile: ModelProfile, joined: Sequence[int]) -> tuple[ModelProfile, tuple[int, ...]]:
+def join_layers(profile: ModelProfile, joined: Sequence[int]) -> ModelProfile:
     """The profile with each layer in `joined` (indices > 0, that no stage may begin at) made one
-    with the layer before it, and the original index each layer of it begins at. Exact for the
-    cost model: times, FLOPs and bytes add up, the workspace is the larger, and the output is the
-    later layer's."""
+    with the layer before it; its `starts` say where each begins among the model's layers. Exact
+    for the cost model: times, FLOPs and bytes add up, the workspace is the larger, and the output
+    is the later layer's."""
     starts = tuple(i for i in range(len(profile.layers)) if i == 0 or i not in set(joined))
     layers: list[LayerProfile] = []
     for begin, end in zip(starts, (*starts[1:], len(profile.layers))):
@@ -59,14 +59,13 @@ def join_layers(profile: ModelProfile, joined: Sequence[int]) -> tuple[ModelProf
             workspace_bytes=max(g.workspace_bytes for g in group),
             forward_seconds={t: sum(g.forward_seconds[t] for g in group) for t in group[0].forward_seconds},
             backward_seconds={t: sum(g.backward_seconds[t] for g in group) for t in group[0].backward_seconds}))
-    return dataclasses.replace(profile, layers=tuple(layers)), starts
+    return dataclasses.replace(profile, layers=tuple(layers), starts=starts, model_layers=len(profile.layers))
 
 
-def unjoin(part: Partition, starts: Sequence[int], layers: int) -> Partition:
-    """A partition of join_layers' profile as ranges of the original `layers` layers."""
-    ends = (*starts[1:], layers)
-    return Partition(tuple(dataclasses.replace(c, layer_begin=starts[c.layer_begin], layer_end=ends[c.layer_end - 1])
-                           for c in part.stages))
+def unjoin(part: Partition, profile: ModelProfile) -> Partition:
+    """A partition of join_layers' profile as ranges of the model's layers."""
+    return Partition(tuple(dataclasses.replace(c, layer_begin=b, layer_end=e) for c in part.stages
+                           for b, e in [profile.model_range(c.layer_begin, c.layer_end)]))
 
 
 _State = tuple[Usage, int, int]              # (usage, node of the last stage, where the next goes)

@@ -139,11 +139,9 @@ def layer_names(model: torch.nn.Sequential, begin: int, end: int) -> str:
 class _Partitions:
     """partition_vw, once per distinct VW shape: ED's identical VWs cost one search, not N."""
 
-    def __init__(self, profile: ModelProfile, optimizer: str, network: Network, starts: Sequence[int],
-                 layers: int) -> None:
-        """profile: join_layers' (starts: where each of its layers begins among the model's `layers`)."""
+    def __init__(self, profile: ModelProfile, optimizer: str, network: Network) -> None:
+        """profile: join_layers'; the partitions are of the model's layers."""
         self.profile, self.optimizer, self.network = profile, optimizer, network
-        self.starts, self.layers = starts, layers
         self._memo: dict[tuple[object, int], tuple[Partition, list[Gpu]]] = {}
 
     def __call__(self, group: Sequence[Gpu], nm: int) -> Partition:
@@ -152,8 +150,7 @@ class _Partitions:
             self._memo[signature, nm] = (partition_vw(self.profile, order, nm, self.optimizer, self.network), order)
         part, first = self._memo[signature, nm]
         rename = dict(zip(first, order))
-        return unjoin(Partition(tuple(dataclasses.replace(c, gpu=rename[c.gpu]) for c in part.stages)),
-                      self.starts, self.layers)
+        return unjoin(Partition(tuple(dataclasses.replace(c, gpu=rename[c.gpu]) for c in part.stages)), self.profile)
 
 
 def _emulated_model(job: JobConfig, model: torch.nn.Sequential) -> torch.nn.Sequential:
@@ -200,7 +197,7 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
     profile = profile_model(job, types, args=job.emulated_model_args, cache_dir=cache_dir or default_cache_dir())
     model = models.structure(job.model, job.base_dir)
     joined = _joined(job, model)
-    solved, starts = join_layers(profile, [i for i, _, _ in joined])
+    solved = join_layers(profile, [i for i, _, _ in joined])
     if k > len(solved.layers):
         raise ConfigError(f"parallel.stages_per_vw: {k} stages but model {profile.model} has {len(profile.layers)} "
                           f"layers{_joined_note(model, joined, len(solved.layers))}")
@@ -208,7 +205,7 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
     costs = StageCosts(job, profile, model, _emulated_model(job, model))
     # The partitioner weighs activation transfers by the emulated network, else the paper's.
     network = costs.network or Network()
-    partitions = _Partitions(solved, optimizer, network, starts, len(profile.layers))
+    partitions = _Partitions(solved, optimizer, network)
     # Identical local devices: every policy is the same.
     policies = ["ED"] if job.cluster is None else ["NP", "ED", "HD"] if par.policy == "auto" else [par.policy]
 

@@ -58,6 +58,16 @@ class ModelProfile:
     dtype: str
     input_bytes: int             # one minibatch of x (what stage 0 reads)
     layers: tuple[LayerProfile, ...]
+    # Where each layer begins among the model's, when layers no stage may begin at were joined to
+    # the one before (partition.join_layers); empty: layer i is the model's layer i.
+    starts: tuple[int, ...] = ()
+    model_layers: int = 0
+
+    def model_range(self, begin: int, end: int) -> tuple[int, int]:
+        """Layers [begin, end) of this profile as the model's layers."""
+        if not self.starts:
+            return begin, end
+        return self.starts[begin], self.starts[end] if end < len(self.starts) else self.model_layers
 
 
 def example_input(job: JobConfig, args: Mapping[str, Any], model: torch.nn.Sequential) -> tuple[tuple[int, ...], torch.dtype]:

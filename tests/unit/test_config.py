@@ -362,9 +362,29 @@ def test_a_job_files_mistake_is_named_with_its_line(tmp_path: Path) -> None:
             load_job(path)
         assert str(err.value).startswith(f"{path}:{named}"), err.value
     path.write_text(good)
+    for set_args, named in ((["data.shufle=true"], "data.shufle: unknown key; did you mean shuffle?"),
+                               (["data={name: digits, batch_size: 0}"], "data.batch_size: expected")):
+        with pytest.raises(ConfigError) as err:
+            load_job(path, set_args)
+        assert str(err.value).startswith(named), err.value
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    # A mapping's own key overrides a merged one, wherever the merge key stands.
+    ("train:\n  <<: {seed: 1}\n  steps: 3\n  seed: -1\n", "4: train.seed: "),
+    # A key spelt with a dot names the same path as a nested one, in either order: its own line.
+    ("data:\n  batch_size: 4\ndata.batch_size: 4\n", "3: data.batch_size: unknown key"),
+    ("data.batch_size: 4\ndata:\n  batch_size: 4\n", "1: data.batch_size: unknown key"),
+    # A list item given as an alias: the list's line, not the anchor's.
+    ("model: {name: mlp}\ncluster:\n  nodes:\n    - &n {name: a, gpus: [{type: t4}]}\n"
+     "    - {name: b, gpus: [{type: t4}]}\n    - *n\n", "3: cluster.nodes[2].name: "),
+])
+def test_a_mistakes_line_is_the_one_that_made_it(tmp_path: Path, text: str, named: str) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
     with pytest.raises(ConfigError) as err:
-        load_job(path, ["data.shufle=true"])
-    assert str(err.value).startswith("data.shufle: unknown key; did you mean shuffle?"), err.value
+        load_job(path)
+    assert str(err.value).startswith(f"{path}:{named}"), err.value
 
 
 @pytest.mark.parametrize(("text", "value"), [("1e-3", 0.001), ("1E5", 1e5), ("-2e-4", -2e-4), (".5", 0.5),

@@ -619,3 +619,7 @@ def test_a_launcher_builds_each_dataset_once_for_its_checks_plan_and_driver(tmp_
     other = with_overrides(job, data={"args": {"features": 3}})
     assert data.batch_shapes(other)[0] == ((4, 3), torch.float32)
     assert built[2:] == [("train", 3)]
+    # The set as built now (the data check's) is read again; a coordinator's next job reads it anew.
+    assert data.batch_shapes(job, [(torch.zeros(5), 1)] * 3)[0] == ((4, 5), torch.float32)
+    data.forget_batch_shapes()
+    assert data.batch_shapes(job)[0] == ((4, 2), torch.float32) and built[3:] == [("train", 2)]

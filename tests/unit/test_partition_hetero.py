@@ -179,18 +179,20 @@ def test_joined_layers_partition_as_the_best_cut_that_begins_no_stage_at_them() 
         n = rng.randint(2, 8)
         joined = sorted(rng.sample(range(1, n), rng.randint(1, n - 1)))
         p = random_profile(rng, n)
-        solved, starts = join_layers(p, joined)
-        assert starts == tuple(i for i in range(n) if i not in joined) and len(solved.layers) == len(starts)
+        solved = join_layers(p, joined)
+        starts = tuple(i for i in range(n) if i not in joined)
+        assert solved.starts == starts and len(solved.layers) == len(starts)
         k = rng.randint(1, min(3, len(starts)))
         gpus = random_gpus(rng, k)
         nm, optimizer, net = rng.randint(1, 4), rng.choice(list(OPT_STATE)), Network()
         best = brute_force(p, gpus, nm, optimizer, net, joined)
         if best == math.inf:
-            with pytest.raises(PlanError):
+            with pytest.raises(PlanError) as info:
                 partition_vw(solved, gpus, nm, optimizer, net)
+            check_error(info.value, p, gpus, nm, optimizer)   # the model's layers, not the joined ones
             continue
         feasible += 1
-        part = unjoin(partition_vw(solved, gpus, nm, optimizer, net), starts, n)
+        part = unjoin(partition_vw(solved, gpus, nm, optimizer, net), solved)
         assert not any(s.layer_begin in joined for s in part.stages), (case, joined, part)
         got = check_plan(part, p, gpus, nm, optimizer, net)
         assert math.isclose(got, best, rel_tol=1e-12), (case, got, best)
