@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.load(f)
     from baselines import common
     from hetpipe import devices
+    from hetpipe.errors import data_hint
 
     common.watch_parent()
     devices.set_threads()
@@ -34,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from baselines.pipeline import worker
         worker(spec, rank)
-    except BaseException:
+    except BaseException as exc:
         traceback.print_exc()
+        if data_hint(exc):
+            print(f"that is: {data_hint(exc)}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

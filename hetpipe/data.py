@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from hetpipe.config import ConfigError, JobConfig
+from hetpipe.errors import user_frame
 from hetpipe.validate import Section
 
 NUMBERS = "biuf"  # numpy kinds a tensor can be made of and a loss can take
@@ -137,32 +138,29 @@ _ITEM_VALUES = (torch.Tensor, np.ndarray, int, float, np.number)   # what defaul
 
 
 def from_factory(job: JobConfig, spec: str, key: str) -> Dataset[Any]:
-    from hetpipe.models import resolve
+    from hetpipe.models import call_factory, resolve
 
     make = resolve(spec, key, job.base_dir)
-    try:
-        # Every process that reads the data builds it: one that shuffles or splits its rows as it
-        # is built must build the same rows in each, or inputs train against other rows' targets.
-        with drawing(job, (BUILD_DRAW,)):
-            dataset = make(**dict(job.data.args))
-    except TypeError as exc:
-        raise ConfigError(f"data.args: {spec}: {exc}") from None
-    except (Exception, SystemExit) as exc:   # a factory that exits (an argparse in it) ends nothing but itself
-        raise ConfigError(f"{key}: {spec}(**data.args) failed: {type(exc).__name__}: {exc}") from None
+    # Every process that reads the data builds it: one that shuffles or splits its rows as it
+    # is built must build the same rows in each, or inputs train against other rows' targets.
+    with drawing(job, (BUILD_DRAW,)):
+        dataset = call_factory(make, dict(job.data.args), key, spec, "data.args", job.base_dir)
     if isinstance(dataset, Mapping) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise ConfigError(f"{key}: {spec} returned a {type(dataset).__name__}, expected a map-style "
                           f"torch.utils.data.Dataset (with __getitem__ and __len__) of (input, target)")
     try:
         rows = len(dataset)
     except Exception as exc:
-        raise ConfigError(f"{key}: len() of {spec}'s dataset failed: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"{key}: len() of {spec}'s dataset failed: {type(exc).__name__}: {exc}"
+                          f"{user_frame(exc, job.base_dir)}") from None
     if rows == 0:
         raise ConfigError(f"{key}: {spec} returned an empty dataset")
     try:
         with drawing(job, (CHECK_DRAW,)):   # an augmentation's draws move no one's generator
             item = dataset[0]
     except Exception as exc:
-        raise ConfigError(f"{key}: reading item 0 of {spec}'s dataset failed: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"{key}: reading item 0 of {spec}'s dataset failed: {type(exc).__name__}: {exc}"
+                          f"{user_frame(exc, job.base_dir)}") from None
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
         raise ConfigError(f"{key}: {spec}'s items are {type(item).__name__}s, expected (input, target) pairs")
     x, y = item

@@ -23,12 +23,14 @@ from hetpipe.optim import IGNORED_LABEL
 CHECK_SLICE_BYTES = 16 << 20
 
 
-def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.dtype]], Sequence[int]]) -> list[str]:
+def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.dtype]], Sequence[int]],
+          ids: int | None = None) -> list[str]:
     """ConfigError, one line naming the file (or factory), the array and the element, for data that
     training would fail on once every process has started, or silently spoil: NaN or Inf in x or in
     float targets, labels outside the classes of the model's output (its last dimension), targets
-    of another size than the output, an x the model does not take. output_shape: the model's
-    output shape for a minibatch's (shape, dtype) of x, from a shape-only pass.
+    of another size than the output, an x the model does not take, token ids outside the model's
+    first layer's `ids` (where it is an nn.Embedding). output_shape: the model's output shape for
+    a minibatch's (shape, dtype) of x, from a shape-only pass.
 
     Arrays held in memory (npz, digits, synthetic) are checked whole, in one pass over what is
     loaded anyway; any other dataset, which may stream from disk, by its first item. Returns
@@ -67,7 +69,7 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
         except Exception as exc:  # its first layer's forward, on the meta device
             raise ConfigError(f"{source}: the model does not take x of shape {list(batch)} ({first.dtype}): "
                               f"{type(exc).__name__}: {first_line(exc)}{meta_hint(exc)}") from None
-        _check_rows(job, source, x, y, output)
+        _check_rows(job, source, x, y, output, ids)
     data.batch_shapes(job, whole)   # kept: the plan and the driver need them, and need not build the set again
     small = [] if train_rows >= job.data.batch_size else [
         f"data: the training set has {train_rows} rows, fewer than one minibatch of data.batch_size "
@@ -124,8 +126,15 @@ def _check_finite(job: JobConfig, source: str, name: str, array: np.ndarray) -> 
     raise ConfigError(f"{source}: {_element(name, at)} is {array[at]}{past}")
 
 
-def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, output: tuple[int, ...]) -> None:
+def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, output: tuple[int, ...],
+                ids: int | None = None) -> None:
     _check_finite(job, source, "x", x)
+    if ids is not None and x.dtype.kind in "iu":
+        # Else each stage 0 fails at the first minibatch holding one, with torch's "index out of range in self".
+        at = _first(x, lambda s: (s < 0) | (s >= ids))
+        if at is not None:
+            raise ConfigError(f"{source}: {_element('x', at)} is {x[at]}, not an id the model's first layer, an "
+                              f"nn.Embedding of {ids}, takes (0 to {ids - 1})")
     classification = job.train.loss == "cross_entropy"
     # The shape, not only the count: mse on an output of (B, 1) against y of (B,) broadcasts to
     # (B, B) and trains on a wrong loss without a word.

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
+import re
 import signal
+import traceback
+from collections.abc import Iterable
+from pathlib import Path
 
 import grpc
 
@@ -54,4 +59,41 @@ def meta_hint(exc: BaseException) -> str:
     """Where the planner's shape-only pass (the meta device) failed: a layer that reads values
     fails there, not on the data or on the layer before it."""
     return (" (the planner runs the model on the meta device, shapes without values: a layer that reads values, "
-            "with .item() or a branch on the data, cannot run there)") if "meta" in first_line(exc) else ""
+            "with .item() or a branch on the data, cannot run there: guard it with `if not x.is_meta:`)"
+            ) if "meta" in first_line(exc) else ""
+
+
+def user_frame(exc: BaseException, base_dir: str | None) -> str:
+    """Where in the job folder's code (a factory's module) exc was raised, as " (file.py:12 in
+    fn)": the last such frame of its traceback; "" where none is there."""
+    if not base_dir:
+        return ""
+    root = Path(base_dir).resolve()
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename).resolve()
+        if path.is_relative_to(root):
+            return f" ({path.relative_to(root)}:{frame.lineno} in {frame.name})"
+    return ""
+
+
+def closest(word: str, choices: Iterable[str]) -> str:
+    """" (did you mean X?)" for a close spelling of word among choices, else ""."""
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.7)   # 0.6 offers width for depth
+    return f" (did you mean {found[0]}?)" if found else ""
+
+
+# What torch says when the data does not suit the model, and what it usually means.
+_DATA_HINTS = (
+    (re.compile(r"^index out of range in self"), "an nn.Embedding was given an id outside its num_embeddings: "
+                                                 "check the data's token ids against the model's vocabulary"),
+    (re.compile(r"^Target -?\d+ is out of bounds"), "a label outside the classes of the model's output (0 to its "
+                                                    "last dimension - 1)"),
+    (re.compile(r"^stack expects each tensor to be equal size"), "the dataset's items differ in shape, and a "
+                                                                 "minibatch stacks them: pad or cut each to one length"),
+)
+
+
+def data_hint(exc: BaseException) -> str:
+    """What a torch error that bad data causes at run time usually means, else ""."""
+    text = first_line(exc)
+    return next((hint for pattern, hint in _DATA_HINTS if pattern.search(text)), "")

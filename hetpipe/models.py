@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
+import re
 import sys
 import threading
 import warnings
@@ -28,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from hetpipe import wire, zoo
 from hetpipe.factory_writes import FactoryWrites, check_parameters, reset_of
 from hetpipe.config import JobConfig, ModelConfig
+from hetpipe.errors import closest, user_frame
 from hetpipe.validate import ConfigError
 
 
@@ -60,10 +63,36 @@ def resolve(spec: str, key: str, base_dir: str) -> Callable[..., Any]:
         _remember_files(top)
     target = getattr(module, attribute, None)
     if target is None:
-        raise ConfigError(f"{key}: module {module_name!r} has no attribute {attribute!r}")
+        raise ConfigError(f"{key}: module {module_name!r} has no attribute {attribute!r}"
+                          f"{closest(attribute, (n for n in dir(module) if not n.startswith('_')))}")
     if not callable(target):
         raise ConfigError(f"{key}: {spec} is a {type(target).__name__}, not a function")
     return target  # type: ignore[no-any-return]
+
+
+def call_factory(make: Callable[..., Any], args: Mapping[str, Any], key: str, spec: str, args_key: str,
+                 base_dir: str | None) -> Any:
+    """make(**args), a factory of the job's: ConfigError naming what args_key gives that it does
+    not take (with a close spelling of one it does), or what failed in it and where in the job
+    folder's code."""
+    try:
+        signature = inspect.signature(make)
+    except (TypeError, ValueError):   # no signature to read (a builtin): the call says
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(**args)
+        except TypeError as exc:
+            given = re.search(r"keyword argument '(\w+)'", str(exc))
+            meant = closest(given[1], signature.parameters) if given else ""
+            raise ConfigError(f"{args_key}: {spec}: {exc}{meant}") from None
+    try:
+        return make(**args)
+    except ConfigError:
+        raise
+    except (Exception, SystemExit) as exc:   # a factory that exits (an argparse in it) ends nothing but itself
+        raise ConfigError(f"{key}: {spec}(**{args_key}) failed: {type(exc).__name__}: {exc}"
+                          f"{user_frame(exc, base_dir)}") from None
 
 
 # The file of each factory module as it was when imported: (mtime_ns, size), to see it edited since.
@@ -181,14 +210,7 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
         # load_state_dict into the meta parameters is recorded as the write it is; torch's own
         # warning that it does nothing would only repeat the refusal, once per key.
         warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")
-        try:
-            model = build(**kwargs)
-        except ConfigError:
-            raise
-        except TypeError as exc:  # arguments the factory does not take
-            raise ConfigError(f"model.args: {describe(cfg)}: {exc}") from None
-        except (Exception, SystemExit) as exc:   # a factory that exits (an argparse in it) ends nothing but itself
-            raise ConfigError(f"model: {describe(cfg)}(**model.args) failed: {type(exc).__name__}: {exc}") from None
+        model = call_factory(build, kwargs, "model", describe(cfg), "model.args", base_dir)
     if not isinstance(model, nn.Sequential):
         raise ConfigError(f"model: {describe(cfg)} returned a {type(model).__name__}, expected an nn.Sequential "
                           f"whose children are the layers the pipeline is cut between")

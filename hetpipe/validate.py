@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import re
@@ -10,6 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import yaml
+
+from hetpipe.errors import closest
 
 
 class ConfigError(ValueError):
@@ -108,9 +109,8 @@ class Section:
     def check_known(self, known: tuple[str, ...]) -> None:
         unknown = sorted(set(self.raw) - set(known), key=str)
         if unknown:
-            close = difflib.get_close_matches(str(unknown[0]), known, n=1)
-            meant = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(f"{self.path(str(unknown[0]))}: unknown key; {meant}known keys are {', '.join(known)}")
+            raise ConfigError(f"{self.path(str(unknown[0]))}: unknown key{closest(str(unknown[0]), known)}; known "
+                              f"keys are {', '.join(known)}")
 
 
 class JobLoader(yaml.SafeLoader):

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -44,8 +45,25 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:  # here too if it came before or after the job's own handling
         # A job on a coordinator elsewhere: its workers are that cluster's, and stay.
         done = f"asked the coordinator at {args.coordinator} to stop the job" if args.coordinator else "stopped every process"
-        print(f"hetpipe: {interrupt_reason(exc)}; {done}", file=sys.stderr)
+        print(f"hetpipe: {interrupt_reason(exc)}; {done}{'' if args.coordinator else _resume_note(args)}",
+              file=sys.stderr)
         return 128 + exc.signum if isinstance(exc, Interrupted) else EXIT_INTERRUPTED
+
+
+def _resume_note(args: argparse.Namespace) -> str:
+    """How an interrupted local run goes on: from its latest checkpoint, where it has one."""
+    from coordinator import checkpoints
+    from hetpipe import outputs
+
+    try:
+        job = load_job(args.config, args.set)
+    except ConfigError:
+        return ""
+    wave = checkpoints.latest(Path(job.resolve(job.output.dir)) / outputs.CHECKPOINTS)
+    if wave is None or job.parallel.mode != "hetpipe":
+        return ""
+    settings = "".join(f" --set {shlex.quote(setting)}" for setting in args.set)
+    return f"; `hetpipe run {shlex.quote(args.config)}{settings} --resume` goes on from its latest checkpoint, after wave {wave}"
 
 
 def _run_job(args: argparse.Namespace) -> int:
@@ -79,11 +97,9 @@ def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
     except remote.CoordinatorUnreachable as exc:
         print(f"hetpipe: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    except JobFailed as exc:
-        print(f"hetpipe: job failed: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except JobStopped as exc:
-        print(f"hetpipe: job stopped: {exc}", file=sys.stderr)
+    except (JobFailed, JobStopped) as exc:
+        how = "failed" if isinstance(exc, JobFailed) else "stopped"
+        print(f"hetpipe: job {how}: {exc}{'' if args.coordinator else _resume_note(args)}", file=sys.stderr)
         return EXIT_FAILED
     out = Path(job.resolve(job.output.dir))
     print(json.dumps({k: summary[k] for k in ("steps", "samples_per_second", "steady_samples_per_second",

@@ -110,6 +110,8 @@ def checked_inputs(job: JobConfig) -> list[str]:
     takes and the loss can use, without NaN or Inf; model.init has the model's keys and shapes,
     finite; output.dir can be written; the security section's files can be read. Raises
     ConfigError naming what is wrong, in one line; returns warnings."""
+    import torch
+
     from coordinator.planner.shapes import boundaries
     from hetpipe import model_init, models
 
@@ -117,7 +119,9 @@ def checked_inputs(job: JobConfig) -> list[str]:
     for env in (devices.THREADS_ENV, devices.PS_THREADS_ENV):
         devices.env_threads(env)
     model = models.structure(job.model, job.base_dir)
-    notes = data_check.check(job, lambda x: boundaries(model, x, strict=True)[-1][0])
+    first = model[0]
+    ids = first.num_embeddings if isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag)) else None
+    notes = data_check.check(job, lambda x: boundaries(model, x, strict=True)[-1][0], ids)
     if job.model.init is not None:
         model_init.check_init(job, model)
     outputs.check_dir(Path(job.resolve(job.output.dir)))

@@ -12,7 +12,7 @@ import grpc
 import torch
 
 from hetpipe import devices
-from hetpipe.errors import Rejected
+from hetpipe.errors import Rejected, data_hint
 from hetpipe.v1 import stage_pb2
 from hetpipe.wire import Bundle, Stream
 from hetpipe.wsp import total_waves
@@ -344,7 +344,9 @@ class StageRuntime:
                     s.profile.after_task(s.schedule.completed)
         except Exception as exc:  # any bug or device error fails the stage loudly, naming p
             log.exception("%s crashed", s.setup.name)
-            self.fail(f"{type(exc).__name__}: {exc}{_where(task, s.schedule.completed)}")
+            said = str(exc).rstrip().removesuffix(".")   # torch's end with one, and a place follows
+            hint = data_hint(exc)
+            self.fail(f"{type(exc).__name__}: {said}{f' ({hint})' if hint else ''}{_where(task, s.schedule.completed)}")
 
     # ---- evaluation --------------------------------------------------------------------------
 

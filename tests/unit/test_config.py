@@ -259,7 +259,7 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
      "data.path: only data.name npz reads a file, and this job's data is data.name synthetic"),
     ({"data": {"name": "digits", "path": "train.npz"}}, "this job's data is data.name digits"),
     ({"data": {"name": "synthetic", "path": None, "args": {"row": 64}}},
-     "data.args.row: unknown key; did you mean rows? known keys are rows, seed, features, classes, vocab, context"),
+     "data.args.row: unknown key (did you mean rows?); known keys are rows, seed, features, classes, vocab, context"),
     ({"data": {"name": "digits", "path": None, "args": {"rows": 5}}}, "data.args: data.name digits takes none, got ['rows']"),
 ])
 def test_keys_that_do_not_go_together_are_refused(overrides: dict[str, Any], message: str) -> None:
@@ -353,7 +353,7 @@ def test_a_job_files_mistake_is_named_with_its_line(tmp_path: Path) -> None:
             "    - {name: b, gpus: [{type: rtx-2060}]}\n")
     path.write_text(good)
     load_job(path)
-    for right, wrong, named in (("batch_size", "batch_sise", "4: data.batch_sise: unknown key; did you mean batch_size? "),
+    for right, wrong, named in (("batch_size", "batch_sise", "4: data.batch_sise: unknown key (did you mean batch_size?); "),
                                 ("lr: 0.1", "lr: -1", "8: train.optimizer.lr: expected a finite number"),
                                 ("rtx-2060", "no-such-gpu", "12: cluster.nodes[1].gpus[0].type: "),
                                 ("{name: mlp}", "{}", "1: model: give exactly one of")):
@@ -362,7 +362,7 @@ def test_a_job_files_mistake_is_named_with_its_line(tmp_path: Path) -> None:
             load_job(path)
         assert str(err.value).startswith(f"{path}:{named}"), err.value
     path.write_text(good)
-    for set_args, named in ((["data.shufle=true"], "data.shufle: unknown key; did you mean shuffle?"),
+    for set_args, named in ((["data.shufle=true"], "data.shufle: unknown key (did you mean shuffle?)"),
                                (["data={name: digits, batch_size: 0}"], "data.batch_size: expected")):
         with pytest.raises(ConfigError) as err:
             load_job(path, set_args)

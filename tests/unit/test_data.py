@@ -623,3 +623,19 @@ def test_a_launcher_builds_each_dataset_once_for_its_checks_plan_and_driver(tmp_
     assert data.batch_shapes(job, [(torch.zeros(5), 1)] * 3)[0] == ((4, 5), torch.float32)
     data.forget_batch_shapes()
     assert data.batch_shapes(job)[0] == ((4, 2), torch.float32) and built[3:] == [("train", 2)]
+
+
+def test_token_ids_outside_the_first_embedding_are_refused_before_the_run(tmp_path: Path) -> None:
+    """Else stage 0 fails at the first minibatch holding one, with torch's "index out of range in self"."""
+    job = parse_job({"model": {"name": "mlp"}, "data": {"name": "npz", "path": "tokens.npz", "batch_size": 2}},
+                    base_dir=str(tmp_path))
+    x = np.arange(12, dtype=np.int64).reshape(4, 3)
+    np.savez(tmp_path / "tokens.npz", x=x, y=np.zeros(4, dtype=np.int64))
+    output = lambda flow: (flow[0][0], 3)   # noqa: E731
+    check(job, output, ids=12)
+    with pytest.raises(ConfigError, match=r"x\[3, 2\] is 11, not an id the model's first layer, an nn\.Embedding "
+                                          r"of 11, takes \(0 to 10\)"):
+        check(job, output, ids=11)
+    np.savez(tmp_path / "tokens.npz", x=x - 1, y=np.zeros(4, dtype=np.int64))
+    with pytest.raises(ConfigError, match=r"x\[0, 0\] is -1, not an id"):
+        check(job, output, ids=12)

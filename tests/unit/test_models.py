@@ -168,6 +168,10 @@ def in_float64():
     return net().double()
 
 
+def wrong_inside(width=8):
+    return nn.Sequential(nn.Linear(4, width), len(width))
+
+
 def exits():
     raise SystemExit(2)
 """
@@ -262,11 +266,17 @@ def test_a_factorys_float64_layers_train_in_train_dtype(tmp_path: Path) -> None:
     ("needs_missing:net", {}, r"model\.factory: importing 'needs_missing' failed: ModuleNotFoundError: No module "
                               r"named 'not_installed_pkg'"),
     ("mymodels:missing", {}, r"model\.factory: module 'mymodels' has no attribute 'missing'"),
+    ("mymodels:nett", {}, r"model\.factory: module 'mymodels' has no attribute 'nett' \(did you mean net\?\)"),
     ("mymodels:not_sequential", {}, r"model: mymodels:not_sequential returned a Linear, expected an nn\.Sequential"),
     ("mymodels:named_layers", {}, r"model: mymodels:named_layers returned an nn\.Sequential with named layers "
                                   r"\['fc1', 'act', 'fc2'\]; build it from a list of layers, numbered 0\.\.n-1"),
-    ("mymodels:needs_args", {}, r"model\.args: mymodels:needs_args: .*missing 1 required .*'width'"),
-    ("mymodels:net", {"depth": 3}, r"model\.args: mymodels:net: .*unexpected keyword argument 'depth'"),
+    ("mymodels:needs_args", {}, r"model\.args: mymodels:needs_args: missing a required argument: 'width'"),
+    ("mymodels:net", {"depth": 3}, r"model\.args: mymodels:net: .*unexpected keyword argument 'depth'$"),
+    ("mymodels:net", {"widht": 3}, r"model\.args: mymodels:net: .*unexpected keyword argument 'widht' \(did you "
+                                   r"mean width\?\)"),
+    # A TypeError inside the factory is its own, not model.args': named with where it was raised.
+    ("mymodels:wrong_inside", {}, r"model: mymodels:wrong_inside\(\*\*model\.args\) failed: TypeError: object of "
+                                  r"type 'int' has no len\(\) \(mymodels\.py:\d+ in wrong_inside\)"),
     ("mymodels:raw_net", {}, r"parameter 0\.weight of mymodels:raw_net is not initialised by any reset_parameters"),
     ("mymodels:inits_itself", {}, r"model: mymodels:inits_itself writes parameters itself \(normal_ on 0\.weight, "
                                   r"zero_ on 0\.bias, normal_ on 3\.weight, \.\.\.\), outside any reset_parameters\(\)"),

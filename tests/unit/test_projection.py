@@ -166,7 +166,7 @@ def test_epochs_interpolate_linearly_in_log2_of_the_batch(pairs: list[tuple[int,
     ({"mini_batch": 0}, r"mini_batch: expected an integer >= 1, got 0"),
     ({"devices": []}, r"devices: expected a non-empty list"),
     ({"devices": [64, 1]}, r"devices\[1\]: expected an integer >= 2, got 1"),
-    ({"su_mp_2": 1.32}, r"su_mp_2: unknown key; did you mean su_mp\? known keys are"),
+    ({"su_mp_2": 1.32}, r"su_mp_2: unknown key \(did you mean su_mp\?\); known keys are"),
     ({"model": 3}, r"model: expected a name"),
 ])
 def test_bad_inputs_are_refused_naming_the_key(change: dict[str, Any], message: str) -> None:
