@@ -400,7 +400,7 @@ class JobDriver:
             return
         waiting = "; ".join(
             f"{h.name}: {h.last.queue_depth} inputs waiting to run, {h.last.in_flight} in flight"
-            + (", blocked on a pull (clock bound)" if h.last.waiting else "")
+            + (", blocked on a pull (clock bound)" if h.last.waiting else "") + (f", {h.last.detail}" if h.last.detail else "")
             for h in self.stages if h.last.state != State.DONE)
         raise JobFailed(f"no progress for {seconds:.0f}s (train.stall_timeout_s) although every stage and "
                         f"shard answers: {waiting}")

@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import random
 import threading
+import time
 import traceback
 import weakref
 import zipfile
@@ -377,12 +378,14 @@ class Minibatches:
         # semaphore, until it ends (after the iterator is gone), so close waits for them.
         self._feeders = [t for t in threading.enumerate() if t not in started and t.name == "QueueFeederThread"]
         self._closing = threading.Lock()
+        self.reading: float | None = None   # since when (time.monotonic) next() waits for the dataset
         _open.add(self)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         it = self._it
         if it is None:
             raise RuntimeError("minibatches read after close")
+        self.reading = time.monotonic()
         try:
             batch = next(it)
         except Exception as exc:
@@ -391,6 +394,8 @@ class Minibatches:
             # can tell the workers to stop, and close would wait seconds on each: break it here.
             traceback.clear_frames(exc.__traceback__)
             raise
+        finally:
+            self.reading = None
         x, y = cast(self.job, batch.x, batch.y)
         if self._pin:   # a cast made new tensors: pinned again, or their copies to the GPU would block
             x, y = (t if t.is_pinned() else t.pin_memory() for t in (x, y))

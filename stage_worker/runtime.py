@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 
 
+# A task or a read this long is named in Status's detail (a stall's report shows it).
+DOING_SHOWN_S = 1.0
+
+
 def _refused(state: StageState, what: str) -> Rejected:
     return Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"{what} in state {state.name}")
 
@@ -66,6 +70,7 @@ class StageRuntime:
         self.error = ""
         self.failed_at = 0.0
         self.detail = ""              # what a loading stage is doing
+        self._at_task: tuple[Task, float] | None = None   # the compute thread's task, since (time.monotonic)
         self._setup: Setup | None = None
         self._s: Loaded | None = None
         self._thread: threading.Thread | None = None
@@ -286,6 +291,7 @@ class StageRuntime:
                 if task is not None:
                     # An evaluation or the final merge is no input of the schedule's.
                     self._busy = task.kind not in (TaskKind.EVAL, TaskKind.MERGE_FINAL)
+                    self._at_task = (task, time.monotonic())
                     return task
                 committed = s.scaling is None or not s.scaling.waiting
                 if self.state == StageState.RUNNING and s.schedule.done and committed and s.sync.finished():
@@ -318,6 +324,7 @@ class StageRuntime:
                 forward = ran.forward
                 with self._cv:
                     self._busy = False
+                    self._at_task = None
                     if task.kind in (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.FORWARD_BACKWARD):
                         elapsed = time.monotonic() - started
                         forward = elapsed if task.kind == TaskKind.FORWARD else min(forward, elapsed)
@@ -408,7 +415,8 @@ class StageRuntime:
             steady = self._steady.read(done, time.monotonic()) if self._steady is not None else (0, 0.0)
             used, capacity = metrics.device_memory(setup)
             return Progress(
-                state=self.state, error=self.error, failed_at=self.failed_at, vw=setup.vw, stage=setup.stage, device=setup.device.name,
+                state=self.state, error=self.error, failed_at=self.failed_at, detail=self._doing(s, time.monotonic()),
+                vw=setup.vw, stage=setup.stage, device=setup.device.name,
                 label=setup.label, gpu_type=setup.gpu_type, emulated=setup.emulated, memory_used_bytes=used,
                 memory_capacity_bytes=capacity, peak_rss_bytes=devices.peak_rss_bytes(),
                 device_peak_bytes=0 if setup.emulated else devices.device_peak_bytes(setup.device),
@@ -432,6 +440,24 @@ class StageRuntime:
                 evals=tuple(s.evals.totals.results) if s.evals is not None else (),
                 weights_digest=s.compute.digest() if weights_digest else "",
             )
+
+    def _doing(self, s: Loaded, now: float) -> str:
+        """What the compute thread has been at for over DOING_SHOWN_S (a stall's report names it):
+        reading a minibatch from the dataset, or a task. Under the lock."""
+        if self._at_task is None:
+            return ""
+        task, since = self._at_task
+        for reader, what in ((s.inputs, "inputs"), (s.targets, "targets")):
+            began = reader.reading if reader is not None else None
+            if began is not None and now - began > DOING_SHOWN_S and task.kind != TaskKind.EVAL:
+                return f"reading minibatch {task.p}'s {what} from the dataset for {now - began:.0f}s"
+        if now - since <= DOING_SHOWN_S:
+            return ""
+        named = {TaskKind.FORWARD: "the forward", TaskKind.BACKWARD: "the backward",
+                 TaskKind.FORWARD_BACKWARD: "the forward and backward", TaskKind.EVAL: "evaluation's forward",
+                 TaskKind.MERGE_FINAL: "the final merge"}[task.kind]
+        of = "" if task.kind == TaskKind.MERGE_FINAL else f" of minibatch {task.p}"
+        return f"running {named}{of} for {now - since:.0f}s"
 
     def weights(self, keys: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
         """The stage's state_dict entries (these keys; all by default), on the CPU."""

@@ -85,6 +85,9 @@ def test_no_progress_while_every_process_answers_is_named(make_job, inject_fault
     assert "although every stage and shard answers" in message, message
     assert "stage 0 of vw 0:" in message and "blocked on a pull (clock bound)" in message, message
     assert "stage 0 of vw 1:" in message and "in flight" in message, message
+    # What the slow VW's stage is stuck in, and for how long.
+    assert re.search(r"stage \d of vw 1: [^;]*, running the (forward|backward|forward and backward) of minibatch "
+                     r"\d+ for \d+s", message), message
     assert os.path.exists(job.resolve(job.output.dir))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -639,3 +640,32 @@ def test_token_ids_outside_the_first_embedding_are_refused_before_the_run(tmp_pa
     np.savez(tmp_path / "tokens.npz", x=x - 1, y=np.zeros(4, dtype=np.int64))
     with pytest.raises(ConfigError, match=r"x\[0, 0\] is -1, not an id"):
         check(job, output, ids=12)
+
+
+def test_a_reader_says_since_when_it_waits_for_the_dataset(tmp_path: Path) -> None:
+    """A stall's report names a stage stuck reading its data (a dataset's __getitem__ that hangs)."""
+    import threading
+
+    release = threading.Event()
+
+    class Held(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            release.wait(10)
+            return torch.zeros(4), 0
+
+    reader = Minibatches(factory_job(tmp_path), Held(), 0, steps=2)
+    assert reader.reading is None
+    done = threading.Thread(target=reader.next)
+    done.start()
+    deadline = time.monotonic() + 5
+    while reader.reading is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    began = reader.reading
+    assert began is not None and began <= time.monotonic()
+    release.set()
+    done.join(10)
+    assert reader.reading is None
+    reader.close()
