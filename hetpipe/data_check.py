@@ -190,8 +190,8 @@ def eval_rows_note(rows: int, held_out: int, batch_size: int, *, given: bool = T
     None. given: eval.rows was set (the default asks for up to that many, in whole minibatches)."""
     read = max(1, min(rows, held_out) // batch_size) * batch_size
     if held_out < batch_size:
-        return (f"eval.rows {rows}: the held-out set has {held_out} rows, fewer than one minibatch of {batch_size}: "
-                f"each evaluation reads {read}, some rows twice")
+        return (f"{f'eval.rows {rows}: ' if given else ''}the held-out set has {held_out} rows, fewer than one "
+                f"minibatch of data.batch_size {batch_size}: each evaluation reads {read}, some rows twice")
     if read == rows or not given:
         return None
     why = f"the held-out set has {held_out} rows" if held_out < rows else "whole minibatches"

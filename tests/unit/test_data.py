@@ -575,8 +575,10 @@ def test_minibatches_are_ordered_as_they_are_read_not_all_up_front() -> None:
                      "data.batch_size 32)"),
     (100, 359, True, "eval.rows 100: each evaluation reads 96 held-out rows (whole minibatches, of data.batch_size 32)"),
     (1024, 359, False, None),   # the default asks for up to 1024
-    (1024, 20, False, "eval.rows 1024: the held-out set has 20 rows, fewer than one minibatch of 32: each evaluation "
-                      "reads 32, some rows twice"),
+    (1024, 20, False, "the held-out set has 20 rows, fewer than one minibatch of data.batch_size 32: each "
+                      "evaluation reads 32, some rows twice"),   # not the default eval.rows, which the user never set
+    (64, 20, True, "eval.rows 64: the held-out set has 20 rows, fewer than one minibatch of data.batch_size 32: each "
+                   "evaluation reads 32, some rows twice"),
 ])
 def test_eval_rows_other_than_an_evaluation_reads_are_named(rows: int, held_out: int, given: bool, note: str | None) -> None:
     assert data_check.eval_rows_note(rows, held_out, 32, given=given) == note
