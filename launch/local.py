@@ -91,7 +91,8 @@ def _resume_wave(out_dir: Path, job: JobConfig, plan: Plan, *, resume: bool, fre
     if outputs.read_summary(out_dir) is not None:   # a run clears it as it starts: the last one finished
         warn(f"--resume: the run in {out_dir} finished (its summary.json is there): this one trains again from its "
              f"latest checkpoint, after wave {wave}, and writes its results in their place")
-    print(f"hetpipe: resuming from the checkpoint of wave {wave}", file=sys.stderr)
+    print(f"hetpipe: resuming from the checkpoint of wave {wave} (each VW's minibatch {wave * plan.nm} of "
+          f"{job.train.steps})", file=sys.stderr)
     return wave
 
 
