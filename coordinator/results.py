@@ -87,6 +87,7 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         "steady_samples_per_second": (None if d.evicted else
                                       steady_samples_per_second((h.last for h in d.stages), job.data.batch_size)),
         "wall_seconds": wall,
+        "resumed_from_wave": d.resume_wave,   # --resume: the checkpoint's wave this run went on from; 0: none
         "final_loss": sum(losses) / len(losses),
         "virtual_workers": plan.virtual_workers,
         "stages_per_vw": plan.stages_per_vw,
