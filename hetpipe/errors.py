@@ -90,6 +90,9 @@ _DATA_HINTS = (
                                                     "last dimension - 1)"),
     (re.compile(r"^stack expects each tensor to be equal size"), "the dataset's items differ in shape, and a "
                                                                  "minibatch stacks them: pad or cut each to one length"),
+    (re.compile(r"device-side assert triggered"), "on a GPU most often an index out of range: a token id past an "
+                                                 "nn.Embedding's vocabulary or a label past the classes; the same job "
+                                                 "on the CPU names which"),
 )
 
 

@@ -26,6 +26,9 @@ def test_torchs_errors_from_bad_data_are_explained() -> None:
     stacked = _raised(lambda: torch.utils.data.default_collate([torch.zeros(3), torch.zeros(2)]))
     assert "pad or cut each to one length" in data_hint(stacked)
     assert data_hint(_raised(lambda: torch.zeros(2)[5])) == "", "an index error of the model's own code"
+    # A GPU's kernel cannot say which index: torch.AcceleratorError's wording, as CUDA gives it.
+    assert "the same job on the CPU names which" in data_hint(RuntimeError(
+        "CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously reported"))
     assert data_hint(ValueError("my Target 4 is out of bounds")) == ""
 
 
