@@ -74,6 +74,10 @@ def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path:
         + (_count(shards, 'ps shard') if shards else "no ps shard (one VW: parallel.ps_shards is not used)")
         + (" (emulated GPUs)" if plan.emulated else "")
     ]
+    n = plan.virtual_workers
+    if n > 1 and job.parallel.sync in ("wsp", "quorum"):
+        lines.append(f"the shards add up the {n} VWs' updates: a wave moves w_global as far as one VW at {n} x "
+                     f"train.optimizer.lr would (ddp averages its {n} ranks' gradients: its lr is {n} x this one)")
     network = job.emulate.network if job.emulate else None
     if network is not None:
         lines.append(f"emulated network: {network.intra_node_gbs:g} GB/s in a node, {network.inter_node_gbs:g} GB/s "

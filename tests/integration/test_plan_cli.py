@@ -42,6 +42,18 @@ def test_the_table_names_units_layers_and_the_memory_bound(capsys: pytest.Captur
     assert re.search(r"\[0,\d\) 0\.Linear-\d\.\w+", rows[0]) and re.search(r"\d\.\w+-6\.Linear", rows[1]), rows
     assert all(re.search(r"\d+(\.\d)? KiB / 16\.00 GiB", r) for r in rows), rows
     assert all("20 ms" in r and "40 ms" in r for r in rows), rows
+    assert "add up" not in out, "one VW: nothing is added up"
+
+
+@pytest.mark.parametrize(("sync", "said"), [("wsp", True), ("quorum", True), ("elastic", False)])
+def test_the_plan_says_how_the_vws_updates_add_up(capsys: pytest.CaptureFixture[str], tmp_path: Path, sync: str,
+                                                  said: bool) -> None:
+    """A ddp user's learning rate moves N VWs' summed updates N times as far."""
+    code, out, err = _plan(capsys, tmp_path, {"parallel": {"virtual_workers": 3, "sync": sync}})
+    assert code == 0, err
+    line = ("the shards add up the 3 VWs' updates: a wave moves w_global as far as one VW at 3 x train.optimizer.lr "
+            "would (ddp averages its 3 ranks' gradients: its lr is 3 x this one)")
+    assert (line in out.splitlines()) is said, out
 
 
 @pytest.mark.parametrize("cores", [2, 64])
