@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import signal
 import traceback
@@ -64,39 +65,45 @@ def meta_hint(exc: BaseException) -> str:
 
 
 def user_frame(exc: BaseException, base_dir: str | None) -> str:
-    """Where in the job folder's code (a factory's module) exc was raised, as " (file.py:12 in
-    fn)": the last such frame of its traceback; "" where none is there."""
+    """Where in the job folder's own code (a factory's module) exc was raised, as " (file.py:12
+    in fn)": the last such frame of its traceback (not a package installed under the folder, nor
+    code compiled from a string); "" where none is there."""
     if not base_dir:
         return ""
-    root = Path(base_dir).resolve()
+    roots = {Path(os.path.abspath(base_dir)), Path(base_dir).resolve()}
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = Path(frame.filename).resolve()
-        if path.is_relative_to(root):
-            return f" ({path.relative_to(root)}:{frame.lineno} in {frame.name})"
+        if frame.filename.startswith("<") or re.search(r"[/\\](site|dist)-packages[/\\]", frame.filename):
+            continue
+        for path in (Path(os.path.abspath(frame.filename)), Path(frame.filename).resolve()):
+            root = next((r for r in roots if path.is_relative_to(r)), None)
+            if root is not None:
+                return f" ({path.relative_to(root)}:{frame.lineno} in {frame.name})"
     return ""
 
 
-def closest(word: str, choices: Iterable[str]) -> str:
-    """" (did you mean X?)" for a close spelling of word among choices, else ""."""
-    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.7)   # 0.6 offers width for depth
-    return f" (did you mean {found[0]}?)" if found else ""
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """A close spelling of word among choices (difflib's default likeness), or None."""
+    found = difflib.get_close_matches(word, list(choices), n=1)
+    return found[0] if found else None
 
 
-# What torch says when the data does not suit the model, and what it usually means.
+# What torch says when the data does not suit the model, and what it usually means; a line of
+# the message (a DataLoader worker's error comes wrapped, its own line last).
 _DATA_HINTS = (
-    (re.compile(r"^index out of range in self"), "an nn.Embedding was given an id outside its num_embeddings: "
-                                                 "check the data's token ids against the model's vocabulary"),
-    (re.compile(r"^Target -?\d+ is out of bounds"), "a label outside the classes of the model's output (0 to its "
-                                                    "last dimension - 1)"),
-    (re.compile(r"^stack expects each tensor to be equal size"), "the dataset's items differ in shape, and a "
-                                                                 "minibatch stacks them: pad or cut each to one length"),
-    (re.compile(r"device-side assert triggered"), "on a GPU most often an index out of range: a token id past an "
-                                                 "nn.Embedding's vocabulary or a label past the classes; the same job "
-                                                 "on the CPU names which"),
+    (re.compile(r"^(\w+: )?index out of range in self", re.M),
+     "an index out of range, most often a token id past an nn.Embedding's num_embeddings: check the data's ids "
+     "against the model's vocabulary"),
+    (re.compile(r"^(\w+: )?Target -?\d+ is out of bounds", re.M),
+     "a label outside the classes of the model's output (0 to its last dimension - 1)"),
+    (re.compile(r"^(\w+: )?stack expects each tensor to be equal size", re.M),
+     "the dataset's items differ in shape, and a minibatch stacks them: pad or cut each to one length"),
+    (re.compile(r"device-side assert triggered"),
+     "on a GPU most often an index out of range: a token id past an nn.Embedding's vocabulary or a label past the "
+     "classes; the same job on the CPU names which"),
 )
 
 
 def data_hint(exc: BaseException) -> str:
     """What a torch error that bad data causes at run time usually means, else ""."""
-    text = first_line(exc)
+    text = str(exc)
     return next((hint for pattern, hint in _DATA_HINTS if pattern.search(text)), "")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import re
 import sys
 import threading
 import warnings
@@ -63,8 +62,9 @@ def resolve(spec: str, key: str, base_dir: str) -> Callable[..., Any]:
         _remember_files(top)
     target = getattr(module, attribute, None)
     if target is None:
+        meant = closest(attribute, (n for n in dir(module) if not n.startswith("_")))
         raise ConfigError(f"{key}: module {module_name!r} has no attribute {attribute!r}"
-                          f"{closest(attribute, (n for n in dir(module) if not n.startswith('_')))}")
+                          + (f" (did you mean {meant}?)" if meant else ""))
     if not callable(target):
         raise ConfigError(f"{key}: {spec} is a {type(target).__name__}, not a function")
     return target  # type: ignore[no-any-return]
@@ -76,23 +76,32 @@ def call_factory(make: Callable[..., Any], args: Mapping[str, Any], key: str, sp
     not take (with a close spelling of one it does), or what failed in it and where in the job
     folder's code."""
     try:
-        signature = inspect.signature(make)
-    except (TypeError, ValueError):   # no signature to read (a builtin): the call says
-        signature = None
-    if signature is not None:
-        try:
-            signature.bind(**args)
-        except TypeError as exc:
-            given = re.search(r"keyword argument '(\w+)'", str(exc))
-            meant = closest(given[1], signature.parameters) if given else ""
-            raise ConfigError(f"{args_key}: {spec}: {exc}{meant}") from None
-    try:
         return make(**args)
     except ConfigError:
         raise
+    except TypeError as exc:
+        if exc.__traceback__ is not None and exc.__traceback__.tb_next is None:   # raised binding the arguments
+            raise ConfigError(f"{args_key}: {spec}: {exc}{_meant(make, args, str(exc))}") from None
+        raise ConfigError(f"{key}: {spec}(**{args_key}) failed: {type(exc).__name__}: {exc}"
+                          f"{user_frame(exc, base_dir)}") from None
     except (Exception, SystemExit) as exc:   # a factory that exits (an argparse in it) ends nothing but itself
         raise ConfigError(f"{key}: {spec}(**{args_key}) failed: {type(exc).__name__}: {exc}"
                           f"{user_frame(exc, base_dir)}") from None
+
+
+def _meant(make: Callable[..., Any], args: Mapping[str, Any], said: str) -> str:
+    """" (widht: did you mean width?)" for a given argument make does not take, close to one it
+    does ("widht: " left out where said, the error, names it)."""
+    try:
+        taken = inspect.signature(make).parameters
+    except Exception:   # no signature to read (a builtin), or one that fails
+        return ""
+    named = [name for name, p in taken.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    for given in args:
+        meant = None if given in named else closest(given, named)
+        if meant is not None:
+            return f" ({'' if repr(given) in said else given + ': '}did you mean {meant}?)"
+    return ""
 
 
 # The file of each factory module as it was when imported: (mtime_ns, size), to see it edited since.

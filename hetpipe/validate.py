@@ -109,8 +109,9 @@ class Section:
     def check_known(self, known: tuple[str, ...]) -> None:
         unknown = sorted(set(self.raw) - set(known), key=str)
         if unknown:
-            raise ConfigError(f"{self.path(str(unknown[0]))}: unknown key{closest(str(unknown[0]), known)}; known "
-                              f"keys are {', '.join(known)}")
+            meant = closest(str(unknown[0]), known)
+            raise ConfigError(f"{self.path(str(unknown[0]))}: unknown key{f' (did you mean {meant}?)' if meant else ''}; "
+                              f"known keys are {', '.join(known)}")
 
 
 class JobLoader(yaml.SafeLoader):

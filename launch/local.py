@@ -91,7 +91,7 @@ def _resume_wave(out_dir: Path, job: JobConfig, plan: Plan, *, resume: bool, fre
     if outputs.read_summary(out_dir) is not None:   # a run clears it as it starts: the last one finished
         warn(f"--resume: the run in {out_dir} finished (its summary.json is there): this one trains again from its "
              f"latest checkpoint, after wave {wave}, and writes its results in their place")
-    print(f"hetpipe: resuming from the checkpoint of wave {wave} (each VW's minibatch {wave * plan.nm} of "
+    print(f"hetpipe: resuming from the checkpoint of wave {wave} (after each VW's minibatch {wave * plan.nm} of "
           f"{job.train.steps})", file=sys.stderr)
     return wave
 
@@ -120,8 +120,10 @@ def checked_inputs(job: JobConfig) -> list[str]:
     for env in (devices.THREADS_ENV, devices.PS_THREADS_ENV):
         devices.env_threads(env)
     model = models.structure(job.model, job.base_dir)
+    # Only torch's own forward is known to take the data's values as ids (a subclass may hash them first).
     first = model[0]
-    ids = first.num_embeddings if isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag)) else None
+    plain = type(first).forward in (torch.nn.Embedding.forward, torch.nn.EmbeddingBag.forward)
+    ids = first.num_embeddings if plain and isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag)) else None
     notes = data_check.check(job, lambda x: boundaries(model, x, strict=True)[-1][0], ids)
     if job.model.init is not None:
         model_init.check_init(job, model)

@@ -75,9 +75,11 @@ def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path:
         + (" (emulated GPUs)" if plan.emulated else "")
     ]
     n = plan.virtual_workers
-    if n > 1 and job.parallel.sync in ("wsp", "quorum"):
-        lines.append(f"the shards add up the {n} VWs' updates: a wave moves w_global as far as one VW at {n} x "
-                     f"train.optimizer.lr would (ddp averages its {n} ranks' gradients: its lr is {n} x this one)")
+    if n > 1 and job.parallel.mode == "hetpipe" and job.parallel.sync in ("wsp", "quorum"):
+        # Exact for SGD at D 0 and nm 1; Adam's steps are normalised, so no such factor holds for it.
+        alike = (f", as far as one VW at {n} x train.optimizer.lr would (ddp averages its {n} ranks' gradients: "
+                 f"its lr is {n} x this one)") if job.train.optimizer.name == "sgd" else ""
+        lines.append(f"the shards add up the {n} VWs' updates: each wave moves w_global by every VW's step{alike}")
     network = job.emulate.network if job.emulate else None
     if network is not None:
         lines.append(f"emulated network: {network.intra_node_gbs:g} GB/s in a node, {network.inter_node_gbs:g} GB/s "

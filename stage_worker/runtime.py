@@ -453,11 +453,15 @@ class StageRuntime:
                 return f"reading minibatch {task.p}'s {what} from the dataset for {now - began:.0f}s"
         if now - since <= DOING_SHOWN_S:
             return ""
-        named = {TaskKind.FORWARD: "the forward", TaskKind.BACKWARD: "the backward",
-                 TaskKind.FORWARD_BACKWARD: "the forward and backward", TaskKind.EVAL: "evaluation's forward",
-                 TaskKind.MERGE_FINAL: "the final merge"}[task.kind]
-        of = "" if task.kind == TaskKind.MERGE_FINAL else f" of minibatch {task.p}"
-        return f"running {named}{of} for {now - since:.0f}s"
+        if task.kind == TaskKind.MERGE_FINAL:
+            named = "the final merge"
+        elif task.kind == TaskKind.EVAL:   # stage 0 runs an evaluation's minibatches as one task (p 0)
+            named = f"evaluation {task.eval}" + (f"'s minibatch {task.p}" if task.p else "")
+        else:
+            named = {TaskKind.FORWARD: "the forward", TaskKind.BACKWARD: "the backward",
+                     TaskKind.FORWARD_BACKWARD: "the forward and backward"}[task.kind]
+            named += f" of minibatch {task.p}" + (f", micro-batch {task.micro}" if task.micro else "")
+        return f"running {named} for {now - since:.0f}s"
 
     def weights(self, keys: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
         """The stage's state_dict entries (these keys; all by default), on the CPU."""

@@ -86,7 +86,7 @@ def _resume_and_compare(tmp_path: Path, uninterrupted: Run) -> None:
     assert summary is not None
     vws, nm, batch = JOB["parallel"]["virtual_workers"], JOB["parallel"]["nm"], JOB["data"]["batch_size"]
     assert summary["samples_per_second"] * summary["wall_seconds"] == pytest.approx((STEPS - wave * nm) * vws * batch)
-    assert f"wave {wave} (each VW's minibatch {wave * nm} of {STEPS})" in err, err
+    assert f"wave {wave} (after each VW's minibatch {wave * nm} of {STEPS})" in err, err
     assert summary["resumed_from_wave"] == wave
     final = weight_files.read_weights(tmp_path / "out")
     assert list(final) == list(want)

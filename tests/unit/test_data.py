@@ -671,3 +671,41 @@ def test_a_reader_says_since_when_it_waits_for_the_dataset(tmp_path: Path) -> No
     done.join(10)
     assert reader.reading is None
     reader.close()
+
+
+EMBEDDINGS = """
+import torch
+from torch import nn
+
+
+class Hashed(nn.Embedding):
+    # Its own forward takes any id: it hashes them into its rows first.
+    def forward(self, x):
+        return super().forward(x % self.num_embeddings)
+
+
+def plain():
+    return nn.Sequential(nn.Embedding(16, 4), nn.Flatten(), nn.Linear(12, 3))
+
+
+def hashed():
+    return nn.Sequential(Hashed(16, 4), nn.Flatten(), nn.Linear(12, 3))
+
+
+def ids(top=100):
+    return [(torch.tensor([top - 1, 1, 2]), i % 3) for i in range(8)]
+"""
+
+
+def test_only_torchs_own_embedding_forward_has_its_ids_checked(tmp_path: Path) -> None:
+    from launch.local import checked_inputs
+
+    (tmp_path / "emb.py").write_text(EMBEDDINGS)
+    def job(model: str, top: int) -> JobConfig:
+        return parse_job({"model": {"factory": f"emb:{model}"}, "data": {"factory": "emb:ids", "args": {"top": top},
+                                                                       "batch_size": 2},
+                          "output": {"dir": str(tmp_path / "out")}}, base_dir=str(tmp_path))
+    checked_inputs(job("plain", 16))
+    checked_inputs(job("hashed", 1000))
+    with pytest.raises(ConfigError, match=r"x\[0, 0\] is 999, not an id the model's first layer"):
+        checked_inputs(job("plain", 1000))

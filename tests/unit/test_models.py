@@ -168,6 +168,30 @@ def in_float64():
     return net().double()
 
 
+class Wide(nn.Sequential):
+    def __init__(self, width, **more):
+        super().__init__(nn.Linear(4, width))
+
+
+def cached(build):
+    # A decorator that takes an argument of its own beside the factory's.
+    import functools
+
+    @functools.wraps(build)
+    def wrapper(*args, cache=True, **kwargs):
+        return build(*args, **kwargs)
+    return wrapper
+
+
+@cached
+def decorated(width=8):
+    return net(width)
+
+
+def positional_only(width=8, /, **more):
+    return net(more.get("width", width))
+
+
 def wrong_inside(width=8):
     return nn.Sequential(nn.Linear(4, width), len(width))
 
@@ -270,10 +294,13 @@ def test_a_factorys_float64_layers_train_in_train_dtype(tmp_path: Path) -> None:
     ("mymodels:not_sequential", {}, r"model: mymodels:not_sequential returned a Linear, expected an nn\.Sequential"),
     ("mymodels:named_layers", {}, r"model: mymodels:named_layers returned an nn\.Sequential with named layers "
                                   r"\['fc1', 'act', 'fc2'\]; build it from a list of layers, numbered 0\.\.n-1"),
-    ("mymodels:needs_args", {}, r"model\.args: mymodels:needs_args: missing a required argument: 'width'"),
-    ("mymodels:net", {"depth": 3}, r"model\.args: mymodels:net: .*unexpected keyword argument 'depth'$"),
+    ("mymodels:needs_args", {}, r"model\.args: mymodels:needs_args: .*missing 1 required .*'width'$"),
+    ("mymodels:net", {"zzz": 3}, r"model\.args: mymodels:net: .*unexpected keyword argument 'zzz'$"),
     ("mymodels:net", {"widht": 3}, r"model\.args: mymodels:net: .*unexpected keyword argument 'widht' \(did you "
                                    r"mean width\?\)"),
+    # A class names the required argument missing, not the misspelt one given for it.
+    ("mymodels:Wide", {"widht": 3}, r"model\.args: mymodels:Wide: .*missing 1 required .*'width' "
+                                    r"\(widht: did you mean width\?\)"),
     # A TypeError inside the factory is its own, not model.args': named with where it was raised.
     ("mymodels:wrong_inside", {}, r"model: mymodels:wrong_inside\(\*\*model\.args\) failed: TypeError: object of "
                                   r"type 'int' has no len\(\) \(mymodels\.py:\d+ in wrong_inside\)"),
@@ -448,3 +475,11 @@ def test_a_factory_module_edited_between_jobs_is_imported_anew(tmp_path: Path, m
         for name in [n for n in sys.modules if n.startswith("job_model_edited")]:
             del sys.modules[name]
     assert widths == [8, 8, 32, 5]
+
+
+@pytest.mark.parametrize(("factory", "args"), [("mymodels:decorated", {"cache": False, "width": 4}),
+                                               ("mymodels:positional_only", {"width": 4})])
+def test_a_factory_takes_what_its_call_takes_whatever_its_signature_says(tmp_path: Path, factory: str,
+                                                                        args: dict[str, Any]) -> None:
+    j = job(tmp_path, factory, args=args)
+    assert structure(j.model, j.base_dir)[0].out_features == 4
