@@ -226,6 +226,9 @@ def _stage_slices(data: TraceData) -> list[_Slice]:
             if r.get("event") == "push":
                 out.append(_Slice(vw_pid(v), push_tid(q), f"push wave {r['wave']}", "push", r["start"], r["end"],
                                   {"wave": r["wave"], "queued_ms": 1e3 * (r["start"] - r.get("queued", r["start"]))}))
+            elif r.get("event") == "exchange":   # elastic: the replica sent, the shards' answer merged in
+                out.append(_Slice(vw_pid(v), push_tid(q), f"exchange {r['clock']}", "exchange", r["sent"], r["merged"],
+                                  {"clock": r["clock"], "answered_ms": 1e3 * (r["replied"] - r["sent"])}))
             elif r.get("event") == "pull_wait":
                 # The compute thread runs other tasks (backwards) while a forward waits: only the
                 # idle stretches of the wait are drawn, so that the compute track never overlaps.
@@ -241,12 +244,12 @@ def _shard_slices(data: TraceData, pid: int) -> list[_Slice]:
     for j, rows in data.shards.items():
         for r in rows:
             v, c = r["vw"], r["clock"]
-            if r.get("event") == "push":
-                name = f"{'duplicate push' if r.get('duplicate') else 'push'} vw {v} wave {c}"
+            if r.get("event") in ("push", "exchange"):   # an elastic exchange is a push that is answered
+                name = f"{'duplicate ' if r.get('duplicate') else ''}{r['event']} vw {v} wave {c}"
                 args = {"vw": v, "wave": c, "duplicate": bool(r.get("duplicate")),
                         "checkpoint": bool(r.get("checkpoint")),
                         "received_ms_before": 1e3 * (r["start"] - r.get("received", r["start"]))}
-                out.append(_Slice(pid, shard_tid(j), name, "ps_push", r["start"], r["end"], args))
+                out.append(_Slice(pid, shard_tid(j), name, f"ps_{r['event']}", r["start"], r["end"], args))
             elif r.get("event") == "pull":
                 args = {"vw": v, "min_clock": c, "c_global": r.get("c_global"),
                         "waited_ms": 1e3 * (r["start"] - r.get("requested", r["start"]))}

@@ -149,6 +149,22 @@ def test_shard_rows_become_one_track_per_shard_in_a_parameter_server_process() -
     assert events[2]["args"]["waited_ms"] == pytest.approx(300) and events[2]["dur"] == 0
 
 
+def test_elastic_exchanges_are_drawn_as_pushes_are() -> None:
+    """EA-Pipe's replica exchanges are its synchronisation: on the stage's push track (sent to
+    merged) and on the shard's track, as pushes."""
+    rows = [row(0, 0, 1, (0.0, 0.1), (0.1, 0.2))]
+    sync = [{"event": "exchange", "clock": 0, "sent": T + 0.2, "replied": T + 0.25, "merged": T + 0.3}]
+    shard = [{"shard": 0, "event": "exchange", "vw": 0, "clock": 0, "start": T + 0.21, "end": T + 0.24,
+              "received": T + 0.205, "duplicate": False}]
+    doc = chrome_trace(TraceData(stages=rows, sync={(0, 0): sync}, shards={0: shard}))
+    check_trace_events(doc)
+    [sent] = xs(doc, vw_pid(0), push_tid(0))
+    assert (sent["name"], sent["cat"], sent["dur"]) == ("exchange 0", "exchange", pytest.approx(1e5))
+    assert sent["args"]["answered_ms"] == pytest.approx(50)
+    [taken] = xs(doc, vw_pid(1), shard_tid(0))
+    assert (taken["name"], taken["cat"]) == ("exchange vw 0 wave 0", "ps_exchange")
+
+
 def test_idle_fraction_is_the_uncovered_part_of_the_stage_span() -> None:
     spans = [Span("F", 1, None, 0.0, 1.0), Span("B", 1, None, 2.0, 3.0), Span("F", 2, 1, 2.5, 4.0)]
     assert timeline.idle_fraction(spans) == pytest.approx(0.25)
