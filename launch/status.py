@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 import grpc
@@ -24,6 +25,35 @@ from launch import run_marker
 from launch.ending import EXIT_FAILED, EXIT_UNAVAILABLE, EXIT_USAGE, error
 
 TERMINAL = {s.name for s in JobState if s.is_terminal}   # the proto's names of the states a job ends in
+
+
+def plain(message: Any) -> dict[str, Any]:
+    """A message as `--json` gives it: every field by its proto name, numbers as numbers (protobuf's
+    JSON writes 64-bit ones as strings), enums by name. (No map fields: none of these has one.)"""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        repeated = field.is_repeated
+        out[field.name] = [_one(field, v) for v in value] if repeated else _one(field, value)
+    return out
+
+
+def _one(field: Any, value: Any) -> Any:
+    if field.message_type is not None:
+        return plain(value)
+    if field.enum_type is not None:
+        return field.enum_type.values_by_number[value].name
+    return value
+
+
+def job_json(status: Any) -> dict[str, Any]:
+    """A JobStatus as `--json` gives it (plain()), its plan and summary as objects, not JSON text:
+    the keys of a running job's and of one ended before (state, reason, summary) alike."""
+    out = plain(status)
+    for name in ("plan", "summary"):
+        text = out.pop(f"{name}_json")
+        out[name] = json.loads(text) if text else None
+    return out
 
 
 def _ended(out_dir: Path, as_json: bool) -> int | None:
@@ -91,9 +121,7 @@ def _stopped(args: argparse.Namespace, stub: rpc.Stub, job_ref: coordinator_pb2.
             break
     name = state.Name(job_status.state)
     if args.json:
-        from google.protobuf.json_format import MessageToDict
-
-        print(json.dumps({"job": MessageToDict(job_status), "workers": []}, indent=2))
+        print(json.dumps({"job": job_json(job_status), "workers": []}, indent=2))
     elif name in TERMINAL:
         print(f"job: {name}" + (f" ({job_status.reason})" if job_status.reason else ""))
     else:
@@ -232,9 +260,7 @@ def status(args: argparse.Namespace) -> int:
     if already_ended and not args.json:
         return _nothing_to_stop(job_status.job_id or address, State.Name(job_status.state), job_status.reason)
     if args.json:
-        from google.protobuf.json_format import MessageToDict
-
-        print(json.dumps({"job": MessageToDict(job_status), "workers": MessageToDict(workers)}, indent=2))
+        print(json.dumps({"job": job_json(job_status), "workers": [plain(w) for w in workers.workers]}, indent=2))
     else:
         print(f"job: {State.Name(job_status.state)}" + (f" ({job_status.reason})" if job_status.reason else ""))
         if job_status.waiting and State.Name(job_status.state) not in TERMINAL:

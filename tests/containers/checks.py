@@ -54,7 +54,7 @@ def wait_for_job(hetpipe: list[str], address: str, credentials: list[str], *, de
             return job
         if time.monotonic() - last_print >= 30:
             last_print = time.monotonic()
-            print(f"    job {state}: {int(job.get('samples', 0))}/{int(job.get('totalSamples', 0))} samples, "
+            print(f"    job {state}: {int(job.get('samples', 0))}/{int(job.get('total_samples', 0))} samples, "
                   f"loss {float(job.get('loss', 0)):.3f}" + (f" ({error})" if error else ""), flush=True)
         time.sleep(every_s)
     raise BringupError(f"the job did not end within {deadline_s:.0f} s; last status: {status or error}")

@@ -60,6 +60,9 @@ def test_a_local_run_listens_on_loopback_only(tmp_path: Path) -> None:
             status = subprocess.run([*HETPIPE, "status", "--job", str(job), "--json"], capture_output=True,
                                     text=True, timeout=60)
             if status.returncode == 0 and json.loads(status.stdout)["job"].get("state") == "RUNNING":
+                doc = json.loads(status.stdout)   # the shape an ended job's has too
+                assert isinstance(doc["job"]["total_samples"], int) and isinstance(doc["workers"], list), doc
+                assert {w["info"]["role"] for w in doc["workers"]} == {"STAGE_WORKER", "PS_SHARD"}, doc
                 break
             assert time.monotonic() < deadline and run.poll() is None, (status.stdout, status.stderr)
             time.sleep(0.2)

@@ -27,3 +27,22 @@ def test_an_ended_run_says_how_and_when(tmp_path: Path, capsys: pytest.CaptureFi
     assert out == f"job: FAILED (ended{when}; no coordinator is running): stage 1 of vw 0 died\n"
     (tmp_path / "status.json").write_text(json.dumps({"state": "FAILED"}))
     assert _ended(tmp_path, as_json=False) == 1 and re.match(r"job: FAILED \(ended; ", capsys.readouterr().out)
+
+
+def test_status_json_of_a_running_job_is_shaped_as_an_ended_ones() -> None:
+    """`status --json` keeps one shape while a job runs and after: snake_case keys, numbers as
+    numbers (protobuf's JSON writes uint64 as strings), the plan and summary as objects, workers a list."""
+    from hetpipe.v1 import coordinator_pb2
+    from launch.status import job_json, plain
+
+    status = coordinator_pb2.JobStatus(state=coordinator_pb2.JobStatus.RUNNING, samples=896, total_samples=12800,
+                                       plan_json=json.dumps({"nm": 2}), job_id="j1")
+    job = job_json(status)
+    assert (job["state"], job["samples"], job["total_samples"], job["plan"], job["summary"]) == (
+        "RUNNING", 896, 12800, {"nm": 2}, None)
+    assert {"state", "reason", "summary"} <= job.keys() and not any(k.endswith("_json") for k in job)
+    entry = coordinator_pb2.WorkerList.Entry(worker_id="w1", alive=True, info=coordinator_pb2.WorkerInfo(
+        role=coordinator_pb2.WorkerInfo.STAGE_WORKER, memory_bytes=1 << 40))
+    assert plain(entry)["info"] == {**plain(entry)["info"], "role": "STAGE_WORKER", "memory_bytes": 1 << 40}
+    workers = coordinator_pb2.WorkerList(workers=[entry])
+    assert [plain(w)["worker_id"] for w in workers.workers] == ["w1"]
