@@ -179,13 +179,10 @@ def _plan(args: argparse.Namespace) -> int:
     measured = plan_report.measured(job, plan, outputs.read_summary(out_dir) or {})
     summary_path = out_dir / outputs.SUMMARY_FILE
     if args.json:
-        print(json.dumps({**plan.to_dict(), "measured_samples_per_second": measured,
+        print(json.dumps({**plan_report.plan_json(job, plan), "measured_samples_per_second": measured,
                           **({"projection": projected[1]} if projected else {})}, indent=2))
         return 0
     print(plan_report.plan_table(job, plan, measured, summary_path))
-    if job.parallel.mode == "torch-pipeline":
-        print(f"parallel.mode torch-pipeline runs vw 0's stages above as one torch.distributed.pipelining pipeline "
-              f"({job.parallel.microbatches} micro-batches; no parameter servers); the prediction is HetPipe's")
     if projected:
         print("\n" + projected[0])
     return 0

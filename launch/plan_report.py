@@ -74,12 +74,6 @@ def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path:
         + (_count(shards, 'ps shard') if shards else "no ps shard (one VW: parallel.ps_shards is not used)")
         + (" (emulated GPUs)" if plan.emulated else "")
     ]
-    n = plan.virtual_workers
-    if n > 1 and job.parallel.mode == "hetpipe" and job.parallel.sync in ("wsp", "quorum"):
-        # Exact for SGD at D 0 and nm 1; Adam's steps are normalised, so no such factor holds for it.
-        alike = (f", as far as one VW at {n} x train.optimizer.lr would (ddp averages its {n} ranks' gradients: "
-                 f"its lr is {n} x this one)") if job.train.optimizer.name == "sgd" else ""
-        lines.append(f"the shards add up the {n} VWs' updates: each wave moves w_global by every VW's step{alike}")
     network = job.emulate.network if job.emulate else None
     if network is not None:
         lines.append(f"emulated network: {network.intra_node_gbs:g} GB/s in a node, {network.inter_node_gbs:g} GB/s "
@@ -96,23 +90,47 @@ def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path:
         lines.append(f"{s.vw:>3} {s.stage:>5}  {s.node:<8}{s.label:<24}{layers:<34}{memory:>24}"
                      + "".join(f"{format_seconds(v):>10}" for v in values))
     lines.append(f"max nm per vw (memory): {list(plan.max_m)}")
-    for gpu, fits in sorted(plan.dp_only.items()):
-        if not fits:
-            lines.append(f"{gpu}: the whole model does not fit on one GPU; data parallelism alone cannot use it")
     line = f"predicted throughput: {plan.predicted_samples_per_second:.1f} samples/s"
-    if job.parallel.schedule != "hetpipe":  # the simulator models L1-L4, not the micro-batch schedules
-        line += f" (as schedule hetpipe at nm {plan.nm}; schedule {job.parallel.schedule} is not simulated)"
     if measured is not None:
         ratio = plan.predicted_samples_per_second / measured if measured else float("nan")
         line += f"; measured {measured:.1f} samples/s in {summary_path} (predicted/measured {ratio:.2f})"
     lines.append(line)
-    processes = len(plan.stages) + shards
+    return "\n".join(lines + plan_notes(job, plan))
+
+
+def plan_notes(job: JobConfig, plan: Plan) -> list[str]:
+    """What the plan's table and numbers leave unsaid, for the text and for --json alike."""
+    notes = []
+    n = plan.virtual_workers
+    if n > 1 and job.parallel.mode == "hetpipe" and job.parallel.sync in ("wsp", "quorum"):
+        # Exact for SGD at D 0 and nm 1; Adam's steps are normalised, so no such factor holds for it.
+        alike = (f", as far as one VW at {n} x train.optimizer.lr would (ddp averages its {n} ranks' gradients: "
+                 f"its lr is {n} x this one)") if job.train.optimizer.name == "sgd" else ""
+        notes.append(f"the shards add up the {n} VWs' updates: each wave moves w_global by every VW's step{alike}")
+    for gpu, fits in sorted(plan.dp_only.items()):
+        if not fits:
+            notes.append(f"{gpu}: the whole model does not fit on one GPU; data parallelism alone cannot use it")
+    if job.parallel.schedule != "hetpipe":  # the simulator models L1-L4, not the micro-batch schedules
+        notes.append(f"the prediction is schedule hetpipe's at nm {plan.nm}: schedule {job.parallel.schedule} is not "
+                     "simulated")
+    processes = len(plan.stages) + (plan.shards if n > 1 else 0)
     cores = os.cpu_count() or 1
     if job.cluster is None and all(s.device == "cpu" for s in plan.stages) and processes > cores:
-        lines.append(f"this machine's {_count(cores, 'CPU core')} run all {processes} processes: each stage's times above "
-                     "are its own with the CPU to itself, and its memory the whole machine's, so a run here measures "
-                     "less than predicted")
-    return "\n".join(lines)
+        notes.append(f"this machine's {_count(cores, 'CPU core')} run all {processes} processes: each stage's times "
+                     "above are its own with the CPU to itself, and its memory the whole machine's, so a run here "
+                     "measures less than predicted")
+    if job.parallel.mode == "torch-pipeline":
+        notes.append(f"parallel.mode torch-pipeline runs vw 0's stages above as one torch.distributed.pipelining "
+                     f"pipeline ({job.parallel.microbatches} micro-batches; no parameter servers); the prediction is "
+                     "HetPipe's")
+    return notes
+
+
+def plan_json(job: JobConfig, plan: Plan) -> dict[str, Any]:
+    """`hetpipe plan --json`: the plan, what the job runs it as, and the text's notes."""
+    par = job.parallel
+    return {**plan.to_dict(), "mode": par.mode, "schedule": par.schedule, "microbatches": par.microbatches,
+            "sync": par.sync, "sync_args": dict(par.sync_args), "notes": plan_notes(job, plan)}
 
 
 def projection_table(inputs: projection.Inputs, job: JobConfig,

@@ -99,12 +99,19 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "policy": self.policy, "virtual_workers": self.virtual_workers, "stages_per_vw": self.stages_per_vw,
-            "nm": self.nm, "D": self.D, "s_global": self.s_global, "ps_shards": self.shards,
+            "nm": self.nm, "D": self.D, "s_global": self.s_global,
+            "ps_shards": self.shards if self.virtual_workers > 1 else 0,   # one VW has none (summary.json's too)
             "emulated": self.emulated, "predicted_samples_per_second": self.predicted_samples_per_second,
             "predicted_wait_seconds": self.predicted_wait_seconds, "max_m": list(self.max_m),
             "dp_only": self.dp_only, "warnings": list(self.warnings),
-            "stages": [{**dataclasses.asdict(s), "gpu": s.label} for s in self.stages],
+            "stages": [{**_renamed(dataclasses.asdict(s)), "gpu": s.label} for s in self.stages],
         }
+
+
+def _renamed(stage: dict[str, Any]) -> dict[str, Any]:
+    """A StagePlan's fields as --json names them: the emulated times a stage pads its tasks to."""
+    return {{"forward_seconds": "pad_forward_seconds", "backward_seconds": "pad_backward_seconds"}.get(k, k): v
+            for k, v in stage.items()}
 
 
 def _joined(job: JobConfig, model: torch.nn.Sequential) -> list[tuple[int, tuple[int, ...], torch.dtype]]:
