@@ -248,11 +248,11 @@ class Opener:
                 self._stream = torch.cuda.Stream(self.device)
             return self._stream
 
-    def open(self, ref: wire_pb2.CudaRef, header: wire_pb2.ShmRef, nbytes: int) -> Source:
+    def open(self, ref: wire_pb2.CudaRef, header: wire_pb2.ShmRef, nbytes: int, sender: str | None = None) -> Source:
         """The bundle's bytes, checked against both handles: INVALID_ARGUMENT (malformed) or
-        FAILED_PRECONDITION (stale, or a slot this process cannot map)."""
+        FAILED_PRECONDITION (stale, a slot this process cannot map, or another sender's)."""
         check_ref(ref, nbytes)
-        mapped = self.reader.header(header, nbytes)[0]
+        mapped = self.reader.header(header, nbytes, sender)[0]
         return Source(self, self._map(ref, header.name), header, mapped)
 
     def _map(self, ref: wire_pb2.CudaRef, header: str) -> Any:

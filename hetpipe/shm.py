@@ -125,10 +125,13 @@ def sweep() -> list[str]:
         if path.name.endswith(_CREATING) and owner is not None and children.running(int(owner[1])):
             continue  # made this instant: its owner may not have locked it yet
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO named like a segment would block the open until someone wrote to it.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue   # no segment of ours
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             continue  # its owner lives
@@ -319,28 +322,50 @@ class Reader:
     PRUNE_S = 1.0
 
     def __init__(self, keep: int = 256) -> None:
-        self._maps: OrderedDict[str, tuple[mmap.mmap, tuple[int, int]]] = OrderedDict()  # with (st_dev, st_ino)
+        self._maps: OrderedDict[str, tuple[mmap.mmap, tuple[int, int, int]]] = OrderedDict()  # with _identity
+        self._owners: dict[str, str] = {}   # segment -> the sender whose bundles it carried first
         self._keep = keep
         self._lock = threading.Lock()
         self._pruned = time.monotonic()
         self.bytes_read = 0
 
     @staticmethod
-    def _identity(name: str) -> tuple[int, int] | None:
-        """The file the name is now: (device, inode), None where there is none."""
+    def _identity(name: str) -> tuple[int, int, int] | None:
+        """The file the name is now: (device, inode, size), None where there is none. A segment
+        never changes size: one cut short since it was mapped is mapped anew (reading the old
+        mapping past the file's end would kill this process with SIGBUS)."""
         try:
             st = os.lstat(os.path.join(SHM_DIR, name))   # a Path would cost as much as the call
         except OSError:
             return None
-        return st.st_dev, st.st_ino
+        return st.st_dev, st.st_ino, st.st_size
 
     def _prune(self) -> None:
         """Lets go of the mappings whose segment is gone or replaced (caller holds _lock); views
-        still in use keep theirs alive."""
+        still in use keep theirs alive. And of the owners of segments gone."""
         self._pruned = time.monotonic()
         for name, (_, identity) in list(self._maps.items()):
             if self._identity(name) != identity:
                 del self._maps[name]
+        for name in [n for n in self._owners if n not in self._maps and self._identity(n) is None]:
+            del self._owners[name]
+
+    def _check_owner(self, name: str, sender: str | None) -> None:
+        """A segment carries one sender's bundles (a link's ring, a stage's pushes): a handle to it
+        from another is refused, so that no peer can hand on bundles a segment it does not own
+        holds, another link's or another job's."""
+        if sender is None:
+            return
+        with self._lock:
+            first = self._owners.get(name)
+        if first is not None and first != sender:
+            raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"shared-memory segment {name} carries {first}'s bundles, not {sender}'s")
+
+    def _own(self, name: str, sender: str | None) -> None:
+        if sender is not None:
+            with self._lock:
+                self._owners.setdefault(name, sender)
 
     def _map(self, name: str) -> mmap.mmap:
         with self._lock:
@@ -353,7 +378,8 @@ class Reader:
             self._maps.pop(name, None)   # gone (refused below) or made anew (mapped anew)
             del found   # let go of it now, not with a traceback that holds this frame
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO named like a segment would block the open until someone wrote to it.
+            fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"shared-memory segment {name} does not exist (its owner ended or replaced it)") from None
@@ -372,14 +398,15 @@ class Reader:
             os.close(fd)
         with self._lock:
             self._prune()
-            self._maps[name] = (mapped, (st.st_dev, st.st_ino))
+            self._maps[name] = (mapped, (st.st_dev, st.st_ino, st.st_size))
             while len(self._maps) > self._keep:
                 self._maps.popitem(last=False)  # views still in use keep their mapping alive
         return mapped
 
-    def header(self, ref: wire_pb2.ShmRef, nbytes: int) -> tuple[mmap.mmap, int]:
+    def header(self, ref: wire_pb2.ShmRef, nbytes: int, sender: str | None = None) -> tuple[mmap.mmap, int]:
         """The mapping of the segment the handle names, checked against it, and its capacity: pass
-        the mapping to verify(ref, mapping) once the bytes it versions are copied."""
+        the mapping to verify(ref, mapping) once the bytes it versions are copied. sender: who the
+        bundle says it is from ("vw 0 stage 1"); a segment another sender used is refused."""
         if not _NAME.fullmatch(ref.name):
             raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"shared-memory handle names no hetpipe segment: {ref.name[:80]!r}")
@@ -390,17 +417,19 @@ class Reader:
             raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"shared-memory handle of {ref.name} holds {ref.nbytes} bytes, "
                               f"the shapes in the header {nbytes}")
+        self._check_owner(ref.name, sender)
         mapped = self._map(ref.name)
         magic, _, capacity = _HEADER.unpack_from(mapped, 0)
         if magic != _MAGIC or HEADER_BYTES + capacity > len(mapped):
             raise HandleError(grpc.StatusCode.INVALID_ARGUMENT, f"shared-memory segment {ref.name} is not a hetpipe segment")
         _check_version(ref, mapped)
+        self._own(ref.name, sender)
         return mapped, capacity
 
-    def open(self, ref: wire_pb2.ShmRef, nbytes: int) -> tuple[memoryview, mmap.mmap]:
+    def open(self, ref: wire_pb2.ShmRef, nbytes: int, sender: str | None = None) -> tuple[memoryview, mmap.mmap]:
         """The bundle's bytes, checked against the handle, and their mapping: pass it to
         verify(ref, mapping) once they are copied."""
-        mapped, capacity = self.header(ref, nbytes)
+        mapped, capacity = self.header(ref, nbytes, sender)
         if nbytes > capacity:
             raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"shared-memory handle of {ref.name} claims {nbytes} bytes of a {capacity}-byte segment")

@@ -327,8 +327,20 @@ class Stream:
         return [m.name for m in self.header.tensors]
 
 
+def sender(frame: wire_pb2.TensorFrame) -> str | None:
+    """Who a bundle says it is from, as its shared-memory segments are bound to: "vw 0 stage 1"
+    (an activation or gradient), "vw 0" (a push or an exchange); None for what no stage sends."""
+    kind = frame.WhichOneof("header")
+    if kind in ("minibatch", "commit"):
+        tag = getattr(frame, kind)
+        return f"vw {tag.vw} stage {tag.stage}"
+    if kind in ("push", "exchange"):
+        return f"vw {getattr(frame, kind).vw}"
+    return None
+
+
 def _shared(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | bytes], reader: shm.Reader | None,
-            total: int) -> Iterator[memoryview]:
+            total: int, source: str | None) -> Iterator[memoryview]:
     """The payload of a bundle whose bytes are in the sender's shared memory, a chunk a frame: the
     first frame's handle is checked now, each chunk again once it is read. read()'s pieces check
     that the chunks add up to the bundle."""
@@ -336,7 +348,7 @@ def _shared(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | byt
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "a frame carries both data and a shared-memory handle")
     if reader is None:
         raise WireError(grpc.StatusCode.FAILED_PRECONDITION, "this call takes no shared-memory handles")
-    opened = _chunk(reader, first.shm, total, total, first=True)
+    opened = _chunk(reader, first.shm, total, total, source, first=True)
 
     def payloads() -> Iterator[memoryview]:
         ref, (view, mapping), left = first.shm, opened, total
@@ -355,12 +367,12 @@ def _shared(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | byt
                 raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
                                 "a frame after a shared-memory handle carries more than the next chunk's handle")
             ref = parsed.shm
-            view, mapping = _chunk(reader, ref, left, total, first=False)
+            view, mapping = _chunk(reader, ref, left, total, source, first=False)
 
     return payloads()
 
 
-def _chunk(reader: shm.Reader, ref: wire_pb2.ShmRef, left: int, total: int, *,
+def _chunk(reader: shm.Reader, ref: wire_pb2.ShmRef, left: int, total: int, source: str | None, *,
            first: bool) -> tuple[memoryview, mmap.mmap]:
     """One chunk's bytes and their mapping; the chunk must fit in what is left of the bundle's
     total bytes, and hold some, unless it is the one chunk of a bundle that holds none."""
@@ -369,13 +381,13 @@ def _chunk(reader: shm.Reader, ref: wire_pb2.ShmRef, left: int, total: int, *,
                         f"shared-memory handle of {ref.name[:80]} holds {ref.nbytes} bytes, where the shapes in "
                         f"the header ({total} bytes) leave {left}")
     try:
-        return reader.open(ref, ref.nbytes)
+        return reader.open(ref, ref.nbytes, source)
     except shm.HandleError as exc:
         raise WireError(exc.code, str(exc)) from None
 
 
 def _gpu(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | bytes], ipc: cuda_ipc.Opener | None,
-         total: int) -> tuple[cuda_ipc.Source, Iterator[tuple[int, int, memoryview]]]:
+         total: int, source: str | None) -> tuple[cuda_ipc.Source, Iterator[tuple[int, int, memoryview]]]:
     """A bundle whose bytes are in a peer's GPU memory, opened; and its pieces, none, which check
     that nothing follows the one frame."""
     if first.data:
@@ -385,7 +397,7 @@ def _gpu(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | bytes]
     if ipc is None:
         raise WireError(grpc.StatusCode.FAILED_PRECONDITION, "this call takes no CUDA IPC handles (not a GPU stage)")
     try:
-        source = ipc.open(first.cuda, first.shm, total)
+        opened = ipc.open(first.cuda, first.shm, total, source)
     except shm.HandleError as exc:
         raise WireError(exc.code, str(exc)) from None
 
@@ -394,7 +406,7 @@ def _gpu(first: wire_pb2.TensorFrame, it: Iterator[wire_pb2.TensorFrame | bytes]
             raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "frames after a CUDA IPC handle")
         yield from ()
 
-    return source, nothing_follows()
+    return opened, nothing_follows()
 
 
 def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | None = None,
@@ -459,9 +471,9 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | No
 
     # A handle is checked now, before a receiver's check() and allocation: a bad one changes nothing.
     if first.HasField("cuda"):
-        gpu, nothing = _gpu(first, it, ipc, total)
+        gpu, nothing = _gpu(first, it, ipc, total, sender(first))
         return Stream(header, specs, nothing, gpu)
-    shared = _shared(first, it, reader, total) if first.HasField("shm") else None
+    shared = _shared(first, it, reader, total, sender(first)) if first.HasField("shm") else None
     return Stream(header, specs, pieces(), shared_memory=shared is not None)
 
 

@@ -373,3 +373,76 @@ def test_a_segment_made_anew_under_a_name_is_mapped_anew() -> None:
     finally:
         second.close()
         first.close()
+
+
+def _encoded(tag: wire_pb2.MinibatchTag, ring: shm.Ring) -> list[bytes]:
+    return list(wire.encode(_bundle(), ring=ring, minibatch=tag))
+
+
+def test_a_segment_carries_one_senders_bundles() -> None:
+    """A peer may not hand on what another link's (or another job's) segment holds: its handle,
+    from a sender other than the one that used it first, is refused and changes nothing."""
+    reader, ring = shm.Reader(), shm.Ring(slots=1)
+    try:
+        ours = _encoded(wire_pb2.MinibatchTag(vw=1, stage=0, minibatch=1), ring)
+        assert wire.decode(ours, reader=reader).tensors
+        forged = wire_pb2.TensorFrame.FromString(ours[0])
+        forged.minibatch.vw = 0
+        with pytest.raises(wire.WireError, match=r"carries vw 1 stage 0's bundles, not vw 0 stage 0's") as info:
+            wire.decode([forged.SerializeToString(), *ours[1:]], reader=reader)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert wire.decode(ours, reader=reader).tensors, "the segment's own sender goes on"
+    finally:
+        ring.close()
+
+
+def test_a_fifo_named_like_a_segment_blocks_no_one(tmp_path: Path) -> None:
+    """Opening a FIFO for reading waits for a writer: the sweep must pass it by, and a handle
+    naming it must be refused at once, not hang a server thread."""
+    import threading
+
+    fifo = shm.SHM_DIR / f"{shm.PREFIX}999999-00112233445566ff"
+    os.mkfifo(fifo, 0o600)
+    outcome: list[object] = []
+
+    def both() -> None:
+        outcome.append(shm.sweep())
+        try:
+            shm.Reader().open(wire_pb2.ShmRef(name=fifo.name, version=2, nbytes=4), 4)
+        except shm.HandleError as exc:
+            outcome.append(exc.code)
+
+    try:
+        worker = threading.Thread(target=both, daemon=True)
+        worker.start()
+        worker.join(10)
+        assert not worker.is_alive(), "blocked opening the FIFO"
+        assert fifo.name not in outcome[0] and outcome[1] == grpc.StatusCode.FAILED_PRECONDITION   # type: ignore[operator]
+    finally:
+        if worker.is_alive():   # let the blocked open go
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        fifo.unlink()
+
+
+def test_a_segment_cut_short_after_it_was_mapped_is_refused_not_read() -> None:
+    """Read through the old mapping, the cut pages would kill the receiver with SIGBUS: in a
+    child, so that a regression kills it and not the suite."""
+    code = """
+import os
+from hetpipe import shm
+from hetpipe.v1 import wire_pb2
+reader, segment = shm.Reader(), shm.Segment(shm.PAGE)
+version = segment.write([memoryview(b"data" * 4)])
+ref = wire_pb2.ShmRef(name=segment.name, version=version, nbytes=16)
+view, _ = reader.open(ref, 16)
+view.release()
+os.truncate(segment.path, 0)
+try:
+    reader.open(ref, 16)
+except shm.HandleError as exc:
+    print(exc.code.name, exc)
+segment.close()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.startswith("INVALID_ARGUMENT") and "has no header" in done.stdout, done.stdout
