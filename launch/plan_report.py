@@ -72,7 +72,7 @@ def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path:
         f"nm {plan.nm} (memory allows up to {bound}{'+' if bound >= NM_MEMORY_LIMIT else ''}), D {plan.D}, "
         f"s_global {plan.s_global} minibatches, "
         + (_count(shards, 'ps shard') if shards else "no ps shard (one VW: parallel.ps_shards is not used)")
-        + (" (emulated GPUs)" if plan.emulated else "")
+        + (" (emulated GPUs)" if plan.emulated else "") + _modes(job)
     ]
     network = job.emulate.network if job.emulate else None
     if network is not None:
@@ -96,6 +96,17 @@ def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path:
         line += f"; measured {measured:.1f} samples/s in {summary_path} (predicted/measured {ratio:.2f})"
     lines.append(line)
     return "\n".join(lines + plan_notes(job, plan))
+
+
+def _modes(job: JobConfig) -> str:
+    """The schedule and the sync mode, where they are not HetPipe's own."""
+    par, said = job.parallel, []
+    if par.schedule != "hetpipe":
+        said.append(f"schedule {par.schedule} ({par.microbatches} micro-batch{'es' if par.microbatches != 1 else ''})")
+    if par.sync != "wsp" and par.virtual_workers > 1:
+        args = ", ".join(f"{k}: {v}" for k, v in par.sync_args.items())
+        said.append(f"sync {par.sync}" + (f" ({args})" if args else ""))
+    return "".join(f", {s}" for s in said)
 
 
 def plan_notes(job: JobConfig, plan: Plan) -> list[str]:

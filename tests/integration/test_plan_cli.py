@@ -43,6 +43,15 @@ def test_the_table_names_units_layers_and_the_memory_bound(capsys: pytest.Captur
     assert all(re.search(r"\d+(\.\d)? KiB / 16\.00 GiB", r) for r in rows), rows
     assert all("20 ms" in r and "40 ms" in r for r in rows), rows
     assert "add up" not in out, "one VW: nothing is added up"
+    assert "schedule" not in out.splitlines()[0] and "sync" not in out.splitlines()[0], "HetPipe's own go unsaid"
+
+
+def test_the_plan_names_a_schedule_and_a_sync_mode_of_the_other_papers(capsys: pytest.CaptureFixture[str],
+                                                                       tmp_path: Path) -> None:
+    code, out, err = _plan(capsys, tmp_path, {"parallel": {"virtual_workers": 2, "schedule": "1f1b", "nm": 1,
+                                                           "microbatches": 4, "sync": "quorum"}})
+    assert code == 0, err
+    assert out.splitlines()[0].endswith(", schedule 1f1b (4 micro-batches), sync quorum (quorum: majority)"), out
 
 
 ADDED_UP = "the shards add up the 3 VWs' updates: each wave moves w_global by every VW's step"
