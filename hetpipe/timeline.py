@@ -132,6 +132,8 @@ def load(out_dir: str | Path) -> TraceData:
     summary.json, files of VWs, stages or shards the run did not have (an earlier job's) are skipped."""
     out_dir = Path(out_dir)
     trace = out_dir / "trace"
+    if not out_dir.is_dir():
+        raise TraceMissing(f"{out_dir}: no such folder (give the output.dir of a traced run)")
     if not trace.is_dir():
         raise TraceMissing(f"{out_dir}: no trace/ directory; run the job with output.trace: true")
     data = TraceData()

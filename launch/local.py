@@ -39,11 +39,14 @@ WAITING_EVERY_S = 5.0   # what a job waits for, said again when it changed, at m
 
 
 def write_targets(path: Path, coordinator_metrics_port: int, procs: LocalProcesses) -> None:
-    """Writes (atomically) one file_sd entry per process, labelled with its role, for a Prometheus
-    started with docker/prometheus/prometheus.yml's file_sd job pointed at this file."""
-    entries = [{"targets": [f"127.0.0.1:{coordinator_metrics_port}"], "labels": {"role": "coordinator"}}]
+    """Writes (atomically) one file_sd entry per process, labelled with its role and its name (its
+    log's: "stage worker 2"), for a Prometheus started with docker/prometheus/prometheus.yml's
+    file_sd job pointed at this file."""
+    entries = [{"targets": [f"127.0.0.1:{coordinator_metrics_port}"], "labels": {"role": "coordinator",
+                                                                                  "process": "coordinator"}}]
     for p in procs.processes:
-        entries.append({"targets": [f"{procs.host}:{p.metrics_port}"], "labels": {"role": ROLES[p.module]}})
+        entries.append({"targets": [f"{procs.host}:{p.metrics_port}"],
+                        "labels": {"role": ROLES[p.module], "process": p.name}})
     outputs.write_text_atomically(path, json.dumps(entries, indent=2) + "\n")
 
 

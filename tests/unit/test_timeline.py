@@ -172,6 +172,8 @@ def test_idle_fraction_is_the_uncovered_part_of_the_stage_span() -> None:
 
 
 def test_load_refuses_a_missing_or_empty_trace_and_skips_an_earlier_jobs_files(tmp_path: Path) -> None:
+    with pytest.raises(TraceMissing, match="no such folder"):
+        timeline.load(tmp_path / "typo")
     with pytest.raises(TraceMissing, match="output.trace: true"):
         timeline.load(tmp_path)
     (tmp_path / "trace").mkdir()
