@@ -323,7 +323,7 @@ class Reader:
 
     def __init__(self, keep: int = 256) -> None:
         self._maps: OrderedDict[str, tuple[mmap.mmap, tuple[int, int, int]]] = OrderedDict()  # with _identity
-        self._owners: dict[str, str] = {}   # segment -> the sender whose bundles it carried first
+        self._owners: dict[str, str] = {}   # segment -> the sender whose bundles it carries
         self._keep = keep
         self._lock = threading.Lock()
         self._pruned = time.monotonic()
@@ -342,7 +342,7 @@ class Reader:
 
     def _prune(self) -> None:
         """Lets go of the mappings whose segment is gone or replaced (caller holds _lock); views
-        still in use keep theirs alive. And of the owners of segments gone."""
+        still in use keep theirs alive. And of the senders of segments gone."""
         self._pruned = time.monotonic()
         for name, (_, identity) in list(self._maps.items()):
             if self._identity(name) != identity:
@@ -350,22 +350,30 @@ class Reader:
         for name in [n for n in self._owners if n not in self._maps and self._identity(n) is None]:
             del self._owners[name]
 
-    def _check_owner(self, name: str, sender: str | None) -> None:
-        """A segment carries one sender's bundles (a link's ring, a stage's pushes): a handle to it
-        from another is refused, so that no peer can hand on bundles a segment it does not own
-        holds, another link's or another job's."""
+    def _claim(self, name: str, sender: str | None) -> bool:
+        """Binds the segment to the sender whose bundles it carries, at its first handle, in one
+        step; True if this call bound it. A handle to it from another sender is refused, so that a
+        peer cannot have this process take what another link's segment holds. (A peer that names
+        a segment before its own sender's first bundle binds it first: its sender is then refused,
+        a denial of that link, not a read of its bytes. An authenticated peer can send any bytes of
+        its own anyway; this keeps it from handing on another link's.)"""
         if sender is None:
-            return
+            return False
         with self._lock:
             first = self._owners.get(name)
-        if first is not None and first != sender:
+            if first is None:
+                self._owners[name] = sender
+                return True
+        if first != sender:
             raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"shared-memory segment {name} carries {first}'s bundles, not {sender}'s")
+        return False
 
-    def _own(self, name: str, sender: str | None) -> None:
-        if sender is not None:
-            with self._lock:
-                self._owners.setdefault(name, sender)
+    def _unclaim(self, name: str, sender: str | None) -> None:
+        """Undoes _claim's binding where the handle it came with was then refused."""
+        with self._lock:
+            if self._owners.get(name) == sender:
+                del self._owners[name]
 
     def _map(self, name: str) -> mmap.mmap:
         with self._lock:
@@ -417,13 +425,18 @@ class Reader:
             raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"shared-memory handle of {ref.name} holds {ref.nbytes} bytes, "
                               f"the shapes in the header {nbytes}")
-        self._check_owner(ref.name, sender)
-        mapped = self._map(ref.name)
-        magic, _, capacity = _HEADER.unpack_from(mapped, 0)
-        if magic != _MAGIC or HEADER_BYTES + capacity > len(mapped):
-            raise HandleError(grpc.StatusCode.INVALID_ARGUMENT, f"shared-memory segment {ref.name} is not a hetpipe segment")
-        _check_version(ref, mapped)
-        self._own(ref.name, sender)
+        claimed = self._claim(ref.name, sender)
+        try:
+            mapped = self._map(ref.name)
+            magic, _, capacity = _HEADER.unpack_from(mapped, 0)
+            if magic != _MAGIC or HEADER_BYTES + capacity > len(mapped):
+                raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"shared-memory segment {ref.name} is not a hetpipe segment")
+            _check_version(ref, mapped)
+        except HandleError:
+            if claimed:
+                self._unclaim(ref.name, sender)
+            raise
         return mapped, capacity
 
     def open(self, ref: wire_pb2.ShmRef, nbytes: int, sender: str | None = None) -> tuple[memoryview, mmap.mmap]:

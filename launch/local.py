@@ -39,14 +39,12 @@ WAITING_EVERY_S = 5.0   # what a job waits for, said again when it changed, at m
 
 
 def write_targets(path: Path, coordinator_metrics_port: int, procs: LocalProcesses) -> None:
-    """Writes (atomically) one file_sd entry per process, labelled with its role and its name (its
-    log's: "stage worker 2"), for a Prometheus started with docker/prometheus/prometheus.yml's
-    file_sd job pointed at this file."""
-    entries = [{"targets": [f"127.0.0.1:{coordinator_metrics_port}"], "labels": {"role": "coordinator",
-                                                                                  "process": "coordinator"}}]
+    """Writes (atomically) one file_sd entry per process, labelled with its role, for a Prometheus
+    started with docker/prometheus/prometheus.yml's file_sd job pointed at this file. (Each is
+    told apart by its `instance`; the series name their stage or shard themselves, docs/metrics.md.)"""
+    entries = [{"targets": [f"127.0.0.1:{coordinator_metrics_port}"], "labels": {"role": "coordinator"}}]
     for p in procs.processes:
-        entries.append({"targets": [f"{procs.host}:{p.metrics_port}"],
-                        "labels": {"role": ROLES[p.module], "process": p.name}})
+        entries.append({"targets": [f"{procs.host}:{p.metrics_port}"], "labels": {"role": ROLES[p.module]}})
     outputs.write_text_atomically(path, json.dumps(entries, indent=2) + "\n")
 
 

@@ -29,7 +29,8 @@ TERMINAL = {s.name for s in JobState if s.is_terminal}   # the proto's names of 
 
 def plain(message: Any) -> dict[str, Any]:
     """A message as `--json` gives it: every field by its proto name, numbers as numbers (protobuf's
-    JSON writes 64-bit ones as strings), enums by name. (No map fields: none of these has one.)"""
+    JSON writes 64-bit ones as strings; one not finite as null), enums by name. (No map fields:
+    none of these has one.)"""
     out: dict[str, Any] = {}
     for field in message.DESCRIPTOR.fields:
         value = getattr(message, field.name)
@@ -41,8 +42,11 @@ def plain(message: Any) -> dict[str, Any]:
 def _one(field: Any, value: Any) -> Any:
     if field.message_type is not None:
         return plain(value)
-    if field.enum_type is not None:
-        return field.enum_type.values_by_number[value].name
+    if field.enum_type is not None:   # a number this client does not know (a newer coordinator's) stays one
+        named = field.enum_type.values_by_number.get(value)
+        return named.name if named is not None else value
+    if isinstance(value, float) and not math.isfinite(value):
+        return None   # strict JSON has no Infinity (a diverged loss) nor NaN
     return value
 
 

@@ -99,8 +99,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "policy": self.policy, "virtual_workers": self.virtual_workers, "stages_per_vw": self.stages_per_vw,
-            "nm": self.nm, "D": self.D, "s_global": self.s_global,
-            "ps_shards": self.shards if self.virtual_workers > 1 else 0,   # one VW has none (summary.json's too)
+            "nm": self.nm, "D": self.D, "s_global": self.s_global, "ps_shards": self.shards,
             "emulated": self.emulated, "predicted_samples_per_second": self.predicted_samples_per_second,
             "predicted_wait_seconds": self.predicted_wait_seconds, "max_m": list(self.max_m),
             "dp_only": self.dp_only, "warnings": list(self.warnings),

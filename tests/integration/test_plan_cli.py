@@ -323,3 +323,20 @@ def test_no_stage_begins_on_integers(capsys: pytest.CaptureFixture[str], tmp_pat
     assert code == 0, err
     assert [line.split()[4:6] for line in out.splitlines() if line.startswith("  0 ")] == [
         ["[0,2)", "0.Identity-1.Embedding"], ["[2,3)", "2.Flatten"], ["[3,4)", "3.Linear"]], out
+
+
+@pytest.mark.parametrize(("parallel", "shards"), [({"virtual_workers": 2, "ps_shards": 2}, 2),
+                                                  ({"virtual_workers": 1, "ps_shards": 2}, 0),
+                                                  ({"virtual_workers": 2, "ps_shards": 2, "mode": "torch-pipeline"}, 0)])
+def test_plan_json_counts_the_shards_the_job_starts(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                    parallel: dict[str, Any], shards: int) -> None:
+    """As the text and summary.json count them: one VW has no shards, nor has torch-pipeline."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(deep_update(BASE_JOB, {"parallel": parallel})))
+    assert cli.main(["plan", "--json", str(path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ps_shards"] == shards and doc["mode"] == parallel.get("mode", "hetpipe")
+    assert all(isinstance(note, str) for note in doc["notes"])
+    assert cli.main(["plan", str(path)]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert (f"{shards} ps shards" in header) if shards else ("no ps shard" in header), header

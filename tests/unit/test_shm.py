@@ -380,12 +380,17 @@ def _encoded(tag: wire_pb2.MinibatchTag, ring: shm.Ring) -> list[bytes]:
 
 
 def test_a_segment_carries_one_senders_bundles() -> None:
-    """A peer may not hand on what another link's (or another job's) segment holds: its handle,
-    from a sender other than the one that used it first, is refused and changes nothing."""
+    """A peer may not have a receiver take what another link's segment holds: a segment is bound
+    to the sender of its first bundle that was taken, and a handle to it from another sender is
+    refused and changes nothing. A refused handle binds nothing."""
     reader, ring = shm.Reader(), shm.Ring(slots=1)
     try:
         ours = _encoded(wire_pb2.MinibatchTag(vw=1, stage=0, minibatch=1), ring)
-        assert wire.decode(ours, reader=reader).tensors
+        stale = wire_pb2.TensorFrame.FromString(ours[0])
+        stale.minibatch.vw, stale.shm.version = 0, stale.shm.version + 2
+        with pytest.raises(wire.WireError, match="stale shared-memory handle"):
+            wire.decode([stale.SerializeToString(), *ours[1:]], reader=reader)
+        assert wire.decode(ours, reader=reader).tensors, "the refused handle bound its claim"
         forged = wire_pb2.TensorFrame.FromString(ours[0])
         forged.minibatch.vw = 0
         with pytest.raises(wire.WireError, match=r"carries vw 1 stage 0's bundles, not vw 0 stage 0's") as info:

@@ -46,3 +46,7 @@ def test_status_json_of_a_running_job_is_shaped_as_an_ended_ones() -> None:
     assert plain(entry)["info"] == {**plain(entry)["info"], "role": "STAGE_WORKER", "memory_bytes": 1 << 40}
     workers = coordinator_pb2.WorkerList(workers=[entry])
     assert [plain(w)["worker_id"] for w in workers.workers] == ["w1"]
+    # Strict JSON: a diverged loss is null, not Infinity; a state a newer coordinator has stays its number.
+    odd = coordinator_pb2.JobStatus(state=8, loss=float("inf"), samples_per_second=float("nan"))   # type: ignore[arg-type]
+    text = json.dumps(job_json(odd), allow_nan=False)
+    assert json.loads(text)["loss"] is None and json.loads(text)["state"] == 8
