@@ -350,30 +350,21 @@ class Reader:
         for name in [n for n in self._owners if n not in self._maps and self._identity(n) is None]:
             del self._owners[name]
 
-    def _claim(self, name: str, sender: str | None) -> bool:
-        """Binds the segment to the sender whose bundles it carries, at its first handle, in one
-        step; True if this call bound it. A handle to it from another sender is refused, so that a
-        peer cannot have this process take what another link's segment holds. (A peer that names
-        a segment before its own sender's first bundle binds it first: its sender is then refused,
-        a denial of that link, not a read of its bytes. An authenticated peer can send any bytes of
-        its own anyway; this keeps it from handing on another link's.)"""
+    def _check_sender(self, name: str, sender: str | None, *, bind: bool) -> None:
+        """A segment carries one sender's bundles: refused where another's are bound to it, so that
+        a peer cannot have this process take what another link's segment holds. bind: in the same
+        step, bind it to this sender where none is (once every check of the handle has passed: a
+        refused handle binds nothing, and nothing is ever unbound while the segment lives). A peer
+        that names a segment before its own sender does binds it first: that sender is then
+        refused, a denial of its link, not a read of its bytes. (An authenticated peer can send any
+        bytes of its own anyway.)"""
         if sender is None:
-            return False
+            return
         with self._lock:
-            first = self._owners.get(name)
-            if first is None:
-                self._owners[name] = sender
-                return True
+            first = self._owners.setdefault(name, sender) if bind else self._owners.get(name, sender)
         if first != sender:
             raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"shared-memory segment {name} carries {first}'s bundles, not {sender}'s")
-        return False
-
-    def _unclaim(self, name: str, sender: str | None) -> None:
-        """Undoes _claim's binding where the handle it came with was then refused."""
-        with self._lock:
-            if self._owners.get(name) == sender:
-                del self._owners[name]
 
     def _map(self, name: str) -> mmap.mmap:
         with self._lock:
@@ -402,6 +393,9 @@ class Reader:
             if st.st_size < HEADER_BYTES:
                 raise HandleError(grpc.StatusCode.INVALID_ARGUMENT, f"shared-memory segment {name} has no header")
             mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        except (ValueError, OSError) as exc:   # cut short since the fstat, or no memory to map it
+            raise HandleError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"shared-memory segment {name} cannot be mapped: {exc}") from None
         finally:
             os.close(fd)
         with self._lock:
@@ -411,10 +405,12 @@ class Reader:
                 self._maps.popitem(last=False)  # views still in use keep their mapping alive
         return mapped
 
-    def header(self, ref: wire_pb2.ShmRef, nbytes: int, sender: str | None = None) -> tuple[mmap.mmap, int]:
+    def header(self, ref: wire_pb2.ShmRef, nbytes: int, sender: str | None = None, *,
+               holds: bool = False) -> tuple[mmap.mmap, int]:
         """The mapping of the segment the handle names, checked against it, and its capacity: pass
         the mapping to verify(ref, mapping) once the bytes it versions are copied. sender: who the
-        bundle says it is from ("vw 0 stage 1"); a segment another sender used is refused."""
+        bundle says it is from ("vw 0 stage 1"); a segment another sender used is refused. holds:
+        the segment holds the nbytes itself (not a CUDA IPC slot's header)."""
         if not _NAME.fullmatch(ref.name):
             raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"shared-memory handle names no hetpipe segment: {ref.name[:80]!r}")
@@ -425,27 +421,23 @@ class Reader:
             raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"shared-memory handle of {ref.name} holds {ref.nbytes} bytes, "
                               f"the shapes in the header {nbytes}")
-        claimed = self._claim(ref.name, sender)
-        try:
-            mapped = self._map(ref.name)
-            magic, _, capacity = _HEADER.unpack_from(mapped, 0)
-            if magic != _MAGIC or HEADER_BYTES + capacity > len(mapped):
-                raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"shared-memory segment {ref.name} is not a hetpipe segment")
-            _check_version(ref, mapped)
-        except HandleError:
-            if claimed:
-                self._unclaim(ref.name, sender)
-            raise
+        self._check_sender(ref.name, sender, bind=False)
+        mapped = self._map(ref.name)
+        magic, _, capacity = _HEADER.unpack_from(mapped, 0)
+        if magic != _MAGIC or HEADER_BYTES + capacity > len(mapped):
+            raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"shared-memory segment {ref.name} is not a hetpipe segment")
+        _check_version(ref, mapped)
+        if holds and nbytes > capacity:
+            raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"shared-memory handle of {ref.name} claims {nbytes} bytes of a {capacity}-byte segment")
+        self._check_sender(ref.name, sender, bind=True)
         return mapped, capacity
 
     def open(self, ref: wire_pb2.ShmRef, nbytes: int, sender: str | None = None) -> tuple[memoryview, mmap.mmap]:
         """The bundle's bytes, checked against the handle, and their mapping: pass it to
         verify(ref, mapping) once they are copied."""
-        mapped, capacity = self.header(ref, nbytes, sender)
-        if nbytes > capacity:
-            raise HandleError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"shared-memory handle of {ref.name} claims {nbytes} bytes of a {capacity}-byte segment")
+        mapped, _ = self.header(ref, nbytes, sender, holds=True)
         return memoryview(mapped)[HEADER_BYTES : HEADER_BYTES + nbytes], mapped
 
     def verify(self, ref: wire_pb2.ShmRef, mapped: mmap.mmap) -> None:

@@ -390,7 +390,11 @@ def test_a_segment_carries_one_senders_bundles() -> None:
         stale.minibatch.vw, stale.shm.version = 0, stale.shm.version + 2
         with pytest.raises(wire.WireError, match="stale shared-memory handle"):
             wire.decode([stale.SerializeToString(), *ours[1:]], reader=reader)
-        assert wire.decode(ours, reader=reader).tensors, "the refused handle bound its claim"
+        ref = wire_pb2.TensorFrame.FromString(ours[0]).shm
+        too_many = wire_pb2.ShmRef(name=ref.name, version=ref.version, nbytes=1 << 30)
+        with pytest.raises(shm.HandleError, match="claims 1073741824 bytes"):
+            reader.open(too_many, too_many.nbytes, "vw 0 stage 0")
+        assert wire.decode(ours, reader=reader).tensors, "a refused handle bound its claim"
         forged = wire_pb2.TensorFrame.FromString(ours[0])
         forged.minibatch.vw = 0
         with pytest.raises(wire.WireError, match=r"carries vw 1 stage 0's bundles, not vw 0 stage 0's") as info:
