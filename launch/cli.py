@@ -51,17 +51,22 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _resume_note(args: argparse.Namespace) -> str:
-    """How an interrupted local run goes on: from its latest checkpoint, where it has one."""
-    from coordinator import checkpoints
-    from hetpipe import outputs
-
+    """How an interrupted local run goes on: from its latest checkpoint, where it has one. ""
+    where that cannot be told, or a second Ctrl-C comes while it looks (the one line goes out
+    without it)."""
     try:
+        from coordinator import checkpoints
+        from hetpipe import outputs
+
         job = load_job(args.config, args.set)
-    except ConfigError:
+    except (ConfigError, KeyboardInterrupt):
+        return ""
+    if job.parallel.mode != "hetpipe":
         return ""
     wave = checkpoints.latest(Path(job.resolve(job.output.dir)) / outputs.CHECKPOINTS)
-    if wave is None or job.parallel.mode != "hetpipe":
-        return ""
+    if wave is None:   # what the run trained is lost: say so, and how the next keeps it
+        return ("; it left no checkpoint to go on from (train.checkpoint_every " +
+                ("is 0" if not job.train.checkpoint_every else f"{job.train.checkpoint_every}: none reached yet") + ")")
     settings = "".join(f" --set {shlex.quote(setting)}" for setting in args.set)
     return f"; `hetpipe run {shlex.quote(args.config)}{settings} --resume` goes on from its latest checkpoint, after wave {wave}"
 
