@@ -45,8 +45,8 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:  # here too if it came before or after the job's own handling
         # A job on a coordinator elsewhere: its workers are that cluster's, and stay.
         done = f"asked the coordinator at {args.coordinator} to stop the job" if args.coordinator else "stopped every process"
-        print(f"hetpipe: {interrupt_reason(exc)}; {done}{'' if args.coordinator else _resume_note(args)}",
-              file=sys.stderr)
+        note = "" if args.coordinator else _resume_note(args)
+        print(f"hetpipe: {interrupt_reason(exc)}; {done}{'; ' + note if note else ''}", file=sys.stderr)   # one line
         return 128 + exc.signum if isinstance(exc, Interrupted) else EXIT_INTERRUPTED
 
 
@@ -65,10 +65,10 @@ def _resume_note(args: argparse.Namespace) -> str:
         return ""
     wave = checkpoints.latest(Path(job.resolve(job.output.dir)) / outputs.CHECKPOINTS)
     if wave is None:   # what the run trained is lost: say so, and how the next keeps it
-        return ("; it left no checkpoint to go on from (train.checkpoint_every " +
+        return ("it left no checkpoint to go on from (train.checkpoint_every " +
                 ("is 0" if not job.train.checkpoint_every else f"{job.train.checkpoint_every}: none reached yet") + ")")
     settings = "".join(f" --set {shlex.quote(setting)}" for setting in args.set)
-    return f"; `hetpipe run {shlex.quote(args.config)}{settings} --resume` goes on from its latest checkpoint, after wave {wave}"
+    return f"`hetpipe run {shlex.quote(args.config)}{settings} --resume` goes on from its latest checkpoint, after wave {wave}"
 
 
 def _run_job(args: argparse.Namespace) -> int:
@@ -104,7 +104,10 @@ def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
         return EXIT_UNAVAILABLE
     except (JobFailed, JobStopped) as exc:
         how = "failed" if isinstance(exc, JobFailed) else "stopped"
-        print(f"hetpipe: job {how}: {exc}{'' if args.coordinator else _resume_note(args)}", file=sys.stderr)
+        print(f"hetpipe: job {how}: {exc}", file=sys.stderr)   # its last words name the log
+        note = "" if args.coordinator else _resume_note(args)
+        if note:
+            print(f"hetpipe: {note}", file=sys.stderr)
         return EXIT_FAILED
     out = Path(job.resolve(job.output.dir))
     print(json.dumps({k: summary[k] for k in ("steps", "samples_per_second", "steady_samples_per_second",

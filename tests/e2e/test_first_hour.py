@@ -60,8 +60,8 @@ def test_stop_during_the_first_seconds_stops_the_job(tmp_path: Path) -> None:
             run.kill()
     assert run.returncode == 1, (out, err)
     # What it trained is lost, and it says so: the next run starts over.
-    assert "hetpipe: job stopped: stopped by request; it left no checkpoint to go on from (train.checkpoint_every " \
-           "is 0)" in err, err
+    assert "hetpipe: job stopped: stopped by request\nhetpipe: it left no checkpoint to go on from " \
+           "(train.checkpoint_every is 0)\n" in err, err
     assert not (tmp_path / "out" / "summary.json").exists()
     status = _cli("status", "--job", str(job))
     assert status.returncode == 0 and status.stdout.startswith("job: STOPPED"), status

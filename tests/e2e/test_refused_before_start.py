@@ -298,7 +298,8 @@ def test_a_run_whose_loss_diverges_fails_naming_where(tmp_path: Path, precision:
     assert cli.main(["run", "-q", str(job)]) == 1
     err = capsys.readouterr().err
     assert re.search(message, err), err
-    assert re.search(r"; log \S+/out/logs/stage_worker_\d\.log\n$", err), "the failed stage's log is named"
+    assert re.search(r"; log \S+/out/logs/stage_worker_\d\.log\nhetpipe: it left no checkpoint to go on from "
+                     r"\(train\.checkpoint_every is 0\)\n$", err), "the failed stage's log is named, then what is lost"
     assert json.loads((tmp_path / "out" / "status.json").read_text())["state"] == "FAILED"
     assert not (tmp_path / "out" / "summary.json").exists()
 

@@ -148,7 +148,7 @@ def test_stop_then_resume(uninterrupted: Run, tmp_path: Path) -> None:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     assert run.returncode != 0 and "stopped" in err, err
-    assert "; `hetpipe run job.yaml --resume` goes on from its latest checkpoint, after wave " in err, err
+    assert "\nhetpipe: `hetpipe run job.yaml --resume` goes on from its latest checkpoint, after wave " in err, err
     # A checkpoint taken for another layout, dtype or length is refused before any process starts
     # (exit 2, nothing started), naming what differs, and stays there for the resume that fits.
     other = deep_update(JOB, {"parallel": {"ps_shards": 1}, "train": {"dtype": "float32", "steps": 2 * JOB["train"]["steps"]}})
