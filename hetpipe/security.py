@@ -17,6 +17,7 @@ import argparse
 import base64
 import hashlib
 import hmac
+import errno
 import os
 import re
 import secrets
@@ -98,11 +99,22 @@ def new_secret() -> str:
 
 
 def write_secret(path: Path, secret: str) -> None:
-    """Writes the token readable by its owner only (an existing file too; a link is not followed)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
+    """Writes the token readable by its owner only, whole: it is written under another name and
+    then takes path's, so that a reader (`hetpipe status`) never finds it empty or half written.
+    An existing file is replaced; a link is refused (OSError), not followed nor replaced."""
+    path = Path(path)
+    if path.is_symlink():
+        raise OSError(errno.ELOOP, f"{path} is a link: a token is not written through one")
+    temp = path.with_name(f".{path.name}.{os.getpid()}.new")
+    temp.unlink(missing_ok=True)   # one a killed writer of this pid left
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 def _mac(secret: str, role: str, subject: str) -> str:
