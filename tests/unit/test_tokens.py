@@ -97,8 +97,12 @@ def test_a_token_file_is_written_for_its_owner_only_and_never_through_a_link(tmp
     existing = tmp_path / "token"
     existing.write_text("old\n")
     existing.chmod(0o644)
-    security.write_secret(existing, "s" * 20)
+    with existing.open() as before:   # a reader that opened it as it was
+        security.write_secret(existing, "s" * 20)
+        # The file is not cut and rewritten in place (a reader could find it empty): a new one took its name.
+        assert before.read() == "old\n"
     assert stat.S_IMODE(existing.stat().st_mode) == 0o600 and existing.read_text() == "s" * 20 + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["token"], "no file left under another name"
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(OSError):
         security.write_secret(tmp_path / "link", "s" * 20)
