@@ -53,6 +53,12 @@ class ParallelConfig:
     transport: str = "auto"    # tensors between processes on one host: auto (shared memory), grpc, shm (required)
 
     @property
+    def started_shards(self) -> int:
+        """The parameter-server shards a job starts: none for a lone VW (its weights are w_global)
+        nor for a baseline (ddp, torch-pipeline: VW 0 alone)."""
+        return self.ps_shards if self.virtual_workers > 1 and self.mode == "hetpipe" else 0
+
+    @property
     def sync_settings(self) -> SyncSettings:
         """sync_args typed, defaults filled in (quorum 0: a majority of the VWs still in the job)."""
         args = self.sync_args

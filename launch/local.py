@@ -66,11 +66,6 @@ def _kill_hung(procs: LocalProcesses, address: str, why: str) -> None:
     print(f"hetpipe: {why}; killed {name} to restart it from its checkpoint", file=sys.stderr)
 
 
-def _shards(job: JobConfig) -> int:
-    """The shards a local run starts: a lone VW needs no parameter server (its weights are w_global)."""
-    return job.parallel.ps_shards if job.parallel.virtual_workers > 1 else 0
-
-
 def _resume_wave(out_dir: Path, job: JobConfig, plan: Plan, *, resume: bool, fresh: bool) -> int:
     """The wave to resume from (0: none), refused before any process starts where the cut is of
     another job. A run that would delete an earlier run's checkpoints without being told to is
@@ -86,7 +81,7 @@ def _resume_wave(out_dir: Path, job: JobConfig, plan: Plan, *, resume: bool, fre
         raise ConfigError(f"--resume: no complete checkpoint in {out_dir / outputs.CHECKPOINTS} "
                           "(train.checkpoint_every sets how often a run writes one)")
     refused = checkpoints.refusal(checkpoints.manifest(out_dir / outputs.CHECKPOINTS, wave), wave,
-                                  checkpoints.job_shape(job, plan, _shards(job)))
+                                  checkpoints.job_shape(job, plan, job.parallel.started_shards))
     if refused is not None:
         raise ConfigError(refused)
     if outputs.read_summary(out_dir) is not None:   # a run clears it as it starts: the last one finished
@@ -225,7 +220,7 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
     logs: dict[str, Path] = {}   # each worker's address -> its log
     try:
         on_gpu = sum(s.device.startswith("cuda") for s in plan.stages)
-        threads, shard_threads = devices.thread_split(len(plan.stages) - on_gpu, on_gpu, _shards(job))
+        threads, shard_threads = devices.thread_split(len(plan.stages) - on_gpu, on_gpu, job.parallel.started_shards)
         env = {devices.THREADS_ENV: threads, devices.PS_THREADS_ENV: shard_threads}
         with LocalProcesses(out_dir / "logs", env=env) as procs:
             runner.kill_hung = lambda address, why: _kill_hung(procs, address, why)
@@ -236,7 +231,7 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
             for i in range(len(plan.stages)):
                 procs.spawn("stage_worker", f"stage worker {i}", register)
             shard_trace = ["--trace-dir", str(out_dir / "trace")] if job.output.trace else []
-            for i in range(_shards(job)):
+            for i in range(job.parallel.started_shards):
                 procs.spawn("ps_server", f"ps server {i}",
                             [*register, "--checkpoint-dir", str(out_dir / "ps" / f"shard{i}"), *shard_trace])
             procs.wait_ready(notice=None if quiet else lambda text: print(f"hetpipe: {text}", file=sys.stderr))

@@ -66,7 +66,7 @@ def plan_table(job: JobConfig, plan: Plan, measured: float | None, summary_path:
     """The plan, a row per stage, and its predicted throughput beside a measured one (from
     summary_path) when a run has left one."""
     bound = min(plan.max_m)
-    shards = _shards(job, plan)
+    shards = job.parallel.started_shards
     lines = [
         f"policy {plan.policy}, {_count(plan.virtual_workers, 'virtual worker')} x {_count(plan.stages_per_vw, 'stage')}, "
         f"nm {plan.nm} (memory allows up to {bound}{'+' if bound >= NM_MEMORY_LIMIT else ''}), D {plan.D}, "
@@ -125,7 +125,7 @@ def plan_notes(job: JobConfig, plan: Plan) -> list[str]:
     if job.parallel.schedule != "hetpipe":  # the simulator models L1-L4, not the micro-batch schedules
         notes.append(f"the prediction is schedule hetpipe's at nm {plan.nm}: schedule {job.parallel.schedule} is not "
                      "simulated")
-    processes = len(plan.stages) + _shards(job, plan)
+    processes = len(plan.stages) + job.parallel.started_shards
     cores = os.cpu_count() or 1
     if job.cluster is None and all(s.device == "cpu" for s in plan.stages) and processes > cores:
         notes.append(f"this machine's {_count(cores, 'CPU core')} run all {processes} processes: each stage's times "
@@ -141,14 +141,9 @@ def plan_notes(job: JobConfig, plan: Plan) -> list[str]:
 def plan_json(job: JobConfig, plan: Plan) -> dict[str, Any]:
     """`hetpipe plan --json`: the plan, what the job runs it as, and the text's notes."""
     par = job.parallel
-    return {**plan.to_dict(), "ps_shards": _shards(job, plan), "mode": par.mode, "schedule": par.schedule,
+    return {**plan.to_dict(), "ps_shards": job.parallel.started_shards, "mode": par.mode, "schedule": par.schedule,
             "microbatches": par.microbatches, "sync": par.sync, "sync_args": dict(par.sync_args),
             "notes": plan_notes(job, plan)}
-
-
-def _shards(job: JobConfig, plan: Plan) -> int:
-    """The shards the job starts: none for one VW, nor for torch-pipeline (VW 0 alone, no servers)."""
-    return plan.shards if plan.virtual_workers > 1 and job.parallel.mode == "hetpipe" else 0
 
 
 def projection_table(inputs: projection.Inputs, job: JobConfig,
