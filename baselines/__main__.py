@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(spec, rank)
     except BaseException as exc:
         traceback.print_exc()
-        if data_hint(exc):
-            print(f"that is: {data_hint(exc)}", file=sys.stderr)
+        hint = data_hint(exc)
+        if hint:
+            print(f"that is: {hint}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

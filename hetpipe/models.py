@@ -79,12 +79,10 @@ def call_factory(make: Callable[..., Any], args: Mapping[str, Any], key: str, sp
         return make(**args)
     except ConfigError:
         raise
-    except TypeError as exc:
-        if exc.__traceback__ is not None and exc.__traceback__.tb_next is None:   # raised binding the arguments
-            raise ConfigError(f"{args_key}: {spec}: {exc}{_meant(make, args, str(exc))}") from None
-        raise ConfigError(f"{key}: {spec}(**{args_key}) failed: {type(exc).__name__}: {exc}"
-                          f"{user_frame(exc, base_dir)}") from None
     except (Exception, SystemExit) as exc:   # a factory that exits (an argparse in it) ends nothing but itself
+        # A TypeError of the call itself, before any of the factory ran: the arguments'.
+        if isinstance(exc, TypeError) and exc.__traceback__ is not None and exc.__traceback__.tb_next is None:
+            raise ConfigError(f"{args_key}: {spec}: {exc}{_meant(make, args, str(exc))}") from None
         raise ConfigError(f"{key}: {spec}(**{args_key}) failed: {type(exc).__name__}: {exc}"
                           f"{user_frame(exc, base_dir)}") from None
 

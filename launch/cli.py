@@ -50,15 +50,16 @@ def _run(args: argparse.Namespace) -> int:
         return 128 + exc.signum if isinstance(exc, Interrupted) else EXIT_INTERRUPTED
 
 
-def _resume_note(args: argparse.Namespace) -> str:
-    """How an interrupted local run goes on: from its latest checkpoint, where it has one. ""
-    where that cannot be told, or a second Ctrl-C comes while it looks (the one line goes out
-    without it)."""
+def _resume_note(args: argparse.Namespace, job: JobConfig | None = None) -> str:
+    """How an interrupted local run goes on: from its latest checkpoint, where it has one. job: the
+    one the run loaded (None: read again, as an interrupt may come before it is). "" where that
+    cannot be told, or a second Ctrl-C comes while it looks (the one line goes out without it)."""
     try:
         from coordinator import checkpoints
         from hetpipe import outputs
 
-        job = load_job(args.config, args.set)
+        if job is None:
+            job = load_job(args.config, args.set)
     except (ConfigError, KeyboardInterrupt):
         return ""
     if job.parallel.mode != "hetpipe":
@@ -105,7 +106,7 @@ def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
     except (JobFailed, JobStopped) as exc:
         how = "failed" if isinstance(exc, JobFailed) else "stopped"
         print(f"hetpipe: job {how}: {exc}", file=sys.stderr)   # its last words name the log
-        note = "" if args.coordinator else _resume_note(args)
+        note = "" if args.coordinator else _resume_note(args, job)
         if note:
             print(f"hetpipe: {note}", file=sys.stderr)
         return EXIT_FAILED
