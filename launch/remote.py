@@ -18,6 +18,7 @@ import grpc
 from hetpipe import outputs, reach, rpc, security
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
+from hetpipe.parallelism import check_coordinated
 from hetpipe.v1 import coordinator_pb2
 from hetpipe.outputs import STATUS_FILE, publish_address, unpublish_address, write_status
 from launch.local import follow
@@ -138,9 +139,7 @@ def receive(results: Results, job_id: str, out_dir: Path) -> list[str]:
 
 def check_remote(job: JobConfig) -> None:
     """What a job submitted to a coordinator elsewhere cannot do (yet), refused before submitting."""
-    if job.parallel.mode != "hetpipe":
-        raise ConfigError(f"parallel.mode: {job.parallel.mode} runs on this machine only; `hetpipe run "
-                          "--coordinator` runs parallel.mode hetpipe")
+    check_coordinated(job.parallel, "`hetpipe run --coordinator`")
     if job.train.checkpoint_every:
         raise ConfigError(f"train.checkpoint_every: {job.train.checkpoint_every}, but a job run on a coordinator "
                           "elsewhere cannot checkpoint yet (each host would keep its part of a cut): set it to 0")

@@ -83,7 +83,10 @@ def test_duplicate_address_from_another_node_is_refused_but_a_restart_takes_over
 
 def test_submit_refuses_bad_job_json(coordinator) -> None:
     stub, _, _ = coordinator
-    for text, needle in (("{", "not valid JSON"), ('{"model": {"name": "mlp"}, "parallel": {"nm": -1}}', "parallel.nm")):
+    for text, needle in (("{", "not valid JSON"), ('{"model": {"name": "mlp"}, "parallel": {"nm": -1}}', "parallel.nm"),
+                         # a baseline the coordinator would otherwise have run as HetPipe, shards and all
+                         ('{"model": {"name": "mlp"}, "parallel": {"mode": "ddp", "virtual_workers": 2}}',
+                          "parallel.mode: ddp is a baseline")):
         with pytest.raises(grpc.RpcError) as err:
             stub.Submit(coordinator_pb2.SubmitRequest(job_json=text), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()

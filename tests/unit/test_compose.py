@@ -294,6 +294,30 @@ def test_bad_job_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("mode", ["ddp", "torch-pipeline"])
+def test_a_baseline_job_is_refused_where_a_coordinator_would_run_it(mode: str, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """compose, k8s, a coordinator's --job and `hetpipe run --coordinator`: each would have a
+    coordinator run it, which runs HetPipe, shards and all, whatever parallel.mode says. Refused,
+    naming the mode, before anything is written or contacted."""
+    from coordinator.__main__ import main as coordinator_main
+
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["parallel"]["mode"] = mode
+    if mode == "torch-pipeline":   # it does not evaluate, and says so first
+        raw.pop("eval")
+        raw["data"].pop("eval_fraction")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(raw))
+    for argv in (["compose", str(job), "-o", str(tmp_path / "compose.yaml")], ["k8s", str(job), "-o", str(tmp_path / "k8s")],
+                 ["run", "-q", "--coordinator", "127.0.0.1:1", str(job)]):
+        assert cli.main(argv) == cli.EXIT_USAGE
+        assert f"parallel.mode: {mode} is a baseline" in capsys.readouterr().err
+    assert coordinator_main(["--job", str(job), "--port", "0"]) == 2
+    assert f"parallel.mode: {mode} is a baseline" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
+
+
 # ---- the image --------------------------------------------------------------------------------------
 
 
