@@ -271,8 +271,7 @@ class JobRunner:
                 Role.STAGE_WORKER, [(f"stage {s.stage} of vw {s.vw}", s.node, s.gpu) for s in plan.stages],
                 self.claim_timeout_s, cancel=self._stop, waiting=self._wait_for,
             )
-            shards = plan.shards if plan.virtual_workers > 1 else 0
-            ps = self.registry.claim(Role.PS_SHARD, [(f"ps shard {i}", "", "") for i in range(shards)],
+            ps = self.registry.claim(Role.PS_SHARD, [(f"ps shard {i}", "", "") for i in range(job.parallel.started_shards)],
                                      self.claim_timeout_s, cancel=self._stop, waiting=self._wait_for)
             driver = JobDriver(job, plan, [w.info.address for w in stages],
                                ps_addresses=[w.info.address for w in ps], resume_wave=resume_wave,

@@ -99,11 +99,11 @@ def stage_services(job: JobConfig, plan: Plan) -> list[StageService]:
     return out
 
 
-def shard_services(job: JobConfig, plan: Plan) -> list[ShardService]:
+def shard_services(job: JobConfig) -> list[ShardService]:
     """The shards the coordinator claims: none for a lone VW (its local weights are w_global).
     One per node in turn, as in the paper; the node is only a label for shards."""
     nodes = [n.name for n in job.cluster.nodes] if job.cluster else ["local"]
-    count = plan.shards if plan.virtual_workers > 1 else 0
+    count = job.parallel.started_shards
     return [ShardService(f"ps-{i}", i, nodes[i % len(nodes)]) for i in range(count)]
 
 
@@ -202,7 +202,7 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
     regeneration command in the header. Paths in the file are relative to compose_dir.
     """
     stages = stage_services(job, plan)
-    shards = shard_services(job, plan)
+    shards = shard_services(job)
     mounts = job_file_mounts(job, compose_dir)
     job_source = _relative(job_file, compose_dir)
     context = _relative(root, compose_dir)

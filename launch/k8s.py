@@ -122,7 +122,7 @@ def _label_value(text: str) -> str:
 def certificate_names(job: JobConfig, plan: Plan) -> list[str]:
     """The names the cluster certificate must carry (SANs): every address a process dials another
     at, and localhost for `hetpipe status` through `kubectl port-forward`."""
-    return ["coordinator", *(f"{s.name}.{SHARDS}" for s in shard_services(job, plan)),
+    return ["coordinator", *(f"{s.name}.{SHARDS}" for s in shard_services(job)),
             *(s.name for s in stage_services(job, plan)), "localhost"]
 
 
@@ -331,7 +331,7 @@ def render(job: JobConfig, plan: Plan, *, image: str = CPU_IMAGE, gpu_image: str
     """
     common = {NAME: "hetpipe", INSTANCE: _label_value(posixpath.basename(output_dir(job)))}
     gpu, shared = gpu_requested(job), _shared_runs(job)
-    shards, stages = shard_services(job, plan), stage_services(job, plan)
+    shards, stages = shard_services(job), stage_services(job, plan)
     configmap, file_mounts = _job_configmap(job, job_file, {**common, COMPONENT: "coordinator"})
     names = certificate_names(job, plan)
     where = "real GPUs: each stage asks for one GPU of its type" if gpu else "no GPU: every stage runs on the CPU"

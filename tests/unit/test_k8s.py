@@ -185,7 +185,7 @@ def test_shards_follow_the_plan(make_job: Any, tmp_path: Path) -> None:
     checkpoint and push log. A lone VW has no shard and no ps.yaml (an earlier one is removed)."""
     job, plan, files = _render(EXAMPLE)
     statefulset = _objects(files, "StatefulSet")["ps"]
-    shards = compose.shard_services(job, plan)
+    shards = compose.shard_services(job)
     assert statefulset["spec"]["replicas"] == plan.shards == len(shards) == 2
     assert [f"{statefulset['metadata']['name']}-{i}" for i in range(plan.shards)] == [s.name for s in shards]
     service = _objects(files, "Service")[statefulset["spec"]["serviceName"]]
