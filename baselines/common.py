@@ -177,7 +177,9 @@ def prepare_out_dir(job: JobConfig) -> Path:
 
     out_dir = Path(job.resolve(job.output.dir))
     out_dir.mkdir(parents=True, exist_ok=True)
-    outputs.clear(out_dir)  # a failed run must not leave an old result behind
+    # A failed run must not leave an old result behind, nor an earlier HetPipe run's trace, logs
+    # and status pass for this one's. Checkpoints stay: --resume and --fresh are HetPipe's.
+    outputs.start_local(out_dir, keep_checkpoints=True)
     return out_dir
 
 

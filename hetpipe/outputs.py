@@ -34,6 +34,7 @@ ADDRESS_FILE = "coordinator.address"  # where `hetpipe status/stop --job` find t
 JOB_ID_FILE = "coordinator.job"       # ... and the job_id they name there, so as never to reach another job
 TOKEN_FILE = "coordinator.token"      # ... and the per-run token they need (owner-only, gone after the run)
 STATUS_FILE = "status.json"           # how the last run ended, for `hetpipe status --job` afterwards
+TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
 
 
 def write_atomically(path: str | Path, write: Callable[[Path], object], *, durable: bool = False) -> None:
@@ -139,7 +140,7 @@ SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")   # weight_files.f
 WRITTEN = {
     "ps": re.compile(r"shard\d+"),                       # each shard's durable state
     CHECKPOINTS: CUT,
-    "logs": re.compile(r"(stage_worker|ps_server)_\d+\.log"),
+    "logs": re.compile(r"(stage_worker|ps_server)_\d+\.log|(ddp|torch-pipeline)_rank\d+\.log"),
     "trace": re.compile(r"vw\d+_stage\d+\.jsonl|acked_vw\d+_stage\d+\.pt|profile_vw\d+_stage\d+\.(json|txt)"),
     "trace/sync": re.compile(r"vw\d+_stage\d+\.jsonl"),
     "trace/ps": re.compile(r"shard\d+\.jsonl"),
@@ -185,6 +186,15 @@ def start_fresh(out_dir: Path, *, keep_checkpoints: bool, folders: Iterable[str]
             (out_dir / folder).rmdir()
         except OSError:
             pass   # missing, or it holds what no run wrote
+
+
+def start_local(out_dir: Path, *, keep_checkpoints: bool) -> None:
+    """start_fresh for a run launched on this machine, HetPipe's or a baseline's: with its logs/ and
+    trace/, and an earlier job's endpoints and ending (status.json), which would otherwise pass for
+    this run's (`hetpipe trace`, `hetpipe status --job`)."""
+    start_fresh(out_dir, keep_checkpoints=keep_checkpoints, folders=WRITTEN)
+    for stale in (TARGETS_FILE, STATUS_FILE, ADDRESS_FILE, JOB_ID_FILE):
+        (out_dir / stale).unlink(missing_ok=True)
 
 
 def clear(out_dir: Path) -> None:

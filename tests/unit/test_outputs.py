@@ -57,8 +57,8 @@ def test_a_fresh_start_removes_what_runs_write_and_nothing_else(tmp_path: Path) 
     stay, and so do the folders that hold them. Folders left empty go."""
     ours = ["model.safetensors", "model-00001-of-00002.safetensors", "summary.json", "eval.jsonl", "trace.json",
             "ps/shard0/000000000001.log", "checkpoints/cut000004/manifest.json", "logs/stage_worker_0.log",
-            "logs/ps_server_1.log", "trace/vw0_stage1.jsonl", "trace/acked_vw1_stage0.pt",
-            "trace/sync/vw0_stage0.jsonl", "trace/ps/shard0.jsonl"]
+            "logs/ps_server_1.log", "logs/ddp_rank1.log", "logs/torch-pipeline_rank0.log", "trace/vw0_stage1.jsonl",
+            "trace/acked_vw1_stage0.pt", "trace/sync/vw0_stage0.jsonl", "trace/ps/shard0.jsonl"]
     theirs = ["notes.md", "model.bin", "model.pt", "model-best-of-3.safetensors", "checkpoints/epoch10.pt", "checkpoints/cut_best/w.pt",
               "checkpoints/cut4/manifest.json", "logs/train.log", "logs/stage_worker.log", "trace/mine.jsonl",
               "ps/shard0.txt"]
@@ -67,7 +67,8 @@ def test_a_fresh_start_removes_what_runs_write_and_nothing_else(tmp_path: Path) 
         (tmp_path / name).write_text(name)
     assert sorted(str(p.relative_to(tmp_path)) for p in outputs.written(tmp_path)) == sorted(
         ["model.safetensors", "model-00001-of-00002.safetensors", "summary.json", "eval.jsonl", "trace.json",
-         "ps/shard0", "checkpoints/cut000004", "logs/stage_worker_0.log", "logs/ps_server_1.log", "trace/vw0_stage1.jsonl",
+         "ps/shard0", "checkpoints/cut000004", "logs/stage_worker_0.log", "logs/ps_server_1.log", "logs/ddp_rank1.log",
+         "logs/torch-pipeline_rank0.log", "trace/vw0_stage1.jsonl",
          "trace/acked_vw1_stage0.pt", "trace/sync/vw0_stage0.jsonl", "trace/ps/shard0.jsonl"])
     outputs.start_fresh(tmp_path, keep_checkpoints=True, folders=outputs.WRITTEN)
     assert _tree(tmp_path) == sorted(["checkpoints/", "checkpoints/cut000004/", "checkpoints/cut000004/manifest.json",
@@ -83,6 +84,26 @@ def test_a_fresh_start_removes_what_runs_write_and_nothing_else(tmp_path: Path) 
     outputs.start_fresh(tmp_path, keep_checkpoints=False, folders=outputs.WRITTEN)
     assert _tree(tmp_path) == ["checkpoints/", "checkpoints/cut4/", "checkpoints/cut_best/"], \
         "only the folders a run writes are removed once empty"
+
+
+def test_a_baseline_run_leaves_nothing_of_an_earlier_hetpipe_run_to_pass_for_its_own(tmp_path: Path) -> None:
+    """A ddp run into a HetPipe run's folder: the old trace made `hetpipe trace` draw the old run,
+    and its status.json made `hetpipe status --job` report the old run's end beside the new rate.
+    Its checkpoints stay (only a HetPipe run's --fresh removes them)."""
+    from baselines.common import prepare_out_dir
+    from hetpipe.config import parse_job
+
+    old = ["model.safetensors", "summary.json", "eval.jsonl", "status.json", "prometheus_targets.json",
+           "coordinator.address", "coordinator.job", "trace/vw0_stage0.jsonl", "trace/sync/vw0_stage0.jsonl",
+           "trace/ps/shard0.jsonl", "logs/stage_worker_0.log", "ps/shard0/000000000001.log",
+           "checkpoints/cut000004/manifest.json", "notes.md"]
+    for name in old:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    job = parse_job({"model": {"name": "mlp"}, "parallel": {"mode": "ddp", "virtual_workers": 2},
+                     "output": {"dir": str(tmp_path)}})
+    assert prepare_out_dir(job) == tmp_path
+    assert _tree(tmp_path) == ["checkpoints/", "checkpoints/cut000004/", "checkpoints/cut000004/manifest.json", "notes.md"]
 
 
 def test_a_file_the_job_reads_is_refused_where_a_fresh_start_would_remove_it(tmp_path: Path) -> None:
