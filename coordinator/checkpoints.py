@@ -34,13 +34,58 @@ def latest(folder: Path) -> int | None:
     return max(waves, default=None)
 
 
+def damaged(wave: int, why: str) -> ConfigError:
+    return ConfigError(f"--resume: the checkpoint of wave {wave} is damaged: {why}. Start again with --fresh, or put "
+                       "back a whole copy of its folder")
+
+
 def manifest(folder: Path, wave: int) -> dict[str, Any]:
-    return dict(json.loads((outputs.cut_dir(folder, wave) / MANIFEST).read_text()))
+    """The cut's manifest, its fields checked; ConfigError naming what is wrong with it."""
+    path = outputs.cut_dir(folder, wave) / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise damaged(wave, f"{path} cannot be read ({exc})") from None
+    if not isinstance(m, dict):
+        raise damaged(wave, f"{path} holds no JSON object")
+
+    def ints(value: object) -> bool:
+        return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+    files = m.get("files", {})
+    for field, ok in (("clocks", ints(m.get("clocks"))), ("evicted", ints(m.get("evicted"))),
+                      ("files", isinstance(files, dict) and all(type(n) is int and n >= 0 for n in files.values()))):
+        if not ok:
+            raise damaged(wave, f"{path}: {field} is missing or not what a cut writes")
+    return dict(m)
+
+
+def cut_files(where: Path) -> dict[str, int]:
+    """Every file of a cut but its manifest, by path inside it, with its size in bytes."""
+    return {str(p.relative_to(where)): p.stat().st_size for p in sorted(where.rglob("*"))
+            if p.is_file() and p.name != MANIFEST}
+
+
+def check_files(folder: Path, wave: int, m: dict[str, Any]) -> None:
+    """ConfigError where a file the cut recorded is missing or of another size (a copy cut short):
+    found before a run clears anything, not as a stage fails to load it. Cuts from before they
+    recorded their files pass."""
+    where = outputs.cut_dir(folder, wave)
+    for name, size in m.get("files", {}).items():
+        path = where / name
+        if not path.resolve().is_relative_to(where.resolve()):
+            raise damaged(wave, f"its manifest names {name!r}, outside the cut")
+        if not path.is_file():
+            raise damaged(wave, f"{path} is missing")
+        if path.stat().st_size != size:
+            raise damaged(wave, f"{path} holds {path.stat().st_size} bytes, where the cut wrote {size}")
 
 
 # Recorded since cuts began to record them: a cut without one matches any (it was taken before).
 # The same for a field of a section that a cut records without it (data.sha256).
-LATER_KEYS = ("optimizer", "model", "batch_size", "shuffle", "seed", "data")
+LATER_KEYS = ("optimizer", "model", "batch_size", "shuffle", "seed", "data", "placement")
+# ... or, for these, the value every cut had before they were recorded.
+BEFORE = {"sync": "wsp"}
 
 
 def data_digest(job: JobConfig) -> str | None:
@@ -65,7 +110,8 @@ def job_shape(job: JobConfig, plan: Plan, shards: int) -> dict[str, Any]:
     on as the uninterrupted one would have."""
     d = job.data
     return {"virtual_workers": plan.virtual_workers, "stages_per_vw": plan.stages_per_vw, "nm": plan.nm,
-            "steps": job.train.steps, "ps_shards": shards, "dtype": job.train.dtype,
+            "steps": job.train.steps, "ps_shards": shards, "sync": job.parallel.sync,
+            "placement": job.parallel.placement, "dtype": job.train.dtype,
             "layers": [[s.layer_begin, s.layer_end] for s in plan.stages], "optimizer": job.train.optimizer.name,
             "model": job.model.identity(),
             "batch_size": job.data.batch_size, "shuffle": job.data.shuffle, "seed": job.train.seed,
@@ -77,7 +123,7 @@ def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
     """Why a job of this shape cannot resume from the cut of wave, whose manifest is m, or None."""
     mismatch: dict[str, tuple[Any, Any]] = {}
     for k, v in shape.items():
-        old = m.get(k)
+        old = m.get(k, BEFORE.get(k))
         if old == v or (k in LATER_KEYS and k not in m):
             continue
         if isinstance(old, dict) and isinstance(v, dict):   # name the fields that differ: data.eval_fraction
@@ -135,7 +181,7 @@ class Checkpoints:
                 except JobFailed as exc:
                     raise JobFailed(f"checkpoint of wave {wave}: {exc}") from None
         text = json.dumps({"wave": wave, "clocks": clocks, "evicted": evicted, "seconds": round(seconds, 3),
-                           **self.job_shape}, indent=2)
+                           **self.job_shape, "files": cut_files(where)}, indent=2)
         # On disk before the older cuts go, so that a power cut leaves one whole cut: the stages'
         # files (they fsync their own) and the shards' (WeightsWriter.close) are, the manifest's
         # rename fsyncs the cut's folder, and the cut's own entry is in the checkpoints folder.
@@ -163,7 +209,11 @@ class Checkpoints:
     def restore_shards(self, wave: int) -> float:
         """Gives every shard the cut's values and each VW's clock (instead of VW 0's w0); returns
         the training seconds up to the cut (0 for a cut from before they were recorded)."""
-        m = manifest(self.folder, wave)
+        try:
+            m = manifest(self.folder, wave)
+            check_files(self.folder, wave, m)
+        except ConfigError as exc:
+            raise JobFailed(str(exc)) from None
         refused = refusal(m, wave, self.job_shape)
         if refused is not None:
             raise JobFailed(refused)
@@ -171,7 +221,16 @@ class Checkpoints:
             keys = self._keys(i)
             if not keys:
                 continue
-            values = weight_files.read_weights(outputs.cut_dir(self.folder, wave) / f"shard{i}")
+            part = outputs.cut_dir(self.folder, wave) / f"shard{i}"
+            try:
+                values = weight_files.read_weights(part)
+            except Exception as exc:   # safetensors' own errors too: what is wrong is the file
+                raise JobFailed(f"--resume: ps shard {i}'s part of the checkpoint of wave {wave} ({part}) cannot be "
+                                f"read: {type(exc).__name__}: {exc}") from None
+            missing = [k for k in keys if k not in values]
+            if missing:
+                raise JobFailed(f"--resume: ps shard {i}'s part of the checkpoint of wave {wave} ({part}) holds no "
+                                f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}")
             tensors = [(k, values[k]) for k in keys]
             tag = wire_pb2.InitTag(virtual_workers=self.job_shape["virtual_workers"], shard=i, clocks=m["clocks"],
                                    sync="wsp", **self.bound)

@@ -51,26 +51,34 @@ def _run(args: argparse.Namespace) -> int:
         return 128 + exc.signum if isinstance(exc, Interrupted) else EXIT_INTERRUPTED
 
 
-def _resume_note(args: argparse.Namespace, job: JobConfig | None = None) -> str:
+def _resume_note(args: argparse.Namespace, job: JobConfig | None = None, resumed_from: int | None = None) -> str:
     """How an interrupted local run goes on: from its latest checkpoint, where it has one. job: the
-    one the run loaded (None: read again, as an interrupt may come before it is). "" where that
-    cannot be told, or a second Ctrl-C comes while it looks (the one line goes out without it)."""
+    one the run loaded (None: read again, as an interrupt may come before it is); resumed_from: the
+    wave a failed --resume started from. "" where that cannot be told, or a second Ctrl-C comes
+    while it looks (the one line goes out without it)."""
     try:
-        from coordinator import checkpoints
-        from hetpipe import outputs
-
         if job is None:
             job = load_job(args.config, args.set)
+        if job.parallel.mode != "hetpipe":
+            return ""
+        wave = _latest_cut(job)
     except (ConfigError, KeyboardInterrupt):
         return ""
-    if job.parallel.mode != "hetpipe":
-        return ""
-    wave = checkpoints.latest(Path(job.resolve(job.output.dir)) / outputs.CHECKPOINTS)
     if wave is None:   # what the run trained is lost: say so, and how the next keeps it
         return ("it left no checkpoint to go on from (train.checkpoint_every " +
                 ("is 0" if not job.train.checkpoint_every else f"{job.train.checkpoint_every}: none reached yet") + ")")
     settings = "".join(f" --set {shlex.quote(setting)}" for setting in args.set)
-    return f"`hetpipe run {shlex.quote(args.config)}{settings} --resume` goes on from its latest checkpoint, after wave {wave}"
+    command = f"`hetpipe run {shlex.quote(args.config)}{settings} --resume`"
+    if wave == resumed_from:   # a failure in loading that cut would come again: say it is the same one
+        return f"{command} starts again from the checkpoint this run resumed from, after wave {wave} (it took none since)"
+    return f"{command} goes on from its latest checkpoint, after wave {wave}"
+
+
+def _latest_cut(job: JobConfig) -> int | None:
+    from coordinator import checkpoints
+    from hetpipe import outputs
+
+    return checkpoints.latest(Path(job.resolve(job.output.dir)) / outputs.CHECKPOINTS)
 
 
 def _run_job(args: argparse.Namespace) -> int:
@@ -92,6 +100,7 @@ def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
         from launch import remote
         from launch.local import run_local
 
+    resumed_from = _latest_cut(job) if args.resume else None
     try:
         if args.coordinator:
             summary = remote.run_remote(job, args.coordinator, quiet=args.quiet, flags=security.from_namespace(args))
@@ -107,7 +116,7 @@ def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
     except (JobFailed, JobStopped) as exc:
         how = "failed" if isinstance(exc, JobFailed) else "stopped"
         print(f"hetpipe: job {how}: {exc}", file=sys.stderr)   # its last words name the log
-        note = "" if args.coordinator else _resume_note(args, job)
+        note = "" if args.coordinator else _resume_note(args, job, resumed_from)
         if note:
             print(f"hetpipe: {note}", file=sys.stderr)
         return EXIT_FAILED

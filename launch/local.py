@@ -19,7 +19,7 @@ from tqdm import tqdm
 from hetpipe import data_check, devices, metrics, outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
-from hetpipe.outputs import ADDRESS_FILE, JOB_ID_FILE, TOKEN_FILE, STATUS_FILE, publish_address, unpublish_address, write_status
+from hetpipe.outputs import TARGETS_FILE, TOKEN_FILE, publish_address, unpublish_address, write_status
 from hetpipe.v1 import coordinator_pb2
 from coordinator import checkpoints
 from coordinator.__main__ import build
@@ -32,7 +32,6 @@ from launch import processes
 from launch.ending import warn
 from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses
 
-TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
 ROLES = {"stage_worker": "stage_worker", "ps_server": "ps_shard"}  # module -> `role` label (docs/metrics.md)
 TERMINAL = {PROTO_STATE[s] for s in JobState if s.is_terminal}
 WAITING_EVERY_S = 5.0   # what a job waits for, said again when it changed, at most this often
@@ -80,10 +79,11 @@ def _resume_wave(out_dir: Path, job: JobConfig, plan: Plan, *, resume: bool, fre
     if wave is None:
         raise ConfigError(f"--resume: no complete checkpoint in {out_dir / outputs.CHECKPOINTS} "
                           "(train.checkpoint_every sets how often a run writes one)")
-    refused = checkpoints.refusal(checkpoints.manifest(out_dir / outputs.CHECKPOINTS, wave), wave,
-                                  checkpoints.job_shape(job, plan, job.parallel.started_shards))
+    m = checkpoints.manifest(out_dir / outputs.CHECKPOINTS, wave)
+    refused = checkpoints.refusal(m, wave, checkpoints.job_shape(job, plan, job.parallel.started_shards))
     if refused is not None:
         raise ConfigError(refused)
+    checkpoints.check_files(out_dir / outputs.CHECKPOINTS, wave, m)
     if outputs.read_summary(out_dir) is not None:   # a run clears it as it starts: the last one finished
         warn(f"--resume: the run in {out_dir} finished (its summary.json is there): this one trains again from its "
              f"latest checkpoint, after wave {wave}, and writes its results in their place")
@@ -170,7 +170,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         if resume or fresh:
             raise ConfigError(f"--{'resume' if resume else 'fresh'}: parallel.mode {job.parallel.mode} writes no "
                               "checkpoints, so there is none to resume from or delete")
-        outputs.check_reads(out_dir, job.read_paths, folders=())   # what their outputs.clear removes
+        outputs.check_reads(out_dir, job.read_paths, keep_checkpoints=True)   # what their start_local removes
         from baselines import run_baseline
 
         for warning in checked_inputs(job):   # a baseline has no plan, and its data the same checks
@@ -192,11 +192,9 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         # its trace where this one writes none, would pass for this run's (`hetpipe trace`).
         # Stages write their trace anew even on --resume; eval.jsonl keeps the evaluations before the cut.
         kept = outputs.evals_through(out_dir, resume_wave * plan.nm) if resume_wave else []
-        outputs.start_fresh(out_dir, keep_checkpoints=resume, folders=outputs.WRITTEN)
+        outputs.start_local(out_dir, keep_checkpoints=resume)
         if kept:
             outputs.append_evals(out_dir, kept)
-        for stale in (TARGETS_FILE, STATUS_FILE, ADDRESS_FILE, JOB_ID_FILE):  # an earlier job's endpoints, ending
-            (out_dir / stale).unlink(missing_ok=True)
         with security.using(credentials, security.COORDINATOR, "hetpipe run"):
             return _run_coordinated(job, plan, out_dir, credentials, quiet=quiet, resume_wave=resume_wave,
                                     heartbeat_interval_s=heartbeat_interval_s)

@@ -164,6 +164,26 @@ def test_stop_then_resume(uninterrupted: Run, tmp_path: Path) -> None:
             f"seed {JOB['train']['seed']} there, {JOB['train']['seed'] + 1} now. --resume goes on with that job: set them "
             "back, or start again with --fresh") in err, err
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(JOB))
+    # A stage's part cut short is refused as the cut is checked, before anything is cleared; one
+    # of the right size that will not load fails the run, whose note then says that --resume
+    # would start from that same cut again.
+    out = tmp_path / "out"
+    wave = latest(out / outputs.CHECKPOINTS)
+    part = weight_files.stage_state_path(out / outputs.CHECKPOINTS, wave, 1, 1)
+    whole, evals = part.read_bytes(), (out / "eval.jsonl").read_bytes()
+    part.write_bytes(whole[:1000])
+    refused = _hetpipe(tmp_path, "run", "-q", "--resume", "job.yaml")
+    _, err = refused.communicate(timeout=120)
+    assert refused.returncode == 2 and err.startswith(
+        f"hetpipe: error: --resume: the checkpoint of wave {wave} is damaged: {part} holds 1000 bytes"), err
+    assert (out / "eval.jsonl").read_bytes() == evals
+    part.write_bytes(b"\0" * len(whole))
+    failed = _hetpipe(tmp_path, "run", "-q", "--resume", "job.yaml")
+    _, err = failed.communicate(timeout=120)
+    assert failed.returncode == 1 and "stage 1 of vw 1" in err, err
+    assert err.endswith("\nhetpipe: `hetpipe run job.yaml --resume` starts again from the checkpoint this run "
+                        f"resumed from, after wave {wave} (it took none since)\n"), err
+    part.write_bytes(whole)
     _resume_and_compare(tmp_path, uninterrupted)
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from coordinator import checkpoints
 from hetpipe.config import ConfigError
+from hetpipe.errors import JobFailed
 from hetpipe import outputs, rpc, weight_files, wire
 from hetpipe.v1 import ps_pb2_grpc, wire_pb2
 from messages import messages
@@ -129,6 +130,68 @@ def test_a_cut_of_another_optimizer_is_refused_and_one_from_before_it_was_record
         "{'width': 16} now, batch_size 16 there, 32 now, data.eval_fraction 0.1 there, 0.2 now. --resume goes on")
 
 
+def test_a_damaged_cut_is_refused_naming_the_file_before_anything_reads_it(
+        tmp_path: Path, stub: ps_pb2_grpc.ParameterServerStub) -> None:
+    """A cut records its files and their sizes: one cut short or gone, or a manifest that is not
+    what a cut writes, is refused as the launcher checks the cut (ConfigError, before a run
+    clears an earlier one's results), and by the driver's restore (JobFailed), not met as a
+    stage or the driver fails to load it, with a traceback."""
+    folder = tmp_path / "checkpoints"
+    entries = {k: weight_files.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
+    cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1})
+    part = weight_files.save_stage_state(folder, 1, 0, 0, {"weights": torch.ones(256)})
+    cuts.take(1, lead_vw=0, evicted=[], seconds=1.0)
+    m = checkpoints.manifest(folder, 1)
+    assert m["files"] == {"vw0_stage0.pt": part.stat().st_size,
+                          f"shard0/{outputs.SINGLE_FILE}": (part.parent / "shard0" / outputs.SINGLE_FILE).stat().st_size}
+    checkpoints.check_files(folder, 1, m)
+    whole = part.read_bytes()
+    shard_part = part.parent / "shard0" / outputs.SINGLE_FILE
+    for damage, needle in ((lambda: part.write_bytes(whole[:1000]), f"{part} holds 1000 bytes, where the cut wrote {len(whole)}"),
+                           (part.unlink, f"{part} is missing"),
+                           (shard_part.unlink, f"{shard_part} is missing")):
+        saved = {p: p.read_bytes() for p in (part, shard_part) if p.exists()}
+        damage()
+        with pytest.raises(ConfigError, match="^--resume: the checkpoint of wave 1 is damaged: ") as err:
+            checkpoints.check_files(folder, 1, m)
+        assert needle in str(err.value)
+        with pytest.raises(JobFailed, match="is damaged"):
+            cuts.restore_shards(1)
+        for p, data in saved.items():
+            p.write_bytes(data)
+    checkpoints.check_files(folder, 1, m)
+    manifest = part.parent / checkpoints.MANIFEST
+    text = manifest.read_text()
+    for broken, needle in (('{"wave": 1, "clo', "cannot be read"), ("[]", "holds no JSON object"),
+                           (text.replace('"evicted"', '"evictee"'), "evicted is missing"),
+                           (text.replace('"clocks": [', '"clocks": [-1, '), "clocks is missing or not")):
+        manifest.write_text(broken)
+        with pytest.raises(ConfigError, match="^--resume: the checkpoint of wave 1 is damaged: ") as err:
+            checkpoints.manifest(folder, 1)
+        assert needle in str(err.value) and str(manifest) in str(err.value)
+    manifest.write_text(text.replace('"files"', '"other"'))   # a cut from before files were recorded
+    checkpoints.check_files(folder, 1, checkpoints.manifest(folder, 1))
+
+
+def test_a_shard_part_that_cannot_be_read_fails_the_job_naming_it(
+        tmp_path: Path, stub: ps_pb2_grpc.ParameterServerStub) -> None:
+    """What no size shows (bytes overwritten in place) or a part without a key the job places on
+    that shard: JobFailed naming the shard and the folder, not a crash with a traceback."""
+    folder = tmp_path / "checkpoints"
+    entries = {k: weight_files.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
+    cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1})
+    cuts.take(1, lead_vw=0, evicted=[], seconds=1.0)
+    shard_part = outputs.cut_dir(folder, 1) / "shard0"
+    more = checkpoints.Checkpoints(folder, [stub], {**{k: 0 for k in SHAPES}, "l1.weight": 0}, entries,
+                                   {"virtual_workers": 1})
+    with pytest.raises(JobFailed, match=f"ps shard 0's part of the checkpoint of wave 1 \\({shard_part}\\) holds no l1.weight"):
+        more.restore_shards(1)
+    file = shard_part / outputs.SINGLE_FILE
+    file.write_bytes(b"\xff" * file.stat().st_size)
+    with pytest.raises(JobFailed, match=f"ps shard 0's part of the checkpoint of wave 1 \\({shard_part}\\) cannot be read: "):
+        cuts.restore_shards(1)
+
+
 def test_a_cut_is_taken_whole_through_a_shard_that_dies_and_comes_back(tmp_path: Path) -> None:
     """A shard killed while the driver reads its part of a cut is restarted at its address from
     its push log (the launcher does that); the cut's part is then read again from the start, with
@@ -186,6 +249,29 @@ def test_a_cut_records_what_decides_each_minibatchs_rows(make_job) -> None:
         refused = checkpoints.refusal(cut, 4, checkpoints.job_shape(other, make_plan(other), 0))
         assert refused is not None and field in refused, refused
     assert checkpoints.refusal(cut, 4, shape) is None
+
+
+def test_a_cut_records_the_sync_mode_and_the_key_placement(make_job) -> None:
+    """A cut is of a WSP run (checkpoints refuse the other modes) and its shards' parts follow
+    its placement: a --resume under sync quorum (checkpoint_every 0) ran WSP's shards while
+    reporting quorum, and one under another placement failed on a key its shard's part lacked.
+    Both are refused; cuts from before either was recorded were WSP's, of any placement."""
+    from coordinator.planner import make_plan
+
+    def shape(parallel: dict[str, Any], name: str) -> dict[str, Any]:
+        job = make_job({"parallel": {"virtual_workers": 2, "stages_per_vw": 1, "ps_shards": 2, **parallel},
+                        "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "t4", "count": 2}]}]}}, name=name)
+        return checkpoints.job_shape(job, make_plan(job), 2)
+
+    cut = {**shape({}, "job.yaml"), "evicted": []}
+    assert cut["sync"] == "wsp" and cut["placement"] == "default"
+    quorum = shape({"sync": "quorum"}, "quorum.yaml")
+    local = shape({"placement": "local"}, "local.yaml")
+    assert "sync wsp there, quorum now" in str(checkpoints.refusal(cut, 4, quorum))
+    assert "placement default there, local now" in str(checkpoints.refusal(cut, 4, local))
+    older = {k: v for k, v in cut.items() if k not in ("sync", "placement")}
+    assert "sync wsp there, quorum now" in str(checkpoints.refusal(older, 4, quorum))
+    assert checkpoints.refusal(older, 4, local) is None and checkpoints.refusal(cut, 4, cut) is None
 
 
 def test_a_data_file_rewritten_in_place_is_refused_and_a_cut_from_before_the_digest_is_not(
