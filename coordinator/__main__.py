@@ -7,8 +7,7 @@ import os
 import sys
 
 from hetpipe import outputs, rpc, security
-from hetpipe.config import ConfigError, JobConfig, load_job, with_overrides
-from hetpipe.parallelism import check_coordinated
+from hetpipe.config import ConfigError, JobConfig, check_coordinated, load_job, with_overrides
 from hetpipe.service import exit_now, return_large_buffers, run_server, secure
 from coordinator import metrics as coordinator_metrics
 from coordinator.config import CoordinatorConfig, parse_args
@@ -38,7 +37,7 @@ def startup_job(cfg: CoordinatorConfig) -> JobConfig:
     output's ps/ folder, where the shards of compose.yaml keep their checkpoints (they start after
     the coordinator and would otherwise restore an earlier run's state). Raises ConfigError."""
     job = load_job(cfg.job)
-    check_coordinated(job.parallel, "a coordinator")
+    check_coordinated(job, "a coordinator")
     if cfg.output_dir:
         job = with_overrides(job, output={"dir": os.path.abspath(cfg.output_dir)})
     out_dir = job.resolve(job.output.dir)

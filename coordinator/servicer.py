@@ -10,9 +10,8 @@ from pathlib import Path
 
 import grpc
 
-from hetpipe.config import ConfigError, JobConfig
+from hetpipe.config import ConfigError, JobConfig, check_coordinated
 from hetpipe.errors import Rejected
-from hetpipe.parallelism import check_coordinated
 from hetpipe.rpc import handler, refuse
 from hetpipe.v1 import coordinator_pb2, wire_pb2
 from coordinator import remote
@@ -61,7 +60,7 @@ class CoordinatorServicer:
     def Submit(self, request: coordinator_pb2.SubmitRequest, context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
         try:
             job = JobConfig.from_json(request.job_json)
-            check_coordinated(job.parallel, "a coordinator")
+            check_coordinated(job, "a coordinator")
         except ConfigError as exc:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"job_json: {exc}") from None
         self._check_paths(job)

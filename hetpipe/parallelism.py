@@ -125,14 +125,6 @@ def _parse_sync_args(p: Section, sync: str) -> dict[str, Any]:
     return {}
 
 
-def check_coordinated(par: ParallelConfig, runner: str) -> None:
-    """ConfigError for a baseline (parallel.mode ddp, torch-pipeline): `hetpipe run` starts it on
-    this machine, and a coordinator, which runner names, would run its job as HetPipe instead."""
-    if par.mode != "hetpipe":
-        raise ConfigError(f"parallel.mode: {par.mode} is a baseline that `hetpipe run` runs on this machine only; "
-                          f"{runner} runs parallel.mode hetpipe only")
-
-
 def check_sync(par: ParallelConfig, checkpoint_every: int) -> None:
     """parallel.sync quorum and elastic: the combinations that make no sense, refused."""
     if par.sync == "wsp":

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING
 import yaml
 
 from hetpipe import outputs, security
-from hetpipe.config import ConfigError, JobConfig, load_job
+from hetpipe.config import ConfigError, JobConfig, check_coordinated, load_job
 from hetpipe.errors import Interrupted, JobFailed, JobStopped, interrupt_reason
-from hetpipe.parallelism import check_coordinated
 from launch import compose
 from launch import k8s
 from launch import run_marker
@@ -156,14 +155,14 @@ def _coordinator(argv: list[str]) -> int:
 def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] | None = None,
                    settings: Sequence[str] = (), runner: str = "") -> tuple[JobConfig, Plan] | int:
     """The job file (with --set's settings) and its plan (by make_plan unless plan is given), or
-    EXIT_USAGE after one error line. runner: what runs the job on a coordinator (a baseline refused)."""
+    EXIT_USAGE after one error line. runner: the containers that run the job (check_coordinated)."""
     with interrupts_held():
         from coordinator.planner import PlanError, make_plan
 
     try:
         job = load_job(path, settings)
         if runner:
-            check_coordinated(job.parallel, runner)
+            check_coordinated(job, runner, containers=True)
         return job, (plan or make_plan)(job)
     except (ConfigError, PlanError) as exc:
         _error(str(exc))
@@ -240,7 +239,11 @@ def _project(path: str, inputs: projection.Inputs, job: JobConfig,
 
 def _compose(args: argparse.Namespace) -> int:
     """Writes the docker compose file of the job's cluster spec and plan (launch/compose.py)."""
-    planned = _plan_or_usage(args.config, runner="a compose cluster")
+    with interrupts_held():
+        from launch.local import preflight
+
+    # What `hetpipe run` refuses before it starts, refused before any container does.
+    planned = _plan_or_usage(args.config, preflight, runner="a compose cluster")
     if isinstance(planned, int):
         return planned
     job, plan = planned
@@ -263,7 +266,10 @@ def _compose(args: argparse.Namespace) -> int:
 
 def _k8s(args: argparse.Namespace) -> int:
     """Writes the Kubernetes manifests of the job's cluster spec and plan (launch/k8s.py)."""
-    planned = _plan_or_usage(args.config, runner="a Kubernetes deployment")
+    with interrupts_held():
+        from launch.local import preflight
+
+    planned = _plan_or_usage(args.config, preflight, runner="a Kubernetes deployment")
     if isinstance(planned, int):
         return planned
     job, plan = planned

@@ -133,9 +133,9 @@ def gpu_requested(job: JobConfig) -> bool:
 
 
 def _shared_runs(job: JobConfig) -> bool:
-    """Stages write into the output folder themselves only for checkpoints and traces; then they
+    """Stages write into the output folder themselves only for traces and profiles; then they
     mount the coordinator's volume, which must be ReadWriteMany."""
-    return bool(job.train.checkpoint_every) or job.output.trace
+    return job.output.trace or job.output.profile is not None
 
 
 # ---- the objects ------------------------------------------------------------------------------------

@@ -16,9 +16,8 @@ from typing import Any, NoReturn
 import grpc
 
 from hetpipe import outputs, reach, rpc, security
-from hetpipe.config import ConfigError, JobConfig
+from hetpipe.config import ConfigError, JobConfig, check_coordinated
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
-from hetpipe.parallelism import check_coordinated
 from hetpipe.v1 import coordinator_pb2
 from hetpipe.outputs import STATUS_FILE, publish_address, unpublish_address, write_status
 from launch.local import follow
@@ -137,14 +136,6 @@ def receive(results: Results, job_id: str, out_dir: Path) -> list[str]:
         raise
 
 
-def check_remote(job: JobConfig) -> None:
-    """What a job submitted to a coordinator elsewhere cannot do (yet), refused before submitting."""
-    check_coordinated(job.parallel, "`hetpipe run --coordinator`")
-    if job.train.checkpoint_every:
-        raise ConfigError(f"train.checkpoint_every: {job.train.checkpoint_every}, but a job run on a coordinator "
-                          "elsewhere cannot checkpoint yet (each host would keep its part of a cut): set it to 0")
-
-
 def credentials(job: JobConfig, flags: security.Security) -> security.Security:
     """The job's security section (paths relative to the job file), else the flags (--token-file,
     --tls-*; their defaults are $HETPIPE_TOKEN_FILE and $HETPIPE_TLS_CERT/KEY/CA)."""
@@ -250,7 +241,7 @@ def run_remote(job: JobConfig, address: str, *, quiet: bool = False,
     """Runs job on the cluster of the coordinator at address; returns the summary, with the final
     weights, summary.json, eval.jsonl and status.json in this host's output.dir. Raises ConfigError,
     JobFailed, JobStopped or CoordinatorUnreachable; Ctrl-C stops the job there too."""
-    check_remote(job)
+    check_coordinated(job, "`hetpipe run --coordinator`")   # refused before submitting
     out_dir = Path(job.resolve(job.output.dir))
     outputs.check_dir(out_dir)
     outputs.check_reads(out_dir, job.read_paths, folders=())   # what clear() removes below

@@ -86,7 +86,10 @@ def test_submit_refuses_bad_job_json(coordinator) -> None:
     for text, needle in (("{", "not valid JSON"), ('{"model": {"name": "mlp"}, "parallel": {"nm": -1}}', "parallel.nm"),
                          # a baseline the coordinator would otherwise have run as HetPipe, shards and all
                          ('{"model": {"name": "mlp"}, "parallel": {"mode": "ddp", "virtual_workers": 2}}',
-                          "parallel.mode: ddp is a baseline")):
+                          "parallel.mode: ddp is a baseline"),
+                         # refused as it arrives, not as a job that fails once planned
+                         ('{"model": {"name": "mlp"}, "train": {"checkpoint_every": 2}}',
+                          "train.checkpoint_every: 2, but a job run by a coordinator cannot checkpoint yet")):
         with pytest.raises(grpc.RpcError) as err:
             stub.Submit(coordinator_pb2.SubmitRequest(job_json=text), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()

@@ -91,11 +91,6 @@ def test_a_submitted_job_writes_under_the_output_root(make_job, tmp_path: Path, 
     assert job.resolve(job.output.dir) == tmp_path / "root" / name
 
 
-def test_a_submitted_job_cannot_checkpoint_yet(make_job, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="train.checkpoint_every: 2"):
-        remote.place_outputs(make_job({"train": {"checkpoint_every": 2}}), tmp_path)
-
-
 # ---- one job per process -------------------------------------------------------------------------
 
 
