@@ -403,8 +403,10 @@ def instructions(job: JobConfig, plan: Plan, out_dir: Path, written: Iterable[st
     cluster = " ".join(f"-f {out_dir / n}" for n in ("coordinator.yaml", "ps.yaml", "stages.yaml") if n in have)
     first = " ".join(f"-f {out_dir / n}" for n in ("secrets.yaml", "runs.yaml") if n in have)
     lines += [
-        f"Apply:    kubectl apply {first} {cluster}",
-        f"          kubectl apply -f {out_dir / 'podmonitor.yaml'}   # with the Prometheus Operator",
+        # Server-side: a client-side apply keeps each object whole in an annotation of at most 256 KiB,
+        # which the job's ConfigMap (files up to CONFIGMAP_MAX_BYTES) can pass.
+        f"Apply:    kubectl apply --server-side {first} {cluster}",
+        f"          kubectl apply --server-side -f {out_dir / 'podmonitor.yaml'}   # with the Prometheus Operator",
         f"Progress: kubectl port-forward svc/coordinator {COORDINATOR_PORT}, then hetpipe status "
         f"--coordinator localhost:{COORDINATOR_PORT} with the same certificates and token",
         f"Results:  kubectl exec deploy/coordinator -- tar -C {RUNS} -cf - {posixpath.basename(output_dir(job))}"
