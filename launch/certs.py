@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -58,12 +59,28 @@ def _new_ca(out: Path, start: datetime.datetime, end: datetime.datetime) -> tupl
     return ca, key
 
 
+def _kept(out: Path, host: str, names: list[str], ca: x509.Certificate, now: datetime.datetime) -> bool:
+    """Whether host's pair in out still serves: the CA's, valid for another day, naming every
+    name asked for. A compose volume or a CERTS folder outlives its job: one made for fewer
+    shards or VWs would fail the new ones' TLS handshakes at run time."""
+    if not ((out / f"{host}.pem").exists() and (out / f"{host}.key").exists()):
+        return False
+    try:
+        cert = x509.load_pem_x509_certificate((out / f"{host}.pem").read_bytes())
+        cert.verify_directly_issued_by(ca)
+        have = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
+        return False
+    return cert.not_valid_after_utc > now + datetime.timedelta(days=1) and all(_alt_name(n) in have for n in names)
+
+
 def make(out: Path, hosts: list[str], sans: list[str] | None = None,
          passwords: list[str] | None = None) -> list[Path]:
     """Writes ca.pem (+ ca.key), NAME.pem and NAME.key for each host, and token; returns the files
     written. Idempotent: a CA and token already in out are kept (a new host's certificate must
-    be from the cluster's CA), and so is a host's existing pair. passwords: files to write a random
-    password into (Grafana's admin password, for compose)."""
+    be from the cluster's CA), and so is a host's existing pair while it serves (_kept), else it
+    is issued anew. passwords: files to write a random password into (Grafana's admin password,
+    for compose)."""
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
@@ -75,10 +92,10 @@ def make(out: Path, hosts: list[str], sans: list[str] | None = None,
         ca, ca_key = _new_ca(out, start, end)
         written += [out / "ca.pem", out / "ca.key"]
     for host in hosts:
-        if (out / f"{host}.pem").exists() and (out / f"{host}.key").exists():
+        names = list(dict.fromkeys([host, *(sans or []), "localhost", "127.0.0.1"]))
+        if _kept(out, host, names, ca, now):
             continue
         key = ec.generate_private_key(ec.SECP256R1())
-        names = list(dict.fromkeys([host, *(sans or []), "localhost", "127.0.0.1"]))
         cert = (x509.CertificateBuilder().subject_name(_name(host)).issuer_name(ca.subject)
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(start).not_valid_after(end)

@@ -125,6 +125,19 @@ def test_certs_are_issued_by_the_ca_for_their_host_and_keys_are_private(tmp_path
     assert certs.make(tmp_path, ["n0", "n1"]) == [tmp_path / "n1.pem", tmp_path / "n1.key"]
     assert (tmp_path / "token").read_text() == token and (tmp_path / "n0.pem").read_bytes() == n0
     x509.load_pem_x509_certificate((tmp_path / "n1.pem").read_bytes()).verify_directly_issued_by(ca)
+    # A pair that no longer serves is issued anew by the same CA: one that lacks a name now asked
+    # for (compose's volume, made for a job with fewer shards), or one another CA signed.
+    assert certs.make(tmp_path, ["n0"], ["coordinator", "ps-2"]) == [tmp_path / "n0.pem", tmp_path / "n0.key"]
+    cert = x509.load_pem_x509_certificate((tmp_path / "n0.pem").read_bytes())
+    cert.verify_directly_issued_by(ca)
+    assert x509.DNSName("ps-2") in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert certs.make(tmp_path, ["n0"], ["ps-2"]) == [], "a pair naming all that is asked, and more, is kept"
+    other = tmp_path / "other"
+    certs.make(other, ["n0"], ["coordinator", "ps-2"])
+    for name in ("n0.pem", "n0.key"):
+        (tmp_path / name).write_bytes((other / name).read_bytes())
+    assert certs.make(tmp_path, ["n0"], ["ps-2"]) == [tmp_path / "n0.pem", tmp_path / "n0.key"]
+    x509.load_pem_x509_certificate((tmp_path / "n0.pem").read_bytes()).verify_directly_issued_by(ca)
 
 
 def test_a_local_run_takes_the_jobs_security_then_the_flags_then_makes_a_token(make_job, tmp_path: Path) -> None:
