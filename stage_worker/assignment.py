@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from hetpipe import devices
+from hetpipe.catalog import CATALOG
 from hetpipe.config import ConfigError, ResolvedJob
 from hetpipe.errors import Rejected
 from hetpipe.units import format_bytes
@@ -194,6 +195,12 @@ def validate(a: stage_pb2.StageAssignment, output_root: Path | None = None) -> S
         device = devices.pick(a.device)
     except ValueError as exc:
         raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+    if not a.emulated and a.gpu_type in CATALOG and device.kind != "cuda":
+        # As `hetpipe run` refuses: its numbers would pass for that GPU's, labelled not emulated.
+        raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                       f"the plan puts a real {a.gpu_type} at stage {a.stage} of vw {a.vw}, but this worker has no "
+                       "CUDA device: start it where that GPU is (compose: the gpu profile), or emulate the cluster "
+                       "(cluster.emulate)")
     # A real GPU is named as the hardware names itself; an emulated one as the plan does.
     label = a.device_label or device.name
     if device.kind == "cuda" and not a.emulated:

@@ -137,6 +137,11 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
         except AssertionError as exc:
             failures.append(f"{name}: {exc}")
     assert not failures, "\n".join(failures)
+    # A real GPU type, not emulated, on a worker without CUDA (compose's cpu profile under a real
+    # cluster): its numbers would pass for that GPU's.
+    refused(stub.Assign, variant(gpu_type="h100-80gb", emulated=False, device="cpu"), Code.FAILED_PRECONDITION,
+            "the plan puts a real h100-80gb at stage 1 of vw 0, but this worker has no CUDA device")
+    assert stub.Status(stage_pb2.StatusRequest(), timeout=5).state == State.IDLE
 
     # After all that, the driver's assignment is accepted, and the stage loads it...
     stub.Assign(good, timeout=10)
