@@ -65,6 +65,9 @@ class _Sharded:
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) and v == Path(v).name for k, v in weight_map.items()):
             raise ValueError("its weight_map is not a map of keys to file names beside it")
+        for name in sorted(set(weight_map.values())):
+            if not (index.parent / name).is_file():
+                raise ConfigError(f"model.init: {index.parent / name}, which the index {index.name} names, does not exist")
         files = {name: stack.enter_context(safe_open(str(index.parent / name), framework="pt"))
                  for name in sorted(set(weight_map.values()))}
         self._where = {key: files[name] for key, name in weight_map.items()}
@@ -96,6 +99,8 @@ def _open_init(job: JobConfig) -> Iterator[_InitFile]:
                 reader = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except FileNotFoundError:
             raise ConfigError(f"model.init: {path} does not exist") from None
+        except ConfigError:
+            raise
         except pickle.UnpicklingError:   # torch's own text says to load it with weights_only=False: not here
             raise ConfigError(f"model.init: {path} holds pickled objects besides tensors (a whole module, an "
                               "optimizer?), which are never loaded: save model.state_dict() with torch.save, or "

@@ -127,10 +127,21 @@ def job_file_mounts(job: JobConfig, compose_dir: Path) -> list[Mount]:
         target = path if posixpath.isabs(path) else posixpath.normpath(
             posixpath.join(posixpath.dirname(JOB_MOUNT), path))
         mounts.append(Mount(_relative(job.resolve(path), compose_dir), target))
+        for part in index_parts(job.resolve(path)):   # a sharded model.init: its files beside the index
+            mounts.append(Mount(_relative(job.resolve(path).parent / part, compose_dir),
+                                posixpath.join(posixpath.dirname(target), part)))
     for module in sorted(factory_modules(job)):
         mounts.append(Mount(_relative(Path(job.base_dir) / module, compose_dir),
                             posixpath.join(posixpath.dirname(JOB_MOUNT), module)))
     return mounts
+
+
+def index_parts(path: Path) -> list[str]:
+    """The files a safetensors index (model.safetensors.index.json) names beside it; none for any
+    other file. preflight has checked the index before this reads it."""
+    if not path.name.endswith(".safetensors.index.json"):
+        return []
+    return sorted(set(json.loads(path.read_text())["weight_map"].values()))
 
 
 def factory_modules(job: JobConfig) -> set[str]:

@@ -26,7 +26,9 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from hetpipe.config import ConfigError
 from launch import cli
+from launch.local import preflight
 from hetpipe.config import load_job
 from launch import compose
 from coordinator.planner import make_plan
@@ -287,6 +289,33 @@ def test_generated_file_for_other_jobs(make_job: Any, tmp_path: Path) -> None:
     data = {"type": "bind", "source": "./data.npz", "target": "/etc/hetpipe/data.npz", "read_only": True}
     assert data in services["coordinator"]["volumes"] and data in services["vw0-stage0"]["volumes"]
     assert data in services["vw0-stage0-gpu"]["volumes"]
+
+
+def test_a_sharded_model_init_is_mounted_with_the_files_its_index_names(tmp_path: Path) -> None:
+    """The index alone was mounted: every stage failed loading a file beside it that was not there."""
+    from safetensors.torch import save_file
+
+    from hetpipe import models, weight_files
+
+    init = tmp_path / "init"
+    init.mkdir()
+    state = models.build(load_job(EXAMPLE)).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "whole.safetensors"))
+    files = weight_files.write_from(init, [tmp_path / "whole.safetensors"], max_shard_bytes=64 << 10)
+    parts = sorted(p.name for p in files if p.name.endswith(".safetensors"))
+    assert len(parts) > 1
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["model"]["init"] = "init/model.safetensors.index.json"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    job = load_job(tmp_path / "job.yaml")
+    mounts = {m.target: m.source for m in compose.job_file_mounts(job, tmp_path)}
+    want = ["model.safetensors.index.json", *parts]
+    assert {t: s for t, s in mounts.items() if "/init/" in t} == {
+        f"/etc/hetpipe/init/{name}": f"./init/{name}" for name in want}
+    (init / parts[-1]).unlink()
+    with pytest.raises(ConfigError, match=f"model.init: {init / parts[-1]}, which the index model.safetensors.index.json "
+                                          "names, does not exist"):
+        preflight(job)
 
 
 def test_bad_job_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
