@@ -2,13 +2,15 @@
 memmap, so each process touches only the pages of the windows it reads (no stage loads the file).
 
 The file is Python's own standard library source, concatenated (real text, no download). It is
-written once, atomically, by whichever process needs it first.
+written once, atomically, by whichever process needs it first: beside this module, or where that
+folder cannot be written (a container that mounts the module read-only), in the temporary folder.
 """
 
 from __future__ import annotations
 
 import os
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,16 @@ from torch.utils.data import Dataset
 HERE = Path(__file__).resolve().parent
 
 
-def _corpus(path: Path, megabytes: int) -> Path:
+def _corpus(file: str, megabytes: int) -> Path:
+    for folder in (HERE, Path(tempfile.gettempdir())):
+        try:
+            return _written(folder / file, megabytes)
+        except PermissionError:   # a read-only folder: the next
+            continue
+    raise PermissionError(f"{file}: neither {HERE} nor {tempfile.gettempdir()} can be written")
+
+
+def _written(path: Path, megabytes: int) -> Path:
     if path.exists():
         return path
     budget = megabytes << 20
@@ -54,7 +65,7 @@ class ByteWindows(Dataset):
 
 
 def _split(file: str, context: int, megabytes: int, held_out: bool) -> ByteWindows:
-    path = _corpus(HERE / file, megabytes)
+    path = _corpus(file, megabytes)
     n = len(np.load(path, mmap_mode="r"))
     cut = int(n * 0.9)  # the last tenth of the file is held out
     return ByteWindows(path, context, cut, n) if held_out else ByteWindows(path, context, 0, cut)
