@@ -269,8 +269,13 @@ def cast(job: JobConfig, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor
 
 # A draw names what is read: training minibatch (TRAIN_DRAW, vw, p), evaluation minibatch
 # (EVAL_DRAW, i), (CHECK_DRAW,) the item a factory's dataset is checked by, or (BUILD_DRAW,) the factory's
-# call itself.
-TRAIN_DRAW, EVAL_DRAW, CHECK_DRAW, BUILD_DRAW = 0, 1, 2, 3
+# call itself; or what a stage's forward draws, dropout's masks (FORWARD_DRAW, vw, stage, p[, micro]).
+TRAIN_DRAW, EVAL_DRAW, CHECK_DRAW, BUILD_DRAW, FORWARD_DRAW = 0, 1, 2, 3, 4
+
+
+def entropy(seed: int, draw: Sequence[int]) -> int:
+    """The seed of one draw: a hash of train.seed and the draw, independent of every other's."""
+    return int(np.random.SeedSequence([seed & (2**63 - 1), *draw]).generate_state(2, np.uint64)[0])
 
 
 def _draws_at_random(job: JobConfig) -> bool:
@@ -287,12 +292,12 @@ def _seeded(seed: int, draw: tuple[int, ...]) -> Iterator[None]:
     that layers' seeded initialisation holds (models.GLOBAL_STATE): two stages of one process."""
     from hetpipe.models import GLOBAL_STATE
 
-    entropy = int(np.random.SeedSequence([seed & (2**63 - 1), *draw]).generate_state(2, np.uint64)[0])
+    seeded = entropy(seed, draw)
     with GLOBAL_STATE:
         state = torch.get_rng_state(), np.random.get_state(), random.getstate()
-        torch.default_generator.manual_seed(entropy)
-        np.random.seed(entropy % 2**32)
-        random.seed(entropy)
+        torch.default_generator.manual_seed(seeded)
+        np.random.seed(seeded % 2**32)
+        random.seed(seeded)
         try:
             yield
         finally:

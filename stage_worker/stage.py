@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +14,8 @@ from torch import nn
 from torch.func import functional_call
 
 from hetpipe.buffers import raw_bytes
-from hetpipe.models import trainable
+from hetpipe.data import FORWARD_DRAW, entropy
+from hetpipe.models import GLOBAL_STATE, trainable
 from hetpipe.optim import (StageOptimizer, autocast, compute_dtype, compute_loss, for_loss, squared_norm, to_compute,
                            use_foreach)
 from hetpipe.training import OptimizerConfig
@@ -26,6 +27,32 @@ from hetpipe.training import OptimizerConfig
 
 
 Grads = list[torch.Tensor | None]  # one per parameter; None: the parameter took no part
+Draws = Callable[[tuple[int, ...]], contextlib.AbstractContextManager[None]]
+
+
+def forward_draws(seed: int, vw: int, stage: int, device: str) -> Draws:
+    """What a stage's forward of a unit ((p,), or (p, micro) in a micro-batch schedule) draws
+    from, dropout's masks: torch's generator on its device, seeded for (train.seed, vw, stage,
+    unit). A run then repeats whatever its timing, and a resumed one goes on as the uninterrupted
+    one would have. Held under models.GLOBAL_STATE: a factory's data draws from torch's CPU
+    generator in a reader thread (data._seeded), which would otherwise swap it mid-forward."""
+    where = torch.device(device)
+
+    @contextlib.contextmanager
+    def seeded(unit: tuple[int, ...]) -> Iterator[None]:
+        value = entropy(seed, (FORWARD_DRAW, vw, stage, *unit))
+        with GLOBAL_STATE:
+            torch.default_generator.manual_seed(value)
+            if where.type == "cuda":
+                torch.cuda.default_generators[torch.cuda.current_device() if where.index is None else where.index
+                                              ].manual_seed(value)
+            yield
+
+    return seeded
+
+
+def _unseeded(unit: tuple[int, ...]) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
 
 
 @dataclass(slots=True)
@@ -43,12 +70,13 @@ class StageCompute:
     last stage, whose forward and backward are one task, and any stage at nm = 1): the forward
     then runs on the live weights instead of a copy. precision bf16 computes under autocast
     with the weights (and the optimizer) in their own dtype, and sends activations and gradients
-    in the compute dtype.
+    in the compute dtype. draws: what each forward draws from (forward_draws; by default torch's
+    generators as they are).
     """
 
     def __init__(
         self, layers: nn.Sequential, optimizer: OptimizerConfig, *, loss: str, device: str, track_updates: bool,
-        stash: bool = True, precision: str = "fp32",
+        stash: bool = True, precision: str = "fp32", draws: Draws = _unseeded,
     ) -> None:
         self.module = layers.to(device)
         self.track_updates = track_updates  # WSP needs u_p = w_after - w_before; a lone VW does not
@@ -56,6 +84,7 @@ class StageCompute:
         self.device = device
         self.loss_kind = loss
         self.compute_dtype = compute_dtype(precision)
+        self._draws = draws
         self._device_type = torch.device(device).type
         # Frozen parameters (requires_grad False) are not among them: never stepped, pushed or pulled.
         self.names = [n for n, _ in trainable(self.module)]
@@ -96,7 +125,7 @@ class StageCompute:
         leaves = self._current_leaves()
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        with self._autocast():
+        with self._draws((p,)), self._autocast():
             out = self._wire(self._call(leaves, x))
         self._stash[p] = _Stashed(self.version, leaves, x, out)
         return out.detach(), self.version
@@ -128,7 +157,7 @@ class StageCompute:
         leaves = self._current_leaves()
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        with self._autocast():
+        with self._draws((p,)), self._autocast():
             out = self._call(leaves, x)
             loss = compute_loss(self.loss_kind, for_loss(self.compute_dtype, out), target)
         forward_end = time.time()
@@ -152,11 +181,11 @@ class StageCompute:
         (gpipe, 1f1b); else only its input is kept, for a backward that recomputes (nf1b)."""
         if not keep:
             self._inputs.setdefault(unit[0], []).append(x)
-            with torch.no_grad(), self._autocast():
+            with torch.no_grad(), self._draws(unit), self._autocast():
                 return self._wire(self.module(x)), self.version
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        with self._autocast():
+        with self._draws(unit), self._autocast():
             out = self._wire(self.module(x))
         self._micro[unit] = _Stashed(self.version, self._live(), x, out)
         return out.detach(), self.version
@@ -166,7 +195,7 @@ class StageCompute:
         graph waits for its backward. Returns the unweighted loss."""
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        with self._autocast():
+        with self._draws(unit), self._autocast():
             out = self.module(x)
             loss = compute_loss(self.loss_kind, for_loss(self.compute_dtype, out), target)
         self._micro[unit] = _Stashed(self.version, self._live(), x, loss * weight)
@@ -198,7 +227,9 @@ class StageCompute:
         x = torch.cat(self._inputs.pop(p))
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        with self._autocast():
+        # Seeded as p's whole unit, which no other forward uses: its masks are not the
+        # micro-batches' forwards' (one forward over all of them), as the weights are not either.
+        with self._draws((p,)), self._autocast():
             out = self._wire(self.module(x))
         grad_in, grads = self._grads(_Stashed(self.version, self._live(), x, out), out, grad_out)
         self._add(grads)

@@ -248,7 +248,9 @@ def test_bad_shared_memory_handles_are_refused_and_change_nothing(ps: InProcess)
                 assert state(c.status()) == before, "a refused handle changed the shard"
             except AssertionError as exc:
                 raise AssertionError(f"{name}: {exc}") from None
-        assert ps.servicer.durability.entries() == logged, "a refused push was logged"
+        # No entry beyond those there before; the shard's checkpoint thread may have pruned some
+        # of those meanwhile (it did, in one loaded CI run).
+        assert set(ps.servicer.durability.entries()) <= set(logged), "a refused push was logged"
         assert not c.stub.PushFrame(handles.good[0], timeout=CALL_S).duplicate
     assert c.status().pushes_applied == before[3] + 1
     for k, d in delta(0, 2):

@@ -203,3 +203,29 @@ def test_an_update_written_into_given_buffers_is_the_same_update_bit_for_bit() -
         assert all(u is b for u, b in zip(updates[1], buffers))
     skipped = reused.commit([None, None], skip=True, into=buffers, lr=SGD.lr)
     assert all(u is b and not u.any() for u, b in zip(skipped, buffers)) and reused.version == 3
+
+
+def test_a_forwards_dropout_is_drawn_for_its_minibatch_whatever_was_drawn_before() -> None:
+    """forward_draws: the masks of p's forward follow from (train.seed, vw, stage, p) alone, not
+    from what the process drew before (a fork server's generator, another stage, a reader's
+    draws), so that a run repeats and a resumed one goes on as the uninterrupted one would; the
+    micro-batch forwards by (p, micro) likewise."""
+    from stage_worker.stage import forward_draws
+
+    def compute(seed: int, vw: int = 0, stage: int = 0) -> StageCompute:
+        return StageCompute(nn.Sequential(nn.Dropout(0.5)), SGD, loss="mse", device="cpu", track_updates=False,
+                            stash=False, draws=forward_draws(seed, vw, stage, "cpu"))
+
+    ones = torch.ones(4, 256)
+    first = compute(7).forward(1, ones)[0]
+    torch.rand(1000)   # the process's generator moves on
+    again = compute(7).forward(1, ones)[0]
+    assert torch.equal(first, again)
+    for other in (compute(7).forward(2, ones)[0], compute(8).forward(1, ones)[0], compute(7, vw=1).forward(1, ones)[0],
+                  compute(7, stage=1).forward(1, ones)[0]):
+        assert not torch.equal(first, other)
+    micro = compute(7).forward_micro((1, 0), ones, keep=True)[0]
+    assert torch.equal(micro, compute(7).forward_micro((1, 0), ones, keep=False)[0])
+    assert not torch.equal(micro, compute(7).forward_micro((1, 1), ones, keep=True)[0])
+    unseeded = StageCompute(nn.Sequential(nn.Dropout(0.5)), SGD, loss="mse", device="cpu", track_updates=False, stash=False)
+    assert not torch.equal(unseeded.forward(1, ones)[0], unseeded.forward(2, ones)[0]), "default: as torch draws"
