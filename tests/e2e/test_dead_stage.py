@@ -1,4 +1,8 @@
-"""`hetpipe run` fails fast and cleanly when a stage worker dies, and stops everything on Ctrl-C."""
+"""`hetpipe run` fails fast and cleanly when a stage worker dies, and stops everything on Ctrl-C.
+
+Fast is shown by the path the failure took, not by a wall-clock bound (the machines are noisy):
+the job's reason is the launcher's own report of the dead process (its pid and signal), which
+neither a missed heartbeat nor a neighbour's give-up would name."""
 
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ LONG_JOB: dict[str, Any] = {
     "parallel": {"stages_per_vw": 4, "nm": 2},
     "output": {"trace": True},
 }
-EXIT_WITHIN_S = 10.0
+HUNG_AFTER_S = 120.0   # a hang's guard for hetpipe's exit, not a speed bound
 
 
 class Run:
@@ -86,16 +90,12 @@ class Run:
             out[f"stage {s.stage} of vw {s.vw}"] = child
         return out
 
-    def wait_exit(self, since: float) -> int:
+    def wait_exit(self) -> int:
         try:
-            code = self.popen.wait(timeout=EXIT_WITHIN_S + 5)
+            return self.popen.wait(timeout=HUNG_AFTER_S)
         except subprocess.TimeoutExpired:
-            code = None
-        took = time.monotonic() - since
-        assert code is not None and took <= EXIT_WITHIN_S, (
-            f"hetpipe still running {took:.1f}s after the fault (exit code {code}); stderr:\n{self.stderr}"
-        )
-        return code
+            raise AssertionError(f"hetpipe still running {HUNG_AFTER_S:.0f}s after the fault; stderr:\n"
+                                 f"{self.stderr}") from None
 
     def kill(self) -> None:
         """Cleanup if a test failed halfway: the whole session, by its own group id."""
@@ -144,12 +144,13 @@ def test_killed_stage_fails_the_job_fast_and_names_it(run: Run) -> None:
     assert segments_of([victim]) and segments_of([workers["stage 1 of vw 0"]]), shm.segments()
 
     victim.send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    code = run.wait_exit(killed_at)
+    code = run.wait_exit()
 
     err = run.stderr
     assert code != 0, err
-    # The failure names the stage, its process, how it died, and how far it had got.
+    # The failure names the stage, its process, how it died, and how far it had got: the
+    # launcher's watch of its processes reported it, at once, not the heartbeats (a "not
+    # responding" reason, seconds later) nor a neighbour's link giving up (a "could not send").
     m = re.search(r"stage 2 of vw 0\b[^\n]*?\(pid (\d+)\)[^\n]*? killed by SIGKILL[^\n]*?"
                   r"(\d+) forwards and (\d+) backwards", err)
     assert m, f"stderr does not name the dead stage and its progress:\n{err}"
@@ -176,7 +177,7 @@ def test_ctrl_c_stops_every_process(run: Run, target: str) -> None:
             if run.popen.poll() is not None:
                 break
             run.popen.send_signal(signal.SIGINT)
-    code = run.wait_exit(time.monotonic())
+    code = run.wait_exit()
     err = run.stderr
     assert code != 0, err
     if target != "process-group":
@@ -204,7 +205,7 @@ def test_sigterm_and_sighup_end_a_run_as_ctrl_c_does(run: Run, signum: int, caps
 
     everything = run.me.children(recursive=True)
     run.popen.send_signal(signum)
-    code = run.wait_exit(time.monotonic())
+    code = run.wait_exit()
     name = signal.Signals(signum).name
     assert code == 128 + signum and f"interrupted ({name}); stopped every process" in run.stderr, (code, run.stderr)
     assert_all_gone(everything)
@@ -214,19 +215,32 @@ def test_sigterm_and_sighup_end_a_run_as_ctrl_c_does(run: Run, signum: int, caps
     assert not left, left
 
 
-def test_a_stage_whose_neighbour_died_still_stops_promptly() -> None:
+def test_a_stage_whose_neighbour_died_still_stops_promptly(monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGTERM shutdown closes a stage's links. A link that is retrying a send to a dead
     neighbour must give up at once, not wait out its retry window (10 s): otherwise the launcher,
-    after its 3 s grace, SIGKILLs the stages that outlived a dead one instead of stopping them."""
+    after its 3 s grace, SIGKILLs the stages that outlived a dead one instead of stopping them.
+    Here the window is an hour: only the close can end the link's thread before the test's timeout."""
+    import threading
+
     import torch
 
     from stage_worker.links import Link, Outgoing
 
+    attempts = threading.Semaphore(0)   # one for each attempt of the link's retrying path
+    send = rpc.send_bundle
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        attempts.release()
+        return send(*args, **kwargs)
+
+    monkeypatch.setattr(rpc, "send_bundle", counted)
     failures: list[str] = []
-    link = Link(address="127.0.0.1:1", method="Backward", peer="stage 0 of vw 0", on_failure=failures.append)
+    link = Link(address="127.0.0.1:1", method="Backward", peer="stage 0 of vw 0", on_failure=failures.append,
+                give_up_s=3600.0)
     link.send(Outgoing(wire_pb2.MinibatchTag(vw=0, minibatch=1, stage=1), [("gradient", torch.zeros(4))]))
-    time.sleep(0.3)  # the first attempt fails (nothing listens there) and the link starts retrying
-    started = time.monotonic()
+    for _ in range(2):  # the first attempt failed (nothing listens there), and the link is retrying
+        assert attempts.acquire(timeout=60), "the link is not retrying"
     link.close()
-    assert time.monotonic() - started < 1.0
+    link._thread.join(60)   # a hang's guard, not a speed bound
+    assert not link._thread.is_alive(), "the link went on retrying after close()"
     assert failures == [], "closing is not a send failure"

@@ -224,11 +224,11 @@ def test_a_worker_host_that_dies_fails_the_job_fast_naming_it(cluster: Cluster, 
         (victim,) = [w.info.address for w in cluster.workers()
                      if w.info.node == "hostb" and w.info.role == coordinator_pb2.WorkerInfo.STAGE_WORKER]
         cluster.kill("hostb")
-        killed = time.monotonic()
-        code = client.wait(30)
-        took = time.monotonic() - killed
+        code = client.wait(60)   # a hang's guard, not a speed bound
     err = (tmp_path / "client.err").read_text()
-    assert code == 1 and took < 10, (code, took, err)
+    assert code == 1, (code, err)
+    # Fast is which check saw it: the coordinator's next Status poll, refused by the dead host,
+    # not the heartbeats that stopped ("not responding", after several intervals).
     assert re.search(rf"stage 0 of vw \d at {re.escape(victim)} on node hostb: Status failed", err), err
     assert "forwards and" in err and "Traceback" not in err, err
     assert cluster.procs["hosta"].poll() is None, "the other host serves on"
@@ -263,10 +263,16 @@ def test_a_worker_host_that_ignores_ctrl_c_keeps_its_stages_serving(cluster: Clu
         time.sleep(0.1)
     with _long_job(cluster, tmp_path) as client:
         os.killpg(cluster.procs["hostb"].pid, signal.SIGINT)
-        before = cluster.job().samples
-        time.sleep(3)
-        status = cluster.job()
-        assert status.state == State.RUNNING and status.samples > before, (tmp_path / "client.err").read_text()
+        # Trained on after it: more waves than hosta's VW can train alone (with D 0 it gets no
+        # more than two minibatches ahead of hostb's), so hostb's stage served them. A deadline
+        # against a hang only, not a speed bound.
+        want = cluster.job().samples + 8 * 2 * 16   # eight waves of both VWs, 16 samples a minibatch
+        deadline = time.monotonic() + 60
+        while (status := cluster.job()).samples < want:
+            assert status.state == State.RUNNING and time.monotonic() < deadline, (
+                status, (tmp_path / "client.err").read_text())
+            time.sleep(0.1)
+        assert cluster.job().state == State.RUNNING, (tmp_path / "client.err").read_text()
         assert client.poll() is None and cluster.procs["hostb"].poll() is None, cluster.log("hostb")
     (stage_log,) = (tmp_path / "hostb" / "runs" / "logs" / "hostb").glob("stage_worker_*.log")
     assert "signal 2" not in stage_log.read_text()

@@ -50,6 +50,6 @@ def test_a_stopped_worker_ends_by_its_sigterm_not_by_the_sigkill_after_the_grace
     once, as a live one does (its own clean-up: shared memory), not 10 s later by SIGKILL."""
     worker = children.start([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"], tmp_path / "log")
     os.kill(worker.pid, signal.SIGSTOP)
-    started = time.monotonic()
     children.stop([children.Child("worker", worker, tmp_path / "log")], grace=10.0)
-    assert worker.returncode == -signal.SIGTERM and time.monotonic() - started < 5
+    # Its exit code tells which ended it: -SIGKILL had it waited out the grace still stopped.
+    assert worker.returncode == -signal.SIGTERM, worker.returncode

@@ -195,13 +195,14 @@ def test_stop_before_any_job_then_a_new_job_starts(coordinator, make_job) -> Non
 
 def test_stop_while_planning_or_waiting_for_workers_stops_at_once(coordinator, make_job) -> None:
     stub, servicer, _ = coordinator
+    # The job thread, waiting for workers that never come, ends within a poll, not at the claim
+    # timeout: an hour here, so only the stop can end it before the test's timeout.
+    servicer.runner.claim_timeout_s = 3600.0
     job = make_job({"parallel": {"stages_per_vw": 2}, "output": {"trace": False}})
     stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5)
-    started = time.monotonic()
     assert stub.StopJob(coordinator_pb2.JobRef(), timeout=5).state == State.STOPPED
-    # The job thread, waiting for workers that never come, ends within a poll, not at the claim timeout.
     assert servicer.runner.machine.wait_terminal(5)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60   # a hang's guard, not a speed bound
     while True:
         try:
             stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5)
@@ -209,7 +210,6 @@ def test_stop_while_planning_or_waiting_for_workers_stops_at_once(coordinator, m
         except grpc.RpcError as exc:  # FAILED_PRECONDITION while the stopped job's thread winds down
             assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline, exc.details()
             time.sleep(0.05)
-    assert time.monotonic() - started < 10
     assert stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state in (State.PENDING, State.PLANNED)
 
 

@@ -279,7 +279,35 @@ def test_a_busy_or_restarting_peer_is_retried_and_a_duplicate_counts_as_delivere
         server.stop(grace=0)
 
 
-def test_a_peer_that_stays_away_fails_the_stage_naming_peer_and_minibatch() -> None:
+class _StillClock:
+    """hetpipe.rpc's clock, still until the test moves it: a retry loop's give_up_s passes when
+    the test says, not when a loaded machine happens to get there."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    sleep = staticmethod(time.sleep)
+
+
+def _counted_attempts(monkeypatch: pytest.MonkeyPatch) -> threading.Semaphore:
+    """Released once for each attempt of a link's retrying path (rpc.send_bundle)."""
+    attempts = threading.Semaphore(0)
+    send = rpc.send_bundle
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        attempts.release()
+        return send(*args, **kwargs)
+
+    monkeypatch.setattr(rpc, "send_bundle", counted)
+    return attempts
+
+
+def test_a_peer_that_stays_away_fails_the_stage_naming_peer_and_minibatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The link retries while give_up_s has not passed and fails at its first attempt after: on
+    rpc's clock, held still here, so that which of the two happened does not hang on the load."""
     failures: list[str] = []
     done = threading.Event()
 
@@ -287,12 +315,17 @@ def test_a_peer_that_stays_away_fails_the_stage_naming_peer_and_minibatch() -> N
         failures.append(message)
         done.set()
 
-    started = time.monotonic()
+    clock = _StillClock()
+    monkeypatch.setattr(rpc, "time", clock)
+    attempts = _counted_attempts(monkeypatch)
     link = Link(address="127.0.0.1:9", method="Backward", peer="stage 0 of vw 1", on_failure=failed, give_up_s=1.0)
     try:
         link.send(_message(7))
-        assert done.wait(10), "the link never gave up"
-        assert time.monotonic() - started < 8
+        for _ in range(3):
+            assert attempts.acquire(timeout=30) or failures, "the link stopped retrying"
+        assert not failures, f"it gave up before give_up_s had passed: {failures}"
+        clock.now += 1.5   # past give_up_s: the next refused attempt is the last
+        assert done.wait(30), "the link never gave up"   # a hang's guard, not a speed bound
         (message,) = failures
         assert "could not send the gradient of minibatch 7 to stage 0 of vw 1 at 127.0.0.1:9" in message
         assert "UNAVAILABLE" in message
@@ -305,27 +338,33 @@ def test_a_refusal_that_no_retry_can_fix_fails_at_once() -> None:
     neighbour.refuse = [grpc.StatusCode.INVALID_ARGUMENT]
     server = _serve(neighbour)
     failures: list[str] = []
+    # Retries for an hour, and a flush that waits an hour: only a failure at once, which also
+    # ends the flush, can finish before the test's timeout. (A retry would be accepted: got.)
     link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
-                give_up_s=30.0)
+                give_up_s=3600.0)
     try:
-        started = time.monotonic()
         link.send(_message(3))
-        assert not link.flush(10), "a flush waits no longer once the link has failed"
-        assert failures and "INVALID_ARGUMENT" in failures[0] and time.monotonic() - started < 5
+        assert not link.flush(3600), "a flush waits no longer once the link has failed"
+        assert failures and "INVALID_ARGUMENT" in failures[0] and neighbour.got == [], failures
     finally:
         link.close()
         server.stop(grace=0)
 
 
-def test_closing_a_link_that_is_retrying_returns_promptly_without_a_failure() -> None:
+def test_closing_a_link_that_is_retrying_returns_promptly_without_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing ends a send that is retrying: with an hour of retries left, only the close can end
+    the link's thread before the test's timeout."""
     failures: list[str] = []
+    attempts = _counted_attempts(monkeypatch)
     link = Link(address="127.0.0.1:9", method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
-                give_up_s=60.0)
+                give_up_s=3600.0)
     link.send(_message(1))
-    time.sleep(0.3)
-    started = time.monotonic()
+    for _ in range(2):   # two attempts of the retrying path, a wait between them: it is retrying
+        assert attempts.acquire(timeout=30), "the link is not retrying"
     link.close()
-    assert time.monotonic() - started < 3 and not failures
+    link._thread.join(30)   # a hang's guard, not a speed bound
+    assert not link._thread.is_alive(), "the send went on retrying after close()"
+    assert not failures, "closing is not a send failure"
 
 
 def test_an_emulated_link_holds_each_message() -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
 
+from coordinator import registry
 from coordinator.registry import MISSED_HEARTBEATS, Awake, Registry
 from hetpipe.errors import JobStopped, Rejected
 from hetpipe.v1 import coordinator_pb2
@@ -19,11 +22,50 @@ def info(address: str, *, node: str = "n0", gpu: str = "", role: int = Info.STAG
     return Info(role=role, address=address, node=node, device="cpu", gpu_type=gpu)  # type: ignore[arg-type]
 
 
-def test_a_worker_is_alive_while_it_heartbeats() -> None:
-    r = Registry(heartbeat_interval_s=0.05)
+class StillClock:
+    """coordinator.registry's clock, still until a test moves it: a silence is what the test
+    says, not what a loaded machine makes of the time between two lines. The process's own
+    Awake thread, where one runs, keeps the real clock: what it records outlives the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        if threading.current_thread() is registry.PROCESS_AWAKE._thread:
+            return time.monotonic()
+        return self.now
+
+    sleep = staticmethod(time.sleep)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> StillClock:
+    still = StillClock()
+    monkeypatch.setattr(registry, "time", still)
+    return still
+
+
+def never_paused() -> Awake:
+    """An Awake of the still clock's that takes no move of it for a pause of the coordinator's."""
+    return Awake(pause_s=math.inf)
+
+
+def once_waiting(then: Callable[[], None]) -> Callable[[str], None]:
+    """A claim's `waiting` that calls then() on a thread of its own once the claim says it waits
+    (the report comes under the registry's lock): what comes after, comes while it waits."""
+    def waiting(shortfall: str) -> None:
+        if shortfall:
+            threading.Thread(target=then, daemon=True).start()
+    return waiting
+
+
+def test_a_worker_is_alive_while_it_heartbeats(clock: StillClock) -> None:
+    r = Registry(heartbeat_interval_s=1.0, awake=never_paused())
     wid = r.register(info("127.0.0.1:7001"))
     assert [alive for _, _, alive in r.workers()] == [True]
-    time.sleep(0.05 * (MISSED_HEARTBEATS + 1))
+    clock.now += MISSED_HEARTBEATS * 1.0
+    assert [alive for _, _, alive in r.workers()] == [True], "alive through its last missed interval"
+    clock.now += 1.0
     assert [alive for _, _, alive in r.workers()] == [False]
     assert r.heartbeat(wid) and [alive for _, _, alive in r.workers()] == [True]
     assert not r.heartbeat("nobody"), "an unknown id is told to register again"
@@ -44,34 +86,39 @@ def test_claim_prefers_the_planned_node_and_type_and_falls_back_to_generic_worke
     assert all(not w.assigned for w, _, _ in r.workers())
 
 
-def test_claim_waits_for_workers_and_stops_when_asked() -> None:
-    r = Registry()
-    threading.Timer(0.2, lambda: r.register(info("127.0.0.1:7001"))).start()
-    assert len(r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "", "")], 5)) == 1
+def test_claim_waits_for_workers_and_stops_when_asked(clock: StillClock) -> None:
+    # Claims with an hour's timeout, on a still clock: only the worker, or the stop, can end them.
+    r = Registry(awake=never_paused())
+    (w,) = r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "", "")], 3600,
+                   waiting=once_waiting(lambda: r.register(info("127.0.0.1:7001"))))
+    assert w.info.address == "127.0.0.1:7001"
     cancel = threading.Event()
-    threading.Timer(0.2, cancel.set).start()
-    started = time.monotonic()
-    with pytest.raises(JobStopped):
-        r.claim(Info.STAGE_WORKER, [("stage 1 of vw 0", "", "")], 30, cancel=cancel)
-    assert time.monotonic() - started < 5, "a stop must not wait out the claim timeout"
+    with pytest.raises(JobStopped):   # a stop must not wait out the claim timeout
+        r.claim(Info.STAGE_WORKER, [("stage 1 of vw 0", "", "")], 3600, cancel=cancel, waiting=once_waiting(cancel.set))
 
 
-def test_a_waiting_claim_says_what_it_lacks_and_which_workers_fell_silent() -> None:
+def test_a_waiting_claim_says_what_it_lacks_and_which_workers_fell_silent(clock: StillClock) -> None:
     """What `hetpipe run` and `status` show while a job waits for workers (JobStatus.waiting)."""
-    r = Registry(heartbeat_interval_s=0.1)
+    r = Registry(heartbeat_interval_s=1.0, awake=never_paused())
     r.register(info("127.0.0.1:7001", node="n0", gpu="t4"))
-    time.sleep(0.1 * (MISSED_HEARTBEATS + 1))   # its host died
+    clock.now += MISSED_HEARTBEATS + 1.0   # its host died
     r.register(info("127.0.0.1:7002", node="n1", gpu="t4"))
     reports: list[str] = []
-    threading.Timer(0.2, lambda: r.register(info("127.0.0.1:7003", node="n0", gpu="t4"))).start()
-    (chosen,) = r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "n0", "t4")], 5, waiting=reports.append)
+    arrives = once_waiting(lambda: r.register(info("127.0.0.1:7003", node="n0", gpu="t4")))
+
+    def waiting(shortfall: str) -> None:
+        reports.append(shortfall)
+        if len(reports) == 1:
+            arrives(shortfall)
+
+    (chosen,) = r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "n0", "t4")], 3600, waiting=waiting)
     assert chosen.info.address == "127.0.0.1:7003"
-    # First (a slow timer may let 7002 fall silent too, a report more) and last: over.
-    assert reports[0] == "stage_workers needed: 1 x t4 on n0; free and alive: 1 x t4 on n1; silent or stopped: 1 x t4 on n0"
-    assert reports[-1] == ""
+    # What it lacked while it waited, and then that it is over; the still clock let nobody else fall silent.
+    assert reports == ["stage_workers needed: 1 x t4 on n0; free and alive: 1 x t4 on n1; silent or stopped: "
+                       "1 x t4 on n0", ""]
     told = len(reports)
     r.heartbeat(r.register(info("127.0.0.1:7004", node="n1", gpu="t4")))
-    assert r.claim(Info.STAGE_WORKER, [("stage 1 of vw 0", "n1", "t4")], 5, waiting=reports.append)
+    assert r.claim(Info.STAGE_WORKER, [("stage 1 of vw 0", "n1", "t4")], 3600, waiting=reports.append)
     assert len(reports) == told, "a claim that need not wait reports nothing"
 
 
@@ -103,29 +150,32 @@ def test_a_restarted_process_takes_over_its_assignment_but_another_node_cannot()
     assert again.worker_id != w.worker_id and again.assigned == "stage 0 of vw 0"
 
 
-def test_silent_names_only_assigned_workers_past_their_heartbeats_and_grace() -> None:
-    r = Registry(heartbeat_interval_s=0.02)
+def test_silent_names_only_assigned_workers_past_their_heartbeats_and_grace(clock: StillClock) -> None:
+    r = Registry(heartbeat_interval_s=1.0, awake=never_paused())
     r.register(info("127.0.0.1:7001"))
     r.register(info("127.0.0.1:7002", role=Info.PS_SHARD))
+    r.register(info("127.0.0.1:7003"))   # not assigned
     r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "", "")], 1)
     r.claim(Info.PS_SHARD, [("ps shard 0", "", "")], 1)
-    time.sleep(0.02 * (MISSED_HEARTBEATS + 2))
-    assert [w.assigned for w, _ in r.silent(Info.STAGE_WORKER)] == ["stage 0 of vw 0"]
+    clock.now += MISSED_HEARTBEATS * 1.0
+    assert r.silent(Info.STAGE_WORKER) == [], "not before it missed them all"
+    clock.now += 2.0
+    assert [(w.assigned, silence) for w, silence in r.silent(Info.STAGE_WORKER)] == [("stage 0 of vw 0", 7.0)]
     assert r.silent(Info.PS_SHARD, grace_s=60) == [], "a shard gets time to be restarted"
 
 
-def test_a_pause_of_the_coordinator_itself_blames_no_worker() -> None:
+def test_a_pause_of_the_coordinator_itself_blames_no_worker(clock: StillClock) -> None:
     # It stops running (SIGSTOP of `hetpipe run`, a starved host) while the heartbeats sent
     # meanwhile wait in its queue: silences count again from when it runs again.
-    awake = Awake(pause_s=0.05)   # not started: each check is its only tick
-    r = Registry(heartbeat_interval_s=0.02, awake=awake)
+    awake = Awake(pause_s=2.0)   # not started: each check is its only tick
+    r = Registry(heartbeat_interval_s=1.0, awake=awake)
     r.register(info("127.0.0.1:7001"))
     r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "", "")], 1)
     assert r.silent(Info.STAGE_WORKER) == []
-    time.sleep(0.02 * (MISSED_HEARTBEATS + 3))   # no tick: the process was paused
-    resumed = time.monotonic()   # before the check whose tick the silences count from again
+    clock.now += MISSED_HEARTBEATS + 3.0   # no tick: the process was paused
     assert r.silent(Info.STAGE_WORKER) == [], "a worker blamed for the coordinator's own pause"
-    while not (silent := r.silent(Info.STAGE_WORKER)) and time.monotonic() - resumed < 5:
-        time.sleep(0.005)                          # running again, and still no heartbeat
-    assert [w.assigned for w, _ in silent] == ["stage 0 of vw 0"], "a silent worker is still found"
-    assert time.monotonic() - resumed >= 0.02 * MISSED_HEARTBEATS
+    for _ in range(MISSED_HEARTBEATS):   # running again, ticking each interval, and still no heartbeat
+        clock.now += 1.0
+        assert r.silent(Info.STAGE_WORKER) == [], "its silence counts from the end of the pause"
+    clock.now += 1.0
+    assert [w.assigned for w, _ in r.silent(Info.STAGE_WORKER)] == ["stage 0 of vw 0"], "a silent worker is still found"
