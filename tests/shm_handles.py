@@ -3,6 +3,7 @@ stage or a shard: each must be refused with its status and change nothing."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 from collections.abc import Iterator
@@ -53,6 +54,7 @@ def forged_handles(tensors: list[tuple[str, torch.Tensor]], **tag: Any) -> Itera
     ring = shm.Ring(slots=1)
     chunked_ring = shm.Ring(slots=1, chunk_bytes=16, whole_up_to=16)   # this bundle in chunks of 16 bytes
     junk = shm.SHM_DIR / f"{shm.PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    held: int | None = None
     try:
         stale = messages(wire.encode(tensors, ring=ring, **tag))
         good = messages(wire.encode(tensors, ring=ring, **tag))   # the one slot moves on: `stale` is
@@ -66,6 +68,10 @@ def forged_handles(tensors: list[tuple[str, torch.Tensor]], **tag: Any) -> Itera
         empty.CopyFrom(chunked[1])
         empty.shm.nbytes = 0
         junk.write_bytes(b"\x00not a segment" * 100)
+        # Held as a live owner holds its segments: a launcher's shm.sweep in another test of this
+        # host takes an unlocked file under a segment's name for a dead owner's, and removed it.
+        held = os.open(junk, os.O_RDONLY)
+        fcntl.flock(held, fcntl.LOCK_SH)
         grpc_frames = messages(wire.encode(tensors, **tag))
         both = _edited(good)
         both[0].data = grpc_frames[0].data
@@ -113,3 +119,5 @@ def forged_handles(tensors: list[tuple[str, torch.Tensor]], **tag: Any) -> Itera
         ring.close()
         chunked_ring.close()
         junk.unlink(missing_ok=True)
+        if held is not None:
+            os.close(held)
