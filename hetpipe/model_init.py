@@ -54,6 +54,19 @@ class _InitFile:
             raise ConfigError(f"model.init: {self.path} lacks {missing[:5]}{hint}")
 
 
+INDEX_SUFFIX = ".safetensors.index.json"   # a sharded model's index: outputs.INDEX_FILE, transformers' too
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """A safetensors index's weight_map: each key to the file beside the index that holds it.
+    ValueError for one that is not such a map."""
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v == Path(v).name for k, v in weight_map.items()):
+        raise ValueError("its weight_map is not a map of keys to file names beside it")
+    return weight_map
+
+
 class _Sharded:
     """A sharded safetensors model, opened by its index (a run's model.safetensors.index.json),
     read as one safetensors file: each key from the file the index names for it."""
@@ -61,15 +74,12 @@ class _Sharded:
     def __init__(self, index: Path, stack: contextlib.ExitStack) -> None:
         from safetensors import safe_open
 
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and v == Path(v).name for k, v in weight_map.items()):
-            raise ValueError("its weight_map is not a map of keys to file names beside it")
-        for name in sorted(set(weight_map.values())):
+        weight_map = read_weight_map(index)
+        names = sorted(set(weight_map.values()))
+        for name in names:
             if not (index.parent / name).is_file():
                 raise ConfigError(f"model.init: {index.parent / name}, which the index {index.name} names, does not exist")
-        files = {name: stack.enter_context(safe_open(str(index.parent / name), framework="pt"))
-                 for name in sorted(set(weight_map.values()))}
+        files = {name: stack.enter_context(safe_open(str(index.parent / name), framework="pt")) for name in names}
         self._where = {key: files[name] for key, name in weight_map.items()}
 
     def keys(self) -> Iterator[str]:
@@ -89,7 +99,7 @@ def _open_init(job: JobConfig) -> Iterator[_InitFile]:
     path = Path(job.resolve(job.model.init))
     with contextlib.ExitStack() as stack:
         try:
-            if path.name.endswith(".safetensors.index.json"):   # a model written in several files
+            if path.name.endswith(INDEX_SUFFIX):   # a model written in several files
                 reader: Any = _Sharded(path, stack)
             elif path.suffix == ".safetensors":
                 from safetensors import safe_open
