@@ -5,7 +5,6 @@ a stage reads only its own layers and the launcher checks the file without holdi
 from __future__ import annotations
 
 import contextlib
-import json
 import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetpipe import outputs
 from hetpipe.config import JobConfig
 from hetpipe.errors import first_line
 from hetpipe.validate import ConfigError
@@ -54,19 +54,6 @@ class _InitFile:
             raise ConfigError(f"model.init: {self.path} lacks {missing[:5]}{hint}")
 
 
-INDEX_SUFFIX = ".safetensors.index.json"   # a sharded model's index: outputs.INDEX_FILE, transformers' too
-
-
-def read_weight_map(index: Path) -> dict[str, str]:
-    """A safetensors index's weight_map: each key to the file beside the index that holds it.
-    ValueError for one that is not such a map."""
-    weight_map = json.loads(index.read_text()).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and v == Path(v).name for k, v in weight_map.items()):
-        raise ValueError("its weight_map is not a map of keys to file names beside it")
-    return weight_map
-
-
 class _Sharded:
     """A sharded safetensors model, opened by its index (a run's model.safetensors.index.json),
     read as one safetensors file: each key from the file the index names for it."""
@@ -74,7 +61,7 @@ class _Sharded:
     def __init__(self, index: Path, stack: contextlib.ExitStack) -> None:
         from safetensors import safe_open
 
-        weight_map = read_weight_map(index)
+        weight_map = outputs.read_weight_map(index)
         names = sorted(set(weight_map.values()))
         for name in names:
             if not (index.parent / name).is_file():
@@ -99,7 +86,7 @@ def _open_init(job: JobConfig) -> Iterator[_InitFile]:
     path = Path(job.resolve(job.model.init))
     with contextlib.ExitStack() as stack:
         try:
-            if path.name.endswith(INDEX_SUFFIX):   # a model written in several files
+            if path.name.endswith(outputs.INDEX_SUFFIX):   # a model written in several files
                 reader: Any = _Sharded(path, stack)
             elif path.suffix == ".safetensors":
                 from safetensors import safe_open

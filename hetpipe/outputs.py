@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+INDEX_SUFFIX = ".safetensors.index.json"   # a sharded model's index: ours (INDEX_FILE) and transformers' too
 SUMMARY_FILE = "summary.json"
 LOCK_FILE = ".hetpipe.lock"  # held by the run writing into the folder; holds its pid
 TRACE_FILE = "trace.json"   # `hetpipe trace` writes it into the output directory unless told otherwise
@@ -35,6 +36,16 @@ JOB_ID_FILE = "coordinator.job"       # ... and the job_id they name there, so a
 TOKEN_FILE = "coordinator.token"      # ... and the per-run token they need (owner-only, gone after the run)
 STATUS_FILE = "status.json"           # how the last run ended, for `hetpipe status --job` afterwards
 TARGETS_FILE = "prometheus_targets.json"  # Prometheus file_sd: every process's metrics endpoint
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """A safetensors index's weight_map: each key to the file beside the index that holds it.
+    ValueError for one that is not such a map."""
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v == Path(v).name for k, v in weight_map.items()):
+        raise ValueError("its weight_map is not a map of keys to file names beside it")
+    return weight_map
 
 
 def write_atomically(path: str | Path, write: Callable[[Path], object], *, durable: bool = False) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from hetpipe import wire
 from hetpipe.errors import JobFailed
-from hetpipe.outputs import INDEX_FILE, SINGLE_FILE, fsync, stage_state_path, write_atomically, write_text_atomically
+from hetpipe.outputs import INDEX_FILE, SINGLE_FILE, read_weight_map, fsync, stage_state_path, write_atomically, write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def read_weights(out_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
     out_dir = Path(out_dir)
     index = out_dir / INDEX_FILE
-    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [SINGLE_FILE]
+    names = sorted(set(read_weight_map(index).values())) if index.exists() else [SINGLE_FILE]
     out: dict[str, torch.Tensor] = {}
     for name in names:
         out.update(load_file(str(out_dir / name)))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from hetpipe import model_init
+from hetpipe import outputs
 from hetpipe.catalog import CATALOG
 from hetpipe.config import JobConfig
 
@@ -140,9 +140,9 @@ def job_file_mounts(job: JobConfig, compose_dir: Path) -> list[Mount]:
 def index_parts(path: Path) -> list[str]:
     """The files a safetensors index (model.safetensors.index.json) names beside it; none for any
     other file. preflight has checked the index before this reads it."""
-    if not path.name.endswith(model_init.INDEX_SUFFIX):
+    if not path.name.endswith(outputs.INDEX_SUFFIX):
         return []
-    return sorted(set(model_init.read_weight_map(path).values()))
+    return sorted(set(outputs.read_weight_map(path).values()))
 
 
 def factory_modules(job: JobConfig) -> set[str]:
