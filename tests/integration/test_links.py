@@ -352,18 +352,25 @@ def test_a_refusal_that_no_retry_can_fix_fails_at_once() -> None:
 
 
 def test_closing_a_link_that_is_retrying_returns_promptly_without_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Closing ends a send that is retrying: with an hour of retries left, only the close can end
-    the link's thread before the test's timeout."""
+    """SIGTERM shutdown closes a stage's links. A link retrying a send to a dead neighbour must
+    give up at once, not wait out its retry window (10 s): otherwise the launcher, after its 3 s
+    grace, SIGKILLs the stages that outlived a dead one instead of stopping them. Here the window
+    is an hour and close() waits for the link's thread without limit (its own join gives up
+    after 5 s, and the channel it then closes would end the send by itself): only the close's
+    signal to the retrying send can end it before the test's timeout."""
     failures: list[str] = []
     attempts = _counted_attempts(monkeypatch)
     link = Link(address="127.0.0.1:9", method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
                 give_up_s=3600.0)
+    join = link._thread.join
+    monkeypatch.setattr(link._thread, "join", lambda timeout=None: join())
     link.send(_message(1))
     for _ in range(2):   # two attempts of the retrying path, a wait between them: it is retrying
         assert attempts.acquire(timeout=30), "the link is not retrying"
-    link.close()
-    link._thread.join(30)   # a hang's guard, not a speed bound
-    assert not link._thread.is_alive(), "the send went on retrying after close()"
+    closer = threading.Thread(target=link.close, daemon=True)
+    closer.start()
+    closer.join(60)   # a hang's guard, not a speed bound
+    assert not closer.is_alive(), "the send went on retrying after close()"
     assert not failures, "closing is not a send failure"
 
 
