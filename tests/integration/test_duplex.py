@@ -157,9 +157,10 @@ def test_close_leaves_no_thread_behind(echo: tuple[Echo, rpc.Stub]) -> None:
 
 
 def test_close_cancels_a_stream_the_server_does_not_end(echo: tuple[Echo, rpc.Stub]) -> None:
-    """A peer that holds its side open does not hold up close() for more than its grace."""
+    """A peer that holds its side open does not hold up close() for more than its grace. The
+    stream's deadline is an hour, so that only the cancel can end the held call."""
     servicer, stub = echo
-    duplex = Duplex(stub.ForwardLink, deadline_s=30)
+    duplex = Duplex(stub.ForwardLink, deadline_s=3600)
     duplex.call(b"a")
     caller = threading.Thread(target=lambda: pytest.raises(grpc.RpcError, duplex.call, b"hold"), daemon=True)
     caller.start()
