@@ -193,13 +193,18 @@ def test_stop_before_any_job_then_a_new_job_starts(coordinator, make_job) -> Non
         State.PENDING, State.PLANNED)
 
 
-def test_stop_while_planning_or_waiting_for_workers_stops_at_once(coordinator, make_job) -> None:
+def test_stop_while_waiting_for_workers_stops_at_once(coordinator, make_job) -> None:
+    """The job thread, waiting for workers that never come, ends within a poll, not at the claim
+    timeout: an hour here, so only the stop can end it before the test's timeout (the next
+    Submit is refused while it runs)."""
     stub, servicer, _ = coordinator
-    # The job thread, waiting for workers that never come, ends within a poll, not at the claim
-    # timeout: an hour here, so only the stop can end it before the test's timeout.
     servicer.runner.claim_timeout_s = 3600.0
     job = make_job({"parallel": {"stages_per_vw": 2}, "output": {"trace": False}})
     stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5)
+    deadline = time.monotonic() + 60   # a hang's guard, not a speed bound
+    while "waiting up to 3600s" not in (view := stub.GetJob(coordinator_pb2.JobRef(), timeout=5)).waiting:
+        assert time.monotonic() < deadline and view.state in (State.PENDING, State.PLANNED), view
+        time.sleep(0.05)
     assert stub.StopJob(coordinator_pb2.JobRef(), timeout=5).state == State.STOPPED
     assert servicer.runner.machine.wait_terminal(5)
     deadline = time.monotonic() + 60   # a hang's guard, not a speed bound
