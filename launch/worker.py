@@ -216,9 +216,7 @@ class Launcher:
             if code == EXIT_ORPHANED:   # its coordinator restarted, and lost the job this process served
                 print(f"hetpipe worker: {p.name}'s coordinator lost the job it served (it restarted); starting a "
                       "fresh one", file=sys.stderr)
-                if p.name in self.shard_dirs:
-                    shutil.rmtree(self.shard_dirs[p.name], ignore_errors=True)   # that job's clocks
-                group.restart(p, fresh=True)
+                group.restart(p, fresh=True)   # a shard discarded that job's clocks before it exited
             elif p.module == "stage_worker":
                 if code != 0:
                     raise JobFailed(f"{p.name} at {p.address} {p.exit_description()}; log {p.log_path}")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 from hetpipe import devices, rpc, security
-from hetpipe.service import exit_now, run_server, secure
+from hetpipe.service import EXIT_ORPHANED, exit_now, run_server, secure
 from hetpipe.v1 import coordinator_pb2
 from ps_server import metrics as shard_metrics
 from ps_server.config import ShardConfig, parse_args
@@ -28,15 +29,25 @@ def serve(cfg: ShardConfig) -> int:
     server = rpc.Server(cfg.service.host, cfg.service.port, role="ps_shard",
                         workers=rpc.server_threads("ParameterServer"), health_port=cfg.service.health_port)
 
+    orphaned = threading.Event()
+
     def shutdown() -> None:
         servicer.flush_trace()  # before the checkpoint, which may outlast the launcher's grace
-        servicer.checkpoint()
+        if not orphaned.is_set():
+            servicer.checkpoint()
         server.stop()
 
     server.add("ParameterServer", servicer)
     shard_metrics.bind(servicer.metrics_snapshot)
-    return run_server(cfg.service, server, shutdown, role=coordinator_pb2.WorkerInfo.PS_SHARD,
-                      holds_job=lambda: servicer.shard.ready)
+    code = run_server(cfg.service, server, shutdown, role=coordinator_pb2.WorkerInfo.PS_SHARD,
+                      holds_job=lambda: servicer.shard.ready, on_orphaned=orphaned.set)
+    if code == EXIT_ORPHANED:
+        # The job ended with the coordinator that ran it: whatever restarts this process (compose,
+        # a StatefulSet, `hetpipe worker`) must start it fresh, not restore that job's clocks, which
+        # the next job's Init would meet as a conflict. Once stopped, so that no push writes after.
+        servicer.discard()
+        logging.info("discarded the state of the job that ended with its coordinator (%s)", cfg.checkpoint_dir)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

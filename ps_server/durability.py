@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -380,6 +381,14 @@ class Durability:
             spares, self._spares = self._spares, []
         for path in spares:
             path.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        """Deletes the checkpoint, the log and the boot id: a restore after it finds nothing."""
+        with self._write_lock, self._lock:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self._spares = []
+            for path in (self.checkpoint_path, self.boot_path):
+                path.unlink(missing_ok=True)
 
     def _spare(self, path: Path) -> None:
         """path's entry is no longer needed: its file waits to be written over (caller holds _lock)."""

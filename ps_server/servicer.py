@@ -117,6 +117,16 @@ class ShardServicer:
                 self.durability.checkpoint(self.shard)
                 self.durability.close()
 
+    def discard(self) -> None:
+        """Deletes the shard's durable state (checkpoint, log, index): its job is over."""
+        if self.durability is not None:
+            self.checkpoints_written()
+            with self._cv:
+                self.durability.discard()
+                path = self._index_path()
+                if path is not None:
+                    path.unlink(missing_ok=True)
+
     def _checkpoint_change(self, fresh: bool) -> None:
         """Init and Evict are acknowledged once a checkpoint holds them. Their retries change
         nothing, so a change whose checkpoint failed is checkpointed by the retry."""

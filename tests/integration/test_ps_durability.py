@@ -325,3 +325,61 @@ def test_a_push_refused_under_g4_gets_no_place_in_the_log(tmp_path: Path, monkey
         assert placed == [], "a push the shard refused was placed"
         assert not ps.client.push(1, 1, delta(1, 1)).duplicate
         assert len(placed) == 1
+
+
+class _ForgetfulCoordinator:
+    """Registers anyone, and knows them until it restarts (forget()): a fresh registry then."""
+
+    def __init__(self) -> None:
+        self.known = threading.Event()
+        self.known.set()
+        self.registered = threading.Semaphore(0)
+
+    def Register(self, request: Any, context: object) -> Any:
+        from hetpipe.v1 import coordinator_pb2
+        self.registered.release()
+        return coordinator_pb2.RegisterReply(worker_id="w1", heartbeat_interval_s=0.1)
+
+    def Heartbeat(self, request: Any, context: object) -> Any:
+        from hetpipe.v1 import coordinator_pb2
+        return coordinator_pb2.HeartbeatReply(known=self.known.is_set())
+
+    def forget(self) -> None:
+        self.known.clear()
+
+
+def test_a_shard_whose_coordinator_restarted_discards_that_jobs_state(tmp_path: Path) -> None:
+    """The job ended with the coordinator: the shard exits EXIT_ORPHANED having deleted its
+    checkpoint, log and index, so that what restarts it in its folder (compose, a StatefulSet)
+    starts it fresh. Restored, its old clocks and values met the next job's Init as a conflict."""
+    from hetpipe.service import EXIT_ORPHANED
+
+    coordinator = _ForgetfulCoordinator()
+    server = rpc.Server("127.0.0.1", 0)
+    server.add("Coordinator", coordinator)
+    server.start()
+    ckpt = tmp_path / "ckpt"
+    shard = ShardProcess(
+        [sys.executable, "-m", "ps_server", "--ready-file", str(tmp_path / "shard.ready"), "--checkpoint-dir",
+         str(ckpt), "--coordinator", server.address, "--exit-with-parent"],
+        tmp_path / "shard.ready", tmp_path / "shard.log")
+    try:
+        shard.start()
+        assert coordinator.registered.acquire(timeout=30), "the shard never registered"
+        with rpc.channel(shard.address) as ch:
+            c = Client(ps_pb2_grpc.ParameterServerStub(ch))
+            assert c.init(w0(), rule={"shard": 0}).message == "initialised"
+            c.push(0, 0, delta(0, 0))
+        assert (ckpt / "checkpoint.pt").exists() and (ckpt / "shard_index").exists()
+        coordinator.forget()
+        assert shard.proc is not None and shard.proc.wait(30) == EXIT_ORPHANED, shard.log.read_text()[-2000:]
+        left = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
+        assert left == [], f"the ended job's state outlived it: {left}"
+        coordinator.known.set()
+        shard.start()   # in the same folder, as a container's restart would
+        with rpc.channel(shard.address) as ch:
+            status = Client(ps_pb2_grpc.ParameterServerStub(ch)).status(wait_for_ready=True)
+        assert status.keys == 0 and status.pushes_applied == 0, status
+    finally:
+        shard.stop()
+        server.stop()
