@@ -122,28 +122,25 @@ class Registry:
         self._lock = threading.Condition()
 
     def register(self, info: coordinator_pb2.WorkerInfo) -> str:
+        """The new worker's id; "" for one that holds a job (info.holds_job) and takes over no
+        assignment here: not registered, as that job ended with the coordinator that ran it."""
         validate(info)
         with self._lock:
             self._forget_silent()
-            if len(self._workers) >= MAX_WORKERS and not any(w.info.address == info.address
-                                                             for w in self._workers.values()):
+            previous = next((w for w in self._workers.values() if w.info.address == info.address), None)
+            if len(self._workers) >= MAX_WORKERS and previous is None:
                 raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{len(self._workers)} workers registered, at most {MAX_WORKERS}")
-            for w in list(self._workers.values()):
-                if w.info.address != info.address:
-                    continue
-                if w.info.node != info.node and self._alive(w):
-                    raise Rejected(
-                        grpc.StatusCode.ALREADY_EXISTS,
-                        f"address {info.address} is already registered by {w.label}",
-                    )
-                # Same address on the same node: the process restarted there (one port, one
-                # process), so the new registration takes over the old one's assignment.
-                del self._workers[w.worker_id]
-                worker = Worker(uuid.uuid4().hex[:12], info, time.monotonic(), w.assigned)
-                break
-            else:
-                worker = Worker(uuid.uuid4().hex[:12], info, time.monotonic())
+            if previous is not None and previous.info.node != info.node and self._alive(previous):
+                raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
+                               f"address {info.address} is already registered by {previous.label}")
+            if info.holds_job and (previous is None or not previous.assigned):
+                return ""
+            # The same address, its holder gone or on the same node: the process restarted there
+            # (one port, one process), so the new registration takes over the old one's assignment.
+            if previous is not None:
+                del self._workers[previous.worker_id]
+            worker = Worker(uuid.uuid4().hex[:12], info, time.monotonic(), previous.assigned if previous else "")
             # The same process registering again (this registry forgot it) is still spent.
             self._spent = {(a, n) for a, n in self._spent if a != info.address or n == info.name}
             self._workers[worker.worker_id] = worker

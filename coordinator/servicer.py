@@ -46,7 +46,8 @@ class CoordinatorServicer:
     @handler
     def Register(self, request: coordinator_pb2.WorkerInfo, context: grpc.ServicerContext) -> coordinator_pb2.RegisterReply:
         worker_id = self.registry.register(request)
-        return coordinator_pb2.RegisterReply(worker_id=worker_id, heartbeat_interval_s=self.registry.interval)
+        return coordinator_pb2.RegisterReply(worker_id=worker_id, heartbeat_interval_s=self.registry.interval,
+                                             job_unknown=not worker_id)
 
     @handler
     def Heartbeat(self, request: coordinator_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> coordinator_pb2.HeartbeatReply:

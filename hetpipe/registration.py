@@ -61,8 +61,9 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
     A process that holds a job (holds_job) when the coordinator has forgotten it does not
     register again: the job ended with the coordinator that ran it, and a new job must not find
     it assigned (a stage) or holding another job's clocks (a shard). Nor does it when the
-    coordinator has refused connections for UNREACHABLE_HEARTBEATS intervals. on_orphaned() ends
-    it, and its launcher starts a fresh one."""
+    coordinator has refused connections for UNREACHABLE_HEARTBEATS intervals, nor when it holds
+    a job at its first registration (a shard restored from its checkpoint) and the coordinator
+    answers job_unknown. on_orphaned() ends it, and its launcher starts a fresh one."""
     registration = Registration(coordinator)
     stub = registration.stub
 
@@ -73,7 +74,15 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
             worker_id = registration.worker_id
             try:
                 if not worker_id:
-                    reply = stub.Register(info, timeout=rpc.CONTROL_DEADLINE_S)
+                    request = coordinator_pb2.WorkerInfo()
+                    request.CopyFrom(info)
+                    request.holds_job = holds_job()
+                    reply = stub.Register(request, timeout=rpc.CONTROL_DEADLINE_S)
+                    if reply.job_unknown:
+                        log.warning("coordinator %s runs no job of the state this process holds (restored after "
+                                    "the coordinator restarted): exiting, for a fresh process in its place", coordinator)
+                        on_orphaned()
+                        break
                     registration.worker_id, interval = reply.worker_id, reply.heartbeat_interval_s
                     log.info("registered with coordinator %s as %s", coordinator, reply.worker_id)
                 elif not stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=worker_id),

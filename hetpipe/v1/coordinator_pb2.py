@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hetpipe.v1 import wire_pb2 as hetpipe_dot_v1_dot_wire__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chetpipe/v1/coordinator.proto\x12\nhetpipe.v1\x1a\x15hetpipe/v1/wire.proto\"\x81\x02\n\nWorkerInfo\x12)\n\x04role\x18\x01 \x01(\x0e\x32\x1b.hetpipe.v1.WorkerInfo.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08gpu_type\x18\x05 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x06 \x01(\x04\x12\x14\n\x0cmetrics_port\x18\x07 \x01(\r\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\"<\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTAGE_WORKER\x10\x01\x12\x0c\n\x08PS_SHARD\x10\x02\"@\n\rRegisterReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"6\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\xcf\x01\n\nWorkerList\x12-\n\x07workers\x18\x01 \x03(\x0b\x32\x1c.hetpipe.v1.WorkerList.Entry\x1a\x91\x01\n\x05\x45ntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04info\x18\x02 \x01(\x0b\x32\x16.hetpipe.v1.WorkerInfo\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x10\n\x08\x61ssigned\x18\x05 \x01(\t\x12\r\n\x05spent\x18\x06 \x01(\x08\"!\n\rSubmitRequest\x12\x10\n\x08job_json\x18\x01 \x01(\t\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xee\x02\n\tJobStatus\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.hetpipe.v1.JobStatus.State\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tplan_json\x18\x03 \x01(\t\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x15\n\rtotal_samples\x18\x05 \x01(\x04\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x07 \x01(\x01\x12\x14\n\x0csummary_json\x18\x08 \x01(\t\x12\x10\n\x08\x65mulated\x18\t \x01(\x08\x12\x0e\n\x06job_id\x18\n \x01(\t\x12\x0f\n\x07waiting\x18\x0b \x01(\t\"w\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x08\n\x04NONE\x10\x01\x12\x0b\n\x07PENDING\x10\x02\x12\x0b\n\x07PLANNED\x10\x03\x12\x0b\n\x07RUNNING\x10\x04\x12\r\n\tCOMPLETED\x10\x05\x12\n\n\x06\x46\x41ILED\x10\x06\x12\x0b\n\x07STOPPED\x10\x07\"D\n\x0eResultsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nskip_files\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"G\n\x0bOutputChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x32\xb6\x03\n\x0b\x43oordinator\x12=\n\x08Register\x12\x16.hetpipe.v1.WorkerInfo\x1a\x19.hetpipe.v1.RegisterReply\x12\x45\n\tHeartbeat\x12\x1c.hetpipe.v1.HeartbeatRequest\x1a\x1a.hetpipe.v1.HeartbeatReply\x12\x38\n\x0bListWorkers\x12\x11.hetpipe.v1.Empty\x1a\x16.hetpipe.v1.WorkerList\x12:\n\x06Submit\x12\x19.hetpipe.v1.SubmitRequest\x1a\x15.hetpipe.v1.JobStatus\x12\x33\n\x06GetJob\x12\x12.hetpipe.v1.JobRef\x1a\x15.hetpipe.v1.JobStatus\x12\x34\n\x07StopJob\x12\x12.hetpipe.v1.JobRef\x1a\x15.hetpipe.v1.JobStatus\x12@\n\x07Results\x12\x1a.hetpipe.v1.ResultsRequest\x1a\x17.hetpipe.v1.OutputChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chetpipe/v1/coordinator.proto\x12\nhetpipe.v1\x1a\x15hetpipe/v1/wire.proto\"\x94\x02\n\nWorkerInfo\x12)\n\x04role\x18\x01 \x01(\x0e\x32\x1b.hetpipe.v1.WorkerInfo.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08gpu_type\x18\x05 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x06 \x01(\x04\x12\x14\n\x0cmetrics_port\x18\x07 \x01(\r\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x11\n\tholds_job\x18\n \x01(\x08\"<\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTAGE_WORKER\x10\x01\x12\x0c\n\x08PS_SHARD\x10\x02\"U\n\rRegisterReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x13\n\x0bjob_unknown\x18\x03 \x01(\x08\"6\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\xcf\x01\n\nWorkerList\x12-\n\x07workers\x18\x01 \x03(\x0b\x32\x1c.hetpipe.v1.WorkerList.Entry\x1a\x91\x01\n\x05\x45ntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04info\x18\x02 \x01(\x0b\x32\x16.hetpipe.v1.WorkerInfo\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x10\n\x08\x61ssigned\x18\x05 \x01(\t\x12\r\n\x05spent\x18\x06 \x01(\x08\"!\n\rSubmitRequest\x12\x10\n\x08job_json\x18\x01 \x01(\t\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xee\x02\n\tJobStatus\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.hetpipe.v1.JobStatus.State\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tplan_json\x18\x03 \x01(\t\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x15\n\rtotal_samples\x18\x05 \x01(\x04\x12\x0c\n\x04loss\x18\x06 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x07 \x01(\x01\x12\x14\n\x0csummary_json\x18\x08 \x01(\t\x12\x10\n\x08\x65mulated\x18\t \x01(\x08\x12\x0e\n\x06job_id\x18\n \x01(\t\x12\x0f\n\x07waiting\x18\x0b \x01(\t\"w\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x08\n\x04NONE\x10\x01\x12\x0b\n\x07PENDING\x10\x02\x12\x0b\n\x07PLANNED\x10\x03\x12\x0b\n\x07RUNNING\x10\x04\x12\r\n\tCOMPLETED\x10\x05\x12\n\n\x06\x46\x41ILED\x10\x06\x12\x0b\n\x07STOPPED\x10\x07\"D\n\x0eResultsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nskip_files\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"G\n\x0bOutputChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x32\xb6\x03\n\x0b\x43oordinator\x12=\n\x08Register\x12\x16.hetpipe.v1.WorkerInfo\x1a\x19.hetpipe.v1.RegisterReply\x12\x45\n\tHeartbeat\x12\x1c.hetpipe.v1.HeartbeatRequest\x1a\x1a.hetpipe.v1.HeartbeatReply\x12\x38\n\x0bListWorkers\x12\x11.hetpipe.v1.Empty\x1a\x16.hetpipe.v1.WorkerList\x12:\n\x06Submit\x12\x19.hetpipe.v1.SubmitRequest\x1a\x15.hetpipe.v1.JobStatus\x12\x33\n\x06GetJob\x12\x12.hetpipe.v1.JobRef\x1a\x15.hetpipe.v1.JobStatus\x12\x34\n\x07StopJob\x12\x12.hetpipe.v1.JobRef\x1a\x15.hetpipe.v1.JobStatus\x12@\n\x07Results\x12\x1a.hetpipe.v1.ResultsRequest\x1a\x17.hetpipe.v1.OutputChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hetpipe.v1.coordinator_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERINFO']._serialized_start=68
-  _globals['_WORKERINFO']._serialized_end=325
-  _globals['_WORKERINFO_ROLE']._serialized_start=265
-  _globals['_WORKERINFO_ROLE']._serialized_end=325
-  _globals['_REGISTERREPLY']._serialized_start=327
-  _globals['_REGISTERREPLY']._serialized_end=391
-  _globals['_HEARTBEATREQUEST']._serialized_start=393
-  _globals['_HEARTBEATREQUEST']._serialized_end=447
-  _globals['_HEARTBEATREPLY']._serialized_start=449
-  _globals['_HEARTBEATREPLY']._serialized_end=480
-  _globals['_WORKERLIST']._serialized_start=483
-  _globals['_WORKERLIST']._serialized_end=690
-  _globals['_WORKERLIST_ENTRY']._serialized_start=545
-  _globals['_WORKERLIST_ENTRY']._serialized_end=690
-  _globals['_SUBMITREQUEST']._serialized_start=692
-  _globals['_SUBMITREQUEST']._serialized_end=725
-  _globals['_JOBREF']._serialized_start=727
-  _globals['_JOBREF']._serialized_end=751
-  _globals['_JOBSTATUS']._serialized_start=754
-  _globals['_JOBSTATUS']._serialized_end=1120
-  _globals['_JOBSTATUS_STATE']._serialized_start=1001
-  _globals['_JOBSTATUS_STATE']._serialized_end=1120
-  _globals['_RESULTSREQUEST']._serialized_start=1122
-  _globals['_RESULTSREQUEST']._serialized_end=1190
-  _globals['_OUTPUTCHUNK']._serialized_start=1192
-  _globals['_OUTPUTCHUNK']._serialized_end=1263
-  _globals['_COORDINATOR']._serialized_start=1266
-  _globals['_COORDINATOR']._serialized_end=1704
+  _globals['_WORKERINFO']._serialized_end=344
+  _globals['_WORKERINFO_ROLE']._serialized_start=284
+  _globals['_WORKERINFO_ROLE']._serialized_end=344
+  _globals['_REGISTERREPLY']._serialized_start=346
+  _globals['_REGISTERREPLY']._serialized_end=431
+  _globals['_HEARTBEATREQUEST']._serialized_start=433
+  _globals['_HEARTBEATREQUEST']._serialized_end=487
+  _globals['_HEARTBEATREPLY']._serialized_start=489
+  _globals['_HEARTBEATREPLY']._serialized_end=520
+  _globals['_WORKERLIST']._serialized_start=523
+  _globals['_WORKERLIST']._serialized_end=730
+  _globals['_WORKERLIST_ENTRY']._serialized_start=585
+  _globals['_WORKERLIST_ENTRY']._serialized_end=730
+  _globals['_SUBMITREQUEST']._serialized_start=732
+  _globals['_SUBMITREQUEST']._serialized_end=765
+  _globals['_JOBREF']._serialized_start=767
+  _globals['_JOBREF']._serialized_end=791
+  _globals['_JOBSTATUS']._serialized_start=794
+  _globals['_JOBSTATUS']._serialized_end=1160
+  _globals['_JOBSTATUS_STATE']._serialized_start=1041
+  _globals['_JOBSTATUS_STATE']._serialized_end=1160
+  _globals['_RESULTSREQUEST']._serialized_start=1162
+  _globals['_RESULTSREQUEST']._serialized_end=1230
+  _globals['_OUTPUTCHUNK']._serialized_start=1232
+  _globals['_OUTPUTCHUNK']._serialized_end=1303
+  _globals['_COORDINATOR']._serialized_start=1306
+  _globals['_COORDINATOR']._serialized_end=1744
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "address", "node", "device", "gpu_type", "memory_bytes", "metrics_port", "name", "host_id")
+    __slots__ = ("role", "address", "node", "device", "gpu_type", "memory_bytes", "metrics_port", "name", "host_id", "holds_job")
     class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ROLE_UNSPECIFIED: _ClassVar[WorkerInfo.Role]
@@ -27,6 +27,7 @@ class WorkerInfo(_message.Message):
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_JOB_FIELD_NUMBER: _ClassVar[int]
     role: WorkerInfo.Role
     address: str
     node: str
@@ -36,15 +37,18 @@ class WorkerInfo(_message.Message):
     metrics_port: int
     name: str
     host_id: str
-    def __init__(self, role: _Optional[_Union[WorkerInfo.Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., gpu_type: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., metrics_port: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    holds_job: bool
+    def __init__(self, role: _Optional[_Union[WorkerInfo.Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., gpu_type: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., metrics_port: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., holds_job: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("worker_id", "heartbeat_interval_s")
+    __slots__ = ("worker_id", "heartbeat_interval_s", "job_unknown")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    JOB_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     heartbeat_interval_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    job_unknown: bool
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., job_unknown: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "leaving")

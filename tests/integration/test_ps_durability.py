@@ -327,59 +327,77 @@ def test_a_push_refused_under_g4_gets_no_place_in_the_log(tmp_path: Path, monkey
         assert len(placed) == 1
 
 
-class _ForgetfulCoordinator:
-    """Registers anyone, and knows them until it restarts (forget()): a fresh registry then."""
+def _coordinator(port: int = 0) -> Any:
+    from coordinator.__main__ import build
 
-    def __init__(self) -> None:
-        self.known = threading.Event()
-        self.known.set()
-        self.registered = threading.Semaphore(0)
+    server, _ = build("127.0.0.1", port, heartbeat_interval_s=0.1)
+    server.start()
+    return server
 
-    def Register(self, request: Any, context: object) -> Any:
-        from hetpipe.v1 import coordinator_pb2
-        self.registered.release()
-        return coordinator_pb2.RegisterReply(worker_id="w1", heartbeat_interval_s=0.1)
 
-    def Heartbeat(self, request: Any, context: object) -> Any:
-        from hetpipe.v1 import coordinator_pb2
-        return coordinator_pb2.HeartbeatReply(known=self.known.is_set())
+def _registered(coordinator: Any, shard: ShardProcess) -> None:
+    from hetpipe.v1 import coordinator_pb2_grpc
 
-    def forget(self) -> None:
-        self.known.clear()
+    with rpc.channel(coordinator.address) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        deadline = time.monotonic() + 30
+        while shard.address not in [w.info.address for w in stub.ListWorkers(wire_pb2.Empty(), timeout=5).workers]:
+            assert time.monotonic() < deadline, f"the shard never registered: {shard.log.read_text()[-2000:]}"
+            time.sleep(0.05)
+
+
+def _left(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
 def test_a_shard_whose_coordinator_restarted_discards_that_jobs_state(tmp_path: Path) -> None:
-    """The job ended with the coordinator: the shard exits EXIT_ORPHANED having deleted its
-    checkpoint, log and index, so that what restarts it in its folder (compose, a StatefulSet)
-    starts it fresh. Restored, its old clocks and values met the next job's Init as a conflict."""
+    """The job ended with the coordinator that ran it, and the shard with it: it exits
+    EXIT_ORPHANED having deleted its checkpoint, log and index, so that what restarts it in its
+    folder (compose, a StatefulSet, `hetpipe worker`) starts it fresh; restored, that job's values
+    met the next job's Init as a conflict. Both ways: the restarted coordinator answers the
+    heartbeat "unknown"; a shard restored after a kill registers holding a job it runs not."""
     from hetpipe.service import EXIT_ORPHANED
 
-    coordinator = _ForgetfulCoordinator()
-    server = rpc.Server("127.0.0.1", 0)
-    server.add("Coordinator", coordinator)
-    server.start()
+    coordinator = _coordinator()
+    port = int(coordinator.address.rsplit(":", 1)[1])
     ckpt = tmp_path / "ckpt"
     shard = ShardProcess(
         [sys.executable, "-m", "ps_server", "--ready-file", str(tmp_path / "shard.ready"), "--checkpoint-dir",
-         str(ckpt), "--coordinator", server.address, "--exit-with-parent"],
+         str(ckpt), "--coordinator", coordinator.address, "--exit-with-parent"],
         tmp_path / "shard.ready", tmp_path / "shard.log")
-    try:
+
+    def serve_a_job() -> None:
         shard.start()
-        assert coordinator.registered.acquire(timeout=30), "the shard never registered"
+        _registered(coordinator, shard)
         with rpc.channel(shard.address) as ch:
             c = Client(ps_pb2_grpc.ParameterServerStub(ch))
             assert c.init(w0(), rule={"shard": 0}).message == "initialised"
             c.push(0, 0, delta(0, 0))
-        assert (ckpt / "checkpoint.pt").exists() and (ckpt / "shard_index").exists()
-        coordinator.forget()
+        assert {"checkpoint.pt", "shard_index"} <= set(_left(ckpt))
+
+    try:
+        serve_a_job()
+        coordinator.stop()
+        coordinator = _coordinator(port)   # restarted: its registry knows nobody
         assert shard.proc is not None and shard.proc.wait(30) == EXIT_ORPHANED, shard.log.read_text()[-2000:]
-        left = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
-        assert left == [], f"the ended job's state outlived it: {left}"
-        coordinator.known.set()
-        shard.start()   # in the same folder, as a container's restart would
+        assert _left(ckpt) == [], "the ended job's state outlived it"
+
+        serve_a_job()   # fresh: it registers, and serves the next job
+        shard.proc.kill()
+        shard.proc.wait(10)
+        shard.start()   # restored from its folder, holding a job this coordinator never gave it
+        assert shard.proc.wait(30) == EXIT_ORPHANED, shard.log.read_text()[-2000:]
+        assert _left(ckpt) == [], "the restored job's state outlived it"
+        with rpc.channel(coordinator.address) as ch:
+            from hetpipe.v1 import coordinator_pb2_grpc
+            workers = coordinator_pb2_grpc.CoordinatorStub(ch).ListWorkers(wire_pb2.Empty(), timeout=5).workers
+        assert f"pid {shard.proc.pid}" not in [w.info.name for w in workers], "it registered holding that job"
+
+        shard.start()
+        _registered(coordinator, shard)
         with rpc.channel(shard.address) as ch:
             status = Client(ps_pb2_grpc.ParameterServerStub(ch)).status(wait_for_ready=True)
         assert status.keys == 0 and status.pushes_applied == 0, status
     finally:
         shard.stop()
-        server.stop()
+        coordinator.stop()

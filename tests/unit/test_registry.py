@@ -150,6 +150,27 @@ def test_a_restarted_process_takes_over_its_assignment_but_another_node_cannot()
     assert again.worker_id != w.worker_id and again.assigned == "stage 0 of vw 0"
 
 
+def test_a_process_holding_a_job_registers_only_to_take_over_its_assignment() -> None:
+    """A shard restored from its checkpoint holds a job: the coordinator that gave it that job
+    takes it back (its restart mid-job); any other registry refuses it (job_unknown), so that no
+    next job is given a shard holding an ended job's clocks."""
+    def restored(address: str, node: str = "n0") -> Info:
+        holding = info(address, node=node, role=Info.PS_SHARD)
+        holding.holds_job = True
+        return holding
+
+    r = Registry()
+    assert r.register(restored("127.0.0.1:7001")) == "", "a fresh registry: that job ended with another"
+    assert r.workers() == []
+    r.register(info("127.0.0.1:7001", role=Info.PS_SHARD))
+    assert r.register(restored("127.0.0.1:7001")) == "", "its address is known, but holds no assignment"
+    (w,) = r.claim(Info.PS_SHARD, [("ps shard 0", "", "")], 1)
+    assert r.register(restored("127.0.0.1:7002")) == "", "another address's assignment is not its own"
+    again = r.register(restored("127.0.0.1:7001"))   # restarted from its checkpoint mid-job
+    assert again and again != w.worker_id
+    assert [(x.worker_id, x.assigned) for x, _, _ in r.workers()] == [(again, "ps shard 0")]
+
+
 def test_silent_names_only_assigned_workers_past_their_heartbeats_and_grace(clock: StillClock) -> None:
     r = Registry(heartbeat_interval_s=1.0, awake=never_paused())
     r.register(info("127.0.0.1:7001"))
