@@ -12,10 +12,12 @@ examples/compose-cluster.yaml (tests/unit/test_compose.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
 from dataclasses import dataclass
+from modulefinder import ModuleFinder
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -147,14 +149,18 @@ def index_parts(path: Path) -> list[str]:
 
 def factory_modules(job: JobConfig) -> set[str]:
     """The top-level packages (folders) and modules (NAME.py) beside the job file that its
-    factories import: what a container needs besides the image to build the model and data."""
-    found = set()
+    factories import, and those their code imports in turn: what a container needs besides the
+    image to build the model and data. Found by reading the code (modulefinder), running none."""
+    base = Path(job.base_dir).resolve()
+    finder = ModuleFinder(path=[str(base)])   # only what lies beside the job file is found
     for spec in job.factories.values():
-        top = spec.partition(":")[0].partition(".")[0]
-        for name in (top, f"{top}.py"):
-            if (Path(job.base_dir) / name).exists():
-                found.add(name)
-                break
+        with contextlib.suppress(ImportError, SyntaxError):   # preflight reports a factory that fails to import
+            finder.import_hook(spec.partition(":")[0])
+    found = set()
+    for name, module in finder.modules.items():   # (typeshed's Module lacks __file__, __path__)
+        path = Path(getattr(module, "__file__", None) or "").resolve()
+        if base in path.parents:
+            found.add(name.partition(".")[0] if getattr(module, "__path__", None) or "." in name else path.name)
     return found
 
 

@@ -388,10 +388,11 @@ def test_cli_writes_the_manifests(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_factory_modules_beside_the_job_file_reach_every_container(tmp_path: Path) -> None:
-    """model.factory in a package folder and data factories in a NAME.py beside the job file:
-    compose binds them and the k8s ConfigMap carries them file by file (caches left behind), so
-    that in each container's view of the files the job, read from JOB_MOUNT, builds its model
-    and reads its data, with only the image's packages installed."""
+    """model.factory in a package folder and data factories in a NAME.py beside the job file,
+    and a module beside it that the package imports: compose binds them and the k8s ConfigMap
+    carries them file by file (caches left behind), so that in each container's view of the
+    files the job, read from JOB_MOUNT, builds its model and reads its data, with only the
+    image's packages installed. A module beside the job file that no factory imports stays."""
     import shutil
     import subprocess
     import sys
@@ -400,7 +401,9 @@ def test_factory_modules_beside_the_job_file_reach_every_container(tmp_path: Pat
     (tmp_path / "nets" / "__pycache__").mkdir(parents=True)
     (tmp_path / "nets" / "__init__.py").write_text("")
     (tmp_path / "nets" / "__pycache__" / "junk.pyc").write_bytes(b"\0")
-    shutil.copy(own / "digits_net.py", tmp_path / "nets" / "digits.py")
+    (tmp_path / "nets" / "digits.py").write_text((own / "digits_net.py").read_text() + "from widths import HIDDEN\n")
+    (tmp_path / "widths.py").write_text("import json\nHIDDEN = 64\n")
+    (tmp_path / "unused.py").write_text("raise SystemExit('no factory imports this')\n")
     shutil.copy(own / "digits_data.py", tmp_path)
     raw = yaml.safe_load((own / "job.yaml").read_text())
     raw["model"]["factory"] = "nets.digits:build"
@@ -435,6 +438,7 @@ def test_factory_modules_beside_the_job_file_reach_every_container(tmp_path: Pat
             target.write_bytes(files[mount["subPath"]])
         assert not list(root.rglob("__pycache__")), "a cache file went into the ConfigMap"
     assert len(views) == 4, views
+    assert not [root for root in views.values() if list(root.rglob("unused.py"))], "a module no factory imports"
     # A stage reads no job file: the job comes in its assignment, with base_dir JOB_MOUNT's folder.
     check = ("import dataclasses, sys\nfrom hetpipe import data, models\nfrom hetpipe.config import load_job\n"
              "job = load_job(sys.argv[1] + '/etc/hetpipe/job.yaml')\n"
@@ -442,7 +446,7 @@ def test_factory_modules_beside_the_job_file_reach_every_container(tmp_path: Pat
              "    job = dataclasses.replace(job, base_dir=root + '/etc/hetpipe')\n"
              "    assert sum(p.numel() for p in models.structure(job.model, job.base_dir).parameters()) > 0\n"
              "    assert len(data.training_set(job)) > 0 and len(data.held_out_set(job)) > 0\n"
-             "    for name in ('nets', 'nets.digits', 'digits_data'):\n"
+             "    for name in ('nets', 'nets.digits', 'digits_data', 'widths'):\n"
              "        assert sys.modules[name].__file__.startswith(root), (name, sys.modules[name].__file__)\n"
              "        del sys.modules[name]\n"
              "    sys.path.remove(job.base_dir)\n")
