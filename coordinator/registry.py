@@ -128,14 +128,14 @@ class Registry:
         with self._lock:
             self._forget_silent()
             previous = next((w for w in self._workers.values() if w.info.address == info.address), None)
-            if len(self._workers) >= MAX_WORKERS and previous is None:
-                raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{len(self._workers)} workers registered, at most {MAX_WORKERS}")
             if previous is not None and previous.info.node != info.node and self._alive(previous):
                 raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
                                f"address {info.address} is already registered by {previous.label}")
             if info.holds_job and (previous is None or not previous.assigned):
                 return ""
+            if len(self._workers) >= MAX_WORKERS and previous is None:
+                raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{len(self._workers)} workers registered, at most {MAX_WORKERS}")
             # The same address, its holder gone or on the same node: the process restarted there
             # (one port, one process), so the new registration takes over the old one's assignment.
             if previous is not None:

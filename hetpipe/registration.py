@@ -54,7 +54,7 @@ class Registration:
 
 def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped: threading.Event, *,
                     holds_job: Callable[[], bool] = lambda: False,
-                    on_orphaned: Callable[[], None] = lambda: None) -> Registration:
+                    on_orphaned: Callable[[bool], None] = lambda job_ended: None) -> Registration:
     """Registers with the coordinator and heartbeats on a daemon thread; re-registers whenever
     the coordinator has forgotten us (it restarted) and retries while it is unreachable.
 
@@ -63,7 +63,9 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
     it assigned (a stage) or holding another job's clocks (a shard). Nor does it when the
     coordinator has refused connections for UNREACHABLE_HEARTBEATS intervals, nor when it holds
     a job at its first registration (a shard restored from its checkpoint) and the coordinator
-    answers job_unknown. on_orphaned() ends it, and its launcher starts a fresh one."""
+    answers job_unknown. on_orphaned(job_ended) ends it, and its launcher starts a fresh one;
+    job_ended: the coordinator said it runs no such job (not merely unreachable, when it may
+    still run it)."""
     registration = Registration(coordinator)
     stub = registration.stub
 
@@ -81,7 +83,7 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
                     if reply.job_unknown:
                         log.warning("coordinator %s runs no job of the state this process holds (restored after "
                                     "the coordinator restarted): exiting, for a fresh process in its place", coordinator)
-                        on_orphaned()
+                        on_orphaned(True)
                         break
                     registration.worker_id, interval = reply.worker_id, reply.heartbeat_interval_s
                     log.info("registered with coordinator %s as %s", coordinator, reply.worker_id)
@@ -90,7 +92,7 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
                     if holds_job():
                         log.warning("coordinator %s restarted and no longer knows this process: the job it served "
                                     "ended there; exiting, for a fresh process in its place", coordinator)
-                        on_orphaned()
+                        on_orphaned(True)
                         break
                     registration.worker_id = ""
                     continue
@@ -110,7 +112,7 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
                         log.warning("coordinator %s unreachable for %.0fs while this process serves its job: the "
                                     "job is lost with it; exiting, for a fresh process in its place",
                                     coordinator, now - unreachable_since)
-                        on_orphaned()
+                        on_orphaned(False)
                         break
             stopped.wait(interval)
         registration.channel.close()

@@ -202,6 +202,7 @@ class Server:
             if self._health_only.add_insecure_port(f"{host}:{health_port}") == 0:
                 raise RuntimeError(f"could not bind the health port {host}:{health_port}")
         self._stopped = threading.Event()
+        self._ended = threading.Event()   # stopped, its grace over: no handler runs on
 
     def add(self, name: str, servicer: object) -> None:
         """Serves servicer as service `name` (SERVICES), listed by server reflection."""
@@ -223,11 +224,13 @@ class Server:
         if self._health_only is not None:
             self._health_only.stop(0)
         self.grpc.stop(grace).wait(grace + 1)
+        self._ended.set()
 
     def wait(self) -> None:
+        """Returns once stop() has ended, its grace over: what the process does after, no call sees."""
         # Timed: Python runs signal handlers on the main thread, and a signal that the kernel gives
         # one of gRPC's threads never wakes an untimed wait to run them (SIGTERM went unanswered).
-        while not self._stopped.wait(0.2):
+        while not self._ended.wait(0.2):
             pass
 
     def stop_on_signals(self, shutdown: Callable[[], None] | None = None, *,

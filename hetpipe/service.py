@@ -98,12 +98,12 @@ def run_server(
     flags: ServiceFlags, server: rpc.Server, shutdown: Callable[[], None], *,
     role: coordinator_pb2.WorkerInfo.Role | None,
     device: str = "cpu", memory_bytes: int = 0, holds_job: Callable[[], bool] = lambda: False,
-    on_orphaned: Callable[[], None] = lambda: None,
+    on_orphaned: Callable[[bool], None] = lambda job_ended: None,
 ) -> int:
     """Starts server and metrics, handles signals and orphaning, registers, and blocks until
     stopped. Returns the exit code: EXIT_ORPHANED when the coordinator that gave this process
-    its job restarted (holds_job: whether it has one; on_orphaned() runs before shutdown()
-    then), else 0."""
+    its job restarted (holds_job: whether it has one; on_orphaned(job_ended), as
+    keep_registered calls it, runs before shutdown() then), else 0."""
     raise_open_files_limit()
     metrics_port = metrics.serve(flags.metrics_port, flags.host)  # where --host says, as gRPC
     server.start()
@@ -121,9 +121,9 @@ def run_server(
     logging.info("%s serving on %s (metrics :%d)", what, address, metrics_port)
     stopped, orphaned = threading.Event(), threading.Event()
 
-    def leave() -> None:
+    def leave(job_ended: bool) -> None:
         orphaned.set()
-        on_orphaned()
+        on_orphaned(job_ended)
         shutdown()
 
     if flags.coordinator and role is not None:

@@ -7,7 +7,7 @@ import sys
 import threading
 
 from hetpipe import devices, rpc, security
-from hetpipe.service import EXIT_ORPHANED, exit_now, run_server, secure
+from hetpipe.service import exit_now, run_server, secure
 from hetpipe.v1 import coordinator_pb2
 from ps_server import metrics as shard_metrics
 from ps_server.config import ShardConfig, parse_args
@@ -29,22 +29,27 @@ def serve(cfg: ShardConfig) -> int:
     server = rpc.Server(cfg.service.host, cfg.service.port, role="ps_shard",
                         workers=rpc.server_threads("ParameterServer"), health_port=cfg.service.health_port)
 
-    orphaned = threading.Event()
+    job_ended = threading.Event()   # the coordinator said it runs no job of this shard's
 
     def shutdown() -> None:
         servicer.flush_trace()  # before the checkpoint, which may outlast the launcher's grace
-        if not orphaned.is_set():
+        if not job_ended.is_set():
             servicer.checkpoint()
         server.stop()
+
+    def orphaned(ended: bool) -> None:
+        if ended:
+            job_ended.set()
 
     server.add("ParameterServer", servicer)
     shard_metrics.bind(servicer.metrics_snapshot)
     code = run_server(cfg.service, server, shutdown, role=coordinator_pb2.WorkerInfo.PS_SHARD,
-                      holds_job=lambda: servicer.shard.ready, on_orphaned=orphaned.set)
-    if code == EXIT_ORPHANED:
-        # The job ended with the coordinator that ran it: whatever restarts this process (compose,
-        # a StatefulSet, `hetpipe worker`) must start it fresh, not restore that job's clocks, which
-        # the next job's Init would meet as a conflict. Once stopped, so that no push writes after.
+                      holds_job=lambda: servicer.shard.ready, on_orphaned=orphaned)
+    if job_ended.is_set():
+        # Whatever restarts this process in its folder (compose, a StatefulSet, `hetpipe worker`)
+        # must start it fresh, not restore that job's clocks, which the next job's Init would meet
+        # as a conflict. A coordinator merely unreachable may still run the job: the state stays,
+        # and the restarted shard's registration tells which (RegisterReply.job_unknown).
         servicer.discard()
         logging.info("discarded the state of the job that ended with its coordinator (%s)", cfg.checkpoint_dir)
     return code

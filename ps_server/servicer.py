@@ -118,14 +118,15 @@ class ShardServicer:
                 self.durability.close()
 
     def discard(self) -> None:
-        """Deletes the shard's durable state (checkpoint, log, index): its job is over."""
-        if self.durability is not None:
+        """Deletes the shard's durable state (checkpoint, log, index): its job is over. No push
+        logs or captures a checkpoint after it (one still running fails on the missing log)."""
+        with self._cv:
+            durability, index = self.durability, self._index_path()
+            self.durability = None
+        if durability is not None and index is not None:
             self.checkpoints_written()
-            with self._cv:
-                self.durability.discard()
-                path = self._index_path()
-                if path is not None:
-                    path.unlink(missing_ok=True)
+            durability.discard()
+            index.unlink(missing_ok=True)
 
     def _checkpoint_change(self, fresh: bool) -> None:
         """Init and Evict are acknowledged once a checkpoint holds them. Their retries change

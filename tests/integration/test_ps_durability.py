@@ -24,6 +24,7 @@ import torch
 
 from hetpipe import rpc, shm
 from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
+from hetpipe.v1.coordinator_pb2 import WorkerInfo as Info
 from ps_rig import CALL_S, KEYS, Client, Code, InProcess, _frames, delta, in_process_shard, refused, state, w0
 from shard_reference import record_fsyncs
 from ps_server.durability import Durability
@@ -327,77 +328,130 @@ def test_a_push_refused_under_g4_gets_no_place_in_the_log(tmp_path: Path, monkey
         assert len(placed) == 1
 
 
-def _coordinator(port: int = 0) -> Any:
+def _coordinator(port: int = 0, interval_s: float = 0.1, servicer: Any = None) -> tuple[Any, Any]:
+    """A coordinator's server and servicer on port (0: any); given a servicer, a new server for
+    it: the same coordinator, reachable again."""
     from coordinator.__main__ import build
 
-    server, _ = build("127.0.0.1", port, heartbeat_interval_s=0.1)
+    if servicer is None:
+        server, servicer = build("127.0.0.1", port, heartbeat_interval_s=interval_s)
+    else:
+        server = rpc.Server("127.0.0.1", port)
+        server.add("Coordinator", servicer)
     server.start()
-    return server
+    return server, servicer
 
 
-def _registered(coordinator: Any, shard: ShardProcess) -> None:
-    from hetpipe.v1 import coordinator_pb2_grpc
+class _OrphanRig:
+    """A real shard process in a checkpoint folder, registering with a coordinator."""
 
-    with rpc.channel(coordinator.address) as ch:
-        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    def __init__(self, tmp_path: Path, coordinator: str) -> None:
+        self.ckpt = tmp_path / "ckpt"
+        self.coordinator = coordinator
+        self.shard = ShardProcess(
+            [sys.executable, "-m", "ps_server", "--ready-file", str(tmp_path / "shard.ready"), "--checkpoint-dir",
+             str(self.ckpt), "--coordinator", coordinator, "--exit-with-parent"],
+            tmp_path / "shard.ready", tmp_path / "shard.log")
+
+    def left(self) -> list[str]:
+        return sorted(str(p.relative_to(self.ckpt)) for p in self.ckpt.rglob("*") if p.is_file())
+
+    def registered(self) -> list[Any]:
+        from hetpipe.v1 import coordinator_pb2_grpc
+
+        with rpc.channel(self.coordinator) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            return list(stub.ListWorkers(wire_pb2.Empty(), timeout=5).workers)
+
+    def wait_registered(self) -> None:
         deadline = time.monotonic() + 30
-        while shard.address not in [w.info.address for w in stub.ListWorkers(wire_pb2.Empty(), timeout=5).workers]:
-            assert time.monotonic() < deadline, f"the shard never registered: {shard.log.read_text()[-2000:]}"
+        while self.shard.address not in [w.info.address for w in self.registered()]:
+            assert time.monotonic() < deadline, f"the shard never registered: {self.log()}"
             time.sleep(0.05)
 
-
-def _left(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-
-
-def test_a_shard_whose_coordinator_restarted_discards_that_jobs_state(tmp_path: Path) -> None:
-    """The job ended with the coordinator that ran it, and the shard with it: it exits
-    EXIT_ORPHANED having deleted its checkpoint, log and index, so that what restarts it in its
-    folder (compose, a StatefulSet, `hetpipe worker`) starts it fresh; restored, that job's values
-    met the next job's Init as a conflict. Both ways: the restarted coordinator answers the
-    heartbeat "unknown"; a shard restored after a kill registers holding a job it runs not."""
-    from hetpipe.service import EXIT_ORPHANED
-
-    coordinator = _coordinator()
-    port = int(coordinator.address.rsplit(":", 1)[1])
-    ckpt = tmp_path / "ckpt"
-    shard = ShardProcess(
-        [sys.executable, "-m", "ps_server", "--ready-file", str(tmp_path / "shard.ready"), "--checkpoint-dir",
-         str(ckpt), "--coordinator", coordinator.address, "--exit-with-parent"],
-        tmp_path / "shard.ready", tmp_path / "shard.log")
-
-    def serve_a_job() -> None:
-        shard.start()
-        _registered(coordinator, shard)
-        with rpc.channel(shard.address) as ch:
+    def serve_a_job(self) -> None:
+        with rpc.channel(self.shard.address) as ch:
             c = Client(ps_pb2_grpc.ParameterServerStub(ch))
             assert c.init(w0(), rule={"shard": 0}).message == "initialised"
             c.push(0, 0, delta(0, 0))
-        assert {"checkpoint.pt", "shard_index"} <= set(_left(ckpt))
+        assert {"checkpoint.pt", "shard_index"} <= set(self.left())
 
+    def exited_orphaned(self) -> None:
+        from hetpipe.service import EXIT_ORPHANED
+
+        assert self.shard.proc is not None and self.shard.proc.wait(30) == EXIT_ORPHANED, self.log()
+
+    def status(self) -> Any:
+        with rpc.channel(self.shard.address) as ch:
+            return Client(ps_pb2_grpc.ParameterServerStub(ch)).status(wait_for_ready=True)
+
+    def log(self) -> str:
+        return self.shard.log.read_text()[-3000:]
+
+
+def test_a_shard_whose_coordinator_restarted_discards_that_jobs_state(tmp_path: Path) -> None:
+    """The job ended with the coordinator that ran it: the shard exits EXIT_ORPHANED having
+    deleted its checkpoint, log and index, so that what restarts it in its folder (compose, a
+    StatefulSet, `hetpipe worker`) starts it fresh; restored, that job's values met the next
+    job's Init as a conflict. Both ways the coordinator says so: a heartbeat answered "unknown"
+    (its restart took under the 10 intervals that would make it unreachable), and job_unknown
+    to a shard that registers holding a job restored after a kill."""
+    coordinator, _ = _coordinator(interval_s=0.5)
+    port = int(coordinator.address.rsplit(":", 1)[1])
+    rig = _OrphanRig(tmp_path, coordinator.address)
     try:
-        serve_a_job()
+        rig.shard.start()
+        rig.wait_registered()
+        rig.serve_a_job()
         coordinator.stop()
-        coordinator = _coordinator(port)   # restarted: its registry knows nobody
-        assert shard.proc is not None and shard.proc.wait(30) == EXIT_ORPHANED, shard.log.read_text()[-2000:]
-        assert _left(ckpt) == [], "the ended job's state outlived it"
+        coordinator, _ = _coordinator(port, interval_s=0.5)   # restarted: its registry knows nobody
+        rig.exited_orphaned()
+        assert "no longer knows this process" in rig.log()
+        assert rig.left() == [], "the ended job's state outlived it"
 
-        serve_a_job()   # fresh: it registers, and serves the next job
-        shard.proc.kill()
-        shard.proc.wait(10)
-        shard.start()   # restored from its folder, holding a job this coordinator never gave it
-        assert shard.proc.wait(30) == EXIT_ORPHANED, shard.log.read_text()[-2000:]
-        assert _left(ckpt) == [], "the restored job's state outlived it"
-        with rpc.channel(coordinator.address) as ch:
-            from hetpipe.v1 import coordinator_pb2_grpc
-            workers = coordinator_pb2_grpc.CoordinatorStub(ch).ListWorkers(wire_pb2.Empty(), timeout=5).workers
-        assert f"pid {shard.proc.pid}" not in [w.info.name for w in workers], "it registered holding that job"
+        rig.shard.start()   # fresh: it registers, and serves the next job
+        rig.wait_registered()
+        rig.serve_a_job()
+        assert rig.shard.proc is not None
+        rig.shard.proc.kill()
+        rig.shard.proc.wait(10)
+        rig.shard.start()   # restored from its folder, holding a job this coordinator never gave it
+        rig.exited_orphaned()
+        assert "runs no job of the state this process holds" in rig.log()
+        assert rig.left() == [], "the restored job's state outlived it"
+        assert f"pid {rig.shard.proc.pid}" not in [w.info.name for w in rig.registered()], "registered holding it"
 
-        shard.start()
-        _registered(coordinator, shard)
-        with rpc.channel(shard.address) as ch:
-            status = Client(ps_pb2_grpc.ParameterServerStub(ch)).status(wait_for_ready=True)
+        rig.shard.start()
+        rig.wait_registered()
+        status = rig.status()
         assert status.keys == 0 and status.pushes_applied == 0, status
     finally:
-        shard.stop()
+        rig.shard.stop()
+        coordinator.stop()
+
+
+def test_a_shard_that_lost_its_coordinator_for_a_while_keeps_its_job(tmp_path: Path) -> None:
+    """Unreachable for 10 heartbeat intervals, the coordinator may still run the job (a network
+    fault): the shard exits EXIT_ORPHANED with its state kept, and restarted at its address it
+    takes over its assignment with its keys and pushes, as after any restart mid-job."""
+    coordinator, servicer = _coordinator()
+    port = int(coordinator.address.rsplit(":", 1)[1])
+    rig = _OrphanRig(tmp_path, coordinator.address)
+    try:
+        rig.shard.start()
+        rig.wait_registered()
+        (claimed,) = servicer.registry.claim(Info.PS_SHARD, [("ps shard 0", "", "")], 30)
+        rig.serve_a_job()
+        coordinator.stop()   # unreachable, its registry and the assignment in it alive
+        rig.exited_orphaned()
+        assert "unreachable" in rig.log() and {"checkpoint.pt", "shard_index"} <= set(rig.left())
+        coordinator, _ = _coordinator(port, servicer=servicer)
+        rig.shard.start(int(rig.shard.address.rsplit(":", 1)[1]))   # restarted at its address
+        rig.wait_registered()
+        (again,) = [w for w in rig.registered() if w.info.address == rig.shard.address]
+        assert again.assigned == "ps shard 0" and again.worker_id != claimed.worker_id
+        status = rig.status()
+        assert status.keys == 2 and status.pushes_applied == 1, status
+    finally:
+        rig.shard.stop()
         coordinator.stop()

@@ -39,8 +39,9 @@ def test_a_worker_leaves_its_job_once_its_coordinator_is_gone(holds_job: bool) -
     server.add("Coordinator", coordinator)
     server.start()
     stopped, orphaned = threading.Event(), threading.Event()
+    ended: list[bool] = []   # on_orphaned's job_ended: False, as it may still run the job
     info = coordinator_pb2.WorkerInfo(role=coordinator_pb2.WorkerInfo.STAGE_WORKER, address="127.0.0.1:1")
-    thread = keep_registered(server.address, info, stopped, holds_job=lambda: holds_job, on_orphaned=orphaned.set).thread
+    thread = keep_registered(server.address, info, stopped, holds_job=lambda: holds_job, on_orphaned=lambda job_ended: (ended.append(job_ended), orphaned.set())).thread
     assert thread is not None
     try:
         deadline = time.monotonic() + 10
@@ -51,6 +52,7 @@ def test_a_worker_leaves_its_job_once_its_coordinator_is_gone(holds_job: bool) -
         gone = time.monotonic()
         if holds_job:
             assert orphaned.wait(10), "the job outlived its coordinator"
+            assert ended == [False], "unreachable is not a coordinator that said the job ended"
             assert time.monotonic() - gone >= UNREACHABLE_HEARTBEATS * INTERVAL_S, "not at the first refusal"
             thread.join(5)
             assert not thread.is_alive()
