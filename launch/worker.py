@@ -213,10 +213,12 @@ class Launcher:
                 continue
             asked = p.popen.pid in self.stopping
             self.stopping.discard(p.popen.pid)
-            if code == EXIT_ORPHANED:   # its coordinator restarted, and lost the job this process served
-                print(f"hetpipe worker: {p.name}'s coordinator lost the job it served (it restarted); starting a "
-                      "fresh one", file=sys.stderr)
-                group.restart(p, fresh=True)   # a shard discarded that job's clocks before it exited
+            if code == EXIT_ORPHANED:   # its coordinator restarted, or was unreachable, while it served a job
+                print(f"hetpipe worker: {p.name} left the job its coordinator no longer runs (restarted or "
+                      "unreachable); starting it again", file=sys.stderr)
+                # A shard discarded that job's state if the coordinator said it ended; else its
+                # registration asks (RegisterReply.job_unknown).
+                group.restart(p, fresh=True)
             elif p.module == "stage_worker":
                 if code != 0:
                     raise JobFailed(f"{p.name} at {p.address} {p.exit_description()}; log {p.log_path}")
