@@ -325,6 +325,10 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
     out(0, "# Shards and stages register with the coordinator, so they start once it is healthy.")
     out(0, "x-worker: &worker")
     out(1, "<<: *hetpipe")
+    # A shard restores its checkpoint (the job waits for it); a process whose coordinator
+    # restarted exits 75 (EXIT_ORPHANED) and comes back fresh for the job run again. One that
+    # ended as asked (0: its job over) stays down.
+    out(1, "restart: on-failure")
     out(1, "depends_on:")
     out(2, "coordinator: {condition: service_healthy}")
     out(0)
@@ -376,7 +380,6 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
         out(1, f"{shard.name}:")
         out(2, "<<: *worker")
         out(2, f"command: {_flow(command)}")
-        out(2, "restart: on-failure   # it restores its checkpoint; the job waits for it")
         out(2, "ports:")
         _port(out, 3, METRICS_PORT, ports[shard.name])
 

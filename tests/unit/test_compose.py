@@ -127,6 +127,14 @@ def test_every_service_has_a_healthcheck_and_every_dependency_is_on_health() -> 
     assert "prometheus" in services["grafana"]["depends_on"]
 
 
+def test_shards_and_stages_come_back_after_a_failure_and_stay_down_after_their_job() -> None:
+    """A shard restores its checkpoint; a process whose coordinator restarted exits 75 and comes
+    back fresh for the job run again; one that ended as asked (0) stays down."""
+    for name, service in _services().items():
+        if service.get("command", [""])[0] in ("ps_server", "stage_worker"):
+            assert service.get("restart") == "on-failure", name
+
+
 def test_project_healthchecks_call_the_grpc_health_script() -> None:
     """On the plaintext health-only port: the gRPC port itself needs TLS and the token."""
     for name, service in _services().items():
