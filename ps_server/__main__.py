@@ -32,10 +32,14 @@ def serve(cfg: ShardConfig) -> int:
     job_ended = threading.Event()   # the coordinator said it runs no job of this shard's
 
     def shutdown() -> None:
-        servicer.flush_trace()  # before the checkpoint, which may outlast the launcher's grace
-        if not job_ended.is_set():
-            servicer.checkpoint()
-        server.stop()
+        try:
+            servicer.flush_trace()  # before the checkpoint, which may outlast the launcher's grace
+            if not job_ended.is_set():
+                servicer.checkpoint()
+        except (OSError, RuntimeError) as exc:   # torch.save: RuntimeError for a folder gone
+            logging.error("the shard's last checkpoint failed: %s", exc)
+        finally:
+            server.stop()   # whatever the checkpoint did: a shard left serving holds a job for nobody
 
     def orphaned(ended: bool) -> None:
         if ended:

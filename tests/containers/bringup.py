@@ -52,7 +52,8 @@ def _phases() -> dict[str, Phase]:
 def _compose(engine: Engine, timings: Timings, args: argparse.Namespace, workdir: Path) -> list[str]:
     cfg = compose_phase.ComposeRun(root=ROOT, job=Path(args.job).resolve(), checked_in=args.checked_in,
                                    workdir=workdir, images=_images(args), hetpipe=HETPIPE,
-                                   accuracy_bar=args.accuracy_bar, job_deadline_s=args.job_deadline)
+                                   accuracy_bar=args.accuracy_bar, job_deadline_s=args.job_deadline,
+                                   restart_coordinator=args.restart_coordinator)
     return compose_phase.run(engine, timings, cfg)
 
 
@@ -83,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--accuracy-bar", type=float, default=ACCURACY_BAR, help="least eval_accuracy to pass")
     ap.add_argument("--job-deadline", type=float, default=JOB_DEADLINE_S, help="seconds the job may train")
     ap.add_argument("--keep-workdir", action="store_true", help="keep generated files and logs after a pass")
+    ap.add_argument("--restart-coordinator", action="store_true",
+                    help="compose: restart the coordinator once the job trains; its job must run again and complete")
     return ap
 
 
