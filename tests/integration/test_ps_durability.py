@@ -455,3 +455,24 @@ def test_a_shard_that_lost_its_coordinator_for_a_while_keeps_its_job(tmp_path: P
     finally:
         rig.shard.stop()
         coordinator.stop()
+
+
+def test_a_shard_whose_last_checkpoint_fails_still_leaves(tmp_path: Path) -> None:
+    """A restarted compose coordinator clears the shards' folders while the orphaned shards
+    still run: the last checkpoint fails, and the shard stops anyway, instead of serving on
+    holding a job for nobody."""
+    import shutil
+
+    coordinator, _ = _coordinator()
+    rig = _OrphanRig(tmp_path, coordinator.address)
+    try:
+        rig.shard.start()
+        rig.wait_registered()
+        rig.serve_a_job()
+        shutil.rmtree(rig.ckpt)
+        coordinator.stop()
+        rig.exited_orphaned()
+        assert "the shard's last checkpoint failed" in rig.log()
+    finally:
+        rig.shard.stop()
+        coordinator.stop()
