@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import posixpath
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ import yaml
 from hetpipe import outputs
 from hetpipe.catalog import CATALOG
 from hetpipe.config import JobConfig
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:   # the planner imports torch, which writing these files does not need
     from coordinator.planner import Plan
@@ -54,6 +57,8 @@ GRAFANA_IMAGE = "grafana/grafana:11.4.0"
 # Workers start after the coordinator is healthy, then import torch: give them time on a laptop.
 CLAIM_TIMEOUT_S = 600
 ENTRY_POINTS = ("coordinator", "ps_server", "stage_worker")
+# Installed in every image (pyproject.toml's packages): never carried beside the job file.
+OWN_PACKAGES = ("hetpipe", "coordinator", "ps_server", "stage_worker", "baselines", "launch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,18 +155,31 @@ def index_parts(path: Path) -> list[str]:
 def factory_modules(job: JobConfig) -> set[str]:
     """The top-level packages (folders) and modules (NAME.py) beside the job file that its
     factories import, and those their code imports in turn: what a container needs besides the
-    image to build the model and data. Found by reading the code (modulefinder), running none."""
-    base = Path(job.base_dir).resolve()
-    finder = ModuleFinder(path=[str(base)])   # only what lies beside the job file is found
+    image to build the model and data. Found by reading the code (modulefinder), running none;
+    a name given to importlib at run time is not found. HetPipe's own packages are the image's."""
+    base = Path(os.path.abspath(job.base_dir))   # not resolved: a module may be a link beside the job file
+    found: set[str] = set()
     for spec in job.factories.values():
-        with contextlib.suppress(ImportError, SyntaxError):   # preflight reports a factory that fails to import
-            finder.import_hook(spec.partition(":")[0])
-    found = set()
-    for name, module in finder.modules.items():   # (typeshed's Module lacks __file__, __path__)
-        path = Path(getattr(module, "__file__", None) or "").resolve()
-        if base in path.parents:
-            found.add(name.partition(".")[0] if getattr(module, "__path__", None) or "." in name else path.name)
-    return found
+        module = spec.partition(":")[0]
+        top = module.partition(".")[0]
+        found.update(name for name in (top, f"{top}.py") if (base / name).exists())
+        finder = ModuleFinder(path=[str(base)])   # only what lies beside the job file is found
+        try:
+            finder.import_hook(module)
+        except Exception as exc:   # modulefinder raises more than ImportError; preflight imports it for real
+            log.debug("modulefinder could not import %s (%s)", module, exc)
+            # A folder without __init__.py (a namespace package) is one it cannot import: read
+            # the module's own file as a script instead, for what it imports.
+            file = base / (module.replace(".", "/") + ".py")
+            with contextlib.suppress(Exception):
+                if file.is_file():
+                    finder.run_script(str(file))
+        for found_module in finder.modules.values():   # (typeshed's Module lacks __file__)
+            name = getattr(found_module, "__file__", None)
+            path = Path(os.path.abspath(name)) if name else None   # None: a built-in module
+            if path is not None and base in path.parents:
+                found.add(path.relative_to(base).parts[0])   # NAME.py, or the package's folder
+    return {name for name in found if name.removesuffix(".py") not in OWN_PACKAGES}
 
 
 def _scalar(value: object) -> str:

@@ -22,8 +22,10 @@ def serve(cfg: ServiceFlags) -> int:
                         health_port=cfg.health_port)
 
     def shutdown() -> None:
-        runtime.stop()
-        server.stop()
+        try:
+            runtime.stop()
+        finally:
+            server.stop()   # whatever stopping the runtime raised: a worker left serving holds a job for nobody
 
     server.add("Stage", StageServicer(runtime, shutdown))
     device = devices.pick("")

@@ -364,8 +364,12 @@ class _OrphanRig:
             return list(stub.ListWorkers(wire_pb2.Empty(), timeout=5).workers)
 
     def wait_registered(self) -> None:
+        """Until this process registered: its ready file comes before its registration, and an
+        earlier process's entry may stand at its address."""
+        assert self.shard.proc is not None
+        me = (self.shard.address, f"pid {self.shard.proc.pid}")
         deadline = time.monotonic() + 30
-        while self.shard.address not in [w.info.address for w in self.registered()]:
+        while me not in [(w.info.address, w.info.name) for w in self.registered()]:
             assert time.monotonic() < deadline, f"the shard never registered: {self.log()}"
             time.sleep(0.05)
 
@@ -459,8 +463,8 @@ def test_a_shard_that_lost_its_coordinator_for_a_while_keeps_its_job(tmp_path: P
 
 def test_a_shard_whose_last_checkpoint_fails_still_leaves(tmp_path: Path) -> None:
     """A restarted compose coordinator clears the shards' folders while the orphaned shards
-    still run: the last checkpoint fails, and the shard stops anyway, instead of serving on
-    holding a job for nobody."""
+    still run: a shard that left by the unreachable path, which checkpoints, fails its last
+    checkpoint and stops anyway, instead of serving on holding a job for nobody."""
     import shutil
 
     coordinator, _ = _coordinator()

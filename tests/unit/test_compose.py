@@ -451,3 +451,30 @@ def test_healthcheck_script_exits_0_only_when_serving(monkeypatch: pytest.Monkey
     finally:
         h.server.stop(0)
     assert _run_healthcheck(address) == 1  # nothing listening
+
+
+def test_factory_modules_are_what_the_factories_import_beside_the_job_file(tmp_path: Path) -> None:
+    """Read, never run: a namespace package (no __init__.py), a module it imports, and that one's
+    import of a module linked in from elsewhere are carried; built-in modules, modules no factory
+    imports and HetPipe's own packages (the image's) are not. Code modulefinder cannot read
+    crashes nothing: a module with a syntax error is carried by its name (preflight reports it),
+    a corrupt compiled one is left out."""
+    import dataclasses
+
+    (tmp_path / "nets").mkdir()
+    (tmp_path / "nets" / "digits.py").write_text("import sys\nimport widths\n")
+    (tmp_path / "widths.py").write_text("import linked\nimport hetpipe\n")
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "linked.py").write_text("")
+    (tmp_path / "linked.py").symlink_to(elsewhere / "linked.py")
+    (tmp_path / "hetpipe").mkdir()
+    (tmp_path / "hetpipe" / "__init__.py").write_text("")
+    (tmp_path / "unused.py").write_text("")
+    (tmp_path / "broken.py").write_text("def rows(:\n")
+    (tmp_path / "compiled.pyc").write_bytes(b"\0" * 64)   # modulefinder raises ValueError reading it
+    job = load_job(EXAMPLE)
+    job = dataclasses.replace(job, base_dir=str(tmp_path),
+                              model=dataclasses.replace(job.model, factory="nets.digits:build"),
+                              data=dataclasses.replace(job.data, factory="broken:rows", eval_factory="compiled:rows"))
+    assert compose.factory_modules(job) == {"nets", "widths.py", "linked.py", "broken.py"}
