@@ -288,6 +288,14 @@ def restart_mid_job(engine: Engine, cluster: Cluster, live: LiveCluster, servers
     kept = [s for s in servers if after[s][1] == before[s][1]]
     if kept:
         raise BringupError(f"{kept} ran on through the coordinator's restart, holding the job it lost")
+    # Left as orphans (exit 75), not by a crash that the same policy would also have restarted.
+    def logs(service: str) -> str:
+        done = engine.run([engine.podman, "logs", cluster.name(service)], timeout=60, log_output=False)
+        return done.stdout + done.stderr
+
+    crashed = [s for s in servers if s != "coordinator" and "exiting, for a fresh process in its place" not in logs(s)]
+    if crashed:
+        raise BringupError(f"{crashed} restarted without leaving the lost job as an orphan: see their logs")
     return f"coordinator restarted mid-job: its job ran again from the start, every other server restarted fresh " \
            f"by its policy ({len(servers) - 1})"
 
