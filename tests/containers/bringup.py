@@ -59,7 +59,8 @@ def _compose(engine: Engine, timings: Timings, args: argparse.Namespace, workdir
 
 def _kube(engine: Engine, timings: Timings, args: argparse.Namespace, workdir: Path) -> list[str]:
     cfg = kube_phase.KubeRun(root=ROOT, job=Path(args.job).resolve(), workdir=workdir, images=_images(args),
-                             hetpipe=HETPIPE, accuracy_bar=args.accuracy_bar, job_deadline_s=args.job_deadline)
+                             hetpipe=HETPIPE, accuracy_bar=args.accuracy_bar, job_deadline_s=args.job_deadline,
+                             restart_coordinator=args.restart_coordinator)
     return kube_phase.run(engine, timings, cfg)
 
 
@@ -85,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--job-deadline", type=float, default=JOB_DEADLINE_S, help="seconds the job may train")
     ap.add_argument("--keep-workdir", action="store_true", help="keep generated files and logs after a pass")
     ap.add_argument("--restart-coordinator", action="store_true",
-                    help="compose: restart the coordinator once the job trains; its job must run again and complete")
+                    help="restart the coordinator once the job trains; its job must run again and complete")
     return ap
 
 

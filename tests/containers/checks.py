@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine import BringupError, Timings
+from engine import BringupError, Engine, Timings
 
 # Metrics that are non-zero only once training really ran (docs/metrics.md): samples through the
 # stages' backward passes, and wave pushes the shards applied.
@@ -160,3 +160,67 @@ def train_and_check(live: LiveCluster, timings: Timings, phase: str, *, workdir:
         return [f"Prometheus (job {live.prometheus_job}): all {len(live.instances)} targets up while training; "
                 + ", ".join(f"{k} {v:.0f}" for k, v in scraped.items()),
                 check_summary(json.loads(path.read_text()), accuracy_bar)]
+
+
+@dataclass(frozen=True)
+class Restartable:
+    """A cluster's containers by service (compose) or pod (kube), for restart_mid_job."""
+
+    engine: Engine
+    containers: Callable[[], dict[str, dict[str, Any]]]
+    coordinator: str                       # its service or pod
+    servers: list[str]                     # every HetPipe process's, the coordinator's too
+    assert_running: Callable[[], None]
+
+    def name(self, server: str) -> str:
+        return str(self.containers()[server]["Names"][0])
+
+
+class _Training(Exception):
+    """The job has trained: stop waiting."""
+
+
+def restart_mid_job(cluster: Restartable, live: LiveCluster, *, deadline_s: float) -> str:
+    """Restarts the coordinator once its job has trained some samples. Its job is lost with it;
+    every shard and stage that served it exits 75 (EXIT_ORPHANED), a shard discarding that
+    job's state, and its restart policy brings it back fresh; the restarted coordinator runs
+    its --job from the start. Returns once that job trains, each server started anew in its own
+    container, having left the lost job as an orphan."""
+    engine = cluster.engine
+
+    def trained(status: dict[str, Any] | None) -> None:
+        if (status or {}).get("state") == "RUNNING" and int((status or {}).get("samples", 0)) > 0:
+            raise _Training
+        if (status or {}).get("state") not in (None, "PENDING", "PLANNED", "RUNNING"):
+            raise BringupError(f"the job ended: {status}")
+
+    def started() -> dict[str, tuple[str, Any]]:
+        return {s: (str(c["Id"]), c.get("StartedAt")) for s, c in cluster.containers().items()}
+
+    def logs(server: str) -> str:
+        done = engine.run([engine.podman, "logs", cluster.name(server)], timeout=60, log_output=False)
+        return done.stdout + done.stderr
+
+    before: dict[str, tuple[str, Any]] = {}
+    for attempt in ("first", "rerun"):
+        try:
+            wait_for_job(live.hetpipe, live.coordinator, live.credentials, deadline_s=deadline_s, on_poll=trained)
+        except _Training:
+            pass
+        if attempt == "first":
+            before = started()
+            engine.run([engine.podman, "restart", "--time", "30", cluster.name(cluster.coordinator)], timeout=120)
+    after = started()
+    cluster.assert_running()
+    if any(after[s][0] != before[s][0] for s in cluster.servers):
+        raise BringupError("a container was made anew: each server must restart in its own")
+    kept = [s for s in cluster.servers if after[s][1] == before[s][1]]
+    if kept:
+        raise BringupError(f"{kept} ran on through the coordinator's restart, holding the job it lost")
+    # Left as orphans (exit 75), not by a crash that the same policy would also have restarted.
+    crashed = [s for s in cluster.servers if s != cluster.coordinator
+               and "exiting, for a fresh process in its place" not in logs(s)]
+    if crashed:
+        raise BringupError(f"{crashed} restarted without leaving the lost job as an orphan: see their logs")
+    return (f"coordinator restarted mid-job: its job ran again from the start, every other server restarted "
+            f"fresh by its policy ({len(cluster.servers) - 1})")

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from checks import LiveCluster, Prometheus, train_and_check, wait_for_job
+from checks import LiveCluster, Prometheus, Restartable, restart_mid_job, train_and_check
 from engine import BringupError, Engine, Timings, alive, busy_ports
 from images import Images
 from launch.compose import (COORDINATOR_PORT, CPU_IMAGE, CPU_PROFILE, ENTRY_POINTS, GRAFANA_IMAGE,
@@ -238,7 +238,9 @@ def run(engine: Engine, timings: Timings, cfg: ComposeRun) -> list[str]:
                 [engine.podman, "cp", f"{cluster.name('coordinator')}:{output}/summary.json", str(path)], timeout=60))
         if cfg.restart_coordinator:
             with timings.phase("compose: restart the coordinator mid-job, until its job runs again"):
-                report.append(restart_mid_job(engine, cluster, live, servers, deadline_s=cfg.job_deadline_s))
+                report.append(restart_mid_job(Restartable(engine, cluster.containers, "coordinator", servers,
+                                                          lambda: cluster.assert_running(cluster.long_running)),
+                                              live, deadline_s=cfg.job_deadline_s))
         report += train_and_check(live, timings, "compose", workdir=cfg.workdir, accuracy_bar=cfg.accuracy_bar,
                                   deadline_s=cfg.job_deadline_s)
         ok = True
@@ -251,53 +253,6 @@ def run(engine: Engine, timings: Timings, cfg: ComposeRun) -> list[str]:
         raise BringupError(f"`podman-compose down -v` left {left} (removed by force since)")
     report.append(f"down -v: no container, pod, volume or network of project {PROJECT} left")
     return report
-
-
-class _Training(Exception):
-    """The job has trained: stop waiting."""
-
-
-def restart_mid_job(engine: Engine, cluster: Cluster, live: LiveCluster, servers: list[str], *,
-                    deadline_s: float) -> str:
-    """Restarts the coordinator once its job has trained some samples. Its job is lost with it;
-    every shard and stage that served it exits 75 (EXIT_ORPHANED), a shard discarding that
-    job's state, and `restart: on-failure` brings them back fresh; the restarted coordinator runs
-    its --job from the start. Returns once that job trains, each server started anew in its own
-    container."""
-    def trained(status: dict[str, Any] | None) -> None:
-        if (status or {}).get("state") == "RUNNING" and int((status or {}).get("samples", 0)) > 0:
-            raise _Training
-        if (status or {}).get("state") not in (None, "PENDING", "PLANNED", "RUNNING"):
-            raise BringupError(f"the job ended: {status}")
-
-    def started() -> dict[str, tuple[str, Any]]:
-        return {s: (str(c["Id"]), c.get("StartedAt")) for s, c in cluster.containers().items()}
-
-    for attempt in ("first", "rerun"):
-        try:
-            wait_for_job(live.hetpipe, live.coordinator, live.credentials, deadline_s=deadline_s, on_poll=trained)
-        except _Training:
-            pass
-        if attempt == "first":
-            before = started()
-            engine.run([engine.podman, "restart", "--time", "30", cluster.name("coordinator")], timeout=120)
-    after = started()
-    cluster.assert_running(cluster.long_running)
-    if any(after[s][0] != before[s][0] for s in servers):
-        raise BringupError("a container was made anew: each service must restart in its own")
-    kept = [s for s in servers if after[s][1] == before[s][1]]
-    if kept:
-        raise BringupError(f"{kept} ran on through the coordinator's restart, holding the job it lost")
-    # Left as orphans (exit 75), not by a crash that the same policy would also have restarted.
-    def logs(service: str) -> str:
-        done = engine.run([engine.podman, "logs", cluster.name(service)], timeout=60, log_output=False)
-        return done.stdout + done.stderr
-
-    crashed = [s for s in servers if s != "coordinator" and "exiting, for a fresh process in its place" not in logs(s)]
-    if crashed:
-        raise BringupError(f"{crashed} restarted without leaving the lost job as an orphan: see their logs")
-    return f"coordinator restarted mid-job: its job ran again from the start, every other server restarted fresh " \
-           f"by its policy ({len(servers) - 1})"
 
 
 def _tear_down(engine: Engine, compose: list[str], names: tuple[str, ...]) -> list[str]:

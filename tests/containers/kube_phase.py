@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from checks import LiveCluster, Prometheus, train_and_check
+from checks import LiveCluster, Prometheus, Restartable, restart_mid_job, train_and_check
 from engine import BringupError, Engine, Timings, alive, busy_ports
 from images import Images
 from launch.compose import COORDINATOR_PORT, PROMETHEUS_PORT
@@ -66,6 +66,7 @@ class KubeRun:
     hetpipe: list[str]
     accuracy_bar: float
     job_deadline_s: float
+    restart_coordinator: bool = False   # restart it once the job trains: the job runs again from the start
 
 
 @dataclass
@@ -360,6 +361,11 @@ def run(engine: Engine, timings: Timings, cfg: KubeRun) -> list[str]:
             copy_summary=lambda path: engine.run(
                 [engine.podman, "cp", f"{pods.name(played.coordinator)}:{output}/summary.json", str(path)],
                 timeout=60))
+        if cfg.restart_coordinator:
+            with timings.phase("kube: restart the coordinator mid-job, until its job runs again"):
+                report.append(restart_mid_job(Restartable(engine, pods.containers, played.coordinator,
+                                                          list(played.servers), pods.assert_running),
+                                              live, deadline_s=cfg.job_deadline_s))
         report += train_and_check(live, timings, "kube", workdir=folder, accuracy_bar=cfg.accuracy_bar,
                                   deadline_s=cfg.job_deadline_s)
         ok = True
