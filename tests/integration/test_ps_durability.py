@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -328,30 +329,42 @@ def test_a_push_refused_under_g4_gets_no_place_in_the_log(tmp_path: Path, monkey
         assert len(placed) == 1
 
 
-def _coordinator(port: int = 0, interval_s: float = 0.1, servicer: Any = None) -> tuple[Any, Any]:
-    """A coordinator's server and servicer on port (0: any); given a servicer, a new server for
-    it: the same coordinator, reachable again."""
-    from coordinator.__main__ import build
-
-    if servicer is None:
-        server, servicer = build("127.0.0.1", port, heartbeat_interval_s=interval_s)
-    else:
-        server = rpc.Server("127.0.0.1", port)
-        server.add("Coordinator", servicer)
-    server.start()
-    return server, servicer
-
-
 class _OrphanRig:
-    """A real shard process in a checkpoint folder, registering with a coordinator."""
+    """A real shard process in a checkpoint folder, registering with an in-process coordinator
+    that the test takes down and brings back on the same port: restarted (a fresh registry), or
+    the same one reachable again."""
 
-    def __init__(self, tmp_path: Path, coordinator: str) -> None:
+    def __init__(self, tmp_path: Path, interval_s: float) -> None:
+        from coordinator.__main__ import build
+
+        self.interval_s = interval_s
+        self.server, self.servicer = build("127.0.0.1", 0, heartbeat_interval_s=interval_s)
+        self.server.start()
+        self.coordinator = self.server.address
         self.ckpt = tmp_path / "ckpt"
-        self.coordinator = coordinator
         self.shard = ShardProcess(
             [sys.executable, "-m", "ps_server", "--ready-file", str(tmp_path / "shard.ready"), "--checkpoint-dir",
-             str(self.ckpt), "--coordinator", coordinator, "--exit-with-parent"],
+             str(self.ckpt), "--coordinator", self.coordinator, "--exit-with-parent"],
             tmp_path / "shard.ready", tmp_path / "shard.log")
+
+    def coordinator_down(self) -> None:
+        self.server.stop()
+
+    def coordinator_up(self, *, restarted: bool) -> None:
+        """On the same port: a restarted coordinator (its registry knows nobody), or the same one."""
+        from coordinator.__main__ import build
+
+        port = int(self.coordinator.rsplit(":", 1)[1])
+        if restarted:
+            self.server, self.servicer = build("127.0.0.1", port, heartbeat_interval_s=self.interval_s)
+        else:
+            self.server = rpc.Server("127.0.0.1", port)
+            self.server.add("Coordinator", self.servicer)
+        self.server.start()
+
+    def close(self) -> None:
+        self.shard.stop()
+        self.server.stop()
 
     def left(self) -> list[str]:
         return sorted(str(p.relative_to(self.ckpt)) for p in self.ckpt.rglob("*") if p.is_file())
@@ -374,6 +387,9 @@ class _OrphanRig:
             time.sleep(0.05)
 
     def serve_a_job(self) -> None:
+        """Starts the shard, registered, and gives it a job: Init, and a push."""
+        self.shard.start()
+        self.wait_registered()
         with rpc.channel(self.shard.address) as ch:
             c = Client(ps_pb2_grpc.ParameterServerStub(ch))
             assert c.init(w0(), rule={"shard": 0}).message == "initialised"
@@ -393,6 +409,15 @@ class _OrphanRig:
         return self.shard.log.read_text()[-3000:]
 
 
+@contextmanager
+def _orphan_rig(tmp_path: Path, interval_s: float = 0.1) -> Iterator[_OrphanRig]:
+    rig = _OrphanRig(tmp_path, interval_s)
+    try:
+        yield rig
+    finally:
+        rig.close()
+
+
 def test_a_shard_whose_coordinator_restarted_discards_that_jobs_state(tmp_path: Path) -> None:
     """The job ended with the coordinator that ran it: the shard exits EXIT_ORPHANED having
     deleted its checkpoint, log and index, so that what restarts it in its folder (compose, a
@@ -400,22 +425,15 @@ def test_a_shard_whose_coordinator_restarted_discards_that_jobs_state(tmp_path: 
     job's Init as a conflict. Both ways the coordinator says so: a heartbeat answered "unknown"
     (its restart took under the 10 intervals that would make it unreachable), and job_unknown
     to a shard that registers holding a job restored after a kill."""
-    coordinator, _ = _coordinator(interval_s=0.5)
-    port = int(coordinator.address.rsplit(":", 1)[1])
-    rig = _OrphanRig(tmp_path, coordinator.address)
-    try:
-        rig.shard.start()
-        rig.wait_registered()
+    with _orphan_rig(tmp_path, interval_s=0.5) as rig:
         rig.serve_a_job()
-        coordinator.stop()
-        coordinator, _ = _coordinator(port, interval_s=0.5)   # restarted: its registry knows nobody
+        rig.coordinator_down()
+        rig.coordinator_up(restarted=True)
         rig.exited_orphaned()
         assert "no longer knows this process" in rig.log()
         assert rig.left() == [], "the ended job's state outlived it"
 
-        rig.shard.start()   # fresh: it registers, and serves the next job
-        rig.wait_registered()
-        rig.serve_a_job()
+        rig.serve_a_job()   # fresh: it registers, and serves the next job
         assert rig.shard.proc is not None
         rig.shard.proc.kill()
         rig.shard.proc.wait(10)
@@ -429,36 +447,25 @@ def test_a_shard_whose_coordinator_restarted_discards_that_jobs_state(tmp_path: 
         rig.wait_registered()
         status = rig.status()
         assert status.keys == 0 and status.pushes_applied == 0, status
-    finally:
-        rig.shard.stop()
-        coordinator.stop()
 
 
 def test_a_shard_that_lost_its_coordinator_for_a_while_keeps_its_job(tmp_path: Path) -> None:
     """Unreachable for 10 heartbeat intervals, the coordinator may still run the job (a network
     fault): the shard exits EXIT_ORPHANED with its state kept, and restarted at its address it
     takes over its assignment with its keys and pushes, as after any restart mid-job."""
-    coordinator, servicer = _coordinator()
-    port = int(coordinator.address.rsplit(":", 1)[1])
-    rig = _OrphanRig(tmp_path, coordinator.address)
-    try:
-        rig.shard.start()
-        rig.wait_registered()
-        (claimed,) = servicer.registry.claim(Info.PS_SHARD, [("ps shard 0", "", "")], 30)
+    with _orphan_rig(tmp_path) as rig:
         rig.serve_a_job()
-        coordinator.stop()   # unreachable, its registry and the assignment in it alive
+        (claimed,) = rig.servicer.registry.claim(Info.PS_SHARD, [("ps shard 0", "", "")], 30)
+        rig.coordinator_down()   # unreachable, its registry and the assignment in it alive
         rig.exited_orphaned()
         assert "unreachable" in rig.log() and {"checkpoint.pt", "shard_index"} <= set(rig.left())
-        coordinator, _ = _coordinator(port, servicer=servicer)
+        rig.coordinator_up(restarted=False)
         rig.shard.start(int(rig.shard.address.rsplit(":", 1)[1]))   # restarted at its address
         rig.wait_registered()
         (again,) = [w for w in rig.registered() if w.info.address == rig.shard.address]
         assert again.assigned == "ps shard 0" and again.worker_id != claimed.worker_id
         status = rig.status()
         assert status.keys == 2 and status.pushes_applied == 1, status
-    finally:
-        rig.shard.stop()
-        coordinator.stop()
 
 
 def test_a_shard_whose_last_checkpoint_fails_still_leaves(tmp_path: Path) -> None:
@@ -467,16 +474,9 @@ def test_a_shard_whose_last_checkpoint_fails_still_leaves(tmp_path: Path) -> Non
     checkpoint and stops anyway, instead of serving on holding a job for nobody."""
     import shutil
 
-    coordinator, _ = _coordinator()
-    rig = _OrphanRig(tmp_path, coordinator.address)
-    try:
-        rig.shard.start()
-        rig.wait_registered()
+    with _orphan_rig(tmp_path) as rig:
         rig.serve_a_job()
         shutil.rmtree(rig.ckpt)
-        coordinator.stop()
+        rig.coordinator_down()
         rig.exited_orphaned()
         assert "the shard's last checkpoint failed" in rig.log()
-    finally:
-        rig.shard.stop()
-        coordinator.stop()
