@@ -19,7 +19,8 @@ import torch
 
 from hetpipe import wire
 from hetpipe.errors import JobFailed
-from hetpipe.outputs import INDEX_FILE, SINGLE_FILE, read_weight_map, fsync, stage_state_path, write_atomically, write_text_atomically
+from hetpipe.outputs import (INDEX_FILE, SINGLE_FILE, fsync, read_weight_map, stage_state_path, write_atomically,
+                             write_text_atomically)
 
 log = logging.getLogger(__name__)
 
