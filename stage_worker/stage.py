@@ -97,7 +97,7 @@ class StageCompute:
         # Micro-batch schedules: graphs kept for their own backward, keyed (p, micro), the inputs
         # kept for a backward that recomputes (nf1b), and the gradients summed over p's micro-batches.
         self._micro: dict[tuple[int, int], _Stashed] = {}
-        self._inputs: dict[int, list[torch.Tensor]] = {}
+        self._inputs: dict[int, list[tuple[tuple[int, int], torch.Tensor]]] = {}
         self._summed: Grads | None = None
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
@@ -180,7 +180,7 @@ class StageCompute:
         """A micro-batch's forward on the live weights. keep: its graph waits for its own backward
         (gpipe, 1f1b); else only its input is kept, for a backward that recomputes (nf1b)."""
         if not keep:
-            self._inputs.setdefault(unit[0], []).append(x)
+            self._inputs.setdefault(unit[0], []).append((unit, x))
             with torch.no_grad(), self._draws(unit), self._autocast():
                 return self._wire(self.module(x)), self.version
         if x.is_floating_point():
@@ -223,14 +223,18 @@ class StageCompute:
 
     def backward_recompute(self, p: int, grad_out: torch.Tensor) -> torch.Tensor | None:
         """nf1b: p's backward on the weights current now, not those its forwards ran on (no weight
-        stashing): its kept inputs run forward again, then backward."""
-        x = torch.cat(self._inputs.pop(p))
+        stashing): each kept micro-batch input runs forward again, then all of them backward."""
+        kept = self._inputs.pop(p)
+        x = torch.cat([xi for _, xi in kept])
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        # Seeded as p's whole unit, which no other forward uses: its masks are not the
-        # micro-batches' forwards' (one forward over all of them), as the weights are not either.
-        with self._draws((p,)), self._autocast():
-            out = self._wire(self.module(x))
+        # Each micro-batch again on its own and seeded as its unit, as torch.utils.checkpoint
+        # keeps the RNG state: its masks (and a batch norm's statistics) are its forward's.
+        outs = []
+        for (unit, _), xi in zip(kept, x.split([len(xi) for _, xi in kept])):
+            with self._draws(unit), self._autocast():
+                outs.append(self._wire(self.module(xi)))
+        out = torch.cat(outs)
         grad_in, grads = self._grads(_Stashed(self.version, self._live(), x, out), out, grad_out)
         self._add(grads)
         return grad_in

@@ -229,3 +229,28 @@ def test_a_forwards_dropout_is_drawn_for_its_minibatch_whatever_was_drawn_before
     assert not torch.equal(micro, compute(7).forward_micro((1, 1), ones, keep=True)[0])
     unseeded = StageCompute(nn.Sequential(nn.Dropout(0.5)), SGD, loss="mse", device="cpu", track_updates=False, stash=False)
     assert not torch.equal(unseeded.forward(1, ones)[0], unseeded.forward(2, ones)[0]), "default: as torch draws"
+
+
+def test_nf1b_recomputes_each_micro_batch_with_its_forwards_masks() -> None:
+    """nf1b's backward runs p's kept inputs forward again: each micro-batch drawn as its own
+    forward drew, so on unchanged weights its gradients are those of the kept graphs (gpipe's)."""
+    from stage_worker.stage import forward_draws
+
+    def compute() -> StageCompute:
+        torch.manual_seed(3)
+        module = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4)).double()
+        return StageCompute(module, SGD, loss="mse", device="cpu", track_updates=False, stash=False,
+                            draws=forward_draws(7, 0, 1, "cpu"))
+
+    xs = [torch.randn(3, 8, dtype=torch.float64) for _ in range(2)]
+    grad = torch.randn(6, 4, dtype=torch.float64)
+    kept, recomputed = compute(), compute()
+    grad_in = []
+    for m, (xm, gm) in enumerate(zip(xs, grad.split(3))):
+        kept.forward_micro((1, m), xm, keep=True)
+        grad_in.append(kept.backward_micro((1, m), gm)[0])
+        recomputed.forward_micro((1, m), xm, keep=False)
+    again = recomputed.backward_recompute(1, grad)
+    assert again is not None and torch.allclose(again, torch.cat(grad_in), rtol=0, atol=1e-12)
+    for a, b in zip(kept.take_summed(), recomputed.take_summed()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
