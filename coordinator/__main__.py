@@ -5,15 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import dataclass
 
 from hetpipe import outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig, check_coordinated, load_job, with_overrides
 from hetpipe.service import exit_now, return_large_buffers, run_server, secure
+from coordinator import checkpoints
 from coordinator import metrics as coordinator_metrics
 from coordinator.config import CoordinatorConfig, parse_args
 from coordinator.job import JobRunner
+from coordinator.planner import Plan, PlanError, make_plan
 from coordinator.registry import Registry
 from coordinator.servicer import CoordinatorServicer
+
+log = logging.getLogger("coordinator")
 
 
 def build(host: str, port: int, *, heartbeat_interval_s: float = 1.0, claim_timeout_s: float = 120.0,
@@ -32,28 +37,58 @@ def build(host: str, port: int, *, heartbeat_interval_s: float = 1.0, claim_time
     return server, servicer
 
 
-def startup_job(cfg: CoordinatorConfig) -> JobConfig:
-    """The --job file, with --output-dir applied, as a fresh job: like `hetpipe run`, it clears the
-    output's ps/ folder, where the shards of compose.yaml keep their checkpoints (they start after
-    the coordinator and would otherwise restore an earlier run's state). Raises ConfigError."""
+@dataclass(frozen=True)
+class StartupJob:
+    """The --job to submit at start: planned already, and resume_wave > 0, where it goes on from a cut."""
+
+    job: JobConfig
+    plan: Plan | None = None
+    resume_wave: int = 0
+
+
+def startup_job(cfg: CoordinatorConfig) -> StartupJob:
+    """The --job file, with --output-dir applied. Where output.dir holds an unfinished run's
+    checkpoints (train.checkpoint_every; no summary.json), the job goes on from the latest, as
+    `hetpipe run --resume` would: a coordinator restarted mid-job (compose's restart policy, a
+    Deployment's) loses only the waves since. Else (or with --fresh) it starts over, like `hetpipe
+    run`. Either way it clears the output's ps/ folder, where the shards of compose.yaml keep their
+    state (they start after the coordinator and would otherwise restore an earlier run's).
+    Raises ConfigError, for a cut of another job or a damaged one too."""
     job = load_job(cfg.job)
-    check_coordinated(job, "a coordinator")
+    check_coordinated(job, "a coordinator", cuts=True)
     if cfg.output_dir:
         job = with_overrides(job, output={"dir": os.path.abspath(cfg.output_dir)})
     out_dir = job.resolve(job.output.dir)
+    folder = out_dir / outputs.CHECKPOINTS
+    wave = None if cfg.fresh or outputs.read_summary(out_dir) is not None else checkpoints.latest(folder)
+    if wave is None:
+        outputs.check_reads(out_dir, job.read_paths)
+        outputs.start_fresh(out_dir, keep_checkpoints=False)
+        return StartupJob(job)
+    plan = make_plan(job)
+    try:
+        checkpoints.check_cut(folder, wave, job, plan)
+    except ConfigError as exc:
+        raise ConfigError(f"--job {cfg.job}: {out_dir} holds an unfinished run's checkpoints, which the coordinator "
+                          f"goes on from as `hetpipe run --resume` would: {exc}") from None
     outputs.check_reads(out_dir, job.read_paths, keep_checkpoints=True)
+    kept = outputs.evals_through(out_dir, wave * plan.nm)   # as `hetpipe run --resume` keeps them
     outputs.start_fresh(out_dir, keep_checkpoints=True)
-    return job
+    if kept:
+        outputs.append_evals(out_dir, kept)
+    log.info("--job %s: resuming from the checkpoint of wave %d (after each VW's minibatch %d of %d) in %s",
+             cfg.job, wave, wave * plan.nm, job.train.steps, folder)
+    return StartupJob(job, plan, wave)
 
 
 def serve(cfg: CoordinatorConfig) -> None:
     secure(cfg.service, security.COORDINATOR)
-    job = startup_job(cfg) if cfg.job else None
+    start = startup_job(cfg) if cfg.job else None
     server, servicer = build(cfg.service.host, cfg.service.port, heartbeat_interval_s=cfg.heartbeat_interval_s,
                              claim_timeout_s=cfg.claim_timeout_s, health_port=cfg.service.health_port,
                              output_root=cfg.service.output_root, data_root=cfg.data_root)
-    if job is not None:
-        servicer.runner.submit(job)  # plans, then waits up to --claim-timeout for the workers
+    if start is not None:   # plans unless planned, then waits up to --claim-timeout for the workers
+        servicer.runner.submit(start.job, start.plan, resume_wave=start.resume_wave)
 
     def shutdown() -> None:
         servicer.runner.stop("coordinator shutting down")
@@ -67,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     return_large_buffers()  # the coordinator serves control messages and computes no tensors
     try:
         serve(parse_args(argv))
-    except (ConfigError, security.SecurityError) as exc:  # a bad --job file or security: refuse to start
+    except (ConfigError, PlanError, security.SecurityError) as exc:  # a bad --job file or security: refuse to start
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
     exit_now()

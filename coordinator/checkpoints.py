@@ -142,6 +142,16 @@ def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
     return None
 
 
+def check_cut(folder: Path, wave: int, job: JobConfig, plan: Plan) -> None:
+    """ConfigError unless job can go on from the cut of wave in folder: its manifest whole, taken
+    for a job of this shape, its files all there."""
+    m = manifest(folder, wave)
+    refused = refusal(m, wave, job_shape(job, plan, job.parallel.started_shards))
+    if refused is not None:
+        raise ConfigError(refused)
+    check_files(folder, wave, m)
+
+
 def shard_status(stub: rpc.Stub, i: int, closing: threading.Event | None = None) -> ps_pb2.ShardStatus:
     """Shard i's Status, through its restart (unless the job is closing); JobFailed naming it."""
     try:

@@ -19,6 +19,7 @@ class CoordinatorConfig:
     job: str = ""           # a job file to submit at start (compose); empty = wait for `Submit`
     output_dir: str = ""    # with job: its outputs go here instead of the file's output.dir
     data_root: str = ""     # files a submitted job names must lie here; empty = the output root
+    fresh: bool = False     # with job: an unfinished run's checkpoints deleted, not gone on from
 
 
 def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
@@ -36,11 +37,15 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                          "factory, its base_dir must lie inside this folder (default: --output-root)")
     ap.add_argument("--output-dir", default=env("HETPIPE_OUTPUT_DIR", ""),
                     help="with --job: write the job's outputs here instead of its output.dir")
+    ap.add_argument("--fresh", action="store_true",
+                    help="with --job: delete an unfinished run's checkpoints in its output dir and start over, "
+                         "instead of going on from the latest")
     ns = ap.parse_args(argv)
     if ns.heartbeat_interval <= 0:
         ap.error(f"--heartbeat-interval must be > 0, got {ns.heartbeat_interval}")
-    if ns.output_dir and not ns.job:
-        ap.error("--output-dir needs --job")
+    for flag, given in (("--output-dir", ns.output_dir), ("--fresh", ns.fresh)):
+        if given and not ns.job:
+            ap.error(f"{flag} needs --job")
     return CoordinatorConfig(service=service_flags(ns), heartbeat_interval_s=ns.heartbeat_interval,
                              claim_timeout_s=ns.claim_timeout, job=ns.job, output_dir=ns.output_dir,
-                             data_root=ns.data_root)
+                             data_root=ns.data_root, fresh=ns.fresh)

@@ -61,7 +61,7 @@ class CoordinatorServicer:
     def Submit(self, request: coordinator_pb2.SubmitRequest, context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
         try:
             job = JobConfig.from_json(request.job_json)
-            check_coordinated(job, "a coordinator")
+            check_coordinated(job, "a coordinator it is submitted to")
         except ConfigError as exc:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"job_json: {exc}") from None
         self._check_paths(job)

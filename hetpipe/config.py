@@ -299,18 +299,20 @@ def _check_together(job: JobConfig) -> None:
                               f"{need} GPUs, the cluster has {gpus}")
 
 
-def check_coordinated(job: JobConfig, runner: str, *, containers: bool = False) -> None:
+def check_coordinated(job: JobConfig, runner: str, *, containers: bool = False, cuts: bool = False) -> None:
     """ConfigError for what a job that a coordinator runs, not `hetpipe run` (runner says which),
     cannot do: be a baseline (parallel.mode ddp, torch-pipeline; the coordinator would run HetPipe
-    instead), or checkpoint (nothing there can --resume from a cut yet). containers: every process
-    in a container of its own (compose, k8s), so none shares memory with another."""
+    instead), or checkpoint where nothing resumes from the cuts (cuts: the runner does, as a
+    coordinator's --job does after a restart). containers: every process in a container of its
+    own (compose, k8s), so none shares memory with another."""
     par = job.parallel
     if par.mode != "hetpipe":
         raise ConfigError(f"parallel.mode: {par.mode} is a baseline that `hetpipe run` runs on this machine only; "
                           f"{runner} runs parallel.mode hetpipe only")
-    if job.train.checkpoint_every:
+    if job.train.checkpoint_every and not cuts:
         raise ConfigError(f"train.checkpoint_every: {job.train.checkpoint_every}, but a job run by {runner} cannot "
-                          "checkpoint yet: nothing there can --resume from its cuts; set it to 0")
+                          "checkpoint: nothing there resumes from its cuts (a coordinator's --job, compose's and "
+                          "k8s's, does); set it to 0")
     if containers and par.transport == "shm":
         raise ConfigError(f"parallel.transport: shm, but {runner} puts every process in a container of its own, "
                           "with its own /dev/shm: no two can share memory; set auto or grpc")

@@ -162,7 +162,7 @@ def _plan_or_usage(path: str, plan: Callable[[JobConfig], Plan] | None = None,
     try:
         job = load_job(path, settings)
         if runner:
-            check_coordinated(job, runner, containers=True)
+            check_coordinated(job, runner, containers=True, cuts=True)   # the coordinator's --job
         return job, (plan or make_plan)(job)
     except (ConfigError, PlanError) as exc:
         _error(str(exc))

@@ -133,9 +133,10 @@ def gpu_requested(job: JobConfig) -> bool:
 
 
 def _shared_runs(job: JobConfig) -> bool:
-    """Stages write into the output folder themselves only for traces and profiles; then they
-    mount the coordinator's volume, which must be ReadWriteMany."""
-    return job.output.trace or job.output.profile is not None
+    """Stages write into the output folder themselves only for traces, profiles and their part of
+    each checkpoint (which a restarted coordinator's job goes on from); then they mount the
+    coordinator's volume, which must be ReadWriteMany."""
+    return job.output.trace or job.output.profile is not None or job.train.checkpoint_every > 0
 
 
 # ---- the objects ------------------------------------------------------------------------------------

@@ -79,11 +79,7 @@ def _resume_wave(out_dir: Path, job: JobConfig, plan: Plan, *, resume: bool, fre
     if wave is None:
         raise ConfigError(f"--resume: no complete checkpoint in {out_dir / outputs.CHECKPOINTS} "
                           "(train.checkpoint_every sets how often a run writes one)")
-    m = checkpoints.manifest(out_dir / outputs.CHECKPOINTS, wave)
-    refused = checkpoints.refusal(m, wave, checkpoints.job_shape(job, plan, job.parallel.started_shards))
-    if refused is not None:
-        raise ConfigError(refused)
-    checkpoints.check_files(out_dir / outputs.CHECKPOINTS, wave, m)
+    checkpoints.check_cut(out_dir / outputs.CHECKPOINTS, wave, job, plan)
     if outputs.read_summary(out_dir) is not None:   # a run clears it as it starts: the last one finished
         warn(f"--resume: the run in {out_dir} finished (its summary.json is there): this one trains again from its "
              f"latest checkpoint, after wave {wave}, and writes its results in their place")

@@ -25,10 +25,11 @@ import torch
 import yaml
 
 from conftest import BASE_JOB, deep_update
-from hetpipe import rpc, security, weight_files
+from hetpipe import outputs, rpc, security, weight_files
 from hetpipe.config import load_job
 from hetpipe.reference import initial_model, train_reference
 from hetpipe.v1 import coordinator_pb2, wire_pb2
+from coordinator.checkpoints import latest
 from launch import certs
 
 pytestmark = pytest.mark.timeout(150)
@@ -304,6 +305,53 @@ def test_a_restarted_coordinator_gets_fresh_workers_for_its_next_job(cluster: Cl
     got, want = weight_files.read_weights(tmp_path / "out"), train_reference(job).state_dict()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9)
+
+
+def test_a_restarted_coordinator_goes_on_with_its_job_from_the_last_checkpoint(tmp_path: Path) -> None:
+    """compose's and k8s's coordinator runs its --job; restarted mid-job (their restart policy),
+    it goes on from the job's latest checkpoint, as `hetpipe run --resume` does. The workers that
+    served the lost job leave and come back fresh; the shard takes the cut's values, each stage its
+    own state (SGD's momentum too); the final model is the reference's (O1: 1 VW, float64)."""
+    shared = tmp_path / "runs"   # where every process writes, as compose's volume `runs`
+    steps = 96
+    job_file = _job_file(tmp_path, "job.yaml", {
+        "cluster": {"nodes": [{"name": "hosta", "gpus": [{"type": "t4"}]}, {"name": "hostb", "gpus": [{"type": "t4"}]}],
+                    "emulate": {"forward_seconds": 0.005, "backward_seconds": 0.005}},
+        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}, "steps": steps,
+                  "checkpoint_every": 8},
+        "parallel": {"virtual_workers": 1, "stages_per_vw": 2, "nm": 1, "D": 0},
+        "output": {"trace": False},
+    })
+    out = shared / "job"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = Cluster(tmp_path, f"127.0.0.1:{port}")
+    coordinator = ["coordinator", "--port", str(port), "--heartbeat-interval", "0.5", "--job", str(job_file),
+                   "--output-dir", str(out)]
+    try:
+        c.start("coordinator", *coordinator)
+        for host, shards in (("hosta", "1"), ("hostb", "0")):
+            c.start(host, "worker", "--coordinator", c.address, "--emulate", "t4", "--node", host, "--shards", shards,
+                    "--output-root", str(shared))
+        deadline = time.monotonic() + 90
+        while (cut := latest(out / outputs.CHECKPOINTS)) is None:
+            assert c.procs["coordinator"].poll() is None and time.monotonic() < deadline, c.log("coordinator")
+            time.sleep(0.05)
+        c.kill("coordinator")
+        assert outputs.read_summary(out) is None, "the job ended before the coordinator was killed"
+        c.start("restarted", *coordinator)
+        deadline = time.monotonic() + 90
+        while (summary := outputs.read_summary(out)) is None:
+            assert c.procs["restarted"].poll() is None and time.monotonic() < deadline, c.log("restarted")
+            time.sleep(0.1)
+        wave = int(re.search(r"resuming from the checkpoint of wave (\d+)", c.log("restarted"))[1])  # type: ignore[index]
+        assert cut <= wave < steps and summary["resumed_from_wave"] == wave, (cut, summary)
+        got, want = weight_files.read_weights(out), train_reference(load_job(job_file)).state_dict()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9)
+    finally:
+        c.stop()
 
 
 @contextlib.contextmanager

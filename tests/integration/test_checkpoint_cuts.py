@@ -5,6 +5,7 @@ watched through the fsync calls the writers make, since a power cut cannot be st
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -331,3 +332,58 @@ def test_a_stage_answers_status_and_its_neighbours_while_it_writes_its_cut(make_
             answered.set()
         assert status.backwards_done == 2 and status.cut == 0   # the cut is not saved until it is on disk
         assert rig.wait_until("cut", 1).cut == 1
+
+
+def test_a_coordinators_job_goes_on_from_an_unfinished_runs_cut_and_no_other(make_job: Any, tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A coordinator's --job (compose's, k8s's) goes on from output.dir's latest cut where the
+    run there did not finish, as `hetpipe run --resume` would; a finished run (summary.json), or
+    --fresh, starts over and deletes the cuts. A cut of another job, or a damaged one, refuses
+    the start (exit 2), naming it, and deletes nothing."""
+    from coordinator.__main__ import main as coordinator_main, startup_job
+    from coordinator.config import parse_args
+    from coordinator.planner import make_plan
+
+    job = make_job({"train": {"steps": 12, "checkpoint_every": 2}})
+    job_file = str(tmp_path / "job.yaml")
+    out = Path(job.resolve(job.output.dir))
+    folder = out / outputs.CHECKPOINTS
+    shape = checkpoints.job_shape(job, make_plan(job), job.parallel.started_shards)
+
+    def cut(wave: int, **changed: Any) -> None:
+        where = outputs.cut_dir(folder, wave)
+        where.mkdir(parents=True)
+        (where / checkpoints.MANIFEST).write_text(json.dumps({**shape, "clocks": [wave], "evicted": [], "files": {},
+                                                              **changed}))
+
+    def rows(*minibatches: int) -> None:
+        outputs.append_evals(out, [{"id": i, "minibatches": m, "final": False} for i, m in enumerate(minibatches)])
+
+    cut(2)
+    cut(4)
+    rows(3, 4, 5)
+    (out / "ps").mkdir()
+    (out / "ps" / "shard0").mkdir()
+    start = startup_job(parse_args(["--job", job_file]))
+    assert (start.resume_wave, start.plan is not None) == (4, True)
+    assert [r["minibatches"] for r in outputs.evals_through(out, 99)] == [3, 4], "rows after the cut dropped"
+    assert checkpoints.latest(folder) == 4 and not (out / "ps").exists()
+
+    (out / outputs.SUMMARY_FILE).write_text("{}")   # that run finished: the next starts over
+    start = startup_job(parse_args(["--job", job_file]))
+    assert (start.resume_wave, start.plan) == (0, None)
+    assert checkpoints.latest(folder) is None and not (out / outputs.SUMMARY_FILE).exists()
+    cut(4)
+    assert startup_job(parse_args(["--job", job_file, "--fresh"])).resume_wave == 0
+    assert checkpoints.latest(folder) is None
+
+    for damage, needle in ((dict(steps=8), "was taken for another job: steps 8 there, 12 now"),
+                           (dict(clocks="x"), "is damaged")):
+        cut(4, **damage)
+        rows(3)
+        assert coordinator_main(["--job", job_file, "--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert f"coordinator: error: --job {job_file}: {out} holds an unfinished run's checkpoints" in err, err
+        assert needle in err and "--fresh" in err, err
+        assert checkpoints.latest(folder) == 4 and (out / "eval.jsonl").exists(), "a refused start deletes nothing"
+        shutil.rmtree(folder)

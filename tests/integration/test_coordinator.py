@@ -88,7 +88,7 @@ def test_submit_refuses_bad_job_json(coordinator) -> None:
                           "parallel.mode: ddp is a baseline"),
                          # refused as it arrives, not as a job that fails once planned
                          ('{"model": {"name": "mlp"}, "train": {"checkpoint_every": 2}}',
-                          "train.checkpoint_every: 2, but a job run by a coordinator cannot checkpoint yet")):
+                          "train.checkpoint_every: 2, but a job run by a coordinator it is submitted to cannot checkpoint")):
         with pytest.raises(grpc.RpcError) as err:
             stub.Submit(coordinator_pb2.SubmitRequest(job_json=text), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()

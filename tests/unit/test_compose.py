@@ -355,20 +355,14 @@ def test_a_baseline_job_is_refused_where_a_coordinator_would_run_it(mode: str, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
 
 
-@pytest.mark.parametrize("case", ["checkpoints", "shm", "bad init"])
+@pytest.mark.parametrize("case", ["shm", "bad init"])
 def test_what_the_containers_could_not_do_is_refused_before_they_start(case: str, tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """Checkpoints: no coordinator can --resume from a cut (and the next `up` deleted the last
-    one). transport shm: each container has its own /dev/shm, so setup would fail once every
-    worker had started. A model.init that `hetpipe run` refuses: the stages would fail loading it.
-    compose and k8s refuse each, as the coordinator's --job does what it can tell."""
-    from coordinator.__main__ import main as coordinator_main
-
+    """transport shm: each container has its own /dev/shm, so setup would fail once every worker
+    had started. A model.init that `hetpipe run` refuses: the stages would fail loading it.
+    compose and k8s refuse each."""
     raw = yaml.safe_load(EXAMPLE.read_text())
-    if case == "checkpoints":
-        raw["train"]["checkpoint_every"] = 5
-        needle = "train.checkpoint_every: 5, but a job run by"
-    elif case == "shm":
+    if case == "shm":
         raw["parallel"]["transport"] = "shm"
         needle = "parallel.transport: shm, but a"
     else:
@@ -381,9 +375,6 @@ def test_what_the_containers_could_not_do_is_refused_before_they_start(case: str
     for argv in (["compose", str(job), "-o", str(tmp_path / "compose.yaml")], ["k8s", str(job), "-o", str(tmp_path / "k8s")]):
         assert cli.main(argv) == cli.EXIT_USAGE
         assert needle in capsys.readouterr().err
-    if case == "checkpoints":
-        assert coordinator_main(["--job", str(job), "--port", "0"]) == 2
-        assert "train.checkpoint_every: 5, but a job run by a coordinator cannot checkpoint yet" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 

@@ -347,13 +347,16 @@ def test_job_file_and_its_data_travel_in_the_configmap(make_job: Any, tmp_path: 
 
 
 def test_stages_share_the_outputs_volume_only_to_write_into_it(make_job: Any) -> None:
-    """Stages write traces and profiles into the output folder themselves: then they mount the
-    coordinator's volume, which must be ReadWriteMany; otherwise only the coordinator mounts it.
-    (A profile without a trace had no mount: the stage failed writing it, and the job with it.)"""
+    """Stages write traces, profiles and their part of each checkpoint into the output folder
+    themselves: then they mount the coordinator's volume, which must be ReadWriteMany; otherwise
+    only the coordinator mounts it. (A profile without a trace had no mount: the stage failed
+    writing it, and the job with it.)"""
     profile = {"after": 1, "steps": 1}
-    for output, access, mounted in (({"trace": True}, "ReadWriteMany", True), ({"trace": False}, "ReadWriteOnce", False),
-                                    ({"trace": False, "profile": profile}, "ReadWriteMany", True)):
-        job = make_job({"output": output, "train": {"steps": 4}})
+    for output, every, access, mounted in (({"trace": True}, 0, "ReadWriteMany", True),
+                                           ({"trace": False}, 0, "ReadWriteOnce", False),
+                                           ({"trace": False, "profile": profile}, 0, "ReadWriteMany", True),
+                                           ({"trace": False}, 2, "ReadWriteMany", True)):
+        job = make_job({"output": output, "train": {"steps": 4, "checkpoint_every": every}})
         rendered = k8s.render(job, make_plan(job), job_file=Path(job.base_dir) / "job.yaml")
         docs = {n: [d for d in yaml.safe_load_all(t) if d] for n, t in rendered.items()}
         claim = _objects(docs, "PersistentVolumeClaim")[k8s.RUNS_CLAIM]
