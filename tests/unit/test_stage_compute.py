@@ -233,12 +233,13 @@ def test_a_forwards_dropout_is_drawn_for_its_minibatch_whatever_was_drawn_before
 
 def test_nf1b_recomputes_each_micro_batch_with_its_forwards_masks() -> None:
     """nf1b's backward runs p's kept inputs forward again: each micro-batch drawn as its own
-    forward drew, so on unchanged weights its gradients are those of the kept graphs (gpipe's)."""
+    forward drew, so on unchanged weights its gradients are those of the kept graphs (gpipe's),
+    and a batch norm's running statistics count each micro-batch once, as gpipe's do."""
     from stage_worker.stage import forward_draws
 
     def compute() -> StageCompute:
         torch.manual_seed(3)
-        module = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4)).double()
+        module = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4)).double()
         return StageCompute(module, SGD, loss="mse", device="cpu", track_updates=False, stash=False,
                             draws=forward_draws(7, 0, 1, "cpu"))
 
@@ -254,3 +255,5 @@ def test_nf1b_recomputes_each_micro_batch_with_its_forwards_masks() -> None:
     assert again is not None and torch.allclose(again, torch.cat(grad_in), rtol=0, atol=1e-12)
     for a, b in zip(kept.take_summed(), recomputed.take_summed()):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    for (name, a), b in zip(kept.module.named_buffers(), recomputed.module.buffers()):
+        assert torch.equal(a, b), name
