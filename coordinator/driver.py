@@ -231,9 +231,11 @@ class JobDriver:
 
     def _wait_loaded(self, interval: float = 0.05) -> None:
         """Waits until every stage is READY, up to train.setup_timeout_s; JobFailed names a stage
-        that failed to load, or the ones still loading when the time is up."""
+        that failed to load, or the ones still loading when the time is up. A stop, or a worker
+        gone, ends the wait at once (check_processes): a large model's load takes minutes."""
         deadline = time.monotonic() + self.job.train.setup_timeout_s
         while True:
+            self.check_processes()
             self.check_shards()
             loading = []
             for h in self.stages:

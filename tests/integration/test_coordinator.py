@@ -158,6 +158,44 @@ def test_stop_ends_a_running_job_and_its_stages(coordinator, make_job, tmp_path:
         procs.stop_all()
 
 
+SLOW_NET = """
+import os, time
+import torch
+
+
+def build(**kwargs):
+    if os.environ.get("SLOW_BUILD"):   # a stage's build only, not the planner's
+        time.sleep(3600)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+"""
+
+
+def test_stop_while_the_stages_load_ends_the_job_and_stops_them(coordinator, make_job, tmp_path: Path) -> None:
+    """A stop while the stages load (a large model's build) ends the job thread within a poll and
+    tells the stages to stop: it waited out train.setup_timeout_s (an hour here), the job shown
+    STOPPED meanwhile, every next Submit refused and the stages holding their GPUs."""
+    stub, servicer, address = coordinator
+    (tmp_path / "slow_net.py").write_text(SLOW_NET)
+    job = make_job({"model": {"name": None, "args": None, "factory": "slow_net:build"},
+                    "train": {"setup_timeout_s": 3600}, "parallel": {"stages_per_vw": 1}, "output": {"trace": False}})
+    procs = LocalProcesses(tmp_path / "logs", env={"SLOW_BUILD": "1"})
+    try:
+        procs.spawn("stage_worker", "stage 0 of vw 0", ["--coordinator", address, "--node", "n0"])
+        procs.wait_ready()
+        stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5)
+        (stage,) = procs.processes
+        deadline = time.monotonic() + 60
+        while "assigned layers" not in stage.log_path.read_text():
+            assert time.monotonic() < deadline and stage.popen.poll() is None, stage.log_path.read_text()
+            time.sleep(0.05)
+        stub.StopJob(coordinator_pb2.JobRef(), timeout=5)
+        servicer.runner.join(3600)   # the test's timeout, not this, bounds the wait
+        assert stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state == State.STOPPED
+        stage.popen.wait(timeout=30)   # told to stop, it exits by itself
+    finally:
+        procs.stop_all()
+
+
 def test_stop_of_a_job_that_has_ended_says_so_and_exits_0(coordinator, make_job) -> None:
     """Not a status table, as if the stop had done something: one line, how the job ended."""
     stub, servicer, address = coordinator
