@@ -312,9 +312,15 @@ def write_status(out_dir: Path, state: str, reason: str) -> None:
 
 
 def read_status(out_dir: Path) -> dict[str, Any] | None:
-    """How the last run into out_dir ended ({state, reason, finished}), or None."""
+    """How the last run into out_dir ended ({state, reason, finished}), or None where there is no
+    status.json or it is not what write_status writes (a job state's name, a reason)."""
+    from hetpipe.v1 import coordinator_pb2
+
     try:
         status = json.loads((out_dir / STATUS_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return status if isinstance(status, dict) else None
+    if (not isinstance(status, dict) or status.get("state") not in coordinator_pb2.JobStatus.State.keys()
+            or not isinstance(status.get("reason", ""), str)):
+        return None
+    return status

@@ -223,6 +223,24 @@ def test_stop_of_a_local_run_that_has_ended_says_so_and_exits_0(make_job, tmp_pa
                           "nothing to stop\n"), cli.stdout
 
 
+@pytest.mark.parametrize("text", ['{}', '{"state": "BOGUS"}', '{"state": "FAILED", "reason": 5}'])
+def test_a_status_json_not_as_a_run_writes_it_is_no_ending(make_job, tmp_path: Path, text: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """status.json that write_status did not write (a state that is none, a reason that is no
+    text): `hetpipe status/stop --job` read no ending from it, instead of a KeyError's traceback."""
+    from launch import cli
+
+    job = make_job({"output": {"trace": False}})
+    out = Path(job.resolve(job.output.dir))
+    out.mkdir()
+    (out / "status.json").write_text(text)
+    for argv in (["status", "--job", str(tmp_path / "job.yaml")], ["status", "--json", "--job", str(tmp_path / "job.yaml")],
+                 ["stop", "--job", str(tmp_path / "job.yaml")]):
+        assert cli.main(argv) == cli.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert "no coordinator address" in err and "Traceback" not in err, err
+
+
 def test_stop_before_any_job_then_a_new_job_starts(coordinator, make_job) -> None:
     stub, servicer, _ = coordinator
     assert stub.StopJob(coordinator_pb2.JobRef(), timeout=5).state == State.STOPPED
