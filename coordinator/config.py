@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 
@@ -41,8 +42,9 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                     help="with --job: delete an unfinished run's checkpoints in its output dir and start over, "
                          "instead of going on from the latest")
     ns = ap.parse_args(argv)
-    if ns.heartbeat_interval <= 0:
-        ap.error(f"--heartbeat-interval must be > 0, got {ns.heartbeat_interval}")
+    for flag, value in (("--heartbeat-interval", ns.heartbeat_interval), ("--claim-timeout", ns.claim_timeout)):
+        if not (math.isfinite(value) and value > 0):   # nan: no worker alive, or a claim that never ends
+            ap.error(f"{flag} must be a number of seconds > 0, got {value}")
     for flag, given in (("--output-dir", ns.output_dir), ("--fresh", ns.fresh)):
         if given and not ns.job:
             ap.error(f"{flag} needs --job")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -86,6 +87,8 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
                         on_orphaned(True)
                         break
                     registration.worker_id, interval = reply.worker_id, reply.heartbeat_interval_s
+                    # Bounded: a reply's nan or 0 would heartbeat in a tight loop, its inf never.
+                    interval = min(max(interval, 0.05), 60.0) if math.isfinite(interval) else 1.0
                     log.info("registered with coordinator %s as %s", coordinator, reply.worker_id)
                 elif not stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=worker_id),
                                         timeout=rpc.CONTROL_DEADLINE_S).known:

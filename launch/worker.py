@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,6 +39,8 @@ POLL_S = 0.5          # how often the children are checked
 REGISTRY_POLL_S = 1.0  # how often the coordinator is asked which of them served a job
 CUDA_ENV = "CUDA_VISIBLE_DEVICES"
 ANY_ADDRESS = ("0.0.0.0", "::", "")
+# A host name's characters and length: the node also names this host's log folder (logs/NODE).
+NODE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,252}")
 
 
 class Terminated(Exception):
@@ -111,6 +114,9 @@ def config(ns: argparse.Namespace) -> WorkerConfig:
         raise ConfigError("--count and --shards: expected numbers >= 0")
     if ":" not in ns.coordinator:
         raise ConfigError(f"--coordinator {ns.coordinator}: expected HOST:PORT")
+    if not NODE.fullmatch(ns.node):
+        raise ConfigError(f"--node {ns.node[:64]!r}: expected a host name: letters, digits, '.', '-' and '_', "
+                          "at most 253 of them, not starting with '.' or '-'")
     return WorkerConfig(coordinator=ns.coordinator, gpus=gpus, emulate=ns.emulate or "",
                         count=1 if ns.count is None else ns.count, shards=ns.shards, host=ns.host,
                         advertise_host=ns.advertise_host, node=ns.node, output_root=ns.output_root,
@@ -288,7 +294,12 @@ def serve(cfg: WorkerConfig) -> int:
     if not stages and not cfg.shards:
         raise ConfigError("nothing to serve: no stage worker (--gpus none, or --count 0) and no --shards")
     root = Path(cfg.output_root).absolute()
-    (root / "trace").mkdir(parents=True, exist_ok=True)
+    try:
+        (root / "trace").mkdir(parents=True, exist_ok=True)
+        (root / "logs" / cfg.node).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--output-root {cfg.output_root}: cannot make its folders: {exc.strerror}: "
+                          f"{exc.filename}") from None
     launcher = Launcher(cfg, root)
     check_reachable(cfg, launcher.advertise_host)
     try:

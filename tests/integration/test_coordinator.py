@@ -80,6 +80,18 @@ def test_duplicate_address_from_another_node_is_refused_but_a_restart_takes_over
     assert stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=second), timeout=5).known
 
 
+@pytest.mark.parametrize("flags", [["--heartbeat-interval", "nan"], ["--heartbeat-interval", "inf"],
+                                   ["--heartbeat-interval", "0"], ["--claim-timeout", "nan"], ["--claim-timeout", "-1"]])
+def test_a_coordinator_refuses_seconds_that_are_no_positive_number(flags: list[str],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """nan passed `<= 0`: no worker was ever alive, or a claim waited for ever."""
+    from coordinator.config import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(flags)
+    assert exit_.value.code == 2 and f"{flags[0]} must be a number of seconds > 0" in capsys.readouterr().err
+
+
 def test_submit_refuses_bad_job_json(coordinator) -> None:
     stub, _, _ = coordinator
     for text, needle in (("{", "not valid JSON"), ('{"model": {"name": "mlp"}, "parallel": {"nm": -1}}', "parallel.nm"),

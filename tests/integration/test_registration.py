@@ -62,3 +62,29 @@ def test_a_worker_leaves_its_job_once_its_coordinator_is_gone(holds_job: bool) -
     finally:
         stopped.set()
         thread.join(5)
+
+
+@pytest.mark.parametrize("interval", [float("nan"), 0.0, -1.0])
+def test_a_worker_heartbeats_at_a_bounded_rate_whatever_interval_it_is_told(interval: float) -> None:
+    """A reply's heartbeat interval, nan or 0, made the thread heartbeat in a tight loop: it is
+    bounded to [0.05, 60] s, a non-number read as 1 s. A machine under load only heartbeats
+    less, so the bound on the count cannot fail for slowness."""
+    class Told(_Coordinator):
+        def Register(self, request: coordinator_pb2.WorkerInfo, context: object) -> coordinator_pb2.RegisterReply:
+            return coordinator_pb2.RegisterReply(worker_id="w1", heartbeat_interval_s=interval)
+
+    coordinator = Told()
+    server = rpc.Server("127.0.0.1", 0)
+    server.add("Coordinator", coordinator)
+    server.start()
+    stopped = threading.Event()
+    info = coordinator_pb2.WorkerInfo(role=coordinator_pb2.WorkerInfo.STAGE_WORKER, address="127.0.0.1:1")
+    thread = keep_registered(server.address, info, stopped).thread
+    assert thread is not None
+    try:
+        time.sleep(1.0)
+        assert coordinator.heartbeats <= 1.0 / 0.05 + 1, coordinator.heartbeats
+    finally:
+        stopped.set()
+        thread.join(5)
+        server.stop()

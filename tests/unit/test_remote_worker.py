@@ -60,6 +60,11 @@ def test_without_a_gpu_one_generic_cpu_worker(monkeypatch: pytest.MonkeyPatch) -
     (("--emulate", "gtx-9999"), "--emulate gtx-9999: expected one of"),
     (("--count", "2"), "--count: only with --emulate"),
     (("--shards", "-1"), "expected numbers >= 0"),
+    # A node the coordinator refuses to register (it retried forever), or that names no folder.
+    (("--node", ""), "--node '': expected a host name"),
+    (("--node", "a" * 254), "--node 'aaaa"),
+    (("--node", "../up"), "--node '../up': expected a host name"),
+    (("--node", "a/b"), "--node 'a/b': expected a host name"),
 ])
 def test_bad_flags_are_refused_naming_them(flags: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -74,6 +79,13 @@ def test_what_cannot_work_or_would_be_open_is_refused_before_starting(flags: tup
     cfg = _config(*flags)
     with pytest.raises(ConfigError, match=message):
         worker.check_reachable(cfg, worker.Launcher(cfg, root=Path(".")).advertise_host)
+
+
+def test_an_output_root_that_cannot_be_made_is_refused_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    for root in (tmp_path / "file", tmp_path / "file" / "below"):
+        with pytest.raises(ConfigError, match=f"--output-root {root}: cannot make its folders: Not a directory"):
+            worker.serve(_config("--emulate", "t4", "--output-root", str(root)))
 
 
 @pytest.mark.timeout(120)
