@@ -7,6 +7,7 @@ import logging
 import mmap
 import os
 import shutil
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -383,8 +384,11 @@ class Durability:
             path.unlink(missing_ok=True)
 
     def discard(self) -> None:
-        """Deletes the checkpoint, the log and the boot id: a restore after it finds nothing."""
+        """Deletes the checkpoint, the log and the boot id: a restore after it finds nothing. A
+        checkpoint captured before and written after (its push's hand-off to the writer thread
+        was late) is one captured earlier than the last written: write() drops it."""
         with self._write_lock, self._lock:
+            self._written = sys.maxsize
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self._spares = []
             for path in (self.checkpoint_path, self.boot_path):

@@ -245,6 +245,20 @@ def test_entries_a_checkpoint_covered_are_written_over_then_deleted_at_close(tmp
     assert not list(dur.log_dir.iterdir()), "a finished shard leaves log files behind"
 
 
+def test_a_checkpoint_captured_before_a_discard_is_not_written_after_it(tmp_path: Path) -> None:
+    """A shard told its job ended discards its state; a checkpoint that a push captured before,
+    whose hand-off to the writer thread came late, must not put the ended job back on disk."""
+    shard, dur = two_key_shard(2), Durability(str(tmp_path), every_clocks=100)
+    push(shard, dur, 0, 0, [delta("a", shard)])
+    late = dur.capture(shard)
+    assert late is not None
+    dur.discard()
+    dur.write(late)
+    assert not dur.checkpoint_path.exists()
+    restored = Shard()
+    assert Durability(str(tmp_path)).restore(restored) == 0 and not restored.ready
+
+
 def test_restore_replays_in_the_order_the_pushes_were_applied_not_the_order_they_were_logged(tmp_path: Path) -> None:
     """WSP logs a push before the shard's lock, so a push logged first may be applied second.
     Sums in floating point depend on their order: restore must replay the order of the applies
