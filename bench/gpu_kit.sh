@@ -6,9 +6,13 @@
 #                                              lacks, at constraints.txt's pins, into .whl/ (3.12),
 #                                              in place of any there (one Python's wheels at a time)
 #   bench/gpu_kit.sh run OUT [STEP...]          on the CUDA machine, from the checkout: installs .whl/
-#                                              (if there) into a private folder, then runs each STEP,
-#                                              its output into OUT/STEP.txt; STEP_TIMEOUT (s) each,
-#                                              540 by default: inside a 10-minute limit on a call
+#                                              (if there) into a private folder, stops at once if the
+#                                              project's packages still do not import, then runs each
+#                                              STEP, its output into OUT/STEP.txt; STEP_TIMEOUT (s)
+#                                              each, 540 by default, and KIT_BUDGET (s) for them all,
+#                                              570 by default: inside a 10-minute limit on a call, a
+#                                              step that hangs leaves the next ones what is left, and
+#                                              a step with under 30 s left is skipped
 #   KIT_WHEELS: another folder than .whl/ for both; KIT_SITE: where `run` installs (/tmp/hetpipe-kit-site)
 #
 # Steps, in this order by default:
@@ -74,7 +78,7 @@ wheels() {
 }
 
 step() {  # step NAME OUT: one step, its output into OUT/NAME.txt and on the terminal
-    local name=$1 out=$2 status
+    local name=$1 out=$2 status limit left=$((DEADLINE - SECONDS))
     local -a cmd
     case $name in
         env)       cmd=(bash -c 'nvidia-smi; env | grep -E "^(CUDA_|PYTORCH_|NCCL_)" | sort; python3 -c "import sys, torch, grpc, google.protobuf as pb, safetensors
@@ -90,9 +94,14 @@ print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\
         spy)       cmd=(bash "$SELF" _spy "$out") ;;
         *)         die "no step '$name' (steps: $STEPS spy)" ;;
     esac
-    echo "=== $name: ${cmd[*]}"
+    if ((left < 30)); then
+        echo "=== $name: skipped: $left s left of KIT_BUDGET ${KIT_BUDGET:-570}" | tee "$out/$name.txt"
+        return 124
+    fi
+    limit=$((${STEP_TIMEOUT:-540} < left - 10 ? ${STEP_TIMEOUT:-540} : left - 10))
+    echo "=== $name (up to $limit s): ${cmd[*]}"
     local start=$SECONDS
-    timeout --kill-after=10 "${STEP_TIMEOUT:-540}" "${cmd[@]}" 2>&1 | tee "$out/$name.txt"
+    timeout --kill-after=10 "$limit" "${cmd[@]}" 2>&1 | tee "$out/$name.txt"
     status=${PIPESTATUS[0]}
     echo "=== $name: exit $status after $((SECONDS - start)) s" | tee -a "$out/$name.txt"
     return "$status"
@@ -104,7 +113,8 @@ spy() {  # the spy step: py-spy over bench/gpu.py's 2x2, its summary, the raw pr
     [[ -x $spy ]] || die "no py-spy: carry its wheel (bench/gpu_kit.sh wheels)"
     # py-spy exits 0 whatever its child did: the run's own status is kept apart, and returned.
     rm -f "$out/spy.status"
-    "$spy" record --subprocesses --idle --threads -r 200 -f raw -o "$out/spy.raw" -- \
+    # 100 a second: at 200 it fell behind over the 2x2's nine processes (docs/benchmarks.md).
+    "$spy" record --subprocesses --idle --threads -r 100 -f raw -o "$out/spy.raw" -- \
         bash -c 'python3 bench/gpu.py --steps "$0" --runs h22; echo $? > "$1/spy.status"' "${GPU_STEPS:-100}" "$out" \
         || return
     python3 bench/spy_summary.py "$out/spy.raw" && gzip -f "$out/spy.raw" || return
@@ -125,6 +135,13 @@ run() {
         export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     fi
     export PYTHONUNBUFFERED=1
+    # What an image with torch alone lacks: without it every service fails at its start, each
+    # step after its own start-up, and the call is spent.
+    local missing
+    missing=$(python3 -c 'import setproctitle, grpc_health.v1.health, grpc_reflection.v1alpha.reflection, cryptography
+import safetensors, yaml, psutil, prometheus_client, pytest_timeout' 2>&1 | tail -1) \
+        || die "$missing: run \`bench/gpu_kit.sh wheels\` where PyPI is reachable and bring $WHEELS along (the device tool: carry [\".whl\"])"
+    DEADLINE=$((SECONDS + ${KIT_BUDGET:-570}))
     cd "$ROOT" || exit 2
     local failed=()
     for name in ${*:-$STEPS}; do

@@ -23,6 +23,9 @@ from pathlib import Path
 OURS = ("hetpipe/", "ps_server/", "stage_worker/", "coordinator/", "launch/", "baselines/", "bench/")
 KINDS = (("-m ps_server", "ps shard"), ("-m stage_worker", "stage worker"), ("launch.cli", "launcher"),
          ("-m coordinator", "coordinator"), ("forkserver", "fork server"))
+# py-spy reads a child's command line once, when it finds it: one forked from the fork server may
+# still show the fork server's then (its setproctitle comes after the fork). Its frames tell.
+SHOWN = (("stage_worker/", "stage worker"), ("ps_server/", "ps shard"), ("coordinator/", "coordinator"))
 _FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?):(?P<line>\d+)\)$")
 
 
@@ -75,7 +78,8 @@ def short(frame: str) -> str:
 
 
 def summarize(raw: Iterable[str]) -> dict[str, Kind]:
-    kinds: dict[str, Kind] = defaultdict(Kind)
+    rows: list[tuple[str, str, str, int]] = []   # process, thread, where, samples
+    shown: dict[str, str] = {}                   # a process titled as the fork server: what its frames show
     for line in raw:
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if not stack or not count.isdigit():
@@ -85,13 +89,17 @@ def summarize(raw: Iterable[str]) -> dict[str, Kind]:
         threads = [i for i, f in enumerate(frames) if f.startswith("thread (")]
         if not processes or not threads:
             continue
-        n = int(count)
-        k = kinds[kind_of(processes[-1])]
+        process, body = processes[-1], frames[threads[-1] + 1:]
+        rows.append((process, thread_name(frames[threads[-1]]), where(body), int(count)))
+        if process not in shown and kind_of(process) == "fork server":
+            shown.update((process, name) for marker, name in SHOWN if any(marker in f for f in body))
+    kinds: dict[str, Kind] = defaultdict(Kind)
+    for process, thread, at, n in rows:
+        k = kinds[shown.get(process) or kind_of(process)]
         k.samples += n
-        k.processes.add(processes[-1].split(":", 1)[0])
-        thread = thread_name(frames[threads[-1]])
+        k.processes.add(process.split(":", 1)[0])
         k.threads[thread] += n
-        k.lines[thread][where(frames[threads[-1] + 1:])] += n
+        k.lines[thread][at] += n
     return dict(kinds)
 
 

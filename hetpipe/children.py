@@ -38,7 +38,7 @@ SIGINT_IGNORED_ENV = "HETPIPE_SIGINT_IGNORED"
 # worker, after the fork. Not this project's own packages: the fork server imports from its own
 # sys.path, and a worker must take them from its launcher's (another checkout, say).
 PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", "numpy", "yaml", "psutil", "grpc",
-           "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "prometheus_client"]
+           "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "prometheus_client", "setproctitle"]
 
 
 FORK_SERVER_GONE = 255   # multiprocessing's exit code for a child whose fork server died

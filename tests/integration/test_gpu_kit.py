@@ -19,11 +19,13 @@ CUDA_MARK = re.compile(r"^\s*@?pytest\.mark\.cuda\b", re.MULTILINE)
 pytestmark = pytest.mark.timeout(120)
 
 
-def kit(*args: str | Path, site: Path | None = None) -> subprocess.CompletedProcess[str]:
-    # The kit runs `python3`: this interpreter's, as on a CUDA machine the one that holds torch.
-    # Its plumbing is checked without wheels: a checkout that fetched them for a GPU machine holds
-    # another Python's in .whl/, which this one refuses (KIT_WHEELS: an empty folder instead).
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+def kit(*args: str | Path, site: Path | None = None, python: Path | None = None,
+        **env_vars: str) -> subprocess.CompletedProcess[str]:
+    # The kit runs `python3`: this interpreter's (or the one in folder `python`), as on a CUDA
+    # machine the one that holds torch. Its plumbing is checked without wheels: a checkout that
+    # fetched them for a GPU machine holds another Python's in .whl/, which this one refuses
+    # (KIT_WHEELS: an empty folder instead).
+    env = {**os.environ, "PATH": f"{python or Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env_vars}
     if site is not None:
         env["KIT_SITE"] = str(site)
         env["KIT_WHEELS"] = str(site.parent / "no-wheels")
@@ -41,6 +43,31 @@ def test_the_tests_step_runs_every_cuda_test_file_and_keeps_its_output(tmp_path:
         assert name in out, f"{name} has cuda tests the kit did not run"
     assert re.search(r"\d+ (skipped|passed)", out) and "=== tests: exit 0" in out
     assert "every step passed" in done.stdout
+
+
+def test_a_python_without_the_projects_packages_stops_the_kit_before_any_step(tmp_path: Path) -> None:
+    """An image with torch alone (no wheels carried): every service would fail at its start, each
+    step only after its own start-up, and the device call would be spent."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')   # -S: no site-packages
+    (bare / "python3").chmod(0o755)
+    done = kit("run", tmp_path / "out", "env", "tests", site=tmp_path / "site", python=bare)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "No module named" in done.stderr and "bench/gpu_kit.sh wheels" in done.stderr, done.stderr
+    assert not list((tmp_path / "out").iterdir()), "a step ran"
+
+
+def test_the_steps_share_one_budget_and_one_with_too_little_left_is_skipped(tmp_path: Path) -> None:
+    """KIT_BUDGET bounds the steps together: each gets at most what is left, and one that finds
+    under 30 s is skipped (a hung step would otherwise take the next ones' time past the call's
+    limit, and their results with it)."""
+    done = kit("run", tmp_path / "out", "env", "tests", site=tmp_path / "site", KIT_BUDGET="25")
+    assert done.returncode == 1 and "failed: env tests" in done.stdout, done.stdout + done.stderr
+    for name in ("env", "tests"):
+        assert "skipped: " in (tmp_path / "out" / f"{name}.txt").read_text()
+    done = kit("run", tmp_path / "out", "env", site=tmp_path / "site", KIT_BUDGET="100", STEP_TIMEOUT="500")
+    assert "=== env (up to 90 s)" in done.stdout, done.stdout
 
 
 def test_an_unknown_step_is_named_and_fails(tmp_path: Path) -> None:
@@ -94,6 +121,8 @@ process 10:"python bench/gpu.py";process 11:"python -m ps_server --port 0";threa
 process 10:"python bench/gpu.py";process 12:"python -m stage_worker --port 0";thread (31): compute;StageRuntime._loop (/x/stage_worker/runtime.py:296);_engine_run_backward (/site/torch/autograd/graph.py:979) 45
 process 10:"python bench/gpu.py";process 13:"python -m stage_worker --port 0";thread (41): compute;StageRuntime._loop (/x/stage_worker/runtime.py:296);_engine_run_backward (/site/torch/autograd/graph.py:979) 5
 process 10:"python bench/gpu.py";process 12:"python -m stage_worker --port 0";thread (32): Thread-7 (_run);_run_channel_spin_thread.<locals>.channel_spin (/site/grpc/_channel.py:1725) 10
+process 10:"python bench/gpu.py";process 14:"python -B -c from multiprocessing.forkserver import main";thread (51): compute;StageRuntime._loop (/x/stage_worker/runtime.py:296);_engine_run_backward (/site/torch/autograd/graph.py:979) 5
+process 10:"python bench/gpu.py";process 15:"python -B -c from multiprocessing.forkserver import main";thread (61): MainThread;main (/usr/lib/python3.12/multiprocessing/forkserver.py:270) 2
 not a sample line
 """
 
@@ -101,21 +130,23 @@ not a sample line
 def test_the_spy_summary_charges_each_sample_to_its_process_thread_and_line(tmp_path: Path) -> None:
     """bench/spy_summary.py over a raw py-spy profile (the spy step's): samples summed per kind
     of process and thread (numbered threads as one), each at the deepest line of the project's
-    code, beside the frame it ended in; gzipped alike."""
+    code, beside the frame it ended in; gzipped alike. A child still titled as the fork server
+    when py-spy found it is of the kind its frames show."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import spy_summary
     finally:
         sys.path.remove(str(ROOT / "bench"))
     kinds = spy_summary.summarize(RAW.splitlines(keepends=True))
-    assert set(kinds) == {"ps shard", "stage worker"}
+    assert set(kinds) == {"ps shard", "stage worker", "fork server"}
     shard, stage = kinds["ps shard"], kinds["stage worker"]
-    assert shard.samples == 40 and stage.samples == 60 and len(stage.processes) == 2
+    assert shard.samples == 40 and stage.samples == 65 and len(stage.processes) == 3
+    assert kinds["fork server"].samples == 2
     assert shard.threads == {"ThreadPoolExecutor": 40}
     assert shard.lines["ThreadPoolExecutor"] == {
         "ShardServicer.Pull (ps_server/servicer.py:359) -> Condition.wait (threading.py:331)": 30,
         "Shard.add (ps_server/shard.py:286)": 10}
-    assert stage.threads == {"compute": 50, "Thread (_run)": 10}
+    assert stage.threads == {"compute": 55, "Thread (_run)": 10}
     assert stage.lines["Thread (_run)"] == {"(outside the project) _run_channel_spin_thread.<locals>.channel_spin "
                                             "(_channel.py:1725)": 10}
     gz = tmp_path / "spy.raw.gz"
@@ -124,5 +155,5 @@ def test_the_spy_summary_charges_each_sample_to_its_process_thread_and_line(tmp_
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[:3] == [
-        "== stage worker: 60 samples in 2 process(es)", "  compute: 50 samples (83%)",
-        "         50 100.0%  StageRuntime._loop (stage_worker/runtime.py:296) -> _engine_run_backward (graph.py:979)"]
+        "== stage worker: 65 samples in 3 process(es)", "  compute: 55 samples (85%)",
+        "         55 100.0%  StageRuntime._loop (stage_worker/runtime.py:296) -> _engine_run_backward (graph.py:979)"]
