@@ -292,6 +292,9 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
         f"               --tls-key hetpipe-certs/{CERT_NAME}.key --tls-ca hetpipe-certs/ca.pem --token-file hetpipe-certs/token",
         f"  results:   docker compose cp coordinator:{output_dir} ./runs/   (volume `runs`)",
         "  again:     docker compose down && docker compose up",
+        *(["  (train.checkpoint_every: a run that did not finish, the coordinator's restart too, goes on",
+           "  from its latest checkpoint in volume `runs`; a finished one starts over)"]
+          if job.train.checkpoint_every else []),
         f"Host ports, on {HOST_IP} only: coordinator gRPC {COORDINATOR_PORT}, Prometheus {PROMETHEUS_PORT}, "
         f"Grafana {GRAFANA_PORT}",
         f"(user admin, password in hetpipe-certs/{GRAFANA_PASSWORD}; dashboards in the HetPipe folder), and",

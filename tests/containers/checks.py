@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 import urllib.parse
@@ -11,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from engine import BringupError, Engine, Timings
 
@@ -171,9 +174,19 @@ class Restartable:
     coordinator: str                       # its service or pod
     servers: list[str]                     # every HetPipe process's, the coordinator's too
     assert_running: Callable[[], None]
+    resumes: bool = False                  # the job checkpoints: the restart goes on from its latest cut
 
     def name(self, server: str) -> str:
         return str(self.containers()[server]["Names"][0])
+
+
+def checkpoints(job: Path) -> bool:
+    """Whether the job file sets train.checkpoint_every (Restartable.resumes)."""
+    return bool((yaml.safe_load(job.read_text()).get("train") or {}).get("checkpoint_every"))
+
+
+CUT_WRITTEN = "checkpoint of wave"   # the driver's log line for each cut
+RESUMED = re.compile(r"resuming from the checkpoint of wave (\d+)")
 
 
 class _Training(Exception):
@@ -181,15 +194,21 @@ class _Training(Exception):
 
 
 def restart_mid_job(cluster: Restartable, live: LiveCluster, *, deadline_s: float) -> str:
-    """Restarts the coordinator once its job has trained some samples. Its job is lost with it;
-    every shard and stage that served it exits 75 (EXIT_ORPHANED), a shard discarding that
-    job's state, and its restart policy brings it back fresh; the restarted coordinator runs
-    its --job from the start. Returns once that job trains, each server started anew in its own
-    container, having left the lost job as an orphan."""
+    """Restarts the coordinator once its job has trained some samples (and, where it checkpoints,
+    written a cut). Its job is lost with it; every shard and stage that served it exits 75
+    (EXIT_ORPHANED), a shard discarding that job's state, and its restart policy brings it back
+    fresh; the restarted coordinator runs its --job from the start, or from its latest cut.
+    Returns once that job trains, each server started anew in its own container, having left the
+    lost job as an orphan."""
     engine = cluster.engine
+    cut = False   # the first run wrote a cut (its coordinator's log says so)
 
     def trained(status: dict[str, Any] | None) -> None:
-        if (status or {}).get("state") == "RUNNING" and int((status or {}).get("samples", 0)) > 0:
+        nonlocal cut
+        if cluster.resumes and not cut and (status or {}).get("state") == "RUNNING":
+            cut = CUT_WRITTEN in logs(cluster.coordinator)
+        if (status or {}).get("state") == "RUNNING" and int((status or {}).get("samples", 0)) > 0 and (
+                cut or not cluster.resumes):
             raise _Training
         if (status or {}).get("state") not in (None, "PENDING", "PLANNED", "RUNNING"):
             raise BringupError(f"the job ended: {status}")
@@ -222,5 +241,11 @@ def restart_mid_job(cluster: Restartable, live: LiveCluster, *, deadline_s: floa
                and "exiting, for a fresh process in its place" not in logs(s)]
     if crashed:
         raise BringupError(f"{crashed} restarted without leaving the lost job as an orphan: see their logs")
-    return (f"coordinator restarted mid-job: its job ran again from the start, every other server restarted "
+    how = "from the start"
+    if cluster.resumes:
+        went_on = RESUMED.search(logs(cluster.coordinator))
+        if went_on is None:
+            raise BringupError("the restarted coordinator did not go on from its job's checkpoint: see its log")
+        how = f"from the checkpoint of wave {went_on[1]}"
+    return (f"coordinator restarted mid-job: its job ran again {how}, every other server restarted "
             f"fresh by its policy ({len(cluster.servers) - 1})")

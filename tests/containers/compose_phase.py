@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from checks import LiveCluster, Prometheus, Restartable, restart_mid_job, train_and_check
+from checks import LiveCluster, Prometheus, Restartable, checkpoints, restart_mid_job, train_and_check
 from engine import BringupError, Engine, Timings, alive, busy_ports
 from images import Images
 from launch.compose import (COORDINATOR_PORT, CPU_IMAGE, CPU_PROFILE, ENTRY_POINTS, GRAFANA_IMAGE,
@@ -239,7 +239,8 @@ def run(engine: Engine, timings: Timings, cfg: ComposeRun) -> list[str]:
         if cfg.restart_coordinator:
             with timings.phase("compose: restart the coordinator mid-job, until its job runs again"):
                 report.append(restart_mid_job(Restartable(engine, cluster.containers, "coordinator", servers,
-                                                          lambda: cluster.assert_running(cluster.long_running)),
+                                                          lambda: cluster.assert_running(cluster.long_running),
+                                                          resumes=checkpoints(cfg.job)),
                                               live, deadline_s=cfg.job_deadline_s))
         report += train_and_check(live, timings, "compose", workdir=cfg.workdir, accuracy_bar=cfg.accuracy_bar,
                                   deadline_s=cfg.job_deadline_s)

@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from checks import LiveCluster, Prometheus, Restartable, restart_mid_job, train_and_check
+from checks import LiveCluster, Prometheus, Restartable, checkpoints, restart_mid_job, train_and_check
 from engine import BringupError, Engine, Timings, alive, busy_ports
 from images import Images
 from launch.compose import COORDINATOR_PORT, PROMETHEUS_PORT
@@ -364,7 +364,8 @@ def run(engine: Engine, timings: Timings, cfg: KubeRun) -> list[str]:
         if cfg.restart_coordinator:
             with timings.phase("kube: restart the coordinator mid-job, until its job runs again"):
                 report.append(restart_mid_job(Restartable(engine, pods.containers, played.coordinator,
-                                                          list(played.servers), pods.assert_running),
+                                                          list(played.servers), pods.assert_running,
+                                                          resumes=checkpoints(cfg.job)),
                                               live, deadline_s=cfg.job_deadline_s))
         report += train_and_check(live, timings, "kube", workdir=folder, accuracy_bar=cfg.accuracy_bar,
                                   deadline_s=cfg.job_deadline_s)
