@@ -229,6 +229,9 @@ def _bind(out: _Lines, indent: int, source: str, target: str) -> None:
     out(indent, f"- {{type: bind, source: {_scalar(source)}, target: {_scalar(target)}, read_only: true}}")
 
 
+COORDINATOR_RESTARTS = 3
+
+
 def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, root: Path,
            out_name: str = "compose.yaml") -> str:
     """The compose file for job and its plan, to be written in compose_dir.
@@ -383,6 +386,10 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
                "--claim-timeout", str(CLAIM_TIMEOUT_S)]
     out(1, "coordinator:")
     out(2, "<<: *hetpipe")
+    # One that crashed comes back and runs its --job again (from its latest checkpoint, where the
+    # job writes them); the workers follow. Stopped (0) it stays down; a job it refuses at start
+    # (2) is retried only a few times.
+    out(2, f"restart: on-failure:{COORDINATOR_RESTARTS}")
     out(2, f"command: {_flow(command)}")
     out(2, "volumes:")
     out(3, "- *runs")

@@ -129,10 +129,13 @@ def test_every_service_has_a_healthcheck_and_every_dependency_is_on_health() -> 
 
 def test_shards_and_stages_come_back_after_a_failure_and_stay_down_after_their_job() -> None:
     """A shard restores its checkpoint; a process whose coordinator restarted exits 75 and comes
-    back fresh for the job run again; one that ended as asked (0) stays down."""
+    back fresh for the job run again; one that ended as asked (0) stays down. A coordinator that
+    crashed comes back and runs its job again, a few times at most (one that refuses its job
+    at start exits 2 each time)."""
     for name, service in _services().items():
         if service.get("command", [""])[0] in ("ps_server", "stage_worker"):
             assert service.get("restart") == "on-failure", name
+    assert _services()["coordinator"]["restart"] == "on-failure:3"
 
 
 def test_project_healthchecks_call_the_grpc_health_script() -> None:
