@@ -124,6 +124,7 @@ spy() {  # the spy step: py-spy over bench/gpu.py's 2x2, its summary, the raw pr
 run() {
     local out=${1:?usage: bench/gpu_kit.sh run OUT [STEP...]}
     shift
+    DEADLINE=$((SECONDS + ${KIT_BUDGET:-570}))   # the install counts too: one call holds it all
     mkdir -p "$out"
     out=$(cd "$out" && pwd)
     if compgen -G "$WHEELS/*.whl" > /dev/null; then
@@ -141,7 +142,6 @@ run() {
     missing=$(python3 -c 'import setproctitle, grpc_health.v1.health, grpc_reflection.v1alpha.reflection, cryptography
 import safetensors, yaml, psutil, prometheus_client, pytest_timeout' 2>&1 | tail -1) \
         || die "$missing: run \`bench/gpu_kit.sh wheels\` where PyPI is reachable and bring $WHEELS along (the device tool: carry [\".whl\"])"
-    DEADLINE=$((SECONDS + ${KIT_BUDGET:-570}))
     cd "$ROOT" || exit 2
     local failed=()
     for name in ${*:-$STEPS}; do

@@ -50,8 +50,9 @@ def startup_job(cfg: CoordinatorConfig) -> StartupJob:
     """The --job file, with --output-dir applied. Where output.dir holds an unfinished run's
     checkpoints (train.checkpoint_every; no summary.json), the job goes on from the latest, as
     `hetpipe run --resume` would: a coordinator restarted mid-job (compose's restart policy, a
-    Deployment's) loses only the waves since. Else (or with --fresh) it starts over, like `hetpipe
-    run`. Either way it clears the output's ps/ folder, where the shards of compose.yaml keep their
+    Deployment's) loses only the waves since: cuts of this very job only (the same settings; a
+    compose volume outlives the job that wrote it). Else (or with --fresh) it starts over, like
+    `hetpipe run`. Either way it clears the output's ps/ folder, where the shards of compose.yaml keep their
     state (they start after the coordinator and would otherwise restore an earlier run's).
     Raises ConfigError, for a cut of another job or a damaged one too."""
     job = load_job(cfg.job)
@@ -65,12 +66,18 @@ def startup_job(cfg: CoordinatorConfig) -> StartupJob:
         outputs.check_reads(out_dir, job.read_paths)
         outputs.start_fresh(out_dir, keep_checkpoints=False)
         return StartupJob(job)
-    plan = make_plan(job)
+    fresh = "the coordinator's --fresh (HETPIPE_FRESH=1; compose: `HETPIPE_FRESH=1 docker compose up`) deletes them"
     try:
-        checkpoints.check_cut(folder, wave, job, plan)
+        changed = checkpoints.changes(checkpoints.manifest(folder, wave), job)
+        plan = make_plan(job)
+        if not changed:
+            checkpoints.check_cut(folder, wave, job, plan)
     except ConfigError as exc:
-        raise ConfigError(f"--job {cfg.job}: {out_dir} holds an unfinished run's checkpoints, which the coordinator "
-                          f"goes on from as `hetpipe run --resume` would: {exc}") from None
+        raise ConfigError(f"--job {cfg.job}: {exc} ({fresh})") from None
+    if changed:
+        raise ConfigError(f"--job {cfg.job}: {folder} holds the checkpoints of an unfinished run of another job: "
+                          f"{'; '.join(changed[:5])}{'; ...' if len(changed) > 5 else ''}. The coordinator goes on from "
+                          f"its own job's only: set the job back to go on from them, or start over ({fresh})")
     outputs.check_reads(out_dir, job.read_paths, keep_checkpoints=True)
     kept = outputs.evals_through(out_dir, wave * plan.nm)   # as `hetpipe run --resume` keeps them
     outputs.start_fresh(out_dir, keep_checkpoints=True)

@@ -35,7 +35,7 @@ def latest(folder: Path) -> int | None:
 
 
 def damaged(wave: int, why: str) -> ConfigError:
-    return ConfigError(f"--resume: the checkpoint of wave {wave} is damaged: {why}. Start again with --fresh, or put "
+    return ConfigError(f"the checkpoint of wave {wave} is damaged: {why}. Start again with --fresh, or put "
                        "back a whole copy of its folder")
 
 
@@ -132,14 +132,38 @@ def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
         else:
             mismatch[k] = (old, v)
     if mismatch:
-        return (f"--resume: the checkpoint of wave {wave} was taken for another job: "
+        return (f"the checkpoint of wave {wave} was taken for another job: "
                 + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in mismatch.items())
-                + ". --resume goes on with that job: set them back, or start again with --fresh (model.init can "
-                  "start it from a finished run's model.safetensors)")
+                + ". A resumed run goes on with that job: set them back, or start again with --fresh (model.init "
+                  "can start it from a finished run's model.safetensors)")
     if m["evicted"]:
-        return (f"--resume: vw {m['evicted']} had left the job before the checkpoint of wave {wave}; "
+        return (f"vw {m['evicted']} had left the job before the checkpoint of wave {wave}; "
                 "resuming without them is not supported yet")
     return None
+
+
+def job_record(job: JobConfig) -> dict[str, Any]:
+    """The whole job as a cut records it, so that a coordinator's --job goes on from its own cuts
+    only: its settings, without where it writes (output) and where its file was (base_dir)."""
+    raw: dict[str, Any] = json.loads(job.to_json())
+    for key in ("output", "base_dir"):
+        raw.pop(key, None)
+    return raw
+
+
+def changes(m: dict[str, Any], job: JobConfig) -> list[str]:
+    """How job differs from the one whose cut's manifest is m ("train.optimizer.lr 0.05 there,
+    0.5 now"); a cut that records no job (written before cuts did) differs."""
+    if not isinstance(m.get("job"), dict):
+        return ["the cut records no job to compare"]
+
+    def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(value, dict):
+            return {prefix: value}
+        return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}.{key}" if prefix else key).items()}
+
+    there, now = flat(m["job"]), flat(job_record(job))
+    return [f"{k} {there.get(k)} there, {now.get(k)} now" for k in sorted({*there, *now}) if there.get(k) != now.get(k)]
 
 
 def check_cut(folder: Path, wave: int, job: JobConfig, plan: Plan) -> None:
@@ -166,9 +190,10 @@ class Checkpoints:
 
     def __init__(self, folder: Path, shards: Sequence[rpc.Stub], key_shard: dict[str, int],
                  entries: dict[str, weight_files.Entry], job_shape: dict[str, Any], *, bound: dict[str, Any] | None = None,
-                 closing: threading.Event | None = None) -> None:
+                 closing: threading.Event | None = None, job_record: dict[str, Any] | None = None) -> None:
         self.folder, self.shards, self.key_shard = folder, shards, key_shard
         self.entries, self.job_shape = entries, job_shape  # job_shape: what a resumed job must match
+        self.job_record = job_record or {}   # the whole job: what a coordinator's --job goes on from
         self.bound = bound or {}   # the shards' WSP bound, which every Init names (wsp.shard_bound)
         self.taken = 0
         self.closing = closing   # the job's stop: no more waiting for a shard to come back
@@ -181,6 +206,16 @@ class Checkpoints:
         seconds: training time up to the cut, this run's and the runs' it resumed from (what a
         --resume's eval.jsonl rows count on from)."""
         where = outputs.cut_dir(self.folder, wave)
+        # Each stage saved its part before it waited at the cut, into the folder it was given:
+        # this one only where its host shares it (one machine, compose's volume, k8s's claim).
+        missing = [path.name for v in range(self.job_shape["virtual_workers"]) if v not in evicted
+                   for q in range(self.job_shape["stages_per_vw"])
+                   if not (path := outputs.stage_state_path(self.folder, wave, v, q)).is_file()]
+        if missing:
+            raise JobFailed(f"checkpoint of wave {wave}: {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''} "
+                            f"not in {where} on the coordinator's host: each stage writes its part of a cut into the "
+                            "coordinator's output folder, which the stages' hosts must share (compose's volume runs, "
+                            "k8s's claim), or train.checkpoint_every 0")
         clocks: list[int] = []
         for i, stub in enumerate(self.shards):
             if self._keys(i):
@@ -191,7 +226,7 @@ class Checkpoints:
                 except JobFailed as exc:
                     raise JobFailed(f"checkpoint of wave {wave}: {exc}") from None
         text = json.dumps({"wave": wave, "clocks": clocks, "evicted": evicted, "seconds": round(seconds, 3),
-                           **self.job_shape, "files": cut_files(where)}, indent=2)
+                           **self.job_shape, "job": self.job_record, "files": cut_files(where)}, indent=2)
         # On disk before the older cuts go, so that a power cut leaves one whole cut: the stages'
         # files (they fsync their own) and the shards' (WeightsWriter.close) are, the manifest's
         # rename fsyncs the cut's folder, and the cut's own entry is in the checkpoints folder.

@@ -7,6 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from hetpipe.registration import HEARTBEAT_BOUNDS_S
 from hetpipe.service import ServiceFlags, add_service_flags, service_flags
 
 DEFAULT_PORT = 50050
@@ -38,13 +39,15 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                          "factory, its base_dir must lie inside this folder (default: --output-root)")
     ap.add_argument("--output-dir", default=env("HETPIPE_OUTPUT_DIR", ""),
                     help="with --job: write the job's outputs here instead of its output.dir")
-    ap.add_argument("--fresh", action="store_true",
+    ap.add_argument("--fresh", action="store_true", default=env("HETPIPE_FRESH", "") == "1",
                     help="with --job: delete an unfinished run's checkpoints in its output dir and start over, "
                          "instead of going on from the latest")
     ns = ap.parse_args(argv)
-    for flag, value in (("--heartbeat-interval", ns.heartbeat_interval), ("--claim-timeout", ns.claim_timeout)):
-        if not (math.isfinite(value) and value > 0):   # nan: no worker alive, or a claim that never ends
-            ap.error(f"{flag} must be a number of seconds > 0, got {value}")
+    if not (math.isfinite(ns.claim_timeout) and ns.claim_timeout > 0):   # nan: a claim that never ends
+        ap.error(f"--claim-timeout must be a number of seconds > 0, got {ns.claim_timeout}")
+    low, high = HEARTBEAT_BOUNDS_S   # nan: no worker alive; outside them, not the interval workers keep
+    if not low <= ns.heartbeat_interval <= high:
+        ap.error(f"--heartbeat-interval must be a number of seconds in [{low:g}, {high:g}], got {ns.heartbeat_interval}")
     for flag, given in (("--output-dir", ns.output_dir), ("--fresh", ns.fresh)):
         if given and not ns.job:
             ap.error(f"{flag} needs --job")

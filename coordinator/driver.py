@@ -217,7 +217,8 @@ class JobDriver:
                 self.checkpoint_dir, self.shards, self.plan.key_shard,
                 weight_files.entries(self.model, getattr(torch, self.job.train.dtype)),
                 checkpoints.job_shape(self.job, self.plan, len(self.shards)),
-                bound=shard_bound(self.job.parallel.sync, self.job.parallel.D), closing=self.stopping)
+                bound=shard_bound(self.job.parallel.sync, self.job.parallel.D), closing=self.stopping,
+                job_record=checkpoints.job_record(self.job))
         self._shard_watch.start()
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))

@@ -25,6 +25,9 @@ UNREACHABLE_HEARTBEATS = 10
 # How long a process stopping may take to tell the coordinator so (Registration.leave): on a
 # healthy network it answers in milliseconds, and a paused one must not hold the shutdown up.
 LEAVE_DEADLINE_S = 1.0
+# The heartbeat intervals a worker keeps, whatever a registration reply says, and so the ones a
+# coordinator may be given: a shorter one would find every worker silent.
+HEARTBEAT_BOUNDS_S = (0.05, 60.0)
 
 
 class Registration:
@@ -88,7 +91,8 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
                         break
                     registration.worker_id, interval = reply.worker_id, reply.heartbeat_interval_s
                     # Bounded: a reply's nan or 0 would heartbeat in a tight loop, its inf never.
-                    interval = min(max(interval, 0.05), 60.0) if math.isfinite(interval) else 1.0
+                    low, high = HEARTBEAT_BOUNDS_S
+                    interval = min(max(interval, low), high) if math.isfinite(interval) else 1.0
                     log.info("registered with coordinator %s as %s", coordinator, reply.worker_id)
                 elif not stub.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=worker_id),
                                         timeout=rpc.CONTROL_DEADLINE_S).known:

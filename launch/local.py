@@ -79,7 +79,10 @@ def _resume_wave(out_dir: Path, job: JobConfig, plan: Plan, *, resume: bool, fre
     if wave is None:
         raise ConfigError(f"--resume: no complete checkpoint in {out_dir / outputs.CHECKPOINTS} "
                           "(train.checkpoint_every sets how often a run writes one)")
-    checkpoints.check_cut(out_dir / outputs.CHECKPOINTS, wave, job, plan)
+    try:
+        checkpoints.check_cut(out_dir / outputs.CHECKPOINTS, wave, job, plan)
+    except ConfigError as exc:
+        raise ConfigError(f"--resume: {exc}") from None
     if outputs.read_summary(out_dir) is not None:   # a run clears it as it starts: the last one finished
         warn(f"--resume: the run in {out_dir} finished (its summary.json is there): this one trains again from its "
              f"latest checkpoint, after wave {wave}, and writes its results in their place")

@@ -232,15 +232,17 @@ class StageCompute:
         # keeps the RNG state: its masks (and a batch norm's batch statistics) are its forward's.
         # The buffers (a batch norm's running statistics) counted each micro-batch once already.
         buffers = [b.clone() for b in self.module.buffers()]
-        outs = []
-        for (unit, _), xi in zip(kept, x.split([len(xi) for _, xi in kept])):
-            with self._draws(unit), self._autocast():
-                outs.append(self._wire(self.module(xi)))
-        out = torch.cat(outs)
-        grad_in, grads = self._grads(_Stashed(self.version, self._live(), x, out), out, grad_out)
-        with torch.no_grad():   # after the backward, which reads the buffers the forward saved
-            for b, before in zip(self.module.buffers(), buffers):
-                b.copy_(before)
+        try:
+            outs = []
+            for (unit, _), xi in zip(kept, x.split([len(xi) for _, xi in kept])):
+                with self._draws(unit), self._autocast():
+                    outs.append(self._wire(self.module(xi)))
+            out = torch.cat(outs)
+            grad_in, grads = self._grads(_Stashed(self.version, self._live(), x, out), out, grad_out)
+        finally:
+            with torch.no_grad():   # after the backward, which reads the buffers the forward saved
+                for b, before in zip(self.module.buffers(), buffers):
+                    b.copy_(before)
         self._add(grads)
         return grad_in
 

@@ -82,7 +82,7 @@ def test_a_cut_is_on_disk_before_the_older_cuts_go(tmp_path: Path, stub: ps_pb2_
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     folder = tmp_path / "checkpoints"
     entries = {k: weight_files.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
-    cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1})
+    cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1, "stages_per_vw": 1})
     stage = {"weights": torch.ones(4)}
     weight_files.save_stage_state(folder, 1, 0, 0, stage)
     cuts.take(1, lead_vw=0, evicted=[], seconds=1.0)
@@ -107,16 +107,35 @@ def test_a_cut_is_on_disk_before_the_older_cuts_go(tmp_path: Path, stub: ps_pb2_
     assert disk.synced_before(part, manifest) and disk.synced_before(new / "shard0" / outputs.SINGLE_FILE, manifest)
 
 
+def test_a_cut_whose_stage_parts_are_not_in_the_folder_fails_naming_them(
+        tmp_path: Path, stub: ps_pb2_grpc.ParameterServerStub) -> None:
+    """A stage on a host that does not share the coordinator's folder saved its part on its own
+    disk: a manifest written then would call a cut whole that no resume could load. The cut
+    fails naming the parts, and writes no manifest; a VW that left saves none and is not asked for."""
+    folder = tmp_path / "checkpoints"
+    entries = {k: weight_files.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
+    cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries,
+                                   {"virtual_workers": 2, "stages_per_vw": 2})
+    weight_files.save_stage_state(folder, 1, 0, 0, {"weights": torch.ones(4)})
+    with pytest.raises(JobFailed, match=f"checkpoint of wave 1: vw0_stage1.pt, vw1_stage0.pt, vw1_stage1.pt not in "
+                                        f"{outputs.cut_dir(folder, 1)} on the coordinator's host"):
+        cuts.take(1, lead_vw=0, evicted=[], seconds=1.0)
+    assert checkpoints.latest(folder) is None
+    weight_files.save_stage_state(folder, 1, 0, 1, {"weights": torch.ones(4)})
+    cuts.take(1, lead_vw=0, evicted=[1], seconds=1.0)
+    assert checkpoints.latest(folder) == 1
+
+
 def test_a_cut_of_another_optimizer_is_refused_and_one_from_before_it_was_recorded_is_not() -> None:
     """The stages' cuts hold their optimizer's state (sgd's momentum, adam's moments): resuming with
     another optimizer would start it from nothing. Cuts taken before the optimizer was recorded
     carry no name, and match."""
     shape = {"virtual_workers": 1, "steps": 8, "optimizer": "adam"}
     cut = {"virtual_workers": 1, "steps": 8, "optimizer": "sgd", "evicted": []}
-    assert checkpoints.refusal(cut, 4, shape) == ("--resume: the checkpoint of wave 4 was taken for another job: "
-                                                  "optimizer sgd there, adam now. --resume goes on with that job: set "
-                                                  "them back, or start again with --fresh (model.init can start it from "
-                                                  "a finished run's model.safetensors)")
+    assert checkpoints.refusal(cut, 4, shape) == ("the checkpoint of wave 4 was taken for another job: "
+                                                  "optimizer sgd there, adam now. A resumed run goes on with that job: "
+                                                  "set them back, or start again with --fresh (model.init can start it "
+                                                  "from a finished run's model.safetensors)")
     assert checkpoints.refusal({**cut, "optimizer": "adam"}, 4, shape) is None
     older = {k: v for k, v in cut.items() if k != "optimizer"}
     assert checkpoints.refusal(older, 4, shape) is None
@@ -127,8 +146,8 @@ def test_a_cut_of_another_optimizer_is_refused_and_one_from_before_it_was_record
     now = {**shape, "model": {**model, "args": {"width": 16}}, "batch_size": 32, "shuffle": True, "seed": 0,
            "data": {**data, "eval_fraction": 0.2}}
     assert str(checkpoints.refusal(later, 4, now)).startswith(
-        "--resume: the checkpoint of wave 4 was taken for another job: model.args {'width': 8} there, "
-        "{'width': 16} now, batch_size 16 there, 32 now, data.eval_fraction 0.1 there, 0.2 now. --resume goes on")
+        "the checkpoint of wave 4 was taken for another job: model.args {'width': 8} there, "
+        "{'width': 16} now, batch_size 16 there, 32 now, data.eval_fraction 0.1 there, 0.2 now. A resumed run goes on")
 
 
 def test_a_damaged_cut_is_refused_naming_the_file_before_anything_reads_it(
@@ -139,7 +158,7 @@ def test_a_damaged_cut_is_refused_naming_the_file_before_anything_reads_it(
     stage or the driver fails to load it, with a traceback."""
     folder = tmp_path / "checkpoints"
     entries = {k: weight_files.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
-    cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1})
+    cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1, "stages_per_vw": 1})
     part = weight_files.save_stage_state(folder, 1, 0, 0, {"weights": torch.ones(256)})
     cuts.take(1, lead_vw=0, evicted=[], seconds=1.0)
     m = checkpoints.manifest(folder, 1)
@@ -153,7 +172,7 @@ def test_a_damaged_cut_is_refused_naming_the_file_before_anything_reads_it(
                            (shard_part.unlink, f"{shard_part} is missing")):
         saved = {p: p.read_bytes() for p in (part, shard_part) if p.exists()}
         damage()
-        with pytest.raises(ConfigError, match="^--resume: the checkpoint of wave 1 is damaged: ") as err:
+        with pytest.raises(ConfigError, match="^the checkpoint of wave 1 is damaged: ") as err:
             checkpoints.check_files(folder, 1, m)
         assert needle in str(err.value)
         with pytest.raises(JobFailed, match="is damaged"):
@@ -167,7 +186,7 @@ def test_a_damaged_cut_is_refused_naming_the_file_before_anything_reads_it(
                            (text.replace('"evicted"', '"evictee"'), "evicted is missing"),
                            (text.replace('"clocks": [', '"clocks": [-1, '), "clocks is missing or not")):
         manifest.write_text(broken)
-        with pytest.raises(ConfigError, match="^--resume: the checkpoint of wave 1 is damaged: ") as err:
+        with pytest.raises(ConfigError, match="^the checkpoint of wave 1 is damaged: ") as err:
             checkpoints.manifest(folder, 1)
         assert needle in str(err.value) and str(manifest) in str(err.value)
     manifest.write_text(text.replace('"files"', '"other"'))   # a cut from before files were recorded
@@ -180,11 +199,12 @@ def test_a_shard_part_that_cannot_be_read_fails_the_job_naming_it(
     that shard: JobFailed naming the shard and the folder, not a crash with a traceback."""
     folder = tmp_path / "checkpoints"
     entries = {k: weight_files.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
-    cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1})
+    cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1, "stages_per_vw": 1})
+    weight_files.save_stage_state(folder, 1, 0, 0, {"weights": torch.ones(4)})
     cuts.take(1, lead_vw=0, evicted=[], seconds=1.0)
     shard_part = outputs.cut_dir(folder, 1) / "shard0"
     more = checkpoints.Checkpoints(folder, [stub], {**{k: 0 for k in SHAPES}, "l1.weight": 0}, entries,
-                                   {"virtual_workers": 1})
+                                   {"virtual_workers": 1, "stages_per_vw": 1})
     with pytest.raises(JobFailed, match=f"ps shard 0's part of the checkpoint of wave 1 \\({shard_part}\\) holds no l1.weight"):
         more.restore_shards(1)
     file = shard_part / outputs.SINGLE_FILE
@@ -219,7 +239,8 @@ def test_a_cut_is_taken_whole_through_a_shard_that_dies_and_comes_back(tmp_path:
     later.start()
     try:
         entries = {k: weight_files.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
-        cuts = checkpoints.Checkpoints(tmp_path / "checkpoints", [stub], {k: 0 for k in SHAPES}, entries, {})
+        cuts = checkpoints.Checkpoints(tmp_path / "checkpoints", [stub], {k: 0 for k in SHAPES}, entries,
+                                       {"virtual_workers": 1, "stages_per_vw": 0})   # the shard's part alone
         cuts.take(1, lead_vw=0, evicted=[], seconds=1.0)
         got = load_file(outputs.cut_dir(tmp_path / "checkpoints", 1) / "shard0" / outputs.SINGLE_FILE)
         assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
@@ -335,11 +356,13 @@ def test_a_stage_answers_status_and_its_neighbours_while_it_writes_its_cut(make_
 
 
 def test_a_coordinators_job_goes_on_from_an_unfinished_runs_cut_and_no_other(make_job: Any, tmp_path: Path,
-                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+                                                                             capsys: pytest.CaptureFixture[str],
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A coordinator's --job (compose's, k8s's) goes on from output.dir's latest cut where the
     run there did not finish, as `hetpipe run --resume` would; a finished run (summary.json), or
-    --fresh, starts over and deletes the cuts. A cut of another job, or a damaged one, refuses
-    the start (exit 2), naming it, and deletes nothing."""
+    --fresh (HETPIPE_FRESH=1), starts over and deletes the cuts. A cut of another job (any
+    setting other: a compose volume outlives the job that wrote it), one that records no job, or
+    a damaged one refuses the start (exit 2), naming it and --fresh, and deletes nothing."""
     from coordinator.__main__ import main as coordinator_main, startup_job
     from coordinator.config import parse_args
     from coordinator.planner import make_plan
@@ -353,8 +376,8 @@ def test_a_coordinators_job_goes_on_from_an_unfinished_runs_cut_and_no_other(mak
     def cut(wave: int, **changed: Any) -> None:
         where = outputs.cut_dir(folder, wave)
         where.mkdir(parents=True)
-        (where / checkpoints.MANIFEST).write_text(json.dumps({**shape, "clocks": [wave], "evicted": [], "files": {},
-                                                              **changed}))
+        (where / checkpoints.MANIFEST).write_text(json.dumps({**shape, "job": checkpoints.job_record(job),
+                                                              "clocks": [wave], "evicted": [], "files": {}, **changed}))
 
     def rows(*minibatches: int) -> None:
         outputs.append_evals(out, [{"id": i, "minibatches": m, "final": False} for i, m in enumerate(minibatches)])
@@ -376,14 +399,23 @@ def test_a_coordinators_job_goes_on_from_an_unfinished_runs_cut_and_no_other(mak
     cut(4)
     assert startup_job(parse_args(["--job", job_file, "--fresh"])).resume_wave == 0
     assert checkpoints.latest(folder) is None
+    cut(4)
+    monkeypatch.setenv("HETPIPE_FRESH", "1")   # compose's and k8s's way to say --fresh
+    assert startup_job(parse_args(["--job", job_file])).resume_wave == 0
+    assert checkpoints.latest(folder) is None
+    monkeypatch.delenv("HETPIPE_FRESH")
 
-    for damage, needle in ((dict(steps=8), "was taken for another job: steps 8 there, 12 now"),
-                           (dict(clocks="x"), "is damaged")):
+    record = checkpoints.job_record(job)
+    other = {**record, "train": {**record["train"], "optimizer": {**record["train"]["optimizer"], "lr": 0.5}}}
+    for damage, needle in ((dict(job=other), f"{folder} holds the checkpoints of an unfinished run of another job: "
+                                             "train.optimizer.lr 0.5 there, 0.05 now."),
+                           (dict(job=None), "another job: the cut records no job to compare"),
+                           (dict(clocks="x"), "the checkpoint of wave 4 is damaged")):
         cut(4, **damage)
         rows(3)
         assert coordinator_main(["--job", job_file, "--port", "0"]) == 2
         err = capsys.readouterr().err
-        assert f"coordinator: error: --job {job_file}: {out} holds an unfinished run's checkpoints" in err, err
-        assert needle in err and "--fresh" in err, err
+        assert f"coordinator: error: --job {job_file}: " in err and needle in err, err
+        assert "--fresh (HETPIPE_FRESH=1" in err and "--resume" not in err, err
         assert checkpoints.latest(folder) == 4 and (out / "eval.jsonl").exists(), "a refused start deletes nothing"
         shutil.rmtree(folder)

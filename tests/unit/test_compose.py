@@ -305,13 +305,10 @@ def test_generated_file_for_other_jobs(make_job: Any, tmp_path: Path) -> None:
 
 def test_a_checkpointing_job_is_run_and_its_header_says_it_goes_on(make_job: Any, tmp_path: Path) -> None:
     """train.checkpoint_every: the coordinator's --job goes on from the latest cut of an unfinished
-    run in the volume `runs`, which every stage mounts to write its part of each cut."""
+    run in the volume `runs` (which every stage mounts: test_mounted_and_built_paths_exist)."""
     job = make_job({"train": {"checkpoint_every": 5}})
     text = compose.render(job, make_plan(job), job_file=tmp_path / "job.yaml", compose_dir=tmp_path, root=ROOT)
     assert "goes on\n#   from its latest checkpoint in volume `runs`" in text
-    services = yaml.safe_load(text)["services"]
-    assert all(any(v.get("target") == compose.RUNS for v in s["volumes"]) for n, s in services.items()
-               if n == "coordinator" or n.startswith("vw")), "a process cannot write its part of a cut"
 
 
 def test_a_sharded_model_init_is_mounted_with_the_files_its_index_names(tmp_path: Path) -> None:
