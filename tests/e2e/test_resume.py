@@ -161,7 +161,7 @@ def test_stop_then_resume(uninterrupted: Run, tmp_path: Path) -> None:
         "hetpipe: error: --resume: the checkpoint of wave "), err
     assert (f"was taken for another job: steps {JOB['train']['steps']} there, {2 * JOB['train']['steps']} now, "
             "ps_shards 2 there, 1 now, dtype float64 there, float32 now, optimizer sgd there, adam now, "
-            f"seed {JOB['train']['seed']} there, {JOB['train']['seed'] + 1} now. --resume goes on with that job: set them "
+            f"seed {JOB['train']['seed']} there, {JOB['train']['seed'] + 1} now. A resumed run goes on with that job: set them "
             "back, or start again with --fresh") in err, err
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(JOB))
     # A stage's part cut short is refused as the cut is checked, before anything is cleared; one
