@@ -313,17 +313,18 @@ def write_status(out_dir: Path, state: str, reason: str) -> None:
 
 def read_status(out_dir: Path) -> dict[str, Any] | None:
     """How the last run into out_dir ended ({state, reason, finished}), or None where there is no
-    status.json or it is not what write_status writes (a job state's name, a reason, a time)."""
+    status.json or it is not what write_status writes (a job state's name, a reason); a
+    `finished` that is no time is left out, and the state stands without it."""
     from hetpipe.v1 import coordinator_pb2
 
     try:
         status = json.loads((out_dir / STATUS_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(status, dict):
+    if (not isinstance(status, dict) or status.get("state") not in coordinator_pb2.JobStatus.State.keys()
+            or not isinstance(status.get("reason", ""), str)):
         return None
-    finished = status.get("finished", 0.0)
-    if (status.get("state") not in coordinator_pb2.JobStatus.State.keys() or not isinstance(status.get("reason", ""), str)
-            or isinstance(finished, bool) or not isinstance(finished, (int, float)) or not math.isfinite(finished)):
-        return None
+    finished = status.get("finished")
+    if isinstance(finished, bool) or not isinstance(finished, (int, float)) or not math.isfinite(finished):
+        status.pop("finished", None)
     return status

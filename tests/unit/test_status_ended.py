@@ -50,3 +50,20 @@ def test_status_json_of_a_running_job_is_shaped_as_an_ended_ones() -> None:
     odd = coordinator_pb2.JobStatus(state=8, loss=float("inf"), samples_per_second=float("nan"))   # type: ignore[arg-type]
     text = json.dumps(job_json(odd), allow_nan=False)
     assert json.loads(text)["loss"] is None and json.loads(text)["state"] == 8
+
+
+@pytest.mark.parametrize("finished", [None, "yesterday", True])
+def test_a_run_that_ended_before_its_coordinator_was_up_is_told_apart_whatever_finished_holds(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], finished: object) -> None:
+    """`hetpipe stop --job` of a run that ended before its coordinator was up compares the last
+    ending's time with the run's start: one that is no time is an earlier run's ending (it ended
+    in a TypeError's traceback)."""
+    import argparse
+
+    from launch import run_marker
+    from launch.status import _never_up
+
+    (tmp_path / "status.json").write_text(json.dumps({"state": "FAILED", "reason": "x", "finished": finished}))
+    run = run_marker.Run(pid=2**22 + 1, created=time.time())   # no such process: it ended
+    assert _never_up(argparse.Namespace(job="job.yaml", json=False), tmp_path, run) == 0
+    assert "ended before its coordinator was up" in capsys.readouterr().out
