@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hetpipe import children, devices
+from hetpipe import children, threads
 from hetpipe.children import Child
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed
@@ -80,7 +80,7 @@ class WorkerGroup:
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, whatever the hostname resolves to
-        env[devices.THREADS_ENV] = devices.threads_for(len(self.names))
+        env[threads.THREADS_ENV] = threads.threads_for(len(self.names))
         for rank, name in enumerate(self.names):
             log_path = self.out_dir / "logs" / f"{self.mode}_rank{rank}.log"
             popen = children.start([sys.executable, "-m", "baselines", "--spec", str(spec_path), "--rank", str(rank)],

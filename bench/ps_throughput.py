@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # The VW, shard and raw TCP processes; bench/ (this script's directory) is on sys.path.
-from hetpipe.devices import PS_THREADS_ENV  # noqa: E402
+from hetpipe.threads import PS_THREADS_ENV  # noqa: E402
 from netns import veth_pair  # noqa: E402
 from ps_processes import STEP_TIMEOUT_S, WARM_ROUNDS, Clients, Far, ShardProcs, TcpPair, cpu_seconds, expect  # noqa: E402
 
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="shards and the raw TCP receiver in another network namespace, across a veth pair")
     parser.add_argument("--shard-threads", type=int, default=1,
                         help="each shard's intra-op threads (default 1, as beside CPU stages; the launchers "
-                             "give shards beside GPU stages the cores those leave: devices.thread_split)")
+                             "give shards beside GPU stages the cores those leave: threads.thread_split)")
     args = parser.parse_args(argv)
     # Before the forkserver starts: its children take its environment.
     os.environ[PS_THREADS_ENV] = str(max(1, args.shard_threads))

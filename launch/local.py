@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hetpipe import data_check, devices, metrics, outputs, rpc, security
+from hetpipe import data_check, devices, metrics, outputs, rpc, security, threads
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
 from hetpipe.outputs import TARGETS_FILE, TOKEN_FILE, publish_address, unpublish_address, write_status
@@ -112,8 +112,8 @@ def checked_inputs(job: JobConfig) -> list[str]:
     from hetpipe import model_init, models
 
     _check_security(job.security_files())
-    for env in (devices.THREADS_ENV, devices.PS_THREADS_ENV):
-        devices.env_threads(env)
+    for env in (threads.THREADS_ENV, threads.PS_THREADS_ENV):
+        threads.env_threads(env)
     model = models.structure(job.model, job.base_dir)
     # Only torch's own forward is known to take the data's values as ids (a subclass may hash them first).
     first = model[0]
@@ -217,8 +217,8 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
     logs: dict[str, Path] = {}   # each worker's address -> its log
     try:
         on_gpu = sum(s.device.startswith("cuda") for s in plan.stages)
-        threads, shard_threads = devices.thread_split(len(plan.stages) - on_gpu, on_gpu, job.parallel.started_shards)
-        env = {devices.THREADS_ENV: threads, devices.PS_THREADS_ENV: shard_threads}
+        stage_threads, shard_threads = threads.thread_split(len(plan.stages) - on_gpu, on_gpu, job.parallel.started_shards)
+        env = {threads.THREADS_ENV: stage_threads, threads.PS_THREADS_ENV: shard_threads}
         with LocalProcesses(out_dir / "logs", env=env) as procs:
             runner.kill_hung = lambda address, why: _kill_hung(procs, address, why)
             register = ["--coordinator", server.address, "--node", "local", "--output-root", str(out_dir),

@@ -26,7 +26,7 @@ from types import FrameType
 
 import grpc
 
-from hetpipe import catalog, children, reach, rpc, security
+from hetpipe import catalog, children, reach, rpc, security, threads
 from hetpipe.config import ConfigError
 from hetpipe.errors import JobFailed
 from hetpipe.service import EXIT_ORPHANED, loopback
@@ -184,19 +184,16 @@ class Launcher:
         return procs.spawn(module, name, [*extra, "--advertise", f"{self.advertise_host}:{port}"], port=port)
 
     def start(self, stages: list[StageDevice]) -> None:
-        with interrupts_held():   # torch: not for `hetpipe --help`, which builds this command's flags
-            from hetpipe import devices
-
         log_dir = self.root / "logs" / self.cfg.node
         on_gpu = sum(bool(d.env.get(CUDA_ENV)) for d in stages)
-        threads, shard_threads = devices.thread_split(len(stages) - on_gpu, on_gpu, self.cfg.shards)
+        stage_threads, shard_threads = threads.thread_split(len(stages) - on_gpu, on_gpu, self.cfg.shards)
         for i, d in enumerate(stages):
-            procs = LocalProcesses(log_dir, host=self.cfg.host, env={**d.env, devices.THREADS_ENV: threads})
+            procs = LocalProcesses(log_dir, host=self.cfg.host, env={**d.env, threads.THREADS_ENV: stage_threads})
             self.groups.append(procs)
             self._spawn(procs, "stage_worker", f"stage worker {i}",
                         [*self.registration(), *(["--gpu-type", d.gpu_type] if d.gpu_type else [])])
         if self.cfg.shards:
-            procs = LocalProcesses(log_dir, host=self.cfg.host, env={CUDA_ENV: "", devices.PS_THREADS_ENV: shard_threads})
+            procs = LocalProcesses(log_dir, host=self.cfg.host, env={CUDA_ENV: "", threads.PS_THREADS_ENV: shard_threads})
             self.groups.append(procs)
             for i in range(self.cfg.shards):
                 checkpoints = self.root / "ps" / self.cfg.node / f"shard{i}"

@@ -6,7 +6,7 @@ import logging
 import sys
 import threading
 
-from hetpipe import devices, rpc, security
+from hetpipe import devices, rpc, security, threads
 from hetpipe.service import exit_now, run_server, secure
 from hetpipe.v1 import coordinator_pb2
 from ps_server import metrics as shard_metrics
@@ -17,7 +17,7 @@ from ps_server.shard import Shard
 
 
 def serve(cfg: ShardConfig) -> int:
-    devices.set_threads(devices.PS_THREADS_ENV)
+    devices.set_threads(threads.PS_THREADS_ENV)
     secure(cfg.service, security.SHARD)
     durability = Durability(cfg.checkpoint_dir, cfg.checkpoint_every) if cfg.checkpoint_dir else None
     servicer = ShardServicer(Shard(), durability, max_pull_wait_s=cfg.max_pull_wait_s, trace_dir=cfg.trace_dir)

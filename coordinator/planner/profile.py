@@ -27,7 +27,8 @@ import torch
 from hetpipe import data, models
 from hetpipe.catalog import CATALOG, EFFICIENCY, GpuType
 from hetpipe.config import JobConfig
-from hetpipe.devices import THREADS_ENV, env_threads, local_devices
+from hetpipe.devices import local_devices
+from hetpipe.threads import THREADS_ENV, env_threads
 from coordinator.planner.meter import model_structure, signature
 
 # Bump when what is measured or how changes: old cache files are then ignored.

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from hetpipe import devices
+from hetpipe import devices, threads
 
 
 def test_pick_names_the_device_asked_for_or_the_first_one() -> None:
@@ -49,24 +49,24 @@ def test_a_thread_made_current_on_a_gpu_computes_there_and_leaves_other_threads_
 
 @pytest.fixture
 def cores(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
-    monkeypatch.delenv(devices.THREADS_ENV, raising=False)
-    monkeypatch.delenv(devices.PS_THREADS_ENV, raising=False)
+    monkeypatch.delenv(threads.THREADS_ENV, raising=False)
+    monkeypatch.delenv(threads.PS_THREADS_ENV, raising=False)
     return lambda n: monkeypatch.setattr("os.cpu_count", lambda: n)
 
 
 def test_beside_cpu_stages_the_stages_split_the_cores_and_a_shard_takes_one(cores: Callable[[int], None]) -> None:
     cores(16)
-    assert devices.thread_split(4, 0, 2) == ("4", "1")
-    assert devices.thread_split(2, 2, 1) == ("4", "1")   # one CPU stage is enough: the CPU computes
+    assert threads.thread_split(4, 0, 2) == ("4", "1")
+    assert threads.thread_split(2, 2, 1) == ("4", "1")   # one CPU stage is enough: the CPU computes
 
 
 def test_beside_gpu_stages_the_shards_take_the_cores_the_stages_leave(cores: Callable[[int], None]) -> None:
     cores(16)
-    assert devices.thread_split(0, 4, 2) == ("2", "4")   # the 2 VWs x 2 stages on one host
-    assert devices.thread_split(0, 2, 1) == ("5", "6")
-    assert devices.thread_split(0, 1, 0) == ("16", "1")  # no shard: one VW
+    assert threads.thread_split(0, 4, 2) == ("2", "4")   # the 2 VWs x 2 stages on one host
+    assert threads.thread_split(0, 2, 1) == ("5", "6")
+    assert threads.thread_split(0, 1, 0) == ("16", "1")  # no shard: one VW
     cores(2)
-    assert devices.thread_split(0, 4, 2) == ("1", "1")   # fewer cores than processes: one each
+    assert threads.thread_split(0, 4, 2) == ("1", "1")   # fewer cores than processes: one each
 
 
 def test_the_split_never_gives_more_threads_than_cores_unless_every_process_has_one(cores: Callable[[int], None]) -> None:
@@ -77,7 +77,7 @@ def test_the_split_never_gives_more_threads_than_cores_unless_every_process_has_
                 for shards in range(0, 5):
                     if cpu + gpu == 0:
                         continue
-                    stage, shard = map(int, devices.thread_split(cpu, gpu, shards))
+                    stage, shard = map(int, threads.thread_split(cpu, gpu, shards))
                     assert stage >= 1 and shard >= 1
                     if cpu:   # the stages split the cores; each shard has one of its own
                         assert shard == 1 and stage * (cpu + gpu) <= max(n, cpu + gpu), (n, cpu, gpu, shards)
@@ -87,7 +87,7 @@ def test_the_split_never_gives_more_threads_than_cores_unless_every_process_has_
 
 def test_the_users_thread_counts_win(cores: Callable[[int], None], monkeypatch: pytest.MonkeyPatch) -> None:
     cores(16)
-    monkeypatch.setenv(devices.THREADS_ENV, "3")
-    monkeypatch.setenv(devices.PS_THREADS_ENV, "5")
-    assert devices.thread_split(0, 4, 2) == ("3", "5")
-    assert devices.thread_split(4, 0, 2) == ("3", "5")
+    monkeypatch.setenv(threads.THREADS_ENV, "3")
+    monkeypatch.setenv(threads.PS_THREADS_ENV, "5")
+    assert threads.thread_split(0, 4, 2) == ("3", "5")
+    assert threads.thread_split(4, 0, 2) == ("3", "5")
