@@ -23,7 +23,7 @@ import yaml
 from safetensors.torch import save_file
 
 from conftest import BASE_JOB, deep_update
-from hetpipe import devices, models
+from hetpipe import models, threads
 from hetpipe.config import parse_job
 from launch import cli
 
@@ -321,7 +321,7 @@ def test_a_run_that_fails_to_start_says_why_in_status_json(tmp_path: Path, monke
     the run with its log's tail; status.json, which `hetpipe status --job` reads afterwards, says
     the same. It said STOPPED, 'the launcher failed'."""
     # The launcher refuses such a count of the user's before anything starts: handed to the shard alone.
-    monkeypatch.setattr(devices, "thread_split", lambda *counts: ("1", "many"))
+    monkeypatch.setattr(threads, "thread_split", lambda *counts: ("1", "many"))
     job = _job(tmp_path, parallel={"virtual_workers": 2, "stages_per_vw": 1})
     assert cli.main(["run", "-q", str(job)]) == 1
     assert "ps server 0 exited with code 1 before serving" in capsys.readouterr().err
