@@ -68,10 +68,11 @@ def startup_job(cfg: CoordinatorConfig) -> StartupJob:
         return StartupJob(job)
     fresh = "the coordinator's --fresh (HETPIPE_FRESH=1; compose: `HETPIPE_FRESH=1 docker compose up`) deletes them"
     try:
-        changed = checkpoints.changes(checkpoints.manifest(folder, wave), job)
+        m = checkpoints.manifest(folder, wave)
+        changed = checkpoints.changes(m, job)
         plan = make_plan(job)
         if not changed:
-            checkpoints.check_cut(folder, wave, job, plan)
+            checkpoints.check_cut(folder, wave, m, checkpoints.job_shape(job, plan, job.parallel.started_shards))
     except ConfigError as exc:
         raise ConfigError(f"--job {cfg.job}: {exc} ({fresh})") from None
     if changed:

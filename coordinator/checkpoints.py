@@ -166,11 +166,10 @@ def changes(m: dict[str, Any], job: JobConfig) -> list[str]:
     return [f"{k} {there.get(k)} there, {now.get(k)} now" for k in sorted({*there, *now}) if there.get(k) != now.get(k)]
 
 
-def check_cut(folder: Path, wave: int, job: JobConfig, plan: Plan) -> None:
-    """ConfigError unless job can go on from the cut of wave in folder: its manifest whole, taken
-    for a job of this shape, its files all there."""
-    m = manifest(folder, wave)
-    refused = refusal(m, wave, job_shape(job, plan, job.parallel.started_shards))
+def check_cut(folder: Path, wave: int, m: dict[str, Any], shape: dict[str, Any]) -> None:
+    """ConfigError unless a job of this shape (job_shape) can go on from the cut of wave in folder,
+    whose manifest is m (manifest()): taken for a job of the shape, its files all there."""
+    refused = refusal(m, wave, shape)
     if refused is not None:
         raise ConfigError(refused)
     check_files(folder, wave, m)
@@ -256,12 +255,9 @@ class Checkpoints:
         the training seconds up to the cut (0 for a cut from before they were recorded)."""
         try:
             m = manifest(self.folder, wave)
-            check_files(self.folder, wave, m)
+            check_cut(self.folder, wave, m, self.job_shape)
         except ConfigError as exc:
             raise JobFailed(str(exc)) from None
-        refused = refusal(m, wave, self.job_shape)
-        if refused is not None:
-            raise JobFailed(refused)
         for i, stub in enumerate(self.shards):
             keys = self._keys(i)
             if not keys:

@@ -56,6 +56,7 @@ PROMETHEUS_IMAGE = "prom/prometheus:v3.1.0"
 GRAFANA_IMAGE = "grafana/grafana:11.4.0"
 # Workers start after the coordinator is healthy, then import torch: give them time on a laptop.
 CLAIM_TIMEOUT_S = 600
+COORDINATOR_RESTARTS = 3   # a coordinator that crashed comes back this often (restart: on-failure:N)
 ENTRY_POINTS = ("coordinator", "ps_server", "stage_worker")
 # Installed in every image (pyproject.toml's packages): never carried beside the job file.
 OWN_PACKAGES = ("hetpipe", "coordinator", "ps_server", "stage_worker", "baselines", "launch")
@@ -227,9 +228,6 @@ def _http_healthcheck(out: _Lines, url: str, *, start_period: str) -> None:
 
 def _bind(out: _Lines, indent: int, source: str, target: str) -> None:
     out(indent, f"- {{type: bind, source: {_scalar(source)}, target: {_scalar(target)}, read_only: true}}")
-
-
-COORDINATOR_RESTARTS = 3
 
 
 def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, root: Path,

@@ -70,17 +70,19 @@ def _resume_wave(out_dir: Path, job: JobConfig, plan: Plan, *, resume: bool, fre
     another job. A run that would delete an earlier run's checkpoints without being told to is
     refused, as transformers' Trainer refuses a used output_dir: the cuts may hold hours of
     training that a forgotten --resume would otherwise lose."""
-    wave = checkpoints.latest(out_dir / outputs.CHECKPOINTS)
+    folder = out_dir / outputs.CHECKPOINTS
+    wave = checkpoints.latest(folder)
     if not resume:
         if wave is not None and not fresh:
             raise ConfigError(f"output.dir {out_dir} holds an earlier run's checkpoints (the latest after wave "
                               f"{wave}): --resume goes on from it, --fresh deletes them and starts over")
         return 0
     if wave is None:
-        raise ConfigError(f"--resume: no complete checkpoint in {out_dir / outputs.CHECKPOINTS} "
+        raise ConfigError(f"--resume: no complete checkpoint in {folder} "
                           "(train.checkpoint_every sets how often a run writes one)")
     try:
-        checkpoints.check_cut(out_dir / outputs.CHECKPOINTS, wave, job, plan)
+        checkpoints.check_cut(folder, wave, checkpoints.manifest(folder, wave),
+                              checkpoints.job_shape(job, plan, job.parallel.started_shards))
     except ConfigError as exc:
         raise ConfigError(f"--resume: {exc}") from None
     if outputs.read_summary(out_dir) is not None:   # a run clears it as it starts: the last one finished
