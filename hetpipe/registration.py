@@ -28,6 +28,10 @@ LEAVE_DEADLINE_S = 1.0
 # The heartbeat intervals a worker keeps, whatever a registration reply says, and so the ones a
 # coordinator may be given: a shorter one would find every worker silent.
 HEARTBEAT_BOUNDS_S = (0.05, 60.0)
+# Answers to a registration that asking again cannot change: its fields (a GPU type or address
+# this coordinator refuses) or its credentials. The process ends naming the refusal; retrying
+# for ever would leave it running and never used.
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class Registration:
@@ -58,7 +62,8 @@ class Registration:
 
 def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped: threading.Event, *,
                     holds_job: Callable[[], bool] = lambda: False,
-                    on_orphaned: Callable[[bool], None] = lambda job_ended: None) -> Registration:
+                    on_orphaned: Callable[[bool], None] = lambda job_ended: None,
+                    on_refused: Callable[[str], None] = lambda why: None) -> Registration:
     """Registers with the coordinator and heartbeats on a daemon thread; re-registers whenever
     the coordinator has forgotten us (it restarted) and retries while it is unreachable.
 
@@ -69,7 +74,9 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
     a job at its first registration (a shard restored from its checkpoint) and the coordinator
     answers job_unknown. on_orphaned(job_ended) ends it, and its launcher starts a fresh one;
     job_ended: the coordinator said it runs no such job (not merely unreachable, when it may
-    still run it)."""
+    still run it). on_refused(why) ends it when the coordinator refuses its registration or
+    credentials (REFUSALS); a coordinator that cannot tell it from another process at the same
+    address (ALREADY_EXISTS) is asked again, as that one may be leaving."""
     registration = Registration(coordinator)
     stub = registration.stub
 
@@ -105,7 +112,12 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
                     continue
                 unreachable_since = None
             except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
+                if exc.code() in REFUSALS:
+                    why = f"coordinator {coordinator} refused this process: {reach.failure(exc)}"
+                    log.error("%s; exiting", why)
+                    on_refused(why)
+                    break
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                     log.error("coordinator refused registration: %s", exc.details())
                     stopped.wait(5 * interval)
                 else:

@@ -23,6 +23,9 @@ M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters
 # A worker's exit when its coordinator restarted and lost the job it served (EX_TEMPFAIL): not a
 # failure, and its launcher starts a fresh process in its place.
 EXIT_ORPHANED = 75
+# A worker's exit when its coordinator refused its registration or credentials (EX_CONFIG): asking
+# again cannot change that, and its launcher reports the failure.
+EXIT_REFUSED = 78
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,7 +106,8 @@ def run_server(
     """Starts server and metrics, handles signals and orphaning, registers, and blocks until
     stopped. Returns the exit code: EXIT_ORPHANED when the coordinator that gave this process
     its job restarted (holds_job: whether it has one; on_orphaned(job_ended), as
-    keep_registered calls it, runs before shutdown() then), else 0."""
+    keep_registered calls it, runs before shutdown() then), EXIT_REFUSED when it refused this
+    process, else 0."""
     raise_open_files_limit()
     metrics_port = metrics.serve(flags.metrics_port, flags.host)  # where --host says, as gRPC
     server.start()
@@ -119,11 +123,15 @@ def run_server(
     address = flags.advertise or server.address
     what = "coordinator" if role is None else coordinator_pb2.WorkerInfo.Role.Name(role).lower()
     logging.info("%s serving on %s (metrics :%d)", what, address, metrics_port)
-    stopped, orphaned = threading.Event(), threading.Event()
+    stopped, orphaned, refused = threading.Event(), threading.Event(), threading.Event()
 
     def leave(job_ended: bool) -> None:
         orphaned.set()
         on_orphaned(job_ended)
+        shutdown()
+
+    def refuse(why: str) -> None:
+        refused.set()
         shutdown()
 
     if flags.coordinator and role is not None:
@@ -132,12 +140,15 @@ def run_server(
             memory_bytes=memory_bytes, metrics_port=metrics_port, name=f"pid {os.getpid()}",
             host_id=shm.host_id(),
         )
-        registration.append(keep_registered(flags.coordinator, info, stopped, holds_job=holds_job, on_orphaned=leave))
+        registration.append(keep_registered(flags.coordinator, info, stopped, holds_job=holds_job, on_orphaned=leave,
+                                             on_refused=refuse))
     if flags.ready_file:
         # Atomically: a launcher that asked for port 0 polls for it and must never read half.
         outputs.write_atomically(flags.ready_file, lambda tmp: tmp.write_text(f"{address} {metrics_port}"))
     server.wait()
     stopped.set()
+    if refused.is_set():
+        return EXIT_REFUSED
     return EXIT_ORPHANED if orphaned.is_set() else 0
 
 

@@ -29,7 +29,7 @@ import grpc
 from hetpipe import catalog, children, reach, rpc, security, threads
 from hetpipe.config import ConfigError
 from hetpipe.errors import JobFailed
-from hetpipe.service import EXIT_ORPHANED, loopback
+from hetpipe.service import EXIT_ORPHANED, EXIT_REFUSED, loopback
 from hetpipe.v1 import wire_pb2
 from launch.interrupts import interrupts_held
 from launch import processes
@@ -154,6 +154,12 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def _refusal(p: Process) -> str:
+    """The coordinator's refusal as the process logged it (registration.py), else its exit."""
+    said = [line for line in p.log_tail(40).splitlines() if "refused this process" in line]
+    return said[-1].split(" ERROR ", 1)[-1].removesuffix("; exiting") if said else f"{p.exit_description()} (refused by its coordinator)"
+
+
 @dataclass
 class Launcher:
     """The children of one `hetpipe worker`: a LocalProcesses per device (each its own environment)
@@ -222,6 +228,8 @@ class Launcher:
                 # A shard discarded that job's state if the coordinator said it ended; else its
                 # registration asks (RegisterReply.job_unknown).
                 group.restart(p, fresh=True)
+            elif code == EXIT_REFUSED:  # its registration or token: starting it again changes nothing
+                raise JobFailed(f"{p.name} at {p.address}: {_refusal(p)}; log {p.log_path}")
             elif p.module == "stage_worker":
                 if code != 0:
                     raise JobFailed(f"{p.name} at {p.address} {p.exit_description()}; log {p.log_path}")

@@ -181,6 +181,30 @@ def test_a_forged_token_is_unauthenticated(cluster: Cluster, tmp_path: Path) -> 
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_a_worker_with_a_forged_token_exits_naming_the_refusal(cluster: Cluster, tmp_path: Path) -> None:
+    """Registering cannot succeed with another token: the worker exits EXIT_REFUSED at once,
+    its log naming the coordinator's refusal, rather than running on unregistered for ever."""
+    from hetpipe.service import EXIT_REFUSED
+    other = tmp_path / "token"
+    security.write_secret(other, security.new_secret())
+    forged = security.Security(cert=cluster.credentials.cert, key=cluster.credentials.key,
+                               ca=cluster.credentials.ca, token_file=str(other))
+    log = tmp_path / "stage.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stage_worker", "--host", "127.0.0.1", "--port", "0",
+                                 "--metrics-port", "0", "--exit-with-parent", "--node", "n0",
+                                 "--coordinator", cluster.addresses["coordinator"], *security.child_args(forged),
+                                 "--output-root", str(tmp_path / "out")],
+                                cwd=service_process.REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        code = proc.wait(60)
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert code == EXIT_REFUSED, text[-2000:]
+    assert f"coordinator {cluster.addresses['coordinator']} refused this process: UNAUTHENTICATED" in text, text[-2000:]
+
+
 def test_a_stages_token_may_not_stop_a_stage_or_init_a_shard(cluster: Cluster) -> None:
     before = _state(cluster)
     with security.using(cluster.credentials, security.STAGE, "vw0-stage1"):

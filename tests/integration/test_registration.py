@@ -8,10 +8,11 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 
 from hetpipe import rpc
-from hetpipe.registration import UNREACHABLE_HEARTBEATS, keep_registered
+from hetpipe.registration import REFUSALS, UNREACHABLE_HEARTBEATS, keep_registered
 from hetpipe.v1 import coordinator_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -84,6 +85,43 @@ def test_a_worker_heartbeats_at_a_bounded_rate_whatever_interval_it_is_told(inte
     try:
         time.sleep(1.0)
         assert coordinator.heartbeats <= 1.0 / 0.05 + 1, coordinator.heartbeats
+    finally:
+        stopped.set()
+        thread.join(5)
+        server.stop()
+
+
+@pytest.mark.parametrize("code", [*REFUSALS, grpc.StatusCode.ALREADY_EXISTS], ids=lambda c: c.name)
+def test_a_worker_the_coordinator_refuses_ends_rather_than_asking_for_ever(code: grpc.StatusCode) -> None:
+    """Its fields or credentials refused, asking again cannot help: on_refused names the refusal
+    and the thread ends. Another process at the same address (ALREADY_EXISTS) may be leaving:
+    that one is asked again."""
+    class Refusing(_Coordinator):
+        registers = 0
+
+        def Register(self, request: coordinator_pb2.WorkerInfo, context: grpc.ServicerContext) -> coordinator_pb2.RegisterReply:
+            self.registers += 1
+            context.abort(code, "gpu_type 'z80': expected one of ...")
+
+    coordinator = Refusing()
+    server = rpc.Server("127.0.0.1", 0)
+    server.add("Coordinator", coordinator)
+    server.start()
+    stopped, said = threading.Event(), threading.Event()
+    why: list[str] = []
+    info = coordinator_pb2.WorkerInfo(role=coordinator_pb2.WorkerInfo.STAGE_WORKER, address="127.0.0.1:1")
+    thread = keep_registered(server.address, info, stopped, on_refused=lambda w: (why.append(w), said.set())).thread
+    assert thread is not None
+    try:
+        if code == grpc.StatusCode.ALREADY_EXISTS:
+            assert not said.wait(1.0) and thread.is_alive(), why
+        else:
+            assert said.wait(10), "refused, and still asking"
+            thread.join(5)
+            assert not thread.is_alive()
+            assert why == [f"coordinator {server.address} refused this process: {code.name}: "
+                           "gpu_type 'z80': expected one of ..."], why
+            assert coordinator.registers == 1
     finally:
         stopped.set()
         thread.join(5)

@@ -117,3 +117,39 @@ def test_a_shard_replaced_after_each_job_keeps_its_restarts_for_a_crash(tmp_path
             launcher.check()
     finally:
         launcher.stop_all()
+
+
+@pytest.mark.timeout(120)
+def test_a_process_its_coordinator_refuses_ends_the_launch_naming_the_refusal(tmp_path: Path) -> None:
+    """A real shard registering with a coordinator that refuses its fields exits EXIT_REFUSED, and
+    the launcher fails naming the coordinator's words rather than restarting it into the same
+    refusal (a crashed shard is restarted from its checkpoint)."""
+    import time
+
+    import grpc
+
+    from hetpipe import rpc
+    from hetpipe.errors import JobFailed
+    from hetpipe.service import EXIT_REFUSED
+
+    class Refusing:
+        def Register(self, request: object, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gpu_type 'z80': expected one of the catalog's")
+
+    server = rpc.Server("127.0.0.1", 0)
+    server.add("Coordinator", Refusing())
+    server.start()
+    launcher = worker.Launcher(worker.WorkerConfig(coordinator=server.address, shards=1, node="hosta",
+                                                   insecure=True), tmp_path)
+    try:
+        launcher.start([])
+        [(_, shard)] = launcher.processes()
+        assert shard.popen.wait(60) == EXIT_REFUSED, shard.log_tail()
+        with pytest.raises(JobFailed, match=f"ps shard 0 at .*: coordinator {server.address} refused this "
+                           "process: INVALID_ARGUMENT: gpu_type 'z80': expected one of the catalog's; log "):
+            launcher.check()
+        time.sleep(0.5)
+        assert launcher.processes()[0][1].popen.poll() == EXIT_REFUSED, "not started again"
+    finally:
+        launcher.stop_all()
+        server.stop()
