@@ -200,6 +200,21 @@ class Checkpoints:
     def _keys(self, shard: int) -> list[str]:
         return [k for k, s in self.key_shard.items() if s == shard]
 
+    def clear_marks(self) -> None:
+        """Removes the stages' marks (outputs.shared_mark_path), an earlier start's among them,
+        before this start's stages write theirs."""
+        for mark in self.folder.glob("shared_vw*_stage*"):
+            mark.unlink(missing_ok=True)
+
+    def unshared(self) -> list[tuple[int, int]]:
+        """The (vw, stage) whose mark this host does not see: their hosts do not share the folder
+        they will save their part of each cut into. Then clears the marks."""
+        shape = self.job_shape
+        missing = [(v, q) for v in range(shape["virtual_workers"]) for q in range(shape["stages_per_vw"])
+                   if not outputs.shared_mark_path(self.folder, v, q).is_file()]
+        self.clear_marks()
+        return missing
+
     def take(self, wave: int, lead_vw: int, evicted: list[int], seconds: float) -> None:
         """Writes the shards' part of the cut after `wave` and its manifest, and drops older cuts.
         seconds: training time up to the cut, this run's and the runs' it resumed from (what a

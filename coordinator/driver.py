@@ -220,15 +220,32 @@ class JobDriver:
                 bound=shard_bound(self.job.parallel.sync, self.job.parallel.D), closing=self.stopping,
                 job_record=checkpoints.job_record(self.job))
         self._shard_watch.start()
+        if self.checkpoints is not None:
+            self.checkpoints.folder.mkdir(parents=True, exist_ok=True)
+            self.checkpoints.clear_marks()
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))
         if self.checkpoints is not None and self.resume_wave:  # VW 0's stages give w0 only on a fresh start
             self.seconds_before = self.checkpoints.restore_shards(self.resume_wave)
         self._wait_loaded()
+        if self.checkpoints is not None:
+            self._check_shared(self.checkpoints)
         self._restart_shards = True
         self.started = time.time()
         for h in self.stages:
             self.call(h, "Start", wire_pb2.Empty())
+
+    def _check_shared(self, cuts: checkpoints.Checkpoints) -> None:
+        """JobFailed naming the stages whose hosts do not share the checkpoints folder: found at
+        the start, not at the first cut, perhaps hours in."""
+        unshared = set(cuts.unshared())
+        hosts = [h for h in self.stages if (h.plan.vw, h.plan.stage) in unshared]
+        if hosts:
+            what = "; ".join(f"{h.name} at {h.at}" for h in hosts[:4]) + ("; ..." if len(hosts) > 4 else "")
+            raise JobFailed(f"train.checkpoint_every {self.job.train.checkpoint_every}: the checkpoints folder "
+                            f"{cuts.folder} on this coordinator's host is not shared with {what}, whose part of "
+                            "each cut would be saved where no resume finds it: share output.dir with the stages' "
+                            "hosts (compose's volume runs, k8s's claim), or train.checkpoint_every 0")
 
     def _wait_loaded(self, interval: float = 0.05) -> None:
         """Waits until every stage is READY, up to train.setup_timeout_s; JobFailed names a stage

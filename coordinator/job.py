@@ -304,6 +304,9 @@ class JobRunner:
                 log.exception("job crashed")
                 self.machine.try_to(JobState.FAILED, f"coordinator error: {type(exc).__name__}: {exc}")
         finally:
+            # At INFO: a standing coordinator's log (compose's, k8s's) says how its job ended, and
+            # `hetpipe run`, which reports that itself, shows only warnings.
+            log.info("job %s%s", self.machine.state.name, f": {self.machine.reason}" if self.machine.reason else "")
             if driver is not None:
                 driver.stop_watching()
                 self._stop_workers(driver)

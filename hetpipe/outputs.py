@@ -93,6 +93,12 @@ def stage_state_path(checkpoint_dir: str | Path, wave: int, vw: int, stage: int)
     return cut_dir(checkpoint_dir, wave) / f"vw{vw}_stage{stage}.pt"
 
 
+def shared_mark_path(checkpoint_dir: str | Path, vw: int, stage: int) -> Path:
+    """What a stage writes into the checkpoints folder as it loads: the coordinator, finding it
+    there, knows its host shares the folder the stage will save its part of each cut into."""
+    return Path(checkpoint_dir) / f"shared_vw{vw}_stage{stage}"
+
+
 def check_dir(out_dir: Path) -> None:
     """ConfigError unless out_dir is a folder this process can write in, or can be made one: found
     before any process starts, not when the first of them writes there."""
@@ -150,7 +156,7 @@ CUT = re.compile(r"cut\d{6}")
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")   # weight_files.file_names, transformers' names
 WRITTEN = {
     "ps": re.compile(r"shard\d+"),                       # each shard's durable state
-    CHECKPOINTS: CUT,
+    CHECKPOINTS: re.compile(rf"{CUT.pattern}|shared_vw\d+_stage\d+"),
     "logs": re.compile(r"(stage_worker|ps_server)_\d+\.log|(ddp|torch-pipeline)_rank\d+\.log"),
     "trace": re.compile(r"vw\d+_stage\d+\.jsonl|acked_vw\d+_stage\d+\.pt|profile_vw\d+_stage\d+\.(json|txt)"),
     "trace/sync": re.compile(r"vw\d+_stage\d+\.jsonl"),

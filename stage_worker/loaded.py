@@ -139,6 +139,9 @@ class Loaded:
                                    LossScale(through=before))
         # Tests: minibatches whose gradients come out infinite here (HETPIPE_FAULTS overflow).
         self.overflow_at = {p for q, p in faults.from_env().overflow if q == setup.stage}
+        for path in (setup.trace_path, setup.profile_path):   # made here on a host that does not share the coordinator's
+            if path:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.trace = MinibatchTrace(setup.trace_path, setup.vw, setup.stage)
         window = job.output.profile
         self.profile = StageProfile(setup.profile_path, setup.name, window.after, window.steps,
@@ -149,6 +152,12 @@ class Loaded:
         self.prev: Link | None = None
         self.sync: Sync = LocalSync()
         try:  # a load that fails from here on closes what it opened: the sync's channels and threads, the traces
+            if setup.checkpoint_dir:   # where it will save its part of each cut: the coordinator checks it sees it
+                try:
+                    Path(setup.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+                    outputs.shared_mark_path(setup.checkpoint_dir, setup.vw, setup.stage).write_text(f"{setup.name}\n")
+                except OSError as exc:
+                    raise LoadError(f"checkpoint_dir {setup.checkpoint_dir}: {exc}") from None
             if setup.synced:
                 self.sync = self._wsp(setup, on_failure, wake, next_forward)
             if setup.resume_wave:

@@ -29,7 +29,7 @@ class SyncRecord:
         if trace_dir:
             trace = Path(trace_dir)
             self._ledger_path = str(trace / f"acked_{Path(trace_name).stem}.pt")
-            (trace / "sync").mkdir(exist_ok=True)
+            (trace / "sync").mkdir(parents=True, exist_ok=True)
             self._trace = open(trace / "sync" / trace_name, "w")
 
     @property

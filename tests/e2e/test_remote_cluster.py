@@ -46,12 +46,13 @@ class Cluster:
     address: str
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start(self, name: str, *args: str, sigint: Any = signal.SIG_DFL) -> None:
+    def start(self, name: str, *args: str, sigint: Any = signal.SIG_DFL, wrap: tuple[str, ...] = ()) -> None:
         """`hetpipe ARGS` as host `name`; sigint: its SIGINT disposition, as a terminal's command
-        has it (a test runner started in the background hands its children SIGINT ignored)."""
+        has it (a test runner started in the background hands its children SIGINT ignored);
+        wrap: a command in front of it."""
         (self.tmp / name).mkdir(exist_ok=True)
         with open(self.tmp / f"{name}.log", "wb") as log:
-            self.procs[name] = subprocess.Popen([*HETPIPE, *args], cwd=self.tmp / name, stdin=subprocess.DEVNULL,
+            self.procs[name] = subprocess.Popen([*wrap, *HETPIPE, *args], cwd=self.tmp / name, stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                                 env={**os.environ, "PYTHONPATH": str(REPO)},
                                                 preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
@@ -347,9 +348,66 @@ def test_a_restarted_coordinator_goes_on_with_its_job_from_the_last_checkpoint(t
             time.sleep(0.1)
         wave = int(re.search(r"resuming from the checkpoint of wave (\d+)", c.log("restarted"))[1])  # type: ignore[index]
         assert cut <= wave < steps and summary["resumed_from_wave"] == wave, (cut, summary)
+        assert not list((out / outputs.CHECKPOINTS).glob("shared_*")), "the stages' marks outlived the start's check"
         got, want = weight_files.read_weights(out), train_reference(load_job(job_file)).state_dict()
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9)
+    finally:
+        c.stop()
+
+
+def _own_mounts() -> str:
+    """Why a process cannot be given a folder of its own here (a mount namespace), or ''."""
+    if os.geteuid() != 0:
+        return "needs root for a mount namespace"
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True)
+    return "" if probe.returncode == 0 else f"unshare --mount: {probe.stderr.decode(errors='replace').strip()}"
+
+
+def test_a_stage_whose_host_does_not_share_the_checkpoints_folder_fails_the_job_at_its_start(tmp_path: Path) -> None:
+    """hostb's worker sees a folder of its own where the others see the shared one (a tmpfs in its
+    own mount namespace, as a host without compose's volume): its stage would save its part of each
+    cut where the coordinator never sees it. The job fails as it starts, naming that stage and
+    host, not at the first cut."""
+    if why := _own_mounts():
+        pytest.skip(why)
+    shared = tmp_path / "runs"
+    shared.mkdir()
+    job_file = _job_file(tmp_path, "job.yaml", {
+        "cluster": {"nodes": [{"name": "hosta", "gpus": [{"type": "t4"}]}, {"name": "hostb", "gpus": [{"type": "t4"}]}],
+                    "emulate": {}},
+        "train": {"steps": 400, "checkpoint_every": 100},
+        "parallel": {"virtual_workers": 1, "stages_per_vw": 2, "nm": 1, "D": 0},
+    })
+    out = shared / "job"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = Cluster(tmp_path, f"127.0.0.1:{port}")
+    own_folder = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
+                  'mount -t tmpfs hostb "$0" && exec "$@"', str(shared))
+    try:
+        c.start("coordinator", "coordinator", "--port", str(port), "--heartbeat-interval", "0.5", "--job",
+                str(job_file), "--output-dir", str(out))
+        c.start("hosta", "worker", "--coordinator", c.address, "--emulate", "t4", "--node", "hosta", "--shards", "1",
+                "--output-root", str(shared))
+        c.start("hostb", "worker", "--coordinator", c.address, "--emulate", "t4", "--node", "hostb",
+                "--output-root", str(shared), wrap=own_folder)
+        deadline = time.monotonic() + 90
+        while True:
+            with contextlib.suppress(grpc.RpcError):   # the coordinator still starting
+                if (job := c.job()).state in (State.FAILED, State.COMPLETED):
+                    break
+            for name, proc in c.procs.items():
+                assert proc.poll() is None, c.log(name)
+            assert time.monotonic() < deadline, c.log("coordinator")
+            time.sleep(0.1)
+        assert job.state == State.FAILED and job.samples == 0, job
+        assert re.fullmatch(rf"train.checkpoint_every 100: the checkpoints folder {re.escape(str(out))}/checkpoints on "
+                            r"this coordinator's host is not shared with stage 1 of vw 0 at 127.0.0.1:\d+ on node "
+                            r"hostb, whose part of each cut .*", job.reason), job.reason
+        assert f"job FAILED: {job.reason}" in c.log("coordinator"), "a --job coordinator's log says how it ended"
+        assert latest(out / outputs.CHECKPOINTS) is None
     finally:
         c.stop()
 

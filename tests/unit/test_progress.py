@@ -5,13 +5,23 @@ shows nothing."""
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 
 from hetpipe.v1 import coordinator_pb2
+from launch import local
 from launch.local import follow
 
 State = coordinator_pb2.JobStatus.State
+
+
+def _clock(monkeypatch: pytest.MonkeyPatch, monotonic: Callable[[], float] = time.monotonic) -> None:
+    """launch.local's own clock, and sleeps that return at once: its `time`, not the module every
+    thread shares (a thread of an earlier test in this process would take the fake clock's ticks)."""
+    monkeypatch.setattr(local, "time", SimpleNamespace(monotonic=monotonic, sleep=lambda seconds: None))
 
 
 def _job(*steps: tuple[str, int, float], total: int = 80) -> list[coordinator_pb2.JobStatus]:
@@ -42,7 +52,7 @@ def test_progress_ends_at_the_jobs_last_count(ending: str, stderr_kind: str, mon
 def test_a_log_gets_a_line_at_each_tenth_of_the_run(monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
-    monkeypatch.setattr("launch.local.time.sleep", lambda seconds: None)
+    _clock(monkeypatch)
     polls = [("RUNNING", n, 1.0) for n in range(0, 1000, 7)] + [("COMPLETED", 1000, 0.5)]
     statuses = iter(_job(*polls, total=1000))
     follow(lambda: next(statuses), quiet=False)
@@ -63,7 +73,7 @@ def test_the_progress_waits_for_the_total_that_comes_after_running(stderr_kind: 
     # The job is RUNNING a moment before its first progress report brings the total: a display
     # made then read "9600% (96/0 samples)".
     monkeypatch.setattr(sys.stderr, "isatty", lambda: stderr_kind == "terminal")
-    monkeypatch.setattr("launch.local.time.sleep", lambda seconds: None)
+    _clock(monkeypatch)
     statuses = iter([*_job(("RUNNING", 0, 0.0), total=0), *_job(("RUNNING", 96, 2.3), ("COMPLETED", 128, 2.2), total=128)])
     follow(lambda: next(statuses), quiet=False)
     err = capsys.readouterr().err.replace("\r", "\n")
@@ -83,7 +93,7 @@ def test_a_log_does_not_repeat_the_last_line_when_the_job_ends_on_it(monkeypatch
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """The final status is often the last report again: one line for it, not two alike."""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
-    monkeypatch.setattr("launch.local.time.sleep", lambda seconds: None)
+    _clock(monkeypatch)
     statuses = iter(_job(("RUNNING", 40, 2.5), ("RUNNING", 80, 2.2), ("COMPLETED", 80, 2.2)))
     follow(lambda: next(statuses), quiet=False)
     assert capsys.readouterr().err.splitlines() == ["train: 50% (40/80 samples), 640 samples/s, loss 2.5000",
@@ -107,8 +117,7 @@ def test_a_wait_for_workers_is_said_once_it_lasts(unsaid_wait_s: float, monkeypa
     """A local run's own workers register a moment after they are ready: a wait shorter than
     unsaid_wait_s goes unsaid, a longer one is said (once, while it does not change)."""
     clock = iter(range(0, 1000))   # a second a poll
-    monkeypatch.setattr("launch.local.time.monotonic", lambda: float(next(clock)))
-    monkeypatch.setattr("launch.local.time.sleep", lambda seconds: None)
+    _clock(monkeypatch, monotonic=lambda: float(next(clock)))
     brief = "stage_workers needed: 2 x cpu on local; free and alive: 1 x any"
     long = "stage_workers needed: 1 x t4 on hostb; free and alive: none"
     polls = [*_job(("PLANNED", 0, 0.0)), *[coordinator_pb2.JobStatus(state=State.PLANNED, waiting=brief)] * 2,
