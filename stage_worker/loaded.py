@@ -139,9 +139,9 @@ class Loaded:
                                    LossScale(through=before))
         # Tests: minibatches whose gradients come out infinite here (HETPIPE_FAULTS overflow).
         self.overflow_at = {p for q, p in faults.from_env().overflow if q == setup.stage}
-        for path in (setup.trace_path, setup.profile_path):   # made here on a host that does not share the coordinator's
-            if path:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
+        for written in (setup.trace_path, setup.profile_path):   # made here on a host that does not share the coordinator's
+            if written:
+                Path(written).parent.mkdir(parents=True, exist_ok=True)
         self.trace = MinibatchTrace(setup.trace_path, setup.vw, setup.stage)
         window = job.output.profile
         self.profile = StageProfile(setup.profile_path, setup.name, window.after, window.steps,
