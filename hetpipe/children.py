@@ -61,13 +61,16 @@ class Forked:
         self._process = process
         self.pid: int = process.pid
         self.args: list[str] = []
+        self._born = _born(process.pid)
 
     @property
     def returncode(self) -> int | None:
         code = self._process.exitcode
-        if code == FORK_SERVER_GONE and running(self.pid):
+        if code == FORK_SERVER_GONE and self._born is not None and _born(self.pid) == self._born:
             # multiprocessing says 255 for every child once the fork server is gone (killed, say),
-            # whether or not the child is: it reads each exit code from the server.
+            # whether or not the child is: it reads each exit code from the server. The same
+            # start time, not merely the pid, says it is ours: another process may have that pid
+            # by now, and a signal meant for our child would end it.
             return None
         return None if code is None else int(code)
 

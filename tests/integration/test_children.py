@@ -45,6 +45,29 @@ def test_a_worker_is_running_while_it_runs_though_its_fork_server_was_killed(tmp
         os.kill(again.pid, signal.SIGKILL)
 
 
+def test_a_pid_another_process_took_after_our_worker_ended_is_not_signalled() -> None:
+    """Our worker, its fork server gone (multiprocessing says 255 for it), has exited and its pid
+    is another process's by now (the pid space is 32768 here, and a suite starts thousands): the
+    pid alone took that process for our live worker, and stopping the launcher sent it SIGTERM."""
+    import subprocess
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        class Ours:   # what multiprocessing holds for our worker once its fork server is gone
+            pid, exitcode = stranger.pid, children.FORK_SERVER_GONE
+
+        worker = children.Forked(Ours())
+        assert worker.poll() is None, "the process it started, still running"
+        worker._born = worker._born - 1.0   # type: ignore[operator]  # ours started a second before the pid's holder
+        assert worker.poll() == children.FORK_SERVER_GONE
+        worker.terminate()
+        time.sleep(0.2)
+        assert stranger.poll() is None, "the pid's new holder was signalled"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
 def test_a_stopped_worker_ends_by_its_sigterm_not_by_the_sigkill_after_the_grace(tmp_path: Path) -> None:
     """A SIGSTOPped worker takes SIGTERM only once continued: stop() continues it, so it ends at
     once, as a live one does (its own clean-up: shared memory), not 10 s later by SIGKILL."""
