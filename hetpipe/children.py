@@ -78,8 +78,12 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._process.join(timeout)
-        code = self.returncode
+        # Once the fork server is gone join returns at once, its pipe closed, for a child that
+        # may live on (returncode None): poll that one until it ends or the time is up.
+        while (code := self.returncode) is None and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.05)
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return code

@@ -29,9 +29,12 @@ LEAVE_DEADLINE_S = 1.0
 # coordinator may be given: a shorter one would find every worker silent.
 HEARTBEAT_BOUNDS_S = (0.05, 60.0)
 # Answers to a registration that asking again cannot change: its fields (a GPU type or address
-# this coordinator refuses) or its credentials. The process ends naming the refusal; retrying
-# for ever would leave it running and never used.
-REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+# this coordinator refuses), its credentials, or a server that serves no coordinator (another
+# service's port: a coordinator serves its service from its start). The process ends naming the
+# refusal; retrying for ever would leave it running and never used.
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.UNIMPLEMENTED)
+NO_COORDINATOR = "no coordinator serves there: another service's port?"
 
 
 class Registration:
@@ -114,6 +117,8 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
             except grpc.RpcError as exc:
                 if exc.code() in REFUSALS:
                     why = f"coordinator {coordinator} refused this process: {reach.failure(exc)}"
+                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        why += f" ({NO_COORDINATOR})"
                     log.error("%s; exiting", why)
                     on_refused(why)
                     break

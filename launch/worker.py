@@ -29,6 +29,7 @@ import grpc
 from hetpipe import catalog, children, reach, rpc, security, threads
 from hetpipe.config import ConfigError
 from hetpipe.errors import JobFailed
+from hetpipe.registration import NO_COORDINATOR
 from hetpipe.service import EXIT_ORPHANED, EXIT_REFUSED, loopback
 from hetpipe.v1 import wire_pb2
 from launch.interrupts import interrupts_held
@@ -359,6 +360,10 @@ def _watch(launcher: Launcher) -> int:
                         raise JobFailed(f"coordinator {launcher.cfg.coordinator} refused this worker's credentials "
                                         f"({exc.code().name}: {exc.details()}); give every worker the "
                                         "coordinator's --token-file") from None
+                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        raise JobFailed(f"coordinator {launcher.cfg.coordinator}: {reach.failure(exc)} "
+                                        f"({NO_COORDINATOR}); give --coordinator the address `hetpipe "
+                                        "coordinator` serves on") from None
                     if reach.handshake_failed(exc):
                         raise JobFailed(f"coordinator {reach.unreachable(launcher.cfg.coordinator, exc)} "
                                         f"({exc.details()})") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from multiprocessing import forkserver
@@ -45,12 +46,33 @@ def test_a_worker_is_running_while_it_runs_though_its_fork_server_was_killed(tmp
         os.kill(again.pid, signal.SIGKILL)
 
 
+def test_workers_whose_fork_server_died_are_stopped_each_with_its_grace(tmp_path: Path) -> None:
+    """join() returns at once once the fork server is gone: wait() raised TimeoutExpired at once
+    for a live worker, so stop() SIGKILLed the first without its grace and raised, leaving the
+    others neither waited for nor killed (`hetpipe worker` ended in a traceback)."""
+    workers = [children.start([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"], tmp_path / f"log{i}")
+               for i in range(2)]
+    try:
+        server = forkserver._forkserver._forkserver_pid   # type: ignore[attr-defined]
+        os.kill(server, signal.SIGKILL)
+        while psutil.Process(server).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+        start = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):
+            workers[0].wait(0.5)
+        assert time.monotonic() - start >= 0.5, "wait() gave up before its timeout"
+        children.stop([children.Child(f"worker {i}", w, tmp_path / f"log{i}") for i, w in enumerate(workers)], grace=10.0)
+        assert all(w.poll() is not None for w in workers), "a worker outlived stop()"
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                os.kill(w.pid, signal.SIGKILL)
+
+
 def test_a_pid_another_process_took_after_our_worker_ended_is_not_signalled() -> None:
     """Our worker, its fork server gone (multiprocessing says 255 for it), has exited and its pid
     is another process's by now (the pid space is 32768 here, and a suite starts thousands): the
     pid alone took that process for our live worker, and stopping the launcher sent it SIGTERM."""
-    import subprocess
-
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         class Ours:   # what multiprocessing holds for our worker once its fork server is gone

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from hetpipe import rpc
-from hetpipe.registration import REFUSALS, UNREACHABLE_HEARTBEATS, keep_registered
+from hetpipe.registration import NO_COORDINATOR, REFUSALS, UNREACHABLE_HEARTBEATS, keep_registered
 from hetpipe.v1 import coordinator_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,8 +93,8 @@ def test_a_worker_heartbeats_at_a_bounded_rate_whatever_interval_it_is_told(inte
 
 @pytest.mark.parametrize("code", [*REFUSALS, grpc.StatusCode.ALREADY_EXISTS], ids=lambda c: c.name)
 def test_a_worker_the_coordinator_refuses_ends_rather_than_asking_for_ever(code: grpc.StatusCode) -> None:
-    """Its fields or credentials refused, asking again cannot help: on_refused names the refusal
-    and the thread ends. Another process at the same address (ALREADY_EXISTS) may be leaving:
+    """Its fields or credentials refused, or no coordinator at that port (UNIMPLEMENTED), asking
+    again cannot help: on_refused names the refusal and the thread ends. Another process at the same address (ALREADY_EXISTS) may be leaving:
     that one is asked again."""
     class Refusing(_Coordinator):
         registers = 0
@@ -119,8 +119,9 @@ def test_a_worker_the_coordinator_refuses_ends_rather_than_asking_for_ever(code:
             assert said.wait(10), "refused, and still asking"
             thread.join(5)
             assert not thread.is_alive()
+            hint = f" ({NO_COORDINATOR})" if code == grpc.StatusCode.UNIMPLEMENTED else ""
             assert why == [f"coordinator {server.address} refused this process: {code.name}: "
-                           "gpu_type 'z80': expected one of ..."], why
+                           f"gpu_type 'z80': expected one of ...{hint}"], why
             assert coordinator.registers == 1
     finally:
         stopped.set()

@@ -153,3 +153,26 @@ def test_a_process_its_coordinator_refuses_ends_the_launch_naming_the_refusal(tm
     finally:
         launcher.stop_all()
         server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_pointed_at_a_port_that_serves_no_coordinator_ends_saying_so(tmp_path: Path) -> None:
+    """A gRPC server without the Coordinator service (a shard's port, say) answers UNIMPLEMENTED,
+    which asking again cannot change: `hetpipe worker` exits 1 saying so, instead of reporting
+    it unreachable and retrying for ever."""
+    import subprocess
+    import sys
+
+    from hetpipe import rpc
+
+    server = rpc.Server("127.0.0.1", 0)   # health and reflection only
+    server.start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "launch.cli", "worker", "--coordinator", server.address,
+                               "--emulate", "t4", "--node", "hosta", "--output-root", str(tmp_path)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=90)
+    finally:
+        server.stop()
+    assert done.returncode == 1, done.stderr
+    assert f"coordinator {server.address} " in done.stderr and "UNIMPLEMENTED" in done.stderr, done.stderr
+    assert "no coordinator serves there: another service's port?" in done.stderr, done.stderr
