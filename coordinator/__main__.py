@@ -51,7 +51,8 @@ def startup_job(cfg: CoordinatorConfig) -> StartupJob:
     checkpoints (train.checkpoint_every; no summary.json), the job goes on from the latest, as
     `hetpipe run --resume` would: a coordinator restarted mid-job (compose's restart policy, a
     Deployment's) loses only the waves since: cuts of this very job only (the same settings; a
-    compose volume outlives the job that wrote it). Else (or with --fresh) it starts over, like
+    compose volume outlives the job that wrote it). Else (or with --fresh, or HETPIPE_FRESH of a
+    value that did not start this run: checkpoints.fresh_honoured) it starts over, like
     `hetpipe run`. Either way it clears the output's ps/ folder, where the shards of compose.yaml keep their
     state (they start after the coordinator and would otherwise restore an earlier run's).
     Raises ConfigError, for a cut of another job or a damaged one too."""
@@ -61,12 +62,21 @@ def startup_job(cfg: CoordinatorConfig) -> StartupJob:
         job = with_overrides(job, output={"dir": os.path.abspath(cfg.output_dir)})
     out_dir = job.resolve(job.output.dir)
     folder = out_dir / outputs.CHECKPOINTS
-    wave = None if cfg.fresh or outputs.read_summary(out_dir) is not None else checkpoints.latest(folder)
-    if wave is None:
+    wave = None if outputs.read_summary(out_dir) is not None else checkpoints.latest(folder)
+    restarted = wave is not None and bool(cfg.fresh) and checkpoints.fresh_honoured(folder, cfg.fresh, job, wave)
+    if wave is None or (cfg.fresh and not restarted):
         outputs.check_reads(out_dir, job.read_paths)
         outputs.start_fresh(out_dir, keep_checkpoints=False)
+        checkpoints.mark_fresh(folder, cfg.fresh)
         return StartupJob(job)
-    fresh = "the coordinator's --fresh (HETPIPE_FRESH=1; compose: `HETPIPE_FRESH=1 docker compose up`) deletes them"
+    if restarted:
+        log.info("--job %s: HETPIPE_FRESH=%s started this run over already, and this start, with the same "
+                 "value, is its restart: it goes on from the checkpoints taken since (another value starts "
+                 "over again)", cfg.job, cfg.fresh)
+    else:
+        checkpoints.mark_fresh(folder, "")
+    fresh = ("the coordinator's --fresh deletes them (compose: `HETPIPE_FRESH=$(date +%s) docker compose up`: "
+             "HETPIPE_FRESH starts over once per value)")
     try:
         m = checkpoints.manifest(folder, wave)
         changed = checkpoints.changes(m, job)

@@ -151,6 +151,33 @@ def job_record(job: JobConfig) -> dict[str, Any]:
     return raw
 
 
+def fresh_honoured(folder: Path, fresh: str, job: JobConfig, wave: int) -> bool:
+    """Whether the start-over request `fresh` (CoordinatorConfig.fresh) started the run whose
+    cuts folder holds, the latest of wave: a start with the same environment is its restart, and
+    goes on from them. Not where the job changed since: the request is for the job as it is."""
+    try:
+        mark = json.loads((folder / outputs.FRESH_MARK).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(mark, dict) or mark.get("fresh") != fresh:
+        return False
+    try:
+        return not changes(manifest(folder, wave), job)
+    except ConfigError:   # damaged: the resume that follows says so
+        return True
+
+
+def mark_fresh(folder: Path, fresh: str) -> None:
+    """Records the start-over request this start honoured (fresh_honoured), or, for a start
+    without one, removes an earlier one's: a later request with that value is honoured again."""
+    path = folder / outputs.FRESH_MARK
+    if not fresh:
+        path.unlink(missing_ok=True)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    outputs.write_text_atomically(path, json.dumps({"fresh": fresh}) + "\n", durable=True)
+
+
 def changes(m: dict[str, Any], job: JobConfig) -> list[str]:
     """How job differs from the one whose cut's manifest is m ("train.optimizer.lr 0.05 there,
     0.5 now"); a cut that records no job (written before cuts did) differs."""

@@ -93,6 +93,11 @@ def stage_state_path(checkpoint_dir: str | Path, wave: int, vw: int, stage: int)
     return cut_dir(checkpoint_dir, wave) / f"vw{vw}_stage{stage}.pt"
 
 
+# In a coordinator's checkpoints folder: the start-over request (HETPIPE_FRESH) that started the
+# run whose cuts it holds (coordinator.checkpoints.fresh_honoured).
+FRESH_MARK = "fresh_start.json"
+
+
 def shared_mark_path(checkpoint_dir: str | Path, vw: int, stage: int) -> Path:
     """What a stage writes into the checkpoints folder as it loads: the coordinator, finding it
     there, knows its host shares the folder the stage will save its part of each cut into."""
@@ -156,7 +161,7 @@ CUT = re.compile(r"cut\d{6}")
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")   # weight_files.file_names, transformers' names
 WRITTEN = {
     "ps": re.compile(r"shard\d+"),                       # each shard's durable state
-    CHECKPOINTS: re.compile(rf"{CUT.pattern}|shared_vw\d+_stage\d+"),
+    CHECKPOINTS: re.compile(rf"{CUT.pattern}|shared_vw\d+_stage\d+|fresh_start\.json"),
     "logs": re.compile(r"(stage_worker|ps_server)_\d+\.log|(ddp|torch-pipeline)_rank\d+\.log"),
     "trace": re.compile(r"vw\d+_stage\d+\.jsonl|acked_vw\d+_stage\d+\.pt|profile_vw\d+_stage\d+\.(json|txt)"),
     "trace/sync": re.compile(r"vw\d+_stage\d+\.jsonl"),

@@ -295,7 +295,7 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
         "  again:     docker compose down && docker compose up",
         *(["  (train.checkpoint_every: a run that did not finish, the coordinator's restart too, goes on",
            "  from its latest checkpoint in volume `runs`; a finished one starts over, and so does",
-           "  HETPIPE_FRESH=1 docker compose up)"]
+           "  HETPIPE_FRESH=$(date +%s) docker compose up: once per value, so that its restarts go on)"]
           if job.train.checkpoint_every else []),
         f"Host ports, on {HOST_IP} only: coordinator gRPC {COORDINATOR_PORT}, Prometheus {PROMETHEUS_PORT}, "
         f"Grafana {GRAFANA_PORT}",
@@ -331,7 +331,7 @@ def render(job: JobConfig, plan: Plan, *, job_file: Path, compose_dir: Path, roo
     out(2, f"HETPIPE_TLS_CA: {CERTS}/ca.pem")
     out(2, f"HETPIPE_TOKEN_FILE: {CERTS}/token")
     out(2, f"HETPIPE_OUTPUT_ROOT: {RUNS}   # where assigned traces and checkpoints may go")
-    out(2, "HETPIPE_FRESH: ${HETPIPE_FRESH:-0}   # 1: the coordinator's job starts over, not from its checkpoints")
+    out(2, "HETPIPE_FRESH: ${HETPIPE_FRESH:-0}   # a new value: the coordinator's job starts over, once")
     out(2, f"HETPIPE_HEALTH_PORT: {_scalar(str(HEALTH_PORT))}")
     out(2, f"HETPIPE_HEALTH_ADDRESS: {_scalar(f'127.0.0.1:{HEALTH_PORT}')}")
     out(1, "depends_on:")

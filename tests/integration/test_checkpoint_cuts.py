@@ -360,7 +360,7 @@ def test_a_coordinators_job_goes_on_from_an_unfinished_runs_cut_and_no_other(mak
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A coordinator's --job (compose's, k8s's) goes on from output.dir's latest cut where the
     run there did not finish, as `hetpipe run --resume` would; a finished run (summary.json), or
-    --fresh (HETPIPE_FRESH=1), starts over and deletes the cuts. A cut of another job (any
+    --fresh (HETPIPE_FRESH once per value), starts over and deletes the cuts. A cut of another job (any
     setting other: a compose volume outlives the job that wrote it), one that records no job, or
     a damaged one refuses the start (exit 2), naming it and --fresh, and deletes nothing."""
     from coordinator.__main__ import main as coordinator_main, startup_job
@@ -399,10 +399,39 @@ def test_a_coordinators_job_goes_on_from_an_unfinished_runs_cut_and_no_other(mak
     cut(4)
     assert startup_job(parse_args(["--job", job_file, "--fresh"])).resume_wave == 0
     assert checkpoints.latest(folder) is None
-    cut(4)
-    monkeypatch.setenv("HETPIPE_FRESH", "1")   # compose's and k8s's way to say --fresh
-    assert startup_job(parse_args(["--job", job_file])).resume_wave == 0
+    cut(4)   # the run --fresh started took a cut: --fresh, typed again, starts over again
+    assert startup_job(parse_args(["--job", job_file, "--fresh"])).resume_wave == 0
     assert checkpoints.latest(folder) is None
+
+    # HETPIPE_FRESH, compose's and k8s's way to say --fresh, stays in the container's environment:
+    # it starts over once per value, and the restarts of the run it started go on from its cuts.
+    def start(fresh: str | None, expected_wave: int) -> None:
+        if fresh is None:
+            monkeypatch.delenv("HETPIPE_FRESH", raising=False)
+        else:
+            monkeypatch.setenv("HETPIPE_FRESH", fresh)
+        assert startup_job(parse_args(["--job", job_file])).resume_wave == expected_wave, fresh
+        assert checkpoints.latest(folder) == (expected_wave or None)
+
+    cut(4)
+    start("1", 0)      # cuts it did not start: over
+    cut(4)
+    start("1", 4)      # a restart of the run it started
+    cut(6)
+    start("1", 6)
+    start("2", 0)      # another value: over again
+    cut(4)
+    start(None, 4)     # a start without one goes on, and forgets the request
+    start("2", 0)      # so that value starts over again
+    cut(4)
+    start("0", 4)      # 0: none
+    start("2", 0)
+    cut(4)
+    original = Path(job_file).read_text()
+    assert "lr: 0.05" in original
+    Path(job_file).write_text(original.replace("lr: 0.05", "lr: 0.06"))   # changed since the request: over
+    start("2", 0)
+    Path(job_file).write_text(original)
     monkeypatch.delenv("HETPIPE_FRESH")
 
     record = checkpoints.job_record(job)
@@ -416,6 +445,7 @@ def test_a_coordinators_job_goes_on_from_an_unfinished_runs_cut_and_no_other(mak
         assert coordinator_main(["--job", job_file, "--port", "0"]) == 2
         err = capsys.readouterr().err
         assert f"coordinator: error: --job {job_file}: " in err and needle in err, err
-        assert "--fresh (HETPIPE_FRESH=1" in err and "--resume" not in err, err
+        assert "--fresh deletes them (compose: `HETPIPE_FRESH=$(date +%s) docker compose up`" in err, err
+        assert "--resume" not in err, err
         assert checkpoints.latest(folder) == 4 and (out / "eval.jsonl").exists(), "a refused start deletes nothing"
         shutil.rmtree(folder)
