@@ -61,9 +61,20 @@ def manifest(folder: Path, wave: int) -> dict[str, Any]:
 
 
 def cut_files(where: Path) -> dict[str, int]:
-    """Every file of a cut but its manifest, by path inside it, with its size in bytes."""
+    """Every file of a cut but its manifest, by path inside it, with its size in bytes. Not a
+    write's temporary (write_atomically's .tmp, WeightsWriter's .partial): one a kill left behind
+    is gone once the write it belonged to is done again, and a manifest listing it was damaged."""
     return {str(p.relative_to(where)): p.stat().st_size for p in sorted(where.rglob("*"))
-            if p.is_file() and p.name != MANIFEST}
+            if p.is_file() and p.name != MANIFEST and not p.name.endswith((".tmp", ".partial"))}
+
+
+def drop_incomplete(folder: Path) -> None:
+    """Removes the cuts without a manifest (a run killed while it took one), before a run's stages
+    save into the folder: a cut taken again starts from an empty folder, not among a killed
+    attempt's files."""
+    for where in folder.glob("cut*"):
+        if outputs.CUT.fullmatch(where.name) and where.is_dir() and not (where / MANIFEST).exists():
+            shutil.rmtree(where, ignore_errors=True)
 
 
 def check_files(folder: Path, wave: int, m: dict[str, Any]) -> None:
@@ -137,8 +148,8 @@ def refusal(m: dict[str, Any], wave: int, shape: dict[str, Any]) -> str | None:
                 + ". A resumed run goes on with that job: set them back, or start again with --fresh (model.init "
                   "can start it from a finished run's model.safetensors)")
     if m["evicted"]:
-        return (f"vw {m['evicted']} had left the job before the checkpoint of wave {wave}; "
-                "resuming without them is not supported yet")
+        return (f"vw {m['evicted']} had left the job before the checkpoint of wave {wave}; resuming without "
+                "them is not supported yet: start again with --fresh")
     return None
 
 
@@ -241,6 +252,12 @@ class Checkpoints:
                    if not outputs.shared_mark_path(self.folder, v, q).is_file()]
         self.clear_marks()
         return missing
+
+    def skip(self, wave: int) -> None:
+        """Drops the stages' parts of the cut after `wave`, which is not taken: the older cuts stay
+        the latest (a VW has left, and a cut without it could not be resumed)."""
+        shutil.rmtree(outputs.cut_dir(self.folder, wave), ignore_errors=True)
+        self.taken = wave
 
     def take(self, wave: int, lead_vw: int, evicted: list[int], seconds: float) -> None:
         """Writes the shards' part of the cut after `wave` and its manifest, and drops older cuts.

@@ -129,6 +129,7 @@ class JobDriver:
         self._kept_evals = {row["minibatches"] for row in outputs.evals_through(
             self.out_dir, resume_wave * self.plan.nm)} if resume_wave else set()
         self.evicted: list[dict[str, Any]] = []  # VWs that left (parallel.on_vw_failure: continue)
+        self._cuts_stopped = False   # said once: the cuts stopped when a VW left
         self.started = time.time()
         self.seconds_before = 0.0   # --resume: the training seconds of the runs before, up to the cut
 
@@ -223,6 +224,7 @@ class JobDriver:
         if self.checkpoints is not None:
             self.checkpoints.folder.mkdir(parents=True, exist_ok=True)
             self.checkpoints.clear_marks()
+            checkpoints.drop_incomplete(self.checkpoints.folder)
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))
         if self.checkpoints is not None and self.resume_wave:  # VW 0's stages give w0 only on a fresh start
@@ -392,8 +394,17 @@ class JobDriver:
         waves = {h.last.cut for h in self.stages}
         if self.checkpoints is None or len(waves) != 1 or (wave := waves.pop()) <= self.checkpoints.taken:
             return
-        self.checkpoints.take(wave, self.lead_vw, [e["vw"] for e in self.evicted], self._seconds(time.time()))
-        log.info("checkpoint of wave %d in %s", wave, self.checkpoint_dir)
+        if self.evicted:
+            # A run cannot go on without a VW yet: such a cut would replace the last one a
+            # --resume can go on from. The stages go on all the same.
+            if not self._cuts_stopped:
+                log.warning("vw %s left the job: no more checkpoints are taken (a run without a VW cannot be "
+                            "resumed); the latest stays the one before it left", [e["vw"] for e in self.evicted])
+            self._cuts_stopped = True
+            self.checkpoints.skip(wave)
+        else:
+            self.checkpoints.take(wave, self.lead_vw, [], self._seconds(time.time()))
+            log.info("checkpoint of wave %d in %s", wave, self.checkpoint_dir)
         for h in self.stages:
             self.call(h, "Continue", wire_pb2.Empty())
 

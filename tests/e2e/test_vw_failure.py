@@ -12,7 +12,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hetpipe import rpc
+from coordinator import checkpoints
+from coordinator.checkpoints import latest
+from hetpipe import outputs, rpc
 from hetpipe.metrics import REGISTRY
 from hetpipe.v1 import stage_pb2
 from conftest import run_beside
@@ -50,7 +52,7 @@ def _kill_when_busy(out: Path, done: threading.Event, killed: list[int]) -> None
 
 def test_a_killed_vw_leaves_and_the_others_finish(make_job, tmp_path: Path) -> None:
     job = make_job({
-        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02}, "steps": 80},
+        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02}, "steps": 80, "checkpoint_every": 3},
         "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": 2, "D": 1, "ps_shards": 2,
                      "on_vw_failure": "continue"},
         "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 6}]}],
@@ -69,6 +71,12 @@ def test_a_killed_vw_leaves_and_the_others_finish(make_job, tmp_path: Path) -> N
         rows = (out / "trace" / f"vw{vw}_stage1.jsonl").read_text().splitlines()
         assert len(rows) == 80, f"vw {vw} trained {len(rows)} of 80 minibatches"
     check_conservation(job, out, ledgers=3 * 2, left=[1])
+    # No cut is taken without the VW (none could be resumed), and the last one before it left,
+    # which can, stays the latest.
+    wave = latest(out / outputs.CHECKPOINTS)
+    assert wave is not None and wave * job.parallel.nm <= left["minibatches"], (wave, left)
+    assert checkpoints.manifest(out / outputs.CHECKPOINTS, wave)["evicted"] == []
+    assert [p.name for p in (out / outputs.CHECKPOINTS).glob("cut*")] == [outputs.cut_dir(".", wave).name]
     # The embedded coordinator's metrics say so too.
     assert REGISTRY.get_sample_value("hetpipe_job_evicted", {"vw": "1"}) == 1.0
     assert REGISTRY.get_sample_value("hetpipe_job_evicted", {"vw": "0"}) == 0.0

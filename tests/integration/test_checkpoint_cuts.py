@@ -107,6 +107,37 @@ def test_a_cut_is_on_disk_before_the_older_cuts_go(tmp_path: Path, stub: ps_pb2_
     assert disk.synced_before(part, manifest) and disk.synced_before(new / "shard0" / outputs.SINGLE_FILE, manifest)
 
 
+def test_a_cut_taken_again_after_a_kill_lists_no_temporary_of_the_killed_attempt(
+        tmp_path: Path, stub: ps_pb2_grpc.ParameterServerStub) -> None:
+    """A kill while the cut's manifest or a shard's part was being written leaves their
+    temporaries: the cut taken again (a --resume from the cut before) listed them in its manifest,
+    and the next --resume refused that whole cut as damaged, the older cuts gone by then. A run's
+    start removes cuts without a manifest; a manifest lists no temporary either way."""
+    folder = tmp_path / "checkpoints"
+    entries = {k: weight_files.Entry(k, torch.float32, s) for k, s in SHAPES.items()}
+    cuts = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES}, entries, {"virtual_workers": 1, "stages_per_vw": 1})
+    weight_files.save_stage_state(folder, 1, 0, 0, {"weights": torch.ones(4)})
+    cuts.take(1, lead_vw=0, evicted=[], seconds=1.0)
+    killed = outputs.cut_dir(folder, 2)
+
+    def killed_while_taking() -> None:
+        (killed / "shard0").mkdir(parents=True)
+        (killed / (checkpoints.MANIFEST + ".tmp")).write_text('{"wave": 2, "par')
+        (killed / "shard0" / f".{outputs.SINGLE_FILE}.partial").write_bytes(b"\0" * 10)
+
+    killed_while_taking()
+    (folder / "cut000003").mkdir()   # killed before it wrote anything
+    checkpoints.drop_incomplete(folder)   # as the resumed run starts
+    assert sorted(p.name for p in folder.iterdir()) == ["cut000001"], "the whole cut kept, the killed ones gone"
+
+    killed_while_taking()   # and were they there as it takes the cut again
+    weight_files.save_stage_state(folder, 2, 0, 0, {"weights": torch.ones(4)})
+    cuts.take(2, lead_vw=0, evicted=[], seconds=2.0)
+    m = checkpoints.manifest(folder, 2)
+    assert not [name for name in m["files"] if name.endswith((".tmp", ".partial"))], m["files"]
+    checkpoints.check_files(folder, 2, m)
+
+
 def test_a_cut_whose_stage_parts_are_not_in_the_folder_fails_naming_them(
         tmp_path: Path, stub: ps_pb2_grpc.ParameterServerStub) -> None:
     """A stage on a host that does not share the coordinator's folder saved its part on its own
