@@ -90,10 +90,8 @@ def startup_job(cfg: CoordinatorConfig) -> StartupJob:
                           f"{'; '.join(changed[:5])}{'; ...' if len(changed) > 5 else ''}. The coordinator goes on from "
                           f"its own job's only: set the job back to go on from them, or start over ({fresh})")
     outputs.check_reads(out_dir, job.read_paths, keep_checkpoints=True)
-    kept = outputs.evals_through(out_dir, wave * plan.nm)   # as `hetpipe run --resume` keeps them
-    outputs.start_fresh(out_dir, keep_checkpoints=True)
-    if kept:
-        outputs.append_evals(out_dir, kept)
+    # The evaluations up to the cut, as `hetpipe run --resume` keeps them.
+    outputs.start_fresh(out_dir, keep_checkpoints=True, evals=outputs.evals_through(out_dir, wave * plan.nm))
     log.info("--job %s: resuming from the checkpoint of wave %d (after each VW's minibatch %d of %d) in %s",
              cfg.job, wave, wave * plan.nm, job.train.steps, folder)
     return StartupJob(job, plan, wave)

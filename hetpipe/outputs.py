@@ -196,13 +196,20 @@ def check_reads(out_dir: Path, reads: Mapping[str, Path], *, keep_checkpoints: b
                                   "clears before it starts: copy it out of output.dir first, or choose another output.dir")
 
 
-def start_fresh(out_dir: Path, *, keep_checkpoints: bool, folders: Iterable[str] = ("ps", CHECKPOINTS)) -> None:
+def start_fresh(out_dir: Path, *, keep_checkpoints: bool, folders: Iterable[str] = ("ps", CHECKPOINTS),
+                evals: list[dict[str, Any]] | None = None) -> None:
     """Readies out_dir for a new job: made if missing, without an earlier job's shard state (ps/,
     which a shard would restore) or results, and without its checkpoints unless kept (--resume
     goes on from them); a local run's launcher clears its logs/ and trace/ too (folders). Removes
-    only what a run writes (WRITTEN), and then each of the folders that is left empty."""
+    only what a run writes (WRITTEN), and then each of the folders that is left empty. evals: a
+    resume's eval.jsonl (evals_through its cut), put in place of the old in one step: a kill
+    cannot lose the rows before the cut, which the resumed run does not evaluate again."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    _remove(written(out_dir, keep_checkpoints=keep_checkpoints, folders=folders))
+    doomed = written(out_dir, keep_checkpoints=keep_checkpoints, folders=folders)
+    if evals is not None:
+        keep_evals(out_dir, evals)
+        doomed = [p for p in doomed if p != out_dir / "eval.jsonl"]
+    _remove(doomed)
     for folder in sorted(folders, reverse=True):   # trace/ps and trace/sync before trace
         try:
             (out_dir / folder).rmdir()
@@ -210,11 +217,11 @@ def start_fresh(out_dir: Path, *, keep_checkpoints: bool, folders: Iterable[str]
             pass   # missing, or it holds what no run wrote
 
 
-def start_local(out_dir: Path, *, keep_checkpoints: bool) -> None:
+def start_local(out_dir: Path, *, keep_checkpoints: bool, evals: list[dict[str, Any]] | None = None) -> None:
     """start_fresh for a run launched on this machine, HetPipe's or a baseline's: with its logs/ and
     trace/, and an earlier job's endpoints and ending (status.json), which would otherwise pass for
     this run's (`hetpipe trace`, `hetpipe status --job`)."""
-    start_fresh(out_dir, keep_checkpoints=keep_checkpoints, folders=WRITTEN)
+    start_fresh(out_dir, keep_checkpoints=keep_checkpoints, folders=WRITTEN, evals=evals)
     for stale in (TARGETS_FILE, STATUS_FILE, ADDRESS_FILE, JOB_ID_FILE):
         (out_dir / stale).unlink(missing_ok=True)
 
@@ -289,10 +296,22 @@ def evals_through(out_dir: Path, cut: int) -> list[dict[str, Any]]:
     return kept
 
 
+def _eval_lines(rows: Iterable[Mapping[str, Any]]) -> str:
+    return "".join(json.dumps(_strict(dict(row)), allow_nan=False) + "\n" for row in rows)
+
+
 def append_evals(out_dir: Path, rows: Iterable[Mapping[str, Any]]) -> None:
     with open(out_dir / "eval.jsonl", "a") as f:
-        for row in rows:
-            f.write(json.dumps(_strict(dict(row)), allow_nan=False) + "\n")
+        f.write(_eval_lines(rows))
+
+
+def keep_evals(out_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """eval.jsonl holding exactly rows, in one atomic step (start_fresh's evals); none: no file."""
+    path = out_dir / "eval.jsonl"
+    if rows:
+        write_text_atomically(path, _eval_lines(rows))
+    else:
+        path.unlink(missing_ok=True)
 
 
 # ---- a run's own files: how `hetpipe status/stop --job` find it, or learn how it ended ----------

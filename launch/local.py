@@ -192,10 +192,8 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
         # With this launcher's own folders: an earlier run's logs of processes this one lacks, or
         # its trace where this one writes none, would pass for this run's (`hetpipe trace`).
         # Stages write their trace anew even on --resume; eval.jsonl keeps the evaluations before the cut.
-        kept = outputs.evals_through(out_dir, resume_wave * plan.nm) if resume_wave else []
-        outputs.start_local(out_dir, keep_checkpoints=resume)
-        if kept:
-            outputs.append_evals(out_dir, kept)
+        kept = (outputs.evals_through(out_dir, resume_wave * plan.nm) if resume_wave else []) if resume else None
+        outputs.start_local(out_dir, keep_checkpoints=resume, evals=kept)
         with security.using(credentials, security.COORDINATOR, "hetpipe run"):
             return _run_coordinated(job, plan, out_dir, credentials, quiet=quiet, resume_wave=resume_wave,
                                     heartbeat_interval_s=heartbeat_interval_s)

@@ -52,9 +52,16 @@ class Cuts:
 
 
 def load(path: Path) -> dict[str, Any]:
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    """The state a stage saved at a cut; ValueError for a file that is not one (its caller names it)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as exc:  # never torch's words: for objects besides tensors they say to load with weights_only=False
+        raise ValueError(f"damaged: not a stage's part of a cut that loads with weights_only ({type(exc).__name__}); "
+                         "start again with --fresh, or put back a whole copy of the cut") from None
     if not isinstance(state, dict):
-        raise ValueError(f"{path}: not a stage checkpoint")
+        raise ValueError("not a stage's part of a cut")
     return state
 
 

@@ -35,6 +35,22 @@ def test_summary_and_evaluations_never_hold_nan_or_infinity(tmp_path: Path) -> N
         {"id": 1, "loss": None, "accuracy": 0.1}]
 
 
+def test_a_resume_keeps_the_rows_before_its_cut_in_one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A --resume's eval.jsonl: the rows up to its cut, put in place of the old in one step. The
+    start removed eval.jsonl and appended the kept rows after, so a kill in between lost the rows
+    the resumed run does not evaluate again."""
+    outputs.append_evals(tmp_path, [{"id": i, "minibatches": 4 * i, "final": False} for i in (1, 2, 3)])
+    kept = outputs.evals_through(tmp_path, 8)
+    gone = []   # the file is never without the kept rows: no unlink, one rename
+    real_unlink = Path.unlink
+    monkeypatch.setattr(Path, "unlink", lambda self, **kw: (gone.append(self.name), real_unlink(self, **kw)))
+    outputs.start_local(tmp_path, keep_checkpoints=True, evals=kept)   # a resume's start
+    assert "eval.jsonl" not in gone
+    assert [row["id"] for row in outputs.evals_through(tmp_path, 99)] == [1, 2]
+    outputs.start_local(tmp_path, keep_checkpoints=True, evals=[])   # one from before any evaluation
+    assert not (tmp_path / "eval.jsonl").exists()
+
+
 def test_an_output_dir_that_can_be_made_passes_and_nothing_is_left(tmp_path: Path) -> None:
     outputs.check_dir(tmp_path / "a" / "b")
     outputs.check_dir(tmp_path)

@@ -52,3 +52,24 @@ def test_a_restored_stage_trains_on_bit_for_bit(cfg: OptimizerConfig, tmp_path: 
     fresh.module.load_state_dict(first.module.state_dict())
     _train(fresh, train, range(5, 9))
     assert not all(torch.equal(fresh.module.state_dict()[k], v) for k, v in whole.module.state_dict().items())
+
+
+def test_a_damaged_part_is_refused_in_our_words_never_torchs(tmp_path: Path) -> None:
+    """Random bytes, a pickled object besides tensors, zeros: each a ValueError naming what to do.
+    torch's own text for such a file says to load it with weights_only=False, which would run
+    whatever the file holds."""
+    import os
+    import datetime
+
+    random, pickled, zeros = tmp_path / "random.pt", tmp_path / "pickled.pt", tmp_path / "zeros.pt"
+    random.write_bytes(os.urandom(4096))
+    torch.save({"module": datetime.date(2026, 1, 1)}, pickled)   # an object weights_only refuses
+    zeros.write_bytes(b"\0" * 4096)
+    for path in (random, pickled, zeros):
+        with pytest.raises(ValueError, match=r"^damaged: not a stage's part of a cut that loads with weights_only "
+                                             r"\(\w+\); start again with --fresh, or put back a whole copy") as err:
+            checkpoint.load(path)
+        assert "weights_only=False" not in str(err.value) and "weights_only set to False" not in str(err.value)
+    torch.save([torch.ones(1)], tmp_path / "list.pt")
+    with pytest.raises(ValueError, match="^not a stage's part of a cut$"):
+        checkpoint.load(tmp_path / "list.pt")
