@@ -210,7 +210,7 @@ class JobDriver:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if (self.job.output.trace or self.job.output.profile) and self.trace_dir.parent == self.out_dir:  # not a folder on the stages' hosts
             self.trace_dir.mkdir(exist_ok=True)
-        self.model = models.structure(self.job.model, self.job.base_dir)   # meta: names and shapes only
+        self.model = models.structure(self.job.model, self.job.base_dir, dtype=self.job.train.dtype)   # meta: names and shapes only
         self.batch = data.batch_shapes(self.job)
         flows = boundaries(self.model, self.batch[0], compute_dtype(self.job.train.precision))
         if self.checkpoint_dir is not None:

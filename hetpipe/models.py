@@ -201,14 +201,16 @@ class _MetaDrawsSkipped(TorchFunctionMode):
 
 
 def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = None, *,
-              check_writes: bool = True) -> nn.Sequential:
+              check_writes: bool = True, dtype: str | None = None) -> nn.Sequential:
     """The model with every parameter on the meta device (no memory): names, shapes, layers.
     args: instead of model.args (the planner sizes an emulated model this way). check_writes:
     refuse a factory that writes its parameters (the plan does; a stage, planned, need not: a
     process's first dispatch mode imports about 300 modules, 0.7 s here and several seconds where
     torch has no bytecode cache; without the check, the initialisers' draws on the meta device
     are skipped too, which FactoryWrites would have seen). A zoo model (model.name) is ours, and
-    checked once by the tests (tests/unit/test_models.py), not in every run's plan."""
+    checked once by the tests (tests/unit/test_models.py), not in every run's plan. dtype
+    (train.dtype): its floating tensors in it, as the stages hold them (build_layers), whatever
+    dtype the factory gave them: what the planner sizes and the written weights declare."""
     build = factory(cfg, base_dir)
     kwargs = dict(cfg.args if args is None else args)
     watch = FactoryWrites()
@@ -240,7 +242,7 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
     if odd:  # found now, not when the trained weights are written out
         raise ConfigError(f"model: {describe(cfg)}'s state_dict holds {sorted(map(str, set(odd.values())))} tensors "
                           f"({list(odd)[:5]}); HetPipe carries and writes {', '.join(map(str, wire.CARRIED))}")
-    return model
+    return model if dtype is None else model.to(dtype=getattr(torch, dtype))
 
 
 def _without_reset(model: nn.Sequential) -> list[str]:

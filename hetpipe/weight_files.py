@@ -209,9 +209,8 @@ def write_from(out_dir: Path, sources: Sequence[Path], max_shard_bytes: int) -> 
 
 def entries(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Entry]:
     """Each state_dict key's safetensors entry, in the dtype the stages hold it in: floating
-    tensors in the job's dtype, except under float32, where they stay as the model made them
-    (models.build_layers: a bf16 buffer stays bf16)."""
-    return {k: Entry(k, dtype if t.is_floating_point() and dtype != torch.float32 else t.dtype, tuple(t.shape))
+    tensors in the job's dtype, whatever dtype the factory gave them (models.build_layers)."""
+    return {k: Entry(k, dtype if t.is_floating_point() else t.dtype, tuple(t.shape))
             for k, t in model.state_dict(keep_vars=True).items()}
 
 

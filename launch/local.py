@@ -116,7 +116,7 @@ def checked_inputs(job: JobConfig) -> list[str]:
     _check_security(job.security_files())
     for env in (threads.THREADS_ENV, threads.PS_THREADS_ENV):
         threads.env_threads(env)
-    model = models.structure(job.model, job.base_dir)
+    model = models.structure(job.model, job.base_dir, dtype=job.train.dtype)
     # Only torch's own forward is known to take the data's values as ids (a subclass may hash them first).
     first = model[0]
     plain = type(first).forward in (torch.nn.Embedding.forward, torch.nn.EmbeddingBag.forward)

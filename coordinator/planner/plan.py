@@ -163,7 +163,7 @@ def _emulated_model(job: JobConfig, model: torch.nn.Sequential) -> torch.nn.Sequ
     """The model the emulated costs are taken at; it may differ from the real one only in sizes."""
     if job.emulated_model_args == dict(job.model.args):
         return model
-    emulated = models.structure(job.model, job.base_dir, job.emulated_model_args)
+    emulated = models.structure(job.model, job.base_dir, job.emulated_model_args, dtype=job.train.dtype)
     names = [n for n, _ in model.named_parameters()]
     if len(emulated) != len(model) or [n for n, _ in emulated.named_parameters()] != names:
         raise ConfigError(
@@ -201,7 +201,7 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
     gpus = cluster_gpus(job)
     types = sorted({g.type for g in gpus})
     profile = profile_model(job, types, args=job.emulated_model_args, cache_dir=cache_dir or default_cache_dir())
-    model = models.structure(job.model, job.base_dir)
+    model = models.structure(job.model, job.base_dir, dtype=job.train.dtype)
     joined = _joined(job, model)
     solved = join_layers(profile, [i for i, _, _ in joined])
     if k > len(solved.layers):

@@ -98,7 +98,7 @@ def profile_model(job: JobConfig, device_types: Sequence[str], *, args: Mapping[
         if t not in CATALOG and t not in MEASURED_TYPES:
             raise ValueError(f"device type {t!r}: expected one of {', '.join([*MEASURED_TYPES, *CATALOG])}")
     args = dict(job.model.args if args is None else args)
-    model = models.structure(job.model, job.base_dir, args)
+    model = models.structure(job.model, job.base_dir, args, dtype=job.train.dtype)
     shape, in_dtype = example_input(job, args, model)
     dtype = _compute_dtype(job)
     key = {"version": PROFILE_VERSION, "model": models.describe(job.model), "args": _jsonable(args),

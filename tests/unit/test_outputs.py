@@ -192,10 +192,11 @@ def test_a_weights_writer_whose_stream_fails_leaves_no_file_or_descriptor(tmp_pa
 
 
 def test_weights_are_declared_as_the_stages_hold_them_and_checked_as_they_arrive(tmp_path: Path) -> None:
-    """A float32 job keeps a bf16 buffer bf16 (models.build_layers), so its entry is bf16 (it was
-    declared float32, and the run failed after training, writing the weights); a stream sending
-    a key in another dtype or shape fails naming it; a writer that cannot open its files leaves
-    none behind."""
+    """The stages hold every floating tensor in train.dtype whatever the factory made it
+    (models.build_layers), so each entry is declared so: a float32 job's bf16 buffer is float32
+    (declared bf16, as the factory made it, the run failed after training, at the write); a
+    stream sending a key in another dtype or shape fails naming it; a writer that cannot open its
+    files leaves none behind."""
 
     import torch
 
@@ -204,11 +205,11 @@ def test_weights_are_declared_as_the_stages_hold_them_and_checked_as_they_arrive
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     model[0].register_buffer("scale", torch.ones(2, dtype=torch.bfloat16))
-    assert weight_files.entries(model, torch.float32)["0.scale"].dtype == torch.bfloat16
+    assert weight_files.entries(model, torch.float32)["0.scale"].dtype == torch.float32
     assert weight_files.entries(model, torch.float64)["0.scale"].dtype == torch.float64
-    assert weight_files.entries(model, torch.float32)["0.weight"].dtype == torch.float32
+    assert weight_files.entries(model.half(), torch.float32)["0.weight"].dtype == torch.float32
 
-    entries = list(weight_files.entries(model, torch.float32).values())
+    entries = list(weight_files.entries(model, torch.bfloat16).values())
     with pytest.raises(JobFailed, match=r"stage 1: sent weights '0.scale' as torch.float32 \[2\], expected "
                                         r"torch.bfloat16 \[2\]"):
         with weight_files.WeightsWriter(tmp_path, entries, 1 << 20) as writer:
