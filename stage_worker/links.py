@@ -46,6 +46,8 @@ class Outgoing:
     def what(self) -> str:
         if isinstance(self.tag, wire_pb2.CommitTag):
             return f"verdicts through minibatch {self.tag.verdicts.through}"
+        if self.tag.eval:   # its minibatch counts that evaluation's batches, not training's
+            return f"evaluation {self.tag.eval}'s batch {self.tag.minibatch}"
         return f"minibatch {self.tag.minibatch}"
 
 

@@ -343,9 +343,12 @@ def test_a_refusal_that_no_retry_can_fix_fails_at_once() -> None:
     link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
                 give_up_s=3600.0)
     try:
-        link.send(_message(3))
+        evaluation = _message(3)
+        evaluation.tag.eval = 2   # an evaluation's batch 3 is named as such, not as training's minibatch 3
+        link.send(evaluation)
         assert not link.flush(3600), "a flush waits no longer once the link has failed"
         assert failures and "INVALID_ARGUMENT" in failures[0] and neighbour.got == [], failures
+        assert "could not send the activation of evaluation 2's batch 3 to stage 1 of vw 0" in failures[0], failures
     finally:
         link.close()
         server.stop(grace=0)
