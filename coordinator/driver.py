@@ -5,7 +5,6 @@ holds the model: weights go from the stages and shards to the files one frame at
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -64,7 +63,7 @@ class StageHandle:
 class Progress:
     samples: int
     total: int
-    loss: float
+    loss: float | None   # the last stages' mean recent loss; None: none has trained in this run yet
     samples_per_second: float
     evicted: tuple[int, ...] = ()  # VWs that left the job
 
@@ -466,10 +465,13 @@ class JobDriver:
 
     def _progress(self, start: float) -> Progress:
         samples, total = (n * self.job.data.batch_size for n in self.minibatches())
-        losses = [h.last.recent_loss for h in self.last_stages() if not math.isnan(h.last.recent_loss)]
+        # The last stages that have trained in this run: a NaN loss of theirs is one (fp16 skipping
+        # steps), not the NaN a stage reports before its first minibatch.
+        done = self.resume_wave * self.plan.nm
+        losses = [h.last.recent_loss for h in self.last_stages() if h.last.backwards_done > done]
         elapsed = max(time.monotonic() - start, 1e-9)
         rate = self.trained_here() * self.job.data.batch_size / elapsed   # this run's samples in this run's time
-        return Progress(samples, total, sum(losses) / len(losses) if losses else float("nan"), rate,
+        return Progress(samples, total, sum(losses) / len(losses) if losses else None, rate,
                         tuple(e["vw"] for e in self.evicted))
 
     # ---- evaluation --------------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import re
 import socket
 import threading
@@ -47,7 +46,7 @@ class JobView:
     samples: int
     total_samples: int
     samples_per_second: float
-    loss: float
+    loss: float | None                   # None: no minibatch finished yet; NaN: a NaN loss
     summary: dict[str, Any] | None       # summary.json's content, once completed
     virtual_workers: int = 0             # the plan's, once planned
     evicted: tuple[int, ...] = ()        # VWs that left the job (parallel.on_vw_failure: continue)
@@ -168,7 +167,7 @@ class JobRunner:
             plan=self._plan.describe() if self._plan is not None else None,
             emulated=self._plan.emulated if self._plan is not None else False,
             samples=p.samples if p else 0, total_samples=p.total if p else 0,
-            samples_per_second=p.samples_per_second if p else 0.0, loss=p.loss if p else math.nan,
+            samples_per_second=p.samples_per_second if p else 0.0, loss=p.loss if p else None,
             summary=self._summary, evicted=p.evicted if p else (),
             virtual_workers=self._plan.virtual_workers if self._plan is not None else 0,
             job_id=self.job_id, waiting=self._waiting,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +28,7 @@ def job_status(view: JobView) -> coordinator_pb2.JobStatus:
                                   job_id=view.job_id, waiting=view.waiting,
                                   samples=view.samples, total_samples=view.total_samples,
                                   samples_per_second=view.samples_per_second,
-                                  loss=0.0 if math.isnan(view.loss) else view.loss)
+                                  loss=0.0 if view.loss is None else view.loss)   # 0.0: none yet
     if view.plan is not None:
         s.plan_json = json.dumps(view.plan)
     if view.summary is not None:

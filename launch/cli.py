@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shlex
 import sys
@@ -122,6 +123,12 @@ def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
     out = Path(job.resolve(job.output.dir))
     print(json.dumps({k: summary[k] for k in ("steps", "samples_per_second", "steady_samples_per_second",
                                               "final_loss", "eval_loss", "eval_accuracy") if k in summary}))
+    loss = summary.get("final_loss")
+    if not (isinstance(loss, (int, float)) and math.isfinite(loss)):
+        # fp16 skips the steps whose gradients overflow, halving its loss scale, and ends the job only
+        # at the smallest scale: a short run can end first, its last losses NaN.
+        print("hetpipe: warning: the final loss is not a number: training diverged (under fp16, its last steps "
+              "were skipped as their gradients overflowed); a smaller train.optimizer.lr may help", file=sys.stderr)
     weights = sorted(p.name for p in out.glob("model*.safetensors*"))
     traced = job.output.trace and job.parallel.mode == "hetpipe"   # the baselines write none
     extras = ["eval.jsonl"] * (out / "eval.jsonl").exists() + ["trace/"] * (traced and not args.coordinator)

@@ -77,9 +77,14 @@ def _ended(out_dir: Path, as_json: bool) -> int | None:
         print(f"job: {ending['state']} (ended{when}; no coordinator is running)"
               + (f": {ending['reason']}" if ending.get("reason") else ""))
         if summary is not None:
-            print(f"result: {summary.get('samples_per_second', 0):.0f} samples/s, final loss "
-                  f"{summary.get('final_loss', float('nan')):.4f} in {out_dir}")
+            rate, loss = summary.get("samples_per_second"), summary.get("final_loss")
+            print(f"result: {_number(rate, '.0f')} samples/s, final loss {_number(loss, '.4f')} in {out_dir}")
     return EXIT_FAILED if ending["state"] == "FAILED" else 0
+
+
+def _number(value: object, spec: str) -> str:
+    """value formatted, or "n/a": summary.json writes a NaN or missing number as null."""
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "n/a"
 
 
 def _nothing_to_stop(name: str, state: str, reason: str) -> int:

@@ -151,3 +151,24 @@ def test_a_run_resumed_from_a_cut_goes_on_at_the_loss_scale_it_had(make_job, inj
     after = [r for r in load_trace(out / "trace") if r["p"] > cut]
     assert {r["p"] for r in after} == set(range(cut + 1, 41))
     assert {r["loss_scale"] for r in after} == {INITIAL_SCALE / 4}, "the scale at the cut, not the initial one"
+
+
+def test_a_run_that_ends_on_skipped_steps_says_its_final_loss_is_not_a_number(tmp_path: Path) -> None:
+    """fp16 ends a job only once its loss scale is at the smallest; a short run with a huge rate
+    ends first, every last step skipped: it said nothing, and its progress showed loss 0.0000."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    job = {"model": {"name": "mlp", "args": {"in_features": 64, "hidden": [32, 32], "num_classes": 10}},
+           "data": {"name": "digits", "batch_size": 16},
+           "train": {"steps": 12, "precision": "fp16", "optimizer": {"name": "sgd", "lr": 1e6}},
+           "parallel": {"virtual_workers": 1, "stages_per_vw": 2}, "output": {"dir": "out", "trace": False}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "run", "-q", "job.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["final_loss"] is None
+    assert "hetpipe: warning: the final loss is not a number: training diverged (under fp16" in done.stderr, done.stderr

@@ -29,6 +29,20 @@ def test_an_ended_run_says_how_and_when(tmp_path: Path, capsys: pytest.CaptureFi
     assert _ended(tmp_path, as_json=False) == 1 and re.match(r"job: FAILED \(ended; ", capsys.readouterr().out)
 
 
+def test_a_completed_run_whose_loss_or_rate_is_null_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """summary.json writes a NaN loss as null (fp16 that skipped its last steps): the report
+    formatted None and ended in a TypeError traceback."""
+    from hetpipe import outputs
+
+    (tmp_path / "status.json").write_text(json.dumps({"state": "COMPLETED"}))
+    outputs.write_summary(tmp_path, {"samples_per_second": float("nan"), "final_loss": None})
+    assert _ended(tmp_path, as_json=False) == 0
+    assert capsys.readouterr().out.splitlines()[1] == f"result: n/a samples/s, final loss n/a in {tmp_path}"
+    outputs.write_summary(tmp_path, {"samples_per_second": 812.4, "final_loss": 0.25})
+    assert _ended(tmp_path, as_json=False) == 0
+    assert capsys.readouterr().out.splitlines()[1] == f"result: 812 samples/s, final loss 0.2500 in {tmp_path}"
+
+
 def test_status_json_of_a_running_job_is_shaped_as_an_ended_ones() -> None:
     """`status --json` keeps one shape while a job runs and after: snake_case keys, numbers as
     numbers (protobuf's JSON writes uint64 as strings), the plan and summary as objects, workers a list."""
