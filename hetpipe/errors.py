@@ -81,6 +81,32 @@ def user_frame(exc: BaseException, base_dir: str | None) -> str:
     return ""
 
 
+_WORKER = re.compile(r"Caught \w+ in (DataLoader worker process \d+)\.\nOriginal Traceback \(most recent call last\):\n")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def worker_words(said: str, base_dir: str | None) -> str:
+    """What a DataLoader worker's exception says, without its traceback: torch raises it again in
+    the reading process with the worker's whole traceback as its message. Its own last line, with
+    the last frame in the job folder's code, as user_frame gives it: "row 50 is unreadable
+    (mydata.py:30 in __getitem__, in DataLoader worker process 0)". Anything else: said."""
+    m = _WORKER.match(said)
+    if m is None:
+        return said
+    lines = [line for line in said[m.end():].splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else ""
+    words = last.split(": ", 1)[1] if re.match(r"[\w.]+: ", last) else last
+    where = ""
+    roots = [Path(os.path.abspath(base_dir)), Path(base_dir).resolve()] if base_dir else []
+    for filename, line, name in reversed(_FRAME.findall(said)):
+        path = Path(os.path.abspath(filename))
+        root = next((r for r in roots if path.is_relative_to(r)), None)
+        if root is not None and not re.search(r"[/\\](site|dist)-packages[/\\]", filename):
+            where = f"{path.relative_to(root)}:{line} in {name}, "
+            break
+    return f"{words} ({where}in {m.group(1)})"
+
+
 def closest(word: str, choices: Iterable[str]) -> str | None:
     """A close spelling of word among choices (difflib's default likeness), or None."""
     found = difflib.get_close_matches(word, list(choices), n=1)

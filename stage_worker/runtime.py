@@ -12,7 +12,7 @@ import grpc
 import torch
 
 from hetpipe import devices
-from hetpipe.errors import Rejected, data_hint
+from hetpipe.errors import Rejected, data_hint, worker_words
 from hetpipe.v1 import stage_pb2
 from hetpipe.wire import Bundle, Stream
 from hetpipe.wsp import total_waves
@@ -351,7 +351,7 @@ class StageRuntime:
                     s.profile.after_task(s.schedule.completed)
         except Exception as exc:  # any bug or device error fails the stage loudly, naming p
             log.exception("%s crashed", s.setup.name)
-            said = str(exc).rstrip().removesuffix(".")   # torch's end with one, and a place follows
+            said = worker_words(str(exc), s.setup.job.base_dir).rstrip().removesuffix(".")   # torch's end with one, and a place follows
             hint = data_hint(exc)
             self.fail(f"{type(exc).__name__}: {said}{f' ({hint})' if hint else ''}{_where(task, s.schedule.completed)}")
 
