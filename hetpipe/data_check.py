@@ -149,7 +149,11 @@ def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, outpu
     if tuple(y.shape[1:]) != row:
         raise ConfigError(f"{source}: rows of y of shape {list(y.shape[1:])}, the model's output {list(output)} "
                           f"needs rows of shape {list(row)} for {job.train.loss}"
-                          + (f" (reshape each row of y to {list(row)})" if math.prod(y.shape[1:]) == math.prod(row) else ""))
+                          + (" (cross_entropy takes the classes on the output's last dimension, where torch's "
+                             "F.cross_entropy takes them on dim 1: end the model with a layer that moves them last, "
+                             "x.movedim(1, -1))" if classification and len(output) > 2 and tuple(y.shape[1:]) == tuple(output[2:])
+                             else f" (reshape each row of y to {list(row)})" if math.prod(y.shape[1:]) == math.prod(row)
+                             else ""))
     if not classification:
         _check_finite(job, source, "y", y)
         return

@@ -752,3 +752,32 @@ def test_an_eval_set_of_other_rows_than_the_training_sets_is_refused_before_any_
     with pytest.raises(ConfigError, match=r"^data.eval_factory: seqs:short: rows of x of shape \[4\] \(torch.int64\), "
                                           r"the training data's \[6\] \(torch.int64\): the stages are planned"):
         checked_inputs(job("seqs:short"))
+
+
+SEGMENTATION = """
+import torch
+from torch import nn
+
+
+def net(classes=4):   # torch's layout: classes on dim 1
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, classes, 1))
+
+
+def images():
+    return [(torch.randn(3, 8, 8), torch.randint(0, 4, (8, 8))) for _ in range(8)]
+"""
+
+
+def test_classes_on_dim_1_as_torch_has_them_are_named_with_the_way_out(tmp_path: Path) -> None:
+    """cross_entropy here takes the classes last; a (B, C, H, W) model against (B, H, W) labels,
+    torch's own layout, was told to reshape its labels to [4, 8], which would not help."""
+    from launch.local import checked_inputs
+
+    (tmp_path / "seg.py").write_text(SEGMENTATION)
+    job = parse_job({"model": {"factory": "seg:net"}, "data": {"factory": "seg:images", "batch_size": 2},
+                     "output": {"dir": str(tmp_path / "out")}}, base_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"rows of y of shape \[8, 8\], the model's output \[2, 4, 8, 8\] needs rows "
+                                          r"of shape \[4, 8\] for cross_entropy \(cross_entropy takes the classes on "
+                                          r"the output's last dimension, where torch's F.cross_entropy takes them on "
+                                          r"dim 1: .*x.movedim\(1, -1\)\)$"):
+        checked_inputs(job)
