@@ -67,7 +67,7 @@ def startup_job(cfg: CoordinatorConfig) -> StartupJob:
     if wave is None or (cfg.fresh and not restarted):
         outputs.check_reads(out_dir, job.read_paths)
         outputs.start_fresh(out_dir, keep_checkpoints=False)
-        checkpoints.mark_fresh(folder, cfg.fresh)
+        checkpoints.mark_fresh(folder, cfg.fresh if job.train.checkpoint_every else "")   # only where cuts will be
         return StartupJob(job)
     if restarted:
         log.info("--job %s: HETPIPE_FRESH=%s started this run over already, and this start, with the same "
