@@ -17,7 +17,7 @@ import torch
 from grpc_health.v1 import health_pb2_grpc
 
 from hetpipe import data, models, outputs, rpc, shm, weight_files, wire
-from hetpipe.config import JobConfig
+from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, StageLost
 from hetpipe.optim import compute_dtype
 from hetpipe.training import learning_rate
@@ -212,6 +212,7 @@ class JobDriver:
         self.model = models.structure(self.job.model, self.job.base_dir, dtype=self.job.train.dtype)   # meta: names and shapes only
         self.batch = data.batch_shapes(self.job)
         flows = boundaries(self.model, self.batch[0], compute_dtype(self.job.train.precision))
+        self._check_eval_cuts(flows)
         if self.checkpoint_dir is not None:
             self.checkpoints = checkpoints.Checkpoints(
                 self.checkpoint_dir, self.shards, self.plan.key_shard,
@@ -235,6 +236,23 @@ class JobDriver:
         self.started = time.time()
         for h in self.stages:
             self.call(h, "Start", wire_pb2.Empty())
+
+    def _check_eval_cuts(self, flows: list[TensorShape]) -> None:
+        """ConfigError where data.eval_factory's rows would cross a cut of the plan in another shape
+        than the training rows, for which the stages are planned: the run trained to the end and
+        failed at its first evaluation. Rows of another shape that are the same at every cut (a
+        sequence pooled before the first) evaluate as planned."""
+        held_out = data.eval_batch_shapes(self.job)
+        if held_out is None or held_out[0][0] == self.batch[0][0]:
+            return
+        evals = boundaries(self.model, held_out[0], compute_dtype(self.job.train.precision))
+        for cut in sorted({sp.layer_begin for sp in self.plan.stages if sp.stage > 0}):
+            if evals[cut][0] != flows[cut][0]:
+                raise ConfigError(
+                    f"data.eval_factory: {self.job.data.eval_factory}: minibatches of x {list(held_out[0][0])} reach "
+                    f"the planned cut before layer {cut} as {list(evals[cut][0])}, where the training data's "
+                    f"{list(self.batch[0][0])} reach it as {list(flows[cut][0])}: the stages are planned for the "
+                    "training rows; give the held-out rows their shape")
 
     def _check_shared(self, cuts: checkpoints.Checkpoints) -> None:
         """JobFailed naming the stages whose hosts do not share the checkpoints folder: found at

@@ -452,16 +452,31 @@ def batch_shapes(job: JobConfig, whole: Dataset[Any] | None = None) -> tuple[Sha
     key = repr((job.base_dir, job.data, job.model.name, job.model.args, job.train.seed, job.train.dtype,
                 job.train.loss))
     if key not in _SHAPES or whole is not None:
-        dataset = _training_rows(job, whole if whole is not None else whole_set(job))
-        with drawing(job, (CHECK_DRAW,)):
-            item = dataset[0]
-        batch = _collate([item] * job.data.batch_size)
-        x, y = cast(job, batch.x, batch.y)
-        if len(_SHAPES) >= _SHAPES_KEPT:
-            _SHAPES.pop(next(iter(_SHAPES), ""), None)
-        _SHAPES[key] = shapes = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
-        return shapes
+        return _kept_shapes(job, key, _training_rows(job, whole if whole is not None else whole_set(job)))
     return _SHAPES[key]
+
+
+def eval_batch_shapes(job: JobConfig, held_out: Dataset[Any] | None = None) -> tuple[Shape, Shape] | None:
+    """batch_shapes of data.eval_factory's rows, which may differ from the training rows (None
+    without one: eval_fraction holds out training rows); held_out: that dataset as built now."""
+    if job.data.eval_factory is None or job.eval is None:
+        return None
+    key = repr(("eval", job.base_dir, job.data, job.train.seed, job.train.dtype, job.train.loss))
+    if key not in _SHAPES or held_out is not None:
+        return _kept_shapes(job, key, held_out if held_out is not None else
+                            from_factory(job, job.data.eval_factory, "data.eval_factory"))
+    return _SHAPES[key]
+
+
+def _kept_shapes(job: JobConfig, key: str, dataset: Dataset[Any]) -> tuple[Shape, Shape]:
+    with drawing(job, (CHECK_DRAW,)):
+        item = dataset[0]
+    batch = _collate([item] * job.data.batch_size)
+    x, y = cast(job, batch.x, batch.y)
+    if len(_SHAPES) >= _SHAPES_KEPT:
+        _SHAPES.pop(next(iter(_SHAPES), ""), None)
+    _SHAPES[key] = shapes = ((tuple(x.shape), x.dtype), (tuple(y.shape), y.dtype))
+    return shapes
 
 
 def forget_batch_shapes() -> None:

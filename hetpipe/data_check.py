@@ -48,7 +48,6 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
         sets.append((f"data.eval_factory: {job.data.eval_factory}",
                      data.from_factory(job, job.data.eval_factory, "data.eval_factory")))
         held_out = len(sets[-1][1])  # type: ignore[arg-type]
-    training: tuple[tuple[int, ...], torch.dtype] | None = None   # a row of x, as the stages were planned for
     for source, dataset in sets:
         if isinstance(dataset, data.ArrayDataset) and dataset.source:
             source = dataset.source
@@ -62,12 +61,6 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
                                  torch.from_numpy(np.ascontiguousarray(y[:1])))
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
-        if training is None:
-            training = (tuple(x.shape[1:]), first.dtype)
-        elif (tuple(x.shape[1:]), first.dtype) != training:
-            raise ConfigError(f"{source}: rows of x of shape {list(x.shape[1:])} ({first.dtype}), the training data's "
-                              f"{list(training[0])} ({training[1]}): the stages are planned for the training data's "
-                              "rows, and every evaluation minibatch goes through them")
         batch = (job.data.batch_size, *x.shape[1:])
         try:
             output = tuple(output_shape((batch, first.dtype)))
@@ -78,6 +71,8 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
                               f"{type(exc).__name__}: {first_line(exc)}{meta_hint(exc)}") from None
         _check_rows(job, source, x, y, output, ids)
     data.batch_shapes(job, whole)   # kept: the plan and the driver need them, and need not build the set again
+    if job.data.eval_factory is not None:
+        data.eval_batch_shapes(job, sets[-1][1])   # the driver checks them at the plan's cuts
     small = [] if train_rows >= job.data.batch_size else [
         f"data: the training set has {train_rows} rows, fewer than one minibatch of data.batch_size "
         f"{job.data.batch_size}: each minibatch reads some rows more than once"]

@@ -257,3 +257,55 @@ def test_a_factorys_half_or_double_layers_train_in_train_dtype_to_the_end(tmp_pa
         weights = weight_files.read_weights(tmp_path / f"out-{made}")
         assert sorted(weights) == ["0.bias", "0.weight", "2.bias", "2.weight"]
         assert {t.dtype for t in weights.values()} == {torch.float32}, made
+
+
+SEQUENCES = """
+import torch
+from torch import nn
+
+
+class Mean(nn.Module):
+    def forward(self, x):
+        return x.mean(dim=1)
+
+
+def net():   # takes sequences of any length
+    return nn.Sequential(nn.Embedding(16, 4), Mean(), nn.Linear(4, 3))
+
+
+def tokens(length=6):
+    return [(torch.arange(length) % 16, i % 3) for i in range(64)]
+
+
+def short():
+    return tokens(4)
+"""
+
+
+def test_held_out_rows_of_another_shape_are_refused_only_where_they_cross_a_cut_in_another(tmp_path: Path) -> None:
+    """The stages are planned for the training rows. Held-out sequences of 4 tokens against 6
+    cross a cut after the Embedding in another shape: that run trained to the end and failed at
+    its first evaluation; it now fails before any stage loads, naming data.eval_factory. Cut only
+    after the pooling, where both are [B, 4], they evaluate as planned."""
+    from conftest import deep_update
+    from coordinator.planner import make_plan
+    from hetpipe.errors import JobFailed
+
+    (tmp_path / "seqs.py").write_text(SEQUENCES)
+    job = {"model": {"factory": "seqs:net"}, "data": {"factory": "seqs:tokens", "eval_factory": "seqs:short",
+                                                      "batch_size": 4},
+           "train": {"steps": 8, "optimizer": {"name": "sgd", "lr": 0.05}},
+           "parallel": {"virtual_workers": 1, "nm": 1}, "eval": {"every": 0}, "output": {"trace": False}}
+    for stages, cut in ((3, [1, 2]), (2, [2])):
+        raw = deep_update(job, {"parallel": {"stages_per_vw": stages}, "output": {"dir": f"out{stages}"}})
+        (tmp_path / f"job{stages}.yaml").write_text(yaml.safe_dump(raw))
+        loaded = load_job(tmp_path / f"job{stages}.yaml")
+        assert sorted({s.layer_begin for s in make_plan(loaded).stages if s.stage > 0}) == cut
+        if stages == 3:
+            with pytest.raises(JobFailed, match=r"data.eval_factory: seqs:short: minibatches of x \[4, 4\] reach the "
+                                                r"planned cut before layer 1 as \[4, 4, 4\], where the training data's "
+                                                r"\[4, 6\] reach it as \[4, 6, 4\]"):
+                run_local(loaded, quiet=True)
+        else:
+            summary = run_local(loaded, quiet=True)
+            assert summary["eval_loss"] is not None, summary

@@ -712,48 +712,6 @@ def test_only_torchs_own_embedding_forward_has_its_ids_checked(tmp_path: Path) -
 
 
 
-SEQUENCES = """
-import torch
-from torch import nn
-
-
-class Mean(nn.Module):
-    def forward(self, x):
-        return x.mean(dim=1)
-
-
-def net():   # takes sequences of any length
-    return nn.Sequential(nn.Embedding(16, 4), Mean(), nn.Linear(4, 3))
-
-
-def tokens(length=6):
-    return [(torch.arange(length) % 16, i % 3) for i in range(8)]
-
-
-def short():
-    return tokens(4)
-"""
-
-
-def test_an_eval_set_of_other_rows_than_the_training_sets_is_refused_before_any_process_starts(tmp_path: Path) -> None:
-    """The model takes sequences of any length, but the stages are planned for the training rows'
-    shape: held-out rows of 4 tokens against 6 trained to the end and failed at the first
-    evaluation, its activation refused by the next stage, no weights written."""
-    from launch.local import checked_inputs
-
-    (tmp_path / "seqs.py").write_text(SEQUENCES)
-
-    def job(held_out: str) -> JobConfig:
-        return parse_job({"model": {"factory": "seqs:net"},
-                          "data": {"factory": "seqs:tokens", "eval_factory": held_out, "batch_size": 2},
-                          "eval": {"every": 0}, "output": {"dir": str(tmp_path / "out")}}, base_dir=str(tmp_path))
-
-    checked_inputs(job("seqs:tokens"))
-    with pytest.raises(ConfigError, match=r"^data.eval_factory: seqs:short: rows of x of shape \[4\] \(torch.int64\), "
-                                          r"the training data's \[6\] \(torch.int64\): the stages are planned"):
-        checked_inputs(job("seqs:short"))
-
-
 SEGMENTATION = """
 import torch
 from torch import nn
