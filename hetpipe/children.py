@@ -61,12 +61,12 @@ class Forked:
         self._process = process
         self.pid: int = process.pid
         self.args: list[str] = []
-        self._born = _born(process.pid)
+        self._process_found = found(process.pid)
 
     @property
     def returncode(self) -> int | None:
         code = self._process.exitcode
-        if code == FORK_SERVER_GONE and self._born is not None and _born(self.pid) == self._born:
+        if code == FORK_SERVER_GONE and still_runs(self._process_found):
             # multiprocessing says 255 for every child once the fork server is gone (killed, say),
             # whether or not the child is: it reads each exit code from the server. The same
             # start time, not merely the pid, says it is ours: another process may have that pid
@@ -245,13 +245,25 @@ def launcher_pid() -> int:
     return int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
 
 
-def _born(pid: int) -> float | None:
-    """When pid started; None once it is gone or a zombie (a PID reused later starts later)."""
+def found(pid: int) -> psutil.Process | None:
+    """The process pid, as it runs now; None where it is gone or a zombie."""
     try:
         process = psutil.Process(pid)
-        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
+        return None if process.status() == psutil.STATUS_ZOMBIE else process
     except psutil.Error:
         return None
+
+
+def still_runs(process: psutil.Process | None) -> bool:
+    """Whether the process found() found still runs, not another that took its pid since: psutil
+    tells them apart by their start in ticks since boot, which a step of the clock (NTP, date -s)
+    does not move, as it moves their start in wall time."""
+    if process is None:
+        return False
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _wake_siblings() -> None:
@@ -267,10 +279,10 @@ def _wake_siblings() -> None:
 
 def exit_with_parent(parent_pid: int, on_orphaned: Callable[[], None]) -> None:
     """Calls on_orphaned once parent_pid is gone, so a killed launcher leaves no orphans."""
-    born = _born(parent_pid)
+    parent = found(parent_pid)
 
     def watch() -> None:
-        while born is not None and _born(parent_pid) == born:
+        while still_runs(parent):
             time.sleep(0.5)
         log.warning("launcher %d is gone: exiting", parent_pid)
         _wake_siblings()

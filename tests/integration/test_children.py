@@ -80,7 +80,10 @@ def test_a_pid_another_process_took_after_our_worker_ended_is_not_signalled() ->
 
         worker = children.Forked(Ours())
         assert worker.poll() is None, "the process it started, still running"
-        worker._born = worker._born - 1.0   # type: ignore[operator]  # ours started a second before the pid's holder
+        ours = worker._process_found
+        assert ours is not None
+        pid, started = ours._ident   # as psutil knows a process: its pid and its start in ticks since boot
+        ours._ident = (pid, started - 1.0)   # ours started a second before the pid's present holder
         assert worker.poll() == children.FORK_SERVER_GONE
         worker.terminate()
         time.sleep(0.2)
