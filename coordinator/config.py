@@ -12,6 +12,7 @@ from hetpipe.registration import HEARTBEAT_BOUNDS_S
 from hetpipe.service import ServiceFlags, add_service_flags, service_flags
 
 DEFAULT_PORT = 50050
+NOT_FRESH = ("", "0", "false", "no", "off")   # HETPIPE_FRESH values that request nothing
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     if not low <= ns.heartbeat_interval <= high:
         ap.error(f"--heartbeat-interval must be a number of seconds in [{low:g}, {high:g}], got {ns.heartbeat_interval}")
     from_env = env("HETPIPE_FRESH", "").strip()
-    fresh = f"--fresh {uuid.uuid4().hex}" if ns.fresh else "" if from_env in ("", "0") else from_env
+    # Words that read as "no" are none: HETPIPE_FRESH=false in an .env file must not delete checkpoints.
+    fresh = f"--fresh {uuid.uuid4().hex}" if ns.fresh else "" if from_env.lower() in NOT_FRESH else from_env
     for flag, given in (("--output-dir", ns.output_dir), ("--fresh", ns.fresh)):
         if given and not ns.job:
             ap.error(f"{flag} needs --job")

@@ -456,6 +456,8 @@ def test_a_coordinators_job_goes_on_from_an_unfinished_runs_cut_and_no_other(mak
     start("2", 0)      # so that value starts over again
     cut(4)
     start("0", 4)      # 0: none
+    start("false", 4)  # nor do words that read as no
+    start("Off", 4)
     start("2", 0)
     cut(4)
     original = Path(job_file).read_text()
