@@ -387,6 +387,8 @@ def load_job(path: str | Path, settings: Sequence[str] = ()) -> JobConfig:
         raise ConfigError(f"job file {path} does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"job file {path} is a directory") from None
+    except OSError as exc:   # unreadable, a path through a file
+        raise ConfigError(f"job file {path} cannot be read ({exc.strerror or type(exc).__name__})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"job file {path} is not valid YAML: {_yaml_problem(exc)}") from None
     except UnicodeDecodeError as exc:

@@ -326,6 +326,11 @@ def test_load_job_errors_name_the_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match="nope.yaml does not exist"):
         load_job(missing)
+    # A path through a file (and, for a user without root's override, a file without read access):
+    # one line, not a traceback from every command that reads a job.
+    with pytest.raises(ConfigError, match=r"^job file .*nope.yaml/x.yaml cannot be read \(Not a directory\)$"):
+        (tmp_path / "nope.yaml").write_text("{}")
+        load_job(tmp_path / "nope.yaml" / "x.yaml")
     broken = tmp_path / "broken.yaml"
     broken.write_text("model: {name: mlp\ndata:\n  name: digits\n")
     with pytest.raises(ConfigError) as err:
