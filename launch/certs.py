@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,31 @@ from hetpipe import security
 
 VALID_DAYS = 365
 CA_NAME = "hetpipe cluster CA"
+# A DNS name (RFC 1123 labels, a leading "*." for a --san), as a certificate's SAN can hold one.
+_DNS = re.compile(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def check_names(hosts: list[str], sans: list[str], passwords: list[str]) -> None:
+    """ValueError naming the first host, --san or password file that cannot be written as asked,
+    before anything is: a host is an IP address or a DNS name, whose NAME.pem and NAME.key go in
+    the folder (`ca` would overwrite the CA's); a password file is a plain name in the folder
+    other than those the command writes (`token` would leave the cluster token readable)."""
+    for kind, names in (("host", hosts), ("--san", sans)):
+        for name in names:
+            try:
+                ipaddress.ip_address(name)
+                continue
+            except ValueError:
+                pass
+            if len(name) > 253 or not _DNS.fullmatch(name) or (kind == "host" and name.startswith("*")):
+                raise ValueError(f"{kind} {name!r}: expected an IP address or a DNS name (letters, digits, '-', '.')")
+    if "ca" in hosts:
+        raise ValueError("host 'ca': its ca.pem and ca.key would overwrite the CA's; name the host otherwise")
+    ours = {"ca.pem", "ca.key", "token", *(f"{h}.{ext}" for h in hosts for ext in ("pem", "key"))}
+    for name in passwords:
+        if not name or "/" in name or name in (".", "..") or name in ours:
+            raise ValueError(f"--password-file {name!r}: expected a plain file name in the folder other than "
+                             "ca.pem, ca.key, token and the hosts' NAME.pem and NAME.key")
 
 
 def _name(common: str) -> x509.Name:
@@ -80,7 +106,8 @@ def make(out: Path, hosts: list[str], sans: list[str] | None = None,
     written. Idempotent: a CA and token already in out are kept (a new host's certificate must
     be from the cluster's CA), and so is a host's existing pair while it serves (_kept), else it
     is issued anew. passwords: files to write a random password into (Grafana's admin password,
-    for compose)."""
+    for compose). ValueError, before anything is written, for names check_names refuses."""
+    check_names(hosts, sans or [], passwords or [])
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)

@@ -302,8 +302,11 @@ def _certs(args: argparse.Namespace) -> int:
 
     try:
         written = certs.make(Path(args.dir), args.hosts, args.san, args.password_file)
+    except ValueError as exc:   # a host, --san or password file it cannot write as asked
+        _error(str(exc))
+        return EXIT_USAGE
     except OSError as exc:
-        _error(f"cannot write {args.dir}: {exc.strerror}")
+        _error(f"cannot write {exc.filename or args.dir}: {exc.strerror}")
         return EXIT_USAGE
     print("\n".join(str(p) for p in written))
     print("give each host ca.pem, its NAME.pem and NAME.key, and token: --tls-ca, --tls-cert, --tls-key, "

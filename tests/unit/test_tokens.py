@@ -140,6 +140,30 @@ def test_certs_are_issued_by_the_ca_for_their_host_and_keys_are_private(tmp_path
     x509.load_pem_x509_certificate((tmp_path / "n0.pem").read_bytes()).verify_directly_issued_by(ca)
 
 
+@pytest.mark.parametrize("hosts, sans, passwords, message", [
+    (["ca"], [], [], "host 'ca': its ca.pem and ca.key would overwrite the CA's"),
+    ([""], [], [], "host '': expected an IP address or a DNS name"),
+    (["../escaped"], [], [], "host '../escaped': expected"),
+    (["héllo"], [], [], "host 'héllo': expected"),
+    (["my host"], [], [], "host 'my host': expected"),
+    (["*.n0"], [], [], "host '\\*.n0': expected"),
+    (["n0"], ["bad name"], [], "--san 'bad name': expected"),
+    (["n0"], [], ["token"], "--password-file 'token': expected a plain file name"),
+    (["n0"], [], ["n0.key"], "--password-file 'n0.key'"),
+    (["n0"], [], ["../pw"], "--password-file '../pw'"),
+], ids=["ca", "empty", "path", "unicode", "space", "wildcard host", "san", "token", "a host's key", "path"])
+def test_names_certs_cannot_write_as_asked_are_refused_before_anything_is(tmp_path: Path, hosts: list[str], sans: list[str],
+                                                                         passwords: list[str], message: str) -> None:
+    """`hetpipe certs DIR ca` overwrote the CA with a leaf; --password-file token left the cluster
+    token world-readable; '../x' wrote outside DIR; '' and 'héllo' ended in a traceback with half
+    the files written."""
+    with pytest.raises(ValueError, match=f"^{message}"):
+        certs.make(tmp_path / "c", hosts, sans, passwords)
+    assert not (tmp_path / "c").exists(), "refused, but wrote"
+    written = certs.make(tmp_path / "ok", ["n0", "10.0.0.2", "node-1.cluster.local"], ["*.svc.local", "::1"], ["grafana"])
+    assert {p.name for p in written} >= {"ca.pem", "n0.pem", "10.0.0.2.key", "node-1.cluster.local.pem", "grafana", "token"}
+
+
 def test_a_local_run_takes_the_jobs_security_then_the_flags_then_makes_a_token(make_job, tmp_path: Path) -> None:
     from hetpipe.outputs import TOKEN_FILE
     from launch.local import local_security
