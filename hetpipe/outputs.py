@@ -72,6 +72,20 @@ def write_text_atomically(path: str | Path, text: str, *, durable: bool = False)
     write_atomically(path, lambda tmp: tmp.write_text(text), durable=durable)
 
 
+def write_named(path: str | Path, text: str) -> None:
+    """A file a command was told to write (-o): all or nothing where it is a file or none
+    (write_atomically: a failed write leaves the old one whole, and no temporary); through it
+    where it is something else the user named (a link, a FIFO, /dev/stdout), never replacing it.
+    OSError naming the path for a folder."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        with open(path, "w") as f:
+            f.write(text)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(path, text)
+
+
 def fsync(path: str | Path) -> None:
     """Puts a file's bytes on disk; of a folder, its entries (a file created, renamed or removed)."""
     fd = os.open(path, os.O_RDONLY)

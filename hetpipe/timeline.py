@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetpipe import outputs
 from hetpipe.outputs import TRACE_FILE
 
 Row = dict[str, Any]
@@ -318,8 +319,5 @@ def export(out_dir: str | Path, out_file: str | Path | None = None) -> tuple[Pat
     """Writes OUTPUT_DIR/trace.json (or out_file); returns its path and the number of events."""
     doc = chrome_trace(load(out_dir))
     path = Path(out_file) if out_file is not None else Path(out_dir) / TRACE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
-    tmp.replace(path)
+    outputs.write_named(path, json.dumps(doc, separators=(",", ":")) + "\n")
     return path, len(doc["traceEvents"])

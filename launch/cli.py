@@ -262,10 +262,9 @@ def _compose(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)   # as `hetpipe k8s -o` makes its folder
-        out.write_text(text)
+        outputs.write_named(out, text)   # its folder made, as `hetpipe k8s -o` makes its own
     except OSError as exc:
-        _error(f"cannot write {out}: {exc.strerror}")
+        _error(f"cannot write {exc.filename or out}: {exc.strerror}")
         return EXIT_USAGE
     print(f"wrote {out}", file=sys.stderr)
     return 0
@@ -289,7 +288,7 @@ def _k8s(args: argparse.Namespace) -> int:
         _error(str(exc))
         return EXIT_USAGE
     except OSError as exc:
-        _error(f"cannot write {out}: {exc.strerror}")
+        _error(f"cannot write {exc.filename or out}: {exc.strerror}")
         return EXIT_USAGE
     for path in written:
         print(f"wrote {path}")
@@ -323,8 +322,10 @@ def _trace(args: argparse.Namespace) -> int:
     except timeline.TraceMissing as exc:
         _error(str(exc))
         return EXIT_USAGE
-    except OSError as exc:
-        _error(f"cannot write {args.output or Path(args.output_dir) / timeline.TRACE_FILE}: {exc.strerror}")
+    except OSError as exc:   # reading a trace file, or writing the export
+        out = Path(args.output or Path(args.output_dir) / timeline.TRACE_FILE)
+        read = exc.filename is not None and Path(exc.filename) not in (out, out.with_name(out.name + ".tmp"))
+        _error(f"cannot {'read' if read else 'write'} {exc.filename if read else out}: {exc.strerror}")
         return EXIT_USAGE
     print(f"wrote {path} ({count} events): open it in https://ui.perfetto.dev or chrome://tracing", file=sys.stderr)
     return 0

@@ -21,6 +21,7 @@ against the Kubernetes API schema.
 from __future__ import annotations
 
 import base64
+import errno
 import os
 import posixpath
 import re
@@ -366,21 +367,34 @@ def render(job: JobConfig, plan: Plan, *, image: str = CPU_IMAGE, gpu_image: str
 def write(files: dict[str, str], out_dir: Path) -> list[Path]:
     """Writes files into out_dir (secrets.yaml readable by its owner only) and removes manifests an
     earlier `hetpipe k8s` wrote there that this cluster no longer has (ps.yaml of a job that now
-    has one VW), so that the folder holds this cluster and no other."""
+    has one VW), so that the folder holds this cluster and no other. All or none: every file is
+    written beside its place first and renamed into it once all are, so that a failed write (a
+    full disk) leaves the earlier set whole, not half of a new one beside it."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        if (out_dir / name).exists() and not (out_dir / name).is_file():
+            raise OSError(errno.EEXIST, "is not a file", str(out_dir / name))
+    temps: list[Path] = []
+    try:
+        for name, text in files.items():
+            tmp = out_dir / f".{name}.tmp"
+            tmp.unlink(missing_ok=True)   # one an earlier failure left may have another mode
+            temps.append(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if name == "secrets.yaml" else 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+    except BaseException:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+        raise
+    for name, tmp in zip(files, temps):
+        os.replace(tmp, out_dir / name)
     for name in FILES:
         stale = out_dir / name
         if name not in files and name != "secrets.yaml" and stale.is_file() \
                 and stale.read_text().startswith(GENERATED):
             stale.unlink()
-    written = []
-    for name, text in files.items():
-        path = out_dir / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if name == "secrets.yaml" else 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        written.append(path)
-    return written
+    return [out_dir / name for name in files]
 
 
 def instructions(job: JobConfig, plan: Plan, out_dir: Path, written: Iterable[str]) -> str:

@@ -210,6 +210,16 @@ def test_shards_follow_the_plan(make_job: Any, tmp_path: Path) -> None:
     k8s.write(files_lone, out)
     assert not (out / "ps.yaml").exists()
     assert "--gpu-type" not in files_lone["stages.yaml"]  # no cluster spec: generic workers
+    # All or none: a manifest that cannot be written leaves the earlier set whole (it left half
+    # of the new one beside it), and no temporary.
+    before = {p.name: p.read_text() for p in out.iterdir()}
+    (out / "stages.yaml").unlink()
+    (out / "stages.yaml").mkdir()
+    with pytest.raises(OSError) as err:
+        k8s.write(k8s.render(job, plan, job_file=EXAMPLE), out)
+    assert err.value.filename == str(out / "stages.yaml")
+    assert {p.name: p.read_text() for p in out.iterdir() if p.is_file()} == {k: v for k, v in before.items()
+                                                                          if k != "stages.yaml"}
 
 
 def test_every_advertised_address_is_a_service_and_a_certificate_name() -> None:

@@ -51,6 +51,22 @@ def test_a_resume_keeps_the_rows_before_its_cut_in_one_step(tmp_path: Path, monk
     assert not (tmp_path / "eval.jsonl").exists()
 
 
+def test_a_file_a_command_is_told_to_write_replaces_no_link_and_leaves_no_temporary(tmp_path: Path) -> None:
+    """`hetpipe trace -o link.json` replaced the link (and, as root, -o /dev/full the device) with a
+    file; -o naming a folder left a .tmp beside it."""
+    target = tmp_path / "target.json"
+    (tmp_path / "link.json").symlink_to(target)
+    outputs.write_named(tmp_path / "link.json", "through\n")
+    assert (tmp_path / "link.json").is_symlink() and target.read_text() == "through\n"
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(IsADirectoryError):
+        outputs.write_named(tmp_path / "folder", "x")
+    outputs.write_named(tmp_path / "new" / "plain.json", "first\n")
+    outputs.write_named(tmp_path / "new" / "plain.json", "second\n")
+    assert (tmp_path / "new" / "plain.json").read_text() == "second\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["folder", "link.json", "new", "plain.json", "target.json"]
+
+
 def test_an_output_dir_that_can_be_made_passes_and_nothing_is_left(tmp_path: Path) -> None:
     outputs.check_dir(tmp_path / "a" / "b")
     outputs.check_dir(tmp_path)
