@@ -253,6 +253,11 @@ def _remove(paths: Iterable[Path]) -> None:
             path.unlink(missing_ok=True)
 
 
+def json_line(row: Mapping[str, Any]) -> str:
+    """One line of a .jsonl file, strict JSON (NaN and infinities null): the traces' too."""
+    return json.dumps(_strict(row), allow_nan=False) + "\n"
+
+
 def _strict(value: Any) -> Any:
     """NaN and infinities are not JSON: they become null."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -311,7 +316,7 @@ def evals_through(out_dir: Path, cut: int) -> list[dict[str, Any]]:
 
 
 def _eval_lines(rows: Iterable[Mapping[str, Any]]) -> str:
-    return "".join(json.dumps(_strict(dict(row)), allow_nan=False) + "\n" for row in rows)
+    return "".join(json_line(row) for row in rows)
 
 
 def append_evals(out_dir: Path, rows: Iterable[Mapping[str, Any]]) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import IO
+
+from hetpipe import outputs
 
 FLUSH_EVERY_S = 1.0   # a shard killed with -9 loses at most this much of its trace
 
@@ -40,8 +41,8 @@ class ShardTrace:
                **fields: float | int | bool) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps({"shard": self.shard, "event": event, "vw": vw, "clock": clock,
-                                     "start": start, "end": end, **fields}) + "\n")
+        self._file.write(outputs.json_line({"shard": self.shard, "event": event, "vw": vw, "clock": clock,
+                                            "start": start, "end": end, **fields}))
         now = time.monotonic()
         if now - self._flushed >= FLUSH_EVERY_S:
             self._file.flush()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import IO
 
 import torch
 
-from hetpipe import weight_files
+from hetpipe import outputs, weight_files
 
 
 class SyncRecord:
@@ -39,7 +38,7 @@ class SyncRecord:
     def write(self, row: dict[str, float | int | str]) -> None:
         with self._lock:
             if self._trace is not None:
-                self._trace.write(json.dumps(row) + "\n")
+                self._trace.write(outputs.json_line(row))
                 self._trace.flush()
 
     def in_flight(self, sent: Sequence[torch.Tensor]) -> None:

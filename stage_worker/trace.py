@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import IO, Any
+
+from hetpipe import outputs
 
 
 class MinibatchTrace:
@@ -46,7 +47,7 @@ class MinibatchTrace:
         """p's step was applied (or, fp16, skipped): writes its line, forward fields first."""
         if self._file is None:
             return
-        self._file.write(json.dumps({**self._open.pop(p), **fields}) + "\n")
+        self._file.write(outputs.json_line({**self._open.pop(p), **fields}))   # a NaN loss: null
         self._file.flush()
 
     def close(self) -> None:

@@ -67,6 +67,25 @@ def test_a_file_a_command_is_told_to_write_replaces_no_link_and_leaves_no_tempor
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["folder", "link.json", "new", "plain.json", "target.json"]
 
 
+def test_every_trace_line_is_strict_json(tmp_path: Path) -> None:
+    """A diverged stage's trace held bare NaN, which JSON.parse and other strict readers refuse;
+    eval.jsonl and summary.json were strict already."""
+    from ps_server.trace import ShardTrace
+    from stage_worker.trace import MinibatchTrace
+
+    stage = MinibatchTrace(str(tmp_path / "vw0_stage1.jsonl"), 0, 1)
+    stage.forward(1, fwd_start=0.0)
+    stage.commit(1, loss=math.nan, lr=math.inf)
+    stage.close()
+    shard = ShardTrace(str(tmp_path))
+    shard.open(0, append=False)
+    shard.record("push", 0, 1, 0.0, 1.0, norm=math.nan)
+    shard.flush()
+    rows = [_strict(line) for path in (tmp_path / "vw0_stage1.jsonl", tmp_path / "ps" / "shard0.jsonl")
+            for line in path.read_text().splitlines()]
+    assert rows[0]["loss"] is None and rows[0]["lr"] is None and rows[1]["norm"] is None, rows
+
+
 def test_an_output_dir_that_can_be_made_passes_and_nothing_is_left(tmp_path: Path) -> None:
     outputs.check_dir(tmp_path / "a" / "b")
     outputs.check_dir(tmp_path)
