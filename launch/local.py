@@ -261,12 +261,14 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
             runner.stop("the launcher ended")  # no-op for a job that ended; its workers are gone anyway
             runner.join(10.0)
             channel.close()
+            # Before the server goes: `hetpipe status --job` that finds it gone reads how the job
+            # ended here (it found neither, and said the coordinator was unreachable).
+            view = runner.view()
+            write_status(out_dir, view.state.name, view.reason)
             server.stop()
             metrics_server.close()
             if credentials.token_file == str(out_dir / TOKEN_FILE):  # the per-run token, not the user's file
                 (out_dir / TOKEN_FILE).unlink(missing_ok=True)
-            view = runner.view()
-            write_status(out_dir, view.state.name, view.reason)
             unpublish_address(out_dir)  # the port is free now: another run may take it
     assert status is not None
     if runner.machine.state == JobState.COMPLETED:
