@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,21 @@ def _kept(out: Path, host: str, names: list[str], ca: x509.Certificate, now: dat
     except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
         return False
     return cert.not_valid_after_utc > now + datetime.timedelta(days=1) and all(_alt_name(n) in have for n in names)
+
+
+def unnamed(cert_pem: str, ca_pem: str, names: Iterable[str]) -> list[str]:
+    """The names a certificate does not carry of those asked; ValueError where it is not one the
+    CA issued, or cannot be read."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem.encode())
+        ca = x509.load_pem_x509_certificate(ca_pem.encode())
+        cert.verify_directly_issued_by(ca)
+        have = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except InvalidSignature:
+        raise ValueError("it was not issued by ca.pem") from None
+    except (ValueError, TypeError, x509.ExtensionNotFound) as exc:
+        raise ValueError(f"it cannot be read as a certificate with subject alternative names ({exc})") from None
+    return [n for n in names if _alt_name(n) not in have]
 
 
 def make(out: Path, hosts: list[str], sans: list[str] | None = None,

@@ -305,7 +305,9 @@ def _podmonitor(common: dict[str, str]) -> Manifest:
     }
 
 
-def _secrets(certs: Path, common: dict[str, str]) -> list[Manifest]:
+def _secrets(certs: Path, common: dict[str, str], names: list[str]) -> list[Manifest]:
+    """The Secrets of --certs: its cluster certificate must be the CA's and name every service the
+    processes dial (names), or each pod would fail its TLS handshakes at run time."""
     def read(name: str) -> str:
         path = certs / name
         try:
@@ -314,6 +316,16 @@ def _secrets(certs: Path, common: dict[str, str]) -> list[Manifest]:
             raise ConfigError(f"--certs {certs}: cannot read {name} ({exc.strerror}); expected "
                               f"{', '.join([*TLS_FILES.values(), TOKEN_FILE])} as `hetpipe certs` writes them") from None
 
+    from launch import certs as issued
+
+    try:
+        missing = issued.unnamed(read(TLS_FILES["tls.pem"]), read(TLS_FILES["ca.pem"]), names)
+    except ValueError as exc:
+        raise ConfigError(f"--certs {certs}: {TLS_FILES['tls.pem']}: {exc}") from None
+    if missing:
+        raise ConfigError(f"--certs {certs}: {TLS_FILES['tls.pem']} does not name {', '.join(missing)}, which the "
+                          f"processes dial: `hetpipe certs {certs} cluster --san NAME...` with every one of "
+                          f"{', '.join(names)}")
     return [
         {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": TLS_SECRET, "labels": common}, "type": "Opaque",
          "stringData": {key: read(name) for key, name in TLS_FILES.items()}},
@@ -360,7 +372,8 @@ def render(job: JobConfig, plan: Plan, *, image: str = CPU_IMAGE, gpu_image: str
     if shards:
         files["ps.yaml"] = _dump(_shards(shards, image, common), header)
     if certs is not None:
-        files["secrets.yaml"] = _dump(_secrets(certs, common), ["The cluster's private key: keep this file private."])
+        files["secrets.yaml"] = _dump(_secrets(certs, common, certificate_names(job, plan)),
+                                      ["The cluster's private key: keep this file private."])
     return dict(sorted(files.items()))
 
 

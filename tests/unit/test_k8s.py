@@ -70,11 +70,12 @@ def _flags(container: Doc) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`hetpipe certs` for the example's cluster: one certificate, cluster, naming every service."""
+    from launch import certs as issue
+
     folder = tmp_path_factory.mktemp("certs")
-    for name in ("ca.pem", "cluster.pem"):
-        (folder / name).write_text(f"-----BEGIN CERTIFICATE-----\n{name}\n-----END CERTIFICATE-----\n")
-    (folder / "cluster.key").write_text("-----BEGIN PRIVATE KEY-----\nkey\n-----END PRIVATE KEY-----\n")
-    (folder / "token").write_text("s3cret-token\n")
+    job = load_job(EXAMPLE)
+    issue.make(folder, ["cluster"], k8s.certificate_names(job, make_plan(job)))
     return folder
 
 
@@ -282,6 +283,16 @@ def test_secrets_are_mounted_and_their_flags_passed(certs: Path, tmp_path: Path)
         (partial / name).write_text((certs / name).read_text())
     with pytest.raises(ConfigError, match="cannot read token"):
         k8s.render(load_job(EXAMPLE), make_plan(load_job(EXAMPLE)), job_file=EXAMPLE, certs=partial)
+    # A certificate that would fail the pods' handshakes at run time is refused now: one without a
+    # name they dial, one another CA issued.
+    from launch import certs as issue
+
+    issue.make(tmp_path / "few", ["cluster"], ["coordinator"])
+    with pytest.raises(ConfigError, match=r"cluster.pem does not name .*vw0-stage0.*, which the processes dial"):
+        k8s.render(load_job(EXAMPLE), make_plan(load_job(EXAMPLE)), job_file=EXAMPLE, certs=tmp_path / "few")
+    (tmp_path / "few" / "ca.pem").write_text((certs / "ca.pem").read_text())
+    with pytest.raises(ConfigError, match="cluster.pem: it was not issued by ca.pem"):
+        k8s.render(load_job(EXAMPLE), make_plan(load_job(EXAMPLE)), job_file=EXAMPLE, certs=tmp_path / "few")
 
 
 def test_probes_metrics_and_security_context() -> None:
