@@ -5,6 +5,7 @@ the command line reads these."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
@@ -82,8 +83,17 @@ def write_named(path: str | Path, text: str) -> None:
         with open(path, "w") as f:
             f.write(text)
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(path.parent)
     write_text_atomically(path, text)
+
+
+def make_folder(folder: Path) -> None:
+    """folder, made with its parents; NotADirectoryError naming the file in the way (mkdir says
+    only "File exists")."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:
+        raise NotADirectoryError(errno.ENOTDIR, "a file is in the way of that folder", exc.filename) from None
 
 
 def fsync(path: str | Path) -> None:

@@ -254,6 +254,9 @@ def _compose(args: argparse.Namespace) -> int:
     if isinstance(planned, int):
         return planned
     job, plan = planned
+    if args.context and not (Path(args.context) / "docker" / "Dockerfile").is_file():
+        _error(f"--context {args.context}: no docker/Dockerfile there: expected the root of a HetPipe source tree")
+        return EXIT_USAGE
     out = Path(args.output) if args.output else None
     text = compose.render(job, plan, job_file=Path(args.config), compose_dir=out.parent if out else Path.cwd(),
                           root=Path(args.context) if args.context else compose.repository_root(),

@@ -32,6 +32,7 @@ from typing import Any, TYPE_CHECKING
 
 import yaml
 
+from hetpipe import outputs
 from hetpipe.config import ConfigError, JobConfig
 from launch.compose import (COORDINATOR_PORT, CPU_IMAGE, GPU_IMAGE, JOB_MOUNT,
                             RUNS, WORKER_PORT, Mount, ShardService, StageService, job_file_mounts, shard_services,
@@ -383,7 +384,7 @@ def write(files: dict[str, str], out_dir: Path) -> list[Path]:
     has one VW), so that the folder holds this cluster and no other. All or none: every file is
     written beside its place first and renamed into it once all are, so that a failed write (a
     full disk) leaves the earlier set whole, not half of a new one beside it."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    outputs.make_folder(out_dir)
     for name in files:
         if (out_dir / name).exists() and not (out_dir / name).is_file():
             raise OSError(errno.EEXIST, "is not a file", str(out_dir / name))

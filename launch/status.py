@@ -211,7 +211,10 @@ def status(args: argparse.Namespace) -> int:
             ended = _left_behind(args, out_dir)
             if ended is not None:
                 return ended
+            status_file = out_dir / outputs.STATUS_FILE
             error(f"{args.job} has not run here: its output.dir {out_dir} does not exist" if not out_dir.exists()
+                  else f"{status_file} cannot be read, or is not what a run writes, and no coordinator address is at "
+                       f"{path}: is `hetpipe run {args.job}` running?" if status_file.exists()
                   else f"no coordinator address at {path}: is `hetpipe run {args.job}` running?")
             return EXIT_USAGE
         address = path.read_text().strip()

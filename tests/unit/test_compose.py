@@ -282,6 +282,10 @@ def test_output_file_paths_are_relative_to_its_folder(tmp_path: Path) -> None:
     # The same cluster, only the paths differ.
     assert {n: s["command"] for n, s in doc["services"].items() if "command" in s} == \
         {n: s["command"] for n, s in _services().items() if "command" in s}
+    # A context that is no source tree would build nothing: refused, nothing written.
+    elsewhere = tmp_path / "elsewhere.yaml"
+    assert cli.main(["compose", str(EXAMPLE), "-o", str(elsewhere), "--context", str(tmp_path)]) == cli.EXIT_USAGE
+    assert not elsewhere.exists()
 
 
 def test_generated_file_for_other_jobs(make_job: Any, tmp_path: Path) -> None:

@@ -65,6 +65,9 @@ def test_a_file_a_command_is_told_to_write_replaces_no_link_and_leaves_no_tempor
     outputs.write_named(tmp_path / "new" / "plain.json", "second\n")
     assert (tmp_path / "new" / "plain.json").read_text() == "second\n"
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["folder", "link.json", "new", "plain.json", "target.json"]
+    with pytest.raises(NotADirectoryError) as err:   # mkdir said only "File exists"
+        outputs.write_named(tmp_path / "target.json" / "x.json", "x")
+    assert err.value.filename == str(tmp_path / "target.json") and err.value.strerror == "a file is in the way of that folder"
 
 
 def test_every_trace_line_is_strict_json(tmp_path: Path) -> None:

@@ -81,3 +81,16 @@ def test_a_run_that_ended_before_its_coordinator_was_up_is_told_apart_whatever_f
     run = run_marker.Run(pid=2**22 + 1, created=time.time())   # no such process: it ended
     assert _never_up(argparse.Namespace(job="job.yaml", json=False), tmp_path, run) == 0
     assert "ended before its coordinator was up" in capsys.readouterr().out
+
+
+def test_a_status_json_that_cannot_be_read_is_named_not_taken_for_no_run(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A damaged status.json read as absent: status said only "is `hetpipe run` running?"."""
+    from launch import cli
+
+    (tmp_path / "job.yaml").write_text("model: {name: mlp}\noutput: {dir: out}\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "status.json").write_text("{bad")
+    assert cli.main(["status", "--job", str(tmp_path / "job.yaml")]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'out' / 'status.json'} cannot be read, or is not what a run writes" in err, err
