@@ -230,7 +230,11 @@ class Launcher:
                 # registration asks (RegisterReply.job_unknown).
                 group.restart(p, fresh=True)
             elif code == EXIT_REFUSED:  # its registration or token: starting it again changes nothing
-                raise JobFailed(f"{p.name} at {p.address}: {_refusal(p)}; log {p.log_path}")
+                refusal = _refusal(p)
+                # As _watch says it when its own call to the coordinator is refused first.
+                hint = ("; give every worker the coordinator's --token-file"
+                        if "UNAUTHENTICATED" in refusal or "PERMISSION_DENIED" in refusal else "")
+                raise JobFailed(f"{p.name} at {p.address}: {refusal}{hint}; log {p.log_path}")
             elif p.module == "stage_worker":
                 if code != 0:
                     raise JobFailed(f"{p.name} at {p.address} {p.exit_description()}; log {p.log_path}")
