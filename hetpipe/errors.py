@@ -66,18 +66,25 @@ def meta_hint(exc: BaseException) -> str:
 
 def user_frame(exc: BaseException, base_dir: str | None) -> str:
     """Where in the job folder's own code (a factory's module) exc was raised, as " (file.py:12
-    in fn)": the last such frame of its traceback (not a package installed under the folder, nor
-    code compiled from a string); "" where none is there."""
+    in fn)": the last such frame of its traceback; "" where none is there."""
+    where = _in_job_folder(((f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)),
+                           base_dir)
+    return f" ({where})" if where else ""
+
+
+def _in_job_folder(frames: Iterable[tuple[str, int, str]], base_dir: str | None) -> str:
+    """"file.py:12 in fn" of the last of frames (filename, line, function) in the job folder's own
+    code: not a package installed under the folder, nor code compiled from a string; "" if none."""
     if not base_dir:
         return ""
     roots = {Path(os.path.abspath(base_dir)), Path(base_dir).resolve()}
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if frame.filename.startswith("<") or re.search(r"[/\\](site|dist)-packages[/\\]", frame.filename):
+    for filename, line, name in reversed(list(frames)):
+        if filename.startswith("<") or re.search(r"[/\\](site|dist)-packages[/\\]", filename):
             continue
-        for path in (Path(os.path.abspath(frame.filename)), Path(frame.filename).resolve()):
+        for path in (Path(os.path.abspath(filename)), Path(filename).resolve()):
             root = next((r for r in roots if path.is_relative_to(r)), None)
             if root is not None:
-                return f" ({path.relative_to(root)}:{frame.lineno} in {frame.name})"
+                return f"{path.relative_to(root)}:{line} in {name}"
     return ""
 
 
@@ -96,15 +103,8 @@ def worker_words(said: str, base_dir: str | None) -> str:
     lines = [line for line in said[m.end():].splitlines() if line.strip()]
     last = lines[-1].strip() if lines else ""
     words = last.split(": ", 1)[1] if re.match(r"[\w.]+: ", last) else last
-    where = ""
-    roots = [Path(os.path.abspath(base_dir)), Path(base_dir).resolve()] if base_dir else []
-    for filename, line, name in reversed(_FRAME.findall(said)):
-        path = Path(os.path.abspath(filename))
-        root = next((r for r in roots if path.is_relative_to(r)), None)
-        if root is not None and not re.search(r"[/\\](site|dist)-packages[/\\]", filename):
-            where = f"{path.relative_to(root)}:{line} in {name}, "
-            break
-    return f"{words} ({where}in {m.group(1)})"
+    where = _in_job_folder(((f, int(line), name) for f, line, name in _FRAME.findall(said)), base_dir)
+    return f"{words} ({where + ', ' if where else ''}in {m.group(1)})"
 
 
 def closest(word: str, choices: Iterable[str]) -> str | None:
