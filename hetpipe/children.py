@@ -46,12 +46,7 @@ FORK_SERVER_GONE = 255   # multiprocessing's exit code for a child whose fork se
 
 def running(pid: int) -> bool:
     """Whether process pid lives (a zombie has exited)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    return found(pid) is not None
 
 
 class Forked:
