@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from hetpipe import outputs, rpc, security
 from hetpipe.config import ConfigError, JobConfig, check_coordinated, load_job, with_overrides
@@ -52,7 +53,7 @@ def startup_job(cfg: CoordinatorConfig) -> StartupJob:
     `hetpipe run --resume` would: a coordinator restarted mid-job (compose's restart policy, a
     Deployment's) loses only the waves since: cuts of this very job only (the same settings; a
     compose volume outlives the job that wrote it). Else (or with --fresh, or HETPIPE_FRESH of a
-    value that did not start this run: checkpoints.fresh_honoured) it starts over, like
+    value that did not start this run for the job as it is: checkpoints.fresh_marked) it starts over, like
     `hetpipe run`. Either way it clears the output's ps/ folder, where the shards of compose.yaml keep their
     state (they start after the coordinator and would otherwise restore an earlier run's).
     Raises ConfigError, for a cut of another job or a damaged one too."""
@@ -63,23 +64,30 @@ def startup_job(cfg: CoordinatorConfig) -> StartupJob:
     out_dir = job.resolve(job.output.dir)
     folder = out_dir / outputs.CHECKPOINTS
     wave = None if outputs.read_summary(out_dir) is not None else checkpoints.latest(folder)
-    restarted = wave is not None and bool(cfg.fresh) and checkpoints.fresh_honoured(folder, cfg.fresh, job, wave)
-    if wave is None or (cfg.fresh and not restarted):
+    marked = wave is not None and bool(cfg.fresh) and checkpoints.fresh_marked(folder, cfg.fresh)
+    fresh = ("the coordinator's --fresh deletes them (compose: `HETPIPE_FRESH=$(date +%s) docker compose up`: "
+             "HETPIPE_FRESH starts over once per value)")
+    m: dict[str, Any] = {}
+    changed: list[str] = []
+    if wave is not None and (marked or not cfg.fresh):   # cuts it may go on from: read once
+        try:
+            m = checkpoints.manifest(folder, wave)
+            changed = checkpoints.changes(m, job)
+        except ConfigError as exc:
+            raise ConfigError(f"--job {cfg.job}: {exc} ({fresh})") from None
+    # A start-over request is honoured unless it started these cuts' run, for the job as it is now.
+    if wave is None or (cfg.fresh and (not marked or changed)):
         outputs.check_reads(out_dir, job.read_paths)
         outputs.start_fresh(out_dir, keep_checkpoints=False)
         checkpoints.mark_fresh(folder, cfg.fresh if job.train.checkpoint_every else "")   # only where cuts will be
         return StartupJob(job)
-    if restarted:
+    if marked:
         log.info("--job %s: HETPIPE_FRESH=%s started this run over already, and this start, with the same "
                  "value, is its restart: it goes on from the checkpoints taken since (another value starts "
                  "over again)", cfg.job, cfg.fresh)
     else:
         checkpoints.mark_fresh(folder, "")
-    fresh = ("the coordinator's --fresh deletes them (compose: `HETPIPE_FRESH=$(date +%s) docker compose up`: "
-             "HETPIPE_FRESH starts over once per value)")
     try:
-        m = checkpoints.manifest(folder, wave)
-        changed = checkpoints.changes(m, job)
         plan = make_plan(job)
         if not changed:
             checkpoints.check_cut(folder, wave, m, checkpoints.job_shape(job, plan, job.parallel.started_shards))

@@ -162,24 +162,18 @@ def job_record(job: JobConfig) -> dict[str, Any]:
     return raw
 
 
-def fresh_honoured(folder: Path, fresh: str, job: JobConfig, wave: int) -> bool:
-    """Whether the start-over request `fresh` (CoordinatorConfig.fresh) started the run whose
-    cuts folder holds, the latest of wave: a start with the same environment is its restart, and
-    goes on from them. Not where the job changed since: the request is for the job as it is."""
+def fresh_marked(folder: Path, fresh: str) -> bool:
+    """Whether the start-over request `fresh` (CoordinatorConfig.fresh) started the run whose cuts
+    folder holds (mark_fresh): a start with the same environment is its restart."""
     try:
         mark = json.loads((folder / outputs.FRESH_MARK).read_text())
     except (OSError, ValueError):
         return False
-    if not isinstance(mark, dict) or mark.get("fresh") != fresh:
-        return False
-    try:
-        return not changes(manifest(folder, wave), job)
-    except ConfigError:   # damaged: the resume that follows says so
-        return True
+    return isinstance(mark, dict) and mark.get("fresh") == fresh
 
 
 def mark_fresh(folder: Path, fresh: str) -> None:
-    """Records the start-over request this start honoured (fresh_honoured), or, for a start
+    """Records the start-over request this start honoured (fresh_marked), or, for a start
     without one, removes an earlier one's: a later request with that value is honoured again."""
     path = folder / outputs.FRESH_MARK
     if not fresh:

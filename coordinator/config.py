@@ -24,7 +24,7 @@ class CoordinatorConfig:
     output_dir: str = ""    # with job: its outputs go here instead of the file's output.dir
     data_root: str = ""     # files a submitted job names must lie here; empty = the output root
     # With job: start over, deleting an unfinished run's checkpoints, rather than go on from them.
-    # The request's value, honoured once (checkpoints.fresh_honoured): HETPIPE_FRESH's, so that a
+    # The request's value, honoured once (checkpoints.fresh_marked): HETPIPE_FRESH's, so that a
     # restart with the same environment (compose's restart policy, a Deployment's) goes on from
     # the checkpoints the run it started took; --fresh's own, new at every start. "" = none.
     fresh: str = ""

@@ -118,7 +118,7 @@ def stage_state_path(checkpoint_dir: str | Path, wave: int, vw: int, stage: int)
 
 
 # In a coordinator's checkpoints folder: the start-over request (HETPIPE_FRESH) that started the
-# run whose cuts it holds (coordinator.checkpoints.fresh_honoured).
+# run whose cuts it holds (coordinator.checkpoints.fresh_marked).
 FRESH_MARK = "fresh_start.json"
 
 
