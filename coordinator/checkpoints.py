@@ -232,6 +232,13 @@ class Checkpoints:
     def _keys(self, shard: int) -> list[str]:
         return [k for k, s in self.key_shard.items() if s == shard]
 
+    def prepare(self) -> None:
+        """Before a run's stages are assigned: the folder made, without an earlier start's marks
+        (clear_marks) or a killed run's cuts without a manifest (drop_incomplete)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.clear_marks()
+        drop_incomplete(self.folder)
+
     def clear_marks(self) -> None:
         """Removes the stages' marks (outputs.shared_mark_path), an earlier start's among them,
         before this start's stages write theirs."""

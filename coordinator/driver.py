@@ -128,7 +128,6 @@ class JobDriver:
         self._kept_evals = {row["minibatches"] for row in outputs.evals_through(
             self.out_dir, resume_wave * self.plan.nm)} if resume_wave else set()
         self.evicted: list[dict[str, Any]] = []  # VWs that left (parallel.on_vw_failure: continue)
-        self._cuts_stopped = False   # said once: the cuts stopped when a VW left
         self.started = time.time()
         self.seconds_before = 0.0   # --resume: the training seconds of the runs before, up to the cut
 
@@ -222,9 +221,7 @@ class JobDriver:
                 job_record=checkpoints.job_record(self.job))
         self._shard_watch.start()
         if self.checkpoints is not None:
-            self.checkpoints.folder.mkdir(parents=True, exist_ok=True)
-            self.checkpoints.clear_marks()
-            checkpoints.drop_incomplete(self.checkpoints.folder)
+            self.checkpoints.prepare()
         for h in self.stages:  # each answers at once and loads in the background
             self.call(h, "Assign", self._assignment(h, flows))
         if self.checkpoints is not None and self.resume_wave:  # VW 0's stages give w0 only on a fresh start
@@ -352,6 +349,9 @@ class JobDriver:
                              "reason": str(lost)})
         log.warning("vw %d left the job after %d minibatches (%s); %d virtual workers train on",
                     lost.vw, minibatches, lost, len(live) - 1)
+        if self.checkpoints is not None and len(self.evicted) == 1:   # _take_cut takes none from here on
+            log.warning("no more checkpoints are taken (a run without a VW cannot be resumed); the latest stays "
+                        "the one before vw %d left", lost.vw)
 
     def _ask_status(self, h: StageHandle) -> bool:
         """h.last from its Status; False where the call ran out of time (the watch counts h
@@ -414,10 +414,6 @@ class JobDriver:
         if self.evicted:
             # A run cannot go on without a VW yet: such a cut would replace the last one a
             # --resume can go on from. The stages go on all the same.
-            if not self._cuts_stopped:
-                log.warning("vw %s left the job: no more checkpoints are taken (a run without a VW cannot be "
-                            "resumed); the latest stays the one before it left", [e["vw"] for e in self.evicted])
-            self._cuts_stopped = True
             self.checkpoints.skip(wave)
         else:
             self.checkpoints.take(wave, self.lead_vw, [], self._seconds(time.time()))
