@@ -35,6 +35,10 @@ HEARTBEAT_BOUNDS_S = (0.05, 60.0)
 REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
             grpc.StatusCode.UNIMPLEMENTED)
 NO_COORDINATOR = "no coordinator serves there: another service's port?"
+TOKEN_HINT = "; give every worker the coordinator's --token-file"
+# The way out each refusal's words end with, wherever it is seen (a worker's log, hetpipe worker).
+REFUSAL_HINTS = {grpc.StatusCode.UNIMPLEMENTED: f" ({NO_COORDINATOR})", grpc.StatusCode.UNAUTHENTICATED: TOKEN_HINT,
+                 grpc.StatusCode.PERMISSION_DENIED: TOKEN_HINT}
 
 
 class Registration:
@@ -117,8 +121,7 @@ def keep_registered(coordinator: str, info: coordinator_pb2.WorkerInfo, stopped:
             except grpc.RpcError as exc:
                 if exc.code() in REFUSALS:
                     why = f"coordinator {coordinator} refused this process: {reach.failure(exc)}"
-                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                        why += f" ({NO_COORDINATOR})"
+                    why += REFUSAL_HINTS.get(exc.code(), "")
                     log.error("%s; exiting", why)
                     on_refused(why)
                     break

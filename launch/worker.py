@@ -29,7 +29,7 @@ import grpc
 from hetpipe import catalog, children, reach, rpc, security, threads
 from hetpipe.config import ConfigError
 from hetpipe.errors import JobFailed
-from hetpipe.registration import NO_COORDINATOR
+from hetpipe.registration import NO_COORDINATOR, TOKEN_HINT
 from hetpipe.service import EXIT_ORPHANED, EXIT_REFUSED, loopback
 from hetpipe.v1 import wire_pb2
 from launch.interrupts import interrupts_held
@@ -230,11 +230,7 @@ class Launcher:
                 # registration asks (RegisterReply.job_unknown).
                 group.restart(p, fresh=True)
             elif code == EXIT_REFUSED:  # its registration or token: starting it again changes nothing
-                refusal = _refusal(p)
-                # As _watch says it when its own call to the coordinator is refused first.
-                hint = ("; give every worker the coordinator's --token-file"
-                        if "UNAUTHENTICATED" in refusal or "PERMISSION_DENIED" in refusal else "")
-                raise JobFailed(f"{p.name} at {p.address}: {refusal}{hint}; log {p.log_path}")
+                raise JobFailed(f"{p.name} at {p.address}: {_refusal(p)}; log {p.log_path}")
             elif p.module == "stage_worker":
                 if code != 0:
                     raise JobFailed(f"{p.name} at {p.address} {p.exit_description()}; log {p.log_path}")
@@ -362,8 +358,7 @@ def _watch(launcher: Launcher) -> int:
                     if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                         # Not an outage: retrying the same credentials would wait forever.
                         raise JobFailed(f"coordinator {launcher.cfg.coordinator} refused this worker's credentials "
-                                        f"({exc.code().name}: {exc.details()}); give every worker the "
-                                        "coordinator's --token-file") from None
+                                        f"({exc.code().name}: {exc.details()}){TOKEN_HINT}") from None
                     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                         raise JobFailed(f"coordinator {launcher.cfg.coordinator}: {reach.failure(exc)} "
                                         f"({NO_COORDINATOR}); give --coordinator the address `hetpipe "

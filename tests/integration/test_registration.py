@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from hetpipe import rpc
-from hetpipe.registration import NO_COORDINATOR, REFUSALS, UNREACHABLE_HEARTBEATS, keep_registered
+from hetpipe.registration import NO_COORDINATOR, REFUSALS, TOKEN_HINT, UNREACHABLE_HEARTBEATS, keep_registered
 from hetpipe.v1 import coordinator_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -119,7 +119,8 @@ def test_a_worker_the_coordinator_refuses_ends_rather_than_asking_for_ever(code:
             assert said.wait(10), "refused, and still asking"
             thread.join(5)
             assert not thread.is_alive()
-            hint = f" ({NO_COORDINATOR})" if code == grpc.StatusCode.UNIMPLEMENTED else ""
+            hint = {grpc.StatusCode.UNIMPLEMENTED: f" ({NO_COORDINATOR})", grpc.StatusCode.UNAUTHENTICATED: TOKEN_HINT,
+                    grpc.StatusCode.PERMISSION_DENIED: TOKEN_HINT}.get(code, "")
             assert why == [f"coordinator {server.address} refused this process: {code.name}: "
                            f"gpu_type 'z80': expected one of ...{hint}"], why
             assert coordinator.registers == 1
