@@ -5,9 +5,11 @@ model, before any process starts: hetpipe/data_check.py."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib.util
+import os
 import random
 import threading
 import time
@@ -357,6 +359,13 @@ class _Order:
                 rows=self.rows, shuffle=job.data.shuffle, seed=job.train.seed).tolist()]
 
 
+def _ends_at_once(worker_id: int) -> None:
+    """A data.workers process ends in os._exit once its loop is done (multiprocessing has flushed
+    its output by then), as our own processes do: an interpreter's teardown of torch takes 0.5 s,
+    seconds under load, and a stage's close waits for it, inside the launcher's grace of 3 s."""
+    atexit.register(os._exit, 0)   # atexit runs the last registered first: before torch's own
+
+
 class Minibatches:
     """The minibatches of one VW in order p = 1, 2, ..., read through a DataLoader (with
     data.workers worker processes and pinned memory for a CUDA device)."""
@@ -376,7 +385,8 @@ class Minibatches:
         drawn = _Drawn(dataset, job.train.seed if _draws_at_random(job) else None)
         self._loader = DataLoader(drawn, batch_sampler=order, collate_fn=_collate, num_workers=workers,
                                   pin_memory=pin, multiprocessing_context="spawn" if workers else None,
-                                  persistent_workers=False, generator=base_seed)
+                                  persistent_workers=False, generator=base_seed,
+                                  worker_init_fn=_ends_at_once if workers else None)
         started = set(threading.enumerate())
         self._it: Iterator[_Batch] | None = iter(self._loader)
         # The feeder threads of its workers' index queues: each holds its queue's lock, a
