@@ -1,6 +1,8 @@
 """The planner (DESIGN §4), pure and importable without the coordinator service:
 
 profile.py    per-layer FLOPs, bytes, memory and times (meter.py measures on the meta device)
+shapes.py     what flows between the layers, from a shape-only pass
+cache.py      what those found, kept across runs
 memory.py     what a range of layers needs on its GPU at a given Nm
 allocation.py which GPUs form each virtual worker (NP, ED, HD)
 partition.py  the exact order and cut of one virtual worker (kinds.py: its tables and bounds)
@@ -11,6 +13,7 @@ plan.py       make_plan: all of the above, best plan first
 """
 
 from coordinator.planner.cluster import Gpu, PlanError, cluster_gpus
-from coordinator.planner.plan import Plan, StagePlan, default_cache_dir, make_plan, resolved_job
+from coordinator.planner.cache import default_cache_dir
+from coordinator.planner.plan import Plan, StagePlan, make_plan, resolved_job
 
 __all__ = ["Gpu", "Plan", "PlanError", "StagePlan", "cluster_gpus", "default_cache_dir", "make_plan", "resolved_job"]

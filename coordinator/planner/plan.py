@@ -5,11 +5,9 @@ with the best simulated throughput."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +19,7 @@ from hetpipe.network import Network
 from hetpipe.wsp import s_global
 from hetpipe import models
 from coordinator.planner.allocation import allocate
+from coordinator.planner.cache import default_cache_dir
 from coordinator.planner.cluster import Gpu, PlanError, cluster_gpus, vw_signature
 from coordinator.planner.costs import StageCosts
 from coordinator.planner.memory import optimizer_kind, stage_memory
@@ -113,7 +112,7 @@ def _renamed(stage: dict[str, Any]) -> dict[str, Any]:
             for k, v in stage.items()}
 
 
-def _joined(job: JobConfig, model: torch.nn.Sequential) -> list[tuple[int, tuple[int, ...], torch.dtype]]:
+def _joined(job: JobConfig, model: torch.nn.Sequential, cache_dir: str) -> list[tuple[int, tuple[int, ...], torch.dtype]]:
     """The layers (index > 0, their input's shape and dtype) that no stage may begin at: their
     input is not floating point (token ids, say), and no gradient flows back across such a
     boundary for the stage before it to run its backward on. The partitioner joins each to the
@@ -121,7 +120,7 @@ def _joined(job: JobConfig, model: torch.nn.Sequential) -> list[tuple[int, tuple
     # The zoo's layers pass floats on (a GPT's token ids enter its first layer, where no stage begins).
     if job.model.factory is None or job.parallel.stages_per_vw == 1:
         return []
-    flows = boundaries(model, example_input(job, job.model.args, model))
+    flows = boundaries(model, example_input(job, job.model.args, model), cache_dir=cache_dir)
     return [(i, shape, dtype) for i, (shape, dtype) in enumerate(flows[: len(model)])
             if i > 0 and not (dtype.is_floating_point or dtype.is_complex)]
 
@@ -174,13 +173,6 @@ def _emulated_model(job: JobConfig, model: torch.nn.Sequential) -> torch.nn.Sequ
     return emulated
 
 
-def default_cache_dir() -> str:
-    """Profiles are cached across runs: measuring a model's layers on this machine takes seconds.
-    $HETPIPE_CACHE, else under $XDG_CACHE_HOME (a container with a read-only home sets it), else ~/.cache."""
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return os.environ.get("HETPIPE_CACHE", str(Path(cache) / "hetpipe" / "profiles"))
-
-
 @dataclass(frozen=True, slots=True)
 class _Candidate:
     rate: float
@@ -200,9 +192,10 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
     n, k = par.virtual_workers, par.stages_per_vw
     gpus = cluster_gpus(job)
     types = sorted({g.type for g in gpus})
-    profile = profile_model(job, types, args=job.emulated_model_args, cache_dir=cache_dir or default_cache_dir())
+    cache_dir = cache_dir or default_cache_dir()
+    profile = profile_model(job, types, args=job.emulated_model_args, cache_dir=cache_dir)
     model = models.structure(job.model, job.base_dir, dtype=job.train.dtype)
-    joined = _joined(job, model)
+    joined = _joined(job, model, cache_dir)
     solved = join_layers(profile, [i for i, _, _ in joined])
     if k > len(solved.layers):
         raise ConfigError(f"parallel.stages_per_vw: {k} stages but model {profile.model} has {len(profile.layers)} "

@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,8 @@ from hetpipe.catalog import CATALOG, EFFICIENCY, GpuType
 from hetpipe.config import JobConfig
 from hetpipe.devices import local_devices
 from hetpipe.threads import THREADS_ENV, env_threads
-from coordinator.planner.meter import model_structure, signature
+from coordinator.planner import cache
+from coordinator.planner.meter import model_structure
 
 # Bump when what is measured or how changes: old cache files are then ignored.
 PROFILE_VERSION = 4
@@ -101,20 +101,21 @@ def profile_model(job: JobConfig, device_types: Sequence[str], *, args: Mapping[
     model = models.structure(job.model, job.base_dir, args, dtype=job.train.dtype)
     shape, in_dtype = example_input(job, args, model)
     dtype = _compute_dtype(job)
-    key = {"version": PROFILE_VERSION, "model": models.describe(job.model), "args": _jsonable(args),
-           "input": [list(shape), str(in_dtype)], "dtype": str(dtype), "layers": _digest(model)}
+    code = cache.layers_digest(model)
+    key = {"version": PROFILE_VERSION, "model": models.describe(job.model), "args": cache.jsonable(args),
+           "input": [list(shape), str(in_dtype)], "dtype": str(dtype), "layers": code}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    cache = Path(cache_dir) if cache_dir is not None else None
-    path = cache / f"{job.model.name or 'factory'}-{digest}.json" if cache else None
-    structure = _load(path, key) if path else None
+    folder = Path(cache_dir) if cache_dir is not None else None
+    path = folder / f"{job.model.name or 'factory'}-{digest}.json" if folder and code else None
+    structure = cache.load(path, key) if path else None
     if structure is None:
         meta = model.to(device="meta", dtype=dtype if in_dtype.is_floating_point else None).train()
         x = torch.empty(shape, dtype=dtype if in_dtype.is_floating_point else in_dtype, device="meta")
         structure = model_structure(meta, x)
         if path:
-            _store(path, {"key": key, **structure})
+            cache.store(path, {"key": key, **structure})
     half = job.train.precision != "fp32"
-    rooflines = {t: CATALOG[t] if t in CATALOG else _calibrated(t, cache) for t in dict.fromkeys(device_types)}
+    rooflines = {t: CATALOG[t] if t in CATALOG else _calibrated(t, folder) for t in dict.fromkeys(device_types)}
     overhead = {t: OP_OVERHEAD_S.get(t, 0.0) for t in rooflines}
     layers = tuple(
         LayerProfile(
@@ -135,11 +136,6 @@ def profile_model(job: JobConfig, device_types: Sequence[str], *, args: Mapping[
                         int(structure["input_bytes"]), layers)
 
 
-def _digest(model: torch.nn.Sequential) -> str:
-    """What the layers compute, for the cache key: a user's model code may change, its args not."""
-    return hashlib.sha256(repr([signature(layer) for layer in model]).encode()).hexdigest()[:16]
-
-
 def _roofline(gpu: GpuType, ops: Sequence[Sequence[float]], half: bool, overhead: float) -> float:
     # Operator by operator: a convolution is compute-bound and the ReLU after it memory-bound,
     # which one max() over the whole layer would hide.
@@ -148,7 +144,7 @@ def _roofline(gpu: GpuType, ops: Sequence[Sequence[float]], half: bool, overhead
 
 # ---- this machine's own devices: a roofline calibrated on them --------------------------------------
 
-def _calibrated(kind: str, cache: Path | None) -> GpuType:
+def _calibrated(kind: str, folder: Path | None) -> GpuType:
     """The roofline of this machine's CPU (at the thread count a stage uses) or first CUDA
     device: a catalog entry where the device's name is known, else timed here and cached."""
     device = next(d for d in local_devices() if d.kind == kind) if kind == "cuda" else None
@@ -160,12 +156,12 @@ def _calibrated(kind: str, cache: Path | None) -> GpuType:
             return CATALOG[known]
     threads = env_threads(THREADS_ENV) or 1
     key = {"version": PROFILE_VERSION, "device": kind, "label": device.label if device else "cpu", "threads": threads}
-    path = cache / f"calibration-{kind}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]}.json" if cache else None
-    stored = _load(path, key) if path else None
+    path = folder / f"calibration-{kind}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]}.json" if folder else None
+    stored = cache.load(path, key) if path else None
     if stored is None:
         stored = {"key": key, **_time_device("cuda:0" if kind == "cuda" else "cpu", threads)}
         if path:
-            _store(path, stored)
+            cache.store(path, stored)
     # GpuType.seconds divides by EFFICIENCY: undo it, the rates are what a kernel achieved here.
     return GpuType(kind, kind, stored["flops"] * EFFICIENCY / 1e12, device.memory_bytes if device else 0,
                    stored["bytes"] / 1e9, 0, stored["half_flops"] * EFFICIENCY / 1e12)
@@ -197,36 +193,3 @@ def _time_device(device: str, threads: int) -> dict[str, float]:
                 "bytes": 2 * src.numel() / best(lambda: dst.copy_(src))}
     finally:
         torch.set_num_threads(before)
-
-
-# ---- cache -------------------------------------------------------------------------------------------
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def _load(path: Path, key: Mapping[str, Any]) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key)):
-        return None
-    return data
-
-
-def _store(path: Path, data: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
