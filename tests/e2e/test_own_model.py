@@ -104,18 +104,17 @@ def test_a_bad_factory_exits_2_before_any_process_starts(tmp_path: Path, case: s
     assert not (tmp_path / "out" / "logs").exists(), "no worker process was started"
 
 
-@pytest.mark.parametrize("vws", [1, 2])
-def test_bf16_quickstart_ends_within_two_points_of_fp32(tmp_path: Path, vws: int) -> None:
-    # 300 steps at D 0 and Nm 1: each pull lands before the VW's next minibatch and a shard adds
-    # a wave's pushes in VW order, so each run repeats bit for bit, on a loaded box too (1 VW:
-    # fp32 and bf16 0.952; 2 VWs: 0.966, 0.963, twice; at 600 steps 0.955, 0.963 and 0.966,
-    # 0.969, at twice the suite's time). At Nm 2 when a pull lands decided which weights a
-    # minibatch saw: a CI run under load read 2 VWs' fp32 at 0.952 against 0.972-0.980 unloaded,
-    # a gap of 2.6 points that was the timing's, not bf16's.
+def test_bf16_quickstart_ends_within_two_points_of_fp32(tmp_path: Path) -> None:
+    # 2 VWs of the quickstart's 2 stages: bf16 on the stages' links and in the shard's pushes and
+    # pulls. 300 steps at D 0 and Nm 1: each pull lands before the VW's next minibatch and a shard
+    # adds a wave's pushes in VW order, so each run repeats bit for bit, on a loaded box too (0.966,
+    # 0.963, twice; 1 VW read 0.952 in both; at 600 steps 0.966, 0.969, at twice the suite's time).
+    # At Nm 2 when a pull lands decided which weights a minibatch saw: a CI run under load read
+    # fp32 at 0.952 against 0.972-0.980 unloaded, a gap of 2.6 points that was the timing's, not bf16's.
     accuracy = {}
     for precision in ("fp32", "bf16"):
         overrides = {"train": {"precision": precision, "steps": 300},
-                     "parallel": {"virtual_workers": vws, "ps_shards": 1, "D": 0, "nm": 1}}
+                     "parallel": {"virtual_workers": 2, "ps_shards": 1, "D": 0, "nm": 1}}
         job = load_job(example_job(tmp_path / precision, "quickstart", overrides))
         summary = run_local(job, quiet=True)
         assert summary["precision"] == precision
@@ -138,10 +137,10 @@ def _mlp_job(tmp_path: Path, width: int, layers: int) -> Path:
 
 
 def test_the_launcher_never_holds_the_model(tmp_path: Path) -> None:
-    """400 MB of float32 parameters over 2 stages: `hetpipe run`'s peak RSS grows by < 100 MB
+    """270 MB of float32 parameters over 2 stages: `hetpipe run`'s peak RSS grows by < 100 MB
     over the same run of a 20 kB model (its idle footprint: interpreter, torch, gRPC)."""
     peaks = {}
-    for width, layers in ((16, 2), (4096, 6)):
+    for width, layers in ((16, 2), (4096, 4)):
         done = _run_cli(_mlp_job(tmp_path, width, layers), timeout=200)
         assert done.returncode == 0, done.stderr
         summary = json.loads((tmp_path / f"out{width}" / "summary.json").read_text())
@@ -149,9 +148,9 @@ def test_the_launcher_never_holds_the_model(tmp_path: Path) -> None:
         peaks[width] = by_name["coordinator"]["peak_rss_bytes"]
         if width == 4096:
             weights = (tmp_path / "out4096" / "model.safetensors").stat().st_size
-            assert weights > 400e6
+            assert weights > 260e6
             stages = [by_name["stage 0 of vw 0"], by_name["stage 1 of vw 0"]]
-            assert all(s["peak_rss_bytes"] > 150e6 for s in stages), "each stage holds its own half"
+            assert all(s["peak_rss_bytes"] > 100e6 for s in stages), "each stage holds its own half"
     assert peaks[4096] < peaks[16] + 100e6, {k: f"{v / 1e6:.0f} MB" for k, v in peaks.items()}
 
 
