@@ -23,7 +23,7 @@ from hetpipe.optim import compute_dtype
 from hetpipe.training import learning_rate
 from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
 from hetpipe.wsp import shard_bound, total_waves
-from coordinator.planner import Plan, StagePlan, default_cache_dir, resolved_job
+from coordinator.planner import Plan, StagePlan, cache, resolved_job
 from coordinator.planner.shapes import TensorShape, boundaries
 from coordinator import checkpoints
 from coordinator.shard_watch import ShardWatch, shard_name
@@ -210,7 +210,9 @@ class JobDriver:
             self.trace_dir.mkdir(exist_ok=True)
         self.model = models.structure(self.job.model, self.job.base_dir, dtype=self.job.train.dtype)   # meta: names and shapes only
         self.batch = data.batch_shapes(self.job)
-        flows = boundaries(self.model, self.batch[0], compute_dtype(self.job.train.precision), cache_dir=default_cache_dir())
+        self.model_key = cache.model_key(self.job.model, self.job.base_dir, self.job.model.args, self.model)
+        flows = boundaries(self.model, self.batch[0], compute_dtype(self.job.train.precision),
+                           cache_dir=cache.default_cache_dir(), model_key=self.model_key)
         self._check_eval_cuts(flows)
         if self.checkpoint_dir is not None:
             self.checkpoints = checkpoints.Checkpoints(
@@ -242,7 +244,8 @@ class JobDriver:
         held_out = data.eval_batch_shapes(self.job)
         if held_out is None or held_out[0][0] == self.batch[0][0]:
             return
-        evals = boundaries(self.model, held_out[0], compute_dtype(self.job.train.precision), cache_dir=default_cache_dir())
+        evals = boundaries(self.model, held_out[0], compute_dtype(self.job.train.precision),
+                           cache_dir=cache.default_cache_dir(), model_key=self.model_key)
         for cut in sorted({sp.layer_begin for sp in self.plan.stages if sp.stage > 0}):
             if evals[cut][0] != flows[cut][0]:
                 raise ConfigError(

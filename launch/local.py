@@ -24,7 +24,7 @@ from hetpipe.v1 import coordinator_pb2
 from coordinator import checkpoints
 from coordinator.__main__ import build
 from coordinator.job import JobRunner
-from coordinator.planner import Plan, default_cache_dir, make_plan
+from coordinator.planner import Plan, cache, make_plan
 from coordinator.servicer import PROTO_STATE
 from coordinator.state import JobState
 from launch.interrupts import interrupts_held
@@ -121,7 +121,9 @@ def checked_inputs(job: JobConfig) -> list[str]:
     first = model[0]
     plain = type(first).forward in (torch.nn.Embedding.forward, torch.nn.EmbeddingBag.forward)
     ids = first.num_embeddings if plain and isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag)) else None
-    notes = data_check.check(job, lambda x: boundaries(model, x, strict=True, cache_dir=default_cache_dir())[-1][0], ids)
+    key = cache.model_key(job.model, job.base_dir, job.model.args, model)
+    notes = data_check.check(
+        job, lambda x: boundaries(model, x, strict=True, cache_dir=cache.default_cache_dir(), model_key=key)[-1][0], ids)
     if job.model.init is not None:
         model_init.check_init(job, model)
     outputs.check_dir(Path(job.resolve(job.output.dir)))

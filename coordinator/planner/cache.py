@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from coordinator.planner.meter import signature
+from hetpipe.config import ModelConfig
+from hetpipe.models import describe
 
 
 def default_cache_dir() -> str:
@@ -24,23 +26,29 @@ def default_cache_dir() -> str:
     return os.environ.get("HETPIPE_CACHE", str(Path(cache) / "hetpipe" / "profiles"))
 
 
-def layers_digest(model: nn.Module) -> str | None:
-    """What a model's layers compute, for a cache key: each layer's signature, torch's version, and
-    the source files of every class outside torch among their modules (a user's model code may
-    change, its args not). None where such a file cannot be read: nothing is then cached."""
-    digest = hashlib.sha256(repr([signature(layer) for layer in model.children()]).encode())
-    digest.update(torch.__version__.encode())
-    for name in sorted({type(m).__module__ for m in model.modules()}):
-        if name == "torch" or name.startswith("torch."):
+def model_key(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any], model: nn.Module) -> dict[str, Any] | None:
+    """What a model's layers compute, for a cache key: its factory and args (a list among them
+    can set what no signature records, a pooling's output size), each layer's signature, torch's
+    version, and the code of every module outside torch that its classes or their bases come from
+    or that was loaded from the job's folder (a helper a forward calls). None where some of that
+    code cannot be read: nothing is then cached."""
+    names = {c.__module__ for m in model.modules() for c in type(m).__mro__}
+    folder = str(Path(base_dir).resolve())
+    names |= {name for name, module in list(sys.modules.items())
+              if str(getattr(module, "__file__", None) or "").startswith(folder + os.sep)}
+    code = hashlib.sha256(torch.__version__.encode())
+    for name in sorted(names):
+        if name in ("builtins", "torch") or name.startswith("torch."):
             continue
         file = getattr(sys.modules.get(name), "__file__", None)
         if not file:   # a class defined in a notebook
             return None
         try:
-            digest.update(Path(file).read_bytes())
+            code.update(Path(file).read_bytes())
         except OSError:
             return None
-    return digest.hexdigest()[:16]
+    return {"model": describe(cfg), "args": jsonable(args), "code": code.hexdigest()[:16],
+            "layers": hashlib.sha256(repr([signature(layer) for layer in model.children()]).encode()).hexdigest()[:16]}
 
 
 def jsonable(value: Any) -> Any:

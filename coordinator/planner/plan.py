@@ -19,7 +19,7 @@ from hetpipe.network import Network
 from hetpipe.wsp import s_global
 from hetpipe import models
 from coordinator.planner.allocation import allocate
-from coordinator.planner.cache import default_cache_dir
+from coordinator.planner.cache import default_cache_dir, model_key
 from coordinator.planner.cluster import Gpu, PlanError, cluster_gpus, vw_signature
 from coordinator.planner.costs import StageCosts
 from coordinator.planner.memory import optimizer_kind, stage_memory
@@ -120,7 +120,8 @@ def _joined(job: JobConfig, model: torch.nn.Sequential, cache_dir: str) -> list[
     # The zoo's layers pass floats on (a GPT's token ids enter its first layer, where no stage begins).
     if job.model.factory is None or job.parallel.stages_per_vw == 1:
         return []
-    flows = boundaries(model, example_input(job, job.model.args, model), cache_dir=cache_dir)
+    flows = boundaries(model, example_input(job, job.model.args, model), cache_dir=cache_dir,
+                       model_key=model_key(job.model, job.base_dir, job.model.args, model))
     return [(i, shape, dtype) for i, (shape, dtype) in enumerate(flows[: len(model)])
             if i > 0 and not (dtype.is_floating_point or dtype.is_complex)]
 

@@ -101,12 +101,11 @@ def profile_model(job: JobConfig, device_types: Sequence[str], *, args: Mapping[
     model = models.structure(job.model, job.base_dir, args, dtype=job.train.dtype)
     shape, in_dtype = example_input(job, args, model)
     dtype = _compute_dtype(job)
-    code = cache.layers_digest(model)
-    key = {"version": PROFILE_VERSION, "model": models.describe(job.model), "args": cache.jsonable(args),
-           "input": [list(shape), str(in_dtype)], "dtype": str(dtype), "layers": code}
+    model_key = cache.model_key(job.model, job.base_dir, args, model)
+    key = {"version": PROFILE_VERSION, "model": model_key, "input": [list(shape), str(in_dtype)], "dtype": str(dtype)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache_dir) if cache_dir is not None else None
-    path = folder / f"{job.model.name or 'factory'}-{digest}.json" if folder and code else None
+    path = folder / f"{job.model.name or 'factory'}-{digest}.json" if folder and model_key else None
     structure = cache.load(path, key) if path else None
     if structure is None:
         meta = model.to(device="meta", dtype=dtype if in_dtype.is_floating_point else None).train()

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -42,17 +43,18 @@ class _NumbersOfOneKind(TorchDispatchMode):
 
 
 def boundaries(model: nn.Sequential, x: TensorShape, compute: torch.dtype | None = None, *,
-               strict: bool = False, cache_dir: str | None = None) -> list[TensorShape]:
+               strict: bool = False, cache_dir: str | None = None,
+               model_key: Mapping[str, Any] | None = None) -> list[TensorShape]:
     """[input of layer 0, input of layer 1, ..., output of the last layer] for a minibatch x.
     With a compute dtype (train.precision), what layers produce in floating point is in it: that is
     what stages send (the input x is data, read by stage 0 itself). strict: refuses, as the real
     kernels do, a matrix product or convolution of integers with floats (a dispatch mode: the first
-    in a process costs its imports, so only where the data is checked). With cache_dir, kept there
-    across runs: the first shape-only pass in a process imports torch's meta kernels and its
-    compiler, 1.7 s of a CPU, each time `hetpipe run` starts."""
-    layers = cache.layers_digest(model) if cache_dir else None
-    key = {"version": SHAPES_VERSION, "layers": layers, "x": _named(x), "compute": str(compute), "strict": strict}
-    path = Path(cache_dir, f"shapes-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json") if cache_dir and layers else None
+    in a process costs its imports, so only where the data is checked). With cache_dir and the
+    model's cache.model_key, kept there across runs: the first shape-only pass in a process imports
+    torch's meta kernels and its compiler, 1.7 s of a CPU, each time `hetpipe run` starts."""
+    key = {"version": SHAPES_VERSION, "model": model_key, "x": _named(x), "compute": str(compute), "strict": strict}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir, f"shapes-{digest}.json") if cache_dir and model_key else None
     kept = _flows(cache.load(path, key)) if path else None
     if kept is not None:
         return kept

@@ -4,12 +4,15 @@ kept across runs per model code, input and dtype, and never stands in for anothe
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
 
-from coordinator.planner.shapes import boundaries
+from coordinator.planner import cache
+from coordinator.planner.shapes import TensorShape, boundaries
 from hetpipe import models
 from hetpipe.config import parse_job
 
@@ -32,57 +35,130 @@ def build():
 '''
 
 
-def _model(folder: Path, tail: str = "") -> torch.nn.Sequential:
-    (folder / "cached_net.py").write_text(NET.replace("{tail}", tail))
-    job = parse_job({"model": {"factory": "cached_net:build"}}, base_dir=str(folder))
-    return models.structure(job.model, job.base_dir)
+class Model(NamedTuple):
+    model: torch.nn.Sequential
+    key: dict[str, Any] | None
+
+
+def _model(folder: Path, tail: str = "", factory: str = "cached_net:build", **args: Any) -> Model:
+    if factory == "cached_net:build":
+        (folder / "cached_net.py").write_text(NET.replace("{tail}", tail))
+    job = parse_job({"model": {"factory": factory, "args": args}}, base_dir=str(folder))
+    model = models.structure(job.model, job.base_dir)
+    return Model(model, cache.model_key(job.model, job.base_dir, job.model.args, model))
+
+
+def _flows(m: Model, x: TensorShape, cache_dir: Path | str, **kw: Any) -> list[TensorShape]:
+    return boundaries(m.model, x, cache_dir=str(cache_dir), model_key=m.key, **kw)
 
 
 X = ((5, 4), torch.float32)
 
 
 def test_a_kept_pass_is_read_back_and_a_damaged_one_is_passed_again(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+    folder = tmp_path / "cache"
     model = _model(tmp_path)
-    flows = boundaries(model, X, cache_dir=str(cache))
+    flows = _flows(model, X, folder)
     assert flows == [((5, 4), torch.float32), ((5, 8), torch.float32), ((5, 6), torch.float32)]
-    kept, = cache.iterdir()
-    assert boundaries(model, X, cache_dir=str(cache)) == flows
+    kept, = folder.iterdir()
+    assert _flows(model, X, folder) == flows
     # Marked: a pass that returns the mark was read from the cache, not run.
     entry = json.loads(kept.read_text())
     entry["flows"][2] = [[5, 7], "float64"]
     kept.write_text(json.dumps(entry))
-    assert boundaries(model, X, cache_dir=str(cache))[2] == ((5, 7), torch.float64)
+    assert _flows(model, X, folder)[2] == ((5, 7), torch.float64)
     # Another input, dtype or precision is another entry.
-    assert boundaries(model, ((3, 4), torch.float32), cache_dir=str(cache))[2] == ((3, 6), torch.float32)
-    assert boundaries(model, X, torch.bfloat16, cache_dir=str(cache))[2] == ((5, 6), torch.bfloat16)
+    assert _flows(model, ((3, 4), torch.float32), folder)[2] == ((3, 6), torch.float32)
+    assert _flows(model, X, folder, compute=torch.bfloat16)[2] == ((5, 6), torch.bfloat16)
     # An entry that does not read as shapes and dtypes is run again (and kept anew).
     for flows_kept in ([[[5, 7], "load"]], [[[5, "x"], "float32"]], "nonsense"):
         kept.write_text(json.dumps({**entry, "flows": flows_kept}))
-        assert boundaries(model, X, cache_dir=str(cache)) == flows
+        assert _flows(model, X, folder) == flows
     kept.write_text("{not json")
-    assert boundaries(model, X, cache_dir=str(cache)) == flows
+    assert _flows(model, X, folder) == flows
     assert json.loads(kept.read_text())["flows"] == [[[5, 4], "float32"], [[5, 8], "float32"], [[5, 6], "float32"]]
 
 
 def test_an_edited_model_file_is_passed_anew(tmp_path: Path) -> None:
     """The edit changes what a layer returns, not its class, attributes or parameters (the
     layers' signature): only the file's code tells the two apart."""
-    cache = str(tmp_path / "cache")
-    assert boundaries(_model(tmp_path), X, cache_dir=cache)[-1] == ((5, 6), torch.float32)
-    assert boundaries(_model(tmp_path, "[:, :2]"), X, cache_dir=cache)[-1] == ((5, 2), torch.float32)
-    assert boundaries(_model(tmp_path), X, cache_dir=cache)[-1] == ((5, 6), torch.float32)
+    folder = str(tmp_path / "cache")
+    assert _flows(_model(tmp_path), X, folder)[-1] == ((5, 6), torch.float32)
+    assert _flows(_model(tmp_path, "[:, :2]"), X, folder)[-1] == ((5, 2), torch.float32)
+    assert _flows(_model(tmp_path), X, folder)[-1] == ((5, 6), torch.float32)
 
 
 def test_a_refused_pass_is_not_kept_and_a_cache_that_cannot_be_written_is_no_error(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+    folder = tmp_path / "cache"
     model = _model(tmp_path)
     for _ in range(2):   # integers into a Linear: refused each time, as the kernels would
         with pytest.raises(RuntimeError, match="of float32 and int64 operands"):
-            boundaries(model, ((5, 4), torch.int64), strict=True, cache_dir=str(cache))
+            _flows(model, ((5, 4), torch.int64), folder, strict=True)
         with pytest.raises(RuntimeError, match="same reduction dim"):   # x of another width
-            boundaries(model, ((5, 3), torch.float32), cache_dir=str(cache))
-    assert not cache.exists() or not any(cache.iterdir())
+            _flows(model, ((5, 3), torch.float32), folder)
+    assert not folder.exists() or not any(folder.iterdir())
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    assert boundaries(model, X, cache_dir=str(blocked))[-1] == ((5, 6), torch.float32)
+    assert _flows(model, X, blocked)[-1] == ((5, 6), torch.float32)
+
+
+SETTINGS = '''
+from torch import nn
+
+
+class View(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = list(shape)   # a list: no signature records it
+
+    def forward(self, x):
+        return x.reshape(x.shape[0], *self.shape)
+
+
+def pooled(out):
+    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.AdaptiveAvgPool2d(out), nn.Flatten())
+
+
+def viewed(shape):
+    return nn.Sequential(nn.Linear(4, 8), View(shape))
+'''
+
+BASE = '''
+from torch import nn
+
+
+class Base(nn.Module):
+    def forward(self, x):
+        return self.proj(x){tail}
+'''
+
+DERIVED = '''
+from torch import nn
+from cached_base import Base
+
+
+class Head(Base):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 6)
+
+
+def build():
+    return nn.Sequential(nn.Linear(4, 8), Head())
+'''
+
+
+def test_what_the_args_set_and_a_base_class_edited_elsewhere_are_passed_anew(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    (tmp_path / "settings.py").write_text(SETTINGS)
+    image = ((2, 3, 8, 8), torch.float32)
+    assert _flows(_model(tmp_path, factory="settings:pooled", out=[2, 2]), image, folder)[-1][0] == (2, 16)
+    assert _flows(_model(tmp_path, factory="settings:pooled", out=[4, 4]), image, folder)[-1][0] == (2, 64)
+    assert _flows(_model(tmp_path, factory="settings:viewed", shape=[2, 4]), X, folder)[-1][0] == (5, 2, 4)
+    assert _flows(_model(tmp_path, factory="settings:viewed", shape=[4, 2]), X, folder)[-1][0] == (5, 4, 2)
+    (tmp_path / "cached_derived.py").write_text(DERIVED)
+    for tail, width in (("", 6), ("[:, :2]", 2)):
+        (tmp_path / "cached_base.py").write_text(BASE.replace("{tail}", tail))
+        for name in ("cached_base", "cached_derived"):   # as the next run's process imports them
+            sys.modules.pop(name, None)
+        assert _flows(_model(tmp_path, factory="cached_derived:build"), X, folder)[-1][0] == (5, width)
