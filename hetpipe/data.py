@@ -9,8 +9,10 @@ import atexit
 import contextlib
 import functools
 import importlib.util
+import multiprocessing.context
 import os
 import random
+import sys
 import threading
 import time
 import traceback
@@ -359,11 +361,24 @@ class _Order:
                 rows=self.rows, shuffle=job.data.shuffle, seed=job.train.seed).tolist()]
 
 
-def _ends_at_once(worker_id: int) -> None:
-    """A data.workers process ends in os._exit once its loop is done (multiprocessing has flushed
-    its output by then), as our own processes do: an interpreter's teardown of torch takes 0.5 s,
-    seconds under load, and a stage's close waits for it, inside the launcher's grace of 3 s."""
-    atexit.register(os._exit, 0)   # atexit runs the last registered first: before torch's own
+class _Worker(multiprocessing.context.SpawnProcess):
+    """A data.workers process that, once its loop has returned, runs the exit handlers (the
+    dataset's own: a temporary folder's cleanup, say) and ends in os._exit, as our own processes
+    do: an interpreter's teardown of torch takes 0.5 s, seconds under load, and a stage's close
+    waits for it inside the launcher's grace of 3 s. A loop that fails ends as before, with its
+    exit code."""
+
+    def run(self) -> None:
+        super().run()
+        atexit._run_exitfuncs()   # what sys.exit would run first; the teardown after it is skipped
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        os._exit(0)
+
+
+class _Spawn(multiprocessing.context.SpawnContext):
+    Process = _Worker
 
 
 class Minibatches:
@@ -384,9 +399,8 @@ class Minibatches:
         base_seed = torch.Generator().manual_seed(hash((job.train.seed, vw)) & (2**63 - 1))
         drawn = _Drawn(dataset, job.train.seed if _draws_at_random(job) else None)
         self._loader = DataLoader(drawn, batch_sampler=order, collate_fn=_collate, num_workers=workers,
-                                  pin_memory=pin, multiprocessing_context="spawn" if workers else None,
-                                  persistent_workers=False, generator=base_seed,
-                                  worker_init_fn=_ends_at_once if workers else None)
+                                  pin_memory=pin, multiprocessing_context=_Spawn() if workers else None,
+                                  persistent_workers=False, generator=base_seed)
         started = set(threading.enumerate())
         self._it: Iterator[_Batch] | None = iter(self._loader)
         # The feeder threads of its workers' index queues: each holds its queue's lock, a

@@ -739,3 +739,55 @@ def test_classes_on_dim_1_as_torch_has_them_are_named_with_the_way_out(tmp_path:
                                           r"the output's last dimension, where torch's F.cross_entropy takes them on "
                                           r"dim 1: .*x.movedim\(1, -1\)\)$"):
         checked_inputs(job)
+
+
+CLEANS_UP = '''
+import atexit
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+class Rows(torch.utils.data.Dataset):
+    """Unpacks into a temporary folder of its own in each worker, as a dataset of archives may."""
+
+    def __init__(self, log):
+        self.log, self.unpacked = log, None
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if torch.utils.data.get_worker_info() is None:   # the check's read, in this process
+            return torch.zeros(4), 0
+        if self.unpacked is None:
+            self.unpacked = tempfile.TemporaryDirectory()
+            atexit.register(lambda: Path(self.log, f"exit-{Path(self.unpacked.name).name}").touch())
+            with open(Path(self.log, "unpacked"), "a") as f:
+                f.write(self.unpacked.name + "\\n")
+        return torch.zeros(4), 0
+
+
+def rows(log):
+    return Rows(log)
+'''
+
+
+def test_a_data_worker_runs_its_exit_handlers(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """data.workers' processes skip torch's teardown (seconds, under load, that close waited for)
+    but not the dataset's own exit handlers and finalizers."""
+    request.getfixturevalue("host_wide")   # DataLoader workers make semaphores, which test_data_workers counts
+    (tmp_path / "cleans_up.py").write_text(CLEANS_UP)
+    log = tmp_path / "log"
+    log.mkdir()
+    job = parse_job({"model": {"name": "mlp"}, "data": {"factory": "cleans_up:rows", "batch_size": 2, "workers": 2,
+                                                        "args": {"log": str(log)}}}, base_dir=str(tmp_path))
+    reader = Minibatches(job, training_set(job), 0, steps=4)
+    for _ in range(4):
+        reader.next()
+    reader.close()
+    unpacked = (log / "unpacked").read_text().split()
+    assert len(unpacked) == 2, "each worker unpacked once"
+    assert not any(Path(u).exists() for u in unpacked), "a worker's temporary folder outlived it"
+    assert sorted(p.name for p in log.glob("exit-*")) == sorted(f"exit-{Path(u).name}" for u in unpacked)
