@@ -55,6 +55,7 @@ def boundaries(model: nn.Sequential, x: TensorShape, compute: torch.dtype | None
     key = {"version": SHAPES_VERSION, "model": model_key, "x": _named(x), "compute": str(compute), "strict": strict}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir, f"shapes-{digest}.json") if cache_dir and model_key else None
+    model.to("meta")   # its buffers too, hit or miss: the factory made them in memory
     kept = _flows(cache.load(path, key)) if path else None
     if kept is not None:
         return kept
@@ -81,7 +82,7 @@ def _boundaries(model: nn.Sequential, x: TensorShape, compute: torch.dtype | Non
     value = torch.empty(x[0], dtype=x[1], device="meta")
     out = [x]
     with torch.no_grad(), _NumbersOfOneKind() if strict else contextlib.nullcontext():
-        for i, layer in enumerate(model.to("meta")):
+        for i, layer in enumerate(model):
             try:
                 value = layer(value)
             except Exception as exc:
