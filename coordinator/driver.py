@@ -210,10 +210,10 @@ class JobDriver:
             self.trace_dir.mkdir(exist_ok=True)
         self.model = models.structure(self.job.model, self.job.base_dir, dtype=self.job.train.dtype)   # meta: names and shapes only
         self.batch = data.batch_shapes(self.job)
-        self.model_key = cache.model_key(self.job.model, self.job.base_dir, self.job.model.args, self.model)
+        model_key = cache.model_key(self.job.model, self.job.base_dir, self.job.model.args, self.model)
         flows = boundaries(self.model, self.batch[0], compute_dtype(self.job.train.precision),
-                           cache_dir=cache.default_cache_dir(), model_key=self.model_key)
-        self._check_eval_cuts(flows)
+                           cache_dir=cache.default_cache_dir(), model_key=model_key)
+        self._check_eval_cuts(flows, model_key)
         if self.checkpoint_dir is not None:
             self.checkpoints = checkpoints.Checkpoints(
                 self.checkpoint_dir, self.shards, self.plan.key_shard,
@@ -236,7 +236,7 @@ class JobDriver:
         for h in self.stages:
             self.call(h, "Start", wire_pb2.Empty())
 
-    def _check_eval_cuts(self, flows: list[TensorShape]) -> None:
+    def _check_eval_cuts(self, flows: list[TensorShape], model_key: dict[str, Any] | None) -> None:
         """ConfigError where data.eval_factory's rows would cross a cut of the plan in another shape
         than the training rows, for which the stages are planned: the run trained to the end and
         failed at its first evaluation. Rows of another shape that are the same at every cut (a
@@ -245,7 +245,7 @@ class JobDriver:
         if held_out is None or held_out[0][0] == self.batch[0][0]:
             return
         evals = boundaries(self.model, held_out[0], compute_dtype(self.job.train.precision),
-                           cache_dir=cache.default_cache_dir(), model_key=self.model_key)
+                           cache_dir=cache.default_cache_dir(), model_key=model_key)
         for cut in sorted({sp.layer_begin for sp in self.plan.stages if sp.stage > 0}):
             if evals[cut][0] != flows[cut][0]:
                 raise ConfigError(

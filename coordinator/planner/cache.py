@@ -59,6 +59,12 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def entry(folder: str | os.PathLike[str] | None, name: str, key: Mapping[str, Any]) -> Path | None:
+    """The file in folder that keeps what was found for key, named after it; None without a folder."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(folder, f"{name}-{digest}.json") if folder else None
+
+
 def load(path: Path, key: Mapping[str, Any]) -> dict[str, Any] | None:
     """What path keeps for key, or None (absent, unreadable, or kept for another key)."""
     try:

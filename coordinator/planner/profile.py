@@ -11,8 +11,6 @@ Works for any model whose layers are the children of an nn.Sequential (hetpipe/m
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import time
@@ -103,9 +101,8 @@ def profile_model(job: JobConfig, device_types: Sequence[str], *, args: Mapping[
     dtype = _compute_dtype(job)
     model_key = cache.model_key(job.model, job.base_dir, args, model)
     key = {"version": PROFILE_VERSION, "model": model_key, "input": [list(shape), str(in_dtype)], "dtype": str(dtype)}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache_dir) if cache_dir is not None else None
-    path = folder / f"{job.model.name or 'factory'}-{digest}.json" if folder and model_key else None
+    path = cache.entry(folder, job.model.name or "factory", key) if model_key else None
     structure = cache.load(path, key) if path else None
     if structure is None:
         meta = model.to(device="meta", dtype=dtype if in_dtype.is_floating_point else None).train()
@@ -155,7 +152,7 @@ def _calibrated(kind: str, folder: Path | None) -> GpuType:
             return CATALOG[known]
     threads = env_threads(THREADS_ENV) or 1
     key = {"version": PROFILE_VERSION, "device": kind, "label": device.label if device else "cpu", "threads": threads}
-    path = folder / f"calibration-{kind}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]}.json" if folder else None
+    path = cache.entry(folder, f"calibration-{kind}", key)
     stored = cache.load(path, key) if path else None
     if stored is None:
         stored = {"key": key, **_time_device("cuda:0" if kind == "cuda" else "cpu", threads)}

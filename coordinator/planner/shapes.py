@@ -4,9 +4,6 @@ output, from one shape-only (meta device) pass. Stages are told these; they neve
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,8 +50,7 @@ def boundaries(model: nn.Sequential, x: TensorShape, compute: torch.dtype | None
     model's cache.model_key, kept there across runs: the first shape-only pass in a process imports
     torch's meta kernels and its compiler, 1.7 s of a CPU, each time `hetpipe run` starts."""
     key = {"version": SHAPES_VERSION, "model": model_key, "x": _named(x), "compute": str(compute), "strict": strict}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(cache_dir, f"shapes-{digest}.json") if cache_dir and model_key else None
+    path = cache.entry(cache_dir, "shapes", key) if model_key else None
     model.to("meta")   # its buffers too, hit or miss: the factory made them in memory
     kept = _flows(cache.load(path, key)) if path else None
     if kept is not None:
