@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf import message_factory
@@ -21,7 +21,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hetpipe import children, security
-from hetpipe.duplex import Duplex
 from hetpipe.errors import Rejected
 from hetpipe.metrics import ServerMetricsInterceptor
 from hetpipe.v1 import coordinator_pb2, ps_pb2, stage_pb2, wire_pb2
@@ -122,7 +121,7 @@ def refuse(context: grpc.ServicerContext, method: str, code: grpc.StatusCode, me
     context.abort(code, message)
 
 
-def _status(name: str, exc: Exception) -> tuple[grpc.StatusCode, str, bool]:
+def status_of(name: str, exc: Exception) -> tuple[grpc.StatusCode, str, bool]:
     """The status that answers exc, and whether it is a refusal: Rejected's own; other exceptions
     one without their text (a bug, logged here with its traceback: the caller learns no internals)."""
     if isinstance(exc, Rejected):
@@ -150,7 +149,7 @@ def handler(fn: F) -> F:
             except Exception as exc:
                 if not isinstance(exc, Rejected) and (isinstance(exc, grpc.RpcError) or context.code() is not None):
                     raise
-                code, message, refusal = _status(fn.__name__, exc)
+                code, message, refusal = status_of(fn.__name__, exc)
                 if refusal:
                     refuse(context, fn.__name__, code, message)
                 context.abort(code, message)   # a bug's status (refuse() has raised otherwise)
@@ -164,7 +163,7 @@ def handler(fn: F) -> F:
         except Exception as exc:
             if not isinstance(exc, Rejected) and (isinstance(exc, grpc.RpcError) or context.code() is not None):
                 raise
-            code, message, refusal = _status(fn.__name__, exc)
+            code, message, refusal = status_of(fn.__name__, exc)
             # Raised here, in the handler's frame: raised from a helper's frame that held exc, a
             # shard's RSS floor rose about 0.6 KiB a refused call (fuzz: 9.9 MiB in 15000).
             if refusal:
@@ -401,7 +400,14 @@ class Stub:
         raise AttributeError(name)
 
 
-def send_bundle(stub: Stub, method: str, frames: Iterator[bytes], duplex: Duplex | None = None,
+class HeldCalls(Protocol):
+    """Where a link sends its one-frame bundles: a held stream (duplex.Duplex) or a peer's link
+    socket (link_socket.SocketDuplex)."""
+
+    def call(self, request: bytes) -> Any: ...
+
+
+def send_bundle(stub: Stub, method: str, frames: Iterator[bytes], duplex: HeldCalls | None = None,
                 **kwargs: Any) -> Any:
     """Calls `method` with a TensorFrame stream; a bundle in one frame (in shared memory, or
     small) goes through duplex when there is one, else by the unary twin `methodFrame`: a stream

@@ -44,7 +44,8 @@ ROLE_REFUSAL = "may not call this method"
 METHOD_ROLES: dict[str, dict[str, frozenset[str]]] = {
     "hetpipe.v1.Coordinator": {"Register": frozenset({STAGE, SHARD}), "Heartbeat": frozenset({STAGE, SHARD})},
     "hetpipe.v1.Stage": {"Forward": frozenset({STAGE}), "Backward": frozenset({STAGE}),
-                         "ForwardLink": frozenset({STAGE}), "BackwardLink": frozenset({STAGE})},
+                         "ForwardLink": frozenset({STAGE}), "BackwardLink": frozenset({STAGE}),
+                         "LinkSocket": frozenset({STAGE})},
     "hetpipe.v1.ParameterServer": {"Push": frozenset({STAGE}), "PushFrame": frozenset({STAGE}),
                                    "Exchange": frozenset({STAGE}),
                                    "Pull": frozenset({STAGE, COORDINATOR}), "Init": frozenset({COORDINATOR, SEED})},

@@ -15,8 +15,8 @@ import grpc
 import torch
 
 from hetpipe import cuda_ipc as ipc
-from hetpipe import rpc, shm, wire
-from hetpipe.duplex import Duplex, Opened
+from hetpipe import link_socket, rpc, shm, wire
+from hetpipe.duplex import Duplex
 from hetpipe.v1 import wire_pb2
 from stage_worker import host_copies
 
@@ -110,9 +110,12 @@ class Link:
         self._give_up_s = give_up_s
         self._channel = rpc.channel(address)
         self._stub = rpc.Stub(self._channel, "Stage")
-        self._duplex = Duplex(getattr(self._stub, f"{method}Link"), rpc.DATA_DEADLINE_S)   # one-frame bundles
+        # One-frame bundles: over the peer's link socket where it shares this host, else a held stream.
+        self._duplex: Duplex | link_socket.SocketDuplex = Duplex(getattr(self._stub, f"{method}Link"), rpc.DATA_DEADLINE_S)
+        if shared_memory:
+            self._duplex = link_socket.SocketDuplex(self._locate, method, rpc.DATA_DEADLINE_S, fallback=self._duplex)
         self._queue: queue.Queue[Outgoing | None] = queue.Queue()
-        self._in_flight: deque[tuple[Outgoing, Opened]] = deque()   # put on the held stream, unanswered
+        self._in_flight: deque[tuple[Outgoing, Any]] = deque()   # put on the held stream or socket, unanswered
         self._closing = threading.Event()
         self.bytes_sent = 0
         self._sent = threading.Condition()   # flush() waits on it
@@ -121,6 +124,9 @@ class Link:
         self._ended = False                  # the link's thread has ended: failed, or closed
         self._thread = threading.Thread(target=self._run, name=f"link-{method}", daemon=True)
         self._thread.start()
+
+    def _locate(self) -> Any:
+        return self._stub.LinkSocket(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
 
     def send(self, item: Outgoing) -> None:
         prepared = self.prepare(item)   # may raise: then nothing is queued, nor counted for flush
@@ -176,6 +182,11 @@ class Link:
     def shm_bytes(self) -> int:
         """Bytes sent through shared memory, host or GPU."""
         return (0 if self.ring is None else self.ring.bytes_written) + self.cuda_ipc_bytes
+
+    @property
+    def socket_bundles(self) -> int:
+        """Bundles answered over the peer's link socket."""
+        return self._duplex.answered if isinstance(self._duplex, link_socket.SocketDuplex) else 0
 
     @property
     def backlog(self) -> int:

@@ -104,6 +104,9 @@ class StageCollector(Collector):
         yield by(CounterMetricFamily, "hetpipe_stage_sent_bytes",
                  "Tensor bytes sent: activations (forward) and gradients (backward)",
                  "phase", {"forward": s.sent_forward_bytes, "backward": s.sent_backward_bytes})
+        yield by(CounterMetricFamily, "hetpipe_stage_link_socket_bundles",
+                 "Bundles sent over the peer's link socket rather than a gRPC stream (hetpipe/link_socket.py)",
+                 "phase", {"forward": s.socket_forward_bundles, "backward": s.socket_backward_bundles})
         yield counter("hetpipe_stage_shm_bytes",
                       "Tensor bytes sent, pushed or pulled through shared memory (parallel.transport)", s.shm_bytes)
         yield counter("hetpipe_stage_pull_wait_seconds", "Seconds forwards were blocked on the clock bound (G2)",

@@ -48,6 +48,8 @@ class Progress:
     wait_idle_seconds: float = 0.0      # the part of it with no other task to run
     sent_forward_bytes: int = 0
     sent_backward_bytes: int = 0
+    socket_forward_bundles: int = 0    # of the activations sent, those over the next stage's link socket
+    socket_backward_bundles: int = 0   # of the gradients, over the previous stage's
     shm_bytes: int = 0          # of those and of pushes and pulls, what went through shared memory
     cuda_ipc_bytes: int = 0     # of that, activations and gradients sent GPU to GPU (CUDA IPC)
     clock: int = 0

@@ -433,6 +433,8 @@ class StageRuntime:
                 wait_idle_seconds=self._wait_idle_seconds,
                 sent_forward_bytes=links[0].bytes_sent if links[0] is not None else 0,
                 sent_backward_bytes=links[1].bytes_sent if links[1] is not None else 0,
+                socket_forward_bundles=links[0].socket_bundles if links[0] is not None else 0,
+                socket_backward_bundles=links[1].socket_bundles if links[1] is not None else 0,
                 shm_bytes=s.sync.shm_bytes + sum(link.shm_bytes for link in links if link is not None),
                 cuda_ipc_bytes=sum(link.cuda_ipc_bytes for link in links if link is not None),
                 clock=s.sync.clock, min_clock=s.sync.min_clock,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 
-from hetpipe import cuda_ipc, shm, wire
+from hetpipe import cuda_ipc, link_socket, shm, wire
 from hetpipe.rpc import handler
 from hetpipe.v1 import stage_pb2, wire_pb2
 from stage_worker.lifecycle import StageState
@@ -58,6 +58,8 @@ class StageServicer:
         # Forward and backward bundles decode on two server threads: one Opener, or a share
         # mapped by both would have torch's counter of it lowered twice.
         self._ipc_lock = threading.Lock()
+        self._link_socket: link_socket.Server | None = None   # made when a peer first asks for it
+        self._link_socket_lock = threading.Lock()
 
     def _decode(self, frames: Iterable[bytes], check: Callable[[wire.Stream], None]) -> wire.Bundle:
         """An activation or gradient, in frames, through shared memory or by CUDA IPC; a GPU
@@ -87,10 +89,17 @@ class StageServicer:
         self.runtime.offer_forward(self._decode(request_iterator, self.runtime.check_forward))
         return wire_pb2.Ack()
 
+    def _offer(self, method: str, frame: bytes) -> None:
+        """A one-frame bundle from a held stream or the link socket."""
+        if method == "Forward":
+            self.runtime.offer_forward(self._decode([frame], self.runtime.check_forward))
+        else:
+            self.runtime.offer_backward(self._decode([frame], self.runtime.check_backward))
+
     @handler
     def ForwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
         for frame in frames:   # each a whole bundle
-            self.runtime.offer_forward(self._decode([frame], self.runtime.check_forward))
+            self._offer("Forward", frame)
             yield wire_pb2.Ack()
 
     @handler
@@ -101,8 +110,15 @@ class StageServicer:
     @handler
     def BackwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
         for frame in frames:
-            self.runtime.offer_backward(self._decode([frame], self.runtime.check_backward))
+            self._offer("Backward", frame)
             yield wire_pb2.Ack()
+
+    @handler
+    def LinkSocket(self, request: wire_pb2.Empty, context: grpc.ServicerContext) -> stage_pb2.LinkSocketAddress:
+        with self._link_socket_lock:
+            if self._link_socket is None:
+                self._link_socket = link_socket.Server(self._offer)
+            return self._link_socket.address()
 
     @handler
     def Status(self, request: stage_pb2.StatusRequest, context: grpc.ServicerContext) -> stage_pb2.StageStatus:

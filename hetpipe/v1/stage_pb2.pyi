@@ -212,6 +212,14 @@ class EvalRequest(_message.Message):
     min_clock: int
     def __init__(self, min_clock: _Optional[int] = ...) -> None: ...
 
+class LinkSocketAddress(_message.Message):
+    __slots__ = ("name", "nonce")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    nonce: bytes
+    def __init__(self, name: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ("weights_digest",)
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]

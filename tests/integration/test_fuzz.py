@@ -1,4 +1,4 @@
-"""Fuzz: 400 malformed or hostile requests to each of the 25 RPCs of a real coordinator, shard
+"""Fuzz: 400 malformed or hostile requests to each of the 26 RPCs of a real coordinator, shard
 and stage process (`python -m ...`, as a launcher starts them). For every request: an answer
 before the deadline with a status that names a refusal (never INTERNAL or UNKNOWN), the state
 the service reports unchanged when the request was refused, and the service still answering
@@ -150,6 +150,7 @@ RPCS: dict[str, tuple[str, Callable[[Service], Any], Send]] = {
     "Stage.Backward": ("stage", _stage_state, _tensor_stream("Backward")),
     "Stage.ForwardLink": ("stage", _stage_state, _tensor_bidi("ForwardLink")),
     "Stage.BackwardLink": ("stage", _stage_state, _tensor_bidi("BackwardLink")),
+    "Stage.LinkSocket": ("stage", _stage_state, _unary("LinkSocket", Empty)),
     "Stage.Status": ("stage", _stage_state, _unary("Status", stage_pb2.StatusRequest.DESCRIPTOR)),
     "Stage.GetWeights": ("stage", _stage_state, _unary_stream("GetWeights", stage_pb2.WeightsRequest.DESCRIPTOR)),
     "Stage.Evaluate": ("stage", _stage_state, _unary("Evaluate", stage_pb2.EvalRequest.DESCRIPTOR)),

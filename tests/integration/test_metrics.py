@@ -168,7 +168,7 @@ def _provoke_invalid_argument(coordinator: str, stage: str, shard: str) -> None:
 def test_every_process_exports_the_documented_metrics(make_job) -> None:
     promtool = ensure_promtool()
     docs = contract()
-    assert {k: len(v) for k, v in docs.items()} == {"stage": 18, "ps": 7, "coordinator": 5, "grpc": 3}, docs
+    assert {k: len(v) for k, v in docs.items()} == {"stage": 19, "ps": 7, "coordinator": 5, "grpc": 3}, docs
     job = make_job(JOB)
     out_dir = Path(job.resolve(job.output.dir))
     # `hetpipe run` in its own process, as a user runs it: the coordinator's registry then holds
@@ -330,11 +330,13 @@ def _check_stage(s: Samples, e: Endpoint, docs: dict[str, list[Documented]]) -> 
     info = [(ls, v) for _, name, ls, v in s.rows if name == "hetpipe_stage_info"]
     assert len(info) == 1 and info[0][1] == 1
     assert info[0][0] == {**labels, "gpu": "t4", "device": "cpu", "emulated": "true"}, info
-    # Through shared memory every bundle is one frame: it comes over the link's long-lived stream
-    # (ForwardLink), which counts in handled_total only once it ends, but each bundle as it arrives.
-    method = ("Backward" if not last else "Forward") + "Link"
-    assert s.one("hetpipe_grpc_server_msg_received_total", role="stage_worker", grpc_service="hetpipe.v1.Stage",
-                 grpc_method=method) >= 1, method
+    # Through shared memory every bundle is one frame: it goes over the peer's link socket, not gRPC.
+    first = e.assigned.startswith("stage 0 ")
+    sent = {"forward": not last, "backward": not first}
+    for phase, sends in sent.items():
+        bundles = s.one("hetpipe_stage_link_socket_bundles_total", phase=phase, **labels)
+        assert (bundles > 0) == sends, (phase, bundles)
+    assert not s.get("hetpipe_grpc_server_msg_received_total", grpc_method="ForwardLink")
     if e.assigned == "stage 1 of vw 0":
         assert _handled(s, "Forward", "INVALID_ARGUMENT") == 1
     for method in ("Assign", "Start", "Status"):

@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from hetpipe import rpc, wire
+from hetpipe import link_socket, rpc, wire
 from hetpipe.duplex import Duplex
 from hetpipe.v1 import stage_pb2, wire_pb2
 from shm_handles import forged_handles
@@ -340,25 +340,31 @@ def test_micro_batches_are_checked_against_the_schedule(make_job, rig: Rig) -> N
                 r"gradient: shape \[8, 32\], expected \[16, 32\]")
 
 
-def test_bad_shared_memory_handles_are_refused_and_change_nothing(rig: Rig) -> None:
+@pytest.mark.parametrize("channel", ["stream", "socket"])
+def test_bad_shared_memory_handles_are_refused_and_change_nothing(rig: Rig, channel: str) -> None:
     """parallel.transport shm: an activation whose bytes a handle names in /dev/shm. A handle that
     is forged, stale or malformed is refused before anything is read into the stage; a current
-    one is taken like gRPC frames."""
+    one is taken like gRPC frames. The same over the held gRPC stream and the link socket."""
     bundle = wire.decode(rig.activation(1))
     before = rig.snapshot()
-    # One-frame bundles take a link's long-lived stream: each refusal ends it with its status, the
-    # next call opens another, and the good handle goes through the same Duplex at the end.
-    link = Duplex(rig.stub.ForwardLink, deadline_s=10)
+    # One-frame bundles take a link's long-lived stream (or socket): each refusal ends it with its
+    # status, the next call opens another, and the good handle goes through the same one at the end.
+    link: Any = Duplex(rig.stub.ForwardLink, deadline_s=10)
+    if channel == "socket":
+        link = link_socket.SocketDuplex(lambda: rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5), "Forward", 10)
+
+    def encoded(frame: wire_pb2.TensorFrame) -> Any:
+        return frame.SerializeToString() if channel == "socket" else frame
     with forged_handles(bundle.tensors, minibatch=bundle.header.minibatch) as handles:
         for name, (request, code, match) in handles.bad.items():
             try:
                 refused(rig.stub.Forward, iter(request), code, match)
                 if len(request) == 1:
-                    refused(lambda frame, timeout: link.call(frame), request[0], code, match)
+                    refused(lambda frame, timeout: link.call(encoded(frame)), request[0], code, match)
                 assert rig.snapshot() == before, "a refused handle changed the stage's state"
             except AssertionError as exc:
                 raise AssertionError(f"{name}: {exc}") from None
-        link.call(handles.good[0])
+        link.call(encoded(handles.good[0]))
         link.close()
     rig.wait_until("forwards_done", 1)
     rig.next.wait_for(1)

@@ -53,6 +53,7 @@ RULES = {
     "/hetpipe.v1.Stage/Evaluate": {"coordinator"},
     "/hetpipe.v1.Stage/Forward": {"stage"}, "/hetpipe.v1.Stage/Backward": {"stage"},
     "/hetpipe.v1.Stage/ForwardLink": {"stage"}, "/hetpipe.v1.Stage/BackwardLink": {"stage"},
+    "/hetpipe.v1.Stage/LinkSocket": {"stage"},
     "/hetpipe.v1.ParameterServer/Init": {"coordinator", "seed"},
     "/hetpipe.v1.ParameterServer/Push": {"stage"}, "/hetpipe.v1.ParameterServer/PushFrame": {"stage"},
     "/hetpipe.v1.ParameterServer/Exchange": {"stage"},

@@ -1,0 +1,367 @@
+"""A same-host link's control channel: a stage's one-frame bundles and their answers over a Unix
+socket, where gRPC would carry them on a held stream (hetpipe/duplex.py).
+
+Through shared memory a bundle's frame is a few hundred bytes that name a slot. Over a gRPC
+stream its round trip costs about 0.55 ms on two cores (the sync Python machinery's threads, each
+handing the GIL on), where gloo moves a whole 1 MiB message in 0.6; over a Unix socket it costs a
+few tens of µs (docs/benchmarks.md, thirty-fourth pass). gRPC still finds the socket
+(`Stage.LinkSocket`, authenticated like every call), carries every bundle of several frames, and
+carries every bundle where the peer offers no socket.
+
+The protocol, both ends ours: the client sends the nonce and one byte naming the method; the
+server answers; then each request is a 4-byte length and a serialized TensorFrame, and each
+answer is a status code byte, a 2-byte length and the status's details (empty when OK), in
+order. The first refusal ends the connection, as it ends a gRPC stream. The server takes only
+connections from its own user (SO_PEERCRED; same-user processes are trusted with the shared
+memory anyway) that present the nonce: an abstract socket's name is listed in /proc/net/unix.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from hetpipe import rpc
+from hetpipe.v1 import stage_pb2, wire_pb2
+
+log = logging.getLogger(__name__)
+
+METHODS = ("Forward", "Backward")
+NONCE_BYTES = 16
+_LENGTH = struct.Struct("<I")
+_ANSWER = struct.Struct("<BH")
+_CREDENTIALS = struct.Struct("3i")   # pid, uid, gid
+# A request's bound: a one-frame bundle is at most one frame of wire.encode's.
+MAX_REQUEST_BYTES = rpc.MAX_MESSAGE_BYTES
+# Connections at once per method, as the gRPC lanes of ForwardLink and BackwardLink.
+LANES = 3
+# Connections not yet past their greeting: more are closed unanswered, so a flood of connections
+# costs a thread each only this many at a time.
+GREETING = 8
+
+
+class SocketError(grpc.RpcError):
+    """A failure on a link socket, as the gRPC status a held stream would have ended with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _answer(code: grpc.StatusCode, details: str = "") -> bytes:
+    text = rpc.bounded(details).encode()[:0xFFFF]
+    return _ANSWER.pack(code.value[0], len(text)) + text
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytearray | None:
+    """n bytes, or None where the peer closed first."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            return None
+        got += k
+    return buf
+
+
+def _send(sock: socket.socket, head: bytes, body: bytes) -> None:
+    """head then body, in one call where the socket takes them whole (a request in shared memory is
+    a few hundred bytes), else the rest after it."""
+    sent = sock.sendmsg([head, body])
+    if sent < len(head) + len(body):
+        sock.sendall((head + body)[sent:])
+
+
+def _read_answer(sock: socket.socket) -> None:
+    """Returns on OK; raises SocketError with the answer's status otherwise, or UNAVAILABLE where the
+    peer closed first."""
+    head = _read_exact(sock, _ANSWER.size)
+    if head is None:
+        raise SocketError(grpc.StatusCode.UNAVAILABLE, "the peer closed its link socket without answering")
+    code, size = _ANSWER.unpack(head)
+    details = _read_exact(sock, size) if size else bytearray()
+    if details is None:
+        raise SocketError(grpc.StatusCode.UNAVAILABLE, "the peer closed its link socket without answering")
+    if code != 0:
+        raise SocketError(_CODES.get(code, grpc.StatusCode.UNKNOWN), details.decode(errors="replace"))
+
+
+# --- the receiving stage ------------------------------------------------------------------------
+
+
+class Server:
+    """Serves a stage's link socket: offer(method, frame) takes each bundle, as the ForwardLink and
+    BackwardLink handlers do, and a Rejected it raises is the answer's status."""
+
+    def __init__(self, offer: Callable[[str, bytes], None]) -> None:
+        self._offer = offer
+        self.name = f"hetpipe-{os.getpid()}-{secrets.token_hex(8)}"
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self._lock = threading.Lock()
+        self._open = {method: 0 for method in METHODS}
+        self._connections: set[socket.socket] = set()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind("\0" + self.name)   # abstract: gone with the process, however it ends
+        self._listener.listen(16)
+        self._greeting = threading.BoundedSemaphore(GREETING)
+        self._closed = False
+        threading.Thread(target=self._accept, name="link-socket", daemon=True).start()
+
+    def address(self) -> stage_pb2.LinkSocketAddress:
+        return stage_pb2.LinkSocketAddress(name=self.name, nonce=self.nonce)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+        for sock in [self._listener, *connections]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return   # closed
+            if not self._greeting.acquire(blocking=False):
+                sock.close()
+                continue
+            threading.Thread(target=self._serve, args=(sock,), name="link-socket-peer", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        method = None
+        try:
+            with sock:
+                sock.settimeout(rpc.CONTROL_DEADLINE_S)   # for the greeting: a peer that connects and says nothing
+                try:
+                    method = self._greet(sock)
+                finally:
+                    self._greeting.release()
+                if method is None:
+                    return
+                sock.settimeout(None)   # a link may be idle for as long as its stage waits
+                self._serve_requests(sock, method)
+        except OSError as exc:
+            log.debug("link socket connection ended: %s", exc)
+        finally:
+            with self._lock:
+                self._connections.discard(sock)
+                if method is not None:
+                    self._open[method] -= 1
+
+    def _greet(self, sock: socket.socket) -> str | None:
+        """The method this connection carries, once its peer passed the checks; None: refused."""
+        _, uid, _ = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+        if uid != os.getuid():
+            self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, f"LinkSocket: a process of user {uid} may not connect")
+            return None
+        greeting = _read_exact(sock, NONCE_BYTES + 1)
+        if greeting is None:
+            return None
+        if not hmac.compare_digest(bytes(greeting[:NONCE_BYTES]), self.nonce):
+            self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, "LinkSocket: wrong nonce")
+            return None
+        if greeting[NONCE_BYTES] >= len(METHODS):
+            self._refuse(sock, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"LinkSocket: no method {greeting[NONCE_BYTES]} (0 Forward, 1 Backward)")
+            return None
+        method = METHODS[greeting[NONCE_BYTES]]
+        with self._lock:
+            full = self._closed or self._open[method] >= LANES
+            if not full:
+                self._open[method] += 1
+                self._connections.add(sock)
+        if full:
+            self._refuse(sock, grpc.StatusCode.UNAVAILABLE if self._closed else grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         "LinkSocket: the stage is stopping" if self._closed
+                         else f"LinkSocket: {LANES} {method} connections are open already")
+            return None
+        sock.sendall(_answer(grpc.StatusCode.OK))
+        return method
+
+    def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
+        rpc.REFUSALS.note("LinkSocket", code, message)
+        sock.sendall(_answer(code, message))
+        return None
+
+    def _serve_requests(self, sock: socket.socket, method: str) -> None:
+        name = f"{method}Link"
+        while (head := _read_exact(sock, _LENGTH.size)) is not None:
+            (size,) = _LENGTH.unpack(head)
+            if size > MAX_REQUEST_BYTES:
+                self._refuse(sock, grpc.StatusCode.INVALID_ARGUMENT,
+                             f"{name}: a request of {size} bytes passes the bound of {MAX_REQUEST_BYTES}")
+                return
+            frame = _read_exact(sock, size)
+            if frame is None:
+                return
+            try:
+                self._offer(method, bytes(frame))
+            except Exception as exc:   # noqa: BLE001 - answered as rpc.handler answers a gRPC call
+                code, message, _ = rpc.status_of(name, exc)   # a bug's is logged there
+                self._refuse(sock, code, message)
+                return
+            sock.sendall(_answer(grpc.StatusCode.OK))
+
+
+# --- the sending stage --------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Connection:
+    """One connection to a peer's link socket; what put() returns for take()."""
+
+    sock: socket.socket | None
+    error: SocketError | None = None   # the connection failed before the request went out
+    dead: bool = field(default=False)
+
+
+class SocketDuplex:
+    """Duplex's calls (put, take, call, due, close) over a peer's link socket: the Link's held
+    stream, at a Unix socket's cost. locate() asks the peer for its socket over gRPC; a peer that
+    offers none (UNIMPLEMENTED: an older stage, a test's stand-in) is called through fallback, the
+    gRPC Duplex, from then on. One caller at a time; close() from any thread."""
+
+    def __init__(self, locate: Callable[[], Any], method: str, deadline_s: float, fallback: Any = None) -> None:
+        self._locate = locate
+        self._method = METHODS.index(method)
+        self._deadline_s = deadline_s
+        self._fallback = fallback
+        self._use_fallback = False
+        self._lock = threading.Lock()
+        self._open: Connection | None = None
+        self.answered = 0   # requests answered OK over the socket
+
+    def call(self, request: bytes) -> Any:
+        return self.take(self.put(request))
+
+    @property
+    def due(self) -> bool:
+        return self._use_fallback and self._fallback.due
+
+    def put(self, request: bytes) -> Any:
+        """Sends request; returns what take() needs to read its answer. Never raises: a failure
+        is take()'s to raise, as a gRPC stream's would be."""
+        if self._use_fallback:
+            return self._fallback.put(request)
+        with self._lock:
+            if self._open is None:
+                self._open = self._connect()
+            current = self._open
+            if self._use_fallback:   # found out just now
+                self._open = None
+        if self._use_fallback:
+            return self._fallback.put(request)
+        if current.sock is not None and current.error is None:
+            try:
+                _send(current.sock, _LENGTH.pack(len(request)), request)
+            except OSError as exc:
+                current.error = SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket: {exc}")
+        return current
+
+    def take(self, current: Any) -> Any:
+        """The answer to the oldest request put and not yet taken on current (wire_pb2.Ack), or its
+        refusal raised as a SocketError. After an error the connection is dropped: the caller
+        sends what was outstanding on it again."""
+        if not isinstance(current, Connection):
+            return self._fallback.take(current)
+        try:
+            if current.error is not None:
+                raise current.error
+            if current.sock is None or current.dead:
+                raise SocketError(grpc.StatusCode.UNAVAILABLE, "link socket: the connection was dropped")
+            try:
+                _read_answer(current.sock)
+            except TimeoutError:
+                raise SocketError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"link socket: no answer within {self._deadline_s:.0f} s") from None
+            except OSError as exc:
+                raise SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket: {exc}") from None
+        except SocketError:
+            self._drop(current)
+            raise
+        self.answered += 1
+        return wire_pb2.Ack()
+
+    def close(self, grace_s: float = 1.0) -> None:
+        with self._lock:
+            current, self._open = self._open, None
+        if current is not None:
+            self._end(current)
+        if self._fallback is not None:
+            self._fallback.close(grace_s)
+
+    def _connect(self) -> Connection:
+        try:
+            address = self._locate()
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self._fallback is not None:
+                log.info("the peer offers no link socket; its bundles go over a gRPC stream")
+                self._use_fallback = True
+                return Connection(None)
+            return Connection(None, SocketError(exc.code(), f"LinkSocket: {exc.details()}"))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(rpc.CONTROL_DEADLINE_S)
+        try:
+            sock.connect("\0" + address.name)
+        except OSError as exc:
+            # The peer answered over gRPC just now, so its socket is out of reach from here (a
+            # sandbox's rules, say), not gone: the held stream does the same job, only slower.
+            sock.close()
+            if self._fallback is None:
+                return Connection(None, SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket {address.name}: {exc}"))
+            log.warning("cannot reach the peer's link socket %s (%s); its bundles go over a gRPC stream",
+                        address.name, exc)
+            self._use_fallback = True
+            return Connection(None)
+        try:
+            sock.sendall(bytes(address.nonce) + bytes([self._method]))
+            _read_answer(sock)
+            sock.settimeout(self._deadline_s)
+        except SocketError as exc:
+            sock.close()
+            return Connection(None, exc)
+        except OSError as exc:
+            sock.close()
+            return Connection(None, SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket {address.name}: {exc}"))
+        return Connection(sock)
+
+    def _drop(self, current: Connection) -> None:
+        with self._lock:
+            if self._open is current:
+                self._open = None
+        self._end(current)
+
+    @staticmethod
+    def _end(current: Connection) -> None:
+        current.dead = True
+        if current.sock is not None:
+            try:
+                current.sock.shutdown(socket.SHUT_RDWR)   # wakes a take() blocked in recv; close() alone would not
+            except OSError:
+                pass
+            current.sock.close()

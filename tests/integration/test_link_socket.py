@@ -1,0 +1,246 @@
+"""A same-host link's socket (hetpipe/link_socket.py): the held stream's semantics (answers in
+order, the first refusal ends the connection with its status, a lost peer is UNAVAILABLE at once),
+and a real stage refusing what a hostile or broken peer sends it there, changing nothing."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from hetpipe import link_socket, rpc
+from hetpipe.errors import Rejected
+from hetpipe.v1 import wire_pb2
+from stage_rig import Rig, middle_stage
+
+pytestmark = pytest.mark.timeout(60)
+Code = grpc.StatusCode
+
+
+class _Peer:
+    """A link socket whose offer() records each frame, refuses b"bad" and waits on b"hold"."""
+
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+        self.release = threading.Event()
+        self.server = link_socket.Server(self.offer)
+
+    def offer(self, method: str, frame: bytes) -> None:
+        if frame == b"bad":
+            raise Rejected(Code.INVALID_ARGUMENT, f"{method}Link: frame 'bad' refused")
+        if frame == b"hold":
+            self.release.wait(30)
+        self.got.append(frame)
+
+    def duplex(self) -> link_socket.SocketDuplex:
+        return link_socket.SocketDuplex(self.server.address, "Forward", deadline_s=30)
+
+
+@pytest.fixture
+def peer() -> Iterator[_Peer]:
+    p = _Peer()
+    yield p
+    p.release.set()
+    p.server.close()
+
+
+def test_answers_come_in_order_and_the_first_refusal_ends_the_connection(peer: _Peer) -> None:
+    duplex = peer.duplex()
+    opened = [duplex.put(frame) for frame in (b"a", b"bad", b"c")]
+    assert duplex.take(opened[0]) == wire_pb2.Ack()
+    with pytest.raises(link_socket.SocketError) as info:
+        duplex.take(opened[1])
+    assert (info.value.code(), info.value.details()) == (Code.INVALID_ARGUMENT, "ForwardLink: frame 'bad' refused")
+    with pytest.raises(link_socket.SocketError) as info:   # put on the connection the refusal ended
+        duplex.take(opened[2])
+    assert info.value.code() == Code.UNAVAILABLE
+    assert duplex.call(b"d") == wire_pb2.Ack()   # a new connection
+    # A frame of 3 MiB (inline bytes, where /dev/shm is full) is more than one send takes.
+    big = random.Random(5).randbytes(3 << 20)
+    assert duplex.call(big) == wire_pb2.Ack()
+    assert peer.got == [b"a", b"d", big] and duplex.answered == 3
+    duplex.close()
+
+
+def test_a_peer_that_goes_away_is_unavailable_at_once(peer: _Peer) -> None:
+    """A dead stage is seen at its socket's end, not at a deadline two minutes on; close() wakes
+    a take that waits, as Link.close needs."""
+    duplex = peer.duplex()
+    held = duplex.put(b"hold")
+    started = time.monotonic()
+    threading.Timer(0.2, peer.server.close).start()
+    with pytest.raises(link_socket.SocketError) as info:
+        duplex.take(held)
+    assert info.value.code() == Code.UNAVAILABLE and time.monotonic() - started < 5
+    other = _Peer()
+    try:
+        duplex = other.duplex()
+        held = duplex.put(b"hold")
+        threading.Timer(0.2, duplex.close).start()
+        with pytest.raises(link_socket.SocketError):
+            duplex.take(held)
+        assert time.monotonic() - started < 10
+    finally:
+        other.release.set()
+        other.server.close()
+
+
+def test_a_peer_without_a_socket_is_called_over_the_fallback() -> None:
+    class Unimplemented(grpc.RpcError):
+        def code(self) -> Code:
+            return Code.UNIMPLEMENTED
+
+        def details(self) -> str:
+            return "Method not found!"
+
+    class Stream:
+        def __init__(self) -> None:
+            self.put_calls: list[bytes] = []
+
+        def put(self, request: bytes) -> tuple[str, bytes]:
+            self.put_calls.append(request)
+            return ("stream", request)
+
+        def take(self, opened: Any) -> str:
+            return f"answered {opened[1]!r}"
+
+        def close(self, grace_s: float = 1.0) -> None:
+            pass
+
+        due = False
+
+    def locate() -> Any:
+        raise Unimplemented()
+
+    stream = Stream()
+    duplex = link_socket.SocketDuplex(locate, "Backward", deadline_s=5, fallback=stream)
+    assert duplex.call(b"x") == "answered b'x'" and duplex.call(b"y") == "answered b'y'"
+    assert stream.put_calls == [b"x", b"y"] and duplex.answered == 0
+    # Without a fallback the peer's answer is the link's failure.
+    with pytest.raises(grpc.RpcError) as info:
+        link_socket.SocketDuplex(locate, "Backward", deadline_s=5).call(b"x")
+    assert info.value.code() == Code.UNIMPLEMENTED
+
+
+# --- a real stage, and what a peer sends its socket ---------------------------------------------
+
+
+@pytest.fixture
+def rig(make_job) -> Iterator[Rig]:
+    with middle_stage(make_job) as running:
+        yield running
+
+
+def _connect(rig: Rig, greeting: bytes | None = None) -> tuple[socket.socket, Any]:
+    address = rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect("\0" + address.name)
+    sock.sendall(bytes(address.nonce) + b"\0" if greeting is None else greeting)
+    return sock, address
+
+
+def _answer(sock: socket.socket) -> tuple[Code, str]:
+    try:
+        link_socket._read_answer(sock)
+    except link_socket.SocketError as exc:
+        return exc.code(), exc.details()
+    return Code.OK, ""
+
+
+def _ended(sock: socket.socket) -> bool:
+    ended = sock.recv(1) == b""
+    sock.close()
+    return ended
+
+
+def _connected(rig: Rig) -> socket.socket:
+    """A connection the stage accepted: a refused one's lane is given back once the stage's thread
+    for it ends, a moment after the client sees it closed."""
+    deadline = time.monotonic() + 5
+    while True:
+        sock, _ = _connect(rig)
+        code, details = _answer(sock)
+        if code == Code.OK:
+            return sock
+        sock.close()
+        assert code == Code.RESOURCE_EXHAUSTED and time.monotonic() < deadline, (code, details)
+        time.sleep(0.02)
+
+
+def test_a_stage_refuses_bad_greetings_and_requests_and_changes_nothing(rig: Rig) -> None:
+    before = rig.snapshot()
+    address = rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5)
+    assert rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5) == address   # one socket per stage
+
+    sock, _ = _connect(rig, os.urandom(link_socket.NONCE_BYTES) + b"\0")
+    assert _answer(sock) == (Code.PERMISSION_DENIED, "LinkSocket: wrong nonce") and _ended(sock)
+    sock, _ = _connect(rig, bytes(address.nonce) + b"\7")
+    assert _answer(sock)[0] == Code.INVALID_ARGUMENT and _ended(sock)
+
+    sock = _connected(rig)
+    sock.sendall(struct.pack("<I", link_socket.MAX_REQUEST_BYTES + 1))
+    code, details = _answer(sock)
+    assert code == Code.INVALID_ARGUMENT and "passes the bound" in details and _ended(sock)
+
+    # Frames that do not parse, or name no bundle this stage takes: each refused, the connection ended.
+    rng = random.Random(12)
+    bodies = [rng.randbytes(rng.randrange(1, 300)) for _ in range(40)]
+    bodies += [wire_pb2.TensorFrame(minibatch=wire_pb2.MinibatchTag(vw=99, minibatch=1)).SerializeToString(), b""]
+    for body in bodies:
+        sock = _connected(rig)
+        sock.sendall(struct.pack("<I", len(body)) + body)
+        code, details = _answer(sock)
+        assert code == Code.INVALID_ARGUMENT, (body, code, details)
+        assert _ended(sock)
+    assert rig.snapshot() == before
+
+    # Lanes: three connections per method; a fourth is RESOURCE_EXHAUSTED until one closes.
+    held = [_connected(rig) for _ in range(link_socket.LANES)]
+    sock, _ = _connect(rig)
+    assert _answer(sock)[0] == Code.RESOURCE_EXHAUSTED and _ended(sock)
+    held.pop().close()
+    held.append(_connected(rig))   # once the stage has seen that one close
+    for s in held:
+        s.close()
+
+    # Still serving: a real activation over the socket is taken.
+    duplex = link_socket.SocketDuplex(lambda: rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5), "Forward", 10)
+    duplex.call(rig.activation(1)[0].SerializeToString())
+    duplex.close()
+    rig.wait_until("forwards_done", 1)
+    assert rig.snapshot()["received"] == 1
+
+
+def test_a_silent_peer_is_dropped_after_the_control_deadline(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rpc, "CONTROL_DEADLINE_S", 0.5)
+    address = rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect("\0" + address.name)
+    started = time.monotonic()
+    assert _ended(sock) and time.monotonic() - started < 5
+
+
+# A Python that another user may run: a venv under /root is not one.
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+                    reason="connecting as another user needs root and a system Python")
+def test_another_user_may_not_connect(rig: Rig) -> None:
+    address = rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5)
+    script = ("import socket,sys; s=socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect('\\0' + sys.argv[1]);"
+              "s.sendall(bytes.fromhex(sys.argv[2]) + bytes(1)); sys.stdout.write(s.recv(1000).decode(errors='replace'))")
+    done = subprocess.run([SYSTEM_PYTHON, "-c", script, address.name, bytes(address.nonce).hex()],
+                          user=65534, capture_output=True, text=True, timeout=30)
+    assert "may not connect" in done.stdout, (done.stdout, done.stderr)
