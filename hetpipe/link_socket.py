@@ -18,6 +18,7 @@ memory anyway) that present the nonce: an abstract socket's name is listed in /p
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import os
@@ -25,8 +26,9 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -40,7 +42,9 @@ METHODS = ("Forward", "Backward")
 NONCE_BYTES = 16
 _LENGTH = struct.Struct("<I")
 _ANSWER = struct.Struct("<BH")
-_CREDENTIALS = struct.Struct("3i")   # pid, uid, gid
+_CREDENTIALS = struct.Struct("iII")   # pid, uid, gid (uid_t and gid_t are unsigned)
+# A connect that may work if tried again: the listener's queue is full.
+_TRANSIENT = {errno.EAGAIN}
 # A request's bound: a one-frame bundle is at most one frame of wire.encode's.
 MAX_REQUEST_BYTES = rpc.MAX_MESSAGE_BYTES
 # Connections at once per method, as the gRPC lanes of ForwardLink and BackwardLink.
@@ -48,6 +52,10 @@ LANES = 3
 # Connections not yet past their greeting: more are closed unanswered, so a flood of connections
 # costs a thread each only this many at a time.
 GREETING = 8
+# A greeted connection that sends nothing (or reads no answer) this long is ended, as gRPC cancels
+# a stream after rpc.STREAM_CAP_S: a frozen peer must not hold a lane for good. The sender sends
+# what it had outstanding again, which is safe: a request that was not read was not taken.
+IDLE_S = rpc.STREAM_CAP_S
 
 
 class SocketError(grpc.RpcError):
@@ -90,6 +98,11 @@ def _send(sock: socket.socket, head: bytes, body: bytes) -> None:
     sent = sock.sendmsg([head, body])
     if sent < len(head) + len(body):
         sock.sendall((head + body)[sent:])
+
+
+def peer_uid(sock: socket.socket) -> int:
+    _, uid, _ = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+    return int(uid)
 
 
 def _read_answer(sock: socket.socket) -> None:
@@ -145,12 +158,23 @@ class Server:
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return   # closed
+            except OSError as exc:
+                if self._closed:
+                    return
+                # Out of file descriptors, a connection aborted before it was taken: the listener
+                # still queues peers, so it must go on taking them.
+                log.warning("link socket %s: accept failed (%s); going on", self.name, exc)
+                time.sleep(0.05)
+                continue
             if not self._greeting.acquire(blocking=False):
                 sock.close()
                 continue
-            threading.Thread(target=self._serve, args=(sock,), name="link-socket-peer", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(sock,), name="link-socket-peer", daemon=True).start()
+            except RuntimeError as exc:   # no thread to be had
+                log.warning("link socket %s: no thread for a connection (%s)", self.name, exc)
+                self._greeting.release()
+                sock.close()
 
     def _serve(self, sock: socket.socket) -> None:
         method = None
@@ -158,12 +182,13 @@ class Server:
             with sock:
                 sock.settimeout(rpc.CONTROL_DEADLINE_S)   # for the greeting: a peer that connects and says nothing
                 try:
-                    method = self._greet(sock)
+                    method = self._greet(sock)   # counted in its lane from here on
                 finally:
                     self._greeting.release()
                 if method is None:
                     return
-                sock.settimeout(None)   # a link may be idle for as long as its stage waits
+                sock.sendall(_answer(grpc.StatusCode.OK))
+                sock.settimeout(IDLE_S)
                 self._serve_requests(sock, method)
         except OSError as exc:
             log.debug("link socket connection ended: %s", exc)
@@ -174,9 +199,9 @@ class Server:
                     self._open[method] -= 1
 
     def _greet(self, sock: socket.socket) -> str | None:
-        """The method this connection carries, once its peer passed the checks; None: refused."""
-        _, uid, _ = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
-        if uid != os.getuid():
+        """The method this connection carries, once its peer passed the checks, counted in its lane;
+        None: refused."""
+        if (uid := peer_uid(sock)) != os.getuid():
             self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, f"LinkSocket: a process of user {uid} may not connect")
             return None
         greeting = _read_exact(sock, NONCE_BYTES + 1)
@@ -200,7 +225,6 @@ class Server:
                          "LinkSocket: the stage is stopping" if self._closed
                          else f"LinkSocket: {LANES} {method} connections are open already")
             return None
-        sock.sendall(_answer(grpc.StatusCode.OK))
         return method
 
     def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
@@ -233,18 +257,27 @@ class Server:
 
 @dataclass(eq=False)
 class Connection:
-    """One connection to a peer's link socket; what put() returns for take()."""
+    """One connection to a peer's link socket."""
 
     sock: socket.socket | None
-    error: SocketError | None = None   # the connection failed before the request went out
-    dead: bool = field(default=False)
+    broken: SocketError | None = None   # no request goes out on it any more: it failed, or never opened
+    dead: bool = False                  # dropped: its answers are read no more
+
+
+@dataclass(eq=False, frozen=True)
+class Sent:
+    """What put() returns for take(): the connection a request went out on, or why it did not."""
+
+    connection: Connection
+    error: SocketError | None = None
 
 
 class SocketDuplex:
     """Duplex's calls (put, take, call, due, close) over a peer's link socket: the Link's held
     stream, at a Unix socket's cost. locate() asks the peer for its socket over gRPC; a peer that
     offers none (UNIMPLEMENTED: an older stage, a test's stand-in) is called through fallback, the
-    gRPC Duplex, from then on. One caller at a time; close() from any thread."""
+    gRPC Duplex, from then on. One caller at a time; close() from any thread, once: a put() after
+    it is CANCELLED."""
 
     def __init__(self, locate: Callable[[], Any], method: str, deadline_s: float, fallback: Any = None) -> None:
         self._locate = locate
@@ -254,6 +287,7 @@ class SocketDuplex:
         self._use_fallback = False
         self._lock = threading.Lock()
         self._open: Connection | None = None
+        self._closed = False
         self.answered = 0   # requests answered OK over the socket
 
     def call(self, request: bytes) -> Any:
@@ -264,38 +298,47 @@ class SocketDuplex:
         return self._use_fallback and self._fallback.due
 
     def put(self, request: bytes) -> Any:
-        """Sends request; returns what take() needs to read its answer. Never raises: a failure
-        is take()'s to raise, as a gRPC stream's would be."""
+        """Sends request; returns what take() needs to read its answer. A failure is take()'s to
+        raise, as a gRPC stream's would be."""
         if self._use_fallback:
             return self._fallback.put(request)
-        with self._lock:
-            if self._open is None:
-                self._open = self._connect()
-            current = self._open
-            if self._use_fallback:   # found out just now
-                self._open = None
-        if self._use_fallback:
+        current = self._open
+        if current is None:
+            fresh = self._connect()   # outside the lock: close() must not wait for a locate and a connect
+            with self._lock:
+                if not self._closed:
+                    self._open = current = fresh
+            if current is None:
+                self._end(fresh)
+                return Sent(fresh, SocketError(grpc.StatusCode.CANCELLED, "link socket: the link is closing"))
+        if self._use_fallback:   # found out just now
+            self._open = None
             return self._fallback.put(request)
-        if current.sock is not None and current.error is None:
-            try:
-                _send(current.sock, _LENGTH.pack(len(request)), request)
-            except OSError as exc:
-                current.error = SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket: {exc}")
-        return current
-
-    def take(self, current: Any) -> Any:
-        """The answer to the oldest request put and not yet taken on current (wire_pb2.Ack), or its
-        refusal raised as a SocketError. After an error the connection is dropped: the caller
-        sends what was outstanding on it again."""
-        if not isinstance(current, Connection):
-            return self._fallback.take(current)
+        if current.broken is not None:
+            return Sent(current, current.broken)
         try:
-            if current.error is not None:
-                raise current.error
-            if current.sock is None or current.dead:
+            _send(current.sock, _LENGTH.pack(len(request)), request)   # type: ignore[arg-type]
+        except OSError as exc:
+            # Part of it may have gone: nothing more goes out on this connection. The answers to
+            # the requests before it can still be read.
+            current.broken = SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket: {exc}")
+            return Sent(current, current.broken)
+        return Sent(current)
+
+    def take(self, sent: Any) -> Any:
+        """The answer to the oldest request put and not yet taken (wire_pb2.Ack), or its refusal
+        raised as a SocketError. After an error the connection is dropped: the caller sends what
+        was outstanding on it again."""
+        if not isinstance(sent, Sent):
+            return self._fallback.take(sent)
+        current = sent.connection
+        try:
+            if sent.error is not None:
+                raise sent.error
+            if current.dead:
                 raise SocketError(grpc.StatusCode.UNAVAILABLE, "link socket: the connection was dropped")
             try:
-                _read_answer(current.sock)
+                _read_answer(current.sock)   # type: ignore[arg-type]
             except TimeoutError:
                 raise SocketError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"link socket: no answer within {self._deadline_s:.0f} s") from None
@@ -309,7 +352,7 @@ class SocketDuplex:
 
     def close(self, grace_s: float = 1.0) -> None:
         with self._lock:
-            current, self._open = self._open, None
+            current, self._open, self._closed = self._open, None, True
         if current is not None:
             self._end(current)
         if self._fallback is not None:
@@ -322,23 +365,26 @@ class SocketDuplex:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self._fallback is not None:
                 log.info("the peer offers no link socket; its bundles go over a gRPC stream")
                 self._use_fallback = True
-                return Connection(None)
             return Connection(None, SocketError(exc.code(), f"LinkSocket: {exc.details()}"))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(rpc.CONTROL_DEADLINE_S)
         try:
             sock.connect("\0" + address.name)
         except OSError as exc:
+            sock.close()
+            if exc.errno in _TRANSIENT or self._fallback is None:
+                return Connection(None, SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket {address.name}: {exc}"))
             # The peer answered over gRPC just now, so its socket is out of reach from here (a
             # sandbox's rules, say), not gone: the held stream does the same job, only slower.
-            sock.close()
-            if self._fallback is None:
-                return Connection(None, SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket {address.name}: {exc}"))
             log.warning("cannot reach the peer's link socket %s (%s); its bundles go over a gRPC stream",
                         address.name, exc)
             self._use_fallback = True
             return Connection(None)
         try:
+            # The name can be taken by anyone once its owner is gone: only our own user's answer counts.
+            if (uid := peer_uid(sock)) != os.getuid():
+                raise SocketError(grpc.StatusCode.UNAVAILABLE,
+                                  f"link socket {address.name} is served by user {uid}, not by this one")
             sock.sendall(bytes(address.nonce) + bytes([self._method]))
             _read_answer(sock)
             sock.settimeout(self._deadline_s)

@@ -194,6 +194,7 @@ class Server:
             raise RuntimeError(f"could not bind {host}:{port}")
         self.address = f"{host}:{self.port}"
         self._services: list[str] = [health.SERVICE_NAME]
+        self._servicers: list[object] = []   # what serves beside gRPC (a stage's link socket) ends with stop()
         self._health_only: grpc.Server | None = None
         if health_port:
             self._health_only = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -207,6 +208,7 @@ class Server:
         """Serves servicer as service `name` (SERVICES), listed by server reflection."""
         add_service(self.grpc, name, servicer)
         self._services.append(SERVICES[name].full_name)
+        self._servicers.append(servicer)
 
     def start(self) -> None:
         reflection.enable_server_reflection([*self._services, reflection.SERVICE_NAME], self.grpc)
@@ -223,6 +225,10 @@ class Server:
         if self._health_only is not None:
             self._health_only.stop(0)
         self.grpc.stop(grace).wait(grace + 1)
+        for servicer in self._servicers:
+            close = getattr(servicer, "close", None)
+            if close is not None:
+                close()
         self._ended.set()
 
     def wait(self) -> None:

@@ -74,6 +74,12 @@ class StageServicer:
                 ipc = self._ipc
         return wire.decode(frames, check=check, reader=self.reader, pinned=device is not None, ipc=ipc)
 
+    def close(self) -> None:
+        """Ends the link socket (rpc.Server.stop calls this)."""
+        with self._link_socket_lock:
+            if self._link_socket is not None:
+                self._link_socket.close()
+
     @handler
     def Assign(self, request: stage_pb2.StageAssignment, context: grpc.ServicerContext) -> wire_pb2.Ack:
         self.runtime.assign(request)

@@ -19,7 +19,7 @@ import pytest
 
 from hetpipe import link_socket, rpc
 from hetpipe.errors import Rejected
-from hetpipe.v1 import wire_pb2
+from hetpipe.v1 import stage_pb2, wire_pb2
 from stage_rig import Rig, middle_stage
 
 pytestmark = pytest.mark.timeout(60)
@@ -69,6 +69,35 @@ def test_answers_come_in_order_and_the_first_refusal_ends_the_connection(peer: _
     assert duplex.call(big) == wire_pb2.Ack()
     assert peer.got == [b"a", b"d", big] and duplex.answered == 3
     duplex.close()
+
+
+def test_a_refusal_is_read_before_a_later_send_fails(peer: _Peer) -> None:
+    """The peer refused the first request and closed: the second, put after that, cannot go out,
+    and the first is still answered with its own refusal (which no resend would mend)."""
+    duplex = peer.duplex()
+    refused = duplex.put(b"bad")
+    time.sleep(0.3)   # the peer has answered and closed by now
+    later = duplex.put(b"e")
+    with pytest.raises(link_socket.SocketError) as info:
+        duplex.take(refused)
+    assert info.value.code() == Code.INVALID_ARGUMENT
+    with pytest.raises(link_socket.SocketError) as info:
+        duplex.take(later)
+    assert info.value.code() == Code.UNAVAILABLE
+    assert peer.got == []
+
+
+def test_a_closed_duplex_opens_nothing_more(peer: _Peer) -> None:
+    duplex = peer.duplex()
+    assert duplex.call(b"a") == wire_pb2.Ack()
+    duplex.close()
+    with pytest.raises(link_socket.SocketError) as info:
+        duplex.call(b"b")
+    assert info.value.code() == Code.CANCELLED and peer.got == [b"a"]
+    deadline = time.monotonic() + 5
+    while peer.server._open["Forward"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert peer.server._open["Forward"] == 0
 
 
 def test_a_peer_that_goes_away_is_unavailable_at_once(peer: _Peer) -> None:
@@ -182,6 +211,12 @@ def test_a_stage_refuses_bad_greetings_and_requests_and_changes_nothing(rig: Rig
     address = rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5)
     assert rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5) == address   # one socket per stage
 
+    # Greeted, gone before the answer: each one's lane comes back (else three would shut the link out).
+    for _ in range(2 * link_socket.LANES):
+        sock, _ = _connect(rig)
+        sock.close()
+    _connected(rig).close()
+
     sock, _ = _connect(rig, os.urandom(link_socket.NONCE_BYTES) + b"\0")
     assert _answer(sock) == (Code.PERMISSION_DENIED, "LinkSocket: wrong nonce") and _ended(sock)
     sock, _ = _connect(rig, bytes(address.nonce) + b"\7")
@@ -221,14 +256,20 @@ def test_a_stage_refuses_bad_greetings_and_requests_and_changes_nothing(rig: Rig
     assert rig.snapshot()["received"] == 1
 
 
-def test_a_silent_peer_is_dropped_after_the_control_deadline(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_silent_peer_is_dropped(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before its greeting after the control deadline; after it, once idle as long as gRPC lets a
+    stream live: a frozen peer holds no lane for good."""
     monkeypatch.setattr(rpc, "CONTROL_DEADLINE_S", 0.5)
+    monkeypatch.setattr(link_socket, "IDLE_S", 1.0)
     address = rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     sock.connect("\0" + address.name)
     started = time.monotonic()
     assert _ended(sock) and time.monotonic() - started < 5
+    sock = _connected(rig)
+    started = time.monotonic()
+    assert _ended(sock) and 0.9 < time.monotonic() - started < 5
 
 
 # A Python that another user may run: a venv under /root is not one.
@@ -244,3 +285,40 @@ def test_another_user_may_not_connect(rig: Rig) -> None:
     done = subprocess.run([SYSTEM_PYTHON, "-c", script, address.name, bytes(address.nonce).hex()],
                           user=65534, capture_output=True, text=True, timeout=30)
     assert "may not connect" in done.stdout, (done.stdout, done.stderr)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+                    reason="serving as another user needs root and a system Python")
+def test_a_socket_served_by_another_user_is_not_trusted() -> None:
+    """A name taken over by another user (its owner gone) answers OK to anything: the sender
+    checks who serves it before it sends a bundle there."""
+    name = f"hetpipe-test-{os.getpid()}-{random.Random().getrandbits(32):08x}"
+    script = ("import socket,sys; s=socket.socket(socket.AF_UNIX); s.bind('\\0' + sys.argv[1]); s.listen(1);"
+              "print('ready', flush=True); c,_=s.accept(); c.settimeout(10); c.recv(100); c.sendall(bytes(3));"
+              "c.recv(100)")
+    squatter = subprocess.Popen([SYSTEM_PYTHON, "-c", script, name], user=65534, stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "ready"
+        address = stage_pb2.LinkSocketAddress(name=name, nonce=bytes(link_socket.NONCE_BYTES))
+        duplex = link_socket.SocketDuplex(lambda: address, "Forward", deadline_s=5)
+        with pytest.raises(link_socket.SocketError) as info:
+            duplex.call(b"x")
+        assert info.value.code() == Code.UNAVAILABLE and "served by user 65534" in info.value.details()
+    finally:
+        squatter.kill()
+        squatter.wait(10)
+
+
+def test_a_stopped_stage_server_ends_its_link_socket() -> None:
+    from stage_rig import serve
+    from stage_worker.runtime import StageRuntime
+    from stage_worker.servicer import StageServicer
+
+    server = serve(StageServicer(StageRuntime(), on_stop=lambda: None))
+    with rpc.channel(server.address) as channel:
+        address = rpc.Stub(channel, "Stage").LinkSocket(wire_pb2.Empty(), timeout=5)
+    server.stop(grace=0)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with pytest.raises(ConnectionRefusedError):
+        sock.connect("\0" + address.name)
+    sock.close()
