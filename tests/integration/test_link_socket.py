@@ -322,3 +322,26 @@ def test_a_stopped_stage_server_ends_its_link_socket() -> None:
     with pytest.raises(ConnectionRefusedError):
         sock.connect("\0" + address.name)
     sock.close()
+
+
+def test_a_link_sends_a_real_stage_its_activations_over_the_socket_and_a_resend_counts_as_delivered(
+        rig: Rig) -> None:
+    """stage_worker.links.Link through shared memory to a real stage: every bundle over the socket,
+    and one sent again (its answer lost, say) answered ALREADY_EXISTS, which is a delivery, not a
+    failure; the stage takes it once."""
+    from hetpipe import wire
+    from stage_worker.links import Link, Outgoing
+
+    failures: list[str] = []
+    link = Link(address=rig.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
+                shared_memory=True)
+    try:
+        for p in (1, 2, 2):
+            bundle = wire.decode(rig.activation(p))
+            link.send(Outgoing(bundle.header.minibatch, bundle.tensors))
+        assert link.flush(10) and not failures
+        assert link.socket_bundles == 2 and link.ring is not None and link.ring.bytes_written > 0
+    finally:
+        link.close()
+    rig.wait_until("forwards_done", 2)
+    assert rig.snapshot()["received"] == 2
