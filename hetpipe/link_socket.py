@@ -11,7 +11,8 @@ carries every bundle where the peer offers no socket.
 The protocol, both ends ours: the client sends the nonce and one byte naming the method; the
 server answers; then each request is a 4-byte length and a serialized TensorFrame, and each
 answer is a status code byte, a 2-byte length and the status's details (empty when OK), in
-order. The first refusal ends the connection, as it ends a gRPC stream. The server takes only
+order. A bundle of several frames (chunks in shared memory) is one request: its frames with the
+length's top bit set, each sent as it is made, then that bit alone to end it. The first refusal ends the connection, as it ends a gRPC stream. The server takes only
 connections from its own user (SO_PEERCRED; same-user processes are trusted with the shared
 memory anyway) that present the nonce: an abstract socket's name is listed in /proc/net/unix.
 """
@@ -27,13 +28,14 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from hetpipe import rpc
+from hetpipe.errors import Rejected
 from hetpipe.v1 import stage_pb2, wire_pb2
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 METHODS = ("Forward", "Backward")
 NONCE_BYTES = 16
 _LENGTH = struct.Struct("<I")
+PART = 1 << 31   # in a length: a frame of a bundle of several; PART alone ends that bundle
 _ANSWER = struct.Struct("<BH")
 _CREDENTIALS = struct.Struct("iII")   # pid, uid, gid (uid_t and gid_t are unsigned)
 # A connect that may work if tried again: the listener's queue is full.
@@ -123,10 +126,10 @@ def _read_answer(sock: socket.socket) -> None:
 
 
 class Server:
-    """Serves a stage's link socket: offer(method, frame) takes each bundle, as the ForwardLink and
+    """Serves a stage's link socket: offer(method, frames) takes each bundle, as the ForwardLink and
     BackwardLink handlers do, and a Rejected it raises is the answer's status."""
 
-    def __init__(self, offer: Callable[[str, bytes], None]) -> None:
+    def __init__(self, offer: Callable[[str, Iterable[bytes]], None]) -> None:
         self._offer = offer
         self.name = f"hetpipe-{os.getpid()}-{secrets.token_hex(8)}"
         self.nonce = secrets.token_bytes(NONCE_BYTES)
@@ -235,21 +238,64 @@ class Server:
     def _serve_requests(self, sock: socket.socket, method: str) -> None:
         name = f"{method}Link"
         while (head := _read_exact(sock, _LENGTH.size)) is not None:
-            (size,) = _LENGTH.unpack(head)
-            if size > MAX_REQUEST_BYTES:
-                self._refuse(sock, grpc.StatusCode.INVALID_ARGUMENT,
-                             f"{name}: a request of {size} bytes passes the bound of {MAX_REQUEST_BYTES}")
-                return
-            frame = _read_exact(sock, size)
-            if frame is None:
-                return
+            (word,) = _LENGTH.unpack(head)
             try:
-                self._offer(method, bytes(frame))
+                size, part = _checked_length(name, word)
+                if part and not size:
+                    raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: the end of a bundle that was not begun")
+                frame = _read_exact(sock, size)
+                if frame is None:
+                    return
+                parts = _Parts(sock, name, bytes(frame)) if part else None
+                self._offer(method, parts if parts is not None else [bytes(frame)])
+                if parts is not None and not parts.ended:
+                    raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: frames past the bundle's end")
             except Exception as exc:   # noqa: BLE001 - answered as rpc.handler answers a gRPC call
                 code, message, _ = rpc.status_of(name, exc)   # a bug's is logged there
                 self._refuse(sock, code, message)
                 return
             sock.sendall(_answer(grpc.StatusCode.OK))
+
+
+def _checked_length(name: str, word: int) -> tuple[int, bool]:
+    size, part = word & ~PART, bool(word & PART)
+    if size > MAX_REQUEST_BYTES:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"{name}: a frame of {size} bytes passes the bound of {MAX_REQUEST_BYTES}")
+    return size, part
+
+
+class _Parts:
+    """The frames of a bundle of several, read from the socket as decode asks for them (the
+    sender writes the next chunk meanwhile)."""
+
+    def __init__(self, sock: socket.socket, name: str, first: bytes) -> None:
+        self._sock, self._name = sock, name
+        self._next: bytes | None = first
+        self.ended = False
+
+    def __iter__(self) -> _Parts:
+        return self
+
+    def __next__(self) -> bytes:
+        if self._next is not None:
+            frame, self._next = self._next, None
+            return frame
+        if self.ended:
+            raise StopIteration
+        head = _read_exact(self._sock, _LENGTH.size)
+        if head is None:
+            raise ConnectionError(f"{self._name}: the peer closed its link socket inside a bundle")
+        size, part = _checked_length(self._name, _LENGTH.unpack(head)[0])
+        if not part:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{self._name}: a request inside a bundle's frames")
+        if not size:
+            self.ended = True
+            raise StopIteration
+        body = _read_exact(self._sock, size)
+        if body is None:
+            raise ConnectionError(f"{self._name}: the peer closed its link socket inside a bundle")
+        return bytes(body)
 
 
 # --- the sending stage --------------------------------------------------------------------------
@@ -300,8 +346,34 @@ class SocketDuplex:
     def put(self, request: bytes) -> Any:
         """Sends request; returns what take() needs to read its answer. A failure is take()'s to
         raise, as a gRPC stream's would be."""
-        if self._use_fallback:
+        current = None if self._use_fallback else self._connection()
+        if current is None:
             return self._fallback.put(request)
+        return self._send_on(current, len(request), request)
+
+    def call_bundle(self, frames: Iterator[bytes]) -> Any:
+        """A bundle of several frames as one request, each frame sent as it is made (the chunk its
+        handle names is written then), and its answer; with nothing else outstanding. None: the
+        peer takes none here (the fallback), so it goes by a gRPC call of its own."""
+        current = None if self._use_fallback else self._connection()
+        if current is None:
+            return None
+        for frame in frames:
+            sent = self._send_on(current, PART | len(frame), frame)
+            if sent.error is not None:
+                break
+        else:
+            sent = self._send_on(current, PART, b"")
+        if sent.error is not None and current.sock is not None and not current.dead:
+            # The peer may have refused the bundle from its first frame and closed: its answer
+            # says why, where the broken pipe would not.
+            if isinstance(sent.error.__cause__, (BrokenPipeError, ConnectionResetError)):
+                sent = Sent(current)
+        return self.take(sent)
+
+    def _connection(self) -> Connection | None:
+        """The open connection, made if there is none (it may be broken: a put on it fails);
+        None: the peer takes nothing here, the fallback does."""
         current = self._open
         if current is None:
             fresh = self._connect()   # outside the lock: close() must not wait for a locate and a connect
@@ -310,18 +382,23 @@ class SocketDuplex:
                     self._open = current = fresh
             if current is None:
                 self._end(fresh)
-                return Sent(fresh, SocketError(grpc.StatusCode.CANCELLED, "link socket: the link is closing"))
+                return Connection(None, SocketError(grpc.StatusCode.CANCELLED, "link socket: the link is closing"))
         if self._use_fallback:   # found out just now
             self._open = None
-            return self._fallback.put(request)
+            return None
+        return current
+
+    @staticmethod
+    def _send_on(current: Connection, word: int, body: bytes) -> Sent:
         if current.broken is not None:
             return Sent(current, current.broken)
         try:
-            _send(current.sock, _LENGTH.pack(len(request)), request)   # type: ignore[arg-type]
+            _send(current.sock, _LENGTH.pack(word), body)   # type: ignore[arg-type]
         except OSError as exc:
             # Part of it may have gone: nothing more goes out on this connection. The answers to
             # the requests before it can still be read.
             current.broken = SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket: {exc}")
+            current.broken.__cause__ = exc
             return Sent(current, current.broken)
         return Sent(current)
 

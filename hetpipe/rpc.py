@@ -428,6 +428,9 @@ def send_bundle(stub: Stub, method: str, frames: Iterator[bytes], duplex: HeldCa
             frames = itertools.chain([second], frames)
     if single:
         return duplex.call(first) if duplex is not None else getattr(stub, f"{method}Frame")(first, **kwargs)
+    call_bundle = getattr(duplex, "call_bundle", None)   # a peer's link socket takes these too
+    if call_bundle is not None and (answer := call_bundle(itertools.chain([first], frames))) is not None:
+        return answer
     return getattr(stub, method)(itertools.chain([first], frames), **kwargs)
 
 

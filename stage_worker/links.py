@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 # peer copies the last one in. 1 MiB through shared memory, a burst: 1.96 GiB/s with two, 0.86 with
 # one at a time (docs/benchmarks.md, twenty-fourth pass); more did not help.
 WINDOW = 2
+# A bundle over this goes through shared memory in chunks of it, each handed on as it is written,
+# so that the peer copies one out while the next is written: over the peer's link socket a chunk
+# costs a few µs of control. shm / gloo, alternating (docs/benchmarks.md, thirty-fourth pass):
+# whole up to 16 MiB in 8 MiB chunks 0.76-0.87 at 4 MiB, 0.78-0.85 at 16; in 2 MiB chunks
+# 0.95-1.18 and 1.31-1.45 (4 MiB chunks did better at 64 MiB, worse below).
+CHUNK_BYTES = 2 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +107,7 @@ class Link:
         # has copied a bundle out), so WINDOW slots would do; one more measured a little faster.
         # After a failure a resend may take a slot that a dead call's read still uses: the peer's
         # version check refuses that read, on a call nobody waits for any more.
-        self.ring = shm.Ring(slots=WINDOW + 1) if shared_memory else None
+        self.ring = shm.Ring(slots=WINDOW + 1, chunk_bytes=CHUNK_BYTES, whole_up_to=CHUNK_BYTES) if shared_memory else None
         self._cuda_ipc = shared_memory and cuda_ipc
         self.gpu_ring: ipc.Ring | None = None   # made for the first GPU bundle
         self.cuda_ipc_bytes = 0   # delivered GPU to GPU

@@ -95,17 +95,17 @@ class StageServicer:
         self.runtime.offer_forward(self._decode(request_iterator, self.runtime.check_forward))
         return wire_pb2.Ack()
 
-    def _offer(self, method: str, frame: bytes) -> None:
-        """A one-frame bundle from a held stream or the link socket."""
+    def _offer(self, method: str, frames: Iterable[bytes]) -> None:
+        """A bundle from a held stream (one frame) or the link socket."""
         if method == "Forward":
-            self.runtime.offer_forward(self._decode([frame], self.runtime.check_forward))
+            self.runtime.offer_forward(self._decode(frames, self.runtime.check_forward))
         else:
-            self.runtime.offer_backward(self._decode([frame], self.runtime.check_backward))
+            self.runtime.offer_backward(self._decode(frames, self.runtime.check_backward))
 
     @handler
     def ForwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
         for frame in frames:   # each a whole bundle
-            self._offer("Forward", frame)
+            self._offer("Forward", [frame])
             yield wire_pb2.Ack()
 
     @handler
@@ -116,7 +116,7 @@ class StageServicer:
     @handler
     def BackwardLink(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[wire_pb2.Ack]:
         for frame in frames:
-            self._offer("Backward", frame)
+            self._offer("Backward", [frame])
             yield wire_pb2.Ack()
 
     @handler

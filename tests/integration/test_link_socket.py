@@ -11,7 +11,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -34,12 +34,17 @@ class _Peer:
         self.release = threading.Event()
         self.server = link_socket.Server(self.offer)
 
-    def offer(self, method: str, frame: bytes) -> None:
-        if frame == b"bad":
-            raise Rejected(Code.INVALID_ARGUMENT, f"{method}Link: frame 'bad' refused")
-        if frame == b"hold":
-            self.release.wait(30)
-        self.got.append(frame)
+    def offer(self, method: str, frames: Iterable[bytes]) -> None:
+        got = []
+        for frame in frames:
+            if frame == b"bad":
+                raise Rejected(Code.INVALID_ARGUMENT, f"{method}Link: frame 'bad' refused")
+            if frame == b"hold":
+                self.release.wait(30)
+            if frame == b"stop":   # reads no further: a bundle that declares fewer frames than it sends
+                break
+            got.append(frame)
+        self.got.append(got[0] if len(got) == 1 else b"+".join(got))
 
     def duplex(self) -> link_socket.SocketDuplex:
         return link_socket.SocketDuplex(self.server.address, "Forward", deadline_s=30)
@@ -69,6 +74,56 @@ def test_answers_come_in_order_and_the_first_refusal_ends_the_connection(peer: _
     assert duplex.call(big) == wire_pb2.Ack()
     assert peer.got == [b"a", b"d", big] and duplex.answered == 3
     duplex.close()
+
+
+def test_a_bundle_of_several_frames_is_one_request(peer: _Peer) -> None:
+    """Each frame goes out as it is made; the receiver reads them as it decodes; one answer. A
+    refusal from a frame inside it is the bundle's answer, though frames were still coming."""
+    duplex = peer.duplex()
+    made: list[int] = []
+
+    def frames(n: int, *extra: bytes) -> Iterator[bytes]:
+        for i in range(n):
+            made.append(i)
+            yield f"p{i}".encode()
+        yield from extra
+
+    assert duplex.call_bundle(frames(3)) == wire_pb2.Ack() and peer.got == [b"p0+p1+p2"]
+    big = bytes(3 << 20)
+    with pytest.raises(link_socket.SocketError) as info:
+        duplex.call_bundle(frames(1, b"bad", *[big] * 8))
+    assert (info.value.code(), info.value.details()) == (Code.INVALID_ARGUMENT, "ForwardLink: frame 'bad' refused")
+    with pytest.raises(link_socket.SocketError) as info:   # the receiver stopped reading before its end
+        duplex.call_bundle(frames(1, b"stop", b"more"))
+    assert (info.value.code(), info.value.details()) == (Code.INVALID_ARGUMENT, "ForwardLink: frames past the bundle's end")
+    # (This stand-in kept what it read; a stage's wire.decode refuses frames past a bundle's end
+    # itself, before it offers anything.)
+    assert duplex.call(b"one") == wire_pb2.Ack() and peer.got == [b"p0+p1+p2", b"p0", b"one"]
+
+
+def test_a_bundles_framing_is_checked(peer: _Peer) -> None:
+    address = peer.server.address()
+
+    def answer_to(*words: int) -> tuple[Code, str]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect("\0" + address.name)
+        sock.sendall(bytes(address.nonce) + b"\0")
+        assert _answer(sock) == (Code.OK, "")
+        for word in words:
+            size = word & ~link_socket.PART
+            sock.sendall(struct.pack("<I", word) + bytes(size if size <= 64 else 0))   # no body for one refused by its length
+        answered = _answer(sock)
+        sock.close()
+        return answered
+
+    part = link_socket.PART
+    assert answer_to(part) == (Code.INVALID_ARGUMENT, "ForwardLink: the end of a bundle that was not begun")
+    assert answer_to(part | 4, 4) == (Code.INVALID_ARGUMENT, "ForwardLink: a request inside a bundle's frames")
+    code, details = answer_to(part | 4, part | (link_socket.MAX_REQUEST_BYTES + 1))
+    assert code == Code.INVALID_ARGUMENT and "passes the bound" in details
+    assert answer_to(part | 4, part | 2, part) == (Code.OK, "")
+    assert peer.got == [bytes(4) + b"+" + bytes(2)]
 
 
 def test_a_refusal_is_read_before_a_later_send_fails(peer: _Peer) -> None:

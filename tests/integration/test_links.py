@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
 import pytest
 import torch
 
-from hetpipe import rpc, shm, wire
+from hetpipe import link_socket, rpc, shm, wire
 from hetpipe.errors import Rejected
 from hetpipe.rpc import handler
 from hetpipe.v1 import wire_pb2
-from stage_worker.links import Link, Outgoing, handle_refused
+from stage_worker.links import CHUNK_BYTES, Link, Outgoing, handle_refused
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,6 +34,9 @@ class Neighbour:
 
     @handler
     def Forward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
+        return self._take(request_iterator)
+
+    def _take(self, request_iterator: Iterable[bytes]) -> wire_pb2.Ack:
         frames = list(request_iterator)
         bundle = wire.decode(frames, reader=self.reader)
         with self.cv:
@@ -54,6 +57,24 @@ class Neighbour:
         with self.cv:
             assert self.cv.wait_for(lambda: len(self.got) >= n, timeout), self.got
             return list(self.got)
+
+
+class SocketNeighbour(Neighbour):
+    """The same, offering a link socket (hetpipe/link_socket.py) as a stage does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.server: link_socket.Server | None = None
+
+    @handler
+    def LinkSocket(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if self.server is None:
+            self.server = link_socket.Server(lambda method, frames: self._take(frames))
+        return self.server.address()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
 
 
 def _serve(neighbour: Neighbour, port: int = 0) -> rpc.Server:
@@ -188,7 +209,7 @@ def test_a_large_bundle_behind_one_resent_again_and_again_still_arrives_whole() 
     try:
         gate = Gate()
         link.send(Outgoing(_message(1).tag, _message(1).tensors, ready=gate))
-        n = (shm.WHOLE_UP_TO + shm.CHUNK_BYTES // 2) // 4   # three chunks
+        n = (2 * CHUNK_BYTES + CHUNK_BYTES // 2) // 4   # three chunks
         big = torch.arange(n, dtype=torch.float32)
         link.send(Outgoing(wire_pb2.MinibatchTag(vw=0, minibatch=2, stage=0), [("activation", big)]))
         gate.open.set()
@@ -237,15 +258,17 @@ def test_a_send_whose_preparation_failed_is_not_waited_for() -> None:
         server.stop(grace=0)
 
 
-def test_large_bundles_go_through_shared_memory_in_chunks_and_arrive_whole() -> None:
-    """A bundle over shm.WHOLE_UP_TO travels a chunk a frame on the link's stream call (the
-    receiver copies one out while the next is written): every byte arrives, in order."""
-    neighbour = Neighbour()
+@pytest.mark.parametrize("kind", [Neighbour, SocketNeighbour])
+def test_large_bundles_go_through_shared_memory_in_chunks_and_arrive_whole(kind: type[Neighbour]) -> None:
+    """A bundle over links.CHUNK_BYTES travels a chunk a frame, on the peer's link socket or a
+    stream call (the receiver copies one out while the next is written): every byte arrives, in
+    order."""
+    neighbour = kind()
     server = _serve(neighbour)
     failures: list[str] = []
     link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
                 shared_memory=True)
-    n = (shm.WHOLE_UP_TO + shm.CHUNK_BYTES // 2) // 4 + 3   # two chunks and a part, split mid-tensor
+    n = (2 * CHUNK_BYTES + CHUNK_BYTES // 2) // 4 + 3   # two chunks and a part, split mid-tensor
     sent = []
     try:
         for p in range(1, 4):
@@ -258,6 +281,7 @@ def test_large_bundles_go_through_shared_memory_in_chunks_and_arrive_whole() -> 
             assert [k for k, _ in got] == [k for k, _ in want]
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
         assert link.ring is not None and link.ring.bytes_written == sum(4 * n + 8 for _ in sent)
+        assert link.socket_bundles == (3 if kind is SocketNeighbour else 0)
     finally:
         link.close()
         server.stop(grace=0)
