@@ -12,7 +12,7 @@ The protocol, both ends ours: the client sends the nonce and one byte naming the
 server answers; then each request is a 4-byte length and a serialized TensorFrame, and each
 answer is a status code byte, a 2-byte length and the status's details (empty when OK), in
 order. A bundle of several frames (chunks in shared memory) is one request: its frames with the
-length's top bit set, each sent as it is made, then that bit alone to end it. The first refusal ends the connection, as it ends a gRPC stream. The server takes only
+length's PART bit set, each sent as it is made, then the END bit alone. The first refusal ends the connection, as it ends a gRPC stream. The server takes only
 connections from its own user (SO_PEERCRED; same-user processes are trusted with the shared
 memory anyway) that present the nonce: an abstract socket's name is listed in /proc/net/unix.
 """
@@ -43,7 +43,10 @@ log = logging.getLogger(__name__)
 METHODS = ("Forward", "Backward")
 NONCE_BYTES = 16
 _LENGTH = struct.Struct("<I")
-PART = 1 << 31   # in a length: a frame of a bundle of several; PART alone ends that bundle
+# Flags in a request's length word: a frame of a bundle of several, and the end of that bundle (a
+# frame of its own, since a frame of 0 bytes is an empty TensorFrame).
+PART, END = 1 << 31, 1 << 30
+_SIZE = END - 1
 _ANSWER = struct.Struct("<BH")
 _CREDENTIALS = struct.Struct("iII")   # pid, uid, gid (uid_t and gid_t are unsigned)
 # A connect that may work if tried again: the listener's queue is full.
@@ -240,9 +243,10 @@ class Server:
         while (head := _read_exact(sock, _LENGTH.size)) is not None:
             (word,) = _LENGTH.unpack(head)
             try:
-                size, part = _checked_length(name, word)
-                if part and not size:
+                size, kind = _checked_length(name, word)
+                if kind == END:
                     raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: the end of a bundle that was not begun")
+                part = kind == PART
                 frame = _read_exact(sock, size)
                 if frame is None:
                     return
@@ -257,12 +261,15 @@ class Server:
             sock.sendall(_answer(grpc.StatusCode.OK))
 
 
-def _checked_length(name: str, word: int) -> tuple[int, bool]:
-    size, part = word & ~PART, bool(word & PART)
+def _checked_length(name: str, word: int) -> tuple[int, int]:
+    """(size, PART, END or 0) of a length word."""
+    size, kind = word & _SIZE, word & ~_SIZE
     if size > MAX_REQUEST_BYTES:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                        f"{name}: a frame of {size} bytes passes the bound of {MAX_REQUEST_BYTES}")
-    return size, part
+    if kind == PART | END or (kind == END and size):
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: a length word {word:#x} that means nothing")
+    return size, kind
 
 
 class _Parts:
@@ -286,12 +293,12 @@ class _Parts:
         head = _read_exact(self._sock, _LENGTH.size)
         if head is None:
             raise ConnectionError(f"{self._name}: the peer closed its link socket inside a bundle")
-        size, part = _checked_length(self._name, _LENGTH.unpack(head)[0])
-        if not part:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{self._name}: a request inside a bundle's frames")
-        if not size:
+        size, kind = _checked_length(self._name, _LENGTH.unpack(head)[0])
+        if kind == END:
             self.ended = True
             raise StopIteration
+        if kind != PART:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{self._name}: a request inside a bundle's frames")
         body = _read_exact(self._sock, size)
         if body is None:
             raise ConnectionError(f"{self._name}: the peer closed its link socket inside a bundle")
@@ -363,7 +370,7 @@ class SocketDuplex:
             if sent.error is not None:
                 break
         else:
-            sent = self._send_on(current, PART, b"")
+            sent = self._send_on(current, END, b"")
         if sent.error is not None and current.sock is not None and not current.dead:
             # The peer may have refused the bundle from its first frame and closed: its answer
             # says why, where the broken pipe would not.

@@ -111,19 +111,22 @@ def test_a_bundles_framing_is_checked(peer: _Peer) -> None:
         sock.sendall(bytes(address.nonce) + b"\0")
         assert _answer(sock) == (Code.OK, "")
         for word in words:
-            size = word & ~link_socket.PART
+            size = word & ~(link_socket.PART | link_socket.END)
             sock.sendall(struct.pack("<I", word) + bytes(size if size <= 64 else 0))   # no body for one refused by its length
         answered = _answer(sock)
         sock.close()
         return answered
 
-    part = link_socket.PART
-    assert answer_to(part) == (Code.INVALID_ARGUMENT, "ForwardLink: the end of a bundle that was not begun")
+    part, end = link_socket.PART, link_socket.END
+    assert answer_to(end) == (Code.INVALID_ARGUMENT, "ForwardLink: the end of a bundle that was not begun")
     assert answer_to(part | 4, 4) == (Code.INVALID_ARGUMENT, "ForwardLink: a request inside a bundle's frames")
+    assert answer_to(part | 4, end | 4)[0] == Code.INVALID_ARGUMENT
+    assert answer_to(part | end)[0] == Code.INVALID_ARGUMENT
     code, details = answer_to(part | 4, part | (link_socket.MAX_REQUEST_BYTES + 1))
     assert code == Code.INVALID_ARGUMENT and "passes the bound" in details
-    assert answer_to(part | 4, part | 2, part) == (Code.OK, "")
-    assert peer.got == [bytes(4) + b"+" + bytes(2)]
+    # A frame of 0 bytes inside a bundle is a frame (an empty TensorFrame), not its end.
+    assert answer_to(part | 4, part | 0, part | 2, end) == (Code.OK, "")
+    assert peer.got == [bytes(4) + b"++" + bytes(2)]
 
 
 def test_a_refusal_is_read_before_a_later_send_fails(peer: _Peer) -> None:
