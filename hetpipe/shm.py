@@ -247,7 +247,8 @@ class Ring:
     slot holds one segment per chunk of its bundle (CHUNK_BYTES, for bundles over WHOLE_UP_TO).
     Writing raises OSError where /dev/shm has no room; the caller sends in gRPC frames instead."""
 
-    def __init__(self, slots: int = 2, chunk_bytes: int = CHUNK_BYTES, whole_up_to: int = WHOLE_UP_TO) -> None:
+    def __init__(self, slots: int = 2, chunk_bytes: int = CHUNK_BYTES, whole_up_to: int = WHOLE_UP_TO,
+                 max_chunks: int = 0) -> None:
         if slots < 1:
             raise ValueError(f"a ring needs at least one slot, got {slots}")
         if chunk_bytes < 1:
@@ -255,6 +256,9 @@ class Ring:
         self._slots: list[list[Segment | None]] = [[] for _ in range(slots)]
         self._writers = [0] * slots   # per slot, the number of the last refs() that took it
         self._chunk_bytes, self._whole_up_to = chunk_bytes, whole_up_to
+        # > 0: a bundle goes in at most this many chunks, larger ones where it must (a receiver
+        # keeps Reader's 256 mappings: more segments a slot than that would be mapped anew each time).
+        self._max_chunks = max_chunks
         self._turn = 0
         self._taken = 0
         self._lock = threading.Lock()
@@ -264,8 +268,9 @@ class Ring:
         """The pieces in the next slot, in chunks if they are large, each written when its handle
         is asked for: the handles go out while the rest is written. Every segment the bundle
         needs is made first, so a /dev/shm without room fails before the first handle."""
-        whole = sum(len(p) for p in pieces) <= self._whole_up_to
-        groups = [list(pieces)] if whole else list(chunks(pieces, self._chunk_bytes))
+        total = sum(len(p) for p in pieces)
+        chunk = max(self._chunk_bytes, -(-total // self._max_chunks)) if self._max_chunks else self._chunk_bytes
+        groups = [list(pieces)] if total <= self._whole_up_to else list(chunks(pieces, chunk))
         sizes = [sum(len(p) for p in g) for g in groups]
         with self._lock:
             i = self._turn
@@ -316,7 +321,7 @@ class Reader:
     their last version would still check. So each use first compares the name's file with the
     one mapped (one lstat): a segment its owner unlinked (closed, regrown, or ended) is refused
     as gone, one made anew under the name is mapped anew. The mappings of every segment that is
-    gone are let go at each new mapping, and at a read once PRUNE_S seconds have passed since, so
+    gone are let go at a new mapping or a read once PRUNE_S seconds have passed since the last time, so
     that a peer that ended or regrew its segments does not pin their memory here."""
 
     PRUNE_S = 1.0
@@ -399,7 +404,8 @@ class Reader:
         finally:
             os.close(fd)
         with self._lock:
-            self._prune()
+            if time.monotonic() - self._pruned >= self.PRUNE_S:
+                self._prune()   # not at every new mapping: a cycle of more segments than it keeps would stat them all each time
             self._maps[name] = (mapped, (st.st_dev, st.st_ino, st.st_size))
             while len(self._maps) > self._keep:
                 self._maps.popitem(last=False)  # views still in use keep their mapping alive

@@ -32,6 +32,9 @@ WINDOW = 2
 # whole up to 16 MiB in 8 MiB chunks 0.76-0.87 at 4 MiB, 0.78-0.85 at 16; in 2 MiB chunks
 # 0.95-1.18 and 1.31-1.45 (4 MiB chunks did better at 64 MiB, worse below).
 CHUNK_BYTES = 2 << 20
+# ...and in at most this many chunks (larger ones past 64 MiB): a receiver keeps 256 mappings, for
+# both its links' three slots.
+MAX_CHUNKS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +110,8 @@ class Link:
         # has copied a bundle out), so WINDOW slots would do; one more measured a little faster.
         # After a failure a resend may take a slot that a dead call's read still uses: the peer's
         # version check refuses that read, on a call nobody waits for any more.
-        self.ring = shm.Ring(slots=WINDOW + 1, chunk_bytes=CHUNK_BYTES, whole_up_to=CHUNK_BYTES) if shared_memory else None
+        self.ring = (shm.Ring(slots=WINDOW + 1, chunk_bytes=CHUNK_BYTES, whole_up_to=CHUNK_BYTES, max_chunks=MAX_CHUNKS)
+                     if shared_memory else None)
         self._cuda_ipc = shared_memory and cuda_ipc
         self.gpu_ring: ipc.Ring | None = None   # made for the first GPU bundle
         self.cuda_ipc_bytes = 0   # delivered GPU to GPU

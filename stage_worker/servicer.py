@@ -96,7 +96,8 @@ class StageServicer:
         return wire_pb2.Ack()
 
     def _offer(self, method: str, frames: Iterable[bytes]) -> None:
-        """A bundle from a held stream (one frame) or the link socket."""
+        """A bundle from a held stream (one frame) or the link socket (wire.decode reads every
+        frame, and refuses one past the bundle's end, before it is offered)."""
         if method == "Forward":
             self.runtime.offer_forward(self._decode(frames, self.runtime.check_forward))
         else:

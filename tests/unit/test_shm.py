@@ -111,6 +111,24 @@ def test_a_large_bundle_goes_in_chunks_each_written_as_its_frame_is_asked_for() 
     assert _mine() == before
 
 
+def test_a_ring_with_max_chunks_makes_larger_chunks_rather_than_more() -> None:
+    """A link's ring (links.MAX_CHUNKS): a bundle of more than max_chunks chunks takes larger ones,
+    so that the receiver's mappings (256) hold both its links' slots."""
+    bundle = _bundle()
+    nbytes = sum(t.numel() * t.element_size() for _, t in bundle)
+    ring, reader = shm.Ring(slots=1, chunk_bytes=1_000, whole_up_to=1_000, max_chunks=3), shm.Reader()
+    try:
+        sent = list(wire.encode(bundle, ring=ring))
+        sizes = [wire_pb2.TensorFrame.FromString(f).shm.nbytes for f in sent]
+        assert len(sizes) == 3 and sum(sizes) == nbytes and max(sizes) == -(-nbytes // 3), sizes
+        got = wire.decode(sent, reader=reader).tensors
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, bundle))
+        small = list(wire.encode([("x", torch.ones(600))], ring=ring))   # 2400 bytes: chunks of 1000 again
+        assert len(small) == 3
+    finally:
+        ring.close()
+
+
 @pytest.mark.parametrize("chunk", [0, 1])
 def test_a_chunk_overwritten_while_it_is_read_is_refused(chunk: int) -> None:
     """Each chunk is checked against its own version once it is copied out: here one chunk alone
@@ -336,7 +354,10 @@ def test_a_segment_its_owner_unlinked_is_refused_and_its_mapping_let_go() -> Non
 def test_mappings_of_segments_that_are_gone_are_let_go_without_being_named_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer that ends or regrows its ring never names the old segments again: the reader lets go
-    of them when it maps another segment, or at a read once Reader.PRUNE_S has passed."""
+    of them when it maps another segment or reads, once Reader.PRUNE_S has passed since it last
+    looked (not at every new mapping: a cycle of more segments than it keeps would stat them all
+    each time)."""
+    monkeypatch.setattr(shm.Reader, "PRUNE_S", 3600.0)
     reader, rings = shm.Reader(), [shm.Ring(slots=1) for _ in range(4)]
     try:
         names = []
@@ -346,12 +367,15 @@ def test_mappings_of_segments_that_are_gone_are_let_go_without_being_named_again
             wire.decode(frames, reader=reader)
         kept = list(wire.encode(_bundle(), ring=rings[1]))
         rings[0].close()
-        wire.decode(list(wire.encode(_bundle(), ring=rings[3])), reader=reader)   # a new mapping
+        wire.decode(list(wire.encode(_bundle(), ring=rings[3])), reader=reader)   # a new mapping, too soon
+        assert _mapped_here(names[0])
+        monkeypatch.setattr(shm.Reader, "PRUNE_S", 0.0)
+        wire.decode(list(wire.encode(_bundle(), ring=rings[3])), reader=reader)   # a cached one, due
         assert not _mapped_here(names[0]) and _mapped_here(names[1]) and _mapped_here(names[2])
         rings[2].close()
-        monkeypatch.setattr(shm.Reader, "PRUNE_S", 0.0)
-        wire.decode(kept, reader=reader)                                          # a cached one
+        wire.decode(list(wire.encode(_bundle(), ring=rings[3])), reader=reader)
         assert not _mapped_here(names[2]) and _mapped_here(names[1])
+        wire.decode(kept, reader=reader)
     finally:
         for ring in rings:
             ring.close()
