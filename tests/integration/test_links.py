@@ -287,6 +287,28 @@ def test_large_bundles_go_through_shared_memory_in_chunks_and_arrive_whole(kind:
         server.stop(grace=0)
 
 
+def test_a_link_goes_on_after_its_peer_ends_an_idle_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer ends a link socket idle for link_socket.IDLE_S (as gRPC ends a stream): the next
+    bundle finds it closed, and goes over a new connection, delivered once, with no failure."""
+    monkeypatch.setattr(link_socket, "IDLE_S", 0.3)
+    neighbour = SocketNeighbour()
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
+                shared_memory=True)
+    try:
+        link.send(_message(1))
+        assert neighbour.wait_for(1) == [1]
+        time.sleep(1.0)
+        assert neighbour.server is not None and neighbour.server._open["Forward"] == 0, "the peer ended it"
+        link.send(_message(2))
+        assert link.flush(10) and neighbour.wait_for(2) == [1, 2] and not failures
+        assert link.socket_bundles == 2
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
 def test_a_busy_or_restarting_peer_is_retried_and_a_duplicate_counts_as_delivered() -> None:
     neighbour = Neighbour()
     neighbour.refuse = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
