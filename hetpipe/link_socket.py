@@ -332,8 +332,10 @@ class SocketDuplex:
     gRPC Duplex, from then on. One caller at a time; close() from any thread, once: a put() after
     it is CANCELLED."""
 
-    def __init__(self, locate: Callable[[], Any], method: str, deadline_s: float, fallback: Any = None) -> None:
+    def __init__(self, locate: Callable[[], Any], method: str, deadline_s: float, fallback: Any = None,
+                 on_fallback: Callable[[], None] = lambda: None) -> None:
         self._locate = locate
+        self._on_fallback = on_fallback   # told once, on the caller's thread, when the fallback takes over
         self._method = METHODS.index(method)
         self._deadline_s = deadline_s
         self._fallback = fallback
@@ -448,7 +450,7 @@ class SocketDuplex:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self._fallback is not None:
                 log.info("the peer offers no link socket; its bundles go over a gRPC stream")
-                self._use_fallback = True
+                self._fall_back()
             return Connection(None, SocketError(exc.code(), f"LinkSocket: {exc.details()}"))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(rpc.CONTROL_DEADLINE_S)
@@ -462,7 +464,7 @@ class SocketDuplex:
             # sandbox's rules, say), not gone: the held stream does the same job, only slower.
             log.warning("cannot reach the peer's link socket %s (%s); its bundles go over a gRPC stream",
                         address.name, exc)
-            self._use_fallback = True
+            self._fall_back()
             return Connection(None)
         try:
             # The name can be taken by anyone once its owner is gone: only our own user's answer counts.
@@ -479,6 +481,10 @@ class SocketDuplex:
             sock.close()
             return Connection(None, SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket {address.name}: {exc}"))
         return Connection(sock)
+
+    def _fall_back(self) -> None:
+        self._use_fallback = True
+        self._on_fallback()
 
     def _drop(self, current: Connection) -> None:
         with self._lock:

@@ -264,13 +264,20 @@ class Ring:
         self._lock = threading.Lock()
         self.bytes_written = 0
 
+    def chunking(self, chunk_bytes: int, whole_up_to: int, max_chunks: int = 0) -> None:
+        """Bundles written from now on go whole up to whole_up_to bytes, else in chunks as above."""
+        with self._lock:
+            self._chunk_bytes, self._whole_up_to, self._max_chunks = chunk_bytes, whole_up_to, max_chunks
+
     def refs(self, pieces: Sequence[memoryview]) -> Iterator[wire_pb2.ShmRef]:
         """The pieces in the next slot, in chunks if they are large, each written when its handle
         is asked for: the handles go out while the rest is written. Every segment the bundle
         needs is made first, so a /dev/shm without room fails before the first handle."""
         total = sum(len(p) for p in pieces)
-        chunk = max(self._chunk_bytes, -(-total // self._max_chunks)) if self._max_chunks else self._chunk_bytes
-        groups = [list(pieces)] if total <= self._whole_up_to else list(chunks(pieces, chunk))
+        with self._lock:
+            chunk, whole_up_to, most = self._chunk_bytes, self._whole_up_to, self._max_chunks
+        chunk = max(chunk, -(-total // most)) if most else chunk
+        groups = [list(pieces)] if total <= whole_up_to else list(chunks(pieces, chunk))
         sizes = [sum(len(p) for p in g) for g in groups]
         with self._lock:
             i = self._turn

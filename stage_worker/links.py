@@ -123,7 +123,8 @@ class Link:
         # One-frame bundles: over the peer's link socket where it shares this host, else a held stream.
         self._duplex: Duplex | link_socket.SocketDuplex = Duplex(getattr(self._stub, f"{method}Link"), rpc.DATA_DEADLINE_S)
         if shared_memory:
-            self._duplex = link_socket.SocketDuplex(self._locate, method, rpc.DATA_DEADLINE_S, fallback=self._duplex)
+            self._duplex = link_socket.SocketDuplex(self._locate, method, rpc.DATA_DEADLINE_S, fallback=self._duplex,
+                                                    on_fallback=self._whole_bundles)
         self._queue: queue.Queue[Outgoing | None] = queue.Queue()
         self._in_flight: deque[tuple[Outgoing, Any]] = deque()   # put on the held stream or socket, unanswered
         self._closing = threading.Event()
@@ -134,6 +135,12 @@ class Link:
         self._ended = False                  # the link's thread has ended: failed, or closed
         self._thread = threading.Thread(target=self._run, name=f"link-{method}", daemon=True)
         self._thread.start()
+
+    def _whole_bundles(self) -> None:
+        """Over a gRPC stream a chunk costs a message, and a bundle of several a call of its own:
+        bundles up to shm.WHOLE_UP_TO go whole again, one frame on the held stream."""
+        if self.ring is not None:
+            self.ring.chunking(shm.CHUNK_BYTES, shm.WHOLE_UP_TO)
 
     def _locate(self) -> Any:
         return self._stub.LinkSocket(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
