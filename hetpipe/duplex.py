@@ -6,7 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -50,6 +50,11 @@ class Duplex:
 
     def call(self, request: bytes) -> Any:
         return self.take(self.put(request))
+
+    def call_bundle(self, frames: Iterator[bytes]) -> None:
+        """None: a bundle of several frames goes by a stream call of its own (rpc.send_bundle),
+        not on the held stream, whose requests are one frame each."""
+        return None
 
     @property
     def due(self) -> bool:

@@ -5,14 +5,15 @@ Through shared memory a bundle's frame is a few hundred bytes that name a slot. 
 stream its round trip costs about 0.55 ms on two cores (the sync Python machinery's threads, each
 handing the GIL on), where gloo moves a whole 1 MiB message in 0.6; over a Unix socket it costs a
 few tens of µs (docs/benchmarks.md, thirty-fourth pass). gRPC still finds the socket
-(`Stage.LinkSocket`, authenticated like every call), carries every bundle of several frames, and
-carries every bundle where the peer offers no socket.
+(`Stage.LinkSocket`, authenticated like every call) and carries every bundle where the peer
+offers no socket.
 
 The protocol, both ends ours: the client sends the nonce and one byte naming the method; the
 server answers; then each request is a 4-byte length and a serialized TensorFrame, and each
 answer is a status code byte, a 2-byte length and the status's details (empty when OK), in
 order. A bundle of several frames (chunks in shared memory) is one request: its frames with the
-length's PART bit set, each sent as it is made, then the END bit alone. The first refusal ends the connection, as it ends a gRPC stream. The server takes only
+length's PART bit set, each sent as it is made, then the END bit alone. The first refusal ends
+the connection, as it ends a gRPC stream. The server takes only
 connections from its own user (SO_PEERCRED; same-user processes are trusted with the shared
 memory anyway) that present the nonce: an abstract socket's name is listed in /proc/net/unix.
 """
@@ -236,7 +237,6 @@ class Server:
     def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
         rpc.REFUSALS.note("LinkSocket", code, message)
         sock.sendall(_answer(code, message))
-        return None
 
     def _serve_requests(self, sock: socket.socket, method: str) -> None:
         name = f"{method}Link"
@@ -246,13 +246,12 @@ class Server:
                 size, kind = _checked_length(name, word)
                 if kind == END:
                     raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: the end of a bundle that was not begun")
-                part = kind == PART
                 frame = _read_exact(sock, size)
                 if frame is None:
                     return
-                parts = _Parts(sock, name, bytes(frame)) if part else None
-                self._offer(method, parts if parts is not None else [bytes(frame)])
-                if parts is not None and not parts.ended:
+                frames = _Parts(sock, name, bytes(frame)) if kind == PART else [bytes(frame)]
+                self._offer(method, frames)
+                if isinstance(frames, _Parts) and not frames.ended:   # the socket must be at a request's start again
                     raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: frames past the bundle's end")
             except Exception as exc:   # noqa: BLE001 - answered as rpc.handler answers a gRPC call
                 code, message, _ = rpc.status_of(name, exc)   # a bug's is logged there
@@ -355,7 +354,7 @@ class SocketDuplex:
     def put(self, request: bytes) -> Any:
         """Sends request; returns what take() needs to read its answer. A failure is take()'s to
         raise, as a gRPC stream's would be."""
-        current = None if self._use_fallback else self._connection()
+        current = self._connection()
         if current is None:
             return self._fallback.put(request)
         return self._send_on(current, len(request), request)
@@ -364,7 +363,7 @@ class SocketDuplex:
         """A bundle of several frames as one request, each frame sent as it is made (the chunk its
         handle names is written then), and its answer; with nothing else outstanding. None: the
         peer takes none here (the fallback), so it goes by a gRPC call of its own."""
-        current = None if self._use_fallback else self._connection()
+        current = self._connection()
         if current is None:
             return None
         for frame in frames:
@@ -383,18 +382,19 @@ class SocketDuplex:
     def _connection(self) -> Connection | None:
         """The open connection, made if there is none (it may be broken: a put on it fails);
         None: the peer takes nothing here, the fallback does."""
+        if self._use_fallback:
+            return None
         current = self._open
         if current is None:
             fresh = self._connect()   # outside the lock: close() must not wait for a locate and a connect
+            if self._use_fallback:   # found out just now
+                return None
             with self._lock:
                 if not self._closed:
                     self._open = current = fresh
             if current is None:
                 self._end(fresh)
                 return Connection(None, SocketError(grpc.StatusCode.CANCELLED, "link socket: the link is closing"))
-        if self._use_fallback:   # found out just now
-            self._open = None
-            return None
         return current
 
     @staticmethod
@@ -451,6 +451,7 @@ class SocketDuplex:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self._fallback is not None:
                 log.info("the peer offers no link socket; its bundles go over a gRPC stream")
                 self._fall_back()
+                return Connection(None)
             return Connection(None, SocketError(exc.code(), f"LinkSocket: {exc.details()}"))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(rpc.CONTROL_DEADLINE_S)

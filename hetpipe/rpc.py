@@ -407,10 +407,13 @@ class Stub:
 
 
 class HeldCalls(Protocol):
-    """Where a link sends its one-frame bundles: a held stream (duplex.Duplex) or a peer's link
-    socket (link_socket.SocketDuplex)."""
+    """Where a link sends its bundles: a held stream (duplex.Duplex) or a peer's link socket
+    (link_socket.SocketDuplex)."""
 
     def call(self, request: bytes) -> Any: ...
+
+    def call_bundle(self, frames: Iterator[bytes]) -> Any:
+        """A bundle of several frames, answered; None: it goes by a stream call of its own."""
 
 
 def send_bundle(stub: Stub, method: str, frames: Iterator[bytes], duplex: HeldCalls | None = None,
@@ -428,8 +431,7 @@ def send_bundle(stub: Stub, method: str, frames: Iterator[bytes], duplex: HeldCa
             frames = itertools.chain([second], frames)
     if single:
         return duplex.call(first) if duplex is not None else getattr(stub, f"{method}Frame")(first, **kwargs)
-    call_bundle = getattr(duplex, "call_bundle", None)   # a peer's link socket takes these too
-    if call_bundle is not None and (answer := call_bundle(itertools.chain([first], frames))) is not None:
+    if duplex is not None and (answer := duplex.call_bundle(itertools.chain([first], frames))) is not None:
         return answer
     return getattr(stub, method)(itertools.chain([first], frames), **kwargs)
 

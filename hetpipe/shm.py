@@ -275,11 +275,9 @@ class Ring:
         needs is made first, so a /dev/shm without room fails before the first handle."""
         total = sum(len(p) for p in pieces)
         with self._lock:
-            chunk, whole_up_to, most = self._chunk_bytes, self._whole_up_to, self._max_chunks
-        chunk = max(chunk, -(-total // most)) if most else chunk
-        groups = [list(pieces)] if total <= whole_up_to else list(chunks(pieces, chunk))
-        sizes = [sum(len(p) for p in g) for g in groups]
-        with self._lock:
+            chunk = max(self._chunk_bytes, -(-total // self._max_chunks)) if self._max_chunks else self._chunk_bytes
+            groups = [list(pieces)] if total <= self._whole_up_to else list(chunks(pieces, chunk))
+            sizes = [sum(len(p) for p in g) for g in groups]
             i = self._turn
             self._turn = (i + 1) % len(self._slots)
             segments = self._reserve(self._slots[i], sizes)

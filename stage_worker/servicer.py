@@ -92,12 +92,12 @@ class StageServicer:
 
     @handler
     def Forward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_forward(self._decode(request_iterator, self.runtime.check_forward))
+        self._offer("Forward", request_iterator)
         return wire_pb2.Ack()
 
     def _offer(self, method: str, frames: Iterable[bytes]) -> None:
-        """A bundle from a held stream (one frame) or the link socket (wire.decode reads every
-        frame, and refuses one past the bundle's end, before it is offered)."""
+        """A bundle from a call, a held stream (one frame) or the link socket (wire.decode reads
+        every frame, and refuses one past the bundle's end, before it is offered)."""
         if method == "Forward":
             self.runtime.offer_forward(self._decode(frames, self.runtime.check_forward))
         else:
@@ -111,7 +111,7 @@ class StageServicer:
 
     @handler
     def Backward(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> wire_pb2.Ack:
-        self.runtime.offer_backward(self._decode(request_iterator, self.runtime.check_backward))
+        self._offer("Backward", request_iterator)
         return wire_pb2.Ack()
 
     @handler
