@@ -37,6 +37,7 @@ import grpc
 
 from hetpipe import rpc
 from hetpipe.errors import Rejected
+from hetpipe.metrics import MethodMetrics
 from hetpipe.v1 import stage_pb2, wire_pb2
 
 log = logging.getLogger(__name__)
@@ -131,10 +132,18 @@ def _read_answer(sock: socket.socket) -> None:
 
 class Server:
     """Serves a stage's link socket: offer(method, frames) takes each bundle, as the ForwardLink and
-    BackwardLink handlers do, and a Rejected it raises is the answer's status."""
+    BackwardLink handlers do, and a Rejected it raises is the answer's status.
 
-    def __init__(self, offer: Callable[[str, Iterable[bytes]], None]) -> None:
+    Its gRPC metrics are those of the streams it stands in for: a connection counts as a
+    ForwardLink or BackwardLink stream (a message received per bundle; handled once, when it ends,
+    with OK or the refusal that ended it), and a connection refused at its greeting as a LinkSocket
+    call refused."""
+
+    def __init__(self, offer: Callable[[str, Iterable[bytes]], None], role: str = "stage_worker") -> None:
         self._offer = offer
+        service = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
+        self._metrics = {name: MethodMetrics(role, service, name)
+                         for name in (*(f"{method}Link" for method in METHODS), "LinkSocket")}
         self.name = f"hetpipe-{os.getpid()}-{secrets.token_hex(8)}"
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self._lock = threading.Lock()
@@ -185,6 +194,8 @@ class Server:
 
     def _serve(self, sock: socket.socket) -> None:
         method = None
+        started = time.perf_counter()
+        code = grpc.StatusCode.CANCELLED   # the connection broke, as a stream whose client went away
         try:
             with sock:
                 sock.settimeout(rpc.CONTROL_DEADLINE_S)   # for the greeting: a peer that connects and says nothing
@@ -196,7 +207,10 @@ class Server:
                     return
                 sock.sendall(_answer(grpc.StatusCode.OK))
                 sock.settimeout(IDLE_S)
-                self._serve_requests(sock, method)
+                code = self._serve_requests(sock, method)
+        except TimeoutError as exc:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED   # idle past IDLE_S, as a held stream past its cap
+            log.debug("link socket connection ended: %s", exc)
         except OSError as exc:
             log.debug("link socket connection ended: %s", exc)
         finally:
@@ -204,6 +218,8 @@ class Server:
                 self._connections.discard(sock)
                 if method is not None:
                     self._open[method] -= 1
+            if method is not None:
+                self._metrics[f"{method}Link"].record(code, started)
 
     def _greet(self, sock: socket.socket) -> str | None:
         """The method this connection carries, once its peer passed the checks, counted in its lane;
@@ -234,30 +250,38 @@ class Server:
             return None
         return method
 
-    def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
-        rpc.REFUSALS.note("LinkSocket", code, message)
+    def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str, name: str = "LinkSocket") -> None:
+        """Answers with a refusal, logged; one at the greeting (name LinkSocket) counted here, one of
+        a request where its connection ends."""
+        rpc.REFUSALS.note(name, code, message)
+        if name == "LinkSocket":
+            self._metrics[name].record(code, time.perf_counter())
         sock.sendall(_answer(code, message))
 
-    def _serve_requests(self, sock: socket.socket, method: str) -> None:
+    def _serve_requests(self, sock: socket.socket, method: str) -> grpc.StatusCode:
+        """Answers requests until the peer closes (OK) or one is refused (its code)."""
         name = f"{method}Link"
+        received = self._metrics[name].received
         while (head := _read_exact(sock, _LENGTH.size)) is not None:
+            received.inc()
             (word,) = _LENGTH.unpack(head)
             try:
                 size, kind = _checked_length(name, word)
                 if kind == END:
                     raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: the end of a bundle that was not begun")
                 frame = _read_exact(sock, size)
-                if frame is None:
-                    return
+                if frame is None:   # the peer went away inside a request
+                    return grpc.StatusCode.CANCELLED
                 frames = _Parts(sock, name, bytes(frame)) if kind == PART else [bytes(frame)]
                 self._offer(method, frames)
                 if isinstance(frames, _Parts) and not frames.ended:   # the socket must be at a request's start again
                     raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: frames past the bundle's end")
             except Exception as exc:   # noqa: BLE001 - answered as rpc.handler answers a gRPC call
                 code, message, _ = rpc.status_of(name, exc)   # a bug's is logged there
-                self._refuse(sock, code, message)
-                return
+                self._refuse(sock, code, message, name)
+                return code
             sock.sendall(_answer(grpc.StatusCode.OK))
+        return grpc.StatusCode.OK
 
 
 def _checked_length(name: str, word: int) -> tuple[int, int]:

@@ -67,8 +67,10 @@ GRPC_SECONDS = Histogram(
 )
 
 
-class _MethodMetrics:
-    """The children of one (role, service, method): label lookups paid once, not per call."""
+class MethodMetrics:
+    """The children of one (role, service, method): label lookups paid once, not per call. A
+    stage's link socket (hetpipe/link_socket.py) records through these too, under the stream it
+    stands in for."""
 
     def __init__(self, role: str, service: str, method: str) -> None:
         self._labels = (role, service, method)
@@ -99,7 +101,7 @@ def _code_of(context: grpc.ServicerContext, exc: BaseException | None) -> grpc.S
     return grpc.StatusCode.OK
 
 
-def _received(request: Any, m: _MethodMetrics, streaming: bool) -> Any:
+def _received(request: Any, m: MethodMetrics, streaming: bool) -> Any:
     """request, its messages counted as they are taken (a stream) or now (one message)."""
     if not streaming:
         m.received.inc()
@@ -113,7 +115,7 @@ def _received(request: Any, m: _MethodMetrics, streaming: bool) -> Any:
     return counted()
 
 
-def _unary_response(behavior: Callable[..., Any], m: _MethodMetrics, streaming: bool) -> Callable[..., Any]:
+def _unary_response(behavior: Callable[..., Any], m: MethodMetrics, streaming: bool) -> Callable[..., Any]:
     def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
         started = time.perf_counter()
         try:
@@ -127,7 +129,7 @@ def _unary_response(behavior: Callable[..., Any], m: _MethodMetrics, streaming: 
     return wrapped
 
 
-def _stream_response(behavior: Callable[..., Any], m: _MethodMetrics, streaming: bool) -> Callable[..., Any]:
+def _stream_response(behavior: Callable[..., Any], m: MethodMetrics, streaming: bool) -> Callable[..., Any]:
     def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         # A generator: the RPC ends when the last response has been taken, not when behavior returns.
         started = time.perf_counter()
@@ -148,15 +150,15 @@ class ServerMetricsInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, role: str) -> None:
         self.role = role
-        self._methods: dict[str, _MethodMetrics] = {}
+        self._methods: dict[str, MethodMetrics] = {}
         self._lock = threading.Lock()
 
-    def _metrics(self, full_method: str) -> _MethodMetrics:
+    def _metrics(self, full_method: str) -> MethodMetrics:
         m = self._methods.get(full_method)
         if m is None:
             service, _, method = full_method.lstrip("/").rpartition("/")
             with self._lock:
-                m = self._methods.setdefault(full_method, _MethodMetrics(self.role, service, method))
+                m = self._methods.setdefault(full_method, MethodMetrics(self.role, service, method))
         return m
 
     def intercept_service(

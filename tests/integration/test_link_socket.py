@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from hetpipe import link_socket, rpc
+from hetpipe import link_socket, metrics, rpc
 from hetpipe.errors import Rejected
 from hetpipe.v1 import stage_pb2, wire_pb2
 from stage_rig import Rig, middle_stage
@@ -127,6 +127,41 @@ def test_a_bundles_framing_is_checked(peer: _Peer) -> None:
     # A frame of 0 bytes inside a bundle is a frame (an empty TensorFrame), not its end.
     assert answer_to(part | 4, part | 0, part | 2, end) == (Code.OK, "")
     assert peer.got == [bytes(4) + b"++" + bytes(2)]
+
+
+def _counts(code: str, method: str = "ForwardLink") -> tuple[float, float]:
+    """(handled with code, messages received) of a stage's method in this process's registry."""
+    labels = {"role": "stage_worker", "grpc_service": "hetpipe.v1.Stage", "grpc_method": method}
+    handled = metrics.REGISTRY.get_sample_value("hetpipe_grpc_server_handled_total", {**labels, "grpc_code": code})
+    received = metrics.REGISTRY.get_sample_value("hetpipe_grpc_server_msg_received_total", labels)
+    return handled or 0.0, received or 0.0
+
+
+def test_a_connection_counts_in_the_grpc_metrics_as_the_stream_it_stands_in_for(peer: _Peer) -> None:
+    """An operator's refusal rate and message counts read the same whichever carried a link's
+    bundles: each request a message received; each connection handled once, with the code it
+    ended with; a connection refused at its greeting a LinkSocket call refused."""
+    refused, received = _counts("INVALID_ARGUMENT")
+    ok, _ = _counts("OK")
+    denied, _ = _counts("PERMISSION_DENIED", "LinkSocket")
+    duplex = peer.duplex()
+    assert duplex.call(b"a") == wire_pb2.Ack()
+    with pytest.raises(link_socket.SocketError):
+        duplex.call(b"bad")
+    assert duplex.call(b"b") == wire_pb2.Ack()   # on a new connection, ended below: OK
+    duplex.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect("\0" + peer.server.address().name)
+    sock.sendall(bytes(link_socket.NONCE_BYTES) + b"\0")
+    assert _answer(sock)[0] == Code.PERMISSION_DENIED
+    sock.close()
+    deadline = time.monotonic() + 5
+    while _counts("OK")[0] == ok and time.monotonic() < deadline:   # counted as its thread ends
+        time.sleep(0.02)
+    assert _counts("INVALID_ARGUMENT") == (refused + 1, received + 3)
+    assert _counts("OK")[0] == ok + 1
+    assert _counts("PERMISSION_DENIED", "LinkSocket")[0] == denied + 1
 
 
 def test_a_refusal_is_read_before_a_later_send_fails(peer: _Peer) -> None:

@@ -336,7 +336,10 @@ def _check_stage(s: Samples, e: Endpoint, docs: dict[str, list[Documented]]) -> 
     for phase, sends in sent.items():
         bundles = s.one("hetpipe_stage_link_socket_bundles_total", phase=phase, **labels)
         assert (bundles > 0) == sends, (phase, bundles)
-    assert not s.get("hetpipe_grpc_server_msg_received_total", grpc_method="ForwardLink")
+    # The receiver counts a link socket's bundles as messages of the stream it stands in for.
+    received = {"ForwardLink": not first, "BackwardLink": not last}
+    for method, receives in received.items():
+        assert (sum(s.get("hetpipe_grpc_server_msg_received_total", grpc_method=method)) > 0) == receives, method
     if e.assigned == "stage 1 of vw 0":
         assert _handled(s, "Forward", "INVALID_ARGUMENT") == 1
     for method in ("Assign", "Start", "Status"):
