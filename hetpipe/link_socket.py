@@ -64,6 +64,9 @@ GREETING = 8
 # a stream after rpc.STREAM_CAP_S: a frozen peer must not hold a lane for good. The sender sends
 # what it had outstanding again, which is safe: a request that was not read was not taken.
 IDLE_S = rpc.STREAM_CAP_S
+# A request, every frame of it, arrives within this once its first word has: a gRPC call carrying
+# a bundle has the same deadline. A peer cannot hold a lane by sending a bundle a byte at a time.
+REQUEST_S = rpc.DATA_DEADLINE_S
 
 
 class SocketError(grpc.RpcError):
@@ -88,12 +91,25 @@ def _answer(code: grpc.StatusCode, details: str = "") -> bytes:
     return _ANSWER.pack(code.value[0], len(text)) + text
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytearray | None:
-    """n bytes, or None where the peer closed first."""
+def _read_exact(sock: socket.socket, n: int, deadline: float | None = None, name: str = "") -> bytearray | None:
+    """n bytes, or None where the peer closed first. With a deadline (time.monotonic), a request
+    of name's: DEADLINE_EXCEEDED past it; else TimeoutError past the socket's timeout for any one
+    read."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Rejected(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"{name}: the request's frames did not arrive within {REQUEST_S:g} s")
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except TimeoutError:
+            if deadline is None:
+                raise
+            continue   # the deadline passed: refused above
         if k == 0:
             return None
         got += k
@@ -265,21 +281,24 @@ class Server:
         while (head := _read_exact(sock, _LENGTH.size)) is not None:
             received.inc()
             (word,) = _LENGTH.unpack(head)
+            deadline = time.monotonic() + REQUEST_S
             try:
                 size, kind = _checked_length(name, word)
                 if kind == END:
                     raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: the end of a bundle that was not begun")
-                frame = _read_exact(sock, size)
+                frame = _read_exact(sock, size, deadline, name)
                 if frame is None:   # the peer went away inside a request
                     return grpc.StatusCode.CANCELLED
-                frames = _Parts(sock, name, bytes(frame)) if kind == PART else [bytes(frame)]
+                frames = _Parts(sock, name, bytes(frame), deadline) if kind == PART else [bytes(frame)]
                 self._offer(method, frames)
                 if isinstance(frames, _Parts) and not frames.ended:   # the socket must be at a request's start again
                     raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: frames past the bundle's end")
             except Exception as exc:   # noqa: BLE001 - answered as rpc.handler answers a gRPC call
                 code, message, _ = rpc.status_of(name, exc)   # a bug's is logged there
+                sock.settimeout(IDLE_S)
                 self._refuse(sock, code, message, name)
                 return code
+            sock.settimeout(IDLE_S)
             sock.sendall(_answer(grpc.StatusCode.OK))
         return grpc.StatusCode.OK
 
@@ -299,8 +318,8 @@ class _Parts:
     """The frames of a bundle of several, read from the socket as decode asks for them (the
     sender writes the next chunk meanwhile)."""
 
-    def __init__(self, sock: socket.socket, name: str, first: bytes) -> None:
-        self._sock, self._name = sock, name
+    def __init__(self, sock: socket.socket, name: str, first: bytes, deadline: float) -> None:
+        self._sock, self._name, self._deadline = sock, name, deadline
         self._next: bytes | None = first
         self.ended = False
 
@@ -313,7 +332,7 @@ class _Parts:
             return frame
         if self.ended:
             raise StopIteration
-        head = _read_exact(self._sock, _LENGTH.size)
+        head = _read_exact(self._sock, _LENGTH.size, self._deadline, self._name)
         if head is None:
             raise ConnectionError(f"{self._name}: the peer closed its link socket inside a bundle")
         size, kind = _checked_length(self._name, _LENGTH.unpack(head)[0])
@@ -322,7 +341,7 @@ class _Parts:
             raise StopIteration
         if kind != PART:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{self._name}: a request inside a bundle's frames")
-        body = _read_exact(self._sock, size)
+        body = _read_exact(self._sock, size, self._deadline, self._name)
         if body is None:
             raise ConnectionError(f"{self._name}: the peer closed its link socket inside a bundle")
         return bytes(body)

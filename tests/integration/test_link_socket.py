@@ -129,6 +129,54 @@ def test_a_bundles_framing_is_checked(peer: _Peer) -> None:
     assert peer.got == [bytes(4) + b"++" + bytes(2)]
 
 
+@pytest.mark.parametrize(("words", "at_once", "every_s"), [
+    ([8], 5, 0.2),                                            # a one-frame bundle's body
+    ([link_socket.PART | 4, link_socket.PART | 16], 13, 0.2),   # a later frame's body
+    ([link_socket.PART | 4, link_socket.END], 9, 0.4),          # the end's length word
+    ([8], 5, 30.0),                                           # silent, for less than IDLE_S
+], ids=["one-frame", "part-body", "end-word", "silent"])
+def test_a_request_sent_a_byte_at_a_time_is_cut_off_at_its_deadline(peer: _Peer, monkeypatch: pytest.MonkeyPatch,
+                                                                    words: list[int], at_once: int,
+                                                                    every_s: float) -> None:
+    """A peer that never goes idle for IDLE_S still has REQUEST_S for the whole request, as a
+    gRPC call has its deadline: it cannot hold a lane by dribbling a bundle. at_once: the bytes
+    sent together first; the rest go one every every_s."""
+    monkeypatch.setattr(link_socket, "REQUEST_S", 1.0)
+    address = peer.server.address()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect("\0" + address.name)
+    sock.sendall(bytes(address.nonce) + b"\0")
+    assert _answer(sock) == (Code.OK, "")
+    request = b"".join(struct.pack("<I", w) + bytes(w & ~(link_socket.PART | link_socket.END)) for w in words)
+    stop = threading.Event()
+
+    def dribble() -> None:
+        sock.sendall(request[:at_once])
+        for i in range(at_once, len(request)):
+            if stop.wait(every_s):
+                return
+            try:
+                sock.sendall(request[i:i + 1])
+            except OSError:
+                return
+
+    started = time.monotonic()
+    threading.Thread(target=dribble, daemon=True).start()
+    try:
+        code, details = _answer(sock)
+    finally:
+        stop.set()
+    assert code == Code.DEADLINE_EXCEEDED and "did not arrive within 1 s" in details, details
+    assert details.startswith("ForwardLink: ") and time.monotonic() - started < 3
+    assert peer.got == []
+    deadline = time.monotonic() + 5
+    while peer.server._open["Forward"] and time.monotonic() < deadline:   # its lane is free again
+        time.sleep(0.02)
+    assert peer.server._open["Forward"] == 0
+    sock.close()
+
+
 def _counts(code: str, method: str = "ForwardLink") -> tuple[float, float]:
     """(handled with code, messages received) of a stage's method in this process's registry."""
     labels = {"role": "stage_worker", "grpc_service": "hetpipe.v1.Stage", "grpc_method": method}
