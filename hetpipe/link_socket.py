@@ -216,7 +216,7 @@ class Server:
             with sock:
                 sock.settimeout(rpc.CONTROL_DEADLINE_S)   # for the greeting: a peer that connects and says nothing
                 try:
-                    method = self._greet(sock)   # counted in its lane from here on
+                    method = self._greet(sock, started)   # counted in its lane from here on
                 finally:
                     self._greeting.release()
                 if method is None:
@@ -237,21 +237,22 @@ class Server:
             if method is not None:
                 self._metrics[f"{method}Link"].record(code, started)
 
-    def _greet(self, sock: socket.socket) -> str | None:
+    def _greet(self, sock: socket.socket, started: float) -> str | None:
         """The method this connection carries, once its peer passed the checks, counted in its lane;
-        None: refused."""
+        None: refused, counted as a LinkSocket call that took from started."""
         if (uid := peer_uid(sock)) != os.getuid():
-            self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, f"LinkSocket: a process of user {uid} may not connect")
+            self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, f"LinkSocket: a process of user {uid} may not connect",
+                         started=started)
             return None
         greeting = _read_exact(sock, NONCE_BYTES + 1)
         if greeting is None:
             return None
         if not hmac.compare_digest(bytes(greeting[:NONCE_BYTES]), self.nonce):
-            self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, "LinkSocket: wrong nonce")
+            self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, "LinkSocket: wrong nonce", started=started)
             return None
         if greeting[NONCE_BYTES] >= len(METHODS):
             self._refuse(sock, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"LinkSocket: no method {greeting[NONCE_BYTES]} (0 Forward, 1 Backward)")
+                         f"LinkSocket: no method {greeting[NONCE_BYTES]} (0 Forward, 1 Backward)", started=started)
             return None
         method = METHODS[greeting[NONCE_BYTES]]
         with self._lock:
@@ -262,20 +263,22 @@ class Server:
         if full:
             self._refuse(sock, grpc.StatusCode.UNAVAILABLE if self._closed else grpc.StatusCode.RESOURCE_EXHAUSTED,
                          "LinkSocket: the stage is stopping" if self._closed
-                         else f"LinkSocket: {LANES} {method} connections are open already")
+                         else f"LinkSocket: {LANES} {method} connections are open already", started=started)
             return None
         return method
 
-    def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str, name: str = "LinkSocket") -> None:
-        """Answers with a refusal, logged; one at the greeting (name LinkSocket) counted here, one of
-        a request where its connection ends."""
+    def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str, name: str = "LinkSocket",
+                started: float | None = None) -> None:
+        """Answers with a refusal, logged; one at the greeting (started: when its connection came)
+        counted here, one of a request where its connection ends."""
         rpc.REFUSALS.note(name, code, message)
-        if name == "LinkSocket":
-            self._metrics[name].record(code, time.perf_counter())
+        if started is not None:
+            self._metrics[name].record(code, started)
         sock.sendall(_answer(code, message))
 
     def _serve_requests(self, sock: socket.socket, method: str) -> grpc.StatusCode:
-        """Answers requests until the peer closes (OK) or one is refused (its code)."""
+        """Answers requests until the peer closes (OK), one is refused (its code), or the peer goes
+        away inside a request or the server closes (CANCELLED, as a stream cut off)."""
         name = f"{method}Link"
         received = self._metrics[name].received
         while (head := _read_exact(sock, _LENGTH.size)) is not None:
@@ -293,6 +296,8 @@ class Server:
                 self._offer(method, frames)
                 if isinstance(frames, _Parts) and not frames.ended:   # the socket must be at a request's start again
                     raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: frames past the bundle's end")
+            except _PeerGone:
+                return grpc.StatusCode.CANCELLED
             except Exception as exc:   # noqa: BLE001 - answered as rpc.handler answers a gRPC call
                 code, message, _ = rpc.status_of(name, exc)   # a bug's is logged there
                 sock.settimeout(IDLE_S)
@@ -300,7 +305,7 @@ class Server:
                 return code
             sock.settimeout(IDLE_S)
             sock.sendall(_answer(grpc.StatusCode.OK))
-        return grpc.StatusCode.OK
+        return grpc.StatusCode.CANCELLED if self._closed else grpc.StatusCode.OK
 
 
 def _checked_length(name: str, word: int) -> tuple[int, int]:
@@ -312,6 +317,10 @@ def _checked_length(name: str, word: int) -> tuple[int, int]:
     if kind == PART | END or (kind == END and size):
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: a length word {word:#x} that means nothing")
     return size, kind
+
+
+class _PeerGone(Exception):
+    """The peer closed its link socket inside a bundle: nobody is left to answer."""
 
 
 class _Parts:
@@ -334,7 +343,7 @@ class _Parts:
             raise StopIteration
         head = _read_exact(self._sock, _LENGTH.size, self._deadline, self._name)
         if head is None:
-            raise ConnectionError(f"{self._name}: the peer closed its link socket inside a bundle")
+            raise _PeerGone
         size, kind = _checked_length(self._name, _LENGTH.unpack(head)[0])
         if kind == END:
             self.ended = True
@@ -343,7 +352,7 @@ class _Parts:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{self._name}: a request inside a bundle's frames")
         body = _read_exact(self._sock, size, self._deadline, self._name)
         if body is None:
-            raise ConnectionError(f"{self._name}: the peer closed its link socket inside a bundle")
+            raise _PeerGone
         return bytes(body)
 
 

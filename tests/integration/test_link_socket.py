@@ -185,31 +185,87 @@ def _counts(code: str, method: str = "ForwardLink") -> tuple[float, float]:
     return handled or 0.0, received or 0.0
 
 
-def test_a_connection_counts_in_the_grpc_metrics_as_the_stream_it_stands_in_for(peer: _Peer) -> None:
+def _greeted(server: link_socket.Server, nonce: bytes | None = None) -> socket.socket:
+    """A connection to server's socket that has sent its greeting (nonce: the server's by default)."""
+    address = server.address()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect("\0" + address.name)
+    sock.sendall((bytes(address.nonce) if nonce is None else nonce) + b"\0")
+    return sock
+
+
+def test_a_connection_counts_in_the_grpc_metrics_as_the_stream_it_stands_in_for(
+        peer: _Peer, monkeypatch: pytest.MonkeyPatch) -> None:
     """An operator's refusal rate and message counts read the same whichever carried a link's
     bundles: each request a message received; each connection handled once, with the code it
-    ended with; a connection refused at its greeting a LinkSocket call refused."""
-    refused, received = _counts("INVALID_ARGUMENT")
-    ok, _ = _counts("OK")
+    ended with (OK only where the peer closed it between requests); a connection refused at its
+    greeting a LinkSocket call refused, timed from its connect."""
+    monkeypatch.setattr(link_socket, "IDLE_S", 0.5)
+    codes = ("OK", "INVALID_ARGUMENT", "CANCELLED", "DEADLINE_EXCEEDED")
+    before = {code: _counts(code)[0] for code in codes}
+    _, received = _counts("OK")
     denied, _ = _counts("PERMISSION_DENIED", "LinkSocket")
+    seconds = {"role": "stage_worker", "grpc_service": "hetpipe.v1.Stage", "grpc_method": "LinkSocket"}
+    waited = metrics.REGISTRY.get_sample_value("hetpipe_grpc_server_handling_seconds_sum", seconds) or 0.0
+
+    def settled(code: str, n: int) -> None:   # counted as each connection's thread ends
+        deadline = time.monotonic() + 5
+        while _counts(code)[0] < before[code] + n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _counts(code)[0] == before[code] + n, code
+
     duplex = peer.duplex()
     assert duplex.call(b"a") == wire_pb2.Ack()
     with pytest.raises(link_socket.SocketError):
         duplex.call(b"bad")
-    assert duplex.call(b"b") == wire_pb2.Ack()   # on a new connection, ended below: OK
+    settled("INVALID_ARGUMENT", 1)
+    assert duplex.call(b"b") == wire_pb2.Ack()   # on a new connection, closed by the peer: OK
     duplex.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect("\0" + peer.server.address().name)
-    sock.sendall(bytes(link_socket.NONCE_BYTES) + b"\0")
-    assert _answer(sock)[0] == Code.PERMISSION_DENIED
+    settled("OK", 1)
+    sock = _greeted(peer.server)   # idle past IDLE_S: ended as a stream past its cap
+    assert _answer(sock) == (Code.OK, "") and _ended(sock)
+    settled("DEADLINE_EXCEEDED", 1)
+    sock = _greeted(peer.server)   # gone inside a bundle: cut off, with nobody to answer
+    assert _answer(sock) == (Code.OK, "")
+    sock.sendall(struct.pack("<I", link_socket.PART | 4) + bytes(4))
+    sock.shutdown(socket.SHUT_WR)
+    assert _ended(sock)   # no answer: the peer is gone (a refusal would be logged as one)
+    settled("CANCELLED", 1)
+    sock = _greeted(peer.server)   # the server closes: cut off too, not a clean end
+    assert _answer(sock) == (Code.OK, "")
+    peer.server.close()
+    settled("CANCELLED", 2)
     sock.close()
-    deadline = time.monotonic() + 5
-    while _counts("OK")[0] == ok and time.monotonic() < deadline:   # counted as its thread ends
-        time.sleep(0.02)
-    assert _counts("INVALID_ARGUMENT") == (refused + 1, received + 3)
-    assert _counts("OK")[0] == ok + 1
+    assert _counts("OK") == (before["OK"] + 1, received + 4)
+    assert all(_counts(code)[0] == before[code] + n for code, n in
+               {"INVALID_ARGUMENT": 1, "DEADLINE_EXCEEDED": 1, "CANCELLED": 2}.items())
+
+    other = _Peer()
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect("\0" + other.server.address().name)
+        time.sleep(0.3)
+        sock.sendall(bytes(link_socket.NONCE_BYTES) + b"\0")
+        assert _answer(sock)[0] == Code.PERMISSION_DENIED
+        sock.close()
+    finally:
+        other.server.close()
     assert _counts("PERMISSION_DENIED", "LinkSocket")[0] == denied + 1
+    assert metrics.REGISTRY.get_sample_value("hetpipe_grpc_server_handling_seconds_sum", seconds) - waited >= 0.3
+
+
+def test_the_deadline_is_a_requests_not_the_connections(peer: _Peer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link idle between bundles for longer than REQUEST_S (and less than IDLE_S) goes on: the
+    timeout of its last request's reads is not left on the socket."""
+    monkeypatch.setattr(link_socket, "REQUEST_S", 0.5)
+    monkeypatch.setattr(link_socket, "IDLE_S", 10.0)
+    duplex = peer.duplex()
+    assert duplex.call(b"a") == wire_pb2.Ack()
+    time.sleep(1.0)
+    assert duplex.call(b"b") == wire_pb2.Ack() and duplex.answered == 2 and peer.got == [b"a", b"b"]
+    duplex.close()
 
 
 def test_a_refusal_is_read_before_a_later_send_fails(peer: _Peer) -> None:
