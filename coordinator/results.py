@@ -101,6 +101,7 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         "transport": job.parallel.transport,
         "shm_bytes": sum(h.last.shm_bytes for h in d.stages),
         "cuda_ipc_bytes": sum(h.last.cuda_ipc_bytes for h in d.stages),
+        "link_socket_bundles": sum(h.last.link_socket_bundles for h in d.stages),
         # The node each stage ran on, where it registered one (a remote worker's; the plan's own
         # placement names nodes of its cluster section, or "local").
         "plan": [{**row, "node": h.node or row["node"]} for row, h in zip(plan.describe(), d.stages)],

@@ -34,6 +34,7 @@ def status_message(p: Progress) -> stage_pb2.StageStatus:
     s.in_flight, s.received, s.queue_depth, s.waiting = p.in_flight, p.received, p.queue_depth, p.waiting
     s.cut = p.cut
     s.shm_bytes, s.cuda_ipc_bytes = p.shm_bytes, p.cuda_ipc_bytes
+    s.link_socket_bundles = p.socket_forward_bundles + p.socket_backward_bundles
     s.last_loss, s.recent_loss, s.last_loss_minibatch = p.last_loss, p.recent_loss, p.last_loss_minibatch
     s.diverged_minibatch, s.diverged_loss = p.diverged_minibatch, p.diverged_loss
     s.wait_seconds, s.wait_idle_seconds, s.idle_seconds = p.wait_seconds, p.wait_idle_seconds, p.idle_seconds

@@ -39,6 +39,8 @@ def test_o1_on_cuda_in_float64(make_job, tmp_path: Path, transport: str) -> None
                     "parallel": {"stages_per_vw": 2, "nm": 1, "transport": transport}, "output": {"trace": False}})
     summary = run_local(job, quiet=True)
     assert (summary["cuda_ipc_bytes"] > 0) == (transport == "auto"), summary["cuda_ipc_bytes"]
+    # The handles went over the next stage's link socket (its threads opened them), not a gRPC stream.
+    assert (summary["link_socket_bundles"] > 0) == (transport == "auto"), summary["link_socket_bundles"]
     assert_equal_to_reference(tmp_path / "out", train_reference(job, device="cuda").state_dict(),
                               initial_model(job).state_dict())
     stages = [p for p in summary["processes"] if p["process"].startswith("stage")]
@@ -58,6 +60,7 @@ def test_o2_on_cuda_in_float64(make_job, tmp_path: Path, transport: str) -> None
                     "output": {"trace": False}})
     summary = run_local(job, quiet=True)
     assert (summary["shm_bytes"] > 0) == (transport == "auto"), summary["shm_bytes"]
+    assert (summary["link_socket_bundles"] > 0) == (transport == "auto"), summary["link_socket_bundles"]
     assert summary["max_clock_distance"] <= 1
     assert_equal_to_reference(tmp_path / "out", train_reference(job, device="cuda").state_dict(),
                               initial_model(job).state_dict())

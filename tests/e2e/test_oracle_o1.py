@@ -46,6 +46,8 @@ def test_pipeline_matches_single_process(make_job, tmp_path: Path, k: int, optim
     assert sorted(got) == sorted(want), "the safetensors hold every key of the model's state_dict"
     assert len(summary["plan"]) == k
     assert (summary["shm_bytes"] > 0) == (transport == "shm"), summary["shm_bytes"]
+    # Through shared memory the bundles' handles go over the next stage's link socket, not gRPC.
+    assert (summary["link_socket_bundles"] > 0) == (transport == "shm"), summary["link_socket_bundles"]
     for key in want:
         assert got[key].dtype == torch.float64
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")

@@ -84,6 +84,7 @@ def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tm
     stages = [p["device"] for p in summary["processes"] if p["process"].startswith("stage")]
     assert device == "cpu" or all("cuda:0" in d for d in stages), stages
     assert (summary["shm_bytes"] > 0) == (transport == "shm"), summary["shm_bytes"]
+    assert (summary["link_socket_bundles"] > 0) == (transport == "shm"), summary["link_socket_bundles"]
     assert killed, "the shard was never killed: the test proved nothing"
     log = (out / "logs" / "ps_server_0.log").read_text()
     assert "restored" in log, "the restarted shard must restore its checkpoint and push log"
