@@ -411,6 +411,11 @@ class SocketDuplex:
             return self._fallback.put(request)
         return self._send_on(current, len(request), request)
 
+    def open(self) -> None:
+        """Connects now where no connection is open, as put() would: the caller learns before it
+        encodes a bundle whether the peer takes it here or the fallback does (on_fallback)."""
+        self._connection()
+
     def call_bundle(self, frames: Iterator[bytes]) -> Any:
         """A bundle of several frames as one request, each frame sent as it is made (the chunk its
         handle names is written then), and its answer; with nothing else outstanding. None: the

@@ -276,9 +276,9 @@ def test_large_bundles_go_through_shared_memory_in_chunks_and_arrive_whole(kind:
             sent.append([("activation", torch.arange(n, dtype=torch.float32) * p), ("target", torch.tensor([p]))])
             link.send(Outgoing(tag, sent[-1]))
         assert neighbour.wait_for(3) == [1, 2, 3] and not failures
-        # A handle a chunk; a peer without a socket (found out at the first bundle, already in
-        # chunks) gets the later ones whole, one frame on the held stream.
-        assert neighbour.frames == ([3, 3, 3] if kind is SocketNeighbour else [3, 1, 1]), neighbour.frames
+        # A handle a chunk; a peer without a socket (found out before the first bundle is
+        # written) gets them whole, one frame on the held stream.
+        assert neighbour.frames == ([3, 3, 3] if kind is SocketNeighbour else [1, 1, 1]), neighbour.frames
         for got, want in zip(neighbour.tensors, sent):
             assert [k for k, _ in got] == [k for k, _ in want]
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
