@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ from torch import nn
 from coordinator.planner.meter import signature
 from hetpipe.config import ModelConfig
 from hetpipe.models import describe
+
+# A temporary file of store()'s this old is a killed writer's: a live one takes milliseconds.
+STALE_TMP_S = 600.0
 
 
 def default_cache_dir() -> str:
@@ -78,8 +82,9 @@ def load(path: Path, key: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def store(path: Path, kept: Mapping[str, Any]) -> None:
     """Writes kept (with its "key") to path whole or not at all, through a temporary file of its
-    own (two processes may store the same entry at once). A folder that cannot be written keeps
-    nothing: the next run computes it again."""
+    own (two processes may store the same entry at once), and removes the entry's temporary files
+    that killed writers left. A folder that cannot be written keeps nothing: the next run computes
+    it again."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -94,3 +99,15 @@ def store(path: Path, kept: Mapping[str, Any]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _sweep(path)
+
+
+def _sweep(path: Path) -> None:
+    """Removes path's temporary files older than STALE_TMP_S."""
+    now = time.time()
+    for left in path.parent.glob(f"{path.name}*.tmp"):
+        try:
+            if now - left.stat().st_mtime > STALE_TMP_S:
+                left.unlink()
+        except OSError:   # gone meanwhile, or not ours to remove
+            pass

@@ -4,7 +4,9 @@ kept across runs per model code, input and dtype, and never stands in for anothe
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -166,3 +168,19 @@ def test_what_the_args_set_and_a_base_class_edited_elsewhere_are_passed_anew(tmp
         for name in ("cached_base", "cached_derived"):   # as the next run's process imports them
             sys.modules.pop(name, None)
         assert _flows(_model(tmp_path, factory="cached_derived:build"), X, folder)[-1][0] == (5, width)
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_store(tmp_path: Path) -> None:
+    """store() writes through a temporary file of its own: one that a killed writer left is
+    removed once it is old, and a live writer's (fresh) is left alone."""
+    path = tmp_path / "shapes-0123456789abcdef.json"
+    stale, live = Path(f"{path}abc.tmp"), Path(f"{path}def.tmp")
+    other = tmp_path / "shapes-fedcba9876543210.jsonabc.tmp"   # another entry's: its own store sweeps it
+    for left in (stale, live, other):
+        left.write_text("{")
+    old = time.time() - cache.STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    os.utime(other, (old, old))
+    cache.store(path, {"key": {"a": 1}, "flows": []})
+    assert json.loads(path.read_text()) == {"key": {"a": 1}, "flows": []}
+    assert not stale.exists() and live.exists() and other.exists()
