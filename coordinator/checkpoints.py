@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import shutil
 import threading
 from collections.abc import Sequence
@@ -228,14 +229,17 @@ class Checkpoints:
         self.bound = bound or {}   # the shards' WSP bound, which every Init names (wsp.shard_bound)
         self.taken = 0
         self.closing = closing   # the job's stop: no more waiting for a shard to come back
+        self.mark = ""   # this start's nonce, which its stages write into their marks (prepare)
 
     def _keys(self, shard: int) -> list[str]:
         return [k for k, s in self.key_shard.items() if s == shard]
 
     def prepare(self) -> None:
         """Before a run's stages are assigned: the folder made, without an earlier start's marks
-        (clear_marks) or a killed run's cuts without a manifest (drop_incomplete)."""
+        (clear_marks) or a killed run's cuts without a manifest (drop_incomplete), and this start's
+        nonce for its stages' marks drawn."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.mark = secrets.token_hex(8)
         self.clear_marks()
         drop_incomplete(self.folder)
 
@@ -246,13 +250,20 @@ class Checkpoints:
             mark.unlink(missing_ok=True)
 
     def unshared(self) -> list[tuple[int, int]]:
-        """The (vw, stage) whose mark this host does not see: their hosts do not share the folder
-        they will save their part of each cut into. Then clears the marks."""
+        """The (vw, stage) whose mark of this start (with its nonce) this host does not see: their
+        hosts do not share the folder they will save their part of each cut into. Then clears the
+        marks."""
         shape = self.job_shape
         missing = [(v, q) for v in range(shape["virtual_workers"]) for q in range(shape["stages_per_vw"])
-                   if not outputs.shared_mark_path(self.folder, v, q).is_file()]
+                   if not self._marked(outputs.shared_mark_path(self.folder, v, q))]
         self.clear_marks()
         return missing
+
+    def _marked(self, path: Path) -> bool:
+        try:
+            return bool(self.mark) and path.read_text().strip() == self.mark
+        except (OSError, UnicodeDecodeError):
+            return False
 
     def skip(self, wave: int) -> None:
         """Drops the stages' parts of the cut after `wave`, which is not taken: the older cuts stay

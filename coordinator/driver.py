@@ -194,6 +194,7 @@ class JobDriver:
             activation_shape=list(act_shape), activation_dtype=wire.wire_dtype(act_dtype),
             output_shape=list(out_shape), output_dtype=wire.wire_dtype(out_dtype),
             checkpoint_dir=str(self.checkpoint_dir or ""), resume_wave=self.resume_wave,
+            checkpoint_mark=self.checkpoints.mark if self.checkpoints is not None else "",
             prev_shm=prev is not None and self._shared(h, prev.host_id, prev.name),
             next_shm=next_ is not None and self._shared(h, next_.host_id, next_.name),
             # Shared memory between two GPU stages is CUDA IPC (Setup keeps it only with *_shm).

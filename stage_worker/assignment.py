@@ -26,6 +26,7 @@ from hetpipe.wsp import total_waves
 MAX_SECONDS = 3600.0
 MAX_NDIM = 8
 _DEVICE = re.compile(r"^(cpu|cuda:\d{1,3})?$")
+_MARK = re.compile(r"[0-9a-f]{0,64}")   # checkpoint_mark: a coordinator start's nonce
 _SECONDS = ("forward_seconds", "backward_seconds", "next_send_seconds", "prev_send_seconds", "push_seconds",
             "pull_seconds")
 
@@ -100,6 +101,7 @@ class Setup:
     capacity_bytes: int
     specs: Specs
     checkpoint_dir: str = ""    # where it saves its part of each checkpoint; "" = none
+    checkpoint_mark: str = ""   # what it writes into its mark there: the coordinator's start's nonce
     resume_wave: int = 0        # the checkpoint it starts from (0: the beginning)
     next_shm: bool = False      # parallel.transport: the next stage shares this host (shared memory)
     prev_shm: bool = False
@@ -212,12 +214,19 @@ def validate(a: stage_pb2.StageAssignment, output_root: Path | None = None) -> S
         key_shards=tuple(a.key_shards), trace_path=trace_path, profile_path=profile_path,
         **{field: float(getattr(a, field)) for field in _SECONDS},
         memory_bytes=a.memory_bytes, capacity_bytes=a.capacity_bytes,
-        specs=_specs(a, job.data.batch_size), checkpoint_dir=checkpoint_dir, resume_wave=a.resume_wave,
+        specs=_specs(a, job.data.batch_size), checkpoint_dir=checkpoint_dir,
+        checkpoint_mark=_checked_mark(a.checkpoint_mark), resume_wave=a.resume_wave,
         next_shm=a.next_shm and bool(a.next_address), prev_shm=a.prev_shm and bool(a.prev_address),
         ps_shm=tuple(a.ps_shm),
         next_cuda_ipc=a.next_cuda_ipc and a.next_shm and bool(a.next_address),
         prev_cuda_ipc=a.prev_cuda_ipc and a.prev_shm and bool(a.prev_address),
     )
+
+
+def _checked_mark(mark: str) -> str:
+    if not _MARK.fullmatch(mark):
+        raise _invalid(f"checkpoint_mark {mark[:80]!r}: expected at most 64 hex digits")
+    return mark
 
 
 def _specs(a: stage_pb2.StageAssignment, batch: int) -> Specs:
