@@ -202,15 +202,16 @@ class Server:
                 sock.close()
                 continue
             try:
-                threading.Thread(target=self._serve, args=(sock,), name="link-socket-peer", daemon=True).start()
+                threading.Thread(target=self._serve, args=(sock, time.perf_counter()), name="link-socket-peer",
+                                 daemon=True).start()
             except RuntimeError as exc:   # no thread to be had
                 log.warning("link socket %s: no thread for a connection (%s)", self.name, exc)
                 self._greeting.release()
                 sock.close()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, started: float) -> None:
+        """One connection, taken at started (time.perf_counter), to its end."""
         method = None
-        started = time.perf_counter()
         code = grpc.StatusCode.CANCELLED   # the connection broke, as a stream whose client went away
         try:
             with sock:
