@@ -130,9 +130,10 @@ def test_a_bundles_framing_is_checked(peer: _Peer) -> None:
 
 
 @pytest.mark.parametrize(("words", "at_once", "every_s"), [
-    ([8], 5, 0.2),                                            # a one-frame bundle's body
+    # Each would arrive whole 2 s or more after the 1 s deadline: a slow box cannot make it in time.
+    ([8], 5, 0.5),                                            # a one-frame bundle's body
     ([link_socket.PART | 4, link_socket.PART | 16], 13, 0.2),   # a later frame's body
-    ([link_socket.PART | 4, link_socket.END], 9, 0.4),          # the end's length word
+    ([link_socket.PART | 4, link_socket.END], 9, 1.0),          # the end's length word
     ([8], 5, 30.0),                                           # silent, for less than IDLE_S
 ], ids=["one-frame", "part-body", "end-word", "silent"])
 def test_a_request_sent_a_byte_at_a_time_is_cut_off_at_its_deadline(peer: _Peer, monkeypatch: pytest.MonkeyPatch,
