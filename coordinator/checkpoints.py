@@ -255,15 +255,9 @@ class Checkpoints:
         marks."""
         shape = self.job_shape
         missing = [(v, q) for v in range(shape["virtual_workers"]) for q in range(shape["stages_per_vw"])
-                   if not self._marked(outputs.shared_mark_path(self.folder, v, q))]
+                   if not outputs.shared_mark_path(self.folder, v, q, self.mark).is_file()]
         self.clear_marks()
         return missing
-
-    def _marked(self, path: Path) -> bool:
-        try:
-            return bool(self.mark) and path.read_text().strip() == self.mark
-        except (OSError, UnicodeDecodeError):
-            return False
 
     def skip(self, wave: int) -> None:
         """Drops the stages' parts of the cut after `wave`, which is not taken: the older cuts stay

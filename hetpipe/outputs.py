@@ -122,10 +122,13 @@ def stage_state_path(checkpoint_dir: str | Path, wave: int, vw: int, stage: int)
 FRESH_MARK = "fresh_start.json"
 
 
-def shared_mark_path(checkpoint_dir: str | Path, vw: int, stage: int) -> Path:
+def shared_mark_path(checkpoint_dir: str | Path, vw: int, stage: int, mark: str) -> Path:
     """What a stage writes into the checkpoints folder as it loads: the coordinator, finding it
-    there, knows its host shares the folder the stage will save its part of each cut into."""
-    return Path(checkpoint_dir) / f"shared_vw{vw}_stage{stage}"
+    there, knows its host shares the folder the stage will save its part of each cut into. mark:
+    the coordinator's start's nonce (StageAssignment.checkpoint_mark), in the name, so that a
+    stage of an earlier start that writes its own late neither passes for this start's stage
+    nor overwrites its mark."""
+    return Path(checkpoint_dir) / f"shared_vw{vw}_stage{stage}{'.' + mark if mark else ''}"
 
 
 def check_dir(out_dir: Path) -> None:
@@ -185,7 +188,7 @@ CUT = re.compile(r"cut\d{6}")
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")   # weight_files.file_names, transformers' names
 WRITTEN = {
     "ps": re.compile(r"shard\d+"),                       # each shard's durable state
-    CHECKPOINTS: re.compile(rf"{CUT.pattern}|shared_vw\d+_stage\d+|fresh_start\.json"),
+    CHECKPOINTS: re.compile(rf"{CUT.pattern}|shared_vw\d+_stage\d+(\.[0-9a-f]+)?|fresh_start\.json"),
     "logs": re.compile(r"(stage_worker|ps_server)_\d+\.log|(ddp|torch-pipeline)_rank\d+\.log"),
     "trace": re.compile(r"vw\d+_stage\d+\.jsonl|acked_vw\d+_stage\d+\.pt|profile_vw\d+_stage\d+\.(json|txt)"),
     "trace/sync": re.compile(r"vw\d+_stage\d+\.jsonl"),

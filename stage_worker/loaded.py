@@ -155,8 +155,8 @@ class Loaded:
             if setup.checkpoint_dir:   # where it will save its part of each cut: the coordinator checks it sees it
                 try:
                     Path(setup.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-                    outputs.shared_mark_path(setup.checkpoint_dir, setup.vw, setup.stage).write_text(
-                        f"{setup.checkpoint_mark}\n")
+                    outputs.shared_mark_path(setup.checkpoint_dir, setup.vw, setup.stage,
+                                            setup.checkpoint_mark).write_text(f"{setup.name}\n")
                 except OSError as exc:
                     raise LoadError(f"checkpoint_dir {setup.checkpoint_dir}: {exc}") from None
             if setup.synced:

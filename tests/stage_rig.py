@@ -47,8 +47,8 @@ class FakeNeighbour(stage_pb2_grpc.StageServicer):
 
     def Assign(self, request: Any, context: Any) -> wire_pb2.Ack:
         if request.checkpoint_dir:   # a stage on this host, as the driver checks it: it sees the folder
-            outputs.shared_mark_path(request.checkpoint_dir, request.vw, request.stage).write_text(
-                f"{request.checkpoint_mark}\n")
+            outputs.shared_mark_path(request.checkpoint_dir, request.vw, request.stage,
+                                    request.checkpoint_mark).write_text("fake\n")
         return wire_pb2.Ack()
 
     def Start(self, request: Any, context: Any) -> wire_pb2.Ack:

@@ -485,16 +485,17 @@ def test_a_coordinators_job_goes_on_from_an_unfinished_runs_cut_and_no_other(mak
 
 
 def test_only_this_starts_marks_say_a_stage_shares_the_folder(tmp_path: Path) -> None:
-    """A stage proves it sees the checkpoints folder by writing this start's nonce into its mark:
-    an earlier start's stage, still loading, that writes its mark after the marks were cleared
-    does not pass for one of this start's."""
+    """A stage proves it sees the checkpoints folder by writing its mark, named with this start's
+    nonce: an earlier start's stage, still loading, that writes its mark after the marks were
+    cleared neither passes for one of this start's nor hides the one this start's wrote."""
     cuts = checkpoints.Checkpoints(tmp_path / "checkpoints", [], {}, {}, {"virtual_workers": 2, "stages_per_vw": 1})
     cuts.prepare()
     earlier = cuts.mark
     cuts.prepare()   # the next start: the earlier start's stage writes its mark late
     assert cuts.mark and cuts.mark != earlier
-    outputs.shared_mark_path(cuts.folder, 0, 0).write_text(f"{cuts.mark}\n")
-    outputs.shared_mark_path(cuts.folder, 1, 0).write_text(f"{earlier}\n")
+    outputs.shared_mark_path(cuts.folder, 0, 0, cuts.mark).write_text("stage 0 of vw 0\n")
+    for vw in (0, 1):   # late, after this start's stage 0 of vw 0 wrote its own
+        outputs.shared_mark_path(cuts.folder, vw, 0, earlier).write_text(f"stage 0 of vw {vw}\n")
     assert cuts.unshared() == [(1, 0)]
     assert not list(cuts.folder.glob("shared_vw*"))   # cleared for the next check
     assert cuts.unshared() == [(0, 0), (1, 0)]
