@@ -201,7 +201,7 @@ def test_a_connection_counts_in_the_grpc_metrics_as_the_stream_it_stands_in_for(
     """An operator's refusal rate and message counts read the same whichever carried a link's
     bundles: each request a message received; each connection handled once, with the code it
     ended with (OK only where the peer closed it between requests); a connection refused at its
-    greeting a LinkSocket call refused, timed from its connect."""
+    greeting a LinkSocket call refused, timed from its accept."""
     codes = ("OK", "INVALID_ARGUMENT", "CANCELLED", "DEADLINE_EXCEEDED")
     before = {code: _counts(code)[0] for code in codes}
     _, received = _counts("OK")
