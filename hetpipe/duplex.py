@@ -51,6 +51,9 @@ class Duplex:
     def call(self, request: bytes) -> Any:
         return self.take(self.put(request))
 
+    def open(self) -> None:
+        """Nothing to learn before a bundle is encoded: the stream opens at the next put()."""
+
     def call_bundle(self, frames: Iterator[bytes]) -> None:
         """None: a bundle of several frames goes by a stream call of its own (rpc.send_bundle),
         not on the held stream, whose requests are one frame each."""

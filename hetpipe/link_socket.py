@@ -217,7 +217,11 @@ class Server:
             with sock:
                 sock.settimeout(rpc.CONTROL_DEADLINE_S)   # for the greeting: a peer that connects and says nothing
                 try:
-                    method = self._greet(sock, started)   # counted in its lane from here on
+                    method = self._greet(sock)   # counted in its lane from here on
+                except Rejected as exc:   # counted as a LinkSocket call refused, timed from the accept
+                    self._metrics["LinkSocket"].record(exc.code, started)
+                    self._refuse(sock, exc.code, str(exc))
+                    return
                 finally:
                     self._greeting.release()
                 if method is None:
@@ -238,23 +242,19 @@ class Server:
             if method is not None:
                 self._metrics[f"{method}Link"].record(code, started)
 
-    def _greet(self, sock: socket.socket, started: float) -> str | None:
+    def _greet(self, sock: socket.socket) -> str | None:
         """The method this connection carries, once its peer passed the checks, counted in its lane;
-        None: refused, counted as a LinkSocket call that took from started."""
+        None: the peer closed first. Rejected: refused."""
         if (uid := peer_uid(sock)) != os.getuid():
-            self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, f"LinkSocket: a process of user {uid} may not connect",
-                         started=started)
-            return None
+            raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"LinkSocket: a process of user {uid} may not connect")
         greeting = _read_exact(sock, NONCE_BYTES + 1)
         if greeting is None:
             return None
         if not hmac.compare_digest(bytes(greeting[:NONCE_BYTES]), self.nonce):
-            self._refuse(sock, grpc.StatusCode.PERMISSION_DENIED, "LinkSocket: wrong nonce", started=started)
-            return None
+            raise Rejected(grpc.StatusCode.PERMISSION_DENIED, "LinkSocket: wrong nonce")
         if greeting[NONCE_BYTES] >= len(METHODS):
-            self._refuse(sock, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"LinkSocket: no method {greeting[NONCE_BYTES]} (0 Forward, 1 Backward)", started=started)
-            return None
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"LinkSocket: no method {greeting[NONCE_BYTES]} (0 Forward, 1 Backward)")
         method = METHODS[greeting[NONCE_BYTES]]
         with self._lock:
             full = self._closed or self._open[method] >= LANES
@@ -262,19 +262,15 @@ class Server:
                 self._open[method] += 1
                 self._connections.add(sock)
         if full:
-            self._refuse(sock, grpc.StatusCode.UNAVAILABLE if self._closed else grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         "LinkSocket: the stage is stopping" if self._closed
-                         else f"LinkSocket: {LANES} {method} connections are open already", started=started)
-            return None
+            raise Rejected(grpc.StatusCode.UNAVAILABLE if self._closed else grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           "LinkSocket: the stage is stopping" if self._closed
+                           else f"LinkSocket: {LANES} {method} connections are open already")
         return method
 
-    def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str, name: str = "LinkSocket",
-                started: float | None = None) -> None:
-        """Answers with a refusal, logged; one at the greeting (started: when its connection came)
-        counted here, one of a request where its connection ends."""
+    @staticmethod
+    def _refuse(sock: socket.socket, code: grpc.StatusCode, message: str, name: str = "LinkSocket") -> None:
+        """Answers with a refusal, logged."""
         rpc.REFUSALS.note(name, code, message)
-        if started is not None:
-            self._metrics[name].record(code, started)
         sock.sendall(_answer(code, message))
 
     def _serve_requests(self, sock: socket.socket, method: str) -> grpc.StatusCode:

@@ -350,6 +350,12 @@ class Reader:
             return None
         return st.st_dev, st.st_ino, st.st_size
 
+    def _prune_if_due(self) -> None:
+        """_prune once PRUNE_S have passed since the last (caller holds _lock): not at every new
+        mapping or read, or a cycle of more segments than it keeps would stat them all each time."""
+        if time.monotonic() - self._pruned >= self.PRUNE_S:
+            self._prune()
+
     def _prune(self) -> None:
         """Lets go of the mappings whose segment is gone or replaced (caller holds _lock); views
         still in use keep theirs alive. And of the senders of segments gone."""
@@ -381,8 +387,7 @@ class Reader:
             found = self._maps.get(name)
             if found is not None and self._identity(name) == found[1]:
                 self._maps.move_to_end(name)
-                if time.monotonic() - self._pruned >= self.PRUNE_S:
-                    self._prune()
+                self._prune_if_due()
                 return found[0]
             self._maps.pop(name, None)   # gone (refused below) or made anew (mapped anew)
             del found   # let go of it now, not with a traceback that holds this frame
@@ -409,8 +414,7 @@ class Reader:
         finally:
             os.close(fd)
         with self._lock:
-            if time.monotonic() - self._pruned >= self.PRUNE_S:
-                self._prune()   # not at every new mapping: a cycle of more segments than it keeps would stat them all each time
+            self._prune_if_due()
             self._maps[name] = (mapped, (st.st_dev, st.st_ino, st.st_size))
             while len(self._maps) > self._keep:
                 self._maps.popitem(last=False)  # views still in use keep their mapping alive

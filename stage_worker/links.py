@@ -246,8 +246,7 @@ class Link:
     def _send(self, item: Outgoing) -> bool:
         """item on the held stream if it is one frame, else by its own call once those before it
         are answered. False: the link failed."""
-        if isinstance(self._duplex, link_socket.SocketDuplex):
-            self._duplex.open()   # a peer without a socket, found out now, gets this bundle whole too
+        self._duplex.open()   # a peer without a link socket, found out now, gets this bundle whole too
         frames = item.encode(self.ring, self.gpu_ring)
         first = frames.peek()
         if frames.single:
