@@ -84,7 +84,7 @@ step() {  # step NAME OUT: one step, its output into OUT/NAME.txt and on the ter
         env)       cmd=(bash -c 'nvidia-smi; env | grep -E "^(CUDA_|PYTORCH_|NCCL_)" | sort; python3 -c "import sys, torch, grpc, google.protobuf as pb, safetensors
 print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())
 print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\", safetensors.__version__)"') ;;
-        tests)     mapfile -t files < <(grep -rlE --include='test_*.py' '^\s*@?pytest\.mark\.cuda\b' tests | sort)
+        tests)     mapfile -t files < <(grep -rlE --include='test_*.py' 'pytest\.mark\.cuda\b' tests | sort)
                    cmd=(python3 -m pytest -q -p no:cacheprovider -m cuda "${files[@]}") ;;
         transport) cmd=(python3 bench/transport.py --cuda) ;;
         copies)    cmd=(python3 bench/host_copies.py) ;;

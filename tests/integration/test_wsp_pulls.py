@@ -203,6 +203,33 @@ def test_updates_buffers_are_reused_once_neither_the_wave_sum_nor_the_pusher_nee
         sync.close()
 
 
+@pytest.mark.parametrize("shm", [False, True])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_A_GPU)])
+def test_a_gpu_stages_pull_is_set_on_its_gpu_with_its_unpushed_wave(shard: tuple[str, ShardServicer], device: str,
+                                                                    shm: bool) -> None:
+    """A GPU stage's pull, from the shard's slot or over gRPC, reaches its GPU and is set there:
+    the weights are w_global plus the stage's unpushed wave (G3), on its device."""
+    failures: list[str] = []
+    weights = Weights(device)
+    config = SyncConfig(vw=0, nm=1, D=0, steps=4, keys=KEYS, key_shards=(0, 0), addresses=(shard[0],),
+                        shared_memory=(shm,))
+    callbacks = SyncCallbacks(on_failure=failures.append, wake=lambda: None, next_forward=lambda: 3)
+    sync = WspSync(config, callbacks, weights.params)
+    try:
+        w0 = [torch.arange(12.0).reshape(4, 3), torch.ones(4)]
+        u1, u2 = [torch.full((4, 3), 0.5), torch.full((4,), 0.25)], [torch.full((4, 3), 2.0), torch.full((4,), 4.0)]
+        sync.initialise(1, w0)
+        _push(sync, 0, [u.to(device) for u in u1], failures)
+        sync.after_update(2, [u.to(device) for u in u2])
+        sync.pull_now(weights, 1)
+        for got, w, a, b in zip(weights.params, w0, u1, u2):
+            assert got.device.type == device and torch.equal(got.cpu(), w + a + b), "G3: w_global plus wave 1"
+        assert weights.merges == ["set_weights"]
+        assert (sync.shm_bytes > 0) == shm and not failures
+    finally:
+        sync.close()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
 def test_an_elastic_exchange_sends_the_replica_as_its_wave_left_it(shard: tuple[str, ShardServicer],
                                                                    device: str) -> None:
