@@ -71,6 +71,10 @@ class ProfileConfig:
 class OutputConfig:
     dir: str = "runs/job"
     trace: bool = False
+    # O3's ledger (trace/acked_vw*_stage*.pt): each stage's sum of the updates its shards
+    # acknowledged, saved at every push. A check, not a timing: on a large model it costs more
+    # than the training, so a trace leaves it out unless asked.
+    ledger: bool = False
     max_shard_bytes: int = 2 << 30   # model.safetensors below this, else model-0000i-of-0000N files
     profile: ProfileConfig | None = None
 
@@ -244,6 +248,9 @@ def _check_together(job: JobConfig) -> None:
     """Checks between keys: what `hetpipe plan` must refuse because `hetpipe run` would."""
     par = job.parallel
     check_sync(job.parallel, job.train.checkpoint_every)
+    if job.output.ledger and not job.output.trace:
+        raise ConfigError("output.ledger: the ledger is written into the trace (trace/acked_vw*_stage*.pt); "
+                          "set output.trace: true too, or leave output.ledger out")
     if par.mode != "hetpipe" and job.train.precision == "fp16":
         raise ConfigError(f"train.precision: fp16 needs loss scaling, which HetPipe's stages do and parallel.mode "
                           f"{par.mode} does not; use bf16 or fp32")
@@ -342,7 +349,7 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfi
     top.check_known(("cluster", "model", "data", "eval", "train", "parallel", "output", "security",
                      *(("base_dir",) if base_dir is None else ())))
     out, do = top.section("output"), OutputConfig()
-    out.check_known(("dir", "trace", "max_shard_bytes", "profile"))
+    out.check_known(("dir", "trace", "ledger", "max_shard_bytes", "profile"))
     train = parse_train(top.section("train"))
     job = JobConfig(
         model=_parse_model(top.section("model")),
@@ -350,6 +357,7 @@ def parse_job(raw: Mapping[str, Any], *, base_dir: str | None = ".") -> JobConfi
         train=train,
         parallel=parse_parallel(top.section("parallel")),
         output=OutputConfig(dir=out.text("dir", do.dir), trace=out.flag("trace", do.trace),
+                            ledger=out.flag("ledger", do.ledger),
                             max_shard_bytes=out.integer("max_shard_bytes", do.max_shard_bytes, minimum=1 << 10),
                             profile=_parse_profile(out.get("profile"), train.steps)),
         eval=_parse_eval(top.get("eval")),

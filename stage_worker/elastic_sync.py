@@ -58,7 +58,7 @@ class ElasticSync(WspSync):
             return
         exchange, deltas, sent, replied = arrived
         weights.set_weights([p.detach() - d.to(p.device) for p, d in zip(self._params, deltas)])
-        self.record.acknowledged(deltas)   # traced jobs only
+        self.record.acknowledged(deltas)   # with output.ledger only
         self._merged += 1
         self._acked_waves = waves_covered(self._merged, self.cfg.period, self.total_waves)
         self._sent = None

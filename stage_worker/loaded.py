@@ -183,7 +183,7 @@ class Loaded:
             vw=setup.vw, nm=job.nm, D=job.parallel.D, steps=job.train.steps, keys=tuple(self.compute.names),
             key_shards=setup.key_shards, addresses=setup.ps_addresses, push_hold_s=setup.push_seconds,
             pull_hold_s=setup.pull_seconds, trace_dir=str(trace.parent) if trace else "",
-            trace_name=trace.name if trace else "", repeat_push=faults.from_env().repeat_push, seed=job.train.seed,
+            trace_name=trace.name if trace else "", ledger=job.output.ledger, repeat_push=faults.from_env().repeat_push, seed=job.train.seed,
             sync=job.parallel.sync, quorum=job.parallel.sync_settings.quorum, alpha=job.parallel.sync_settings.alpha,
             period=job.parallel.sync_settings.period, shared_memory=setup.ps_shm,
             push_dtype="bfloat16" if job.train.precision == "bf16" else "",

@@ -25,8 +25,9 @@ class SyncConfig:
     addresses: tuple[str, ...]      # shard i at index i
     push_hold_s: float = 0.0        # an emulated network (DESIGN §5) holds each push this long
     pull_hold_s: float = 0.0        # and each pull reply
-    trace_dir: str = ""             # sync trace and acknowledged-push ledger go here ("" = off)
+    trace_dir: str = ""             # the sync trace goes here ("" = off)
     trace_name: str = ""            # e.g. vw0_stage1.jsonl
+    ledger: bool = False            # and O3's ledger of acknowledged pushes (output.ledger)
     repeat_push: float = 0.0        # fault injection: resend an acknowledged push with this probability
     seed: int = 0
     sync: str = "wsp"               # parallel.sync: wsp, quorum (the shards close rounds), elastic (ElasticSync)

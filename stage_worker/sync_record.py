@@ -15,19 +15,23 @@ from hetpipe import outputs, weight_files
 class SyncRecord:
     """The sync trace (trace/sync/vwV_stageQ.jsonl: when each push, pull or exchange was queued,
     sent, answered and merged; what explains a wait that the minibatch trace only shows the end
-    of) and the ledger (trace/acked_vwV_stageQ.pt: the sum of every update the shards
-    acknowledged, which O3 checks them against). The ledger is model-sized, so only a traced job
-    keeps one; untraced (trace_dir ""), every method does nothing."""
+    of) and, with `ledger`, the ledger (trace/acked_vwV_stageQ.pt: the sum of every update the
+    shards acknowledged, which O3 checks them against). The ledger is model-sized and saved at
+    every push, so a job asks for it apart from the trace (output.ledger); untraced (trace_dir
+    ""), every method does nothing."""
 
-    def __init__(self, trace_dir: str, trace_name: str, keys: Sequence[str], params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, trace_dir: str, trace_name: str, keys: Sequence[str], params: Sequence[torch.Tensor], *,
+                 ledger: bool = False) -> None:
         self.keys = list(keys)
-        self.ledger = [torch.zeros_like(p, device="cpu") for p in params] if trace_dir else []
+        ledger = ledger and bool(trace_dir)
+        self.ledger = [torch.zeros_like(p, device="cpu") for p in params] if ledger else []
         self._ledger_path = ""
         self._trace: IO[str] | None = None
         self._lock = threading.Lock()   # rows come from the compute thread and the pusher
         if trace_dir:
             trace = Path(trace_dir)
-            self._ledger_path = str(trace / f"acked_{Path(trace_name).stem}.pt")
+            if ledger:
+                self._ledger_path = str(trace / f"acked_{Path(trace_name).stem}.pt")
             (trace / "sync").mkdir(parents=True, exist_ok=True)
             self._trace = open(trace / "sync" / trace_name, "w")
 

@@ -87,7 +87,7 @@ class WspSync:
         self._closed = threading.Event()
         # Wave, its sum, the event after the kernels that made it (a GPU stage's), when queued.
         self._pushes: queue.Queue[tuple[int, list[torch.Tensor], Any, float] | None] = queue.Queue()
-        self.record = SyncRecord(config.trace_dir, config.trace_name, self.keys, params)   # traced jobs only
+        self.record = SyncRecord(config.trace_dir, config.trace_name, self.keys, params, ledger=config.ledger)
         self._rng = random.Random(hash((config.seed, config.vw, config.trace_name, "push")))
         self._pusher = self._start("pusher", self._push_loop)
         # One thread for every pull, fed a min_clock at a time, as the pusher is fed waves: a

@@ -238,7 +238,7 @@ def check_conservation(job: Any, out: Path, ledgers: int, left: Iterable[int] = 
     expected = {k: v.clone() for k, v in initial_model(job).state_dict().items()}
     in_flight: dict[str, torch.Tensor] = {}
     paths = sorted((out / "trace").glob("acked_vw*_stage*.pt"))
-    assert len(paths) == ledgers, paths
+    assert len(paths) == ledgers, f"{[p.name for p in paths]}: expected {ledgers} ledgers (does the job set output.ledger?)"
     for path in paths:
         record = torch.load(path, weights_only=True)
         assert not record["pending"] or int(re.findall(r"vw(\d+)", path.name)[0]) in set(left), (

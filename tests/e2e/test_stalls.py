@@ -49,6 +49,7 @@ def _stop_shard_when_busy(out: Path, done: threading.Event, stopped: list[tuple[
 
 def test_a_stopped_shard_is_named_killed_and_restarted(make_job, capfd, tmp_path: Path) -> None:
     job = make_job({
+        "output": {"ledger": True},   # O3 reads it (check_conservation)
         "train": {"dtype": "float64", "steps": 80, "stall_timeout_s": STALL_S},
         "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": 2, "D": 1, "ps_shards": 2},
         "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "titan-v", "count": 4}]}],

@@ -56,6 +56,7 @@ def test_solo_quorum_with_a_straggler_runs_ahead_and_conserves(make_job, inject_
     inject_faults(task_delay=(0.0, 0.002), slow_vw=2, slow_factor=6.0, repeat_push=0.3)
     steps, nm = 24, 2
     job = make_job({
+        "output": {"ledger": True},   # O3 reads it (check_conservation)
         "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}, "steps": steps},
         "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": nm, "D": 0, "ps_shards": 2,
                      "sync": "quorum", "sync_args": {"quorum": "solo"}},
@@ -80,6 +81,7 @@ def test_quorum_goes_on_without_an_evicted_vw(make_job, tmp_path: Path) -> None:
     toward a round's quorum or the final flush, and its acknowledged pushes are in the model once."""
     steps, nm = 40, 2
     job = make_job({
+        "output": {"ledger": True},   # O3 reads it (check_conservation)
         "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02}, "steps": steps},
         "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": nm, "D": 0, "ps_shards": 2,
                      "sync": "quorum", "on_vw_failure": "continue"},
@@ -101,6 +103,7 @@ def test_quorum_goes_on_without_an_evicted_vw(make_job, tmp_path: Path) -> None:
 def test_elastic_learns_and_writes_the_master(make_job, tmp_path: Path) -> None:
     steps, nm, period = 60, 2, 2
     job = make_job({
+        "output": {"ledger": True},   # O3 reads it (check_conservation)
         "train": {"dtype": "float64", "optimizer": {"name": "adam", "lr": 0.01}, "steps": steps},
         "parallel": {"virtual_workers": 2, "stages_per_vw": 2, "nm": nm, "D": 0, "ps_shards": 2,
                      "sync": "elastic", "sync_args": {"alpha": 0.25, "period": period}},

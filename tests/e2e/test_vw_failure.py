@@ -52,6 +52,7 @@ def _kill_when_busy(out: Path, done: threading.Event, killed: list[int]) -> None
 
 def test_a_killed_vw_leaves_and_the_others_finish(make_job, tmp_path: Path) -> None:
     job = make_job({
+        "output": {"ledger": True},   # O3 reads it (check_conservation)
         "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.02}, "steps": 80, "checkpoint_every": 3},
         "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": 2, "D": 1, "ps_shards": 2,
                      "on_vw_failure": "continue"},

@@ -72,6 +72,7 @@ def test_o3_conservation_with_retries_and_shard_kill(make_job, inject_faults, tm
     inject_faults(task_delay=(0.0, 0.01), repeat_push=0.3)
     dtype = "float64" if precision == "fp32" else "float32"
     job = make_job({
+        "output": {"ledger": True},   # O3 reads it (check_conservation)
         "train": {"dtype": dtype, "precision": precision, "steps": 60,
                   "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.5}},
         "parallel": {"virtual_workers": 3, "stages_per_vw": 2, "nm": 2, "D": 1, "ps_shards": 2,
@@ -116,6 +117,7 @@ def test_o4_staleness_bounds_with_straggler(make_job, inject_faults, tmp_path: P
     summary = run_local(job, quiet=True)
     rows = load_trace(tmp_path / "out" / "trace")
     check_complete(rows, vws=3, stages=2, steps=steps)
+    assert not list((tmp_path / "out" / "trace").glob("acked_*")), "a trace saves no ledger unless output.ledger"
     check_local_rules(rows, nm)      # L1-L4 per VW, incl. L2 versions and stashing
     check_min_clock(rows, nm, D)     # G2
     assert max_clock_distance(rows, nm, steps, 3) <= D + 1   # G4, from the trace

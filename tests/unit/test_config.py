@@ -261,6 +261,8 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
     ({"data": {"name": "synthetic", "path": None, "args": {"row": 64}}},
      "data.args.row: unknown key (did you mean rows?); known keys are rows, seed, features, classes, vocab, context"),
     ({"data": {"name": "digits", "path": None, "args": {"rows": 5}}}, "data.args: data.name digits takes none, got ['rows']"),
+    ({"output": {"ledger": True, "trace": False}}, "output.ledger: the ledger is written into the trace (trace/acked_vw*_stage*.pt); "
+                                   "set output.trace: true too"),
 ])
 def test_keys_that_do_not_go_together_are_refused(overrides: dict[str, Any], message: str) -> None:
     raw = base()
@@ -492,7 +494,8 @@ valid_jobs = st.fixed_dictionaries(
                 "mode": st.sampled_from(["hetpipe", "ddp", "torch-pipeline"]),
             },
         ),
-        "output": st.fixed_dictionaries({}, optional={"dir": names, "trace": st.booleans()}),
+        "output": st.one_of(st.fixed_dictionaries({}, optional={"dir": names, "trace": st.just(False)}),
+                            st.fixed_dictionaries({"trace": st.just(True)}, optional={"dir": names, "ledger": st.booleans()})),
     },
     optional={
         "cluster": st.fixed_dictionaries(
