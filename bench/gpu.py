@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 import yaml
+from sync_latency import report as sync_latency
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -239,7 +240,8 @@ def main() -> None:
     ap.add_argument("--D", type=int, default=1, help="the 2 VWs' clock distance (default 1)")
     ap.add_argument("--shards", type=int, default=2, help="the 2 VWs' parameter-server shards (default 2)")
     ap.add_argument("--trace", action="store_true",
-                    help="HetPipe runs write their traces (output.trace); implies --keep")
+                    help="HetPipe runs write their traces (output.trace), and each prints where its pushes and pulls "
+                         "spent their time (bench/sync_latency.py); implies --keep")
     ap.add_argument("--profile", nargs=2, type=int, metavar=("AFTER", "STEPS"),
                     help="torch.profiler over minibatches (AFTER, AFTER + STEPS] of the plain loop and of each "
                          "HetPipe stage (output.profile): per minibatch wall, kernel time and launches")
@@ -300,6 +302,8 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
             if args.tables:
                 args.tables.mkdir(parents=True, exist_ok=True)
                 shutil.copy(table, args.tables / f"{Path(spec['output']['dir']).name}_{table.name}")
+        if args.trace and (Path(spec["output"]["dir"]) / "trace" / "sync").is_dir():   # a HetPipe run's
+            print("    " + sync_latency(Path(spec["output"]["dir"])).replace("\n", "\n    "), flush=True)
         if args.json:   # after every run: a time limit that cuts the benchmark short keeps what it measured
             args.json.write_text(json.dumps(results, indent=2))
     report(results)

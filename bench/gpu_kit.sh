@@ -29,6 +29,9 @@
 #              stage of 1x1 and 2x2 (what a step costs: wall, kernels, launches; the tables in
 #              OUT/profile/); its samples/s are not the benchmark's (the profiler slows its window)
 #   peers      bench/peers.py: the CPU job's peers on this machine's GPUs
+#   trace      bench/gpu.py --trace over the 2x2 at GPU_STEPS: where its pushes and pulls spent their time,
+#              phase by phase, from the run's sync and shard traces (bench/sync_latency.py). Not in the
+#              default steps: name it.
 #   spy        py-spy (its wheel carried like the rest) over bench/gpu.py's 2x2 at GPU_STEPS, every
 #              process and thread, waits included; bench/spy_summary.py prints where each kind of
 #              process spent its samples, and the raw profile is kept gzipped (OUT/spy.raw.gz).
@@ -91,8 +94,9 @@ print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\
         gpu)       cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-100}" --json "$out/gpu.json") ;;
         profile)   cmd=(python3 bench/gpu.py --steps 60 --runs plain h11 h22 --profile 30 5 --tables "$out/profile") ;;
         peers)     cmd=(python3 bench/peers.py --json "$out/peers.json") ;;
+        trace)     cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-100}" --runs h22 --trace) ;;
         spy)       cmd=(bash "$SELF" _spy "$out") ;;
-        *)         die "no step '$name' (steps: $STEPS spy)" ;;
+        *)         die "no step '$name' (steps: $STEPS trace spy)" ;;
     esac
     if ((left < 30)); then
         echo "=== $name: skipped: $left s left of KIT_BUDGET ${KIT_BUDGET:-570}" | tee "$out/$name.txt"
