@@ -139,8 +139,8 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
         print("# the job's eval section is dropped: the plain loop and torch-pipeline do not evaluate", flush=True)
 
     def derived(parallel: dict[str, Any], tag: str) -> dict[str, Any]:
-        # No trace either: the baselines and the plain loop write none.
-        output = {**raw.get("output", {}), "dir": str(work / tag), "trace": False}
+        # No trace (nor the ledger in it) either: the baselines and the plain loop write none.
+        output = {**raw.get("output", {}), "dir": str(work / tag), "trace": False, "ledger": False}
         return {**raw, "parallel": parallel, "output": output}
 
     try:

@@ -1,5 +1,6 @@
-"""Where a traced run's pushes and pulls spend their time: each phase's median, 90th percentile and
-total, from the stages' sync traces (trace/sync/) and the shards' (trace/ps/), over every VW.
+"""Where a traced run's pushes and pulls (an elastic run's exchanges) spend their time: each phase's
+median, 90th percentile and total, from the stages' sync traces (trace/sync/) and the shards'
+(trace/ps/), over every VW.
 
     .venv/bin/python bench/sync_latency.py OUTPUT_DIR     # a run with output.trace: true
 
@@ -29,6 +30,11 @@ PHASES = [
     ("shard", "pull", "shard: pull's shared-memory slot written", "end", "written"),
     ("stage", "pull", "pull answered, waiting for the compute thread's merge", "replied", "merged"),
     ("stage", "pull_wait", "a forward blocked on G2 (pull_wait)", "start", "end"),
+    # parallel.sync elastic: an exchange instead of a push and a pull
+    ("stage", "exchange", "exchange: sent until answered", "sent", "replied"),
+    ("shard", "exchange", "shard: exchange received, waiting for the lock", "received", "start"),
+    ("shard", "exchange", "shard: exchange under the lock", "start", "end"),
+    ("stage", "exchange", "exchange answered, waiting for the compute thread's merge", "replied", "merged"),
 ]
 
 

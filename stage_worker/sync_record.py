@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import IO
 import torch
 
 from hetpipe import outputs, weight_files
+
+log = logging.getLogger(__name__)
 
 
 class SyncRecord:
@@ -59,10 +62,22 @@ class SyncRecord:
             total.add_(u.cpu())
         self._save(None)
 
-    def restore(self, ledger: list[torch.Tensor]) -> None:
-        """Goes on from a checkpoint's ledger (traced now and then; else it starts at zero)."""
-        if self.ledger and ledger:
-            self.ledger = [t.clone() for t in ledger]
+    def restore(self, ledger: list[torch.Tensor] | None) -> None:
+        """Goes on from a checkpoint's ledger (state()'s). A cut taken without one (output.ledger
+        off then) cannot say what was acknowledged before it: from such a cut no ledger is kept,
+        rather than one that starts at zero and undercounts."""
+        if not self.enabled:
+            return
+        if ledger is None or len(ledger) != len(self.ledger):
+            log.warning("output.ledger: the checkpoint this run goes on from has no ledger (taken with "
+                        "output.ledger off); this stage writes none")
+            self.ledger, self._ledger_path = [], ""
+            return
+        self.ledger = [t.clone() for t in ledger]
+
+    def state(self) -> list[torch.Tensor] | None:
+        """The ledger for a checkpoint: None where this job keeps none."""
+        return [t.clone() for t in self.ledger] if self.enabled else None
 
     def close(self) -> None:
         with self._lock:

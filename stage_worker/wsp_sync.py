@@ -253,10 +253,10 @@ class WspSync:
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps (nothing is in flight at a cut): the clocks, the own waves not
-        yet seen in a pull (G3 adds them to the next one), and the ledger (traced jobs; else empty)."""
+        yet seen in a pull (G3 adds them to the next one), and the ledger (output.ledger; else None)."""
         return {"clock": self._clock, "have": self._have, "acked_waves": self._acked_waves,
                 "acc": {str(w): [t.cpu() for t in ts] for w, ts in self._acc.items()},
-                "ledger": [t.clone() for t in self.record.ledger]}
+                "ledger": self.record.state()}
 
     def restore(self, state: dict[str, Any], device: str) -> None:
         self._clock, self._have = int(state["clock"]), int(state["have"])

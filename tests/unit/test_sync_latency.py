@@ -31,6 +31,7 @@ def traced(tmp_path: Path) -> Path:
     ])
     _write(tmp_path / "trace" / "sync" / "vw1_stage0.jsonl", [
         {"event": "push", "wave": 0, "queued": 20.0, "start": 20.0, "end": 23.0},
+        {"event": "exchange", "clock": 1, "sent": 30.0, "replied": 30.5, "merged": 31.0},   # an elastic run's
     ])
     _write(tmp_path / "trace" / "ps" / "shard0.jsonl", [
         {"shard": 0, "event": "push", "vw": 0, "clock": 0, "received": 10.6, "start": 11.0, "end": 11.1, "added": 11.5},
@@ -52,6 +53,7 @@ def test_each_phase_is_timed_from_the_fields_that_bound_it(traced: Path) -> None
     assert got["shard: pull's shared-memory slot written"] == [0.25]
     assert got["pull answered, waiting for the compute thread's merge"] == [0.25]
     assert got["a forward blocked on G2 (pull_wait)"] == [1.25]
+    assert got["exchange: sent until answered"] == [0.5] and got["shard: exchange under the lock"] == []
 
 
 def test_the_report_has_a_line_per_phase_seen_and_the_command_names_a_missing_trace(traced: Path,

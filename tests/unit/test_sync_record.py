@@ -46,3 +46,23 @@ def test_the_ledger_holds_the_acknowledged_sum_and_the_push_in_flight(tmp_path: 
     record.acknowledged(second)
     saved = torch.load(path, weights_only=True)
     assert torch.equal(saved["acked"]["0.bias"], first[1] + second[1]) and saved["pending"] == {}
+
+
+def test_a_ledger_goes_on_from_its_cut_and_none_is_kept_from_a_cut_without_one(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A resumed stage adds to the ledger its cut saved. From a cut taken with output.ledger off
+    (state None) it cannot know what was acknowledged before: it writes no ledger at all, and says
+    so, rather than one that starts at zero and makes O3 fail for a push it did count."""
+    assert _record(tmp_path / "off", ledger=False).state() is None
+    cut = _record(tmp_path / "a", ledger=True)
+    cut.acknowledged([torch.ones(2, 2), torch.ones(2)])
+    resumed = _record(tmp_path / "b", ledger=True)
+    resumed.restore(cut.state())
+    resumed.acknowledged([torch.ones(2, 2), torch.ones(2)])
+    saved = torch.load(tmp_path / "b" / "trace" / "acked_vw0_stage1.pt", weights_only=True)
+    assert torch.equal(saved["acked"]["0.bias"], torch.full((2,), 2.0)), "the cut's sum, plus the push after it"
+    unknown = _record(tmp_path / "c", ledger=True)
+    unknown.restore(None)
+    unknown.acknowledged([torch.ones(2, 2), torch.ones(2)])
+    assert not list((tmp_path / "c" / "trace").glob("acked_*")) and unknown.state() is None
+    assert "has no ledger (taken with output.ledger off); this stage writes none" in caplog.text
