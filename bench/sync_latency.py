@@ -21,7 +21,9 @@ from pathlib import Path
 PHASES = [
     ("stage", "push", "push queued, waiting for the pusher", "queued", "start"),
     ("stage", "push", "push: to the host, to every shard, acknowledged", "start", "end"),
-    ("shard", "push", "shard: push received, scanned, waiting for its keys", "received", "start"),
+    ("shard", "push", "shard: push arriving (and logged)", "received", "arrived"),
+    ("shard", "push", "shard: push scanned for NaN and overflow", "arrived", "scanned"),
+    ("shard", "push", "shard: push waiting for the lock and its keys", "scanned", "start"),
     ("shard", "push", "shard: push under the lock", "start", "end"),
     ("shard", "push", "shard: push's sums added", "end", "added"),
     ("stage", "pull", "pull: sent until answered (its wait for c_global included)", "sent", "replied"),
@@ -32,7 +34,8 @@ PHASES = [
     ("stage", "pull_wait", "a forward blocked on G2 (pull_wait)", "start", "end"),
     # parallel.sync elastic: an exchange instead of a push and a pull
     ("stage", "exchange", "exchange: sent until answered", "sent", "replied"),
-    ("shard", "exchange", "shard: exchange received, waiting for the lock", "received", "start"),
+    ("shard", "exchange", "shard: exchange arriving", "received", "arrived"),
+    ("shard", "exchange", "shard: exchange waiting for the lock", "arrived", "start"),
     ("shard", "exchange", "shard: exchange under the lock", "start", "end"),
     ("stage", "exchange", "exchange answered, waiting for the compute thread's merge", "replied", "merged"),
 ]

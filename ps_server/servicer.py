@@ -222,6 +222,7 @@ class ShardServicer:
             journal = functools.partial(durability.place, logged)
         else:
             tensors = wire.receive(stream).tensors
+        stamps = {"arrived": time.time()}   # for the trace: its bytes all in (and logged, where logged here)
         if durability is not None and logged is None:
             write = durability.journal_push if kind == "push" else durability.journal_exchange
             journal = lambda: write(tag.vw, tag.clock, tensors)  # noqa: E731
@@ -230,6 +231,7 @@ class ShardServicer:
             # The scan for NaN and for the overflow bound reads the push alone: here, before the
             # lock, so that concurrent pushes (every VW's, every stage's) are scanned at once.
             sizes = push_sizes(tag.vw, tag.clock, tensors) if kind == "push" else None
+            stamps["scanned"] = time.time()
         except ShardError as exc:
             if logged is not None and durability is not None:
                 durability.settle(logged, applied=False)
@@ -260,7 +262,7 @@ class ShardServicer:
             held = time.time()
             captured = None
             if sums is None:
-                captured = self._done(kind, tag.vw, tag.clock, applied, (start, held), received, tensors)
+                captured = self._done(kind, tag.vw, tag.clock, applied, (start, held), received, tensors, **stamps)
             else:
                 self._adding |= sums.keys
         if sums is not None:
@@ -280,7 +282,7 @@ class ShardServicer:
                 if logged is not None and durability is not None:
                     durability.settle(logged, applied=True)   # its entry is read no more
                 captured = self._done(kind, tag.vw, tag.clock, applied, (start, held), received, tensors,
-                                      added=time.time())
+                                      added=time.time(), **stamps)
         if logged is not None and durability is not None and not stream.shared_memory:
             # On disk before the acknowledgement, the pulls it released already on their way; a
             # duplicate waits for its original's entry, which may still be on the way to disk.
@@ -299,8 +301,9 @@ class ShardServicer:
     def _done(self, kind: str, vw: int, clock: int, applied: bool, held: tuple[float, float], received: float,
               tensors: list[tuple[str, torch.Tensor]], **added: float) -> Snapshot | None:
         """An update's end, under the lock: a checkpoint captured if one is due (returned, for the
-        checkpoint thread), the trace's line (start..end: its time under the lock; added: when a
-        push's sums were in, after it), and the pulls waiting on it woken."""
+        checkpoint thread), the trace's line (start..end: its time under the lock; `added`: when a
+        push's sums were in, after it; before it `arrived`, its bytes all in and logged, and
+        `scanned`, a push's NaN and overflow scan done), and the pulls waiting on it woken."""
         captured = None
         if applied and self.durability is not None and self.durability.capture_due(self.shard):
             self.quiet()

@@ -79,6 +79,12 @@ def test_trace_of_a_real_run_is_valid_trace_event_json(make_job, tmp_path: Path)
     summary = run_local(job, quiet=True)
     out = tmp_path / "out"
     assert sorted(p.name for p in (out / "trace" / "ps").iterdir()) == [f"shard{j}.jsonl" for j in range(SHARDS)]
+    pushes = [json.loads(line) for j in range(SHARDS)
+              for line in (out / "trace" / "ps" / f"shard{j}.jsonl").read_text().splitlines()]
+    pushes = [r for r in pushes if r["event"] == "push"]
+    assert len(pushes) == summary["pushes_applied"] > 0, "a line per push each shard took"
+    for r in pushes:   # the phases bench/sync_latency.py reads, in the order they happen
+        assert r["received"] <= r["arrived"] <= r["scanned"] <= r["start"] <= r["end"] <= r.get("added", r["end"]), r
 
     path, count = timeline.export(out)
     assert path == out / "trace.json"

@@ -34,7 +34,8 @@ def traced(tmp_path: Path) -> Path:
         {"event": "exchange", "clock": 1, "sent": 30.0, "replied": 30.5, "merged": 31.0},   # an elastic run's
     ])
     _write(tmp_path / "trace" / "ps" / "shard0.jsonl", [
-        {"shard": 0, "event": "push", "vw": 0, "clock": 0, "received": 10.6, "start": 11.0, "end": 11.1, "added": 11.5},
+        {"shard": 0, "event": "push", "vw": 0, "clock": 0, "received": 10.6, "arrived": 10.75, "scanned": 10.8,
+         "start": 11.0, "end": 11.1, "added": 11.5},
         {"shard": 0, "event": "push", "vw": 1, "clock": 0, "received": 20.1, "start": 20.2, "end": 20.3},   # no sums to add
         {"shard": 0, "event": "pull", "vw": 0, "clock": 1, "requested": 11.0, "start": 13.0, "end": 13.5,
          "written": 13.75},
@@ -46,7 +47,9 @@ def test_each_phase_is_timed_from_the_fields_that_bound_it(traced: Path) -> None
     got = dict(sync_latency.phases(traced))
     assert got["push queued, waiting for the pusher"] == [0.5, 0.0]
     assert got["push: to the host, to every shard, acknowledged"] == [1.5, 3.0]
-    assert got["shard: push received, scanned, waiting for its keys"] == pytest.approx([0.4, 0.1])
+    assert got["shard: push arriving (and logged)"] == pytest.approx([0.15])
+    assert got["shard: push scanned for NaN and overflow"] == pytest.approx([0.05])
+    assert got["shard: push waiting for the lock and its keys"] == pytest.approx([0.2]), "a row without the stamps is left out"
     assert got["shard: push's sums added"] == pytest.approx([0.4]), "a push with nothing to add has no add phase"
     assert got["pull: sent until answered (its wait for c_global included)"] == [3.0]
     assert got["shard: pull waiting for c_global and for its keys' adds"] == [2.0]
