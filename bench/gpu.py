@@ -1,5 +1,5 @@
-"""One real GPU: a GPT trained by a plain PyTorch loop, by `hetpipe run` (1x1, 1x2 at Nm 4, 2 VWs x
-2 stages) and by the torch-pipeline and ddp baselines; samples/s side by side, each as a ratio to
+"""One real GPU: a GPT trained by a plain PyTorch loop, by `hetpipe run` (1x1, 1x2 and 2 VWs x 2
+stages at Nm 4 or --nm) and by the torch-pipeline and ddp baselines; samples/s side by side, each as a ratio to
 the plain loop, and each run's start-to-exit wall time against its training time.
 
     python bench/gpu.py                  # the issue's 117.8M GPT, bf16, batch 16, SGD
@@ -38,7 +38,7 @@ RUNS = ("plain", "h11", "h12", "h14", "h22", "tp", "ddp")   # --runs tags (h14: 
 
 
 def job_dict(out: Path, model: dict[str, int], *, steps: int, precision: str, batch: int = 16,
-             vws: int = 1, stages: int = 1, nm: int = 1, D: int = 0, shards: int = 1,
+             vws: int = 1, stages: int = 1, nm: int | str = 1, D: int = 0, shards: int = 1,
              mode: str = "hetpipe") -> dict[str, Any]:
     parallel: dict[str, Any] = {"virtual_workers": vws, "stages_per_vw": stages, "nm": nm, "D": D,
                                 "ps_shards": shards, "mode": mode}
@@ -178,6 +178,8 @@ def run(name: str, job: dict[str, Any], work: Path, timeout: float) -> dict[str,
     if proc.returncode != 0:
         return {"name": name, "error": (stderr or stdout).strip().splitlines()[-5:]}
     summary = json.loads(stdout) if plain else json.loads((Path(job["output"]["dir"]) / "summary.json").read_text())
+    if not plain and job["parallel"].get("nm") == "auto":
+        name = name.replace("Nm auto", f"Nm auto ({summary['nm']})")   # what the planner chose
     summary.update(name=name, start_to_exit_seconds=elapsed, cpu_seconds=sum(seen.values()))
     return summary
 
@@ -239,6 +241,10 @@ def main() -> None:
                     help="which runs, by tag (default: all; ddp only where there are 2 GPUs)")
     ap.add_argument("--D", type=int, default=1, help="the 2 VWs' clock distance (default 1)")
     ap.add_argument("--shards", type=int, default=2, help="the 2 VWs' parameter-server shards (default 2)")
+    ap.add_argument("--nm", type=_nm, nargs="+", default=[4],
+                    help="minibatches a wave of 1x2 and 2x2 (default 4; auto: the planner's; several: a row each): "
+                         "each VW pushes and pulls the whole model once a wave, so the shards' passes over it "
+                         "cost 1/nm of it a minibatch")
     ap.add_argument("--trace", action="store_true",
                     help="HetPipe runs write their traces (output.trace), and each prints where its pushes and pulls "
                          "spent their time (bench/sync_latency.py); implies --keep")
@@ -252,6 +258,15 @@ def main() -> None:
         return
     with work_folder("hetpipe-gpu-", args.keep or args.trace) as work:
         _bench(args, work)
+
+
+def _nm(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or auto, not {text!r}") from None
 
 
 def _bench(args: argparse.Namespace, work: Path) -> None:
@@ -270,6 +285,10 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
     def job(tag: str, **kw: Any) -> dict[str, Any]:
         return job_dict(work / tag, model, steps=steps, precision=args.precision, **kw)
 
+    def each(nm: int | str) -> str:   # one output folder a row
+        return f"-nm{nm}" if len(args.nm) > 1 else ""
+
+    shards = f", {args.shards} shard{'s' * (args.shards > 1)}" if args.shards != 2 else ""
     wanted = set(args.runs)
     if "ddp" in wanted and torch.cuda.device_count() < 2:
         # Both ranks on one GPU: NCCL refuses, and gloo takes the whole model through host memory
@@ -282,9 +301,11 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
                  ("h14", "hetpipe 1 VW x 4 stages, Nm 4", job("s4", stages=4, nm=4))]
     else:
         runs += [("h11", "hetpipe 1 VW x 1 stage", job("h11")),
-                 ("h12", "hetpipe 1 VW x 2 stages, Nm 4", job("h12", stages=2, nm=4)),
-                 ("h22", f"hetpipe 2 VWs x 2 stages, D {args.D}" + (f", {args.shards} shard{'s' * (args.shards > 1)}" if args.shards != 2 else ""),
-                  job("h22", vws=2, stages=2, nm=4, D=args.D, shards=args.shards)),
+                 *[("h12", f"hetpipe 1 VW x 2 stages, Nm {nm}", job(f"h12{each(nm)}", stages=2, nm=nm))
+                   for nm in args.nm],
+                 *[("h22", f"hetpipe 2 VWs x 2 stages, Nm {nm}, D {args.D}" + shards,
+                    job(f"h22{each(nm)}", vws=2, stages=2, nm=nm, D=args.D, shards=args.shards))
+                   for nm in args.nm],
                  ("tp", "torch-pipeline 2 stages, 4 mb", job("tp", stages=2, nm=4, mode="torch-pipeline")),
                  ("ddp", "ddp 2 ranks", job("ddp", vws=2, mode="ddp"))]
     for _, _, spec in runs:
@@ -295,7 +316,7 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
     for _, name, spec in (r for r in runs if r[0] in wanted):
         results.append(run(name, spec, work, timeout=1200))
         done = results[-1]
-        print(f"  {name}: " + ("FAILED" if "error" in done else f"{done['samples_per_second']:.1f} samples/s"),
+        print(f"  {done['name']}: " + ("FAILED" if "error" in done else f"{done['samples_per_second']:.1f} samples/s"),
               flush=True)
         for table in sorted((Path(spec["output"]["dir"]) / "trace").glob("profile_*.txt")):
             print(f"    {table.read_text().splitlines()[0]}", flush=True)   # each profiled process's cost

@@ -32,6 +32,9 @@
 #   trace      bench/gpu.py --trace over the 2x2 at GPU_STEPS: where its pushes and pulls spent their time,
 #              phase by phase, from the run's sync and shard traces (bench/sync_latency.py). Not in the
 #              default steps: name it.
+#   waves      bench/gpu.py over the 2x2 at Nm 4, 8, 16 and the planner's (auto), side by side with a plain
+#              loop at GPU_STEPS: each VW moves the whole model through the shards once a wave, so a
+#              longer wave spreads those passes over more minibatches. Not in the default steps: name it.
 #   spy        py-spy (its wheel carried like the rest) over bench/gpu.py's 2x2 at GPU_STEPS, every
 #              process and thread, waits included; bench/spy_summary.py prints where each kind of
 #              process spent its samples, and the raw profile is kept gzipped (OUT/spy.raw.gz).
@@ -95,8 +98,9 @@ print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\
         profile)   cmd=(python3 bench/gpu.py --steps 60 --runs plain h11 h22 --profile 30 5 --tables "$out/profile") ;;
         peers)     cmd=(python3 bench/peers.py --json "$out/peers.json") ;;
         trace)     cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-100}" --runs h22 --trace) ;;
+        waves)     cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-100}" --runs plain h22 --nm 4 8 16 auto) ;;
         spy)       cmd=(bash "$SELF" _spy "$out") ;;
-        *)         die "no step '$name' (steps: $STEPS trace spy)" ;;
+        *)         die "no step '$name' (steps: $STEPS trace waves spy)" ;;
     esac
     if ((left < 30)); then
         echo "=== $name: skipped: $left s left of KIT_BUDGET ${KIT_BUDGET:-570}" | tee "$out/$name.txt"
