@@ -159,6 +159,12 @@ class Ring:
         with self._lock:
             self._free.append(staged.index)
 
+    @property
+    def idle(self) -> bool:
+        """No slot holds a bundle on its way: staged and not yet released."""
+        with self._lock:
+            return len(self._free) == len(self._slots)
+
     def close(self) -> None:
         self._stream.synchronize()
         with self._lock:

@@ -114,6 +114,7 @@ class Link:
                      if shared_memory else None)
         self._cuda_ipc = shared_memory and cuda_ipc
         self.gpu_ring: ipc.Ring | None = None   # made for the first GPU bundle
+        self._gpu_lock = threading.Lock()        # _stage (the compute thread) against _release (this link's)
         self.cuda_ipc_bytes = 0   # delivered GPU to GPU
         self._hold_s = hold_s
         self._on_failure = on_failure
@@ -170,19 +171,23 @@ class Link:
 
     def _stage(self, item: Outgoing) -> ipc.Staged | None:
         """Starts copying a GPU bundle into a CUDA IPC slot; None: it goes through the host."""
-        if not self._cuda_ipc or not item.tensors or isinstance(item.tag, wire_pb2.CommitTag):
+        if not item.tensors or isinstance(item.tag, wire_pb2.CommitTag):
             return None
         devices = {t.device for _, t in item.tensors}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             return None
-        if self.gpu_ring is None:
-            self.gpu_ring = ipc.Ring(next(iter(devices)))
-        try:
-            return self.gpu_ring.stage([t for _, t in item.tensors])   # None while every slot is in flight
-        except (ipc.HandleError, RuntimeError) as exc:
-            log.warning("no CUDA IPC slot for %s (%s); sending through host memory", self.peer, exc)
-            self._cuda_ipc = False
-            return None
+        with self._gpu_lock:
+            if not self._cuda_ipc:
+                return None
+            if self.gpu_ring is None:
+                self.gpu_ring = ipc.Ring(next(iter(devices)))
+            try:
+                return self.gpu_ring.stage([t for _, t in item.tensors])   # None while every slot is in flight
+            except (ipc.HandleError, RuntimeError) as exc:
+                log.warning("no CUDA IPC slot for %s (%s); sending through host memory", self.peer, exc)
+                self._cuda_ipc = False
+                self._drop_gpu_ring()
+                return None
 
     def close(self) -> None:
         self._closing.set()  # a send that is retrying gives up now: closing must not wait out give_up_s
@@ -308,7 +313,8 @@ class Link:
                 # link goes through host memory from now on, and so does this bundle.
                 log.warning("%s refused a CUDA IPC handle (%s: %s); sending through host memory",
                             self.peer, exc.code().name, exc.details())
-                self._cuda_ipc = False
+                with self._gpu_lock:
+                    self._cuda_ipc = False   # the ring's slots go once the bundles staged in them are done with
                 host = to_host(Outgoing(item.tag, item.tensors))
                 if host.ready is not None:
                     host.ready.synchronize()
@@ -331,8 +337,21 @@ class Link:
         return False
 
     def _release(self, item: Outgoing) -> None:
-        if item.staged is not None and self.gpu_ring is not None:
-            self.gpu_ring.release(item.staged)
+        if item.staged is None:
+            return
+        with self._gpu_lock:
+            if self.gpu_ring is not None:
+                self.gpu_ring.release(item.staged)
+                if not self._cuda_ipc:
+                    self._drop_gpu_ring()
+
+    def _drop_gpu_ring(self) -> None:
+        """With CUDA IPC off for this link, its GPU slots freed once none holds a bundle on its way
+        (caller holds _gpu_lock): a link that goes through host memory from now on keeps no GPU
+        memory for a path it no longer takes."""
+        if self.gpu_ring is not None and self.gpu_ring.idle:
+            ring, self.gpu_ring = self.gpu_ring, None
+            ring.close()
 
     def _count(self, item: Outgoing) -> None:
         nbytes = sum(t.numel() * t.element_size() for _, t in item.tensors)

@@ -77,7 +77,7 @@ def test_the_steps_share_one_budget_and_one_with_too_little_left_is_skipped(tmp_
 def test_an_unknown_step_is_named_and_fails(tmp_path: Path) -> None:
     done = kit("run", tmp_path, "bogus", site=tmp_path / "site")
     assert done.returncode == 2
-    assert "no step 'bogus'" in done.stderr and "env tests transport copies gpu profile peers trace spy" in done.stderr
+    assert "no step 'bogus'" in done.stderr and "env tests transport copies gpu profile peers trace waves spy" in done.stderr
 
 
 def test_without_a_command_it_prints_its_usage() -> None:

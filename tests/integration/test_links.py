@@ -479,6 +479,27 @@ def test_a_link_delivers_gpu_tensors_through_shared_memory() -> None:
         server.stop(grace=0)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_link_whose_peer_refuses_its_handles_goes_through_host_memory_and_frees_its_gpu_slots() -> None:
+    neighbour = Neighbour()   # takes no CUDA IPC handles: refused with FAILED_PRECONDITION
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
+                shared_memory=True, cuda_ipc=True)
+    try:
+        for p in range(1, 6):
+            link.send(Outgoing(wire_pb2.MinibatchTag(vw=0, minibatch=p, stage=0),
+                               [("activation", torch.full((1 << 18,), float(p), device="cuda"))]))
+        assert neighbour.wait_for(5) == [1, 2, 3, 4, 5] and not failures
+        assert [float(t[0][1][0]) for t in neighbour.tensors] == [1.0, 2.0, 3.0, 4.0, 5.0]
+        assert link.flush(timeout=10)
+        assert link.cuda_ipc_bytes == 0 and link.gpu_ring is None   # no GPU memory kept for a path it left
+    finally:
+        link.close()
+        server.stop(grace=0)
+
+
 class _Answered(grpc.RpcError):
     """The status a receiver answered a bundle with, as the Link's call raises it."""
 
