@@ -17,6 +17,7 @@ import os
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -63,12 +64,66 @@ def gpu_rows(n: int, repeats: int) -> list[tuple[str, float, int, str]]:
         ("to the GPU, fp32: from pinned memory", timed(lambda: g32.copy_(pin32, non_blocking=True), repeats, True),
          n * 4, "h2d"),
     ]
+    # A GPU stage's pull through shared memory today: the shard's slot copied into pinned memory
+    # (wire.receive), then to the GPU; both parts, and the whole.
+    rows += [
+        ("a pull's slot copied into pinned memory (host)", timed(lambda: pin32.copy_(shared), repeats, False),
+         n * 4, "h2d"),
+        ("to the GPU, fp32: slot -> pinned -> GPU (the path now)",
+         timed(lambda: g32.copy_(pin32.copy_(shared), non_blocking=True), repeats, True), n * 4, "h2d"),
+    ]
     cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(shared.data_ptr(), n * 4, 0)) == 0:   # page-locks the mapping in place
-        rows.append(("to the GPU, fp32: from that mapping, registered",
+    start = time.perf_counter()
+    status = int(cudart.cudaHostRegister(shared.data_ptr(), n * 4, 0))   # page-locks the mapping in place
+    if status == 0:
+        registered = time.perf_counter() - start
+        rows.append((f"to the GPU, fp32: from that mapping, registered ({registered * 1e3:.0f} ms to register)",
                      timed(lambda: g32.copy_(shared, non_blocking=True), repeats, True), n * 4, "h2d"))
         cudart.cudaHostUnregister(shared.data_ptr())
+    else:
+        print(f"# cudaHostRegister of the read-write mapping: cudaError {status}", flush=True)
+    rows += _read_only_rows(g32, n, repeats)
     return rows   # the mapping goes with the tensor that views it
+
+
+def _read_only_rows(g32: torch.Tensor, n: int, repeats: int) -> list[tuple[str, float, int, str]]:
+    """The same copy from a read-only mapping of the segment, as a stage maps the shard's pull slots
+    (shm.Reader): registered with cudaHostRegisterReadOnly (8) | Portable (1), where the driver
+    takes it (cudaDevAttrHostRegisterReadOnlySupported), so that a pull could reach the GPU by DMA
+    straight from the shard's slot."""
+    with tempfile.NamedTemporaryFile(dir="/dev/shm") as f:
+        f.truncate(n * 4)
+        with open(f.name, "rb") as ro:
+            mapping = mmap.mmap(ro.fileno(), n * 4, prot=mmap.PROT_READ)
+    import numpy as np
+
+    address = int(np.frombuffer(mapping, dtype=np.uint8).ctypes.data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # torch warns that the buffer is not writable: it only reads it
+        shared = torch.frombuffer(mapping, dtype=torch.float32, count=n)
+    cudart = torch.cuda.cudart()
+    start = time.perf_counter()
+    status = int(cudart.cudaHostRegister(address, n * 4, 8 | 1))
+    if status != 0:
+        print(f"# cudaHostRegister of a read-only mapping (ReadOnly | Portable): cudaError {status}; "
+              f"ReadOnly supported: {_read_only_supported()}", flush=True)
+        return []
+    registered = time.perf_counter() - start
+    try:
+        return [(f"to the GPU, fp32: from a read-only mapping, registered ({registered * 1e3:.0f} ms)",
+                 timed(lambda: g32.copy_(shared, non_blocking=True), repeats, True), n * 4, "h2d")]
+    finally:
+        cudart.cudaHostUnregister(address)
+
+
+def _read_only_supported() -> str:
+    """cudaDevAttrHostRegisterReadOnlySupported (113) of device 0, where this torch tells it."""
+    try:
+        from cuda.bindings import runtime   # type: ignore[import-not-found]
+
+        return str(runtime.cudaDeviceGetAttribute(runtime.cudaDeviceAttr(113), 0)[1])
+    except Exception as exc:   # no cuda-python here: the status above says enough
+        return f"unknown ({type(exc).__name__})"
 
 
 def host_rows(n: int, repeats: int, folder: str) -> list[tuple[str, float, int, str]]:
@@ -107,7 +162,7 @@ def main() -> None:
     n = int(args.elements)
     cuda = torch.cuda.is_available()
     print(f"# {torch.cuda.get_device_name(0) if cuda else 'no CUDA device: host rows only'}, torch {torch.__version__}, "
-          f"{n:,} elements, log entries written in {args.dir}", flush=True)
+          f"{n:,} elements, {torch.get_num_threads()} intra-op threads, log entries written in {args.dir}", flush=True)
     rows = (gpu_rows(n, args.repeats) if cuda else []) + host_rows(n, args.repeats, args.dir)
     # Each row's time over its reference's, in this run: the pinned copy in its direction, the
     # host's memcpy for the log.
