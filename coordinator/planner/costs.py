@@ -18,23 +18,27 @@ from coordinator.planner.simulator import SimStage, simulate
 
 # Minibatches the simulator runs per VW to predict steady-state throughput.
 SIM_STEPS = 64
-# Loopback gRPC costs about this per stage-to-stage message in the emulated runtime, wake-up of
-# the receiving compute thread included (bench/pipeline.py: 4.8 ms per hop); charged per send.
-LOOPBACK_SEND_S = 0.004
-# A push or pull on loopback: a round trip plus the bytes at what the shard path sustains (codec,
-# gRPC, and for pushes the fsync'd push log). The sync traces of bench/prediction.py on the 2-core
-# development machine since pushes and pulls take the raw frame path (2026-11-22): pushes of
-# 2.2 MB 16-18 ms, pulls answered 6-8 ms after the push that unblocked them.
-LOOPBACK_PS_CALL_S = 0.003
-LOOPBACK_PUSH_BYTES_PER_S = 150 * 2**20
-LOOPBACK_PULL_BYTES_PER_S = 500 * 2**20
+# A stage-to-stage message on one host costs about this, the receiving compute thread's wake-up
+# included (bench/pipeline.py at k=4, Nm=4 over the link socket: 1.39-1.52 ms a hop, 2026-12-01;
+# 4.8 ms over gRPC before it); charged per send.
+LOOPBACK_SEND_S = 0.0015
+# A push or pull through a shard on the same host: a fixed cost plus the bytes at what the shard
+# path sustains (shared memory, the push log, the scan and the add). Fitted to the sync traces of
+# 2026-12-01 on the 2-core development machine: a 2.2 MB stage's push 7 ms and its pull reply 1 ms
+# (bench/prediction.py), a 12.9 MB one's 11.4 and 4 ms (bench/sync_latency.py over bench/peers.py's
+# 2x1 job). On an H200's host a stage of 236 MB in float32, pushed in bf16, took about 115 ms a
+# push (py-spy, 2026-11-30): the shard's widening add costs what the halved bytes save; this says 115.
+LOOPBACK_PUSH_S = 0.005
+LOOPBACK_PULL_S = 0.001
+LOOPBACK_PUSH_BYTES_PER_S = 2 * 2**30
+LOOPBACK_PULL_BYTES_PER_S = 4 * 2**30
 
 
 def loopback_sync_seconds(nbytes: int) -> tuple[float, float]:
     """(push, pull reply) seconds for a stage with nbytes of parameters, shards on loopback. The
     shards are asked in parallel: one round trip, the bytes on one path."""
-    return (LOOPBACK_PS_CALL_S + nbytes / LOOPBACK_PUSH_BYTES_PER_S,
-            LOOPBACK_PS_CALL_S + nbytes / LOOPBACK_PULL_BYTES_PER_S)
+    return (LOOPBACK_PUSH_S + nbytes / LOOPBACK_PUSH_BYTES_PER_S,
+            LOOPBACK_PULL_S + nbytes / LOOPBACK_PULL_BYTES_PER_S)
 
 
 def time_scale(job: JobConfig) -> float:
