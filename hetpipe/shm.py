@@ -455,6 +455,12 @@ class Reader:
         mapped, _ = self.header(ref, nbytes, sender, holds=True)
         return memoryview(mapped)[HEADER_BYTES : HEADER_BYTES + nbytes], mapped
 
+    def holds(self, mapped: mmap.mmap) -> bool:
+        """Whether mapped is one this reader keeps (not let go of: its segment gone, replaced, or
+        the least recently used past `keep`)."""
+        with self._lock:
+            return any(kept is mapped for kept, _ in self._maps.values())
+
     def verify(self, ref: wire_pb2.ShmRef, mapped: mmap.mmap) -> None:
         """FAILED_PRECONDITION if the bytes were overwritten while they were copied out."""
         _check_version(ref, mapped)

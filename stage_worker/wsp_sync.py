@@ -70,6 +70,8 @@ class WspSync:
         self._params = [p.detach() for p in params]
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._on_gpu = self._device.type == "cuda"   # pulls land in pinned memory and move to the GPU
+        # ... or reach it by DMA straight from the shard's slot, where the driver pins it
+        self._pins = host_copies.PinnedSlots(self._reader, self._device) if self._on_gpu else None
         self.total_waves = total_waves(config.steps, config.nm)
         self._acc: dict[int, list[torch.Tensor]] = {}   # own wave -> summed updates not yet in w_global
         self._spares: list[list[torch.Tensor]] = []     # updates' buffers no longer read (spare_update)
@@ -274,6 +276,8 @@ class WspSync:
         for ring in self._rings:
             if ring is not None:
                 ring.close()
+        if self._pins is not None:
+            self._pins.close()
         self.record.close()
 
     # ---- background threads -------------------------------------------------------------------
@@ -428,4 +432,6 @@ class WspSync:
             for p, (dtype, shape, _) in zip(params, stream.specs))
         if fits and stream.gpu is None and len(params) == len(stream.specs):
             return stream
+        if self._pins is not None and stream.shared_memory:   # on the GPU already: the merge's to_device passes it
+            return wire.Bundle(stream.header, list(zip(stream.names, self._pins.receive(stream))))
         return wire.receive(stream, pinned=self._on_gpu)

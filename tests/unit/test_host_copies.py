@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hetpipe import shm, wire
 from stage_worker import host_copies
 
 
@@ -35,3 +36,27 @@ def test_a_push_is_copied_after_the_kernels_that_made_it_and_a_pull_lands_whole(
     moved = host_copies.to_device(values, device, "pull")
     assert all(m.device == device for m in moved)
     assert all(torch.equal(m.cpu(), v) for m, v in zip(moved, values))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pinned", [True, False], ids=["slot pinned", "driver refuses"])
+def test_a_pull_in_the_shards_slot_reaches_the_gpu_whole(pinned: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copied by DMA from the slot, pinned once and reused wave after wave; or, where the driver
+    will not pin it (here: a flag it does not take), through pinned memory, never tried again."""
+    device = torch.device("cuda", 0)
+    ring, reader = shm.Ring(slots=1), shm.Reader()   # one slot: every reply in the same segment
+    pins = host_copies.PinnedSlots(reader, device)
+    if not pinned:
+        monkeypatch.setattr(pins, "FLAGS", 0x40)
+    try:
+        for _ in range(3):
+            values = [("a", torch.randn(1 << 20)), ("b", torch.randn(3, 5, dtype=torch.float64)),
+                      ("c", torch.zeros(0))]
+            got = pins.receive(wire.read(list(wire.encode(values, ring=ring)), reader))
+            assert len(got) == 3 and all(g.device == device for g in got)
+            assert all(torch.equal(g.cpu(), v) for g, (_, v) in zip(got, values))
+        assert (pins.pins, pins.refused is None) == ((1, True) if pinned else (0, False))
+    finally:
+        pins.close()
+        ring.close()

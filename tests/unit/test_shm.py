@@ -4,6 +4,7 @@ overwritten while read is caught, segments never outlive their owner, and the tr
 from __future__ import annotations
 
 import ast
+import mmap
 import os
 import signal
 import subprocess
@@ -379,6 +380,23 @@ def test_mappings_of_segments_that_are_gone_are_let_go_without_being_named_again
     finally:
         for ring in rings:
             ring.close()
+
+
+def test_a_streams_pieces_are_views_of_the_segment_as_the_reader_keeps_it_mapped() -> None:
+    """What a GPU stage pins for a pull (host_copies.PinnedSlots): each piece's buffer is the
+    reader's mapping of the segment, which the reader holds until the segment is gone."""
+    ring, reader = shm.Ring(slots=1), shm.Reader()
+    try:
+        frames = list(wire.encode(_bundle(), ring=ring))
+        mappings = {id(piece.obj): piece.obj for _, _, piece in wire.read(frames, reader).pieces}
+        (mapping,) = mappings.values()
+        assert isinstance(mapping, mmap.mmap) and reader.holds(mapping)
+        ring.close()
+        with pytest.raises(wire.WireError, match="does not exist"):
+            wire.decode(frames, reader=reader)
+        assert not reader.holds(mapping)
+    finally:
+        ring.close()
 
 
 def test_a_segment_made_anew_under_a_name_is_mapped_anew() -> None:
