@@ -346,9 +346,10 @@ class Link:
                     self._drop_gpu_ring()
 
     def _drop_gpu_ring(self) -> None:
-        """With CUDA IPC off for this link, its GPU slots freed once none holds a bundle on its way
-        (caller holds _gpu_lock): a link that goes through host memory from now on keeps no GPU
-        memory for a path it no longer takes."""
+        """With CUDA IPC off for this link, its GPU ring closed once no slot holds a bundle on its
+        way (caller holds _gpu_lock): the slots' headers leave /dev/shm, and torch frees each
+        slot's memory once no receiver maps it (one never mapped stays until exit: torch's shared
+        counter, design.md)."""
         if self.gpu_ring is not None and self.gpu_ring.idle:
             ring, self.gpu_ring = self.gpu_ring, None
             ring.close()

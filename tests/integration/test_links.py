@@ -481,7 +481,7 @@ def test_a_link_delivers_gpu_tensors_through_shared_memory() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_gpu_link_whose_peer_refuses_its_handles_goes_through_host_memory_and_frees_its_gpu_slots() -> None:
+def test_a_gpu_link_whose_peer_refuses_its_handles_goes_through_host_memory_and_closes_its_gpu_ring() -> None:
     neighbour = Neighbour()   # takes no CUDA IPC handles: refused with FAILED_PRECONDITION
     server = _serve(neighbour)
     failures: list[str] = []
@@ -494,7 +494,7 @@ def test_a_gpu_link_whose_peer_refuses_its_handles_goes_through_host_memory_and_
         assert neighbour.wait_for(5) == [1, 2, 3, 4, 5] and not failures
         assert [float(t[0][1][0]) for t in neighbour.tensors] == [1.0, 2.0, 3.0, 4.0, 5.0]
         assert link.flush(timeout=10)
-        assert link.cuda_ipc_bytes == 0 and link.gpu_ring is None   # no GPU memory kept for a path it left
+        assert link.cuda_ipc_bytes == 0 and link.gpu_ring is None   # nothing kept for a path it left
     finally:
         link.close()
         server.stop(grace=0)
