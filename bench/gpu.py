@@ -187,12 +187,12 @@ def run(name: str, job: dict[str, Any], work: Path, timeout: float) -> dict[str,
 def report(results: list[dict[str, Any]]) -> None:
     plain = next((r for r in results if r["name"] == "plain loop" and "error" not in r), None)
     base = plain["samples_per_second"] if plain else None
-    print(f"{'run':<40}{'samples/s':>11}{'x plain':>9}{'steady/s':>10}{'x plain':>9}{'train s':>9}"
+    print(f"{'run':<50}{'samples/s':>11}{'x plain':>9}{'steady/s':>10}{'x plain':>9}{'train s':>9}"
           f"{'start-to-exit s':>17}{'overhead s':>12}{'CPU s':>8}{'G2 wait s':>11}{'idle s':>8}")
     print("  (steady: after each run's first wave of nm minibatches, and the plain loop's after as many steps)")
     for r in results:
         if "error" in r:
-            print(f"{r['name']:<40} FAILED: {' | '.join(r['error'])}")
+            print(f"{r['name']:<50} FAILED: {' | '.join(r['error'])}")
             continue
         ratio = r["samples_per_second"] / base if base else float("nan")
         steady = r.get("steady_samples_per_second") or float("nan")
@@ -201,7 +201,7 @@ def report(results: list[dict[str, Any]]) -> None:
         plain_steady = plain["steady_from"].get(str(r.get("nm", 1)), float("nan")) if plain else float("nan")
         # HetPipe's stages, summed: waiting for a pull (G2), and with no task to run at all.
         waits = f"{r['wait_seconds']:>11.1f}{r['idle_seconds']:>8.1f}" if "idle_seconds" in r else ""
-        print(f"{r['name']:<40}{r['samples_per_second']:>11.1f}{ratio:>9.2f}{steady:>10.1f}{steady / plain_steady:>9.2f}"
+        print(f"{r['name']:<50}{r['samples_per_second']:>11.1f}{ratio:>9.2f}{steady:>10.1f}{steady / plain_steady:>9.2f}"
               f"{r['wall_seconds']:>9.1f}"
               f"{r['start_to_exit_seconds']:>17.1f}{r['start_to_exit_seconds'] - r['wall_seconds']:>12.1f}"
               f"{r['cpu_seconds']:>8.1f}{waits}")
@@ -242,7 +242,8 @@ def main() -> None:
     ap.add_argument("--D", type=int, default=1, help="the 2 VWs' clock distance (default 1)")
     ap.add_argument("--shards", type=int, default=2, help="the 2 VWs' parameter-server shards (default 2)")
     ap.add_argument("--nm", type=_nm, nargs="+", default=[4],
-                    help="minibatches a wave of 1x2 and 2x2 (default 4; auto: the planner's; several: a row each): "
+                    help="minibatches a wave of 1x2 and 2x2 (default 4; auto: the planner's; several: a row each; "
+                         "--large keeps its own): "
                          "each VW pushes and pulls the whole model once a wave, so the shards' passes over it "
                          "cost 1/nm of it a minibatch")
     ap.add_argument("--trace", action="store_true",
@@ -280,6 +281,7 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
     else:
         sys.exit("bench/gpu.py needs a CUDA device (--small checks the kit on the CPU)")
     steps = args.steps or (30 if args.large else 150)
+    args.nm = list(dict.fromkeys(args.nm))   # one row, and one output folder, a value
     model = GPT_1_3B if args.large else GPT_SMALL if args.small else GPT_118M
 
     def job(tag: str, **kw: Any) -> dict[str, Any]:

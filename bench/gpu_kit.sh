@@ -98,7 +98,8 @@ print(\"grpcio\", grpc.__version__, \"protobuf\", pb.__version__, \"safetensors\
         profile)   cmd=(python3 bench/gpu.py --steps 60 --runs plain h11 h22 --profile 30 5 --tables "$out/profile") ;;
         peers)     cmd=(python3 bench/peers.py --json "$out/peers.json") ;;
         trace)     cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-100}" --runs h22 --trace) ;;
-        waves)     cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-100}" --runs plain h22 --nm 4 8 16 auto) ;;
+        waves)     cmd=(python3 bench/gpu.py --steps "${GPU_STEPS:-100}" --runs plain h22 --nm 4 8 16 auto
+                        --json "$out/waves.json") ;;
         spy)       cmd=(bash "$SELF" _spy "$out") ;;
         *)         die "no step '$name' (steps: $STEPS trace waves spy)" ;;
     esac

@@ -168,9 +168,9 @@ def main() -> None:
     # host's memcpy for the log.
     reference = {kind: next(s for what, s, _, k in rows if k == kind and REFERENCE[kind] in what)
                  for kind in {k for *_, k in rows}}
-    print(f"{'copy':<52}{'ms':>9}{'GB/s':>8}{'x ref':>8}")
+    print(f"{'copy':<70}{'ms':>9}{'GB/s':>8}{'x ref':>8}")
     for what, seconds, nbytes, kind in rows:
-        print(f"{what:<52}{seconds * 1e3:>9.2f}{nbytes / seconds / 1e9:>8.2f}{seconds / reference[kind]:>8.1f}")
+        print(f"{what:<70}{seconds * 1e3:>9.2f}{nbytes / seconds / 1e9:>8.2f}{seconds / reference[kind]:>8.1f}")
 
 
 if __name__ == "__main__":

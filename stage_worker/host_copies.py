@@ -12,7 +12,7 @@ import logging
 import mmap
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,10 @@ import torch
 from hetpipe import cuda_ipc, wire
 
 log = logging.getLogger(__name__)
+# torch.frombuffer warns that a read-only mapping (a shard's pull slot, PinnedSlots) is not writable:
+# the copies to the GPU only read it. Filtered once here: catch_warnings is not thread-safe.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
 
 _STREAMS: dict[tuple[torch.device, str], Any] = {}
 _STREAMS_LOCK = threading.Lock()
@@ -104,9 +108,10 @@ class PinnedSlots:
     pull costs a CPU copy of the whole reply before its copy to the GPU (236 MB a stage for the
     117.8M GPT); from a slot the driver has page-locked in place (cudaHostRegister, read-only) it
     reaches the GPU by DMA alone. A slot is pinned at its first pull (12 ms for 236 MB on an H100)
-    and stays pinned while the reader keeps its mapping: the shard reuses its slots wave after wave.
-    Where the driver refuses (no read-only registration on this host), every pull takes the pinned
-    path, and pinning is not tried again.
+    and unpinned at the first pull after its reader has let go of its mapping (its segment gone or
+    replaced): the shard reuses its slots wave after wave. Where the driver refuses (no read-only
+    registration on this host), every pull takes the pinned path, and pinning is not tried again:
+    a refusal for want of memory would most likely come again.
 
     Each piece is waited for before the next is read: the stream checks a chunk's version once its
     pieces are consumed, which must come after the DMA has read them."""
@@ -117,7 +122,8 @@ class PinnedSlots:
         self._reader, self._device = reader, device
         # id(mapping) -> (mapping, its address, a uint8 tensor over it): held, so unmapped only once unpinned
         self._pinned: dict[int, tuple[mmap.mmap, int, torch.Tensor]] = {}
-        self._lock = threading.Lock()   # one receive at a time: a mapping is unpinned only between them
+        self._lock = threading.Lock()   # one pinned receive at a time: a mapping is unpinned only between them
+        self._closed = False
         self.refused: str | None = None   # the driver's answer where it would not pin a slot
         self.pins = 0   # slots pinned so far (each costs its registration once)
 
@@ -127,20 +133,27 @@ class PinnedSlots:
         first = next(pieces, None)
         chained = pieces if first is None else itertools.chain([first], pieces)
         with self._lock:
-            if first is None or self._pinned_view(first[2]) is None:
-                # Not pinned: into pinned memory, then to the GPU, as any pull that does not fit.
-                host = wire.receive(wire.Stream(stream.header, stream.specs, chained), pinned=True)
-                return to_device([t for _, t in host.tensors], self._device, use)
-            side = side_stream(self._device, use)
-            with cuda_ipc.on_stream(side):
-                out = [torch.empty(shape, dtype=dtype, device=self._device) for dtype, shape, _ in stream.specs]
-                flat = [t.view(-1).view(torch.uint8) for t in out]
-                for index, offset, piece in chained:
-                    source = self._pinned_view(piece)
-                    if source is None:   # a later chunk in a segment the driver refused: through a copy
-                        source = torch.frombuffer(bytearray(piece), dtype=torch.uint8)
-                    flat[index][offset:offset + len(piece)].copy_(source, non_blocking=True)
-                    side.synchronize()   # before the next piece: the stream then checks this one's version
+            self._unpin_gone()
+            if first is not None and self._pinned_view(first[2]) is not None:
+                return self._copy_pinned(stream, chained, use)
+        # Not pinned: into pinned memory, then to the GPU, as any pull that does not fit; outside
+        # the lock, so that the replies of several shards are copied at once.
+        host = wire.receive(wire.Stream(stream.header, stream.specs, chained), pinned=True)
+        return to_device([t for _, t in host.tensors], self._device, use)
+
+    def _copy_pinned(self, stream: wire.Stream, pieces: Iterator[tuple[int, int, memoryview]],
+                     use: str) -> list[torch.Tensor]:
+        """receive() by DMA from the pinned slot (caller holds _lock)."""
+        side = side_stream(self._device, use)
+        with cuda_ipc.on_stream(side):
+            out = [torch.empty(shape, dtype=dtype, device=self._device) for dtype, shape, _ in stream.specs]
+            flat = [t.view(-1).view(torch.uint8) for t in out]
+            for index, offset, piece in pieces:
+                source = self._pinned_view(piece)
+                if source is None:   # a later chunk in a segment the driver refused: through a copy
+                    source = torch.frombuffer(bytearray(piece), dtype=torch.uint8)
+                flat[index][offset:offset + len(piece)].copy_(source, non_blocking=True)
+                side.synchronize()   # before the next piece: the stream then checks this one's version
         compute = torch.cuda.default_stream(self._device)
         for t in out:
             t.record_stream(compute)   # allocated on the side stream, freed on the compute thread's
@@ -159,53 +172,52 @@ class PinnedSlots:
         return found[2][start:start + len(piece)]
 
     def _pin(self, mapping: object) -> tuple[mmap.mmap, int, torch.Tensor] | None:
-        if self.refused is not None or not isinstance(mapping, mmap.mmap):   # gRPC frames' bytes: not a slot
+        if self._closed or self.refused is not None or not isinstance(mapping, mmap.mmap):   # frames: no slot
             return None
-        self._unpin_gone()
         address = int(np.frombuffer(mapping, dtype=np.uint8).ctypes.data)
-        status = self._register(address, len(mapping))
+        status = _on_own_thread(self._device, lambda: torch.cuda.cudart().cudaHostRegister(address, len(mapping),
+                                                                                           self.FLAGS))
         if status != 0:
             self.refused = f"cudaHostRegister of a read-only slot: cudaError {status}"
             log.warning("pull slots are not pinned (%s): pulls go through pinned memory", self.refused)
             return None
-        with warnings.catch_warnings():   # torch warns that the mapping is read-only: copies to the GPU only read it
-            warnings.simplefilter("ignore", UserWarning)
-            view = torch.frombuffer(mapping, dtype=torch.uint8)
-        found = self._pinned[id(mapping)] = (mapping, address, view)
+        found = self._pinned[id(mapping)] = (mapping, address, torch.frombuffer(mapping, dtype=torch.uint8))
         self.pins += 1
         return found
 
-    def _register(self, address: int, size: int) -> int:
-        """cudaHostRegister's status, asked on a thread of its own: a refusal also sets the CUDA
-        runtime's last error of the thread that asked, which torch's next check after a kernel
-        launch on that thread would raise as its own. With this stage's device current there: the
-        default, device 0, would get a context of its own (about 0.5 GiB) where the stage is on
-        another."""
-        status = [-1]
-
-        def register() -> None:
-            with torch.cuda.device(self._device):
-                status[0] = int(torch.cuda.cudart().cudaHostRegister(address, size, self.FLAGS))
-
-        thread = threading.Thread(target=register, name="pin-slot", daemon=True)
-        thread.start()
-        thread.join()
-        return status[0]
-
-    def _unregister(self, address: int) -> None:
-        with torch.cuda.device(self._device):
-            torch.cuda.cudart().cudaHostUnregister(address)
+    def _unpin(self, key: int) -> None:
+        _, address, _ = self._pinned.pop(key)
+        status = _on_own_thread(self._device, lambda: torch.cuda.cudart().cudaHostUnregister(address))
+        if status != 0:   # its pages stay locked until this process ends
+            log.warning("cudaHostUnregister of a pull slot: cudaError %d", status)
 
     def _unpin_gone(self) -> None:
         """Unpins the mappings the reader has let go of (their segment gone or replaced), which it
-        then unmaps once nothing else holds them."""
-        for key, (mapping, address, _) in list(self._pinned.items()):
+        then unmaps once nothing else holds them (caller holds _lock)."""
+        for key, (mapping, _, _) in list(self._pinned.items()):
             if not self._reader.holds(mapping):
-                self._unregister(address)
-                del self._pinned[key]
+                self._unpin(key)
 
     def close(self) -> None:
+        """Unpins every slot; a pull still under way takes the pinned-memory path."""
         with self._lock:
-            for _, address, _ in self._pinned.values():
-                self._unregister(address)
-            self._pinned.clear()
+            self._closed = True
+            for key in list(self._pinned):
+                self._unpin(key)
+
+
+def _on_own_thread(device: torch.device, call: Callable[[], Any]) -> int:
+    """A CUDA runtime call's status, asked on a thread of its own with device current. A failed
+    call also sets the runtime's last error for the thread that made it, which torch's next check
+    after a kernel launch there would raise as its own; and the default device, 0, would get a
+    context of its own (about 0.5 GiB) where the stage is on another."""
+    status = [-1]
+
+    def run() -> None:
+        with torch.cuda.device(device):
+            status[0] = int(call())
+
+    thread = threading.Thread(target=run, name="cuda-host-register", daemon=True)
+    thread.start()
+    thread.join()
+    return status[0]

@@ -1,5 +1,6 @@
 """What a planned stage costs in time: its emulated task times, the emulated network's transfers,
-and the loopback gRPC the runtime adds on top; and the simulator's prediction from them."""
+and what the same-host paths (links, pushes, pulls) add on top; and the simulator's prediction
+from them."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class Transfers:
 class StageCosts:
     """Costs of the stages of one job's plans: the emulated task times the runtime pads to, the
     emulated network's time per transfer (from link bandwidth, latency and the emulated model's
-    bytes), and what loopback gRPC adds for the real model's bytes."""
+    bytes), and what the same-host paths add for the real model's bytes."""
 
     def __init__(self, job: JobConfig, profile: ModelProfile, model: torch.nn.Sequential,
                  emulated_model: torch.nn.Sequential) -> None:

@@ -43,7 +43,8 @@ def test_a_push_is_copied_after_the_kernels_that_made_it_and_a_pull_lands_whole(
 @pytest.mark.parametrize("pinned", [True, False], ids=["slot pinned", "driver refuses"])
 def test_a_pull_in_the_shards_slot_reaches_the_gpu_whole(pinned: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Copied by DMA from the slot, pinned once and reused wave after wave; or, where the driver
-    will not pin it (here: a flag it does not take), through pinned memory, never tried again."""
+    will not pin it (here: a flag it does not take), through pinned memory, never tried again,
+    and with no CUDA error left behind on the thread that asked."""
     device = torch.device("cuda", 0)
     ring, reader = shm.Ring(slots=1), shm.Reader()   # one slot: every reply in the same segment
     pins = host_copies.PinnedSlots(reader, device)
@@ -57,6 +58,30 @@ def test_a_pull_in_the_shards_slot_reaches_the_gpu_whole(pinned: bool, monkeypat
             assert len(got) == 3 and all(g.device == device for g in got)
             assert all(torch.equal(g.cpu(), v) for g, (_, v) in zip(got, values))
         assert (pins.pins, pins.refused is None) == ((1, True) if pinned else (0, False))
+        torch.cuda.synchronize(device)
+        assert torch.equal((got[0] * 2).cpu(), values[0][1] * 2)   # a kernel, and torch's check after it, here
+    finally:
+        pins.close()
+        ring.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_slot_the_shard_replaced_is_unpinned_and_a_closed_stage_pins_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm.Reader, "PRUNE_S", 0.0)   # the reader notices a gone segment at once
+    device = torch.device("cuda", 0)
+    ring, reader = shm.Ring(slots=1), shm.Reader()
+    pins = host_copies.PinnedSlots(reader, device)
+    try:
+        for n in (1000, 1 << 20, 1 << 20):   # the slot grows: a new segment, the old one unlinked
+            values = [("a", torch.randn(n))]
+            (got,) = pins.receive(wire.read(list(wire.encode(values, ring=ring)), reader))
+            assert torch.equal(got.cpu(), values[0][1])
+        assert pins.pins == 2 and len(pins._pinned) == 1, "the replaced slot stays pinned"
+        pins.close()
+        (got,) = pins.receive(wire.read(list(wire.encode(values, ring=ring)), reader))
+        assert torch.equal(got.cpu(), values[0][1]) and not pins._pinned and pins.pins == 2
     finally:
         pins.close()
         ring.close()
