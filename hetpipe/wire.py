@@ -321,6 +321,7 @@ class Stream:
     pieces: Iterator[tuple[int, int, memoryview]]
     gpu: cuda_ipc.Source | None = None   # the bytes are in a peer's GPU memory; `pieces` then has none
     shared_memory: bool = False          # the bytes are in the sender's shared memory: it shares this machine
+    whole: bool = False                  # ... in one chunk: its version is checked once, after the last piece
 
     @property
     def names(self) -> list[str]:
@@ -474,7 +475,8 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | No
         gpu, nothing = _gpu(first, it, ipc, total, sender(first))
         return Stream(header, specs, nothing, gpu)
     shared = _shared(first, it, reader, total, sender(first)) if first.HasField("shm") else None
-    return Stream(header, specs, pieces(), shared_memory=shared is not None)
+    return Stream(header, specs, pieces(), shared_memory=shared is not None,
+                  whole=shared is not None and first.shm.nbytes == total)
 
 
 def decode(frames: Iterable[wire_pb2.TensorFrame | bytes], *, device: str = "cpu",

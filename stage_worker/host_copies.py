@@ -113,8 +113,9 @@ class PinnedSlots:
     registration on this host), every pull takes the pinned path, and pinning is not tried again:
     a refusal for want of memory would most likely come again.
 
-    Each piece is waited for before the next is read: the stream checks a chunk's version once its
-    pieces are consumed, which must come after the DMA has read them."""
+    The copies are waited for before the stream checks a chunk's version, which it does once the
+    chunk's pieces are consumed: after the last piece of a reply in one chunk (a pull's, always),
+    after each piece of one in several."""
 
     FLAGS = 0x08 | 0x01   # cudaHostRegisterReadOnly | cudaHostRegisterPortable
 
@@ -148,12 +149,17 @@ class PinnedSlots:
         with cuda_ipc.on_stream(side):
             out = [torch.empty(shape, dtype=dtype, device=self._device) for dtype, shape, _ in stream.specs]
             flat = [t.view(-1).view(torch.uint8) for t in out]
+            left = sum(nbytes for *_, nbytes in stream.specs)
             for index, offset, piece in pieces:
                 source = self._pinned_view(piece)
                 if source is None:   # a later chunk in a segment the driver refused: through a copy
                     source = torch.frombuffer(bytearray(piece), dtype=torch.uint8)
                 flat[index][offset:offset + len(piece)].copy_(source, non_blocking=True)
-                side.synchronize()   # before the next piece: the stream then checks this one's version
+                left -= len(piece)
+                # Before the next piece is asked for: the stream then checks the version of the
+                # chunk this one ends, and a pull reply is one chunk (the shard writes it whole).
+                if left == 0 or not stream.whole:
+                    side.synchronize()
         compute = torch.cuda.default_stream(self._device)
         for t in out:
             t.record_stream(compute)   # allocated on the side stream, freed on the compute thread's

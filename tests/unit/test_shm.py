@@ -101,6 +101,7 @@ def test_a_large_bundle_goes_in_chunks_each_written_as_its_frame_is_asked_for() 
             assert ring.bytes_written == (round_ * nbytes) + chunk, "only the first chunk is written yet"
             sent += list(frames)
             assert len(sent) == -(-nbytes // chunk) and ring.bytes_written == (round_ + 1) * nbytes
+            assert not wire.read(sent, reader).whole, "in chunks: each chunk's version checked in turn"
             got = wire.decode(sent, reader=reader).tensors
             assert [n for n, _ in got] == [n for n, _ in bundle]
             assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(got, bundle))
@@ -388,7 +389,9 @@ def test_a_streams_pieces_are_views_of_the_segment_as_the_reader_keeps_it_mapped
     ring, reader = shm.Ring(slots=1), shm.Reader()
     try:
         frames = list(wire.encode(_bundle(), ring=ring))
-        mappings = {id(piece.obj): piece.obj for _, _, piece in wire.read(frames, reader).pieces}
+        stream = wire.read(frames, reader)
+        assert stream.shared_memory and stream.whole   # one chunk: checked once, after its last piece
+        mappings = {id(piece.obj): piece.obj for _, _, piece in stream.pieces}
         (mapping,) = mappings.values()
         assert isinstance(mapping, mmap.mmap) and reader.holds(mapping)
         ring.close()
