@@ -30,6 +30,7 @@ PHASES = [
     ("shard", "pull", "shard: pull waiting for c_global and for its keys' adds", "requested", "start"),
     ("shard", "pull", "shard: pull under the lock", "start", "end"),
     ("shard", "pull", "shard: pull's shared-memory slot written", "end", "written"),
+    ("stage", "pull", "pull: its reply received (onto a GPU stage's GPU)", "answered", "replied"),
     ("stage", "pull", "pull answered, waiting for the compute thread's merge", "replied", "merged"),
     ("stage", "pull_wait", "a forward blocked on G2 (pull_wait)", "start", "end"),
     # parallel.sync elastic: an exchange instead of a push and a pull

@@ -47,6 +47,7 @@ class _Pulled:
     c_global: int
     min_clock: int
     sent: float      # wall-clock times, for the sync trace
+    answered: float  # the last shard's reply in (before it is received: copied, onto a GPU)
     replied: float
 
 
@@ -192,7 +193,8 @@ class WspSync:
             weights.set_weights(merge_pulled(values, pulled.own_clock, self._acc))
         self._have = max(self._have, pulled.c_global)
         self.record.write({"event": "pull", "min_clock": pulled.min_clock, "c_global": pulled.c_global,
-                          "sent": pulled.sent, "replied": pulled.replied, "merged": time.time()})
+                          "sent": pulled.sent, "answered": pulled.answered, "replied": pulled.replied,
+                          "merged": time.time()})
         included = waves_included(pulled.own_clock)
         for wave in [w for w in self._acc if w < included]:
             done = self._acc.pop(wave)
@@ -375,6 +377,7 @@ class WspSync:
 
     def _pull(self, min_clock: int) -> None:
         started, sent = time.perf_counter(), time.time()
+        answered: list[float] = []   # each shard's reply in, for the trace
 
         def pull_one(shard: int, idx: list[int]) -> wire.Bundle | wire.Stream:
             request = ps_pb2.PullRequest(vw=self.cfg.vw, keys=[self.keys[i] for i in idx], min_clock=min_clock,
@@ -384,9 +387,13 @@ class WspSync:
             def call() -> wire.Bundle | wire.Stream:
                 try:
                     if request.shm:   # the reply read to its end here: merging it waits on no call
-                        return self._held(wire.read(list(stub.Pull(request, timeout=PULL_CALL_S)), self._reader), idx)
-                    return wire.decode(stub.Pull(request, timeout=PULL_CALL_S), reader=self._reader,
-                                       pinned=self._on_gpu)
+                        frames = list(stub.Pull(request, timeout=PULL_CALL_S))
+                        answered.append(time.time())
+                        return self._held(wire.read(frames, self._reader), idx)
+                    bundle = wire.decode(stub.Pull(request, timeout=PULL_CALL_S), reader=self._reader,
+                                         pinned=self._on_gpu)
+                    answered.append(time.time())
+                    return bundle
                 except wire.WireError as exc:
                     if not request.shm or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                         raise
@@ -394,7 +401,9 @@ class WspSync:
                     # from a small ring): ask again, this time in gRPC frames.
                     log.warning("pull reply from shard %d: %s; pulling again over gRPC", shard, exc)
                     request.shm = False
-                    return wire.decode(stub.Pull(request, timeout=PULL_CALL_S), pinned=self._on_gpu)
+                    bundle = wire.decode(stub.Pull(request, timeout=PULL_CALL_S), pinned=self._on_gpu)
+                    answered.append(time.time())
+                    return bundle
 
             return self._retrying(f"pull for min_clock {min_clock}", shard, PULL_GIVE_UP_S, call)
 
@@ -419,7 +428,7 @@ class WspSync:
         self.cb.observe_pull(time.perf_counter() - started)
         with self._lock:
             self._pending = _Pulled(values, slots, [own[k] for k in self.keys], int(c_global), min_clock, sent,
-                                    time.time())
+                                    max(answered, default=sent), time.time())
         self.cb.wake()
 
     def _held(self, stream: wire.Stream, idx: list[int]) -> wire.Bundle | wire.Stream:

@@ -85,6 +85,10 @@ def test_trace_of_a_real_run_is_valid_trace_event_json(make_job, tmp_path: Path)
     assert len(pushes) == summary["pushes_applied"] > 0, "a line per push each shard took"
     for r in pushes:   # the phases bench/sync_latency.py reads, in the order they happen
         assert r["received"] <= r["arrived"] <= r["scanned"] <= r["start"] <= r["end"] <= r.get("added", r["end"]), r
+    pulls = [json.loads(line) for path in sorted((out / "trace" / "sync").glob("*.jsonl"))
+             for line in path.read_text().splitlines()]
+    pulls = [r for r in pulls if r["event"] == "pull"]
+    assert pulls and all(r["sent"] <= r["answered"] <= r["replied"] <= r["merged"] for r in pulls), pulls[:3]
 
     path, count = timeline.export(out)
     assert path == out / "trace.json"

@@ -26,7 +26,8 @@ def traced(tmp_path: Path) -> Path:
     """Two stages' sync traces and a shard's, with times in seconds that make each phase known."""
     _write(tmp_path / "trace" / "sync" / "vw0_stage0.jsonl", [
         {"event": "push", "wave": 0, "queued": 10.0, "start": 10.5, "end": 12.0},
-        {"event": "pull", "min_clock": 1, "c_global": 1, "sent": 11.0, "replied": 14.0, "merged": 14.25},
+        {"event": "pull", "min_clock": 1, "c_global": 1, "sent": 11.0, "answered": 13.875, "replied": 14.0,
+         "merged": 14.25},
         {"event": "pull_wait", "p": 4, "min_clock": 1, "start": 13.0, "end": 14.25, "c_global": 1},
     ])
     _write(tmp_path / "trace" / "sync" / "vw1_stage0.jsonl", [
@@ -54,6 +55,7 @@ def test_each_phase_is_timed_from_the_fields_that_bound_it(traced: Path) -> None
     assert got["pull: sent until answered (its wait for c_global included)"] == [3.0]
     assert got["shard: pull waiting for c_global and for its keys' adds"] == [2.0]
     assert got["shard: pull's shared-memory slot written"] == [0.25]
+    assert got["pull: its reply received (onto a GPU stage's GPU)"] == [0.125]
     assert got["pull answered, waiting for the compute thread's merge"] == [0.25]
     assert got["a forward blocked on G2 (pull_wait)"] == [1.25]
     assert got["exchange: sent until answered"] == [0.5] and got["shard: exchange under the lock"] == []
