@@ -4,7 +4,6 @@ acknowledged since."""
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import shutil
 import sys
@@ -15,12 +14,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from hetpipe import wire
-from hetpipe.buffers import raw_bytes
 from hetpipe.outputs import fsync, write_text_atomically
-from hetpipe.weight_files import header, save_atomically
+from hetpipe.weight_files import save_atomically
+from ps_server import log_entry
 from ps_server.shard import Shard
 from ps_server.sync_rule import ShardError
 
@@ -33,12 +31,6 @@ PENDING_SUFFIX = ".pending"
 WRITTEN_SUFFIX = ".written"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")   # Linux: new at every boot
 SPARE_PREFIX = "spare-"       # a file a checkpoint freed, to be written over by a later entry
-# An entry's place in the order the shard applied its updates, the first field of its metadata so
-# that it sits at a fixed offset of the file: place() writes it there right before a push logged
-# before the lock is applied. 0: not placed (yet).
-PLACE = "applied"
-_PLACE_DIGITS = 12
-_PLACE_AT = 8 + len(b'{"__metadata__":{"applied":"')   # safetensors: 8 bytes of length, then the JSON
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,51 +43,6 @@ class Snapshot:
 
 def _seq_of(entry: Path) -> int:
     return int(entry.name.split(".")[0])
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    """One log entry's header, read back; its tensors are read when it is applied (restore sorts
-    every entry before it applies one)."""
-    path: Path
-    kind: str
-    vw: int
-    clock: int
-    place: int   # in the order the updates were applied (given once the shard had checked it); 0: never applied
-
-    def apply(self, shard: Shard) -> int:
-        """1 if it changed shard, 0 for a duplicate or an entry unreadable on the disk; ShardError
-        where the shard refuses it."""
-        tensors = _read_tensors(self.path)
-        if tensors is None:
-            return 0
-        if self.kind == "exchange":  # an elastic exchange: replayed in order, it gives the same deltas
-            return int(shard.exchange(self.vw, self.clock, tensors).applied)
-        return int(shard.push(self.vw, self.clock, tensors, applied_before=self.place > 0))
-
-
-def _unreadable(path: Path, exc: Exception) -> None:
-    # Damaged on the disk: nothing of ours leaves a numbered entry unfinished.
-    log.warning("push log entry %s unreadable, not replayed: %s", path.name, exc)
-
-
-def _read(path: Path) -> _Entry | None:
-    try:
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata()
-        return _Entry(path, meta["kind"], int(meta["vw"]), int(meta["clock"]), int(meta.get(PLACE, 0)))
-    except (OSError, SafetensorError, KeyError, TypeError, ValueError) as exc:   # TypeError: no metadata
-        _unreadable(path, exc)
-        return None
-
-
-def _read_tensors(path: Path) -> list[tuple[str, torch.Tensor]] | None:
-    try:
-        with safe_open(path, framework="pt") as f:
-            return [(key, f.get_tensor(key)) for key in f.keys()]
-    except (OSError, SafetensorError) as exc:
-        _unreadable(path, exc)
-        return None
 
 
 class Durability:
@@ -201,11 +148,11 @@ class Durability:
             shard.restore(snap)
             covered = int(snap["log_seq"])
             self._checkpointed_clock = shard.c_global() if shard.ready else 0
-        entries: list[_Entry] = []
+        entries: list[log_entry.Entry] = []
         for path in self.entries():
             seq = _seq_of(path)
             self._seq = max(self._seq, seq)
-            if seq > covered and (entry := _read(path)) is not None:
+            if seq > covered and (entry := log_entry.read(path)) is not None:
                 entries.append(entry)
         self._last_place = max((entry.place for entry in entries), default=0)
         # In the order they were applied: WSP numbers its entries before the shard's lock, and a
@@ -216,7 +163,7 @@ class Durability:
         # An entry without a place (never applied, or written before places were) may still
         # overflow in this order where it did not in another: it waits, with every later one of
         # its VW, and is tried again after the rest.
-        waiting: list[_Entry] = []
+        waiting: list[log_entry.Entry] = []
         for entry in entries:
             if any(w.vw == entry.vw for w in waiting):
                 waiting.append(entry)
@@ -229,7 +176,7 @@ class Durability:
                 else:
                     self._not_replayed(entry, exc)
         while waiting:
-            refused: list[tuple[_Entry, ShardError]] = []
+            refused: list[tuple[log_entry.Entry, ShardError]] = []
             for entry in waiting:
                 try:
                     replayed += self._replay(entry, shard)
@@ -243,7 +190,7 @@ class Durability:
         self._seq = max(self._seq, covered)
         return replayed
 
-    def _not_replayed(self, entry: _Entry, exc: ShardError) -> None:
+    def _not_replayed(self, entry: log_entry.Entry, exc: ShardError) -> None:
         log.warning("push log entry %s not replayed: %s", entry.path.name, exc)
         if not entry.place:
             # Logged before it was checked (WSP, outside the lock), and the process died before it
@@ -254,12 +201,12 @@ class Durability:
                 self._spare(entry.path)
             fsync(self.log_dir)
 
-    def _replay(self, entry: _Entry, shard: Shard) -> int:
+    def _replay(self, entry: log_entry.Entry, shard: Shard) -> int:
         """entry.apply(shard); an entry applied now for the first time is placed after the rest."""
         applied = entry.apply(shard)
         if applied and not entry.place:   # on disk, numbered: restore put it there first
             self._last_place += 1
-            self._place(entry.path, self._last_place, durable=True)
+            log_entry.set_place(entry.path, self._last_place, durable=True)
         return applied
 
     def _entry(self, kind: str, vw: int, clock: int, write: Callable[[Path, dict[str, str]], T], *,
@@ -287,8 +234,7 @@ class Durability:
                     os.replace(spare, pending)
                 except FileNotFoundError:   # deleted by another restore of this folder: a new file
                     pass
-            metadata = {PLACE: _placed(place), "kind": kind, "vw": str(vw), "clock": str(clock)}
-            result = write(pending, metadata)
+            result = write(pending, log_entry.metadata(kind, vw, clock, place))
             os.replace(pending, self.written_path(seq))
             if journal:
                 self.sync(seq)
@@ -305,7 +251,7 @@ class Durability:
         the entry, and the tensors lie on a mapping of it: one copy, where receiving the push and
         then logging it took two, and the entry is the shard's own copy, which the stage can no
         longer change. WireError (the entry a spare) where the stream turns out bad."""
-        return self._entry("push", vw, clock, lambda path, meta: _write_stream(path, stream, meta), journal=False)
+        return self._entry("push", vw, clock, lambda path, meta: log_entry.write_stream(path, stream, meta), journal=False)
 
     def sync(self, seq: int | None = None) -> None:
         """Puts entry seq on disk under its number; None: every entry not yet there (a duplicate's
@@ -331,13 +277,13 @@ class Durability:
     def journal_push(self, vw: int, clock: int, deltas: list[tuple[str, torch.Tensor]]) -> None:
         """Logs a push, on disk, that the caller, holding the shard's lock, applies right after
         (Shard.push's journal)."""
-        seq, _ = self._entry("push", vw, clock, lambda path, meta: _write_entry(path, deltas, meta),
+        seq, _ = self._entry("push", vw, clock, lambda path, meta: log_entry.write(path, deltas, meta),
                              journal=True)
         self.settle(seq, applied=True)
 
     def journal_exchange(self, vw: int, clock: int, replica: list[tuple[str, torch.Tensor]]) -> None:
         """Logs an elastic exchange, as journal_push."""
-        seq, _ = self._entry("exchange", vw, clock, lambda path, meta: _write_entry(path, replica, meta),
+        seq, _ = self._entry("exchange", vw, clock, lambda path, meta: log_entry.write(path, replica, meta),
                              journal=True)
         self.settle(seq, applied=True)
 
@@ -350,7 +296,7 @@ class Durability:
             self._last_place += 1
             # Still `written`: sync() leaves unplaced entries alone, and the push's own sync(),
             # after its apply, puts the place on disk with the rest.
-            self._place(self.written_path(seq), self._last_place)
+            log_entry.set_place(self.written_path(seq), self._last_place)
             self._unplaced.discard(seq)
 
     def settle(self, seq: int, *, applied: bool) -> None:
@@ -364,17 +310,6 @@ class Durability:
                 for path in (self.pending_path(seq), self.written_path(seq), self.entry_path(seq)):
                     if path.exists():
                         self._spare(path)
-
-    @staticmethod
-    def _place(path: Path, place: int, *, durable: bool = False) -> None:
-        """Writes an entry's place into its header; durable: fsynced too."""
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            _pwrite_all(fd, _placed(place).encode(), _PLACE_AT)
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def close(self) -> None:
         """Deletes the spares (after the last checkpoint: a finished job's folder keeps no log)."""
@@ -449,64 +384,3 @@ def _boot_id() -> str:
         return BOOT_ID.read_text().strip()
     except OSError:   # not Linux: every start counts as a restart of the machine
         return ""
-
-
-def _pwrite_all(fd: int, chunk: bytes | memoryview, position: int) -> int:
-    """Writes chunk at position; returns the position after it."""
-    while chunk:   # one write moves at most about 2 GiB
-        written = os.pwrite(fd, chunk, position)
-        chunk, position = chunk[written:], position + written
-    return position
-
-
-def _placed(place: int) -> str:
-    """An entry's place as its header holds it: fixed width, so it can be written in place."""
-    return f"{place:0{_PLACE_DIGITS}d}"
-
-
-def _header(specs: list[tuple[str, torch.dtype, list[int], int]], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
-    """weight_files.header(), with the entry's place where place() writes it."""
-    head, offsets = header(specs, metadata)
-    if PLACE in metadata and head[_PLACE_AT:_PLACE_AT + _PLACE_DIGITS] != metadata[PLACE].encode():
-        raise RuntimeError(f"push log: the entry's place is not at byte {_PLACE_AT} of its header")
-    return head, offsets
-
-
-def _write_entry(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
-    """A safetensors file of tensors at path, written over what path holds (no new file where it
-    exists)."""
-    views = [raw_bytes(tensor) for _, tensor in tensors]
-    head, _ = _header([(name, t.dtype, list(t.shape), v.nbytes) for (name, t), v in zip(tensors, views)], metadata)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        position = 0
-        for chunk in (head, *views):
-            position = _pwrite_all(fd, chunk, position)
-        os.ftruncate(fd, position)   # a spare may have been longer
-    finally:
-        os.close(fd)
-
-
-def _write_stream(path: Path, stream: wire.Stream, metadata: dict[str, str]) -> list[tuple[str, torch.Tensor]]:
-    """_write_entry from a stream's pieces as they arrive; returns the tensors, on a private
-    mapping of the file (its pages are the page cache's until written, which nothing does)."""
-    specs = [(name, dtype, shape, nbytes) for name, (dtype, shape, nbytes) in zip(stream.names, stream.specs)]
-    head, offsets = _header(specs, metadata)
-    total = len(head) + sum(nbytes for *_, nbytes in specs)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        _pwrite_all(fd, head, 0)
-        for index, offset, piece in stream.pieces:   # checks the byte count, and a shared-memory handle at the end
-            _pwrite_all(fd, piece, len(head) + offsets[index] + offset)
-        os.ftruncate(fd, total)   # a spare may have been longer
-        mapping = mmap.mmap(fd, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    return [(name, _on(mapping, dtype, shape, len(head) + offset, nbytes))
-            for (name, dtype, shape, nbytes), offset in zip(specs, offsets)]
-
-
-def _on(mapping: mmap.mmap, dtype: torch.dtype, shape: list[int], offset: int, nbytes: int) -> torch.Tensor:
-    if nbytes == 0:   # frombuffer refuses a count of 0
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(mapping, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).view(shape)

@@ -1,6 +1,6 @@
-"""The shard's push log (ps_server/durability.py): what restore replays after a kill -9 and after
-a restart of the machine, files written over once a checkpoint covers them, and the safetensors
-entries it writes itself."""
+"""The shard's push log (ps_server/durability.py; its entries' format, ps_server/log_entry.py):
+what restore replays after a kill -9 and after a restart of the machine, files written over once
+a checkpoint covers them, and the safetensors entries it writes itself."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from hetpipe import shm, wire
 from hetpipe.buffers import raw_bytes
 from hetpipe.v1 import wire_pb2
 from hetpipe.weight_files import DTYPES
-from ps_server.durability import Durability, _write_entry, _write_stream
+from ps_server import log_entry
+from ps_server.durability import Durability
 from ps_server.shard import Shard
 from ps_server.sync_rule import SyncRule
 from shard_reference import Kind, assert_refused, log_push, record_fsyncs, two_key_shard
@@ -369,7 +370,7 @@ def test_an_entry_that_replay_refuses_is_gone_for_good(tmp_path: Path, monkeypat
 
 
 def _from_stream(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
-    logged = _write_stream(path, wire.read(wire.encode(tensors, push=wire_pb2.PushTag())), metadata)
+    logged = log_entry.write_stream(path, wire.read(wire.encode(tensors, push=wire_pb2.PushTag())), metadata)
     for (name, tensor), (got_name, got) in zip(tensors, logged, strict=True):
         assert got_name == name and got.dtype == tensor.dtype and torch.equal(got, tensor), name
 
@@ -385,8 +386,8 @@ def _travels(dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize(("dtype", "writer"), [
     pytest.param(dtype, writer, id=f"{dtype}-{name}")
     for dtype in sorted(DTYPES, key=str)
-    for name, writer in (("tensors", _write_entry), ("stream", _from_stream))
-    if writer is _write_entry or _travels(dtype)])
+    for name, writer in (("tensors", log_entry.write), ("stream", _from_stream))
+    if writer is log_entry.write or _travels(dtype)])
 def test_an_entry_is_a_safetensors_file_even_over_a_longer_one(tmp_path: Path, dtype: torch.dtype,
                                                                writer: Callable[..., None]) -> None:
     """Written from tensors (a journal) or from a push's stream (then also mapped back, each
@@ -441,6 +442,6 @@ def test_a_push_logged_from_shared_memory_is_the_shards_own_copy(tmp_path: Path,
 
 def test_an_entry_refuses_what_safetensors_cannot_hold(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'w' appears twice"):
-        _write_entry(tmp_path / "e", [("w", torch.ones(2)), ("w", torch.ones(2))], {})
+        log_entry.write(tmp_path / "e", [("w", torch.ones(2)), ("w", torch.ones(2))], {})
     with pytest.raises(ValueError, match="complex64"):
-        _write_entry(tmp_path / "e", [("z", torch.ones(2, dtype=torch.complex64))], {})
+        log_entry.write(tmp_path / "e", [("z", torch.ones(2, dtype=torch.complex64))], {})
