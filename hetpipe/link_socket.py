@@ -91,18 +91,19 @@ def _answer(code: grpc.StatusCode, details: str = "") -> bytes:
     return _ANSWER.pack(code.value[0], len(text)) + text
 
 
-def _read_exact(sock: socket.socket, n: int, deadline: float | None = None, name: str = "") -> bytearray | None:
-    """n bytes, or None where the peer closed first. With a deadline (time.monotonic), a request
-    of name's: DEADLINE_EXCEEDED past it; else TimeoutError past the socket's timeout for any one
-    read."""
+def _read_exact(sock: socket.socket, n: int, deadline: float | None = None, name: str = "",
+                what: str = "the request's frames", within_s: float | None = None) -> bytearray | None:
+    """n bytes, or None where the peer closed first. With a deadline (time.monotonic, within_s
+    after the read began: REQUEST_S unless told), name's `what`: DEADLINE_EXCEEDED past it; else
+    TimeoutError past the socket's timeout for any one read."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise Rejected(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"{name}: the request's frames did not arrive within {REQUEST_S:g} s")
+                limit = REQUEST_S if within_s is None else within_s
+                raise Rejected(grpc.StatusCode.DEADLINE_EXCEEDED, f"{name}: {what} did not arrive within {limit:g} s")
             sock.settimeout(left)
         try:
             k = sock.recv_into(view[got:], n - got)
@@ -247,7 +248,10 @@ class Server:
         None: the peer closed first. Rejected: refused."""
         if (uid := peer_uid(sock)) != os.getuid():
             raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"LinkSocket: a process of user {uid} may not connect")
-        greeting = _read_exact(sock, NONCE_BYTES + 1)
+        # Whole within the control deadline: a peer that sends it a byte at a time must not hold a
+        # greeting's place (GREETING of them) for longer, or a link could not get back in.
+        greeting = _read_exact(sock, NONCE_BYTES + 1, time.monotonic() + rpc.CONTROL_DEADLINE_S, "LinkSocket",
+                               "the greeting", rpc.CONTROL_DEADLINE_S)
         if greeting is None:
             return None
         if not hmac.compare_digest(bytes(greeting[:NONCE_BYTES]), self.nonce):

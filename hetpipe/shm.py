@@ -64,9 +64,10 @@ def available() -> bool:
 
 def host_id() -> str:
     """Equal for two processes exactly when they may share tensors through /dev/shm: same boot of
-    the same kernel, same /dev/shm mount (a container's private one differs) and same network
-    namespace (processes behind different addresses are treated as different hosts). Empty where
-    there is no /dev/shm."""
+    the same kernel, same /dev/shm mount (a container's private one differs), same network
+    namespace (processes behind different addresses are treated as different hosts) and same user
+    (segments and link sockets take only their own user's peers). Empty where there is no
+    /dev/shm."""
     if not available():
         return ""
     try:
@@ -74,7 +75,7 @@ def host_id() -> str:
         net = os.stat("/proc/self/ns/net").st_ino
     except OSError:
         return ""
-    raw = f"{boot}/{os.stat(SHM_DIR).st_dev}/{net}"
+    raw = f"{boot}/{os.stat(SHM_DIR).st_dev}/{net}/{os.getuid()}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

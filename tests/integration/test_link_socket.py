@@ -464,8 +464,8 @@ def test_a_stage_refuses_bad_greetings_and_requests_and_changes_nothing(rig: Rig
 
 
 def test_a_silent_peer_is_dropped(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before its greeting after the control deadline; after it, once idle as long as gRPC lets a
-    stream live: a frozen peer holds no lane for good."""
+    """Before its greeting after the control deadline (told why); after it, once idle as long as
+    gRPC lets a stream live: a frozen peer holds no lane for good."""
     monkeypatch.setattr(rpc, "CONTROL_DEADLINE_S", 0.5)
     monkeypatch.setattr(link_socket, "IDLE_S", 1.0)
     address = rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5)
@@ -473,10 +473,34 @@ def test_a_silent_peer_is_dropped(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> 
     sock.settimeout(10)
     sock.connect("\0" + address.name)
     started = time.monotonic()
+    assert _answer(sock) == (Code.DEADLINE_EXCEEDED, "LinkSocket: the greeting did not arrive within 0.5 s")
     assert _ended(sock) and time.monotonic() - started < 5
     sock = _connected(rig)
     started = time.monotonic()
     assert _ended(sock) and 0.9 < time.monotonic() - started < 5
+
+
+def test_a_greeting_sent_a_byte_at_a_time_is_refused_at_the_control_deadline(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each byte well within the socket's timeout, the whole past the deadline: such a peer must
+    not hold one of the GREETING places any longer, or a link could not get back in."""
+    monkeypatch.setattr(rpc, "CONTROL_DEADLINE_S", 0.5)
+    address = rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect("\0" + address.name)
+    greeting = bytes(address.nonce) + b"\0"
+    started = time.monotonic()
+    for i in range(len(greeting) - 1):   # never the last byte
+        try:
+            sock.sendall(greeting[i:i + 1])
+        except OSError:   # refused and closed already
+            break
+        time.sleep(0.1)
+    code, details = _answer(sock)
+    assert code == Code.DEADLINE_EXCEEDED and "the greeting did not arrive within 0.5 s" in details, details
+    assert time.monotonic() - started < 3
+    sock.close()
 
 
 # A Python that another user may run: a venv under /root is not one.

@@ -265,6 +265,14 @@ def test_host_identity_is_shared_by_processes_on_this_host() -> None:
     assert here and here == there
 
 
+def test_another_users_processes_are_another_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments (0600) and link sockets take only their own user's peers: two users' stages on
+    one machine go through gRPC, as on two machines, rather than fail."""
+    here = shm.host_id()
+    monkeypatch.setattr(os, "getuid", lambda: os.geteuid() + 1)
+    assert shm.host_id() not in ("", here)
+
+
 def test_sweep_leaves_a_segment_being_made_by_a_live_process() -> None:
     """Made, then locked: a sweep from another process in between must not take it (the owner's
     rename would then fail); one left half-made by a dead process goes."""
