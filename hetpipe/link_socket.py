@@ -444,6 +444,8 @@ class SocketDuplex:
             return None
         current = self._open
         if current is None:
+            if self._closed:   # no locate, connect and greeting for a link that is going
+                return Connection(None, SocketError(grpc.StatusCode.CANCELLED, "link socket: the link is closing"))
             fresh = self._connect()   # outside the lock: close() must not wait for a locate and a connect
             if self._use_fallback:   # found out just now
                 return None

@@ -16,6 +16,7 @@ whatever pid namespace their owner ran in. Launchers sweep when they start and s
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import hashlib
 import mmap
@@ -263,6 +264,7 @@ class Ring:
         self._turn = 0
         self._taken = 0
         self._lock = threading.Lock()
+        self._closed = False
         self.bytes_written = 0
 
     def chunking(self, chunk_bytes: int, whole_up_to: int, max_chunks: int = 0) -> None:
@@ -276,6 +278,8 @@ class Ring:
         needs is made first, so a /dev/shm without room fails before the first handle."""
         total = sum(len(p) for p in pieces)
         with self._lock:
+            if self._closed:   # a segment made now would be nobody's to close
+                raise OSError(errno.ESHUTDOWN, "the ring is closed")
             chunk = max(self._chunk_bytes, -(-total // self._max_chunks)) if self._max_chunks else self._chunk_bytes
             groups = [list(pieces)] if total <= self._whole_up_to else list(chunks(pieces, chunk))
             sizes = [sum(len(p) for p in g) for g in groups]
@@ -311,6 +315,7 @@ class Ring:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for slot in self._slots:
                 for segment in slot:
                     if segment is not None:

@@ -190,10 +190,12 @@ class Link:
                 return None
 
     def close(self) -> None:
+        """Ends the link at once: what is unanswered is not sent again (a stage closes its links
+        once the job no longer needs them; flush() first to wait for the answers)."""
         self._closing.set()  # a send that is retrying gives up now: closing must not wait out give_up_s
         self._queue.put(None)
+        self._duplex.close()   # first: wakes a thread waiting for an answer, which then sends nothing again
         self._thread.join(timeout=5)
-        self._duplex.close()
         self._channel.close()
         if self.ring is not None:
             self.ring.close()
@@ -275,6 +277,11 @@ class Link:
         except grpc.RpcError as exc:
             again = [unanswered for unanswered, _ in self._in_flight]   # the stream is gone, and their answers
             self._in_flight.clear()
+            if self._closing.is_set():   # nothing goes out again: the ring's slots are going too
+                for unanswered in again:
+                    self._release(unanswered)
+                    self._done_with(False)
+                return False
             if exc.code() not in rpc.RETRYABLE and not (item.staged is not None and handle_refused(exc)):
                 self._release(item)
                 if not self._done_with(self._answered(item, exc)):
@@ -302,6 +309,8 @@ class Link:
         self._current = item
 
         def attempt() -> Any:
+            if self._closing.is_set():   # retrying() makes one attempt whatever: not into a closed ring
+                raise link_socket.SocketError(grpc.StatusCode.CANCELLED, "the link is closing")
             encoded = first.pop() if first else item.encode(self.ring, self.gpu_ring)
             return rpc.send_bundle(self._stub, self.method, encoded, self._duplex, timeout=rpc.DATA_DEADLINE_S)
 

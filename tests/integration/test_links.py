@@ -3,6 +3,7 @@ failure naming the peer and the minibatch when it stays away, and an emulated li
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -75,6 +76,23 @@ class SocketNeighbour(Neighbour):
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+
+
+class Holding(SocketNeighbour):
+    """Takes each bundle, and answers it only once released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = threading.Event()
+
+    def _take(self, request_iterator: Iterable[bytes]) -> wire_pb2.Ack:
+        ack = super()._take(request_iterator)
+        self.released.wait(30)
+        return ack
+
+
+def _ours() -> set[str]:
+    return {name for name in shm.segments() if name.startswith(f"{shm.PREFIX}{os.getpid()}-")}
 
 
 def _serve(neighbour: Neighbour, port: int = 0) -> rpc.Server:
@@ -439,6 +457,30 @@ def test_an_emulated_link_holds_each_message() -> None:
         assert time.monotonic() - started >= 0.6
     finally:
         link.close()
+        server.stop(grace=0)
+
+
+def test_a_link_closed_while_its_bundle_awaits_an_answer_ends_at_once_and_leaves_no_segment() -> None:
+    """close() wakes the thread waiting for the answer, which sends nothing again: no segment made
+    after the ring closed (nobody's to close), no reconnect to a peer it is leaving."""
+    neighbour = Holding()
+    server = _serve(neighbour)
+    failures: list[str] = []
+    before = _ours()
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
+                shared_memory=True)
+    try:
+        link.send(_message(1))
+        assert neighbour.wait_for(1) == [1]   # taken, its answer held back
+        started = time.monotonic()
+        link.close()
+        assert time.monotonic() - started < 2, "close() waited for the thread"
+        time.sleep(0.2)
+        assert _ours() <= before and not failures
+    finally:
+        neighbour.released.set()
+        link.close()
+        neighbour.close()
         server.stop(grace=0)
 
 
