@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -81,8 +82,16 @@ def header(tensors: Sequence[tuple[str, torch.dtype, Sequence[int], int]],
 
 
 def save_atomically(obj: Any, path: str | Path, *, durable: bool = False) -> None:
-    """torch.save(obj) to path, atomically (write_atomically)."""
-    write_atomically(path, lambda tmp: torch.save(obj, tmp), durable=durable)
+    """torch.save(obj) to path, atomically (write_atomically). OSError where the write fails:
+    torch's writer reports a full disk, a file too large or a folder gone as a RuntimeError, which
+    a server would answer as its own bug (INTERNAL) where the same call may succeed later."""
+    def save(tmp: Any) -> None:
+        try:
+            torch.save(obj, tmp)
+        except RuntimeError as exc:
+            raise OSError(errno.EIO, f"writing {Path(path).name} failed: {exc}") from exc
+
+    write_atomically(path, save, durable=durable)
 
 
 def save_stage_state(checkpoint_dir: str | Path, wave: int, vw: int, stage: int, state: Any) -> Path:

@@ -36,7 +36,7 @@ def serve(cfg: ShardConfig) -> int:
             servicer.flush_trace()  # before the checkpoint, which may outlast the launcher's grace
             if not job_ended.is_set():
                 servicer.checkpoint()
-        except (OSError, RuntimeError) as exc:   # torch.save: RuntimeError for a folder gone
+        except OSError as exc:   # a full disk, a folder gone
             logging.error("the shard's last checkpoint failed: %s", exc)
         finally:
             server.stop()   # whatever the checkpoint did: a shard left serving holds a job for nobody

@@ -85,8 +85,11 @@ class ShardServicer:
         self.reader = shm.Reader()  # pushes from stages on this host
         self.pull_slots = PullSlots()  # pull replies to stages on this host
         self._unsaved = False  # an Init or Evict is in memory but its checkpoint failed
-        # Writes the checkpoints that pushes capture, in turn, after their pushes are answered.
+        # Writes the checkpoints that pushes capture, in turn, after their pushes are answered; one
+        # at a time: a push captures none while the last is still to be written (each holds a copy
+        # of every value, and a slow disk would queue them without end).
         self._checkpoint_writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._checkpoint_pending = False
 
     def _index_path(self) -> Path | None:
         return None if self.durability is None else self.durability.dir / "shard_index"
@@ -283,19 +286,22 @@ class ShardServicer:
                     durability.settle(logged, applied=True)   # its entry is read no more
                 captured = self._done(kind, tag.vw, tag.clock, applied, (start, held), received, tensors,
                                       added=time.time(), **stamps)
-        if logged is not None and durability is not None and not stream.shared_memory:
-            # On disk before the acknowledgement, the pulls it released already on their way; a
-            # duplicate waits for its original's entry, which may still be on the way to disk.
-            # A push through shared memory comes from this machine: its entry, whole in the page
-            # cache, survives a kill -9 of the shard, and a restart of the machine, which would
-            # lose it, ends the pusher too. So it is acknowledged without waiting for the disk,
-            # which for a large model limited the clock rate (236 MB a clock on an H100's host).
-            durability.sync(logged if applied else None)
-        if captured is not None and durability is not None:
-            # Outside the lock, and after this push is answered: a checkpoint holds every key (236
-            # MB a shard for the 117.8M GPT, every tenth clock), and the push is safe without it,
-            # in the log, whose entries stay until a checkpoint that covers them is written.
-            self._checkpoint_writer.submit(self._write_checkpoint, durability, captured)
+        try:
+            if logged is not None and durability is not None and not stream.shared_memory:
+                # On disk before the acknowledgement, the pulls it released already on their way; a
+                # duplicate waits for its original's entry, which may still be on the way to disk.
+                # A push through shared memory comes from this machine: its entry, whole in the page
+                # cache, survives a kill -9 of the shard, and a restart of the machine, which would
+                # lose it, ends the pusher too. So it is acknowledged without waiting for the disk,
+                # which for a large model limited the clock rate (236 MB a clock on an H100's host).
+                durability.sync(logged if applied else None)
+        finally:
+            if captured is not None and durability is not None:
+                # Outside the lock, and after this push is answered: a checkpoint holds every key
+                # (236 MB a shard for the 117.8M GPT, every tenth clock), and the push is safe without
+                # it, in the log, whose entries stay until a checkpoint that covers them is written.
+                # Whatever the sync did: the next capture waits for this one's write.
+                self._checkpoint_writer.submit(self._write_checkpoint, durability, captured)
         return reply
 
     def _done(self, kind: str, vw: int, clock: int, applied: bool, held: tuple[float, float], received: float,
@@ -305,9 +311,11 @@ class ShardServicer:
         push's sums were in, after it; before it `arrived`, its bytes all in and logged, and
         `scanned`, a push's NaN and overflow scan done), and the pulls waiting on it woken."""
         captured = None
-        if applied and self.durability is not None and self.durability.capture_due(self.shard):
+        if (applied and self.durability is not None and not self._checkpoint_pending
+                and self.durability.capture_due(self.shard)):
             self.quiet()
             captured = self.durability.capture(self.shard)
+            self._checkpoint_pending = captured is not None
         self._cv.notify_all()  # pulls wait on pushes, the final pulls on every VW's last exchange
         payload = _payload_bytes(tensors)
         self.received_bytes += payload
@@ -315,12 +323,15 @@ class ShardServicer:
                           checkpoint=captured is not None, bytes=payload, **added)
         return captured
 
-    @staticmethod
-    def _write_checkpoint(durability: Durability, snapshot: Snapshot) -> None:
+    def _write_checkpoint(self, durability: Durability, snapshot: Snapshot) -> None:
         try:
             durability.write(snapshot)
-        except OSError as exc:   # the log still holds every entry: the next checkpoint covers them
-            log.warning("checkpoint covering log entry %s not written: %s", snapshot.covered, exc)
+        except Exception as exc:   # the log still holds every entry: the next checkpoint covers them
+            log.warning("checkpoint covering log entry %s not written: %s", snapshot.covered, exc,
+                        exc_info=not isinstance(exc, OSError))
+        finally:
+            with self._cv:
+                self._checkpoint_pending = False
 
     @handler
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushReply:

@@ -109,6 +109,59 @@ def test_an_init_or_evict_whose_checkpoint_fails_is_checkpointed_by_its_retry(
         server.stop(0)
 
 
+def test_a_slow_disk_holds_one_checkpoint_at_a_time(ps: InProcess, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each capture copies every value: while one waits for the disk no push captures another
+    (else a disk slower than the clocks queues copies until memory runs out). The log keeps the
+    entries meanwhile, and the first clock after the write captures again."""
+    c, durability = ps.client, ps.servicer.durability
+    assert durability is not None
+    write, capture = durability.write, durability.capture
+    captures: list[int] = []
+
+    def slow_write(snapshot: Any) -> None:
+        time.sleep(0.5)
+        write(snapshot)
+
+    def counted(shard: Shard) -> Any:
+        captures.append(shard.c_global())
+        return capture(shard)
+
+    monkeypatch.setattr(durability, "write", slow_write)
+    monkeypatch.setattr(durability, "capture", counted)
+    for clock in range(1, 6):   # c_global 2..5, each due for a checkpoint (every clock)
+        if clock > 1:
+            c.push(0, clock, delta(0, clock))
+        c.push(1, clock, delta(1, clock))
+    assert captures == [2], "a capture while the last one waits for the disk"
+    ps.servicer.checkpoints_written()
+    c.push(0, 6, delta(0, 6))
+    c.push(1, 6, delta(1, 6))
+    assert captures == [2, 6]
+    ps.servicer.checkpoints_written()
+    restored = Shard()
+    Durability(str(tmp_path / "ckpt")).restore(restored)
+    assert restored.digest() == ps.servicer.shard.digest()
+
+
+def test_a_checkpoint_that_torch_cannot_write_is_an_io_error(tmp_path: Path) -> None:
+    """torch.save reports a failed write (here: past the process's file size limit) as a
+    RuntimeError, which a server answers as its own bug (INTERNAL, never retried): it is an
+    OSError, so Init and Evict answer UNAVAILABLE and their retry writes it."""
+    script = ("import resource, signal, sys, torch\n"
+              "from hetpipe.weight_files import save_atomically\n"
+              "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+              "try:\n"
+              "    save_atomically({'w': torch.zeros(1 << 16)}, sys.argv[1], durable=True)\n"
+              "except OSError as exc:\n"
+              "    print('OSError', exc.errno, exc)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "checkpoint.pt")], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("OSError 5 "), (done.stdout, done.stderr)
+    assert "checkpoint.pt" in done.stdout and not (tmp_path / "checkpoint.pt").exists()
+
+
 def test_push_is_acknowledged_once_its_log_entry_is_on_disk(ps: InProcess, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Under WSP a push's log entry is fsynced after the push is applied (off the path to the pulls
