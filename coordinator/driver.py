@@ -336,6 +336,9 @@ class JobDriver:
             raise JobFailed(f"{lost} (vw 0 runs the evaluations: the job cannot go on without it)") from None
         gone = [h for h in self.stages if h.plan.vw == lost.vw]
         self.stages = [h for h in self.stages if h.plan.vw != lost.vw]
+        with self._watch_lock:   # a silent one among them would keep the no-progress check off for good
+            for h in gone:
+                self.watch.answered(h.name)
         for h in gone:  # the rest of its pipeline: nothing more to do
             try:
                 h.stub.Stop(wire_pb2.Empty(), timeout=rpc.STATUS_DEADLINE_S)
@@ -375,8 +378,7 @@ class JobDriver:
 
     def _poll(self) -> bool:
         self.check_processes()
-        for h in self.stages:
-            self._ask_status(h)
+        answered = [h for h in self.stages if self._ask_status(h)]
         self._check_diverged()   # before the failures: a shard refusing a NaN update is the symptom
         failed = [h for h in self.stages if h.last.state == State.FAILED]
         if failed:
@@ -388,7 +390,7 @@ class JobDriver:
         # The evaluations first: one that ran before a cut is in eval.jsonl before the cut's manifest,
         # which a --resume trusts (the stages do not run it again).
         self._collect_evals()
-        self._take_cut()
+        self._take_cut(answered)
         return all(h.last.state == State.DONE for h in self.stages)
 
     def _check_diverged(self) -> None:
@@ -410,20 +412,27 @@ class JobDriver:
         from (up to their cut), so that eval.jsonl's rows count on across a --resume."""
         return self.seconds_before + at - self.started
 
-    def _take_cut(self) -> None:
-        """Once every stage waits at the same checkpoint, its shard part, then on they go."""
-        waves = {h.last.cut for h in self.stages}
-        if self.checkpoints is None or len(waves) != 1 or (wave := waves.pop()) <= self.checkpoints.taken:
+    def _take_cut(self, answered: list[StageHandle]) -> None:
+        """Once every stage waits at the same checkpoint, its shard part, then on they go. A stage
+        that answered this poll still waiting at the cut taken missed its Continue (its VW left
+        meanwhile, failing the loop): it gets it now, or it would wait there for good."""
+        if self.checkpoints is None:
             return
-        if self.evicted:
-            # A run cannot go on without a VW yet: such a cut would replace the last one a
-            # --resume can go on from. The stages go on all the same.
-            self.checkpoints.skip(wave)
-        else:
-            self.checkpoints.take(wave, self.lead_vw, [], self._seconds(time.time()))
-            log.info("checkpoint of wave %d in %s", wave, self.checkpoint_dir)
-        for h in self.stages:
-            self.call(h, "Continue", wire_pb2.Empty())
+        waves = {h.last.cut for h in self.stages}
+        if len(waves) == 1 and (wave := waves.pop()) > self.checkpoints.taken:
+            if self.evicted:
+                # A run cannot go on without a VW yet: such a cut would replace the last one a
+                # --resume can go on from. The stages go on all the same.
+                self.checkpoints.skip(wave)
+            else:
+                self.checkpoints.take(wave, self.lead_vw, [], self._seconds(time.time()))
+                log.info("checkpoint of wave %d in %s", wave, self.checkpoint_dir)
+            with self._watch_lock:   # saving the parts and streaming the shards' values moved no counter
+                self.watch.paused(time.monotonic())
+        taken = self.checkpoints.taken
+        for h in answered:
+            if taken and h.last.cut == taken and h in self.stages:
+                self.call(h, "Continue", wire_pb2.Empty())
 
     def _name_the_silent(self, *, loading: bool = False) -> None:
         """A stage silent for train.stall_timeout_s (silent shards are the shard watch's)."""

@@ -24,8 +24,9 @@ class StallWatch:
         # Time without an answer is not time a stage was seen stuck: that rule must not race this one.
         self._since = now
 
-    def unreachable(self, now: float) -> None:
-        """A process refused the connection (dead, or restarting): no verdict on progress meanwhile."""
+    def paused(self, now: float) -> None:
+        """No verdict on progress up to now: a process refused the connection (dead, or restarting),
+        or the job waited on purpose (a checkpoint being taken, every stage waiting at it)."""
         self._since = now
 
     def not_responding(self, now: float) -> list[tuple[str, float]]:

@@ -208,3 +208,126 @@ def test_a_loss_that_goes_nan_fails_the_job_as_diverged_before_it_ends(make_job,
     if warmup:
         rate = float(re.search(r"its learning rate is ([0-9.e+]+),", str(info.value)).group(1))  # type: ignore[union-attr]
         assert rate == pytest.approx(1e12 * done / warmup, rel=1e-5)
+
+
+class _Err(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._code.name
+
+
+class _Waiting:
+    """A stage's answers as the driver's stub sees them: waiting at the checkpoint of wave `cut`
+    until continued; frozen: Status runs out of time; lost: Continue finds its process gone."""
+
+    def __init__(self, cut: int) -> None:
+        self.cut, self.frozen, self.lost = cut, False, False
+        self.continued: list[int] = []
+
+    def Status(self, request: Any, timeout: float) -> stage_pb2.StageStatus:
+        if self.frozen:
+            raise _Err(grpc.StatusCode.DEADLINE_EXCEEDED)
+        return stage_pb2.StageStatus(state=State.RUNNING, cut=self.cut, recent_loss=1.0)
+
+    def Continue(self, request: Any, timeout: float) -> wire_pb2.Ack:
+        if self.lost:
+            raise _Err(grpc.StatusCode.UNAVAILABLE)
+        self.continued.append(self.cut)
+        self.cut = 0
+        return wire_pb2.Ack()
+
+    def Stop(self, request: Any, timeout: float) -> wire_pb2.Ack:
+        return wire_pb2.Ack()
+
+
+class _Cuts:
+    """The driver's checkpoints, taken in no time (or slowly: streaming a large model's shards)."""
+
+    def __init__(self, take_s: float = 0.0) -> None:
+        self.taken, self.take_s = 0, take_s
+
+    def take(self, wave: int, lead_vw: int, evicted: list[int], seconds: float) -> None:
+        time.sleep(self.take_s)
+        self.taken = wave
+
+    def skip(self, wave: int) -> None:
+        self.taken = wave
+
+
+class _Shard:
+    def __init__(self) -> None:
+        self.evicted: list[int] = []
+
+    def Evict(self, request: Any, timeout: float) -> wire_pb2.Ack:
+        self.evicted.append(request.vw)
+        return wire_pb2.Ack()
+
+
+def _two_vws(make_job, cut: int, stall_s: float = 30.0) -> tuple[JobDriver, dict[int, _Waiting], _Shard]:
+    """A driver of 2 VWs x 1 stage, which may go on without a VW, over in-memory stage stubs."""
+    job = make_job({"train": {"steps": 20, "stall_timeout_s": stall_s, "checkpoint_every": 5},
+                    "parallel": {"virtual_workers": 2, "stages_per_vw": 1, "nm": 1, "on_vw_failure": "continue"},
+                    "output": {"trace": False}})
+    plan = make_plan(job)
+    driver = JobDriver(job, plan, [f"127.0.0.1:{9 + i}" for i in range(len(plan.stages))])
+    stubs = {}
+    for h in driver.stages:
+        h.stub = stubs[h.plan.vw] = _Waiting(cut)
+    shard = _Shard()
+    driver.shards = [shard]   # type: ignore[list-item]
+    driver.checkpoints = _Cuts()   # type: ignore[assignment]
+    return driver, stubs, shard
+
+
+def test_a_stage_whose_continue_was_lost_with_another_vw_gets_it_at_the_next_poll(make_job) -> None:
+    """Every stage waits at the cut; Continue finds VW 0's process gone, so VW 0 leaves the job:
+    VW 1, which the loop had not reached, must not wait at the cut for good."""
+    driver, stubs, shard = _two_vws(make_job, cut=5)
+    stubs[0].lost = True
+    try:
+        driver.poll()
+        assert shard.evicted == [0] and stubs[1].continued == [5] and stubs[1].cut == 0
+        driver.poll()   # nothing is continued twice
+        assert stubs[1].continued == [5]
+    finally:
+        driver.close()
+
+
+def test_a_vw_evicted_while_silent_leaves_the_no_progress_check_on(make_job) -> None:
+    """A frozen stage is silent, then lost with its VW: the stages left must still be watched for
+    a job that stops moving although they answer."""
+    driver, stubs, shard = _two_vws(make_job, cut=0, stall_s=1.0)
+    stubs[1].frozen = True
+    try:
+        driver.poll()   # silent from now
+        time.sleep(1.1)
+        driver.poll()   # named, lost: VW 1 leaves
+        assert shard.evicted == [1]
+        with pytest.raises(JobFailed, match="no progress"):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                driver.poll()
+                driver._check_progress()
+                time.sleep(0.05)
+    finally:
+        driver.close()
+
+
+def test_a_checkpoint_that_takes_longer_than_the_stall_timeout_is_no_stall(make_job) -> None:
+    driver, stubs, _ = _two_vws(make_job, cut=0, stall_s=1.0)
+    driver.checkpoints = _Cuts(take_s=1.3)   # type: ignore[assignment]
+    try:
+        driver.poll()
+        driver._check_progress()   # the counters as they stand
+        for stub in stubs.values():
+            stub.cut = 5   # both wait at the cut: no counter moves from here
+        driver.poll()   # takes it, for longer than the stall timeout
+        driver._check_progress()
+        assert [s.continued for s in stubs.values()] == [[5], [5]]
+    finally:
+        driver.close()

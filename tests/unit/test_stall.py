@@ -54,6 +54,6 @@ def test_an_unreachable_process_restarts_the_stall_clock() -> None:
     """A restarting shard refuses connections for a while: no progress is expected meanwhile."""
     w = StallWatch(30.0, now=0.0)
     w.progress((0,), 0.0)
-    w.unreachable(25.0)
+    w.paused(25.0)
     assert w.stalled_for(54.0) is None
     assert w.stalled_for(55.0) == 30.0
