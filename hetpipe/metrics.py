@@ -168,8 +168,13 @@ class ServerMetricsInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED itself
             return None
-        m = self._metrics(handler_call_details.method)
         h: Any = handler
+        if h.unary_stream is not None and getattr(h.unary_stream, "experimental_non_blocking", False):
+            # Health.Watch: grpc calls it with a callback and holds no thread for the stream's life.
+            # Wrapped, it would hold one each: an open, unauthenticated service whose streams could
+            # take every server thread.
+            return handler
+        m = self._metrics(handler_call_details.method)
         if h.unary_unary is not None:
             return _replace(h, "unary_unary", _unary_response(h.unary_unary, m, False))
         if h.stream_unary is not None:

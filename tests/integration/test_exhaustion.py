@@ -97,6 +97,21 @@ def test_16_silent_forward_streams_leave_status_answering(stage: Service) -> Non
             c.cancel()
 
 
+def test_64_open_health_watches_take_no_thread(stage: Service) -> None:
+    """Health needs no token: its Watch streams, which grpc serves with a callback and no thread,
+    must stay that way under the metrics' interceptor, or 22 of them silence the stage."""
+    health = health_pb2_grpc.HealthStub(stage.channel)
+    watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=20) for _ in range(64)]
+    try:
+        for watch in watches:
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        status = stage_pb2.StageStatus.FromString(stage.call("Status")(b"", timeout=5))
+        assert status.state == stage_pb2.StageStatus.IDLE
+    finally:
+        for watch in watches:
+            watch.cancel()
+
+
 def test_a_stream_without_deadline_is_cut_at_the_cap(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A client stream that opens and never sends holds its lane STREAM_CAP_S at most."""
     monkeypatch.setattr(rpc, "STREAM_CAP_S", 1.0)
