@@ -116,13 +116,13 @@ class JobRunner:
         """Stops the job in whatever state it is: before it runs at once, while it runs as soon as
         the job thread sees it (within a poll). A job that already ended stays as it ended. The
         first reason given is the one the job ends with. job_id: see _check_id."""
-        with self._lock:
+        with self._lock:   # the check and the move together: a Submit in between is another job
             self._check_id(job_id)
             if not self._stop.is_set():
                 self._stop_reason = reason
                 self._stop.set()
-        if self.machine.state in (JobState.NONE, JobState.PENDING, JobState.PLANNED):
-            self.machine.try_to(JobState.STOPPED, self._stop_reason)
+            if self.machine.state in (JobState.NONE, JobState.PENDING, JobState.PLANNED):
+                self.machine.try_to(JobState.STOPPED, self._stop_reason)
 
     def join(self, timeout: float) -> None:
         """Waits for the job thread to end (after stop, or after its processes went away): a

@@ -65,6 +65,8 @@ def test_a_killed_vw_leaves_and_the_others_finish(make_job, tmp_path: Path) -> N
     [left] = summary["evicted"]
     assert left["vw"] == 1 and "stage 1 of vw 1" in left["reason"], left
     assert 6 <= left["minibatches"] < 80 and left["seconds"] > 0, left
+    # The plan as it ran: every VW's stages, the one that left included.
+    assert [(r["vw"], r["stage"]) for r in summary["plan"]] == [(vw, q) for vw in range(3) for q in range(2)]
     # The two VWs left trained every step; the summary counts what each VW trained.
     assert summary["samples_per_second"] * summary["wall_seconds"] == pytest.approx(
         (2 * 80 + left["minibatches"]) * job.data.batch_size)

@@ -484,6 +484,18 @@ def test_a_coordinators_job_goes_on_from_an_unfinished_runs_cut_and_no_other(mak
         shutil.rmtree(folder)
 
 
+def test_a_job_with_nm_auto_goes_on_from_its_own_cuts(make_job) -> None:
+    """A cut records the job as planned (nm the planner's number); the job file says auto. That is
+    no other job (the cut's shape compares the number); a fixed nm that differs is."""
+    from hetpipe.config import resolve
+
+    job = make_job({"parallel": {"nm": "auto"}, "train": {"checkpoint_every": 2}})
+    record = {"job": checkpoints.job_record(resolve(job, 3))}
+    assert checkpoints.changes(record, job) == []
+    fixed = make_job({"parallel": {"nm": 2}, "train": {"checkpoint_every": 2}}, name="fixed.yaml")
+    assert checkpoints.changes(record, fixed) == ["parallel.nm 3 there, 2 now"]
+
+
 def test_only_this_starts_marks_say_a_stage_shares_the_folder(tmp_path: Path) -> None:
     """A stage proves it sees the checkpoints folder by writing its mark, named with this start's
     nonce: an earlier start's stage, still loading, that writes its mark after the marks were
