@@ -350,6 +350,11 @@ class StageRuntime:
                 if s.profile is not None:
                     s.profile.after_task(s.schedule.completed)
         except Exception as exc:  # any bug or device error fails the stage loudly, naming p
+            with self._cv:
+                stopping = self._stopping
+            if stopping:   # stopped on purpose: what closing cut short is no failure
+                log.info("%s stopped (%s: %s)", s.setup.name, type(exc).__name__, exc)
+                return
             log.exception("%s crashed", s.setup.name)
             said = worker_words(str(exc), s.setup.job.base_dir).rstrip().removesuffix(".")   # torch's end with one, and a place follows
             hint = data_hint(exc)
@@ -483,6 +488,9 @@ class StageRuntime:
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
+            s = self._s
+        if s is not None:   # the compute thread may wait in the final merge for w_global: not for 5 s
+            s.sync.interrupt()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._s is not None:

@@ -160,6 +160,10 @@ class Sync(Protocol):
         """Merges w_global at c_global >= min_clock before it returns."""
         ...
 
+    def interrupt(self) -> None:
+        """A wait in pull_now ends now (RuntimeError): the stage is stopping."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -224,6 +228,9 @@ class LocalSync:
 
     def pull_now(self, weights: Weights, min_clock: int) -> None:
         pass  # the local weights are w_global
+
+    def interrupt(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -268,6 +268,9 @@ class WspSync:
         self._acc = {int(w): [t.to(device) for t in ts] for w, ts in state["acc"].items()}
         self.record.restore(state["ledger"])
 
+    def interrupt(self) -> None:
+        self._closed.set()   # what close() begins with: pull_now and the retries give up
+
     def close(self) -> None:
         self._closed.set()
         self._pushes.put(None)

@@ -354,3 +354,33 @@ def test_a_stage_over_two_shards_holds_the_clock_of_the_one_behind(tmp_path: Pat
         sync.close()
         for server, _ in servers:
             server.stop(grace=0)
+
+
+def test_a_stopping_stage_ends_its_wait_for_w_global_at_once() -> None:
+    """The final merge waits for c_global, here from a shard that never answers: a stage told to
+    stop must not wait out its compute thread's join for it (StageRuntime.stop interrupts it)."""
+    import threading
+
+    weights = Weights()
+    config = SyncConfig(vw=0, nm=1, D=0, steps=2, keys=KEYS, key_shards=(0, 0), addresses=("127.0.0.1:1",))
+    sync = WspSync(config, SyncCallbacks(on_failure=lambda why: None, wake=lambda: None, next_forward=lambda: 3),
+                   weights.params)
+    ended: list[str] = []
+
+    def final_merge() -> None:
+        try:
+            sync.pull_now(weights, 2)
+        except RuntimeError as exc:
+            ended.append(str(exc))
+
+    thread = threading.Thread(target=final_merge, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    sync.interrupt()
+    thread.join(timeout=5)
+    try:
+        assert not thread.is_alive() and time.monotonic() - started < 2
+        assert ended == ["closed while waiting for w_global"] and weights.merges == []
+    finally:
+        sync.close()
