@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import itertools
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,6 +83,15 @@ class CoordinatorServicer:
                 raise Rejected(grpc.StatusCode.PERMISSION_DENIED,
                                f"{field} {path[:200]!r} resolves outside this coordinator's data root "
                                f"{self.data_root} (--data-root)")
+        for key, spec in job.factories.items():
+            # Its folder is inside the data root, but a name such as os:system or torch:load would
+            # import from elsewhere: only a module of that folder, which no process has from
+            # elsewhere already (every one has the standard library, torch, numpy), is taken.
+            top = spec.partition(":")[0].partition(".")[0]
+            if not _own_module(top, Path(job.base_dir)):
+                raise Rejected(grpc.StatusCode.PERMISSION_DENIED,
+                               f"{key} {spec[:200]!r}: a submitted job's factory must be a module of the job's own "
+                               f"folder {job.base_dir} (inside --data-root), and {top!r} is not one")
 
     @handler
     def GetJob(self, request: coordinator_pb2.JobRef, context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
@@ -120,3 +131,15 @@ class CoordinatorServicer:
                                    samples_per_second=view.samples_per_second if running else None,
                                    loss=view.loss if running else None,
                                    virtual_workers=view.virtual_workers, evicted=view.evicted)
+
+
+def _own_module(top: str, folder: Path) -> bool:
+    """Whether importing `top` with folder first on the path gives folder's own module: found
+    there, not a module of the standard library, and not one this process has from elsewhere."""
+    if top in sys.builtin_module_names or top in sys.stdlib_module_names:
+        return False
+    if importlib.machinery.PathFinder.find_spec(top, [str(folder)]) is None:
+        return False
+    loaded = sys.modules.get(top)
+    where = getattr(loaded, "__file__", None) if loaded is not None else None
+    return loaded is None or (where is not None and Path(where).resolve().is_relative_to(folder.resolve()))

@@ -407,6 +407,17 @@ def test_a_data_root_also_bounds_where_factories_import_from(make_job, tmp_path:
                 assert "base_dir" in err.value.details() and "model.factory" in err.value.details()
                 assert stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state == State.NONE
             inside = job.to_json().replace(json.dumps(job.base_dir), json.dumps(str(root / "jobs")))
+            # Inside the root, only a module of the job's own folder: not the standard library's,
+            # an installed one, or a file of the folder named like one every process has already.
+            (root / "jobs" / "os.py").write_text("def system(command):\n    return 0\n")
+            for spec in ("os:system", "torch:load", "torch.hub:load_state_dict_from_url", "evil:build"):
+                text = inside.replace('"evil:build"', json.dumps(spec))
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Submit(coordinator_pb2.SubmitRequest(job_json=text), timeout=5)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+                assert "must be a module of the job's own folder" in err.value.details(), err.value.details()
+                assert stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state == State.NONE
+            (root / "jobs" / "evil.py").write_text("def build():\n    raise RuntimeError('not run here')\n")
             assert stub.Submit(coordinator_pb2.SubmitRequest(job_json=inside), timeout=5).job_id
     finally:
         servicer.runner.stop()
