@@ -122,8 +122,14 @@ def make(out: Path, hosts: list[str], sans: list[str] | None = None,
     written. Idempotent: a CA and token already in out are kept (a new host's certificate must
     be from the cluster's CA), and so is a host's existing pair while it serves (_kept), else it
     is issued anew. passwords: files to write a random password into (Grafana's admin password,
-    for compose). ValueError, before anything is written, for names check_names refuses."""
+    for compose). ValueError, before anything is written, for names check_names refuses, and for a
+    CA half there without the other (ca.key moved off, as the README advises)."""
     check_names(hosts, sans or [], passwords or [])
+    halves = [name for name in ("ca.pem", "ca.key") if (out / name).exists()]
+    if len(halves) == 1:   # a new CA would replace the cluster's: no running host would trust what it signs
+        missing = "ca.key" if halves == ["ca.pem"] else "ca.pem"
+        raise ValueError(f"{out} holds {halves[0]} without {missing}: put {missing} back to issue certificates "
+                         f"from the cluster's CA (or move {halves[0]} away too, to start a new CA)")
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)

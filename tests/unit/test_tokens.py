@@ -141,6 +141,18 @@ def test_certs_are_issued_by_the_ca_for_their_host_and_keys_are_private(tmp_path
     x509.load_pem_x509_certificate((tmp_path / "n0.pem").read_bytes()).verify_directly_issued_by(ca)
 
 
+@pytest.mark.parametrize("away", ["ca.key", "ca.pem"])
+def test_a_ca_half_without_the_other_is_refused_not_replaced(tmp_path: Path, away: str) -> None:
+    """ca.key kept off the machine, as the README advises: adding a host must not make a new CA,
+    which would reissue every host's pair from a CA no running host trusts (or lose ca.key)."""
+    certs.make(tmp_path, ["n0"])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    (tmp_path / away).rename(tmp_path.parent / away)
+    with pytest.raises(ValueError, match=f"holds .* without {away}: put {away} back"):
+        certs.make(tmp_path, ["n0", "n1"])
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == {k: v for k, v in before.items() if k != away}
+
+
 @pytest.mark.parametrize("hosts, sans, passwords, message", [
     (["ca"], [], [], "host 'ca': its ca.pem and ca.key would overwrite the CA's"),
     ([""], [], [], "host '': expected an IP address or a DNS name"),
