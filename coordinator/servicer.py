@@ -79,7 +79,13 @@ class CoordinatorServicer:
         if job.factories:  # base_dir goes first on the import path of every process that builds the job
             named[f"base_dir (where {', '.join(job.factories)} import from)"] = job.base_dir
         for field, path in named.items():
-            if path and not job.resolve(path).resolve().is_relative_to(self.data_root):
+            if not path:
+                continue
+            try:
+                where = job.resolve(path).resolve()
+            except (RuntimeError, OSError, ValueError) as exc:   # a link loop (RuntimeError on 3.11), a NUL
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{field} {path[:200]!r}: {exc}") from None
+            if not where.is_relative_to(self.data_root):
                 raise Rejected(grpc.StatusCode.PERMISSION_DENIED,
                                f"{field} {path[:200]!r} resolves outside this coordinator's data root "
                                f"{self.data_root} (--data-root)")

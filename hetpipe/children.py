@@ -85,7 +85,10 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:   # reaped by the fork server, its exit code not yet reported
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

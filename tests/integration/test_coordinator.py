@@ -417,6 +417,12 @@ def test_a_data_root_also_bounds_where_factories_import_from(make_job, tmp_path:
                 assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
                 assert "must be a module of the job's own folder" in err.value.details(), err.value.details()
                 assert stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state == State.NONE
+            (root / "jobs" / "loop").symlink_to(root / "jobs" / "loop")   # its resolve() raises on 3.11
+            looped = json.loads(inside)
+            looped["model"]["init"] = "loop"
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Submit(coordinator_pb2.SubmitRequest(job_json=json.dumps(looped)), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model.init 'loop'" in err.value.details()
             (root / "jobs" / "evil.py").write_text("def build():\n    raise RuntimeError('not run here')\n")
             assert stub.Submit(coordinator_pb2.SubmitRequest(job_json=inside), timeout=5).job_id
     finally:
