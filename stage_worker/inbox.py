@@ -54,6 +54,11 @@ class Inbox:
         p, k = _check(s, header, len(metas), s.setup.stage - 1, "activation")
         if k and p in self.eval_received.get(k, ()):  # the last stage would count it twice
             raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"activation: evaluation {k} minibatch {p} arrived already")
+        if k and training and s.evals is not None and k == s.evals.schedule.final_id:
+            # Stage 0 sends it once every stage is done: taken earlier, it would hold back every
+            # periodic evaluation queued behind it, and take the real one's place.
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"activation: the final evaluation's minibatch {p} "
+                                                                "came while this stage still trains: it follows the run")
         m, spec = _micro(s, header, "activation", s.setup.specs.activation, training=not k)
         spec.check("activation", *metas[0])
         if not k:

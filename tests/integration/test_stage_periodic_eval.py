@@ -79,3 +79,30 @@ def test_a_pull_that_arrives_midway_through_an_evaluation_is_merged_after_it(mak
                     f"evaluation 1's minibatch {i} ran on other weights than its minibatch 1 did"
         # Once the evaluation is over here, the pull is merged (before any training task).
         assert pull.merged.wait(5), "the pull was never merged"
+
+
+def test_the_final_evaluations_rows_are_refused_while_the_stage_trains(make_job) -> None:
+    """They follow the run: taken early, one would sit at the head of the evaluations' queue,
+    holding back every periodic one behind it, and take the real row's place."""
+    import grpc
+
+    with_eval = {"data": {"eval_fraction": 0.2}, "eval": {"every": 2, "rows": 32}}
+    with middle_stage(lambda overrides: make_job(deep_update(overrides, with_eval))) as rig:
+        s = rig.runtime._s
+        assert s is not None and s.evals is not None
+        with pytest.raises(grpc.RpcError) as refused:
+            rig.stub.Forward(iter(rig.activation(1, eval=s.evals.schedule.final_id)), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "follows the run" in refused.value.details()
+        assert not rig.runtime._inbox.evals and not rig.runtime._inbox.eval_received
+        for p in (1, 2):   # evaluation 1 follows minibatch 2, and runs as it comes
+            rig.stub.Forward(iter(rig.activation(p)), timeout=10)
+            rig.wait_until("forwards_done", p)
+            rig.stub.Backward(iter(rig.gradient(p)), timeout=10)
+            rig.wait_until("backwards_done", p)
+        sent = len(rig.next.got)
+        rig.stub.Forward(iter(rig.activation(1, eval=1)), timeout=10)
+        deadline = time.monotonic() + 10
+        while len(rig.next.got) == sent and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [(t.eval, t.minibatch) for _, t, _ in rig.next.got[sent:]] == [(1, 1)]
