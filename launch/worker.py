@@ -37,6 +37,7 @@ from launch import processes
 from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses, Process
 
 POLL_S = 0.5          # how often the children are checked
+SPENT_KILL_S = 30.0   # a spent process still there this long after its SIGTERM is killed (its port for a fresh one)
 REGISTRY_POLL_S = 1.0  # how often the coordinator is asked which of them served a job
 CUDA_ENV = "CUDA_VISIBLE_DEVICES"
 ANY_ADDRESS = ("0.0.0.0", "::", "")
@@ -170,7 +171,7 @@ class Launcher:
     root: Path
     groups: list[LocalProcesses] = field(default_factory=list)
     shard_dirs: dict[str, Path] = field(default_factory=dict)   # a shard's name -> its checkpoint folder
-    stopping: set[int] = field(default_factory=set)             # pids this launcher asked to stop
+    stopping: dict[int, float] = field(default_factory=dict)    # pids this launcher asked to stop, and when
 
     @property
     def advertise_host(self) -> str:
@@ -221,8 +222,7 @@ class Launcher:
             code = p.popen.poll()
             if code is None:
                 continue
-            asked = p.popen.pid in self.stopping
-            self.stopping.discard(p.popen.pid)
+            asked = self.stopping.pop(p.popen.pid, None) is not None
             if code == EXIT_ORPHANED:   # its coordinator restarted, or was unreachable, while it served a job
                 print(f"hetpipe worker: {p.name} left the job its coordinator no longer runs (restarted or "
                       "unreachable); starting it again", file=sys.stderr)
@@ -252,10 +252,18 @@ class Launcher:
         spent = {(e.info.address, e.info.name) for e in stub.ListWorkers(wire_pb2.Empty(),
                                                                          timeout=rpc.CONTROL_DEADLINE_S).workers
                  if e.spent}
+        now = time.monotonic()
         for _, p in self.processes():
-            if (p.address, f"pid {p.popen.pid}") in spent and p.popen.poll() is None and p.popen.pid not in self.stopping:
-                self.stopping.add(p.popen.pid)
+            if p.popen.poll() is not None:
+                continue
+            asked = self.stopping.get(p.popen.pid)
+            if asked is None and (p.address, f"pid {p.popen.pid}") in spent:
+                self.stopping[p.popen.pid] = now
                 p.popen.terminate()
+            elif asked is not None and now - asked > SPENT_KILL_S:   # it ignores SIGTERM, and keeps its port
+                print(f"hetpipe worker: {p.name} did not stop within {SPENT_KILL_S:g}s of SIGTERM; killing it",
+                      file=sys.stderr)
+                p.popen.kill()
 
     def stop_all(self, sig: signal.Signals = signal.SIGTERM) -> None:
         """sig to every process at once, SIGKILL to what is left after one grace (each may take its

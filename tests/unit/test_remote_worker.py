@@ -4,8 +4,10 @@ GPU each is pinned to and the type it registers with; what it refuses before sta
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -102,7 +104,7 @@ def test_a_shard_replaced_after_each_job_keeps_its_restarts_for_a_crash(tmp_path
     try:
         [(_, shard)] = launcher.processes()
         for _ in range(worker.MAX_SHARD_RESTARTS + 1):   # jobs served, each ended by stop_spent
-            launcher.stopping.add(shard.popen.pid)
+            launcher.stopping[shard.popen.pid] = time.monotonic()
             shard.popen.terminate()
             shard.popen.wait(30)
             launcher.check()
@@ -115,6 +117,36 @@ def test_a_shard_replaced_after_each_job_keeps_its_restarts_for_a_crash(tmp_path
         shard.popen.wait(30)
         with pytest.raises(JobFailed, match=f"ps shard 0 at .* was killed by SIGKILL {worker.MAX_SHARD_RESTARTS + 1} times"):
             launcher.check()
+    finally:
+        launcher.stop_all()
+
+
+@pytest.mark.timeout(120)
+def test_a_spent_process_that_does_not_take_its_sigterm_is_killed(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """It keeps its port, so no fresh process could take its place: killed once SPENT_KILL_S has
+    passed since its SIGTERM, then replaced."""
+    import signal
+    import types
+
+    monkeypatch.setattr(worker, "SPENT_KILL_S", 0.5)
+    launcher = worker.Launcher(worker.WorkerConfig(coordinator="127.0.0.1:9", shards=1, node="hosta",
+                                                   insecure=True), tmp_path)
+    launcher.start([])
+    try:
+        [(_, shard)] = launcher.processes()
+        pid = shard.popen.pid
+        shard.popen.send_signal(signal.SIGSTOP)   # its SIGTERM stays pending
+        spent = types.SimpleNamespace(spent=True, info=types.SimpleNamespace(address=shard.address, name=f"pid {pid}"))
+        stub: Any = types.SimpleNamespace(ListWorkers=lambda request, timeout: types.SimpleNamespace(workers=[spent]))
+        launcher.stop_spent(stub)
+        time.sleep(0.2)
+        assert shard.popen.poll() is None and pid in launcher.stopping
+        time.sleep(0.5)
+        launcher.stop_spent(stub)
+        assert shard.popen.wait(10) == -signal.SIGKILL
+        launcher.check()   # asked to stop: a fresh one takes its place
+        assert shard.popen.pid != pid and shard.popen.poll() is None and not launcher.stopping
     finally:
         launcher.stop_all()
 
