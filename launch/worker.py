@@ -32,7 +32,7 @@ from hetpipe.errors import JobFailed
 from hetpipe.registration import NO_COORDINATOR, TOKEN_HINT
 from hetpipe.service import EXIT_ORPHANED, EXIT_REFUSED, loopback
 from hetpipe.v1 import wire_pb2
-from launch.interrupts import interrupts_held
+from launch.interrupts import HELD, INTERRUPTING, interrupts_held
 from launch import processes
 from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses, Process
 
@@ -324,7 +324,9 @@ def serve(cfg: WorkerConfig) -> int:
     sys.path[:] = [os.path.abspath(p) for p in sys.path]
     os.chdir(root)
     processes.warm_up()
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    before = {sig: signal.getsignal(sig) for sig in HELD}
+    for sig in INTERRUPTING:   # SIGTERM, and SIGHUP (a closed terminal): the stop that a scheduler's cancel is
+        signal.signal(sig, _on_sigterm)
     # The signal that stops us, passed on: a stage tells the coordinator which (a Ctrl-C at the
     # terminal reaches the stages too, but may do so after a SIGTERM from us would).
     stop_with = signal.SIGTERM
@@ -344,8 +346,13 @@ def serve(cfg: WorkerConfig) -> int:
         print("hetpipe worker: interrupted; stopped every process", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        launcher.stop_all(stop_with)
+        for sig in HELD:   # a repeat (a second Ctrl-C, a supervisor's SIGTERM) must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            launcher.stop_all(stop_with)
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
 
 
 def _watch(launcher: Launcher) -> int:
