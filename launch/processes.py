@@ -72,6 +72,8 @@ class RunDir:
         root = Path(tempfile.gettempdir())
         for path in root.glob(f"{cls.PREFIX}*"):
             try:
+                if path.lstat().st_uid != os.getuid():
+                    continue   # another user's: it could name one of our fork servers' folders as its own
                 fd = os.open(path / cls._LOCK, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError:
                 continue  # not a run folder, or one still being made
