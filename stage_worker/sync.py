@@ -48,27 +48,35 @@ class SyncCallbacks:
 
 
 def in_parallel(call: Callable[[T], R], items: list[T]) -> list[R]:
-    """call(item) for every item at once, results in order; raises the first error. Pushes and
-    pulls go to every shard at once: one round trip, not one per shard. Daemon threads, not an
-    executor: a pull the shards hold back must never delay the process's exit."""
+    """call(item) for every item at once, results in order; raises the first error as soon as it
+    comes (a shard that refuses a pull for good is not reported only once another shard's held-back
+    pull gives up: the call still under way goes on in its thread until it ends, or closing cuts it
+    short). Pushes and pulls go to every shard at once: one round trip, not one per shard. Daemon
+    threads, not an executor: a pull the shards hold back must never delay the process's exit."""
     if len(items) == 1:
         return [call(items[0])]
     results: list[R | None] = [None] * len(items)
     errors: list[BaseException] = []
+    finished = [0]
+    ended = threading.Condition()
 
     def run(i: int, item: T) -> None:
         try:
             results[i] = call(item)
         except BaseException as exc:  # re-raised in the caller's thread
-            errors.append(exc)
+            with ended:
+                errors.append(exc)
+        finally:
+            with ended:
+                finished[0] += 1
+                ended.notify_all()
 
-    threads = [threading.Thread(target=run, args=(i, item), daemon=True) for i, item in enumerate(items)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    for i, item in enumerate(items):
+        threading.Thread(target=run, args=(i, item), daemon=True).start()
+    with ended:
+        ended.wait_for(lambda: bool(errors) or finished[0] == len(items))
+        if errors:
+            raise errors[0]
     return cast(list[R], results)
 
 
