@@ -281,6 +281,8 @@ class JobRunner:
             driver.check_processes = lambda: self._check_alive(driver)  # type: ignore[union-attr]
             driver.restart_hung_shard = self._restart_hung_shard
             driver.stopping = self._stop
+            if self._stop.is_set():   # stopped while the workers were claimed: nothing assigned, nothing loaded
+                raise JobStopped(self._stop_reason)
             driver.setup()
             self._advance(JobState.RUNNING)
             wall = driver.run(self._on_progress)

@@ -208,16 +208,18 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
     server, servicer = build("127.0.0.1", 0, heartbeat_interval_s=heartbeat_interval_s)
     server.start()
     runner = servicer.runner
-    # Submitted before anyone can find the coordinator: a `hetpipe stop` from then on stops this job.
-    job_ref = coordinator_pb2.JobRef(job_id=runner.submit(job, plan, resume_wave=resume_wave))
-    publish_address(out_dir, server.address, job_ref.job_id)
-    # The embedded coordinator serves this process's registry, as `python -m coordinator` does.
-    metrics_server = metrics.start(0, "127.0.0.1")
-    channel = rpc.channel(server.address)
-    stub = rpc.Stub(channel, "Coordinator")
+    metrics_server: Any = None
+    channel: Any = None
     status: coordinator_pb2.JobStatus | None = None
     logs: dict[str, Path] = {}   # each worker's address -> its log
-    try:
+    try:   # from here on the finally below removes the run's token and address, whatever fails
+        # Submitted before anyone can find the coordinator: a `hetpipe stop` from then on stops this job.
+        job_ref = coordinator_pb2.JobRef(job_id=runner.submit(job, plan, resume_wave=resume_wave))
+        publish_address(out_dir, server.address, job_ref.job_id)
+        # The embedded coordinator serves this process's registry, as `python -m coordinator` does.
+        metrics_server = metrics.start(0, "127.0.0.1")
+        channel = rpc.channel(server.address)
+        stub = rpc.Stub(channel, "Coordinator")
         on_gpu = sum(s.device.startswith("cuda") for s in plan.stages)
         stage_threads, shard_threads = threads.thread_split(len(plan.stages) - on_gpu, on_gpu, job.parallel.started_shards)
         env = {threads.THREADS_ENV: stage_threads, threads.PS_THREADS_ENV: shard_threads}
@@ -262,13 +264,15 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
         with interrupts_held():
             runner.stop("the launcher ended")  # no-op for a job that ended; its workers are gone anyway
             runner.join(10.0)
-            channel.close()
+            if channel is not None:
+                channel.close()
             # Before the server goes: `hetpipe status --job` that finds it gone reads how the job
             # ended here (it found neither, and said the coordinator was unreachable).
             view = runner.view()
             write_status(out_dir, view.state.name, view.reason)
             server.stop()
-            metrics_server.close()
+            if metrics_server is not None:
+                metrics_server.close()
             if credentials.token_file == str(out_dir / TOKEN_FILE):  # the per-run token, not the user's file
                 (out_dir / TOKEN_FILE).unlink(missing_ok=True)
             unpublish_address(out_dir)  # the port is free now: another run may take it
