@@ -19,7 +19,8 @@ from hetpipe import outputs, reach, rpc, security
 from hetpipe.config import ConfigError, JobConfig, check_coordinated
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
 from hetpipe.v1 import coordinator_pb2
-from hetpipe.outputs import STATUS_FILE, publish_address, unpublish_address, write_status
+from hetpipe.outputs import STATUS_FILE, fsync, publish_address, unpublish_address, write_status
+from coordinator.remote import RESULT_FILES, RESULT_SHARDS
 from launch.local import follow
 
 # What a client accepts from a coordinator's Results stream: names, count and sizes bounded, so
@@ -38,13 +39,18 @@ class CoordinatorUnreachable(Exception):
 
 
 def output_path(out_dir: Path, name: str) -> Path:
-    """Where a result file the coordinator names goes: a plain relative path inside out_dir.
-    ValueError for an absolute path, `..`, an empty, hidden or odd component, or a path that a
-    symbolic link would take outside out_dir."""
+    """Where a result file the coordinator names goes: one of the files a run hands back
+    (coordinator.remote's RESULT_FILES, or a weight shard), directly in out_dir. ValueError for
+    any other name (output.dir may be the job's own folder: a coordinator, or whoever answers at
+    its address, must not write the user's modules there), or one that a symbolic link would take
+    outside out_dir."""
     parts = name.split("/")
     if not name or len(name) > MAX_NAME_CHARS or name.startswith("/") or not all(_COMPONENT.match(p) for p in parts):
         raise ValueError(f"file name {name[:MAX_NAME_CHARS]!r}: expected a plain relative path of at most "
                          f"{MAX_NAME_CHARS} characters (letters, digits, '.', '_', '-'; no '..')")
+    if name not in RESULT_FILES and not RESULT_SHARDS.match(name):
+        raise ValueError(f"file name {name!r}: not one of the files a run hands back ({', '.join(RESULT_FILES)}, "
+                         "model-NNNNN-of-NNNNN.safetensors)")
     path = out_dir.joinpath(*parts)
     if not path.resolve().is_relative_to(out_dir.resolve()):
         raise ValueError(f"file name {name!r}: leads outside {out_dir} (a symbolic link)")
@@ -86,6 +92,7 @@ class ResultWriter:
         os.write(self._fd, chunk.data)
         self._offset += len(chunk.data)
         if chunk.last:
+            os.fsync(self._fd)   # on disk before its name: a power cut must not leave a short model.safetensors
             os.close(self._fd)
             self._fd = -1
             os.replace(self._path.with_name(self._path.name + ".part"), self._path)
@@ -101,6 +108,8 @@ class ResultWriter:
         if self._fd >= 0:
             self.abort()
             raise ValueError(f"{self._name}: the stream ended at byte {self._offset}, before its last chunk")
+        if self.written:
+            fsync(self.out_dir)   # the renames too
         return self.written
 
     def abort(self) -> None:

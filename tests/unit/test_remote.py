@@ -114,11 +114,20 @@ def test_a_process_that_served_a_job_is_never_claimed_again_but_its_fresh_succes
 # ---- the outputs a client is handed --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "model-00001-of-00003.safetensors", "eval.jsonl", "a/b.json",
-                                  "_x", "x" * MAX_NAME_CHARS])
-def test_plain_relative_names_land_inside_output_dir(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("name", ["model.safetensors", "model-00001-of-00003.safetensors", "eval.jsonl", "summary.json",
+                                  "model.safetensors.index.json"])
+def test_the_files_a_run_hands_back_land_inside_output_dir(tmp_path: Path, name: str) -> None:
     path = output_path(tmp_path, name)
     assert path == tmp_path / name and path.resolve().is_relative_to(tmp_path.resolve())
+
+
+@pytest.mark.parametrize("name", ["mymodel.py", "a/b.json", "_x", "x" * MAX_NAME_CHARS, "status.json",
+                                  "coordinator.token", "model-1-of-2.safetensors", "ps/model.safetensors"])
+def test_a_file_no_run_hands_back_is_refused(tmp_path: Path, name: str) -> None:
+    """output.dir may be the job's own folder: whoever answers at the coordinator's address must
+    not write the user's modules, or anything else, there."""
+    with pytest.raises(ValueError, match="not one of the files a run hands back"):
+        output_path(tmp_path, name)
 
 
 @pytest.mark.parametrize("name", ["", "/etc/passwd", "../x", "a/../../x", "..", ".", "./x", "a//b", "a/", ".bashrc",
@@ -131,9 +140,9 @@ def test_names_that_could_leave_output_dir_are_refused(tmp_path: Path, name: str
 def test_a_symbolic_link_out_of_output_dir_is_refused(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "elsewhere").mkdir()
-    os.symlink(tmp_path / "elsewhere", tmp_path / "out" / "link")
+    os.symlink(tmp_path / "elsewhere" / "model.safetensors", tmp_path / "out" / "model.safetensors")
     with pytest.raises(ValueError, match="leads outside"):
-        output_path(tmp_path / "out", "link/model.safetensors")
+        output_path(tmp_path / "out", "model.safetensors")
 
 
 def _chunk(path: str, offset: int, data: bytes, last: bool) -> coordinator_pb2.OutputChunk:
@@ -159,24 +168,24 @@ def test_the_coordinators_result_files_arrive_byte_for_byte(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(("chunks", "why"), [
-    ([_chunk("a.json", 0, b"ab", False), _chunk("a.json", 3, b"c", True)], "a chunk at byte 3, expected 2"),
-    ([_chunk("a.json", 0, b"ab", False), _chunk("b.json", 0, b"c", True)], "a.json: ended at byte 2"),
-    ([_chunk("a.json", 0, b"ab", False)], "the stream ended at byte 2"),
-    ([_chunk("a.json", 0, b"a", True), _chunk("a.json", 0, b"a", True)], "a.json: sent twice"),
-    ([_chunk("../a.json", 0, b"a", True)], "file name"),
+    ([_chunk("summary.json", 0, b"ab", False), _chunk("summary.json", 3, b"c", True)], "a chunk at byte 3, expected 2"),
+    ([_chunk("summary.json", 0, b"ab", False), _chunk("eval.jsonl", 0, b"c", True)], "summary.json: ended at byte 2"),
+    ([_chunk("summary.json", 0, b"ab", False)], "the stream ended at byte 2"),
+    ([_chunk("summary.json", 0, b"a", True), _chunk("summary.json", 0, b"a", True)], "summary.json: sent twice"),
+    ([_chunk("../summary.json", 0, b"a", True)], "file name"),
 ])
 def test_a_stream_out_of_order_is_refused_and_leaves_no_partial_file(tmp_path: Path, chunks: list[object],
                                                                     why: str) -> None:
     with pytest.raises(ValueError, match=why):
         receive(lambda _: chunks, "", tmp_path)  # type: ignore[arg-type,return-value]
-    assert not list(tmp_path.glob("*.part")) and not (tmp_path.parent / "a.json").exists()
+    assert not list(tmp_path.glob("*.part")) and not (tmp_path.parent / "summary.json").exists()
 
 
 def test_the_bytes_in_all_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("launch.remote.MAX_RESULT_BYTES", 10)
     with pytest.raises(ValueError, match="more than 10 bytes in all"):
-        receive(lambda _: [_chunk("a.json", 0, b"x" * 8, True), _chunk("b.json", 0, b"x" * 8, True)], "", tmp_path)
-    assert not (tmp_path / "b.json").exists() and not (tmp_path / "b.json.part").exists()
+        receive(lambda _: [_chunk("summary.json", 0, b"x" * 8, True), _chunk("eval.jsonl", 0, b"x" * 8, True)], "", tmp_path)
+    assert not (tmp_path / "eval.jsonl").exists() and not (tmp_path / "eval.jsonl.part").exists()
 
 
 def test_a_coordinator_gone_while_its_job_runs_is_named_with_the_job_lost(monkeypatch: pytest.MonkeyPatch) -> None:
