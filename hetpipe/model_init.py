@@ -67,6 +67,10 @@ class _Sharded:
             if not (index.parent / name).is_file():
                 raise ConfigError(f"model.init: {index.parent / name}, which the index {index.name} names, does not exist")
         files = {name: stack.enter_context(safe_open(str(index.parent / name), framework="pt")) for name in names}
+        held = {name: set(f.keys()) for name, f in files.items()}
+        for key, name in weight_map.items():
+            if key not in held[name]:   # else safetensors' own error, raised where nothing names the index
+                raise ConfigError(f"model.init: the index {index.name} puts {key} in {name}, which does not hold it")
         self._where = {key: files[name] for key, name in weight_map.items()}
 
     def keys(self) -> Iterator[str]:

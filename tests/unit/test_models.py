@@ -4,6 +4,7 @@ the whole model, and a stage's slice of model.init."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -407,6 +408,20 @@ def test_model_init_is_read_key_by_key(tmp_path: Path, suffix: str) -> None:
     state["3.bias"][0] = float("nan")
     with pytest.raises(ConfigError, match=r"model\.init: 3\.bias holds NaN or Inf"):
         initialise_from(layers, {"3.bias": state["3.bias"]}, "model.init")
+
+
+def test_an_index_that_puts_a_key_in_a_file_without_it_is_refused_naming_both(tmp_path: Path) -> None:
+    j = job(tmp_path)
+    state = build(j).state_dict()
+    path = tmp_path / "init.safetensors.index.json"
+    _save(state, path)
+    index = json.loads(path.read_text())
+    key = next(iter(index["weight_map"]))
+    index["weight_map"][key] = next(n for n in set(index["weight_map"].values()) if n != index["weight_map"][key])
+    path.write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=rf"model\.init: the index {path.name} puts {re.escape(key)} in "
+                                          r"model-0000\d-of-00002\.safetensors, which does not hold it"):
+        load_init(job(tmp_path, init=path.name), list(state))
 
 
 class _Touch:
