@@ -176,7 +176,7 @@ class WeightsWriter:
         if len(self.names) > 1:
             index = {"metadata": {"total_size": sum(n for _, _, n in self._where.values())},
                      "weight_map": {k: self.names[f] for k, (f, _, _) in self._where.items()}}
-            write_text_atomically(self.out_dir / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+            write_text_atomically(self.out_dir / INDEX_FILE, json.dumps(index, indent=2) + "\n", durable=True)
         return paths
 
 
