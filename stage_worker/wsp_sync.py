@@ -335,11 +335,16 @@ class WspSync:
             if self.cfg.push_hold_s > 0 and self._closed.wait(self.cfg.push_hold_s):
                 return
             self.record.in_flight(sent)
-            in_parallel(lambda item: self._push(item[0], wave, item[1]), list(batches.items()))
+            reached = in_parallel(lambda item: self._push(item[0], wave, item[1]), list(batches.items()))
             self.cb.observe_push(time.perf_counter() - started)
             self.record.write({"event": "push", "wave": wave, "queued": queued, "start": start_wall, "end": time.time()})
             self.record.acknowledged(sent)   # what the shards got
             self._acked_waves = wave + 1
+            if self.cfg.sync == "quorum" and reached and min(reached) > self._have:
+                # No G4 bounds a slow VW under a quorum of fewer than all: the fast ones close rounds
+                # that G2 would not pull for until its own clock got there, while its wave sums piled
+                # up (each the stage's size) and it trained on ever older weights. Pulled at once.
+                self._request(min(reached))
             self.cb.wake()
 
     def _on_wire(self, update: list[torch.Tensor], made: Any) -> list[torch.Tensor]:
@@ -357,8 +362,8 @@ class WspSync:
             return u.to(self._push_dtype)
         return u
 
-    def _push(self, shard: int, wave: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """G1: one wave's update to one shard, retried until acknowledged."""
+    def _push(self, shard: int, wave: int, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """G1: one wave's update to one shard, retried until acknowledged; the shard's c_global then."""
         tag = wire_pb2.PushTag(vw=self.cfg.vw, clock=wave)
         stub, ring = self._stubs[shard], self._rings[shard]
 
@@ -367,12 +372,13 @@ class WspSync:
                                                       timeout=rpc.DATA_DEADLINE_S)
             return reply
 
-        self._retrying(f"push of wave {wave}", shard, PUSH_GIVE_UP_S, call)
+        reply = self._retrying(f"push of wave {wave}", shard, PUSH_GIVE_UP_S, call)
         if self.cfg.repeat_push and self._rng.random() < self.cfg.repeat_push:
             # Fault injection: the retry a lost acknowledgement would cause must be a no-op.
             reply = self._retrying(f"repeated push of wave {wave}", shard, PUSH_GIVE_UP_S, call)
             if not reply.duplicate:
                 raise RuntimeError(f"ps shard {shard} applied a repeated push of wave {wave} twice")
+        return int(reply.c_global)
 
     def _pull_loop(self) -> None:
         while (min_clock := self._pulls.get()) is not None:

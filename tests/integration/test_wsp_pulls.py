@@ -384,3 +384,39 @@ def test_a_stopping_stage_ends_its_wait_for_w_global_at_once() -> None:
         assert ended == ["closed while waiting for w_global"] and weights.merges == []
     finally:
         sync.close()
+
+
+def test_under_a_quorum_of_fewer_than_all_a_slow_vw_pulls_the_rounds_the_others_closed(
+        shard: tuple[str, ShardServicer]) -> None:
+    """No G4 bounds it: with rounds closed without it, G2 would ask for no pull until its own
+    clock got to them, its wave sums (each the stage's size) piling up meanwhile. Its push's
+    answer says how far the rounds are: it pulls them then, and lets go of the waves they hold."""
+    failures: list[str] = []
+    mode = {"sync": "quorum", "quorum": 1, "steps": 8}
+    fast, _ = _stage(shard[0], 0, 0, False, failures, **mode)
+    slow, slow_weights = _stage(shard[0], 1, 0, False, failures, **mode)
+    try:
+        w0 = [torch.zeros(4, 3), torch.zeros(4)]
+        fast.initialise(2, w0)
+        slow.initialise(2, w0)
+        u = [torch.ones(4, 3), torch.ones(4)]
+        for wave in range(5):   # the fast VW closes rounds 0..4 on its own
+            _push(fast, wave, u, failures)
+
+        def merged(n: int) -> None:   # the pull its push's answer asked for, merged at its next task
+            deadline = time.monotonic() + 20
+            while len(slow_weights.merges) < n:
+                assert time.monotonic() < deadline and not failures, failures
+                slow.apply_pending(slow_weights)
+                time.sleep(0.01)
+
+        _push(slow, 0, u, failures)   # late: it goes into round 5, still open
+        merged(1)
+        assert slow._have == 5 and list(slow._acc) == [0]
+        _push(fast, 5, u, failures)   # closes round 5, the slow VW's wave 0 in it
+        _push(slow, 1, u, failures)
+        merged(2)
+        assert slow._have == 6 and list(slow._acc) == [1], "its wave 0 is in a closed round: held no longer"
+    finally:
+        fast.close()
+        slow.close()
