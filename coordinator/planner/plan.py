@@ -209,9 +209,11 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
     # Identical local devices: every policy is the same.
     policies = ["ED"] if job.cluster is None else ["NP", "ED", "HD"] if par.policy == "auto" else [par.policy]
 
-    best: _Candidate | None = None
+    candidates: list[_Candidate] = []
     reasons: list[str] = []
     for policy in policies:
+        if cancel is not None and cancel.is_set():
+            raise JobStopped("stopped by request while planning")
         try:
             groups = allocate(policy, gpus, n, k)
         except ConfigError as exc:
@@ -247,11 +249,13 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
                 reasons.append(f"{policy}, nm={nm}: {exc}")
                 continue
             rate, wait = costs.predict(parts, nm)
-            # nm auto: a larger nm must beat the best so far by 1% to be worth its memory and staleness.
-            if best is None or rate > best.rate * 1.01:
-                best = _Candidate(rate, wait, nm, policy, parts, limits)
-    if best is None:
+            candidates.append(_Candidate(rate, wait, nm, policy, parts, limits))
+    if not candidates:
         raise PlanError("no plan fits: " + "; ".join(reasons[:4]))
+    # The smallest nm within 1% of the best throughput (a larger one must beat it by more to be
+    # worth its memory and staleness), and at that nm the fastest policy.
+    top = max(c.rate for c in candidates)
+    best = min((c for c in candidates if c.rate * 1.01 >= top), key=lambda c: (c.nm, -c.rate))
 
     key_shard = costs.key_shard(best.parts)
     here = local_devices()
