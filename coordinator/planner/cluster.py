@@ -72,7 +72,11 @@ def cluster_gpus(job: JobConfig, count: int | None = None) -> list[Gpu]:
     if job.cluster is None:
         need = job.parallel.virtual_workers * job.parallel.stages_per_vw if count is None else count
         devices = local_devices()
-        return [Gpu(f"local/{i}", "local", devices[i % len(devices)].kind, devices[i % len(devices)].memory_bytes)
+        # The stages a device takes share its memory: each is planned against its share, or two
+        # stages that each fit would together overrun it.
+        sharing = [len(range(d, need, len(devices))) for d in range(len(devices))]
+        return [Gpu(f"local/{i}", "local", devices[i % len(devices)].kind,
+                    devices[i % len(devices)].memory_bytes // max(1, sharing[i % len(devices)]))
                 for i in range(need)]  # "cpu" or "cuda": profiled as this machine's own device
     gpus = []
     for node in job.cluster.nodes:

@@ -242,3 +242,16 @@ def test_duplicate_gpu_ids() -> None:
     gpus = make([("a", ["t4", "t4"])])
     with pytest.raises(ConfigError, match=r"cluster: GPU ids must be unique, got duplicates \['a/0'\]"):
         allocate("ED", [gpus[0], gpus[0]], 1, 2)
+
+
+@pytest.mark.parametrize("devices, shares", [(1, [2.0] * 4), (2, [4.0] * 4), (3, [4.0, 8.0, 8.0, 4.0])])
+def test_local_stages_that_share_a_device_are_planned_against_their_share_of_its_memory(
+        monkeypatch: pytest.MonkeyPatch, make_job, devices: int, shares: list[float]) -> None:
+    """Without a cluster section the stages go round robin over this machine's devices: two that
+    each fit a device alone could together overrun it."""
+    from coordinator.planner import cluster
+    from hetpipe.devices import Device
+
+    monkeypatch.setattr(cluster, "local_devices", lambda: [Device(f"cuda:{i}", "gpu", 8 * GiB) for i in range(devices)])
+    job = make_job({"parallel": {"virtual_workers": 2, "stages_per_vw": 2}})
+    assert [g.memory_bytes / GiB for g in cluster.cluster_gpus(job)] == shares
