@@ -129,8 +129,8 @@ def plan_notes(job: JobConfig, plan: Plan) -> list[str]:
     cores = os.cpu_count() or 1
     if job.cluster is None and all(s.device == "cpu" for s in plan.stages) and processes > cores:
         notes.append(f"this machine's {_count(cores, 'CPU core')} run all {processes} processes: each stage's times "
-                     "above are its own with the CPU to itself, and its memory the whole machine's, so a run here "
-                     "measures less than predicted")
+                     "above are its own with the CPU to itself (its memory is its share of the machine's), so a run "
+                     "here measures less than predicted")
     if job.parallel.mode == "torch-pipeline":
         notes.append(f"parallel.mode torch-pipeline runs vw 0's stages above as one torch.distributed.pipelining "
                      f"pipeline ({job.parallel.microbatches} micro-batches; no parameter servers); the prediction is "
