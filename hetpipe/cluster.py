@@ -63,7 +63,7 @@ def _parse_network(em: Section) -> Network | None:
     return Network(
         intra_node_gbs=net.number("intra_node_gbs", paper.intra_node_gbs, minimum=1e-6),
         inter_node_gbs=net.number("inter_node_gbs", paper.inter_node_gbs, minimum=1e-6),
-        latency_s=net.number("latency_s", paper.latency_s),
+        latency_s=net.number("latency_s", paper.latency_s, maximum=3600.0),   # scaled, still finite
     )
 
 
@@ -101,7 +101,7 @@ def parse_cluster(raw: Any, max_gpus: int) -> ClusterConfig | None:
         em, d = sec.section("emulate"), EmulateConfig()
         em.check_known(("time_scale", "forward_seconds", "backward_seconds", "network", "model_args"))
         emulate = EmulateConfig(
-            time_scale=em.number("time_scale", d.time_scale, minimum=1e-9),
+            time_scale=em.number("time_scale", d.time_scale, minimum=1e-9, maximum=1e9),
             forward_seconds=em.number("forward_seconds", d.forward_seconds, maximum=3600.0),
             backward_seconds=em.number("backward_seconds", d.backward_seconds, maximum=3600.0),
             network=_parse_network(em),
