@@ -59,7 +59,7 @@ def test_network_keys_default_to_the_papers_cluster_and_round_trip() -> None:
 
 @pytest.mark.parametrize("network, message", [
     ({"inter_node_gbs": 0}, "cluster.emulate.network.inter_node_gbs: expected a finite number >= 1e-06, got 0"),
-    ({"latency_s": -1}, "cluster.emulate.network.latency_s: expected a finite number >= 0.0, got -1"),
+    ({"latency_s": -1}, "cluster.emulate.network.latency_s: expected a finite number >= 0.0 and <= 3600.0, got -1"),
     ({"latency_s": 1e308}, "cluster.emulate.network.latency_s: expected a finite number >= 0.0 and <= 3600.0, got 1e+308"),
     ({"bandwidth": 1}, "cluster.emulate.network.bandwidth: unknown key; known keys are intra_node_gbs"),
     ([1, 2], "cluster.emulate.network: expected a mapping, got [1, 2]"),
