@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -151,7 +152,9 @@ def _calibrated(kind: str, folder: Path | None) -> GpuType:
         if known is not None:
             return CATALOG[known]
     threads = env_threads(THREADS_ENV) or 1
-    key = {"version": PROFILE_VERSION, "device": kind, "label": device.label if device else "cpu", "threads": threads}
+    # The machine too: a $HETPIPE_CACHE shared between hosts (NFS, a mounted volume) holds each one's rates.
+    key = {"version": PROFILE_VERSION, "device": kind, "label": device.label if device else "cpu", "threads": threads,
+           "machine": _machine(), "torch": torch.__version__}
     path = cache.entry(folder, f"calibration-{kind}", key)
     stored = cache.load(path, key) if path else None
     if stored is None:
@@ -161,6 +164,17 @@ def _calibrated(kind: str, folder: Path | None) -> GpuType:
     # GpuType.seconds divides by EFFICIENCY: undo it, the rates are what a kernel achieved here.
     return GpuType(kind, kind, stored["flops"] * EFFICIENCY / 1e12, device.memory_bytes if device else 0,
                    stored["bytes"] / 1e9, 0, stored["half_flops"] * EFFICIENCY / 1e12)
+
+
+def _machine() -> str:
+    """This host's name and CPU model."""
+    model = ""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    except OSError:   # not Linux
+        pass
+    return f"{platform.node()}/{model or platform.processor()}"
 
 
 def _time_device(device: str, threads: int) -> dict[str, float]:

@@ -152,6 +152,22 @@ def test_cache_hit_returns_the_same_profile(tmp_path: Path) -> None:
     assert profile("mlp", MLP, 4, "float32", ["titan-v"], cache_dir=tmp_path).layers[0].param_bytes != 777
 
 
+def test_another_machines_cpu_rates_in_a_shared_cache_are_not_taken(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A $HETPIPE_CACHE shared between hosts holds each one's CPU calibration: a host takes its own."""
+    from coordinator.planner import profile as profiling
+
+    profile("mlp", MLP, 4, "float32", ["cpu"], cache_dir=tmp_path)
+    [calibration] = [f for f in tmp_path.iterdir() if f.name.startswith("calibration-cpu")]
+    entry = json.loads(calibration.read_text())
+    entry["flops"] /= 1000   # marked: taken from the cache, it would show
+    calibration.write_text(json.dumps(entry))
+    marked = profile("mlp", MLP, 4, "float32", ["cpu"], cache_dir=tmp_path).layers[0].forward_seconds["cpu"]
+    monkeypatch.setattr(profiling, "_machine", lambda: "another-host/another CPU")
+    own = profile("mlp", MLP, 4, "float32", ["cpu"], cache_dir=tmp_path).layers[0].forward_seconds["cpu"]
+    assert own < marked / 3, "another host's rates were taken"
+
+
 def test_rejects_unknown_device_types_and_models() -> None:
     with pytest.raises(ValueError, match="device type 'tpu'"):
         profile("mlp", MLP, 4, "float32", ["tpu"])
