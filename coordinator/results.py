@@ -80,7 +80,7 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
     per_vw = [job.train.steps] * len(d.last_stages()) + [e["minibatches"] for e in d.evicted]
     samples = trained_here(per_vw, d.resume_wave * plan.nm) * job.data.batch_size
     losses = [h.last.recent_loss for h in d.last_stages()]
-    handles = {(h.plan.vw, h.plan.stage): h for h in d.stages}
+    node = {(h.plan.vw, h.plan.stage): h.node for h in d.stages}
     fields: dict[str, Any] = {
         "steps": job.train.steps,
         "samples_per_second": samples / wall if wall > 0 else 0.0,
@@ -106,8 +106,7 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         # The node each stage ran on, where it registered one (a remote worker's; the plan's own
         # placement names nodes of its cluster section, or "local").
         # Every VW's rows, one that left included: d.stages holds the live ones only.
-        "plan": [{**row, "node": handles[row["vw"], row["stage"]].node or row["node"]
-                  if (row["vw"], row["stage"]) in handles else row["node"]} for row in plan.describe()],
+        "plan": [{**row, "node": node.get((row["vw"], row["stage"])) or row["node"]} for row in plan.describe()],
         "sync": job.parallel.sync,
         "sync_args": dict(job.parallel.sync_args),
         "ps_shards": len(d.shards),

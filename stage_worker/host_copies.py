@@ -95,10 +95,15 @@ def to_device(tensors: Sequence[torch.Tensor], device: torch.device, use: str) -
         done = torch.cuda.Event()
         done.record(stream)
     done.synchronize()
+    return _for_compute(out, device)
+
+
+def _for_compute(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """tensors, allocated on a side stream, marked for the compute thread's stream, which frees them."""
     compute = torch.cuda.default_stream(device)
-    for t in out:
-        t.record_stream(compute)   # allocated on the side stream, freed on the compute thread's
-    return out
+    for t in tensors:
+        t.record_stream(compute)
+    return tensors
 
 
 class PinnedSlots:
@@ -160,10 +165,7 @@ class PinnedSlots:
                 # chunk this one ends, and a pull reply is one chunk (the shard writes it whole).
                 if left == 0 or not stream.whole:
                     side.synchronize()
-        compute = torch.cuda.default_stream(self._device)
-        for t in out:
-            t.record_stream(compute)   # allocated on the side stream, freed on the compute thread's
-        return out
+        return _for_compute(out, self._device)
 
     def _pinned_view(self, piece: memoryview) -> torch.Tensor | None:
         """The piece's bytes as a view of its pinned mapping, pinning the mapping if it is new;

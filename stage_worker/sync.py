@@ -57,24 +57,25 @@ def in_parallel(call: Callable[[T], R], items: list[T]) -> list[R]:
         return [call(items[0])]
     results: list[R | None] = [None] * len(items)
     errors: list[BaseException] = []
-    finished = [0]
+    done: list[int] = []
     ended = threading.Condition()
 
     def run(i: int, item: T) -> None:
+        error: BaseException | None = None
         try:
             results[i] = call(item)
         except BaseException as exc:  # re-raised in the caller's thread
-            with ended:
-                errors.append(exc)
-        finally:
-            with ended:
-                finished[0] += 1
-                ended.notify_all()
+            error = exc
+        with ended:
+            if error is not None:
+                errors.append(error)
+            done.append(i)
+            ended.notify_all()
 
     for i, item in enumerate(items):
         threading.Thread(target=run, args=(i, item), daemon=True).start()
     with ended:
-        ended.wait_for(lambda: bool(errors) or finished[0] == len(items))
+        ended.wait_for(lambda: bool(errors) or len(done) == len(items))
         if errors:
             raise errors[0]
     return cast(list[R], results)
