@@ -90,6 +90,61 @@ class StageOptimizer:
             sgd(params, list(grads), self.momentum, foreach=foreach, weight_decay=cfg.weight_decay,
                 momentum=cfg.momentum, lr=lr, dampening=0.0, nesterov=False, maximize=False)
 
+    @torch.no_grad()
+    def step_tracked(self, grads: Sequence[torch.Tensor], lr: float, into: list[torch.Tensor]) -> list[torch.Tensor]:
+        """step(), also writing the update u = w_after - w_before into `into` (buffers shaped as
+        the parameters), which it returns.
+
+        SGD forms u = -lr * d first (d: the gradient after weight decay and momentum, as torch's
+        sgd forms it) and adds it, so w_after is exactly w_before + u, as every shard adds it: two
+        passes over the weights where a copy, the step and the difference took three (torch's
+        fused w - lr * d may round once where this rounds twice). Adam and AdamW step, then take
+        the difference."""
+        params = self.params
+        foreach = use_foreach(params)
+        if self.cfg.name in ADAM_LIKE:
+            torch._foreach_copy_(into, params)
+            self.step(grads, lr)
+            if foreach:   # -w_before + w_after: two multi-tensor launches, signed zeros exact
+                torch._foreach_mul_(into, -1.0)
+                torch._foreach_add_(into, params)
+            else:         # one pass per tensor
+                for u, p in zip(into, params):
+                    torch.sub(p, u, out=u)
+            return into
+        d = self._direction(list(grads), foreach)
+        if foreach:
+            torch._foreach_copy_(into, d)
+            torch._foreach_mul_(into, -lr)
+            torch._foreach_add_(params, into)
+        else:
+            for u, g, p in zip(into, d, params):
+                torch.mul(g, -lr, out=u)
+                p.add_(u)
+        return into
+
+    def _direction(self, grads: list[torch.Tensor], foreach: bool) -> list[torch.Tensor]:
+        """SGD's step direction, as torch's sgd forms it (dampening 0, no Nesterov): the gradient
+        plus weight_decay * w, then through the momentum buffer."""
+        cfg, params = self.cfg, self.params
+        if cfg.weight_decay != 0:
+            grads = (list(torch._foreach_add(grads, params, alpha=cfg.weight_decay)) if foreach
+                     else [g.add(p, alpha=cfg.weight_decay) for g, p in zip(grads, params)])
+        if cfg.momentum == 0:
+            return grads
+        if foreach and all(b is not None for b in self.momentum):
+            bufs = [b for b in self.momentum if b is not None]
+            torch._foreach_mul_(bufs, cfg.momentum)
+            torch._foreach_add_(bufs, grads)
+            return bufs
+        for i, g in enumerate(grads):
+            buf = self.momentum[i]
+            if buf is None:
+                self.momentum[i] = g.detach().clone()
+            else:
+                buf.mul_(cfg.momentum).add_(g)
+        return [b for b in self.momentum if b is not None]
+
 
 def make_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     foreach = use_foreach(params)  # as StageOptimizer decides: the oracles compare like with like

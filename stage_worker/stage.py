@@ -16,8 +16,7 @@ from torch.func import functional_call
 from hetpipe.buffers import raw_bytes
 from hetpipe.data import FORWARD_DRAW, entropy
 from hetpipe.models import GLOBAL_STATE, trainable
-from hetpipe.optim import (StageOptimizer, autocast, compute_dtype, compute_loss, for_loss, squared_norm, to_compute,
-                           use_foreach)
+from hetpipe.optim import StageOptimizer, autocast, compute_dtype, compute_loss, for_loss, squared_norm, to_compute
 from hetpipe.training import OptimizerConfig
 
 
@@ -303,27 +302,18 @@ class StageCompute:
         return grad_in, grads
 
     def _step(self, grads: Grads, into: list[torch.Tensor] | None, lr: float) -> list[torch.Tensor]:
-        # One foreach kernel per pass over the weights, where a loop launched one per parameter:
-        # a small model's step on a GPU waits for its launches, not for its kernels.
-        before: list[torch.Tensor] = []
-        if self.track_updates and self.params:
-            before = into if into is not None else [torch.empty_like(p) for p in self.params]
-            torch._foreach_copy_(before, self.params)
+        # One foreach kernel per pass over the weights on a GPU, where a loop launched one per
+        # parameter: a small model's step there waits for its launches, not for its kernels.
+        update: list[torch.Tensor] = []
         if self.optimizer is not None:
-            self.optimizer.step([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)], lr)
-        self.version += 1
-        if before:
-            # u = w_after - w_before, written over the copy (no second model-sized allocation per
-            # step): on a GPU as -w_before + w_after, two multi-tensor launches (exactly the
-            # difference, signed zeros included); on the CPU in one pass per tensor (0.7 ms less
-            # of a 3.2M-parameter step here).
-            if use_foreach(self.params):
-                torch._foreach_mul_(before, -1.0)
-                torch._foreach_add_(before, self.params)
+            full = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
+            if self.track_updates:
+                into = into if into is not None else [torch.empty_like(p) for p in self.params]
+                update = self.optimizer.step_tracked(full, lr, into)
             else:
-                for b, p in zip(before, self.params):
-                    torch.sub(p, b, out=b)
-        return before
+                self.optimizer.step(full, lr)
+        self.version += 1
+        return update
 
     @torch.no_grad()
     def add_to_weights(self, deltas: list[torch.Tensor]) -> None:

@@ -164,6 +164,47 @@ def test_stage_optimizer_is_bit_for_bit_torch_optim(cfg: OptimizerConfig, schedu
     assert all(w.grad is None for w in theirs), "step_at clears the gradients"
 
 
+@pytest.mark.parametrize("cfg", [
+    OptimizerConfig(name="sgd", lr=0.1),
+    OptimizerConfig(name="sgd", lr=0.05, momentum=0.9, weight_decay=0.01),
+    OptimizerConfig(name="adamw", lr=0.003, betas=(0.9, 0.95), weight_decay=0.1),
+], ids=["sgd", "sgd-momentum-wd", "adamw"])
+@pytest.mark.parametrize("foreach", [False, True], ids=["per-tensor", "foreach"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_a_tracked_step_returns_exactly_what_it_added(cfg: OptimizerConfig, foreach: bool, dtype: torch.dtype,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """step_tracked's u is exactly w_after - w_before in the sense the shards rely on:
+    w_before + u == w_after bit for bit; its weights are torch.optim's (SGD: within the one
+    rounding its fused w - lr * d saves; Adam(W): bit for bit). foreach: the GPU's kernels, run
+    on the CPU."""
+    monkeypatch.setattr("hetpipe.optim.use_foreach", lambda params: foreach)
+    train = TrainConfig(steps=6, optimizer=cfg, lr_schedule=LrSchedule(warmup_steps=2, decay="cosine"))
+    gen = torch.Generator().manual_seed(1)
+    ours = [torch.randn(3, 4, generator=gen, dtype=dtype), torch.randn(5, generator=gen, dtype=dtype)]
+    theirs = [nn.Parameter(p.clone()) for p in ours]
+    reference = make_optimizer(theirs, cfg)
+    mine = StageOptimizer(ours, cfg)
+    into = [torch.full_like(p, float("nan")) for p in ours]   # stale buffers: every element written
+    for p in range(1, train.steps + 1):
+        grads = [torch.randn(p.shape, generator=gen, dtype=dtype) for p in ours]
+        before = [w.clone() for w in ours]
+        update = mine.step_tracked([g.clone() for g in grads], learning_rate(train, p), into)
+        assert update is into
+        for w_before, u, w_after in zip(before, update, ours):
+            assert torch.equal(w_before + u, w_after)
+        for w, g in zip(theirs, grads):
+            w.grad = g
+        step_at(reference, train, p)
+        for a, b in zip(ours, theirs):
+            if cfg.name == "sgd":
+                torch.testing.assert_close(a, b.detach(), rtol=0, atol=8 * torch.finfo(dtype).eps)
+            else:
+                assert torch.equal(a, b.detach())
+    if cfg.momentum:
+        for buf, w in zip(mine.momentum, theirs):
+            torch.testing.assert_close(buf, reference.state[w]["momentum_buffer"], rtol=0, atol=8 * torch.finfo(dtype).eps)
+
+
 def test_adamw_decays_the_weights_themselves() -> None:
     """AdamW's weight decay shrinks a weight whose gradient is zero (decoupled); Adam's adds
     weight_decay * w to the gradient, and Adam's normalised step then moves it by about lr."""
