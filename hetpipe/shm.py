@@ -41,7 +41,7 @@ from hetpipe.v1 import wire_pb2
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "hetpipe-"
-_NAME = re.compile(r"hetpipe-(\d+)-[0-9a-f]{16}")
+_NAME = re.compile(r"hetpipe-([0-9]+)-[0-9a-f]{16}")
 _CREATING = ".new"   # a segment being made: locked, then renamed to its name
 _MAGIC = b"HPSHM\x01\x00\x00"
 _HEADER = struct.Struct("<8sQQ")       # magic, version (seqlock: odd while being written), capacity
@@ -132,13 +132,14 @@ def sweep() -> list[str]:
         except OSError:
             continue
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                continue   # no segment of ours
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue   # no segment of ours (/dev/shm is everyone's: another user's file is not)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # its owner lives
-        else:
             path.unlink(missing_ok=True)
+        except OSError:
+            continue  # its owner lives (BlockingIOError), or it is not ours to remove
+        else:
             removed.append(path.name)
         finally:
             os.close(fd)

@@ -444,7 +444,8 @@ def read(frames: Iterable[wire_pb2.TensorFrame | bytes], reader: shm.Reader | No
             payload = _data_only(frame) if isinstance(frame, bytes) else None
             if payload is None:
                 parsed = _parsed(frame)
-                if parsed.tensors or parsed.WhichOneof("header") is not None or parsed.HasField("shm"):
+                if (parsed.tensors or parsed.WhichOneof("header") is not None or parsed.HasField("shm")
+                        or parsed.HasField("cuda")):
                     raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "header fields repeated after the first frame")
                 payload = memoryview(parsed.data)
             yield payload

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import mmap
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -508,3 +510,31 @@ segment.close()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, (done.returncode, done.stderr)
     assert done.stdout.startswith("INVALID_ARGUMENT") and "has no header" in done.stdout, done.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root to play two users")
+def test_sweep_survives_another_users_file_named_like_a_segment() -> None:
+    """/dev/shm is world-writable and sticky: any user may leave a readable file named like a
+    segment there, which no other user can unlink. A launcher's sweep (hetpipe run, a shard's
+    restart, stop_all) must pass it by, not die of PermissionError."""
+    foreign = shm.SHM_DIR / f"{shm.PREFIX}1-{secrets.token_hex(8)}"
+    foreign.touch(mode=0o644)
+    os.chmod(foreign, 0o644)
+    try:
+        code = "from hetpipe import shm; print(shm.sweep())"
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                               sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        assert done.returncode == 0, done.stderr[-600:]
+        assert foreign.exists()
+    finally:
+        foreign.unlink(missing_ok=True)
+
+
+def test_a_handle_whose_name_has_non_ascii_digits_is_malformed() -> None:
+    """A name that is no segment's (`hetpipe-<pid>-<16 hex>`, ASCII) is INVALID_ARGUMENT, not
+    looked up in /dev/shm and answered FAILED_PRECONDITION as a segment that is gone."""
+    ref = wire_pb2.ShmRef(name="hetpipe-\u0661\u0662-0123456789abcdef", version=2, nbytes=16)
+    with pytest.raises(shm.HandleError) as info:
+        shm.Reader().open(ref, 16)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT

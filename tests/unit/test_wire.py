@@ -407,3 +407,14 @@ def test_a_bundle_in_shared_memory_chunks_starts_its_call_before_the_second_chun
         assert rpc.send_bundle(stub, "Push", wire.encode(small, ring=ring)) and stub.calls == [("unary", None)]   # type: ignore[arg-type]
     finally:
         ring.close()
+
+
+def test_a_cuda_handle_in_a_later_data_frame_is_refused() -> None:
+    """Header fields after the first frame are INVALID_ARGUMENT (wire.read); a CUDA IPC handle
+    there is one too, not silently dropped."""
+    frames = [wire_pb2.TensorFrame.FromString(f) for f in wire.encode([("a", torch.arange(4, dtype=torch.float32))])]
+    late = wire_pb2.TensorFrame()
+    late.cuda.CopyFrom(wire_pb2.CudaRef(handle=b"\x02c" + b"\x01" * 64))
+    with pytest.raises(wire.WireError) as info:
+        wire.decode([f.SerializeToString() for f in [*frames, late]])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
