@@ -31,13 +31,18 @@ def _write_weights(d: JobDriver) -> list[Path]:
     with weight_files.WeightsWriter(d.out_dir, entries, d.job.output.max_shard_bytes) as writer:
         owned: set[str] = set()
         final_clock = total_waves(d.job.train.steps, d.plan.nm)
+        # A parameter tied within a layer is one shard key; its other state_dict keys are w_global
+        # too, not the lead VW's local copy (which lags it where no final evaluation merged it).
+        tied = models.tied_keys(d.model)
         for i, stub in enumerate(d.shards):
             keys = [k for k, s in d.plan.key_shard.items() if s == i]
             if not keys:
                 continue
             request = ps_pb2.PullRequest(vw=d.lead_vw, keys=keys, min_clock=final_clock)
-            weight_files.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}")
+            weight_files.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}",
+                                     tied)
             owned.update(keys)
+            owned.update(alias for k in keys for alias in tied.get(k, ()))
         for h in d.stages:
             if h.plan.vw != d.lead_vw:
                 continue

@@ -295,6 +295,9 @@ def _check_together(job: JobConfig) -> None:
                           "exact float64 (the oracles): use one or the other")
     if job.eval is not None and job.data.eval_factory is None and job.data.eval_fraction == 0:
         raise ConfigError("eval: evaluation needs held-out data: set data.eval_factory or data.eval_fraction")
+    if job.eval is None and job.data.eval_factory is not None:
+        raise ConfigError("data.eval_factory: held-out data, but no eval section evaluates it (it would be built and "
+                          "checked, then never read): add eval: {every: N}, or drop data.eval_factory")
     if job.eval is None and job.data.eval_fraction > 0:
         raise ConfigError("data.eval_fraction: rows held out, but no eval section evaluates them (they would only "
                           "be withheld from training): add eval: {every: N}, or drop data.eval_fraction")

@@ -138,6 +138,10 @@ def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, outpu
             raise ConfigError(f"{source}: {_element('x', at)} is {x[at]}, not an id the model's first layer, an "
                               f"nn.Embedding of {ids}, takes (0 to {ids - 1})")
     classification = job.train.loss == "cross_entropy"
+    if classification and len(output) < 2:   # its last dimension would be the batch, taken for the classes
+        raise ConfigError(f"{source}: the model's output {list(output)} has no class dimension; cross_entropy takes "
+                          "scores of shape [batch, classes] (or [batch, ..., classes]): keep the classes' dimension, "
+                          "or use mse for one number per row")
     # The shape, not only the count: mse on an output of (B, 1) against y of (B,) broadcasts to
     # (B, B) and trains on a wrong loss without a word.
     row = tuple(output[1:-1] if classification else output[1:])

@@ -133,16 +133,29 @@ def check_init(job: JobConfig, model: nn.Sequential) -> None:
             if f.shape(key) != tuple(value.shape):
                 raise ConfigError(f"model.init: {f.path}: {key} has shape {list(f.shape(key))}, the model "
                                   f"{list(value.shape)}")
-        for key in own:
+        dtype = getattr(torch, job.train.dtype)
+        for key, value in own.items():
             tensor = f.tensor(key)
-            if tensor.is_floating_point() and not _finite(tensor):
-                raise ConfigError(f"model.init: {f.path}: {key} holds NaN or Inf")
+            if tensor.is_floating_point():
+                _check_finite(f"model.init: {f.path}", key, tensor, dtype if value.is_floating_point() else tensor.dtype)
 
 
-def _finite(tensor: torch.Tensor, slice_elements: int = 1 << 22) -> bool:
-    """Whether every element is finite, read in slices (a small temporary, whatever the size)."""
+def _finite(tensor: torch.Tensor, dtype: torch.dtype | None = None, slice_elements: int = 1 << 22) -> bool:
+    """Whether every element is finite, and stays finite once cast to dtype (float64 values past
+    float32's range become Inf in a float32 stage), read in slices (a small temporary, whatever the size)."""
     flat = tensor.reshape(-1)
-    return all(bool(torch.isfinite(flat[i:i + slice_elements]).all()) for i in range(0, flat.numel(), slice_elements))
+    limit = torch.finfo(dtype if dtype is not None and dtype.is_floating_point else tensor.dtype).max
+    return all(bool((flat[i:i + slice_elements].abs() <= limit).all()) for i in range(0, flat.numel(), slice_elements))
+
+
+def _check_finite(where: str, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """ConfigError for NaN or Inf in tensor, or values that dtype (the stage's) turns into Inf."""
+    if _finite(tensor, dtype):
+        return
+    if not _finite(tensor):
+        raise ConfigError(f"{where}: {key} holds NaN or Inf")
+    raise ConfigError(f"{where}: {key} holds values past {str(dtype).removeprefix('torch.')}'s largest "
+                      f"finite value (train.dtype): they would train as Inf")
 
 
 def initialise_from(layers: nn.Sequential, values: Mapping[str, torch.Tensor], where: str) -> None:
@@ -153,8 +166,8 @@ def initialise_from(layers: nn.Sequential, values: Mapping[str, torch.Tensor], w
             raise ConfigError(f"{where}: {key} is not a key of these layers")
         if tuple(value.shape) != tuple(own[key].shape):
             raise ConfigError(f"{where}: {key} has shape {list(value.shape)}, the model {list(own[key].shape)}")
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise ConfigError(f"{where}: {key} holds NaN or Inf")
+        if value.is_floating_point():
+            _check_finite(where, key, value, own[key].dtype if own[key].is_floating_point() else value.dtype)
     with torch.no_grad():
         for key, value in values.items():
             own[key].copy_(value)

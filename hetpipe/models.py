@@ -334,3 +334,17 @@ def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def parameter_keys(model: nn.Sequential, begin: int, end: int) -> list[str]:
     """Names of the trained parameters of layers [begin, end), in order: a stage's pushes and pulls."""
     return [k for k, _ in trainable(model) if begin <= int(k.split(".", 1)[0]) < end]
+
+
+def tied_keys(model: nn.Module) -> dict[str, list[str]]:
+    """The state_dict keys that name a tensor already named by an earlier key (a parameter tied
+    within a layer: two modules holding one), by that first key, which is the one named_parameters
+    (and so the shards and the pushes) know it by."""
+    first: dict[int, str] = {}
+    tied: dict[str, list[str]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            tied.setdefault(first[id(tensor)], []).append(key)
+        else:
+            first[id(tensor)] = key
+    return tied

@@ -89,6 +89,7 @@ def parse_train(t: Section) -> TrainConfig:
     )
 
 
+MIN_EPS = 1e-30   # Adam's: smaller rounds to 0 in float32 (or past its normal range), and 0/0 is NaN
 MIN_GRAD_NORM = 1e-6   # smaller, a clip coefficient could underflow to 0 and train nothing
 
 
@@ -110,9 +111,13 @@ def _parse_optimizer(o: Section) -> OptimizerConfig:
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas)):
         raise fail(o.path("betas"), betas, "two numbers in [0, 1)")
     decay = ADAMW_WEIGHT_DECAY if name == "adamw" else d.weight_decay
+    eps = o.number("eps", d.eps)
+    if name in ADAM_LIKE and eps < MIN_EPS:   # Adam divides by sqrt(v) + eps: a gradient of 0 gives 0/0, NaN
+        raise fail(o.path("eps"), eps, f"at least {MIN_EPS:g} for {name} (it divides by sqrt(v) + eps, and a "
+                   "parameter whose gradient is 0 would step by 0/0)")
     return OptimizerConfig(name=name, lr=o.number("lr", d.lr), momentum=momentum,
                            weight_decay=o.number("weight_decay", decay), betas=(float(betas[0]), float(betas[1])),
-                           eps=o.number("eps", d.eps))
+                           eps=eps)
 
 
 def _parse_lr_schedule(s: Section, steps: int, lr: float) -> LrSchedule:

@@ -256,8 +256,10 @@ def through_restarts(write: Callable[[], R], what: str, *, closing: threading.Ev
                 time.sleep(1.0)
 
 
-def stream_into(writer: WeightsWriter, call: Callable[[], Any], who: str) -> None:
-    """Writes the tensor stream call() answers (a gRPC call) into writer, piece by piece."""
+def stream_into(writer: WeightsWriter, call: Callable[[], Any], who: str,
+                tied: dict[str, list[str]] | None = None) -> None:
+    """Writes the tensor stream call() answers (a gRPC call) into writer, piece by piece; tied:
+    the keys (models.tied_keys) that hold the same tensor as a streamed key, written alike."""
     try:
         stream = wire.read(call())
         names = stream.names
@@ -268,5 +270,7 @@ def stream_into(writer: WeightsWriter, call: Callable[[], Any], who: str) -> Non
                 raise JobFailed(f"{who}: sent weights {name!r} as {dtype} {list(shape)}, expected {want}")
         for index, offset, piece in stream.pieces:
             writer.write(names[index], offset, piece)
+            for alias in (tied or {}).get(names[index], ()):
+                writer.write(alias, offset, piece)
     except grpc.RpcError as exc:
         raise ReadFailed(f"{who}: reading weights failed: {exc.code().name}: {exc.details()}", exc.code()) from None

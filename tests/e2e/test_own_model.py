@@ -159,7 +159,7 @@ def test_a_module_in_the_jobs_folder_does_not_stand_in_for_a_library(tmp_path: P
     server imports yaml for every service, and `python -c` puts the current folder first on its
     path. Each failed 'before serving' on yaml.SafeLoader."""
     job = example_job(tmp_path, "own-model", {"train": {"steps": 4}, "parallel": {"virtual_workers": 1},
-                                              "eval": None})
+                                              "data": {"eval_factory": None}, "eval": None})
     (job.parent / "yaml.py").write_text("SHADOW = True  # not PyYAML\n")
     script = Path(sys.executable).with_name("hetpipe")   # the console script: no folder of its own on sys.path
     done = subprocess.run([str(script), "run", "-q", job.name], cwd=job.parent, capture_output=True, text=True,

@@ -240,6 +240,8 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
      "train.max_grad_norm: not with parallel.schedule nf1b yet (the stages agree on it per minibatch, which gpipe "
      "and 1f1b do)"),
     ({"train": {"max_grad_norm": -1.0}}, "train.max_grad_norm: expected a finite number >= 0.0, got -1.0"),
+    ({"train": {"optimizer": {"name": "adam", "eps": 0}}}, "train.optimizer.eps: expected at least 1e-30 for adam"),
+    ({"train": {"optimizer": {"name": "adamw", "eps": 1e-40}}}, "train.optimizer.eps: expected at least 1e-30 for adamw"),
     ({"train": {"max_grad_norm": 1e-9}}, "train.max_grad_norm: expected 0 (no clipping) or at least 1e-06, got 1e-09"),
     ({"parallel": {"microbatches": 2}}, "parallel.microbatches: 2 applies to the schedules gpipe, 1f1b and nf1b"),
     ({"parallel": {"mode": "torch-pipeline", "microbatches": 3}}, "must divide data.batch_size 32"),
@@ -251,6 +253,8 @@ def test_non_numeric_list_items_are_config_errors(key: str, value: Any) -> None:
     ({"train": {"precision": "bf16", "dtype": "float64"}}, "train.precision: bf16 computes in 16 bits"),
     ({"eval": {"every": 10}}, "eval: evaluation needs held-out data"),
     ({"data": {"eval_fraction": 0.2}}, "data.eval_fraction: rows held out, but no eval section evaluates them"),
+    ({"data": {"name": None, "path": None, "factory": "rows:train", "eval_factory": "rows:held"}},
+     "data.eval_factory: held-out data, but no eval section evaluates it"),
     ({"parallel": {"mode": "torch-pipeline"}, "eval": {"every": 10}, "data": {"eval_fraction": 0.2}},
      "eval: parallel.mode torch-pipeline does not evaluate"),
     ({"parallel": {"mode": "ddp"}, "train": {"checkpoint_every": 5}},

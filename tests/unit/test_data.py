@@ -321,7 +321,7 @@ def factory_job(tmp_path: Path, **data: Any) -> JobConfig:
     (tmp_path / "mydata.py").write_text(DATA_MODULE)
     raw = {"model": {"name": "mlp"}, "data": {"factory": "mydata:train_set", "args": {"rows": 20},
                                               "batch_size": 4, **data},
-           **({"eval": {"every": 0}} if data.get("eval_fraction") else {})}   # held-out rows are for an eval
+           **({"eval": {"every": 0}} if data.get("eval_fraction") or data.get("eval_factory") else {})}   # for an eval
     return parse_job(raw, base_dir=str(tmp_path))
 
 
@@ -614,7 +614,8 @@ def test_a_launcher_builds_each_dataset_once_for_its_checks_plan_and_driver(tmp_
     (tmp_path / "counted.py").write_text(COUNTED_MODULE)
     job = parse_job({"model": {"name": "mlp", "args": {"in_features": 2, "hidden": [8]}},
                      "data": {"factory": "counted:rows", "eval_factory": "counted:held", "batch_size": 4},
-                     "train": {"steps": 2}, "output": {"dir": str(tmp_path / "out")}}, base_dir=str(tmp_path))
+                     "train": {"steps": 2}, "eval": {"every": 0}, "output": {"dir": str(tmp_path / "out")}},
+                    base_dir=str(tmp_path))
     built = resolve("counted:rows", "data.factory", str(tmp_path)).__globals__["BUILT"]
     preflight(job)
     assert data.batch_shapes(job) == (((4, 2), torch.float32), ((4,), torch.int64)), "the driver's shapes"
@@ -791,3 +792,29 @@ def test_a_data_worker_runs_its_exit_handlers(tmp_path: Path, request: pytest.Fi
     assert len(unpacked) == 2, "each worker unpacked once"
     assert not any(Path(u).exists() for u in unpacked), "a worker's temporary folder outlived it"
     assert sorted(p.name for p in log.glob("exit-*")) == sorted(f"exit-{Path(u).name}" for u in unpacked)
+
+
+FLAT_OUTPUT = '''
+import torch
+from torch import nn
+
+
+def net():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1), nn.Flatten(0))
+
+
+def rows():
+    return torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 3, (32,)))
+'''
+
+
+def test_cross_entropy_on_an_output_without_a_class_dimension_is_refused(tmp_path: Path) -> None:
+    """An output of shape [B]: its last dimension is the batch, which the label check took for the
+    classes (labels below B passed), and the last stage failed at minibatch 1."""
+    from launch.local import checked_inputs
+
+    (tmp_path / "flat.py").write_text(FLAT_OUTPUT)
+    job = parse_job({"model": {"factory": "flat:net"}, "data": {"factory": "flat:rows", "batch_size": 8},
+                     "output": {"dir": str(tmp_path / "out")}}, base_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"the model's output \[8\] has no class dimension; cross_entropy takes"):
+        checked_inputs(job)

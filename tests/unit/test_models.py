@@ -410,6 +410,25 @@ def test_model_init_is_read_key_by_key(tmp_path: Path, suffix: str) -> None:
         initialise_from(layers, {"3.bias": state["3.bias"]}, "model.init")
 
 
+def test_model_init_values_past_the_training_dtype_are_refused(tmp_path: Path) -> None:
+    """A float64 init value finite in the file but past float32's range is Inf in a float32
+    stage: refused before any process starts (the run failed at minibatch 1, blaming the lr)."""
+    from hetpipe.model_init import check_init
+
+    j = job(tmp_path)
+    state = {k: v.double() for k, v in build(j).state_dict().items()}
+    state["3.bias"][0] = 1e300
+    torch.save(state, tmp_path / "big.pt")
+    big = job(tmp_path, init="big.pt")
+    with pytest.raises(ConfigError, match=r"model\.init: .*big\.pt: 3\.bias holds values past float32's largest"):
+        check_init(big, structure(big.model, big.base_dir, dtype="float32"))
+    layers = build_layers(big, 2, 4)
+    with pytest.raises(ConfigError, match=r"model\.init: 3\.bias holds values past float32's largest"):
+        initialise_from(layers, {"3.bias": state["3.bias"]}, "model.init")
+    as64 = parse_job({**json.loads(big.to_json()), "train": {"seed": 5, "dtype": "float64"}}, base_dir=None)
+    check_init(as64, structure(as64.model, as64.base_dir, dtype="float64"))   # float64 holds it
+
+
 def test_an_index_that_puts_a_key_in_a_file_without_it_is_refused_naming_both(tmp_path: Path) -> None:
     j = job(tmp_path)
     state = build(j).state_dict()
