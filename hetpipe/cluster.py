@@ -68,7 +68,7 @@ def _parse_network(em: Section) -> Network | None:
 
 
 def parse_cluster(raw: Any, max_gpus: int) -> ClusterConfig | None:
-    """The job file's `cluster` section; max_gpus bounds a node's count of one GPU type."""
+    """The job file's `cluster` section; max_gpus bounds its GPUs (and so a node's count of one type)."""
     if raw is None:
         return None
     sec = Section(raw, "cluster")
@@ -92,6 +92,11 @@ def parse_cluster(raw: Any, max_gpus: int) -> ClusterConfig | None:
             gpus.append(GpuGroup(type=kind, count=g.integer("count", GpuGroup("").count, minimum=1,
                                                                       maximum=max_gpus)))
         nodes.append(NodeConfig(name=node.text("name", f"n{i}"), gpus=tuple(gpus)))
+    # A plan uses at most max_gpus (virtual workers x stages at their bounds); the planner makes
+    # an object per GPU, so a cluster past that is refused here, not allocated there.
+    total = sum(g.count for n in nodes for g in n.gpus)
+    if total > max_gpus:
+        raise fail("cluster.nodes", f"{total} GPUs", f"at most {max_gpus} GPUs in all (no plan uses more)")
     names = [n.name for n in nodes]
     again = next((i for i, name in enumerate(names) if name in names[:i]), None)
     if again is not None:

@@ -5,16 +5,23 @@ per-stage memory limits."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from hetpipe.errors import JobStopped
 from hetpipe.network import Network
 from coordinator.planner.cluster import Gpu, PlanError, Usage
 from coordinator.planner.kinds import INF, NONE, OTHER, SAME, Tables, layer_times, min_max
 from coordinator.planner.memory import in_flight, stage_memory
 from coordinator.planner.profile import LayerProfile, ModelProfile
+
+# The exact search's size: candidate stages weighed over all its levels. It grows about 4x with
+# each node of another GPU mix a VW spans (10 such nodes: 1.8 million, 15 s; 11: 2 minutes;
+# 14: hours); past this the VW is refused with a PlanError that says so.
+MAX_CANDIDATES = 2_000_000
 
 @dataclass(frozen=True, slots=True)
 class StageCut:
@@ -72,7 +79,7 @@ _State = tuple[Usage, int, int]              # (usage, node of the last stage, w
 
 
 def partition_vw(profile: ModelProfile, gpus: Sequence[Gpu], nm: int, optimizer: str,
-                 network: Network) -> Partition:
+                 network: Network, cancel: threading.Event | None = None) -> Partition:
     """The best pipeline of a virtual worker: the order of its GPUs and a contiguous cut of the
     layers, every stage >= 1 layer, minimising the bottleneck (max over stages of forward +
     backward compute + receive time) subject to every stage fitting in its GPU's memory.
@@ -85,7 +92,7 @@ def partition_vw(profile: ModelProfile, gpus: Sequence[Gpu], nm: int, optimizer:
     which keeps the state space small. This assumes Network.seconds depends only on the bytes and
     on whether the two GPUs share a node (true of Network). Ties are broken deterministically.
     """
-    return _Solver(profile, gpus, nm, optimizer, network).solve()
+    return _Solver(profile, gpus, nm, optimizer, network).solve(cancel)
 
 
 def max_nm(profile: ModelProfile, gpus: Sequence[Gpu], optimizer: str, network: Network,
@@ -112,7 +119,7 @@ class _Solver(Tables):
 
     # -- the DP --
 
-    def solve(self) -> Partition:
+    def solve(self, cancel: threading.Event | None = None) -> Partition:
         cl, n, k = self.cluster, self.n, self.k
         K, N = len(cl.kinds), len(cl.nodes)
         count = tuple(len(g) for g in cl.kind_gpus)
@@ -140,7 +147,10 @@ class _Solver(Tables):
         values: list[np.ndarray] = [first]
         back: list[np.ndarray] = [np.zeros((1, n + 1), dtype=np.int64)]
         moves: list[list[tuple[int, int, int]]] = [[]]
+        weighed = 0
         for q in range(k):
+            if cancel is not None and cancel.is_set():
+                raise JobStopped("stopped by request while planning")
             level_moves: list[tuple[int, int, int]] = []
             targets: dict[_State, int] = {}
             target_keys: list[_State] = []
@@ -175,6 +185,12 @@ class _Solver(Tables):
                             rows.append(s)
                             ts.append(t)
                             ms.append(move)
+            weighed += sum(len(ts) for _, ts, _ in batches.values())
+            if weighed > MAX_CANDIDATES:
+                raise PlanError(
+                    f"a virtual worker of {k} GPUs on {N} nodes ({len(cl.groups)} different GPU mixes) is too "
+                    f"irregular to partition exactly: over {MAX_CANDIDATES} candidate stages; give it fewer "
+                    f"nodes of different mixes (parallel.policy NP or HD, or fewer stages per VW)")
             # Every candidate's values, then the best candidate per target (the first on ties).
             cand_values, cand_targets, cand_moves = [], [], []
             rest = np.stack(target_rest) if target_rest else np.zeros((0, n + 1))

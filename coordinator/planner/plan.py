@@ -145,15 +145,17 @@ def layer_names(model: torch.nn.Sequential, begin: int, end: int) -> str:
 class _Partitions:
     """partition_vw, once per distinct VW shape: ED's identical VWs cost one search, not N."""
 
-    def __init__(self, profile: ModelProfile, optimizer: str, network: Network) -> None:
+    def __init__(self, profile: ModelProfile, optimizer: str, network: Network,
+                 cancel: threading.Event | None = None) -> None:
         """profile: join_layers'; the partitions are of the model's layers."""
-        self.profile, self.optimizer, self.network = profile, optimizer, network
+        self.profile, self.optimizer, self.network, self.cancel = profile, optimizer, network, cancel
         self._memo: dict[tuple[object, int], tuple[Partition, list[Gpu]]] = {}
 
     def __call__(self, group: Sequence[Gpu], nm: int) -> Partition:
         signature, order = vw_signature(group)
         if (signature, nm) not in self._memo:
-            self._memo[signature, nm] = (partition_vw(self.profile, order, nm, self.optimizer, self.network), order)
+            self._memo[signature, nm] = (partition_vw(self.profile, order, nm, self.optimizer, self.network,
+                                                                self.cancel), order)
         part, first = self._memo[signature, nm]
         rename = dict(zip(first, order))
         return unjoin(Partition(tuple(dataclasses.replace(c, gpu=rename[c.gpu]) for c in part.stages)), self.profile)
@@ -205,7 +207,7 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
     costs = StageCosts(job, profile, model, _emulated_model(job, model))
     # The partitioner weighs activation transfers by the emulated network, else the paper's.
     network = costs.network or Network()
-    partitions = _Partitions(solved, optimizer, network)
+    partitions = _Partitions(solved, optimizer, network, cancel)
     # Identical local devices: every policy is the same.
     policies = ["ED"] if job.cluster is None else ["NP", "ED", "HD"] if par.policy == "auto" else [par.policy]
 
@@ -225,7 +227,7 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
         if isinstance(par.nm, int) and 0 < min(limits) < par.nm:
             vw = limits.index(min(limits))
             try:
-                partition_vw(solved, groups[vw], par.nm, optimizer, network)
+                partition_vw(solved, groups[vw], par.nm, optimizer, network, cancel)
                 detail = ""
             except PlanError as exc:
                 detail = f" ({exc})"
@@ -236,7 +238,7 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
         if min(limits) == 0:
             worst = limits.index(0)
             try:
-                partition_vw(solved, groups[worst], 1, optimizer, network)
+                partition_vw(solved, groups[worst], 1, optimizer, network, cancel)
             except PlanError as exc:
                 reasons.append(f"{policy}: vw {worst}: {exc}")
             continue

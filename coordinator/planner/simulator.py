@@ -90,6 +90,12 @@ def _check(vws: Sequence[Sequence[SimStage]], nm: int, D: int, steps: int, push:
             raise ValueError(f"{name} = {x!r}: expected a finite number >= 0")
 
 
+def overlapping(q: int, k: int, ku: int) -> range:
+    """The stages j of a ku-stage VW whose share of the model, [j/ku, (j+1)/ku), meets stage q's
+    of a k-stage VW, [q/k, (q+1)/k): they push and pull the same keys."""
+    return range(q * ku // k, -(-(q + 1) * ku // k))
+
+
 def simulate(vws: Sequence[Sequence[SimStage]], *, nm: int, D: int, steps: int,
              push_seconds: float = 0.0, pull_seconds: float = 0.0, trace: bool = False) -> SimResult:
     """Simulates `steps` minibatches per VW; see the module docstring for the semantics."""
@@ -131,17 +137,22 @@ def simulate(vws: Sequence[Sequence[SimStage]], *, nm: int, D: int, steps: int,
     rgroups: list[list[int]] = [[] for _ in range(S)]
     if sync:
         ids: dict[tuple[int, ...], int] = {}
+        of_shape: dict[tuple[int, int], int] = {}   # (q, k) -> group: the key depends on nothing else
         for s in range(S):
             q, k = q_of[s], k_of[s]
-            key = tuple(offset[u] + j for u, stages in enumerate(vws) for j in range(len(stages))
-                        if q * len(stages) < (j + 1) * k and j * k < (q + 1) * len(stages))
-            if key not in ids:  # [q/k, (q+1)/k) meets [j/ku, (j+1)/ku)
-                ids[key] = len(gdeps)
-                gdeps.append(list(key))
-                for d in key:
-                    rgroups[d].append(ids[key])
-            grp[s] = ids[key]
+            g = of_shape.get((q, k))
+            if g is None:
+                key = tuple(offset[u] + j for u, stages in enumerate(vws) for j in overlapping(q, k, len(stages)))
+                g = ids.get(key)
+                if g is None:
+                    g = ids[key] = len(gdeps)
+                    gdeps.append(list(key))
+                    for d in key:
+                        rgroups[d].append(g)
+                of_shape[(q, k)] = g
+            grp[s] = g
     cg = [0] * len(gdeps)                       # c_global of each group (the shards' view)
+    at_min = [len(d) for d in gdeps]            # members whose clock is cg: the min moves when none is left
     waiters: list[list[int]] = [[] for _ in gdeps]  # stages whose pull the shards hold back
 
     # ---- per-stage state ----------------------------------------------------------------------
@@ -244,9 +255,11 @@ def simulate(vws: Sequence[Sequence[SimStage]], *, nm: int, D: int, steps: int,
             for g in rgroups[s]:
                 if cg[g] != old:
                     continue
-                c = min([clock[d] for d in gdeps[g]])
-                if c == old:
+                at_min[g] -= 1
+                if at_min[g]:
                     continue
+                c = min([clock[d] for d in gdeps[g]])
+                at_min[g] = sum(1 for d in gdeps[g] if clock[d] == c)
                 cg[g] = c
                 ws = waiters[g]
                 if ws:
