@@ -23,8 +23,8 @@ MISSED_HEARTBEATS = 5
 FORGET_AFTER_MISSED = 30  # an unassigned worker silent this many intervals is forgotten
 MAX_WORKERS = 4096
 MAX_FIELD_CHARS = 256  # address, node, device, gpu_type, name, host_id; a heartbeat's leaving
-_ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
-_DEVICE = re.compile(r"^(cpu|cuda:\d{1,3})$")
+_ADDRESS = re.compile(r"[A-Za-z0-9_.\-\[\]:]+:([0-9]{1,5})")   # fullmatch: "$" would take a final newline
+_DEVICE = re.compile(r"cpu|cuda:[0-9]{1,3}")
 
 
 class Awake:
@@ -89,10 +89,10 @@ def validate(info: coordinator_pb2.WorkerInfo) -> None:
                            f"{field}: {len(getattr(info, field))} characters, at most {MAX_FIELD_CHARS}")
     if info.role not in (Role.STAGE_WORKER, Role.PS_SHARD):
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"role {info.role}: expected STAGE_WORKER or PS_SHARD")
-    m = _ADDRESS.match(info.address)
+    m = _ADDRESS.fullmatch(info.address)
     if not m or not 0 < int(m.group(1)) < 65536:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"address {info.address!r}: expected host:port")
-    if not _DEVICE.match(info.device):
+    if not _DEVICE.fullmatch(info.device):
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"device {info.device!r}: expected 'cpu' or 'cuda:N'")
     if info.gpu_type and info.gpu_type not in CATALOG:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,

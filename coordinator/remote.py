@@ -20,7 +20,7 @@ Role = coordinator_pb2.WorkerInfo.Role
 # What a client gets back: the final weights (one file or transformers' shards and index), the
 # summary and the evaluations. Logs, traces and shard state stay on the hosts that wrote them.
 RESULT_FILES = ("model.safetensors", outputs.INDEX_FILE, "summary.json", "eval.jsonl")
-RESULT_SHARDS = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+RESULT_SHARDS = re.compile(r"^model-[0-9]{5}-of-[0-9]{5}\.safetensors\Z")  # \Z: "$" also matches before a final newline
 _NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 

@@ -29,7 +29,7 @@ from launch.local import follow
 MAX_RESULT_FILES = 100_000
 MAX_RESULT_BYTES = 1 << 40        # 1 TiB: the weights of the largest models, in safetensors shards
 MAX_NAME_CHARS = 255
-_COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # no ".", "..", hidden names or odd characters
+_COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*\Z")  # no ".", "..", hidden names or odd characters
 GIVE_UP_S = 30.0                  # a coordinator silent this long while the job runs is gone
 SUBMIT_RETRY_S = 1.0              # between tries of a Submit that found nothing listening
 

@@ -25,7 +25,7 @@ from hetpipe.wsp import total_waves
 # Emulated times and transfers are padded with sleeps: more than an hour per task is a mistake.
 MAX_SECONDS = 3600.0
 MAX_NDIM = 8
-_DEVICE = re.compile(r"^(cpu|cuda:\d{1,3})?$")
+_DEVICE = re.compile(r"(cpu|cuda:[0-9]{1,3})?")
 _MARK = re.compile(r"[0-9a-f]{0,64}")   # checkpoint_mark: a coordinator start's nonce
 _SECONDS = ("forward_seconds", "backward_seconds", "next_send_seconds", "prev_send_seconds", "push_seconds",
             "pull_seconds")
@@ -191,7 +191,7 @@ def validate(a: stage_pb2.StageAssignment, output_root: Path | None = None) -> S
         raise _invalid(f"ps_shm: {len(a.ps_shm)} flags for {len(a.ps_addresses)} shard addresses")
     if any(s >= len(a.ps_addresses) for s in a.key_shards) or (a.key_shards and not a.ps_addresses):
         raise _invalid(f"key_shards: shards {sorted(set(a.key_shards))[-3:]} for {len(a.ps_addresses)} shard addresses")
-    if not _DEVICE.match(a.device):
+    if not _DEVICE.fullmatch(a.device):
         raise _invalid(f"device {a.device[:50]!r}: expected 'cpu', 'cuda:N' or empty (pick one)")
     try:
         device = devices.pick(a.device)

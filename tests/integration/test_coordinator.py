@@ -52,6 +52,8 @@ def _worker(address: str = "127.0.0.1:6001", node: str = "n0", **kw: object) -> 
     (_worker(gpu_type="gtx-9999"), "gpu_type 'gtx-9999'"),
     (_worker(address="nohostport"), "address 'nohostport'"),
     (_worker(address="h:70000"), "address 'h:70000'"),
+    (_worker(address="h:7000\n"), "address 'h:7000\\n'"),
+    (_worker(device="cpu\n"), "device 'cpu\\n'"),
     (_worker(node=""), "node"),
     (Info(address="127.0.0.1:1", node="n0", device="cpu"), "role"),
 ])

@@ -125,6 +125,7 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
         "absurd task time": (variant(forward_seconds=1e300), r"forward_seconds: 1e\+300: expected"),
         "device meta": (variant(device="meta"), "device 'meta': expected 'cpu', 'cuda:N'"),
         "device cpu:99": (variant(device="cpu:99"), "device 'cpu:99': expected"),
+        "device with a final newline": (variant(device="cuda:0\n"), "device 'cuda:0\\\\n': expected"),
         "a huge input shape": (variant(input_shape=[4194304, batch[1]]), "one minibatch of data.batch_size"),
         "a zero dimension": (variant(input_shape=[batch[0], 0]), r"input_shape: \[\d+, 0\]: expected"),
         "a checkpoint mark that is no nonce": (variant(checkpoint_mark="../x\n"), "checkpoint_mark '../x\\\\n': expected"),

@@ -131,7 +131,8 @@ def test_a_file_no_run_hands_back_is_refused(tmp_path: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["", "/etc/passwd", "../x", "a/../../x", "..", ".", "./x", "a//b", "a/", ".bashrc",
-                                  "a\\..\\b", "x\x00y", "name with space", "-rf", "x" * (MAX_NAME_CHARS + 1), "é"])
+                                  "a\\..\\b", "x\x00y", "name with space", "-rf", "x" * (MAX_NAME_CHARS + 1), "é",
+                                  "model-00001-of-00002.safetensors\n", "a\n/model.safetensors"])
 def test_names_that_could_leave_output_dir_are_refused(tmp_path: Path, name: str) -> None:
     with pytest.raises(ValueError, match="file name"):
         output_path(tmp_path, name)
