@@ -38,11 +38,20 @@ class KeyRounds:
         self.open: dict[int, Round] = {}
         self.applied = [0] * virtual_workers
 
-    def add(self, vw: int, wave: int, delta: torch.Tensor) -> int:
-        """Puts VW vw's wave into its round; returns the round."""
+    def takes_copy(self, wave: int) -> bool:
+        """Whether add() of this wave starts its round's total (a copy of the delta)."""
+        pending = self.open.get(max(wave, self.closed))
+        return pending is None or pending.total is None
+
+    def add(self, vw: int, wave: int, delta: torch.Tensor, first: torch.Tensor | None = None) -> int:
+        """Puts VW vw's wave into its round; returns the round. first: the delta's copy, made
+        beforehand (takes_copy), for a round that has no total yet."""
         r = max(wave, self.closed)
         pending = self.open.setdefault(r, Round())
-        pending.total = delta.clone() if pending.total is None else pending.total.add_(delta)
+        if pending.total is None:
+            pending.total = first if first is not None else delta.clone()
+        else:
+            pending.total.add_(delta)
         if r == wave:
             pending.on_time.add(vw)
         pending.waves[vw] = pending.waves.get(vw, 0) + 1

@@ -366,6 +366,14 @@ class ShardServicer:
                 fresh = self.shard.evict(request.vw)
             except ShardError as exc:
                 raise _rejected(exc) from None
+            except BaseException:
+                # Marked evicted, with its released waves taken from the hold and half added: no
+                # state to serve from, nor one a retry ("evicted already") would checkpoint. The
+                # restart replays the log without the eviction, and the coordinator's retry evicts.
+                log.critical("ps shard %s: evicting vw %d failed; exiting so that a restart replays the log",
+                             self.index, request.vw, exc_info=True)
+                exit_now(70)
+                raise
             self.pull_slots.release(request.vw)  # it pulls no more: no slot stays pinned for it
             self._checkpoint_change(fresh)  # a restarted shard must not wait for it again
             self._cv.notify_all()  # pulls waiting on its clock may now be answered

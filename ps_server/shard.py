@@ -278,13 +278,16 @@ class Shard:
         exact = self.rule.exact
         after = None if quorum else (lambda key, u: self._after_wave(key, clock, vw, u)) if exact else self._after
         grown = self._room(what, deltas, sizes, after)
+        # A round's first contribution is copied here, before the journal: nothing after it may
+        # fail half-way (a MemoryError there left some keys counted and others not).
+        firsts = {k: d.clone() for k, d in deltas if self.rounds[k].takes_copy(clock)} if quorum else {}
         if journal is not None:
             journal()
         self.headroom.commit(grown)
         adds: list[tuple[torch.Tensor, torch.Tensor]] = []
         for key, delta in deltas:
             if quorum:
-                self.rounds[key].add(vw, clock, delta)
+                self.rounds[key].add(vw, clock, delta, first=firsts.get(key))
             elif exact:
                 self.hold.hold(key, clock, vw, delta)
             else:
@@ -456,15 +459,15 @@ class Shard:
         computed = [(key, elastic.elastic_delta(value, self.values[key], self.rule.alpha)) for key, value in replica]
         # replica - master may overflow: an Inf delta is refused as an overflow, not as the replica's.
         grown = self._room(what, computed, {k: headroom.magnitude(d) for k, d in computed}, self._after)
+        # The reply's copies before the journal: nothing after it may fail half-way.
+        deltas = [(key, delta.clone()) for key, delta in computed]
         if journal is not None:
             journal()
         self.headroom.commit(grown)
-        deltas = []
         for key, delta in computed:
             self.values[key].add_(delta)
             self.exchanged[key][vw] = clock + 1
             self.last_delta[key][vw] = delta
-            deltas.append((key, delta.clone()))
         self.exchanges_applied += 1
         self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
         return ExchangeResult(deltas, applied=True)

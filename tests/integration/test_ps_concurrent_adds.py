@@ -311,6 +311,21 @@ def test_an_add_that_fails_ends_the_shard_and_its_restart_replays_the_push_once(
     assert torch.equal(restored.values["l0.weight"], ps.expected["l0.weight"])
 
 
+def test_an_evict_that_fails_ends_the_shard(ps: InProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Evict that fails part way (the VW marked evicted, its released waves taken from the hold
+    and half added) leaves no state to serve from, nor one its retry ("evicted already") would
+    checkpoint: the shard exits, and its restart replays the log without the eviction."""
+    exits: list[int] = []
+    monkeypatch.setattr(servicer_module, "exit_now", exits.append)
+
+    def no_memory(shard: Shard, vw: int) -> bool:
+        raise MemoryError("no room for the released waves' sums")
+
+    monkeypatch.setattr(Shard, "evict", no_memory)
+    refused(lambda: ps.client.stub.Evict(ps_pb2.EvictRequest(vw=0), timeout=CALL_S), Code.RESOURCE_EXHAUSTED, "")
+    assert exits == [70]
+
+
 def test_two_vws_of_two_stages_pushing_and_pulling_at_once_never_read_a_sum_half_added(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two VWs x two stages, each stage on a thread of its own pushing its key (2M elements; one

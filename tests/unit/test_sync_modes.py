@@ -484,3 +484,43 @@ def test_sync_rule_is_checked_at_init() -> None:
     shard.init(2, w, rule=SyncRule("quorum", total_waves=2))
     assert_refused(Kind.CONFLICT, shard.init, 2, w, (), SyncRule("quorum", quorum=2, total_waves=2))
     assert_refused(Kind.INVALID, Shard().init, 2, w, (1, 1), SyncRule("quorum", total_waves=2))
+
+
+@pytest.mark.parametrize("mode", ["elastic", "quorum"])
+def test_an_apply_that_runs_out_of_memory_changes_nothing_and_its_retry_applies(mode: str, tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copies an exchange answers with, and a quorum round's first total, are made before the
+    journal entry: a MemoryError among them (the servicer answers RESOURCE_EXHAUSTED, which the
+    client retries) left some keys applied and others not, so the retry was refused as going
+    backwards and a restart replayed a state the shard had never served."""
+    durability = Durability(str(tmp_path))
+    shard = Shard()
+    rule = (SyncRule("elastic", alpha=0.5, period=1, total_waves=4) if mode == "elastic"
+            else SyncRule("quorum", quorum=2, total_waves=4))
+    shard.init(2, [("a", torch.zeros(4)), ("b", torch.zeros(4))], rule=rule)
+    durability.checkpoint(shard)
+    update = [("a", torch.ones(4)), ("b", torch.ones(4))]
+    before = shard.digest()
+
+    def apply() -> bool:
+        if mode == "elastic":
+            return shard.exchange(0, 0, update, journal=lambda: durability.journal_exchange(0, 0, update)).applied
+        return shard.push(0, 0, update, journal=lambda: durability.journal_push(0, 0, update)) is not None
+
+    real_clone, clones = torch.Tensor.clone, []
+
+    def second_clone_fails(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        clones.append(1)
+        if len(clones) == 2:
+            raise MemoryError("no room for one more key-sized tensor")
+        return real_clone(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "clone", second_clone_fails)
+        with pytest.raises(MemoryError):
+            apply()
+    assert shard.digest() == before, "nothing applied, nothing counted"
+    assert apply()
+    restored = Shard()
+    Durability(str(tmp_path)).restore(restored)
+    assert restored.digest() == shard.digest()
