@@ -1,5 +1,6 @@
 """A same-host link's control channel: a stage's one-frame bundles and their answers over a Unix
-socket, where gRPC would carry them on a held stream (hetpipe/duplex.py).
+socket, where gRPC would carry them on a held stream (hetpipe/duplex.py). The protocol and the
+receiving stage's server are here; the sending stage's end is hetpipe/socket_duplex.py.
 
 Through shared memory a bundle's frame is a few hundred bytes that name a slot. Over a gRPC
 stream its round trip costs about 0.55 ms on two cores (the sync Python machinery's threads, each
@@ -20,7 +21,6 @@ memory anyway) that present the nonce: an abstract socket's name is listed in /p
 
 from __future__ import annotations
 
-import errno
 import hmac
 import logging
 import os
@@ -29,30 +29,26 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import grpc
 
 from hetpipe import rpc
 from hetpipe.errors import Rejected
 from hetpipe.metrics import MethodMetrics
-from hetpipe.v1 import stage_pb2, wire_pb2
+from hetpipe.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 
 METHODS = ("Forward", "Backward")
 NONCE_BYTES = 16
-_LENGTH = struct.Struct("<I")
+LENGTH = struct.Struct("<I")
 # Flags in a request's length word: a frame of a bundle of several, and the end of that bundle (a
 # frame of its own, since a frame of 0 bytes is an empty TensorFrame).
 PART, END = 1 << 31, 1 << 30
 _SIZE = END - 1
 _ANSWER = struct.Struct("<BH")
 _CREDENTIALS = struct.Struct("iII")   # pid, uid, gid (uid_t and gid_t are unsigned)
-# A connect that may work if tried again: the listener's queue is full.
-_TRANSIENT = {errno.EAGAIN}
 # A request's bound: a one-frame bundle is at most one frame of wire.encode's.
 MAX_REQUEST_BYTES = rpc.MAX_MESSAGE_BYTES
 # Connections at once per method, as the gRPC lanes of ForwardLink and BackwardLink.
@@ -117,7 +113,7 @@ def _read_exact(sock: socket.socket, n: int, deadline: float | None = None, name
     return buf
 
 
-def _send(sock: socket.socket, head: bytes, body: bytes) -> None:
+def send(sock: socket.socket, head: bytes, body: bytes) -> None:
     """head then body, in one call where the socket takes them whole (a request in shared memory is
     a few hundred bytes), else the rest after it."""
     sent = sock.sendmsg([head, body])
@@ -130,7 +126,7 @@ def peer_uid(sock: socket.socket) -> int:
     return int(uid)
 
 
-def _read_answer(sock: socket.socket) -> None:
+def read_answer(sock: socket.socket) -> None:
     """Returns on OK; raises SocketError with the answer's status otherwise, or UNAVAILABLE where the
     peer closed first."""
     head = _read_exact(sock, _ANSWER.size)
@@ -142,9 +138,6 @@ def _read_answer(sock: socket.socket) -> None:
         raise SocketError(grpc.StatusCode.UNAVAILABLE, "the peer closed its link socket without answering")
     if code != 0:
         raise SocketError(_CODES.get(code, grpc.StatusCode.UNKNOWN), details.decode(errors="replace"))
-
-
-# --- the receiving stage ------------------------------------------------------------------------
 
 
 class Server:
@@ -282,9 +275,9 @@ class Server:
         away inside a request or the server closes (CANCELLED, as a stream cut off)."""
         name = f"{method}Link"
         received = self._metrics[name].received
-        while (head := _read_exact(sock, _LENGTH.size)) is not None:
+        while (head := _read_exact(sock, LENGTH.size)) is not None:
             received.inc()
-            (word,) = _LENGTH.unpack(head)
+            (word,) = LENGTH.unpack(head)
             deadline = time.monotonic() + REQUEST_S
             try:
                 size, kind = _checked_length(name, word)
@@ -342,10 +335,10 @@ class _Parts:
             return frame
         if self.ended:
             raise StopIteration
-        head = _read_exact(self._sock, _LENGTH.size, self._deadline, self._name)
+        head = _read_exact(self._sock, LENGTH.size, self._deadline, self._name)
         if head is None:
             raise _PeerGone
-        size, kind = _checked_length(self._name, _LENGTH.unpack(head)[0])
+        size, kind = _checked_length(self._name, LENGTH.unpack(head)[0])
         if kind == END:
             self.ended = True
             raise StopIteration
@@ -355,210 +348,3 @@ class _Parts:
         if body is None:
             raise _PeerGone
         return bytes(body)
-
-
-# --- the sending stage --------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class Connection:
-    """One connection to a peer's link socket."""
-
-    sock: socket.socket | None
-    broken: SocketError | None = None   # no request goes out on it any more: it failed, or never opened
-    dead: bool = False                  # dropped: its answers are read no more
-
-
-@dataclass(eq=False, frozen=True)
-class Sent:
-    """What put() returns for take(): the connection a request went out on, or why it did not."""
-
-    connection: Connection
-    error: SocketError | None = None
-
-
-class SocketDuplex:
-    """Duplex's calls (put, take, call, due, close) over a peer's link socket: the Link's held
-    stream, at a Unix socket's cost. locate() asks the peer for its socket over gRPC; a peer that
-    offers none (UNIMPLEMENTED: an older stage, a test's stand-in) is called through fallback, the
-    gRPC Duplex, from then on. One caller at a time; close() from any thread, once: a put() after
-    it is CANCELLED."""
-
-    def __init__(self, locate: Callable[[], Any], method: str, deadline_s: float, fallback: Any = None,
-                 on_fallback: Callable[[], None] = lambda: None) -> None:
-        self._locate = locate
-        self._on_fallback = on_fallback   # told once, on the caller's thread, when the fallback takes over
-        self._method = METHODS.index(method)
-        self._deadline_s = deadline_s
-        self._fallback = fallback
-        self._use_fallback = False
-        self._lock = threading.Lock()
-        self._open: Connection | None = None
-        self._closed = False
-        self.answered = 0   # requests answered OK over the socket
-
-    def call(self, request: bytes) -> Any:
-        return self.take(self.put(request))
-
-    @property
-    def due(self) -> bool:
-        return self._use_fallback and self._fallback.due
-
-    def put(self, request: bytes) -> Any:
-        """Sends request; returns what take() needs to read its answer. A failure is take()'s to
-        raise, as a gRPC stream's would be."""
-        current = self._connection()
-        if current is None:
-            return self._fallback.put(request)
-        return self._send_on(current, len(request), request)
-
-    def open(self) -> None:
-        """Connects now where no connection is open, as put() would: the caller learns before it
-        encodes a bundle whether the peer takes it here or the fallback does (on_fallback)."""
-        self._connection()
-
-    def call_bundle(self, frames: Iterator[bytes]) -> Any:
-        """A bundle of several frames as one request, each frame sent as it is made (the chunk its
-        handle names is written then), and its answer; with nothing else outstanding. None: the
-        peer takes none here (the fallback), so it goes by a gRPC call of its own."""
-        current = self._connection()
-        if current is None:
-            return None
-        for frame in frames:
-            sent = self._send_on(current, PART | len(frame), frame)
-            if sent.error is not None:
-                break
-        else:
-            sent = self._send_on(current, END, b"")
-        if sent.error is not None and current.sock is not None and not current.dead:
-            # The peer may have refused the bundle from its first frame and closed: its answer
-            # says why, where the broken pipe would not.
-            if isinstance(sent.error.__cause__, (BrokenPipeError, ConnectionResetError)):
-                sent = Sent(current)
-        return self.take(sent)
-
-    def _connection(self) -> Connection | None:
-        """The open connection, made if there is none (it may be broken: a put on it fails);
-        None: the peer takes nothing here, the fallback does."""
-        if self._use_fallback:
-            return None
-        current = self._open
-        if current is None:
-            if self._closed:   # no locate, connect and greeting for a link that is going
-                return Connection(None, SocketError(grpc.StatusCode.CANCELLED, "link socket: the link is closing"))
-            fresh = self._connect()   # outside the lock: close() must not wait for a locate and a connect
-            if self._use_fallback:   # found out just now
-                return None
-            with self._lock:
-                if not self._closed:
-                    self._open = current = fresh
-            if current is None:
-                self._end(fresh)
-                return Connection(None, SocketError(grpc.StatusCode.CANCELLED, "link socket: the link is closing"))
-        return current
-
-    @staticmethod
-    def _send_on(current: Connection, word: int, body: bytes) -> Sent:
-        if current.broken is not None:
-            return Sent(current, current.broken)
-        try:
-            _send(current.sock, _LENGTH.pack(word), body)   # type: ignore[arg-type]
-        except OSError as exc:
-            # Part of it may have gone: nothing more goes out on this connection. The answers to
-            # the requests before it can still be read.
-            current.broken = SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket: {exc}")
-            current.broken.__cause__ = exc
-            return Sent(current, current.broken)
-        return Sent(current)
-
-    def take(self, sent: Any) -> Any:
-        """The answer to the oldest request put and not yet taken (wire_pb2.Ack), or its refusal
-        raised as a SocketError. After an error the connection is dropped: the caller sends what
-        was outstanding on it again."""
-        if not isinstance(sent, Sent):
-            return self._fallback.take(sent)
-        current = sent.connection
-        try:
-            if sent.error is not None:
-                raise sent.error
-            if current.dead:
-                raise SocketError(grpc.StatusCode.UNAVAILABLE, "link socket: the connection was dropped")
-            try:
-                _read_answer(current.sock)   # type: ignore[arg-type]
-            except TimeoutError:
-                raise SocketError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  f"link socket: no answer within {self._deadline_s:.0f} s") from None
-            except OSError as exc:
-                raise SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket: {exc}") from None
-        except SocketError:
-            self._drop(current)
-            raise
-        self.answered += 1
-        return wire_pb2.Ack()
-
-    def close(self, grace_s: float = 1.0) -> None:
-        with self._lock:
-            current, self._open, self._closed = self._open, None, True
-        if current is not None:
-            self._end(current)
-        if self._fallback is not None:
-            self._fallback.close(grace_s)
-
-    def _connect(self) -> Connection:
-        try:
-            address = self._locate()
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self._fallback is not None:
-                log.info("the peer offers no link socket; its bundles go over a gRPC stream")
-                self._fall_back()
-                return Connection(None)
-            return Connection(None, SocketError(exc.code(), f"LinkSocket: {exc.details()}"))
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(rpc.CONTROL_DEADLINE_S)
-        try:
-            sock.connect("\0" + address.name)
-        except OSError as exc:
-            sock.close()
-            if exc.errno in _TRANSIENT or self._fallback is None:
-                return Connection(None, SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket {address.name}: {exc}"))
-            # The peer answered over gRPC just now, so its socket is out of reach from here (a
-            # sandbox's rules, say), not gone: the held stream does the same job, only slower.
-            log.warning("cannot reach the peer's link socket %s (%s); its bundles go over a gRPC stream",
-                        address.name, exc)
-            self._fall_back()
-            return Connection(None)
-        try:
-            # The name can be taken by anyone once its owner is gone: only our own user's answer counts.
-            if (uid := peer_uid(sock)) != os.getuid():
-                raise SocketError(grpc.StatusCode.UNAVAILABLE,
-                                  f"link socket {address.name} is served by user {uid}, not by this one")
-            sock.sendall(bytes(address.nonce) + bytes([self._method]))
-            _read_answer(sock)
-            sock.settimeout(self._deadline_s)
-        except SocketError as exc:
-            sock.close()
-            return Connection(None, exc)
-        except OSError as exc:
-            sock.close()
-            return Connection(None, SocketError(grpc.StatusCode.UNAVAILABLE, f"link socket {address.name}: {exc}"))
-        return Connection(sock)
-
-    def _fall_back(self) -> None:
-        self._use_fallback = True
-        self._on_fallback()
-
-    def _drop(self, current: Connection) -> None:
-        with self._lock:
-            if self._open is current:
-                self._open = None
-        self._end(current)
-
-    @staticmethod
-    def _end(current: Connection) -> None:
-        current.dead = True
-        if current.sock is not None:
-            try:
-                current.sock.shutdown(socket.SHUT_RDWR)   # wakes a take() blocked in recv; close() alone would not
-            except OSError:
-                pass
-            current.sock.close()

@@ -408,7 +408,7 @@ class Stub:
 
 class HeldCalls(Protocol):
     """Where a link sends its bundles: a held stream (duplex.Duplex) or a peer's link socket
-    (link_socket.SocketDuplex)."""
+    (socket_duplex.SocketDuplex)."""
 
     def call(self, request: bytes) -> Any: ...
 

@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from hetpipe import cuda_ipc as ipc
-from hetpipe import link_socket, rpc, shm, wire
+from hetpipe import link_socket, rpc, shm, socket_duplex, wire
 from hetpipe.duplex import Duplex
 from hetpipe.v1 import wire_pb2
 from stage_worker import host_copies
@@ -122,9 +122,9 @@ class Link:
         self._channel = rpc.channel(address)
         self._stub = rpc.Stub(self._channel, "Stage")
         # One-frame bundles: over the peer's link socket where it shares this host, else a held stream.
-        self._duplex: Duplex | link_socket.SocketDuplex = Duplex(getattr(self._stub, f"{method}Link"), rpc.DATA_DEADLINE_S)
+        self._duplex: Duplex | socket_duplex.SocketDuplex = Duplex(getattr(self._stub, f"{method}Link"), rpc.DATA_DEADLINE_S)
         if shared_memory:
-            self._duplex = link_socket.SocketDuplex(self._locate, method, rpc.DATA_DEADLINE_S, fallback=self._duplex,
+            self._duplex = socket_duplex.SocketDuplex(self._locate, method, rpc.DATA_DEADLINE_S, fallback=self._duplex,
                                                     on_fallback=self._whole_bundles)
         self._queue: queue.Queue[Outgoing | None] = queue.Queue()
         self._in_flight: deque[tuple[Outgoing, Any]] = deque()   # put on the held stream or socket, unanswered
@@ -210,7 +210,7 @@ class Link:
     @property
     def socket_bundles(self) -> int:
         """Bundles answered over the peer's link socket."""
-        return self._duplex.answered if isinstance(self._duplex, link_socket.SocketDuplex) else 0
+        return self._duplex.answered if isinstance(self._duplex, socket_duplex.SocketDuplex) else 0
 
     @property
     def backlog(self) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from hetpipe import link_socket, metrics, rpc
+from hetpipe import link_socket, metrics, rpc, socket_duplex
 from hetpipe.errors import Rejected
 from hetpipe.v1 import stage_pb2, wire_pb2
 from stage_rig import Rig, middle_stage
@@ -46,8 +46,8 @@ class _Peer:
             got.append(frame)
         self.got.append(got[0] if len(got) == 1 else b"+".join(got))
 
-    def duplex(self) -> link_socket.SocketDuplex:
-        return link_socket.SocketDuplex(self.server.address, "Forward", deadline_s=30)
+    def duplex(self) -> socket_duplex.SocketDuplex:
+        return socket_duplex.SocketDuplex(self.server.address, "Forward", deadline_s=30)
 
 
 @pytest.fixture
@@ -351,12 +351,12 @@ def test_a_peer_without_a_socket_is_called_over_the_fallback() -> None:
         raise Unimplemented()
 
     stream = Stream()
-    duplex = link_socket.SocketDuplex(locate, "Backward", deadline_s=5, fallback=stream)
+    duplex = socket_duplex.SocketDuplex(locate, "Backward", deadline_s=5, fallback=stream)
     assert duplex.call(b"x") == "answered b'x'" and duplex.call(b"y") == "answered b'y'"
     assert stream.put_calls == [b"x", b"y"] and duplex.answered == 0
     # Without a fallback the peer's answer is the link's failure.
     with pytest.raises(grpc.RpcError) as info:
-        link_socket.SocketDuplex(locate, "Backward", deadline_s=5).call(b"x")
+        socket_duplex.SocketDuplex(locate, "Backward", deadline_s=5).call(b"x")
     assert info.value.code() == Code.UNIMPLEMENTED
 
 
@@ -380,7 +380,7 @@ def _connect(rig: Rig, greeting: bytes | None = None) -> tuple[socket.socket, An
 
 def _answer(sock: socket.socket) -> tuple[Code, str]:
     try:
-        link_socket._read_answer(sock)
+        link_socket.read_answer(sock)
     except link_socket.SocketError as exc:
         return exc.code(), exc.details()
     return Code.OK, ""
@@ -449,7 +449,7 @@ def test_a_stage_refuses_bad_greetings_and_requests_and_changes_nothing(rig: Rig
         s.close()
 
     # A bundle of several frames with one past its end: refused before the stage takes anything.
-    duplex = link_socket.SocketDuplex(lambda: rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5), "Forward", 10)
+    duplex = socket_duplex.SocketDuplex(lambda: rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5), "Forward", 10)
     extra = wire_pb2.TensorFrame(data=b"1234").SerializeToString()
     with pytest.raises(link_socket.SocketError) as info:
         duplex.call_bundle(iter([rig.activation(1)[0].SerializeToString(), extra]))
@@ -533,7 +533,7 @@ def test_a_socket_served_by_another_user_is_not_trusted() -> None:
     try:
         assert squatter.stdout is not None and squatter.stdout.readline().strip() == "ready"
         address = stage_pb2.LinkSocketAddress(name=name, nonce=bytes(link_socket.NONCE_BYTES))
-        duplex = link_socket.SocketDuplex(lambda: address, "Forward", deadline_s=5)
+        duplex = socket_duplex.SocketDuplex(lambda: address, "Forward", deadline_s=5)
         with pytest.raises(link_socket.SocketError) as info:
             duplex.call(b"x")
         assert info.value.code() == Code.UNAVAILABLE and "served by user 65534" in info.value.details()

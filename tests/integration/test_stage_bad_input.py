@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from hetpipe import link_socket, rpc, wire
+from hetpipe import rpc, socket_duplex, wire
 from hetpipe.duplex import Duplex
 from hetpipe.v1 import stage_pb2, wire_pb2
 from shm_handles import forged_handles
@@ -351,7 +351,7 @@ def test_bad_shared_memory_handles_are_refused_and_change_nothing(rig: Rig, chan
     # status, the next call opens another, and the good handle goes through the same one at the end.
     link: Any = Duplex(rig.stub.ForwardLink, deadline_s=10)
     if channel == "socket":
-        link = link_socket.SocketDuplex(lambda: rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5), "Forward", 10)
+        link = socket_duplex.SocketDuplex(lambda: rig.stub.LinkSocket(wire_pb2.Empty(), timeout=5), "Forward", 10)
 
     def encoded(frame: wire_pb2.TensorFrame) -> Any:
         return frame.SerializeToString() if channel == "socket" else frame
