@@ -344,7 +344,10 @@ class JobDriver:
                 h.stub.Stop(wire_pb2.Empty(), timeout=rpc.STATUS_DEADLINE_S)
             except grpc.RpcError:
                 pass
+        owning = set(self.plan.key_shard.values())
         for i, stub in enumerate(self.shards):
+            if i not in owning:   # it owns no key: never initialised, it holds no clock to wait on
+                continue
             request = ps_pb2.EvictRequest(vw=lost.vw)
             try:  # through a shard restart: the eviction is durable once acknowledged
                 rpc.retrying(lambda: stub.Evict(request, timeout=rpc.CONTROL_DEADLINE_S), give_up_s=60.0)
@@ -514,9 +517,13 @@ class JobDriver:
         new = [e for e in new if e.final or e.minibatches not in self._kept_evals]
         if not new:
             return
-        vws, batch = self.plan.virtual_workers, self.job.data.batch_size
+        live, batch = len({h.plan.vw for h in self.stages}), self.job.data.batch_size
+
+        def samples(minibatches: int) -> int:   # a VW that left trained its own count, not VW 0's
+            return (minibatches * live + sum(min(x["minibatches"], minibatches) for x in self.evicted)) * batch
+
         outputs.append_evals(self.out_dir, [{
-            "id": e.id, "final": e.final, "minibatches": e.minibatches, "samples": e.minibatches * batch * vws,
+            "id": e.id, "final": e.final, "minibatches": e.minibatches, "samples": samples(e.minibatches),
             "seconds": self._seconds(e.time), "rows": e.rows, "loss": e.loss,
             "accuracy": e.accuracy if self.job.train.loss == "cross_entropy" else None,
         } for e in new])

@@ -81,6 +81,7 @@ class ShardWatch:
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     self._watch.unanswered(shard_name(i), now)
                 else:   # UNAVAILABLE: dead or restarting, which the launcher or the heartbeats report
+                    self._watch.answered(shard_name(i))   # an earlier missed check no longer counts
                     self._watch.paused(now)
                 silent = [(who, s) for who, s in self._watch.not_responding(now) if who in self._index]
             for who, seconds in silent:

@@ -184,7 +184,7 @@ def locked(out_dir: Path) -> Iterator[None]:
 # What a run writes in output.dir's folders, by name: exactly what a new run clears there. Anything
 # else in them (a user's notes in logs/, their own checkpoints) is left alone: output.dir may be a
 # folder of the user's, even ".".
-CUT = re.compile(r"cut\d{6}")
+CUT = re.compile(r"cut[0-9]{6,}")   # cut_dir pads to 6 digits: wave 1,000,000 has 7
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")   # weight_files.file_names, transformers' names
 WRITTEN = {
     "ps": re.compile(r"shard\d+"),                       # each shard's durable state

@@ -511,3 +511,20 @@ def test_only_this_starts_marks_say_a_stage_shares_the_folder(tmp_path: Path) ->
     assert cuts.unshared() == [(1, 0)]
     assert not list(cuts.folder.glob("shared_vw*"))   # cleared for the next check
     assert cuts.unshared() == [(0, 0), (1, 0)]
+
+
+def test_a_cut_past_wave_999999_is_found_and_replaces_the_one_before(tmp_path: Path) -> None:
+    """cut_dir pads to six digits: the cut of wave 1,000,000 has seven. The name check took six
+    only, so that cut was written, the one before it removed as superseded, and --resume found
+    neither (train.steps goes up to 10**9)."""
+    folder = tmp_path / "checkpoints"
+    cuts = checkpoints.Checkpoints(folder, [], {}, {}, {"virtual_workers": 1, "stages_per_vw": 1})
+    cuts.prepare()
+    for wave in (999_999, 1_000_000):
+        part = outputs.stage_state_path(folder, wave, 0, 0)
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.write_bytes(b"state")   # the stage's part, as save_stage_state leaves it
+        cuts.take(wave, 0, [], 1.0)
+        assert checkpoints.latest(folder) == wave
+    assert sorted(p.name for p in folder.glob("cut*")) == ["cut1000000"]
+    assert outputs.cut_dir(folder, 1_000_000) in list(outputs.written(tmp_path)), "--fresh clears it"

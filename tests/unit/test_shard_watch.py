@@ -108,3 +108,14 @@ def test_the_thread_finds_a_silent_shard_and_close_stops_it() -> None:
     asked = len(health.codes)
     threading.Event().wait(0.1)
     assert len(health.codes) == asked, "still asking after close"
+
+
+def test_a_shard_slow_once_then_restarting_is_not_named_silent() -> None:
+    """One missed check, then refusals (it died and is being restarted: the launcher or compose
+    brings it back, and its heartbeats are the rule): the missed check no longer counts, so the
+    restart's time was taken for silence and the shard named "not responding"."""
+    shard_watch, clock, named, _ = _watch([_Health(SILENT, *[grpc.StatusCode.UNAVAILABLE] * 10)], restart=False)
+    for t in range(8):
+        clock[0] = float(t)
+        assert shard_watch.probe(), f"named silent at t={t}: {named}"
+    assert named == []
