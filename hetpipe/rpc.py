@@ -197,7 +197,10 @@ class Server:
         self._servicers: list[object] = []   # what serves beside gRPC (a stage's link socket) ends with stop()
         self._health_only: grpc.Server | None = None
         if health_port:
-            self._health_only = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+            # Without SO_REUSEPORT (gRPC's default sets it), as the main port: a taken health port
+            # is refused, not shared with another process that would answer the probes.
+            self._health_only = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
+                                            options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_only)
             if self._health_only.add_insecure_port(f"{host}:{health_port}") == 0:
                 raise RuntimeError(f"could not bind the health port {host}:{health_port}")

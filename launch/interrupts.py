@@ -65,5 +65,8 @@ def run_interrupts() -> Iterator[None]:
             signal.signal(s, signal.SIG_IGN)
         raise KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
 
-    with _handling(HELD, interrupt):
+    # One this process was started with ignored stays ignored (nohup's SIGHUP, the SIGINT of a
+    # script's background job): whoever started the run asked it to outlive those, and its
+    # services, which inherit the launcher's ignored signals, then ignore them too.
+    with _handling([s for s in HELD if signal.getsignal(s) is not signal.SIG_IGN], interrupt):
         yield

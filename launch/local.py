@@ -190,15 +190,19 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
     outputs.check_reads(out_dir, job.read_paths, keep_checkpoints=resume)
     with outputs.locked(out_dir):
         credentials = local_security(job, out_dir, flags)
-        _check_security(credentials)
-        # With this launcher's own folders: an earlier run's logs of processes this one lacks, or
-        # its trace where this one writes none, would pass for this run's (`hetpipe trace`).
-        # Stages write their trace anew even on --resume; eval.jsonl keeps the evaluations before the cut.
-        kept = (outputs.evals_through(out_dir, resume_wave * plan.nm) if resume_wave else []) if resume else None
-        outputs.start_local(out_dir, keep_checkpoints=resume, evals=kept)
-        with security.using(credentials, security.COORDINATOR, "hetpipe run"):
-            return _run_coordinated(job, plan, out_dir, credentials, quiet=quiet, resume_wave=resume_wave,
-                                    heartbeat_interval_s=heartbeat_interval_s)
+        try:   # the per-run token goes however this ends (_run_coordinated's own finally, once there)
+            _check_security(credentials)
+            # With this launcher's own folders: an earlier run's logs of processes this one lacks, or
+            # its trace where this one writes none, would pass for this run's (`hetpipe trace`).
+            # Stages write their trace anew even on --resume; eval.jsonl keeps the evaluations before the cut.
+            kept = (outputs.evals_through(out_dir, resume_wave * plan.nm) if resume_wave else []) if resume else None
+            outputs.start_local(out_dir, keep_checkpoints=resume, evals=kept)
+            with security.using(credentials, security.COORDINATOR, "hetpipe run"):
+                return _run_coordinated(job, plan, out_dir, credentials, quiet=quiet, resume_wave=resume_wave,
+                                        heartbeat_interval_s=heartbeat_interval_s)
+        finally:
+            if credentials.token_file == str(out_dir / TOKEN_FILE):
+                (out_dir / TOKEN_FILE).unlink(missing_ok=True)
 
 
 def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: security.Security, *, quiet: bool,

@@ -20,6 +20,7 @@ from types import TracebackType
 from hetpipe import children, shm
 from hetpipe.children import Child
 from hetpipe.errors import JobFailed
+from launch.interrupts import interrupts_held
 
 # A shard that dies is restarted from its checkpoint and push log this many times in a job; the next
 # death fails the job (a local run and `hetpipe worker` alike).
@@ -134,9 +135,12 @@ class LocalProcesses:
         log_path = self.log_dir / f"{slug}.log"
         args = [sys.executable, "-m", module, "--host", self.host, "--metrics-port", "0",
                 "--ready-file", str(ready), "--exit-with-parent", *(extra or [])]
-        proc = Process(name, children.start([*args, "--port", str(port)], log_path, env=self._environment()), log_path,
-                       ready, args)
-        self.processes.append(proc)
+        # Whole: a child started but not listed would never be stopped, and multiprocessing's exit
+        # handler would wait for it (as it waits for its launcher) for good. An interrupt waits.
+        with interrupts_held():
+            proc = Process(name, children.start([*args, "--port", str(port)], log_path, env=self._environment()),
+                           log_path, ready, args)
+            self.processes.append(proc)
         return proc
 
     def _environment(self) -> dict[str, str]:
@@ -148,8 +152,9 @@ class LocalProcesses:
         proc.ready_file.unlink(missing_ok=True)
         shm.sweep()  # what the dead process left in /dev/shm
         port = proc.address.rsplit(":", 1)[1]
-        proc.popen = children.start([*proc.args, "--port", port], proc.log_path, env=self._environment(),
-                                    append=True)
+        with interrupts_held():   # as in spawn: the new process recorded before an interrupt comes
+            proc.popen = children.start([*proc.args, "--port", port], proc.log_path, env=self._environment(),
+                                        append=True)
         proc.restarts = 0 if fresh else proc.restarts + 1
         deadline = time.monotonic() + timeout
         while not proc.ready_file.exists():
@@ -195,11 +200,15 @@ class LocalProcesses:
         return [p for p in self.processes if p.popen.poll() is not None]
 
     def stop_all(self, grace: float = 3.0, sig: signal.Signals = signal.SIGTERM) -> None:
-        """sig (SIGTERM), then SIGKILL whatever is still alive after grace seconds."""
-        children.stop(self.processes, grace, sig)
-        # A process that was killed (or crashed) could not remove its shared-memory segments.
-        shm.sweep()
-        self._run_dir.cleanup()
+        """sig (SIGTERM), then SIGKILL whatever is still alive after grace seconds. Whole: an
+        interrupt that comes meanwhile (a Ctrl-C as a run that ended stops its processes) is raised
+        once it is done; raised inside, it skipped the SIGKILL of a process that did not stop, and
+        the launcher then waited for it at exit (multiprocessing joins its children) for good."""
+        with interrupts_held():
+            children.stop(self.processes, grace, sig)
+            # A process that was killed (or crashed) could not remove its shared-memory segments.
+            shm.sweep()
+            self._run_dir.cleanup()
 
     def __enter__(self) -> LocalProcesses:
         return self

@@ -326,7 +326,8 @@ def serve(cfg: WorkerConfig) -> int:
     processes.warm_up()
     before = {sig: signal.getsignal(sig) for sig in HELD}
     for sig in INTERRUPTING:   # SIGTERM, and SIGHUP (a closed terminal): the stop that a scheduler's cancel is
-        signal.signal(sig, _on_sigterm)
+        if before[sig] is not signal.SIG_IGN:   # nohup's SIGHUP stays ignored
+            signal.signal(sig, _on_sigterm)
     # The signal that stops us, passed on: a stage tells the coordinator which (a Ctrl-C at the
     # terminal reaches the stages too, but may do so after a SIGTERM from us would).
     stop_with = signal.SIGTERM

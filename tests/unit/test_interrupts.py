@@ -45,3 +45,19 @@ def test_the_handler_in_place_gets_the_first_signal_and_an_ignored_one_stays_ign
     with interrupts_held():
         os.kill(os.getpid(), signal.SIGINT)   # ignored before: nothing afterwards either
     assert got == [signal.SIGTERM] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_a_run_keeps_the_signals_it_was_started_with_ignored() -> None:
+    """`nohup hetpipe run` (SIGHUP ignored), a script's `hetpipe run &` (SIGINT ignored): a
+    closed terminal or a Ctrl-C meant for the script must not stop the run; SIGTERM still does."""
+    from launch.interrupts import run_interrupts
+
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        with run_interrupts():
+            os.kill(os.getpid(), signal.SIGHUP)
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert "SIGTERM" in str(stopped.value), stopped.value
