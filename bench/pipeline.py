@@ -83,9 +83,12 @@ def analyse(run: Run, nm: int, steps: int, f: float, b: float) -> Result:
     # Warm-up: the first Nm minibatches enter at once and stagger; two rounds plus the pipeline
     # depth is past any fill transient. Start-up of the processes is not in the trace at all.
     warm = 2 * nm + K
-    lo, hi = be[(0, warm)], be[(0, n)]
-    rate = (n - warm) / (hi - lo)
-    steady = range(warm + 1, n + 1)
+    # ...and the drain: once stage 0 has injected minibatch n it runs backwards only, so the last
+    # nm completions come faster than a steady stage can (above 1/(F+B) at Nm > k).
+    last = n - nm
+    lo, hi = be[(0, warm)], be[(0, last)]
+    rate = (last - warm) / (hi - lo)
+    steady = range(warm + 1, last + 1)
 
     def path_compute(p: int) -> float:
         f = sum(fe[(q, p)] - fs[(q, p)] for q in range(K - 1))
@@ -119,7 +122,7 @@ def analyse(run: Run, nm: int, steps: int, f: float, b: float) -> Result:
     late = sum(t.end - t.start > target[t.kind] + LATE_S for t in window) / len(window)
     samples = run.summary["steps"] * run.summary["virtual_workers"]
     return Result(
-        nm=nm, window=n - warm, rate=rate, ratio=rate * period,
+        nm=nm, window=last - warm, rate=rate, ratio=rate * period,
         cycle_ms=median_ms(cycles), path_compute_ms=median_ms([path_compute(p) for p in steady]),
         hop_gap_ms=median_ms(gaps), idle_hop_ms=median_ms(idle_gaps), inject_gap_ms=median_ms(inject),
         busy=busy, late=late, summary_rate=samples / run.summary["wall_seconds"],
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     nms = args.nm or ([1, TARGET_NM] if args.quick else list(range(1, 7)))
     steps = args.steps or (28 if args.quick else 40)
     probe = (not args.quick) if args.probe is None else args.probe
-    if steps < 2 * max(nms) + K + 8:
+    if steps < 3 * max(nms) + K + 8:
         parser.error(f"--steps {steps} leaves too short a steady window for Nm={max(nms)}")
     f, b = args.forward_ms / 1e3, args.backward_ms / 1e3
     period = f + b  # every stage does F+B per minibatch (the last as one task): the slowest stage's time
