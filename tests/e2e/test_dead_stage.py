@@ -37,6 +37,14 @@ LONG_JOB: dict[str, Any] = {
 HUNG_AFTER_S = 120.0   # a hang's guard for hetpipe's exit, not a speed bound
 
 
+def _default_signals() -> None:
+    """As from a terminal: a suite launched in the background (`cmd &` in a script) has SIGINT
+    ignored, under nohup SIGHUP too, and an ignored signal stays ignored across exec (and, by
+    design, in `hetpipe run`)."""
+    for s in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+
+
 class Run:
     """`hetpipe run job.yaml` as a subprocess in its own session (like a shell job)."""
 
@@ -48,9 +56,7 @@ class Run:
                 [sys.executable, "-m", "launch.cli", "run", "-q", str(tmp_path / "job.yaml")],
                 cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                 start_new_session=True,
-                # As from a terminal: a suite launched in the background (`cmd &` in a script) has
-                # SIGINT ignored, and an ignored signal stays ignored across exec.
-                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                preexec_fn=_default_signals,
             )
         self.me = psutil.Process(self.popen.pid)
 

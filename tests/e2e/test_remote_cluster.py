@@ -55,7 +55,8 @@ class Cluster:
             self.procs[name] = subprocess.Popen([*wrap, *HETPIPE, *args], cwd=self.tmp / name, stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                                 env={**os.environ, "PYTHONPATH": str(REPO)},
-                                                preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+                                                preexec_fn=lambda: (signal.signal(signal.SIGINT, sigint),
+                                                                   signal.signal(signal.SIGHUP, signal.SIG_DFL)))
 
     def start_coordinator(self) -> None:
         self.start("coordinator", "coordinator", "--port", self.address.rsplit(":", 1)[1], "--heartbeat-interval",

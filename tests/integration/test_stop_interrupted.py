@@ -4,6 +4,7 @@ grace, and the launcher exits rather than wait at exit for that process, which w
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,10 @@ def test_a_ctrl_c_during_the_stop_neither_spares_a_stuck_process_nor_hangs_the_l
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     env = {"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"}
     try:
+        # SIGINT as from a terminal: a suite run in the background ignores it, and so would the launcher.
         out = subprocess.run([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "logs")],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     except subprocess.TimeoutExpired:
         pytest.fail("the launcher hung at exit after a Ctrl-C during its stop")
     assert out.returncode == 130, out

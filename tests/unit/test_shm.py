@@ -520,6 +520,7 @@ def test_sweep_survives_another_users_file_named_like_a_segment() -> None:
     foreign = shm.SHM_DIR / f"{shm.PREFIX}1-{secrets.token_hex(8)}"
     foreign.touch(mode=0o644)
     os.chmod(foreign, 0o644)
+    os.chown(foreign, 65533, 65533)   # a third user's: this suite's own sweeps (root's) pass it by too
     try:
         code = "from hetpipe import shm; print(shm.sweep())"
         done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
