@@ -18,9 +18,9 @@ from hetpipe.rpc import CHUNK_BYTES
 
 Role = coordinator_pb2.WorkerInfo.Role
 # What a client gets back: the final weights (one file or transformers' shards and index), the
-# summary and the evaluations. Logs, traces and shard state stay on the hosts that wrote them.
+# summary and the evaluations (the weights' shards: outputs.SHARD_FILE). Logs, traces and shard
+# state stay on the hosts that wrote them.
 RESULT_FILES = ("model.safetensors", outputs.INDEX_FILE, "summary.json", "eval.jsonl")
-RESULT_SHARDS = re.compile(r"^model-[0-9]{5}-of-[0-9]{5}\.safetensors\Z")  # \Z: "$" also matches before a final newline
 _NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -80,7 +80,7 @@ def result_files(out_dir: Path) -> list[Path]:
     """The files of out_dir a client gets back (RESULT_FILES and weight shards), regular files only."""
     found = []
     for path in sorted(out_dir.iterdir()) if out_dir.is_dir() else []:
-        if (path.name in RESULT_FILES or RESULT_SHARDS.match(path.name)) and path.is_file() and not path.is_symlink():
+        if (path.name in RESULT_FILES or outputs.SHARD_FILE.fullmatch(path.name)) and path.is_file() and not path.is_symlink():
             found.append(path)
     return found
 

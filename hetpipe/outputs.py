@@ -185,7 +185,7 @@ def locked(out_dir: Path) -> Iterator[None]:
 # else in them (a user's notes in logs/, their own checkpoints) is left alone: output.dir may be a
 # folder of the user's, even ".".
 CUT = re.compile(r"cut[0-9]{6,}")   # cut_dir pads to 6 digits: wave 1,000,000 has 7
-SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")   # weight_files.file_names, transformers' names
+SHARD_FILE = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")   # weight_files.file_names, transformers' names
 WRITTEN = {
     "ps": re.compile(r"shard\d+"),                       # each shard's durable state
     CHECKPOINTS: re.compile(rf"{CUT.pattern}|shared_vw\d+_stage\d+(\.[0-9a-f]+)?|fresh_start\.json"),

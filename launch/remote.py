@@ -20,7 +20,7 @@ from hetpipe.config import ConfigError, JobConfig, check_coordinated
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
 from hetpipe.v1 import coordinator_pb2
 from hetpipe.outputs import STATUS_FILE, fsync, publish_address, unpublish_address, write_status
-from coordinator.remote import RESULT_FILES, RESULT_SHARDS
+from coordinator.remote import RESULT_FILES
 from launch.local import follow
 
 # What a client accepts from a coordinator's Results stream: names, count and sizes bounded, so
@@ -48,7 +48,7 @@ def output_path(out_dir: Path, name: str) -> Path:
     if not name or len(name) > MAX_NAME_CHARS or name.startswith("/") or not all(_COMPONENT.match(p) for p in parts):
         raise ValueError(f"file name {name[:MAX_NAME_CHARS]!r}: expected a plain relative path of at most "
                          f"{MAX_NAME_CHARS} characters (letters, digits, '.', '_', '-'; no '..')")
-    if name not in RESULT_FILES and not RESULT_SHARDS.match(name):
+    if name not in RESULT_FILES and not outputs.SHARD_FILE.fullmatch(name):
         raise ValueError(f"file name {name!r}: not one of the files a run hands back ({', '.join(RESULT_FILES)}, "
                          "model-NNNNN-of-NNNNN.safetensors)")
     path = out_dir.joinpath(*parts)
