@@ -268,9 +268,9 @@ def stream_into(writer: WeightsWriter, call: Callable[[], Any], who: str,
             if expected is None or (expected.dtype, expected.shape) != (dtype, tuple(shape)):
                 want = f"{expected.dtype} {list(expected.shape)}" if expected else "no such key"
                 raise JobFailed(f"{who}: sent weights {name!r} as {dtype} {list(shape)}, expected {want}")
+        also = tied or {}
         for index, offset, piece in stream.pieces:
-            writer.write(names[index], offset, piece)
-            for alias in (tied or {}).get(names[index], ()):
-                writer.write(alias, offset, piece)
+            for name in (names[index], *also.get(names[index], ())):
+                writer.write(name, offset, piece)
     except grpc.RpcError as exc:
         raise ReadFailed(f"{who}: reading weights failed: {exc.code().name}: {exc.details()}", exc.code()) from None

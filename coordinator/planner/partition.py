@@ -23,6 +23,7 @@ from coordinator.planner.profile import LayerProfile, ModelProfile
 # 14: hours); past this the VW is refused with a PlanError that says so.
 MAX_CANDIDATES = 2_000_000
 
+
 @dataclass(frozen=True, slots=True)
 class StageCut:
     gpu: Gpu

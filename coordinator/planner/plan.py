@@ -154,8 +154,8 @@ class _Partitions:
     def __call__(self, group: Sequence[Gpu], nm: int) -> Partition:
         signature, order = vw_signature(group)
         if (signature, nm) not in self._memo:
-            self._memo[signature, nm] = (partition_vw(self.profile, order, nm, self.optimizer, self.network,
-                                                                self.cancel), order)
+            found = partition_vw(self.profile, order, nm, self.optimizer, self.network, self.cancel)
+            self._memo[signature, nm] = (found, order)
         part, first = self._memo[signature, nm]
         rename = dict(zip(first, order))
         return unjoin(Partition(tuple(dataclasses.replace(c, gpu=rename[c.gpu]) for c in part.stages)), self.profile)

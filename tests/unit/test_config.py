@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetpipe.cluster import EmulateConfig, GpuGroup, NodeConfig
-from hetpipe.parallelism import ParallelConfig
+from hetpipe.parallelism import MAX_STAGES, MAX_VIRTUAL_WORKERS, ParallelConfig
 from hetpipe.training import OptimizerConfig
 from hetpipe.config import (
     ConfigError,
@@ -632,3 +632,23 @@ def test_a_set_that_cannot_apply_is_refused_naming_it(raw: Any, setting: str, na
         with_setting(raw, setting)
     for name in names:
         assert name in str(info.value), str(info.value)
+
+
+def _cluster_job_json(groups: int) -> str:
+    return json.dumps({
+        "model": {"name": "mlp", "args": {"in_features": 64, "hidden": [32, 32, 32], "num_classes": 10}},
+        "data": {"name": "digits", "batch_size": 16},
+        "train": {"steps": 4, "loss": "cross_entropy", "optimizer": {"name": "sgd", "lr": 0.05}, "seed": 0},
+        "parallel": {"virtual_workers": 1, "stages_per_vw": 2, "nm": 1, "D": 0},
+        "cluster": {"nodes": [{"name": "n0", "gpus": [{"type": "h200", "count": MAX_VIRTUAL_WORKERS * MAX_STAGES}] * groups}],
+                    "emulate": {"time_scale": 1.0}},
+        "output": {"dir": "out"},
+    })
+
+
+def test_a_cluster_past_what_any_plan_uses_is_refused() -> None:
+    """Bounded in all, not only per group: a few hundred bytes of groups of 262144 GPUs each made
+    the planner build a Gpu per GPU (a 10 KB Submit: about 75 million, 12 GiB)."""
+    JobConfig.from_json(_cluster_job_json(1))
+    with pytest.raises(ConfigError, match=r"cluster.nodes: expected at most 262144 GPUs in all.*524288 GPUs"):
+        JobConfig.from_json(_cluster_job_json(2))
