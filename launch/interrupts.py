@@ -48,7 +48,7 @@ def interrupts_held() -> Iterator[None]:
     before are back: Ctrl-C's KeyboardInterrupt, a run's Interrupted, SIGTERM's default end, or
     nothing where it was ignored."""
     came: list[int] = []
-    with _handling(_not_ignored(HELD), lambda signum, frame: came.append(signum)):
+    with _handling(not_ignored(HELD), lambda signum, frame: came.append(signum)):
         yield
     if came:
         signal.raise_signal(came[0])
@@ -68,11 +68,11 @@ def run_interrupts() -> Iterator[None]:
     # One this process was started with ignored stays ignored (nohup's SIGHUP, the SIGINT of a
     # script's background job): whoever started the run asked it to outlive those, and its
     # services, which inherit the launcher's ignored signals, then ignore them too.
-    with _handling(_not_ignored(HELD), interrupt):
+    with _handling(not_ignored(HELD), interrupt):
         yield
 
 
-def _not_ignored(signals: Sequence[signal.Signals]) -> list[signal.Signals]:
+def not_ignored(signals: Sequence[signal.Signals]) -> list[signal.Signals]:
     """Those of signals this process does not ignore. An ignored one is left so, whatever block
     runs: a child started meanwhile (children.start) is told its launcher ignores SIGINT only
     while getsignal says so."""

@@ -32,7 +32,7 @@ from hetpipe.errors import JobFailed
 from hetpipe.registration import NO_COORDINATOR, TOKEN_HINT
 from hetpipe.service import EXIT_ORPHANED, EXIT_REFUSED, loopback
 from hetpipe.v1 import wire_pb2
-from launch.interrupts import HELD, INTERRUPTING, interrupts_held
+from launch.interrupts import HELD, INTERRUPTING, interrupts_held, not_ignored
 from launch import processes
 from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses, Process
 
@@ -325,9 +325,10 @@ def serve(cfg: WorkerConfig) -> int:
     os.chdir(root)
     processes.warm_up()
     before = {sig: signal.getsignal(sig) for sig in HELD}
-    for sig in INTERRUPTING:   # SIGTERM, and SIGHUP (a closed terminal): the stop that a scheduler's cancel is
-        if before[sig] is not signal.SIG_IGN:   # nohup's SIGHUP stays ignored
-            signal.signal(sig, _on_sigterm)
+    # SIGTERM, and SIGHUP (a closed terminal): the stop that a scheduler's cancel is; nohup's
+    # ignored SIGHUP stays ignored.
+    for sig in not_ignored(INTERRUPTING):
+        signal.signal(sig, _on_sigterm)
     # The signal that stops us, passed on: a stage tells the coordinator which (a Ctrl-C at the
     # terminal reaches the stages too, but may do so after a SIGTERM from us would).
     stop_with = signal.SIGTERM
