@@ -302,7 +302,8 @@ class _Bar:
     def __init__(self, total: int, desc: str) -> None:
         self._bar = tqdm(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True, desc=desc)
 
-    def show(self, samples: int, loss: float | None, samples_per_second: float, *, last: bool) -> None:
+    def show(self, samples: int, total: int, loss: float | None, samples_per_second: float, *, last: bool) -> None:
+        self._bar.total = total   # less once a VW has left the job (parallel.on_vw_failure: continue)
         self._bar.n = samples
         self._bar.set_postfix(**({"loss": f"{loss:.4f}"} if loss is not None else {}),
                               samples_s=f"{samples_per_second:.0f}", refresh=False)
@@ -323,7 +324,8 @@ class _Lines:
         self._total, self._desc = total, desc
         self._tenth, self._at, self._printed, self._text = -1, 0.0, -1, ""
 
-    def show(self, samples: int, loss: float | None, samples_per_second: float, *, last: bool) -> None:
+    def show(self, samples: int, total: int, loss: float | None, samples_per_second: float, *, last: bool) -> None:
+        self._total = total   # less once a VW has left the job (parallel.on_vw_failure: continue)
         tenth = 10 * samples // max(self._total, 1)
         now = time.monotonic()
         if not last and tenth <= self._tenth and (now - self._at < self.LINE_S or samples == self._printed):
@@ -373,7 +375,8 @@ def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
                 # No loss until a minibatch of this run has finished (a resumed one starts at the
                 # cut's samples): the wire's 0.0 stands for none yet.
                 trained = status.samples and status.samples_per_second
-                shown.show(status.samples, status.loss if trained else None, status.samples_per_second, last=ended)
+                shown.show(status.samples, status.total_samples, status.loss if trained else None,
+                           status.samples_per_second, last=ended)
             if ended:
                 return status
             time.sleep(0.1)

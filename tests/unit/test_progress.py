@@ -111,6 +111,21 @@ def test_a_resumed_run_shows_no_loss_before_its_own_first_minibatch(monkeypatch:
     assert lines[0] == "train: 50% (40/80 samples), 0 samples/s", lines
 
 
+@pytest.mark.parametrize("stderr_kind", ["terminal", "log"])
+def test_the_progress_follows_a_total_that_shrinks_when_a_vw_leaves(stderr_kind: str, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """parallel.on_vw_failure continue: the job's total drops to what the VWs left will train, and
+    the display goes on to it, not to "65% (4160/6400 samples)" at the end of a completed job."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: stderr_kind == "terminal")
+    _clock(monkeypatch)
+    statuses = iter([*_job(("RUNNING", 960, 2.0), total=6400), *_job(("RUNNING", 1920, 2.0), total=4160),
+                     *_job(("COMPLETED", 4160, 1.0), total=4160)])
+    follow(lambda: next(statuses), quiet=False)
+    shown = [line for line in capsys.readouterr().err.replace("\r", "\n").split("\n") if line.startswith("train")]
+    assert "4160/4160" in shown[-1] and "100%" in shown[-1], shown[-1]
+    assert any("1920/4160" in line for line in shown), shown
+
+
 @pytest.mark.parametrize("unsaid_wait_s", [0.0, 5.0])
 def test_a_wait_for_workers_is_said_once_it_lasts(unsaid_wait_s: float, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
