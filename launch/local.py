@@ -299,8 +299,10 @@ def naming_logs(reason: str, logs: dict[str, Path]) -> str:
 class _Bar:
     """Progress on a terminal: a tqdm bar, redrawn in place."""
 
-    def __init__(self, total: int, desc: str) -> None:
-        self._bar = tqdm(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True, desc=desc)
+    def __init__(self, total: int, desc: str, start: int = 0) -> None:
+        # initial: tqdm's rate and ETA count from the samples already there (a resumed run starts at
+        # its cut's), not as if they had all been trained in this bar's first moment.
+        self._bar = tqdm(total=total, initial=start, unit="sample", file=sys.stderr, dynamic_ncols=True, desc=desc)
 
     def show(self, samples: int, total: int, loss: float | None, samples_per_second: float, *, last: bool) -> None:
         self._bar.total = total   # less once a VW has left the job (parallel.on_vw_failure: continue)
@@ -320,7 +322,7 @@ class _Lines:
 
     LINE_S = 30.0
 
-    def __init__(self, total: int, desc: str) -> None:
+    def __init__(self, total: int, desc: str, start: int = 0) -> None:
         self._total, self._desc = total, desc
         self._tenth, self._at, self._printed, self._text = -1, 0.0, -1, ""
 
@@ -370,7 +372,7 @@ def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
             # (a short job may end before this loop sees one: its last line is still shown).
             if (status.state == running or ended) and shown is None and not quiet and status.total_samples:
                 desc = "train (emulated GPUs)" if status.emulated else "train"
-                shown = (_Bar if sys.stderr.isatty() else _Lines)(status.total_samples, desc)
+                shown = (_Bar if sys.stderr.isatty() else _Lines)(status.total_samples, desc, status.samples)
             if shown is not None and status.total_samples:  # the last one too: a bar left at 0% reads as a hang
                 # No loss until a minibatch of this run has finished (a resumed one starts at the
                 # cut's samples): the wire's 0.0 stands for none yet.

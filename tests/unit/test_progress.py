@@ -126,6 +126,18 @@ def test_the_progress_follows_a_total_that_shrinks_when_a_vw_leaves(stderr_kind:
     assert any("1920/4160" in line for line in shown), shown
 
 
+def test_a_resumed_runs_bar_rates_only_the_samples_it_trained(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The bar's own rate and ETA count from the cut's samples: not 3200 of them in its first
+    tenth of a second, a rate fifty times too high and an ETA of none."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    statuses = iter(_job(("RUNNING", 3200, 0.0), ("RUNNING", 3264, 2.0), ("COMPLETED", 6400, 1.0), total=6400))
+    follow(lambda: next(statuses), quiet=False)   # 0.1 s between polls
+    line = next(line for line in capsys.readouterr().err.split("\r") if "3264/6400" in line)
+    rate = float(line.split(", ")[1].split("sample/s")[0])
+    assert rate < 64 / 0.1 * 1.5, line
+
+
 @pytest.mark.parametrize("unsaid_wait_s", [0.0, 5.0])
 def test_a_wait_for_workers_is_said_once_it_lasts(unsaid_wait_s: float, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
