@@ -278,8 +278,12 @@ def status(args: argparse.Namespace) -> int:
         if job_status.waiting and State.Name(job_status.state) not in TERMINAL:
             print(f"waiting for workers: {job_status.waiting}")
         if job_status.total_samples:
-            print(f"progress: {job_status.samples}/{job_status.total_samples} samples, loss {job_status.loss:.4f}, "
-                  f"{job_status.samples_per_second:.0f} samples/s{' (emulated GPUs)' if job_status.emulated else ''}")
+            # The wire's 0.0 stands for no loss yet: none until a minibatch of this run has finished
+            # (a resumed one starts at its cut's samples), as `hetpipe run`'s progress shows it.
+            trained = job_status.samples and job_status.samples_per_second
+            print(f"progress: {job_status.samples}/{job_status.total_samples} samples, "
+                  + (f"loss {job_status.loss:.4f}, " if trained else "")
+                  + f"{job_status.samples_per_second:.0f} samples/s{' (emulated GPUs)' if job_status.emulated else ''}")
         print(f"{'worker':<14}{'role':<14}{'address':<22}{'node':<10}{'alive':<7}assigned")
         for w in workers.workers:
             role = coordinator_pb2.WorkerInfo.Role.Name(w.info.role).lower()

@@ -257,6 +257,25 @@ def test_a_status_json_not_as_a_run_writes_it_is_no_ending(make_job, tmp_path: P
         assert "no coordinator address" in err and "Traceback" not in err, err
 
 
+def test_status_shows_no_loss_before_a_minibatch_of_the_run_has_finished(coordinator,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The wire's loss 0.0 stands for none yet: `hetpipe status` says nothing of a loss then, not
+    "loss 0.0000", and shows the loss once the job has trained."""
+    from coordinator.driver import Progress
+    from coordinator.state import JobState
+    from launch import cli
+
+    _, servicer, address = coordinator
+    for state in (JobState.PENDING, JobState.PLANNED, JobState.RUNNING):
+        servicer.runner.machine.to(state)
+    servicer.runner._progress = Progress(0, 6400, None, 0.0)
+    assert cli.main(["status", "--coordinator", address]) == 0
+    assert "progress: 0/6400 samples, 0 samples/s\n" in capsys.readouterr().out
+    servicer.runner._progress = Progress(640, 6400, 2.5, 100.0)
+    assert cli.main(["status", "--coordinator", address]) == 0
+    assert "progress: 640/6400 samples, loss 2.5000, 100 samples/s\n" in capsys.readouterr().out
+
+
 def test_stop_before_any_job_then_a_new_job_starts(coordinator, make_job) -> None:
     stub, servicer, _ = coordinator
     assert stub.StopJob(coordinator_pb2.JobRef(), timeout=5).state == State.STOPPED
