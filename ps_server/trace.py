@@ -16,6 +16,12 @@ def trace_path(trace_dir: str | Path, shard: int) -> Path:
     return Path(trace_dir) / "ps" / f"shard{shard}.jsonl"
 
 
+def _ends_a_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
+
+
 class ShardTrace:
     """Appends to a buffered file, flushed at most every FLUSH_EVERY_S; a no-op until open() (a
     shard learns its index from Init) and without a trace directory. The servicer calls it under
@@ -35,6 +41,10 @@ class ShardTrace:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.shard = shard
         self._file = open(path, "a" if append else "w", buffering=1 << 16)
+        if append and self._file.tell() and not _ends_a_line(path):
+            # The first life was killed mid-line (a full buffer goes out whole, lines or not): its
+            # part-line ends here, or this life's first row would join it, and both be unreadable.
+            self._file.write("\n")
         self._flushed = time.monotonic()
 
     def record(self, event: str, vw: int, clock: int, start: float, end: float,

@@ -89,6 +89,28 @@ def test_every_trace_line_is_strict_json(tmp_path: Path) -> None:
     assert rows[0]["loss"] is None and rows[0]["lr"] is None and rows[1]["norm"] is None, rows
 
 
+def test_a_restarted_shards_trace_ends_its_first_lifes_cut_line_before_its_own(tmp_path: Path) -> None:
+    """A shard killed with -9 mid-line: the restarted one's first row went onto that part-line, and
+    `hetpipe trace` could read neither."""
+    from hetpipe.timeline import _rows
+    from ps_server.trace import ShardTrace, trace_path
+
+    path = trace_path(tmp_path, 0)
+    path.parent.mkdir()
+    path.write_text('{"shard": 0, "event": "push", "vw": 0, "clock": 0, "start": 1.0, "end": 2.0}\n{"shard": 0, "ev')
+    shard = ShardTrace(str(tmp_path))
+    shard.open(0, append=True)
+    shard.record("push", 1, 0, 3.0, 4.0)
+    shard.flush()
+    assert [(r["vw"], r["start"]) for r in _rows(path)] == [(0, 1.0), (1, 3.0)]
+    whole = ShardTrace(str(tmp_path))   # a file that ends its last line gets no blank one
+    path.write_text('{"shard": 0, "event": "push", "vw": 0, "clock": 0, "start": 1.0, "end": 2.0}\n')
+    whole.open(0, append=True)
+    whole.record("push", 1, 0, 3.0, 4.0)
+    whole.flush()
+    assert len(path.read_text().splitlines()) == 2
+
+
 def test_an_output_dir_that_can_be_made_passes_and_nothing_is_left(tmp_path: Path) -> None:
     outputs.check_dir(tmp_path / "a" / "b")
     outputs.check_dir(tmp_path)
