@@ -131,7 +131,10 @@ class Registry:
             if previous is not None and previous.info.node != info.node and self._alive(previous):
                 raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
                                f"address {info.address} is already registered by {previous.label}")
-            if info.holds_job and (previous is None or not previous.assigned):
+            # A process of another role at the address (its port taken after the old one died)
+            # takes over nothing: a stage worker was left "ps shard 0", never claimed, then spent.
+            assigned = previous.assigned if previous is not None and previous.info.role == info.role else ""
+            if info.holds_job and not assigned:
                 return ""
             if len(self._workers) >= MAX_WORKERS and previous is None:
                 raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -140,7 +143,7 @@ class Registry:
             # (one port, one process), so the new registration takes over the old one's assignment.
             if previous is not None:
                 del self._workers[previous.worker_id]
-            worker = Worker(uuid.uuid4().hex[:12], info, time.monotonic(), previous.assigned if previous else "")
+            worker = Worker(uuid.uuid4().hex[:12], info, time.monotonic(), assigned)
             # The same process registering again (this registry forgot it) is still spent.
             self._spent = {(a, n) for a, n in self._spent if a != info.address or n == info.name}
             self._workers[worker.worker_id] = worker

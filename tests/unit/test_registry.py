@@ -150,6 +150,21 @@ def test_a_restarted_process_takes_over_its_assignment_but_another_node_cannot()
     assert again.worker_id != w.worker_id and again.assigned == "stage 0 of vw 0"
 
 
+def test_a_process_of_another_role_at_a_dead_workers_address_takes_over_nothing() -> None:
+    """A port is one process's, so a new one there means the old one died; but one of another role
+    (a stage worker given the dead shard's port) is not its restart: it is free, not "ps shard 0"."""
+    r = Registry()
+    r.register(info("127.0.0.1:7001", role=Info.PS_SHARD))
+    r.claim(Info.PS_SHARD, [("ps shard 0", "", "")], 1)
+    holding = info("127.0.0.1:7001", role=Info.STAGE_WORKER)
+    holding.holds_job = True
+    assert r.register(holding) == "", "a stage holding a job takes over no shard's assignment"
+    r.register(info("127.0.0.1:7001", role=Info.STAGE_WORKER))
+    (w, _, _), = r.workers()
+    assert w.info.role == Info.STAGE_WORKER and w.assigned == ""
+    assert r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "", "")], 1) == [w]
+
+
 def test_a_process_holding_a_job_registers_only_to_take_over_its_assignment() -> None:
     """A shard restored from its checkpoint holds a job: the coordinator that gave it that job
     takes it back (its restart mid-job); any other registry refuses it (job_unknown), so that no
