@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 
 from hetpipe.registration import HEARTBEAT_BOUNDS_S
-from hetpipe.service import ServiceFlags, add_service_flags, service_flags
+from hetpipe.service import ServiceFlags, add_service_flags, env_number, service_flags
 
 DEFAULT_PORT = 50050
 NOT_FRESH = ("", "0", "false", "no", "off")   # HETPIPE_FRESH values that request nothing
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     env = os.environ.get
     ap = argparse.ArgumentParser(prog="python -m coordinator", description="HetPipe coordinator")
     add_service_flags(ap, default_port=DEFAULT_PORT, worker=False)
-    ap.add_argument("--heartbeat-interval", type=float, default=float(env("HETPIPE_HEARTBEAT_INTERVAL", "1.0")),
+    ap.add_argument("--heartbeat-interval", type=float, default=env_number(ap, "HETPIPE_HEARTBEAT_INTERVAL", "1.0", float),
                     help="seconds between worker heartbeats; 5 missed = dead (default 1)")
     ap.add_argument("--claim-timeout", type=float, default=120.0,
                     help="seconds to wait for enough workers to register (default 120)")

@@ -45,17 +45,27 @@ class ServiceFlags:
     output_root: str = "."       # where paths received over the network may point
 
 
+def env_number(ap: argparse.ArgumentParser, name: str, default: str, kind: type[int] | type[float]) -> int | float:
+    """A numeric flag's default from the environment variable `name`: a value that does not parse
+    is a usage error naming the variable (int() would end the process in a traceback naming neither)."""
+    value = os.environ.get(name, default)
+    try:
+        return kind(value)
+    except ValueError:
+        ap.error(f"${name} is {value!r}: expected {'an integer' if kind is int else 'a number'}")
+
+
 def add_service_flags(ap: argparse.ArgumentParser, *, default_port: int = 0, worker: bool = True) -> None:
     """Flags of every service; `worker` adds those of processes that register with a coordinator."""
     env = os.environ.get
     ap.add_argument("--host", default=env("HETPIPE_HOST", "127.0.0.1"), help="address to bind")
-    ap.add_argument("--port", type=int, default=int(env("HETPIPE_PORT", str(default_port))),
+    ap.add_argument("--port", type=int, default=env_number(ap, "HETPIPE_PORT", str(default_port), int),
                     help=f"gRPC port (0 = any free port; default {default_port})")
-    ap.add_argument("--metrics-port", type=int, default=int(env("HETPIPE_METRICS_PORT", "0")),
+    ap.add_argument("--metrics-port", type=int, default=env_number(ap, "HETPIPE_METRICS_PORT", "0", int),
                     help="Prometheus port (0 = any free port)")
     ap.add_argument("--ready-file", default=env("HETPIPE_READY_FILE", ""), help="write host:port here when serving")
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
-    ap.add_argument("--health-port", type=int, default=int(env("HETPIPE_HEALTH_PORT", "0")),
+    ap.add_argument("--health-port", type=int, default=env_number(ap, "HETPIPE_HEALTH_PORT", "0", int),
                     help="also serve gRPC health alone, in plaintext, on this port (probes); 0 = no")
     ap.add_argument("--insecure", action="store_true", default=env("HETPIPE_INSECURE", "") == "1",
                     help="allow serving beyond loopback without --token-file: anyone who reaches the port "

@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from hetpipe.service import ServiceFlags, add_service_flags, service_flags
+from hetpipe.service import ServiceFlags, add_service_flags, env_number, service_flags
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,7 +24,7 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
     add_service_flags(ap)
     ap.add_argument("--checkpoint-dir", default=env("HETPIPE_CHECKPOINT_DIR", ""),
                     help="checkpoint + push log directory; restored from at start")
-    ap.add_argument("--checkpoint-every", type=int, default=int(env("HETPIPE_CHECKPOINT_EVERY", "10")),
+    ap.add_argument("--checkpoint-every", type=int, default=env_number(ap, "HETPIPE_CHECKPOINT_EVERY", "10", int),
                     help="checkpoint every M clocks")
     ap.add_argument("--trace-dir", default=env("HETPIPE_TRACE_DIR", ""),
                     help="the job's trace directory: one line per push applied and pull answered (default: none)")

@@ -96,6 +96,22 @@ def test_a_coordinator_refuses_seconds_that_are_no_positive_number(flags: list[s
     assert exit_.value.code == 2 and f"{flags[0]} must be a number of seconds" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("module, variable, value", [("coordinator.config", "HETPIPE_HEARTBEAT_INTERVAL", "1s"),
+                                                     ("coordinator.config", "HETPIPE_PORT", "ten"),
+                                                     ("ps_server.config", "HETPIPE_CHECKPOINT_EVERY", "ten"),
+                                                     ("stage_worker.config", "HETPIPE_HEALTH_PORT", "80.5")])
+def test_a_service_names_an_environment_variable_that_does_not_parse(module: str, variable: str, value: str,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """int() of the variable ended the process in a ValueError traceback naming neither it nor its flag."""
+    import importlib
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).parse_args([])
+    assert exit_.value.code == 2 and f"${variable} is {value!r}" in capsys.readouterr().err
+
+
 def test_submit_refuses_bad_job_json(coordinator) -> None:
     stub, _, _ = coordinator
     for text, needle in (("{", "not valid JSON"), ('{"model": {"name": "mlp"}, "parallel": {"nm": -1}}', "parallel.nm"),
