@@ -132,10 +132,13 @@ class CoordinatorServicer:
     def metrics_snapshot(self) -> CoordinatorSnapshot:
         view = self.runner.view()
         workers = [(w.info.role, alive) for w, _, alive in self.registry.workers()]
-        running = view.total_samples > 0
+        started = view.total_samples > 0
+        # The rate is the running job's: an ended one trains nothing (its last rate stayed on the
+        # dashboards, flat, until the next job). Its last loss stays: it is the job's result.
+        rate = view.samples_per_second if view.state.name == "RUNNING" else 0.0
         return CoordinatorSnapshot(state=view.state.name, workers=workers,
-                                   samples_per_second=view.samples_per_second if running else None,
-                                   loss=view.loss if running else None,
+                                   samples_per_second=rate if started else None,
+                                   loss=view.loss if started else None,
                                    virtual_workers=view.virtual_workers, evicted=view.evicted)
 
 
