@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hetpipe import data, model_init, models
@@ -29,7 +31,8 @@ def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu
 
     Each step every VW v computes its gradient on its minibatch p (clipped by
     torch.nn.utils.clip_grad_norm_ to train.max_grad_norm, as each VW clips its own); plain SGD
-    then applies the sum of the VWs' updates. With N=1 this is ordinary training with any optimizer.
+    then applies the sum of the VWs' updates, weight decay included: each VW's step decays w, so
+    the sum decays it N times. With N=1 this is ordinary training with any optimizer.
     """
     model = initial_model(job).to(device)
     dataset = data.training_set(job)
@@ -37,7 +40,11 @@ def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu
     n = job.parallel.virtual_workers
     if n > 1 and (job.train.optimizer.name != "sgd" or job.train.optimizer.momentum):
         raise ValueError("the N-VW reference is defined for plain SGD only")
-    optimizer = make_optimizer(params, job.train.optimizer)
+    # N VWs: each VW's update -lr * (g_v + wd * w) is summed, so the decay goes into each VW's term
+    # (one step decaying w once would take N - 1 decays fewer than the shards' sum).
+    decay = job.train.optimizer.weight_decay if n > 1 else 0.0
+    optimizer = make_optimizer(params, dataclasses.replace(job.train.optimizer, weight_decay=0.0) if decay
+                               else job.train.optimizer)
     for p in range(1, (steps or job.train.steps) + 1):
         total = [torch.zeros_like(w) for w in params]
         for vw in range(n):
@@ -55,8 +62,10 @@ def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu
                 for w, g in zip(params, mine):
                     w.grad = g
                 torch.nn.utils.clip_grad_norm_(params, job.train.max_grad_norm)
-            for t, g in zip(total, mine):
+            for t, g, w in zip(total, mine, params):
                 t.add_(g)
+                if decay:
+                    t.add_(w.detach(), alpha=decay)
         for w, g in zip(params, total):
             w.grad = g  # summed: each VW's SGD update -lr*g_v is applied once
         step_at(optimizer, job.train, p)

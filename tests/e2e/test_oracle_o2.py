@@ -56,6 +56,21 @@ def test_wsp_d0_equals_summed_sync_dp(make_job, tmp_path: Path, n: int, max_shar
     assert (summary["shm_bytes"] > 0) == (transport == "shm"), summary["shm_bytes"]
 
 
+
+def test_sgd_weight_decay_is_each_vws_own_so_the_summed_updates_decay_n_times(make_job, tmp_path: Path) -> None:
+    """Each VW's step is -lr * (g_v + wd * w) and the shards sum them: the reference decayed w once
+    per step, where the run decays it once per VW (apart by 1e-3 within three steps)."""
+    job = make_job({
+        "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": 0.05, "weight_decay": 0.1}, "steps": 10},
+        "parallel": {"virtual_workers": 2, "stages_per_vw": 1, "nm": 1, "D": 0, "ps_shards": 1},
+        "output": {"trace": False},
+    })
+    run_local(job, quiet=True)
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    want = train_reference(job).state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-9, msg=f"{key} differs")
+
 def test_the_final_evaluation_scores_the_model_written_out(make_job, tmp_path: Path) -> None:
     """O2 on 3 stages whose middle one holds only a ReLU (no parameters, no shard keys), with a
     final evaluation: it ends (the parameter-free stage has nothing to merge), and its loss is the
