@@ -257,6 +257,9 @@ def _check_together(job: JobConfig) -> None:
     if par.mode != "hetpipe" and job.train.checkpoint_every:   # a baseline saves no cut, and resumes from none
         raise ConfigError(f"train.checkpoint_every: parallel.mode {par.mode} writes no checkpoints; leave it 0, "
                           "or run parallel.mode hetpipe")
+    if par.mode != "hetpipe" and job.output.profile is not None:   # its workers ran no profiler, and said nothing
+        raise ConfigError(f"output.profile: parallel.mode {par.mode} writes no profile (torch.profiler runs in "
+                          "HetPipe's stages); leave it out, or run parallel.mode hetpipe")
     if par.mode == "ddp" and par.schedule != "hetpipe":
         raise ConfigError(f"parallel.schedule: {par.schedule} needs a pipeline; parallel.mode ddp has none")
     if par.mode == "torch-pipeline" and job.eval is not None:  # silently without eval_loss otherwise
