@@ -204,6 +204,23 @@ class Progress:
         tmp.replace(self.path)
 
 
+def save_weights(module: torch.nn.Module, path: str) -> None:
+    """module's state_dict into a safetensors file at path (through a temporary). A parameter
+    tied within a layer is one tensor under two keys, which safetensors refuses to save ("Some
+    tensors share memory"): each later key gets a copy, written alike, as HetPipe's run writes it."""
+    from safetensors.torch import save_file
+
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, value in module.state_dict().items():
+        tensor = value.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        state[key] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    save_file(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 def write_result(work_dir: str, rank: int, result: dict[str, Any]) -> None:
     path = Path(work_dir) / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")

@@ -17,7 +17,6 @@ A bf16 job whose ranks reduce over NCCL allreduces its gradients in bf16, throug
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -224,8 +223,6 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
 def worker(spec: dict[str, Any], rank: int) -> None:
     import torch.distributed as dist
 
-    from safetensors.torch import save_file
-
     from hetpipe import data, models
     from hetpipe.optim import autocast, compute_dtype, compute_loss, for_loss, make_optimizer, step_at
     from hetpipe.reference import initial_model, minibatch
@@ -303,10 +300,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     result = {"wall_seconds": wall, "wait_seconds": wait, "compute_seconds": compute,
               "final_loss": float(recent) / n, "steps": job.train.steps}
     if rank == 0:
-        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        path = f"{spec['work_dir']}/weights.safetensors"
-        save_file(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        common.save_weights(model, f"{spec['work_dir']}/weights.safetensors")
         result.update(common.evaluate(job, model, device))
     common.write_result(spec["work_dir"], rank, result)
     dist.barrier()  # rank 0's weights are on disk before any rank reports success

@@ -12,7 +12,6 @@ emulated time divided by the number of micro-batches.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -172,8 +171,6 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from safetensors.torch import save_file
-
     from hetpipe import data, model_init
     from hetpipe.optim import compute_dtype, compute_loss, for_loss, make_optimizer, step_at
     from hetpipe.reference import minibatch
@@ -236,9 +233,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         progress.write(p, step_losses[-1] if step_losses else float("nan"), force=p == job.train.steps)
     dist.barrier()
     wall = time.monotonic() - start
-    path = f"{spec['work_dir']}/stage{rank}.safetensors"
-    save_file({key: v.detach().cpu().contiguous() for key, v in layers.state_dict().items()}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    common.save_weights(layers, f"{spec['work_dir']}/stage{rank}.safetensors")
     common.write_result(spec["work_dir"], rank, {
         "wall_seconds": wall, "busy_seconds": timed.busy, "steps": job.train.steps,
         "final_loss": common.recent_mean(step_losses) if last else float("nan"),

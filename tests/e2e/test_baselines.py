@@ -127,6 +127,43 @@ def test_pipeline_equals_plain_training(make_job, tmp_path: Path, schedule: str,
     assert cuts[0][0] == 0 and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:])) and len(cuts) == k
 
 
+TIED = '''
+import torch
+from torch import nn
+
+
+class Tied(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def mlp(in_features, hidden, num_classes):
+    return nn.Sequential(nn.Linear(in_features, hidden[0]), Tied(hidden[0]), nn.Linear(hidden[0], num_classes))
+'''
+
+
+@pytest.mark.parametrize(("mode", "k"), [("ddp", 1), ("torch-pipeline", 2)])
+def test_a_weight_tied_within_a_layer_is_written_under_both_keys(make_job, tmp_path: Path, mode: str, k: int) -> None:
+    """safetensors refuses to save two keys of one tensor: on the CPU, where .cpu() copies nothing,
+    the run trained to its end and then failed writing its weights."""
+    (tmp_path / "tied_mlp.py").write_text(TIED)
+    job = make_job({
+        "model": {"name": None, "factory": "tied_mlp:mlp"},
+        "train": {"dtype": "float64", "steps": 10},
+        "parallel": {"virtual_workers": 1, "stages_per_vw": k, "nm": 1, "mode": mode},
+        "output": {"trace": False},
+    })
+    run_local(job, quiet=True)
+    got = load_model(tmp_path / "out")
+    assert torch.equal(got["1.a.weight"], got["1.b.weight"]), "one tensor, written twice alike"
+    assert_same(got, train_reference(job).state_dict(), initial_model(job).state_dict())
+
+
 def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
