@@ -340,6 +340,13 @@ class Checkpoints:
             if missing:
                 raise JobFailed(f"--resume: ps shard {i}'s part of the checkpoint of wave {wave} ({part}) holds no "
                                 f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}")
+            # The shard takes whatever it is given: a value of another shape or dtype would fail
+            # a stage mid-run in torch's words (or, pulled through shared memory, fill it as bytes).
+            wrong = [f"{k} as {values[k].dtype} {list(values[k].shape)}, expected {e.dtype} {list(e.shape)}"
+                     for k in keys if (values[k].dtype, tuple(values[k].shape)) != ((e := self.entries[k]).dtype, e.shape)]
+            if wrong:
+                raise JobFailed(f"--resume: ps shard {i}'s part of the checkpoint of wave {wave} ({part}) holds "
+                                f"{'; '.join(wrong[:3])}{'; ...' if len(wrong) > 3 else ''}: not this job's")
             tensors = [(k, values[k]) for k in keys]
             tag = wire_pb2.InitTag(virtual_workers=self.job_shape["virtual_workers"], shard=i, clocks=m["clocks"],
                                    sync="wsp", **self.bound)

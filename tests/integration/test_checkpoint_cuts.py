@@ -238,6 +238,14 @@ def test_a_shard_part_that_cannot_be_read_fails_the_job_naming_it(
                                    {"virtual_workers": 1, "stages_per_vw": 1})
     with pytest.raises(JobFailed, match=f"ps shard 0's part of the checkpoint of wave 1 \\({shard_part}\\) holds no l1.weight"):
         more.restore_shards(1)
+    # A value of another shape (a header edited, a part of another job's): the shard would take
+    # it, and a stage fail mid-run in torch's words, far from the file.
+    other = checkpoints.Checkpoints(folder, [stub], {k: 0 for k in SHAPES},
+                                    {**entries, "l0.weight": weight_files.Entry("l0.weight", torch.float32, (3, 2))},
+                                    {"virtual_workers": 1, "stages_per_vw": 1})
+    with pytest.raises(JobFailed, match=f"ps shard 0's part of the checkpoint of wave 1 \\({shard_part}\\) holds "
+                                        r"l0.weight as torch.float32 \[2, 3\], expected torch.float32 \[3, 2\]"):
+        other.restore_shards(1)
     file = shard_part / outputs.SINGLE_FILE
     file.write_bytes(b"\xff" * file.stat().st_size)
     with pytest.raises(JobFailed, match=f"ps shard 0's part of the checkpoint of wave 1 \\({shard_part}\\) cannot be read: "):
