@@ -1,8 +1,9 @@
 """Whether a model factory does what a stage's own build would lose: each stage gives its layers
 memory and initialises them with their modules' reset methods alone, so a factory's own writes to
 its parameters (an nn.init loop, a load_state_dict) and parameters tied across layers would be
-silently dropped. Seen while the factory runs on the meta device, by a dispatch mode: at plan
-time only (a process's first dispatch mode imports about 300 modules, 0.75 s here)."""
+silently dropped. Seen while the factory runs on the meta device, by a dispatch mode (and the
+nn.init calls that skip a meta tensor, by a function mode): at plan time only (a process's first
+dispatch mode imports about 300 modules, 0.75 s here)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hetpipe.validate import ConfigError
@@ -34,6 +36,31 @@ def _in_reset(frame: FrameType | None) -> bool:
     return False
 
 
+_INIT_FILE = torch.nn.init.__file__
+_IS_META = torch.Tensor.is_meta   # the property: a mode is called with its __get__, made anew each time
+
+
+class _InitsSkipped(TorchFunctionMode):
+    """Records the nn.init calls that write nothing on the meta device, so no dispatch mode sees
+    them (trunc_normal_, orthogonal_, sparse_ and dirac_ ask is_meta and return): a stage would
+    lose them as any other write. Seen as their question, asked from torch.nn.init's own file."""
+
+    def __init__(self, writes: list[tuple[str, Any]]) -> None:
+        super().__init__()
+        self.writes = writes
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        target = args[0] if args else None
+        if getattr(func, "__self__", None) is _IS_META and isinstance(target, torch.Tensor) \
+                and target.device.type == "meta":
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename == _INIT_FILE and not _in_reset(frame):
+                while frame.f_back is not None and frame.f_back.f_code.co_filename == _INIT_FILE:
+                    frame = frame.f_back   # trunc_normal_, not its helper _no_grad_trunc_normal_
+                self.writes.append((frame.f_code.co_name, target.untyped_storage()))
+        return func(*args, **(kwargs or {}))
+
+
 class FactoryWrites(TorchDispatchMode):
     """Records each write to a meta tensor that no module's reset method makes while the factory
     runs (the tensors written, held so that their storage is not reused): where they are the
@@ -44,6 +71,22 @@ class FactoryWrites(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.writes: list[tuple[str, Any]] = []   # (op, the untyped storage written)
+        self._skipped = _InitsSkipped(self.writes)
+
+    def __enter__(self) -> FactoryWrites:
+        self._skipped.__enter__()
+        try:
+            super().__enter__()
+        except BaseException:
+            self._skipped.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._skipped.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

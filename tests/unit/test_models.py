@@ -118,6 +118,16 @@ def inits_itself():
             module.bias.data.zero_()
     return model
 
+def truncates_itself():
+    # As timm's and many GPT-style models do: nn.init.trunc_normal_ (like orthogonal_) asks
+    # is_meta and returns, so no dispatch mode sees it: lost on a stage all the same.
+    model = net()
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+    nn.init.orthogonal_(model[3].weight)
+    return model
+
 def loads_weights():
     model = net()
     model.load_state_dict({k: torch.zeros_like(v, device="cpu") for k, v in model.state_dict().items()})
@@ -308,6 +318,8 @@ def test_a_factorys_float64_layers_train_in_train_dtype(tmp_path: Path) -> None:
     ("mymodels:raw_net", {}, r"parameter 0\.weight of mymodels:raw_net is not initialised by any reset_parameters"),
     ("mymodels:inits_itself", {}, r"model: mymodels:inits_itself writes parameters itself \(normal_ on 0\.weight, "
                                   r"zero_ on 0\.bias, normal_ on 3\.weight, \.\.\.\), outside any reset_parameters\(\)"),
+    ("mymodels:truncates_itself", {}, r"model: mymodels:truncates_itself writes parameters itself \(trunc_normal_ on "
+                                      r"0\.weight, trunc_normal_ on 3\.weight, orthogonal_ on 3\.weight\), outside"),
     ("mymodels:loads_weights", {}, r"writes parameters itself \(copy_ on 0\.weight, copy_ on 0\.bias, copy_ on 2\.weight"),
     ("mymodels:own_reset", {}, r"writes parameters itself \(zero_ on 0\.bias\)"),
     ("mymodels:one_module_twice", {}, r"model: mymodels:one_module_twice uses one module as layers 0 and 2"),
