@@ -83,8 +83,18 @@ def capture(compute: StageCompute, sync: Sync, scaling: Scaling | None = None) -
 
 
 def restore(compute: StageCompute, sync: Sync, state: dict[str, Any], scaling: Scaling | None = None) -> None:
-    """Puts a captured state back (ValueError naming what does not fit the stage's layers). A cut
-    without a loss scale (one from an fp32 or bf16 run) starts fp16's afresh."""
+    """Puts a captured state back (ValueError naming what does not fit the stage's layers, or a
+    file of another structure). A cut without a loss scale (one from an fp32 or bf16 run) starts
+    fp16's afresh."""
+    try:
+        _restore(compute, sync, state, scaling)
+    except KeyError as exc:
+        raise ValueError(f"not a stage's part of a cut: it holds no {exc}") from None
+    except (TypeError, AttributeError, IndexError) as exc:   # a loadable file of another structure
+        raise ValueError(f"not a stage's part of a cut ({type(exc).__name__}: {exc})") from None
+
+
+def _restore(compute: StageCompute, sync: Sync, state: dict[str, Any], scaling: Scaling | None) -> None:
     module = state["module"]
     own = compute.module.state_dict()
     if set(module) != set(own) or any(tuple(module[k].shape) != tuple(own[k].shape) for k in own):

@@ -73,3 +73,19 @@ def test_a_damaged_part_is_refused_in_our_words_never_torchs(tmp_path: Path) -> 
     torch.save([torch.ones(1)], tmp_path / "list.pt")
     with pytest.raises(ValueError, match="^not a stage's part of a cut$"):
         checkpoint.load(tmp_path / "list.pt")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda state: state.pop("optimizer"), r"^not a stage's part of a cut: it holds no 'optimizer'$"),
+    (lambda state: state.update(module=7), r"^not a stage's part of a cut \(TypeError"),
+    (lambda state: state["optimizer"].update(exp_avg=7), r"^not a stage's part of a cut \(TypeError"),
+], ids=["no optimizer", "module a number", "moments a number"])
+def test_a_loadable_part_of_another_structure_is_refused_as_one(change, message: str, tmp_path: Path) -> None:
+    """A file that loads with weights_only but holds another structure: a ValueError that its
+    loader names (the stage's LoadError), where a TypeError or a bare KeyError ended it in a traceback."""
+    cfg = OptimizerConfig(name="adam", lr=0.01)
+    state = checkpoint.capture(_stage(cfg), LocalSync())
+    change(state)
+    torch.save(state, tmp_path / "stage.pt")
+    with pytest.raises(ValueError, match=message):
+        checkpoint.restore(_stage(cfg), LocalSync(), checkpoint.load(tmp_path / "stage.pt"))
