@@ -51,7 +51,11 @@ class LossScale:
                 if ran is not None and ran <= MIN_SCALE:
                     raise Diverged(f"training diverged: minibatch {p} overflowed in fp16 at the smallest loss "
                                    f"scale ({MIN_SCALE:g})")
-                self.scale = max(MIN_SCALE, self.scale / 2)
+                # An overflow at a scale already halved since p ran says nothing of the smaller one:
+                # the Nm - 1 minibatches in flight behind an overflow at S would otherwise each halve
+                # it again, for one event 2^(Nm - 1) times too small.
+                if ran is None or ran <= self.scale:
+                    self.scale = max(MIN_SCALE, self.scale / 2)
                 self._good = 0
             else:
                 self._good += 1

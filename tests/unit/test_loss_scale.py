@@ -31,6 +31,15 @@ def test_the_scale_halves_on_a_skip_and_doubles_after_a_streak() -> None:
                    INITIAL_SCALE, 2 * INITIAL_SCALE]
 
 
+def test_the_minibatches_in_flight_behind_an_overflow_halve_the_scale_once() -> None:
+    """nm 4: 5, 6, 7 and 8 ran at S before the skip of 5 was known, and all overflowed; the scale
+    halves once for them (S_9 knows 5). 9 ran at S / 2 and overflowed too: that halves it again (S_13)."""
+    scale = LossScale()
+    v = decided({5, 6, 7, 8, 9}, through=12)
+    got = [scale.for_minibatch(p, 4, v) for p in range(1, 15)]
+    assert got == [INITIAL_SCALE] * 8 + [INITIAL_SCALE / 2] * 4 + [INITIAL_SCALE / 4] * 2
+
+
 def test_the_scale_never_drops_below_one() -> None:
     scale = LossScale(scale=2.0)
     v = decided({1, 2, 3}, through=3)
