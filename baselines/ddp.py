@@ -9,7 +9,8 @@ emulated GPUs each step's computation is padded to the GPU type's time for the w
 the slowest device paces the allreduce as on real hardware.
 
 Since the gradients are averaged while HetPipe's shards sum the VWs' updates, ddp with learning
-rate N*lr equals HetPipe with N VWs, Nm=1, D=0 and lr (plain SGD).
+rate N*lr equals HetPipe with N VWs, Nm=1, D=0 and lr (plain SGD); with dropout too, since rank
+r's forward of p draws its masks as VW r's lone stage does (models.forward_draws).
 
 A bf16 job whose ranks reduce over NCCL allreduces its gradients in bf16, through torch DDP's
 `bf16_compress_hook` (`allreduce_hook`), as a torch DDP user of bf16 would register it.
@@ -253,6 +254,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     losses: list[float] = []
     wait = compute = 0.0
     dtype = compute_dtype(job.train.precision)
+    draws = models.forward_draws(job.train.seed, rank, 0, str(device))
     dist.barrier()
     start = time.monotonic()
     for p in range(1, job.train.steps + 1):
@@ -260,7 +262,8 @@ def worker(spec: dict[str, Any], rank: int) -> None:
         for b in buffers:  # like torch DDP: every rank's forward uses rank 0's buffers (BatchNorm stats)
             dist.broadcast(b, 0)
         x, y = minibatch(order, dataset, p, rank)
-        with autocast(dtype, device.type):   # train.precision as the stages apply it; weights stay in train.dtype
+        # Dropout's masks as HetPipe's VW `rank` draws them: each rank its own, the same every run.
+        with draws((p,)), autocast(dtype, device.type):   # train.precision as the stages apply it; weights stay in train.dtype
             loss = compute_loss(job.train.loss, for_loss(dtype, model(x.to(device))), y.to(device))
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         flat = torch.cat([(torch.zeros_like(w) if g is None else g).reshape(-1) for w, g in zip(params, grads)])

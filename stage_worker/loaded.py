@@ -22,7 +22,7 @@ from stage_worker.links import Link
 from stage_worker.scaling import Scaling
 from stage_worker.micro_schedule import MicroSchedule
 from stage_worker.schedule import StageSchedule
-from stage_worker.stage import StageCompute, forward_draws
+from stage_worker.stage import StageCompute
 from stage_worker.sync import LocalSync, Sync, SyncCallbacks, SyncConfig
 from stage_worker.profiling import StageProfile
 from stage_worker.trace import MinibatchTrace
@@ -105,7 +105,7 @@ class Loaded:
         self.compute = StageCompute(layers, job.train.optimizer, loss=job.train.loss, device=setup.device.name,
                                     track_updates=setup.synced, stash=not setup.last and job.nm > 1 and not micro,
                                     precision=job.train.precision,
-                                    draws=forward_draws(job.train.seed, setup.vw, setup.stage, setup.device.name))
+                                    draws=models.forward_draws(job.train.seed, setup.vw, setup.stage, setup.device.name))
         if setup.synced and len(setup.key_shards) != len(self.compute.params):
             raise LoadError(f"key_shards: {len(setup.key_shards)} entries for {len(self.compute.params)} parameters")
         # A resumed job goes on after its checkpoint's cut; nothing was in flight there.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 from hetpipe.buffers import raw_bytes
-from hetpipe.data import FORWARD_DRAW, entropy
-from hetpipe.models import GLOBAL_STATE, trainable
+from hetpipe.models import Draws, trainable, unseeded
 from hetpipe.optim import StageOptimizer, autocast, compute_dtype, compute_loss, for_loss, squared_norm, to_compute
 from hetpipe.training import OptimizerConfig
 
@@ -26,34 +25,6 @@ from hetpipe.training import OptimizerConfig
 
 
 Grads = list[torch.Tensor | None]  # one per parameter; None: the parameter took no part
-Draws = Callable[[tuple[int, ...]], contextlib.AbstractContextManager[None]]
-
-
-def forward_draws(seed: int, vw: int, stage: int, device: str) -> Draws:
-    """What a stage's forward of a unit ((p,), or (p, micro) in a micro-batch schedule) draws
-    from, dropout's masks: torch's generator on its device, seeded for (train.seed, vw, stage,
-    unit). A run then repeats whatever its timing, and a resumed one goes on as the uninterrupted
-    one would have. Held under models.GLOBAL_STATE: a factory's data draws from torch's CPU
-    generator in a reader thread (data._seeded), which would otherwise swap it mid-forward."""
-    where = torch.device(device)
-
-    @contextlib.contextmanager
-    def seeded(unit: tuple[int, ...]) -> Iterator[None]:
-        value = entropy(seed, (FORWARD_DRAW, vw, stage, *unit))
-        with GLOBAL_STATE:
-            torch.default_generator.manual_seed(value)
-            if where.type == "cuda":
-                torch.cuda.default_generators[torch.cuda.current_device() if where.index is None else where.index
-                                              ].manual_seed(value)
-            yield
-
-    return seeded
-
-
-def _unseeded(unit: tuple[int, ...]) -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext()
-
-
 @dataclass(slots=True)
 class _Stashed:
     version: int
@@ -75,7 +46,7 @@ class StageCompute:
 
     def __init__(
         self, layers: nn.Sequential, optimizer: OptimizerConfig, *, loss: str, device: str, track_updates: bool,
-        stash: bool = True, precision: str = "fp32", draws: Draws = _unseeded,
+        stash: bool = True, precision: str = "fp32", draws: Draws = unseeded,
     ) -> None:
         self.module = layers.to(device)
         self.track_updates = track_updates  # WSP needs u_p = w_after - w_before; a lone VW does not

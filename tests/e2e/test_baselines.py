@@ -74,6 +74,35 @@ def test_ddp_with_n_times_lr_equals_hetpipe_k1(make_job, tmp_path: Path) -> None
     assert summary["steps"] == steps and summary["samples_per_second"] > 0
 
 
+DROPOUT_NET = """
+from torch import nn
+
+
+def net():
+    return nn.Sequential(nn.Linear(64, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 10))
+"""
+
+
+def test_ddp_draws_dropout_as_hetpipe_vws_do(make_job, tmp_path: Path) -> None:
+    """Rank r's masks are VW r's: ddp at N*lr equals HetPipe N x 1 with dropout too. Unseeded,
+    every rank drew the same masks (torch's default seed in each process) and the runs differed."""
+    (tmp_path / "dropout_net.py").write_text(DROPOUT_NET)
+    n, lr = 2, 0.05
+
+    def job(mode: str, rate: float) -> Any:
+        return make_job({
+            "model": {"name": None, "args": None, "factory": "dropout_net:net"},
+            "train": {"dtype": "float64", "optimizer": {"name": "sgd", "lr": rate}, "steps": 12},
+            "parallel": {"virtual_workers": n, "stages_per_vw": 1, "nm": 1, "D": 0, "ps_shards": 1, "mode": mode},
+            "output": {"dir": mode, "trace": False},
+        }, name=f"{mode}.yaml")
+
+    hetpipe = job("hetpipe", lr)
+    run_local(job("ddp", n * lr), quiet=True)
+    run_local(hetpipe, quiet=True)
+    assert_same(load_model(tmp_path / "ddp"), load_model(tmp_path / "hetpipe"), initial_model(hetpipe).state_dict())
+
+
 def test_ddp_three_ranks_equal_summed_sync_dp(make_job, tmp_path: Path) -> None:
     """N=3 against the summed-update reference, which O2 (test_oracle_o2) proves equal to HetPipe;
     each step at its scheduled learning rate in both."""
