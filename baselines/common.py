@@ -252,6 +252,7 @@ def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> di
     """The held-out evaluation of a whole model (eval.rows rows, as the HetPipe stages read them):
     eval_loss, eval_accuracy and eval_rows for the summary; nothing without an eval section."""
     from hetpipe import data
+    from hetpipe.models import evaluating
     from hetpipe.optim import for_loss, score
 
     held_out = data.held_out_set(job) if job.eval is not None else None
@@ -259,8 +260,9 @@ def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> di
         return {}
     loss, counted, correct, rows = 0.0, 0, 0, 0
     dtype = compute_dtype(job.train.precision)
-    model.eval()  # as the stages evaluate: dropout off, batch norm on its running statistics
-    with torch.no_grad():
+    # As the stages evaluate: dropout off, batch norm on its running statistics, then each module
+    # back in its own mode.
+    with torch.no_grad(), evaluating(model):
         for i, batch in enumerate(data.eval_batches(job, held_out, job.eval.rows_read), 1):
             x, y = data.read_rows(job, held_out, batch, (data.EVAL_DRAW, i))   # as the stages draw it
             with autocast(dtype, device.type):
@@ -268,7 +270,6 @@ def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> di
             scored = score(job.train.loss, out, y.to(device))   # as the stages score it
             loss, counted, correct = loss + scored.loss_sum, counted + scored.counted, correct + scored.correct
             rows += len(batch)
-    model.train()
     classification = job.train.loss == "cross_entropy"
     return {"eval_loss": loss / counted if counted else None, "eval_rows": rows,
             "eval_accuracy": correct / counted if classification and counted else None}

@@ -351,6 +351,20 @@ def build(job: JobConfig, device: str = "cpu") -> nn.Sequential:
     return build_layers(job, 0, len(model), device=device, model=model)
 
 
+@contextlib.contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """module in eval mode while inside, then each of its modules back in its own mode: a
+    factory's model (or a batch norm it froze) that trains in eval mode keeps doing so after an
+    evaluation, where module.train() after it would switch it over mid-run (and on VW 0 alone)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def layer_keys(model: nn.Sequential, begin: int, end: int) -> list[str]:
     """state_dict keys of layers [begin, end), in layer order."""
     return [k for k in model.state_dict(keep_vars=True) if begin <= int(k.split(".", 1)[0]) < end]

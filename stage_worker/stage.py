@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 from hetpipe.buffers import raw_bytes
-from hetpipe.models import Draws, trainable, unseeded
+from hetpipe.models import Draws, evaluating, trainable, unseeded
 from hetpipe.optim import StageOptimizer, autocast, compute_dtype, compute_loss, for_loss, squared_norm, to_compute
 from hetpipe.training import OptimizerConfig
 
@@ -103,13 +103,10 @@ class StageCompute:
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor) -> torch.Tensor:
         """Forward only, on the live weights, in eval mode (dropout off, batch norm on its running
-        statistics, which it leaves as they were): an evaluation of held-out rows."""
-        self.module.eval()
-        try:
-            with self._autocast():
-                return self._wire(self.module(x))
-        finally:
-            self.module.train()
+        statistics, which it leaves as they were): an evaluation of held-out rows. Each module
+        goes back to its own mode after, the one training runs it in."""
+        with evaluating(self.module), self._autocast():
+            return self._wire(self.module(x))
 
     def backward(self, p: int, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, int, Grads]:
         """Backward of p on its stashed weights: (gradient to send back, the version p ran on, the

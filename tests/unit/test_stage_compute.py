@@ -298,3 +298,16 @@ def test_nf1b_recomputes_each_micro_batch_with_its_forwards_masks() -> None:
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
     for (name, a), b in zip(kept.module.named_buffers(), recomputed.module.buffers()):
         assert torch.equal(a, b), name
+
+
+def test_an_evaluation_leaves_each_module_in_the_mode_training_runs_it_in() -> None:
+    # A factory's model in eval mode, and one whose batch norm it froze: an evaluation (VW 0's
+    # alone) switched them to train mode mid-run, where VW 1 and the reference trained on as made.
+    whole = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval()
+    frozen = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    frozen[1].eval()
+    for layers in (whole, frozen):
+        modes = [m.training for m in layers.modules()]
+        c = StageCompute(layers, SGD, loss="mse", device="cpu", track_updates=False, stash=False)
+        c.evaluate(torch.ones(2, 4))
+        assert [m.training for m in c.module.modules()] == modes
