@@ -312,13 +312,15 @@ def _reset(layer: nn.Module) -> None:
 
 def _materialise(layer: nn.Module) -> None:
     """Gives the layer's meta parameters CPU memory filled with NaN (what no reset covers stays
-    NaN: found, never trained on); its buffers are kept as the factory made them."""
+    NaN: found, never trained on); an integer or bool one (frozen: a step count, a mask), which
+    holds no NaN, zeros. Its buffers are kept as the factory made them."""
     made: dict[int, nn.Parameter] = {}  # a parameter shared by two modules stays shared
     for module in layer.modules():
         for name, p in module._parameters.items():
             if p is not None and p.device.type == "meta":
                 if id(p) not in made:
-                    made[id(p)] = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype), p.requires_grad)
+                    fill = float("nan") if p.is_floating_point() else 0
+                    made[id(p)] = nn.Parameter(torch.full(p.shape, fill, dtype=p.dtype), p.requires_grad)
                 module._parameters[name] = made[id(p)]
 
 
