@@ -453,7 +453,8 @@ class JobDriver:
         its own work, named with what waits for it."""
         now = time.monotonic()
         with self._watch_lock:
-            self.watch.progress(tuple((h.last.forwards_done, h.last.backwards_done, h.last.clock, h.last.received)
+            self.watch.progress(tuple((h.last.forwards_done, h.last.backwards_done, h.last.clock, h.last.received,
+                                       h.last.eval_minibatches)
                                       for h in self.stages), now)
             seconds = self.watch.stalled_for(now)
         if seconds is None:

@@ -55,6 +55,9 @@ class Evals:
         self.totals = Totals(len(self.batches), job.train.loss == "cross_entropy")
         self.started: set[int] = set()
         self._partly_run: dict[int, int] = {}   # evaluation -> its minibatches run here so far, until all are
+        # Every evaluation minibatch run here: the driver's stall check counts it as progress, for
+        # stage 0 runs a whole evaluation as one task, which moves no training counter.
+        self.minibatches_run = 0
 
     def ran(self, k: int, minibatches: int) -> None:
         """This stage ran `minibatches` more of evaluation k's minibatches (stage 0: all at once)."""

@@ -36,6 +36,7 @@ class Progress:
     waiting: bool = False      # a forward is blocked on the clock bound, for a pull
     cut: int = 0               # the checkpoint (in waves) it saved and waits at; 0: none
     received: int = 0
+    eval_minibatches: int = 0  # evaluation minibatches run here (Evals.minibatches_run)
     last_loss: float = float("nan")
     last_loss_minibatch: int = 0        # the minibatch last_loss is of (0: none yet)
     recent_loss: float = float("nan")   # last stage: mean over its last 10 minibatches

@@ -386,6 +386,7 @@ class StageRuntime:
         sends: list[Send] = []
         for i, x in inputs:
             out = s.compute.evaluate(x.to(s.compute.device))
+            s.evals.minibatches_run += 1   # read by Status without the lock: one int, for the stall check
             if s.next is not None:
                 sends.append(commit.activation(s, i, s.compute.version, out, k))
             else:
@@ -431,6 +432,7 @@ class StageRuntime:
                 queue_depth=max(0, sched.ready - (1 if self._busy else 0)), waiting=s.sync.waiting,
                 cut=s.cuts.waiting_at,
                 received=self._inbox.received,
+                eval_minibatches=s.evals.minibatches_run if s.evals is not None else 0,
                 last_loss=last_loss, recent_loss=recent_loss, last_loss_minibatch=losses[-1][0] if losses else 0,
                 diverged_minibatch=diverged_minibatch, diverged_loss=diverged_loss,
                 forward_seconds=self._phase_seconds["forward"], backward_seconds=self._phase_seconds["backward"],

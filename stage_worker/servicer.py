@@ -32,7 +32,7 @@ def status_message(p: Progress) -> stage_pb2.StageStatus:
     s.vw, s.stage, s.device = p.vw, p.stage, p.label or p.device
     s.forwards_done, s.backwards_done, s.local_version = p.forwards_done, p.backwards_done, p.local_version
     s.in_flight, s.received, s.queue_depth, s.waiting = p.in_flight, p.received, p.queue_depth, p.waiting
-    s.cut = p.cut
+    s.cut, s.eval_minibatches = p.cut, p.eval_minibatches
     s.shm_bytes, s.cuda_ipc_bytes = p.shm_bytes, p.cuda_ipc_bytes
     s.link_socket_bundles = p.socket_forward_bundles + p.socket_backward_bundles
     s.last_loss, s.recent_loss, s.last_loss_minibatch = p.last_loss, p.recent_loss, p.last_loss_minibatch

@@ -228,11 +228,13 @@ class _Waiting:
     def __init__(self, cut: int) -> None:
         self.cut, self.frozen, self.lost = cut, False, False
         self.continued: list[int] = []
+        self.evaluated = 0   # evaluation minibatches run
 
     def Status(self, request: Any, timeout: float) -> stage_pb2.StageStatus:
         if self.frozen:
             raise _Err(grpc.StatusCode.DEADLINE_EXCEEDED)
-        return stage_pb2.StageStatus(state=State.RUNNING, cut=self.cut, recent_loss=1.0)
+        return stage_pb2.StageStatus(state=State.RUNNING, cut=self.cut, recent_loss=1.0,
+                                     eval_minibatches=self.evaluated)
 
     def Continue(self, request: Any, timeout: float) -> wire_pb2.Ack:
         if self.lost:
@@ -309,6 +311,28 @@ def test_a_vw_evicted_while_silent_leaves_the_no_progress_check_on(make_job) -> 
         driver.poll()   # named, lost: VW 1 leaves
         assert shard.evicted == [1]
         with pytest.raises(JobFailed, match="no progress"):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                driver.poll()
+                driver._check_progress()
+                time.sleep(0.05)
+    finally:
+        driver.close()
+
+
+def test_an_evaluation_that_takes_longer_than_the_stall_timeout_is_no_stall(make_job) -> None:
+    """Stage 0 runs a whole evaluation as one task, which moves no training counter: a held-out
+    set whose minibatches together took longer than train.stall_timeout_s failed the job."""
+    driver, stubs, _ = _two_vws(make_job, cut=0, stall_s=1.0)
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            for stub in stubs.values():
+                stub.evaluated += 1
+            driver.poll()
+            driver._check_progress()
+            time.sleep(0.05)
+        with pytest.raises(JobFailed, match="no progress"):   # and once they stop, it is one
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
                 driver.poll()

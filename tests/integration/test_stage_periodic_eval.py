@@ -106,3 +106,4 @@ def test_the_final_evaluations_rows_are_refused_while_the_stage_trains(make_job)
         while len(rig.next.got) == sent and time.monotonic() < deadline:
             time.sleep(0.02)
         assert [(t.eval, t.minibatch) for _, t, _ in rig.next.got[sent:]] == [(1, 1)]
+        rig.wait_until("eval_minibatches", 1)   # progress, for the driver's stall check
