@@ -5,10 +5,12 @@ A periodic evaluation k runs once VW 0's first k * every minibatches have finish
 stage and before minibatch k * every + 1 starts: stage 0 holds that forward back until the
 evaluation's forwards have left it, and every stage runs evaluation traffic before training
 traffic that arrives after it. So each stage evaluates with exactly the weights its first
-k * every updates (and the pulls merged meanwhile) made. Stage 0 runs an evaluation as one task;
-a later stage runs its minibatches one task each and merges no pull (or elastic delta) between
-two of them, so one evaluation scores one weight version there too. The final evaluation runs
-after the run, on w_global after every VW's last push: the model that is written out.
+k * every updates (and the pulls merged meanwhile) made. Every stage runs an evaluation's
+minibatches one task each (stage 0 sends each on before it reads the next: held all at once, an
+evaluation's activations took eval.rows / batch_size times a training minibatch's memory) and
+merges no pull (or elastic delta) between two of them, and stage 0 starts no training forward
+before its last, so one evaluation scores one weight version. The final evaluation runs after
+the run, on w_global after every VW's last push: the model that is written out.
 """
 
 from __future__ import annotations

@@ -54,9 +54,10 @@ class Evals:
         self.batches = data.eval_batches(job, held_out, job.eval.rows_read)
         self.totals = Totals(len(self.batches), job.train.loss == "cross_entropy")
         self.started: set[int] = set()
+        self.going: tuple[int, int] | None = None   # stage 0: (evaluation, its next minibatch) part way through
         self._partly_run: dict[int, int] = {}   # evaluation -> its minibatches run here so far, until all are
         # Every evaluation minibatch run here: the driver's stall check counts it as progress, for
-        # stage 0 runs a whole evaluation as one task, which moves no training counter.
+        # an evaluation moves no training counter.
         self.minibatches_run = 0
 
     def ran(self, k: int, minibatches: int) -> None:

@@ -242,10 +242,12 @@ class StageRuntime:
         if self._final is not None and not self._final_merged:
             return Task(TaskKind.MERGE_FINAL, 0)
         if s.setup.first:
+            if s.evals.going is not None:   # the next minibatch of the evaluation it is part way through
+                return Task(TaskKind.EVAL, s.evals.going[1], s.evals.going[0])
             if self._final is not None and s.evals.schedule.final_id not in s.evals.started:
-                return Task(TaskKind.EVAL, 0, s.evals.schedule.final_id)
+                return Task(TaskKind.EVAL, 1, s.evals.schedule.final_id)
             k = s.evals.schedule.due(s.schedule.completed, s.schedule.in_flight)
-            return Task(TaskKind.EVAL, 0, k) if k is not None else None
+            return Task(TaskKind.EVAL, 1, k) if k is not None else None
         if self._inbox.evals:
             k, p, _ = self._inbox.evals[0]
             if k == s.evals.schedule.final_id and not self._final_merged:
@@ -370,15 +372,18 @@ class StageRuntime:
         return Ran([])
 
     def _evaluate(self, s: Loaded, task: Task) -> Ran:
-        """Stage 0: reads every held-out minibatch and sends it on; a later stage runs the one
-        that arrived; the last stage scores it."""
+        """Stage 0: reads held-out minibatch task.p and sends it on (the next one is its next
+        task); a later stage runs the one that arrived; the last stage scores it."""
         assert s.evals is not None
         k = task.eval
         if s.setup.first:
-            s.evals.started.add(k)
-            if k != s.evals.schedule.final_id:
-                s.evals.schedule.ran(k)
-            inputs = [(i, s.evals.read(i)[0]) for i in range(1, len(s.evals.batches) + 1)]
+            i = task.p
+            if i == 1:
+                s.evals.started.add(k)
+                if k != s.evals.schedule.final_id:
+                    s.evals.schedule.ran(k)
+            s.evals.going = (k, i + 1) if i < len(s.evals.batches) else None
+            inputs = [(i, s.evals.read(i)[0])]
         else:
             with self._cv:
                 _, i, x = self._inbox.evals.popleft()
@@ -464,8 +469,8 @@ class StageRuntime:
             return ""
         if task.kind == TaskKind.MERGE_FINAL:
             named = "the final merge"
-        elif task.kind == TaskKind.EVAL:   # stage 0 runs an evaluation's minibatches as one task (p 0)
-            named = f"evaluation {task.eval}" + (f"'s minibatch {task.p}" if task.p else "")
+        elif task.kind == TaskKind.EVAL:
+            named = f"evaluation {task.eval}'s minibatch {task.p}"
         else:
             named = {TaskKind.FORWARD: "the forward", TaskKind.BACKWARD: "the backward",
                      TaskKind.FORWARD_BACKWARD: "the forward and backward"}[task.kind]

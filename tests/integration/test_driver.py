@@ -321,8 +321,8 @@ def test_a_vw_evicted_while_silent_leaves_the_no_progress_check_on(make_job) -> 
 
 
 def test_an_evaluation_that_takes_longer_than_the_stall_timeout_is_no_stall(make_job) -> None:
-    """Stage 0 runs a whole evaluation as one task, which moves no training counter: a held-out
-    set whose minibatches together took longer than train.stall_timeout_s failed the job."""
+    """An evaluation moves no training counter: a held-out set whose minibatches together took
+    longer than train.stall_timeout_s failed the job."""
     driver, stubs, _ = _two_vws(make_job, cut=0, stall_s=1.0)
     try:
         deadline = time.monotonic() + 1.5

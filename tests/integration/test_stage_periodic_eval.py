@@ -1,9 +1,9 @@
 """A periodic evaluation scores one weight version at every stage (stage_worker/evaluation.py).
 
-Stage 0 runs an evaluation as one task, but a later stage runs its minibatches one task each, as
-they arrive, and merges a pull that has arrived (G3, or an elastic exchange's delta) between tasks.
-A pull that arrives while a stage is part way through an evaluation must wait until its last
-minibatch there, or the evaluation would score two weight versions.
+Every stage runs an evaluation's minibatches one task each (stage 0 reads them, a later stage as
+they arrive), and merges a pull that has arrived (G3, or an elastic exchange's delta) between
+tasks. A pull that arrives while a stage is part way through an evaluation must wait until its
+last minibatch there, or the evaluation would score two weight versions.
 
 The stage is stage_rig's real middle stage of a 3-stage job; the pull reply is stood in for.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import deep_update
-from stage_rig import frames, middle_stage
+from stage_rig import FakeNeighbour, frames, middle_stage, serve, unlimited_channel
 from stage_worker.sync import Sync, Weights
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,3 +107,48 @@ def test_the_final_evaluations_rows_are_refused_while_the_stage_trains(make_job)
             time.sleep(0.02)
         assert [(t.eval, t.minibatch) for _, t, _ in rig.next.got[sent:]] == [(1, 1)]
         rig.wait_until("eval_minibatches", 1)   # progress, for the driver's stall check
+
+
+def test_stage_0_sends_each_evaluation_minibatch_on_before_it_runs_the_next(make_job) -> None:
+    """Run as one task, stage 0 held every activation of an evaluation (eval.rows / batch_size
+    times a training minibatch's, on its device) until the last was computed."""
+    from coordinator.driver import JobDriver
+    from coordinator.planner import make_plan
+    from hetpipe.v1 import stage_pb2_grpc
+    from stage_worker.runtime import StageRuntime
+    from stage_worker.servicer import StageServicer
+
+    job = make_job({"data": {"eval_fraction": 0.2}, "eval": {"every": 2, "rows": 64},
+                    "train": {"steps": 4}, "parallel": {"stages_per_vw": 2, "nm": 2}, "output": {"trace": False}})
+    runtime, nxt = StageRuntime(), FakeNeighbour()
+    servers = [serve(StageServicer(runtime, on_stop=lambda: None)), serve(nxt)]
+    driver = JobDriver(job, make_plan(job), [s.address for s in servers])
+    channel = unlimited_channel(servers[0].address)
+    try:
+        driver.setup()
+        s = runtime._s
+        assert s is not None and s.evals is not None and s.next is not None
+        n = len(s.evals.batches)
+        assert n > 1
+        nxt.wait_for(2)   # minibatches 1 and 2 forwarded: it waits for their gradients
+        events: list[str] = []
+        evaluate, send = s.compute.evaluate, s.next.send
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setattr(s.compute, "evaluate", lambda x: (events.append("run"), evaluate(x))[1])
+        monkeypatch.setattr(s.next, "send", lambda item: (events.append("sent" if item.tag.eval else "trained"),
+                                                          send(item))[1])
+        stub = stage_pb2_grpc.StageStub(channel)
+        spec = runtime.setup.specs.output
+        for p in (1, 2):   # evaluation 1 follows minibatch 2
+            stub.Backward(iter(frames([("gradient", torch.randn(spec.shape, dtype=spec.dtype))], p, stage=1)),
+                          timeout=10)
+        nxt.wait_for(2 + n + 1)   # the evaluation's minibatches, then minibatch 3 (and 4)
+        monkeypatch.undo()
+        assert events[:2 * n + 1] == ["run", "sent"] * n + ["trained"]
+        assert [(t.eval, t.minibatch) for _, t, _ in nxt.got[2:3 + n]] == [(1, i) for i in range(1, n + 1)] + [(0, 3)]
+    finally:
+        channel.close()
+        driver.close()
+        runtime.stop()
+        for server in servers:
+            server.stop(grace=0)
