@@ -256,6 +256,10 @@ def structure(cfg: ModelConfig, base_dir: str, args: Mapping[str, Any] | None = 
                           f"whose children are the layers the pipeline is cut between")
     if len(model) == 0:
         raise ConfigError(f"model: {describe(cfg)} returned an empty nn.Sequential")
+    if type(model).forward is not nn.Sequential.forward:   # the stages run the layers, never this
+        raise ConfigError(f"model: {describe(cfg)} returned a {type(model).__name__}, an nn.Sequential with a forward "
+                          "of its own, which the pipeline would not run: each stage runs its layers one after another; "
+                          "move what that forward adds into a layer")
     layers: dict[int, str] = {}
     for name, layer in model._modules.items():   # named_children() would skip a repeat
         if id(layer) in layers:

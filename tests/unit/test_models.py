@@ -195,6 +195,16 @@ def with_a_count():
     return nn.Sequential(Counted(4, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
+class Skip(nn.Sequential):
+    # A forward of its own, which no stage runs.
+    def forward(self, x):
+        return self[2](self[1](self[0](x)) + self[0](x))
+
+
+def skip_connection():
+    return Skip(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
 class Wide(nn.Sequential):
     def __init__(self, width, **more):
         super().__init__(nn.Linear(4, width))
@@ -319,6 +329,8 @@ def test_a_factorys_float64_layers_train_in_train_dtype(tmp_path: Path) -> None:
     ("mymodels:missing", {}, r"model\.factory: module 'mymodels' has no attribute 'missing'"),
     ("mymodels:nett", {}, r"model\.factory: module 'mymodels' has no attribute 'nett' \(did you mean net\?\)"),
     ("mymodels:not_sequential", {}, r"model: mymodels:not_sequential returned a Linear, expected an nn\.Sequential"),
+    ("mymodels:skip_connection", {}, r"model: mymodels:skip_connection returned a Skip, an nn\.Sequential with a "
+                                     r"forward of its own, which the pipeline would not run"),
     ("mymodels:named_layers", {}, r"model: mymodels:named_layers returned an nn\.Sequential with named layers "
                                   r"\['fc1', 'act', 'fc2'\]; build it from a list of layers, numbered 0\.\.n-1"),
     ("mymodels:needs_args", {}, r"model\.args: mymodels:needs_args: .*missing 1 required .*'width'$"),
