@@ -18,6 +18,7 @@ import inspect
 import sys
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -337,7 +338,9 @@ def build_layers(job: JobConfig, begin: int, end: int, *, device: str = "cpu",
     if not 0 <= begin < end <= len(model):
         raise ConfigError(f"layers [{begin}, {end}) but {describe(job.model)} has {len(model)}")
     dtype = getattr(torch, job.train.dtype)
-    stage: nn.Sequential = model[begin:end]  # type: ignore[assignment]
+    # A plain nn.Sequential of those layers (keys as in the whole model): slicing a subclass calls
+    # its own __init__ with them, which may take something else (a width).
+    stage = nn.Sequential(OrderedDict(list(model._modules.items())[begin:end]))
     for index, layer in zip(range(begin, end), list(stage)):
         _materialise(layer)
         with GLOBAL_STATE, torch.random.fork_rng(devices=[]):

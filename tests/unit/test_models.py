@@ -399,6 +399,14 @@ def test_an_integer_parameter_is_built_as_its_reset_sets_it(tmp_path: Path) -> N
     assert bool(torch.isfinite(layer.weight).all())
 
 
+def test_a_sequential_subclass_of_its_own_init_is_built_layer_by_layer(tmp_path: Path) -> None:
+    # Planned, but each stage's build failed: slicing it called Wide(OrderedDict) for its width.
+    j = job(tmp_path, "mymodels:Wide", args={"width": 4})
+    structure(j.model, j.base_dir)
+    layers = build_layers(j, 0, 1)
+    assert type(layers) is torch.nn.Sequential and list(layers.state_dict()) == ["0.weight", "0.bias"]
+
+
 def test_a_parameter_shared_within_a_layer_stays_shared(tmp_path: Path) -> None:
     layer = build_layers(job(tmp_path, factory="mymodels:tied_in_a_layer"), 0, 1)[0]
     assert layer.a.weight is layer.b.weight
