@@ -537,10 +537,15 @@ class JobDriver:
         for h in self.stages:
             if h.plan.vw == self.lead_vw:
                 self.call(h, "Evaluate", stage_pb2.EvalRequest(min_clock=clock))
-        deadline = time.monotonic() + FINAL_EVAL_TIMEOUT_S
+        deadline, run = time.monotonic() + FINAL_EVAL_TIMEOUT_S, -1
         while not any(e.final for e in self.evals.values()):
+            # A large held-out set takes as long as it takes, while its minibatches move on: a
+            # deadline on the whole failed such a job before its weights were written.
+            now_run = sum(h.last.eval_minibatches for h in self.stages if h.plan.vw == self.lead_vw)
+            if now_run != run:
+                deadline, run = time.monotonic() + FINAL_EVAL_TIMEOUT_S, now_run
             if time.monotonic() > deadline:
-                raise JobFailed(f"the final evaluation did not finish within {FINAL_EVAL_TIMEOUT_S:g}s")
+                raise JobFailed(f"the final evaluation made no progress for {FINAL_EVAL_TIMEOUT_S:g}s")
             time.sleep(0.05)
             self.poll()
         return next(e for e in self.evals.values() if e.final)

@@ -7,6 +7,7 @@ import re
 import time
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -353,5 +354,49 @@ def test_a_checkpoint_that_takes_longer_than_the_stall_timeout_is_no_stall(make_
         driver.poll()   # takes it, for longer than the stall timeout
         driver._check_progress()
         assert [s.continued for s in stubs.values()] == [[5], [5]]
+    finally:
+        driver.close()
+
+
+class _Evaluating:
+    """A lone stage, DONE, that runs the final evaluation's minibatches one per poll and reports
+    the evaluation after `minibatches` of them (never, with moving False: it is stuck)."""
+
+    def __init__(self, minibatches: int, moving: bool = True) -> None:
+        self.asked, self.run, self.minibatches, self.moving = False, 0, minibatches, moving
+
+    def Evaluate(self, request: Any, timeout: float) -> wire_pb2.Ack:
+        self.asked = True
+        return wire_pb2.Ack()
+
+    def Status(self, request: Any, timeout: float) -> stage_pb2.StageStatus:
+        if self.asked and self.moving:
+            self.run += 1
+        status = stage_pb2.StageStatus(state=State.DONE, eval_minibatches=self.run, recent_loss=1.0)
+        if self.run >= self.minibatches:
+            status.evals.add(id=1, minibatches=4, final=True, time=time.time(), rows=32, loss=0.5, accuracy=0.75)
+        return status
+
+    def Stop(self, request: Any, timeout: float) -> wire_pb2.Ack:
+        return wire_pb2.Ack()
+
+
+@pytest.mark.parametrize("moving", [True, False])
+def test_a_final_evaluation_fails_the_job_only_once_it_stops_moving(make_job, monkeypatch: pytest.MonkeyPatch,
+                                                                    moving: bool) -> None:
+    """It had 600 s in all, however large the held-out set: past them the job failed, before its
+    weights were written."""
+    monkeypatch.setattr(driver_module, "FINAL_EVAL_TIMEOUT_S", 0.3)
+    job = make_job({"data": {"eval_fraction": 0.2}, "eval": {"every": 0}, "train": {"steps": 4},
+                    "parallel": {"virtual_workers": 1, "stages_per_vw": 1, "nm": 1}, "output": {"trace": False}})
+    driver = JobDriver(job, make_plan(job), ["127.0.0.1:9"])
+    stub = driver.stages[0].stub = _Evaluating(minibatches=40, moving=moving)   # type: ignore[assignment]
+    Path(driver.out_dir).mkdir(parents=True, exist_ok=True)   # eval.jsonl's
+    try:
+        if moving:   # 40 polls of 50 ms: longer than the timeout, moving all along
+            assert driver.final_evaluation().final and stub.run >= 40
+        else:
+            with pytest.raises(JobFailed, match=r"the final evaluation made no progress for 0\.3s"):
+                driver.final_evaluation()
     finally:
         driver.close()
