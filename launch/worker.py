@@ -13,6 +13,7 @@ from its checkpoint, as under `hetpipe run`."""
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import IO
 
 import grpc
 
@@ -40,6 +42,7 @@ POLL_S = 0.5          # how often the children are checked
 SPENT_KILL_S = 30.0   # a spent process still there this long after its SIGTERM is killed (its port for a fresh one)
 REGISTRY_POLL_S = 1.0  # how often the coordinator is asked which of them served a job
 CUDA_ENV = "CUDA_VISIBLE_DEVICES"
+WORKER_LOCK = "worker.lock"   # in logs/NODE: one launcher per node and output root
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 # A host name's characters and length: the node also names this host's log folder (logs/NODE).
 NODE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,252}")
@@ -301,6 +304,27 @@ def check_reachable(cfg: WorkerConfig, advertise_host: str) -> None:
                           "model and stop the job: give --token-file (and --tls-cert/--tls-key/--tls-ca), or --insecure")
 
 
+def hold_node(root: Path, node: str) -> IO[str]:
+    """The lock of node's folders under root (its logs, its shards' checkpoints), held by this
+    launcher until the returned file is closed; ConfigError naming the pid of another `hetpipe
+    worker` that holds it: starting, it would clear that one's live shard checkpoints and share its
+    log files. The kernel drops the lock with its process, even a killed one."""
+    path = root / "logs" / node / WORKER_LOCK
+    lock = open(path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise ConfigError(f"--node {node}: another hetpipe worker (pid {holder}) serves this node from --output-root "
+                          f"{root} (its logs and shard checkpoints): give this one another --node or --output-root") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
 def serve(cfg: WorkerConfig) -> int:
     """Starts the workers, prints what it started, and watches them until SIGTERM or Ctrl-C; 0
     when stopped by SIGTERM, 130 by Ctrl-C, 1 when a stage worker died."""
@@ -332,7 +356,9 @@ def serve(cfg: WorkerConfig) -> int:
     # The signal that stops us, passed on: a stage tells the coordinator which (a Ctrl-C at the
     # terminal reaches the stages too, but may do so after a SIGTERM from us would).
     stop_with = signal.SIGTERM
+    lock: IO[str] | None = None
     try:
+        lock = hold_node(root, cfg.node)   # before start() clears this node's shard checkpoints
         launcher.start(stages)
         print(f"hetpipe worker: node {cfg.node} serving for coordinator {cfg.coordinator}; output root {root}\n"
               f"{launcher.listing(stages)}\nserving until Ctrl-C or SIGTERM", file=sys.stderr)
@@ -355,6 +381,8 @@ def serve(cfg: WorkerConfig) -> int:
         finally:
             for sig, handler in before.items():
                 signal.signal(sig, handler)
+            if lock is not None:   # once its processes are gone
+                lock.close()
 
 
 def _watch(launcher: Launcher) -> int:

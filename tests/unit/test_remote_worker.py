@@ -90,6 +90,31 @@ def test_an_output_root_that_cannot_be_made_is_refused_naming_it(tmp_path: Path)
             worker.serve(_config("--emulate", "t4", "--output-root", str(root)))
 
 
+def test_a_second_worker_of_a_node_and_output_root_is_refused_before_clearing_the_first_ones_shards(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started beside a live one, it cleared that one's shard checkpoints (runs/ps/NODE/shardN) and
+    wrote into its log files."""
+    import os
+
+    def start(self: worker.Launcher, stages: list[worker.StageDevice]) -> None:
+        raise AssertionError("started beside the live worker of the same node and output root")
+
+    monkeypatch.setattr(worker.Launcher, "start", start)
+    cut = tmp_path / "ps" / "hosta" / "shard0" / "cut"
+    cut.parent.mkdir(parents=True)
+    cut.write_text("the live shard's")
+    (tmp_path / "logs" / "hosta").mkdir(parents=True)
+    first = worker.hold_node(tmp_path, "hosta")
+    try:
+        with pytest.raises(ConfigError, match=rf"--node hosta: another hetpipe worker \(pid {os.getpid()}\)"):
+            worker.serve(_config("--coordinator", "127.0.0.1:9", "--gpus", "none", "--shards", "1", "--node", "hosta",
+                                 "--output-root", str(tmp_path)))
+    finally:
+        first.close()
+    assert cut.read_text() == "the live shard's"
+    worker.hold_node(tmp_path, "hosta").close()   # free again once the first is gone
+
+
 @pytest.mark.timeout(120)
 def test_a_shard_replaced_after_each_job_keeps_its_restarts_for_a_crash(tmp_path: Path) -> None:
     """A real shard process: the fresh one started after each of several jobs (stopped as asked)
