@@ -299,6 +299,9 @@ def _follow_and_fetch(stub: rpc.Stub, job: JobConfig, job_id: str, address: str,
             pass
         write_status(out_dir, "STOPPED", interrupt_reason(exc))
         raise
+    except (JobFailed, CoordinatorUnreachable) as exc:   # its coordinator restarted, or went away
+        write_status(out_dir, "FAILED", str(exc))   # for `hetpipe status --job`, as a local run's failure
+        raise
     State = coordinator_pb2.JobStatus.State
     try:
         fetch_results(stub, job_id, out_dir, address)

@@ -249,3 +249,32 @@ def test_a_submit_to_a_coordinator_not_listening_yet_is_tried_again(make_job, ca
     monkeypatch.setattr(client, "GIVE_UP_S", 0.3)
     with rpc.channel(address) as channel, pytest.raises(client.CoordinatorUnreachable, match="nothing listens"):
         client._submit(rpc.Stub(channel, "Coordinator"), make_job(), address)
+
+
+@pytest.mark.parametrize("lost", ["gone", "restarted"])
+def test_a_job_lost_with_its_coordinator_says_so_in_status_json(make_job, tmp_path: Path, lost: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """How the run ended, for `hetpipe status --job` (it found neither status.json nor the
+    coordinator's address, and asked whether the run was still running)."""
+    import grpc
+
+    from hetpipe.outputs import read_status
+    from launch import remote as client
+
+    class Lost(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE if lost == "gone" else grpc.StatusCode.NOT_FOUND
+
+        def details(self) -> str:
+            return "no job ab"
+
+    class Stub:
+        def GetJob(self, request: coordinator_pb2.JobRef, timeout: float) -> coordinator_pb2.JobStatus:
+            raise Lost()
+
+    monkeypatch.setattr(client, "GIVE_UP_S", 0.2)
+    raised = client.CoordinatorUnreachable if lost == "gone" else client.JobFailed
+    with pytest.raises(raised) as info:
+        client._follow_and_fetch(Stub(), make_job(), "ab" * 16, "127.0.0.1:9", tmp_path, quiet=True)  # type: ignore[arg-type]
+    ending = read_status(tmp_path)
+    assert ending is not None and (ending["state"], ending["reason"]) == ("FAILED", str(info.value))
