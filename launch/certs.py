@@ -119,9 +119,9 @@ def unnamed(cert_pem: str, ca_pem: str, names: Iterable[str]) -> list[str]:
 def make(out: Path, hosts: list[str], sans: list[str] | None = None,
          passwords: list[str] | None = None) -> list[Path]:
     """Writes ca.pem (+ ca.key), NAME.pem and NAME.key for each host, and token; returns the files
-    written. Idempotent: a CA and token already in out are kept (a new host's certificate must
-    be from the cluster's CA), and so is a host's existing pair while it serves (_kept), else it
-    is issued anew. passwords: files to write a random password into (Grafana's admin password,
+    written. Idempotent: a CA (while valid for another day) and token already in out are kept (a
+    new host's certificate must be from the cluster's CA), and so is a host's existing pair while
+    it serves (_kept), else it is issued anew. passwords: files to write a random password into (Grafana's admin password,
     for compose). ValueError, before anything is written, for names check_names refuses, and for a
     CA half there without the other (ca.key moved off, as the README advises)."""
     check_names(hosts, sans or [], passwords or [])
@@ -134,8 +134,10 @@ def make(out: Path, hosts: list[str], sans: list[str] | None = None,
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
     written: list[Path] = []
-    if (out / "ca.pem").exists() and (out / "ca.key").exists():
-        ca = x509.load_pem_x509_certificate((out / "ca.pem").read_bytes())
+    ca = x509.load_pem_x509_certificate((out / "ca.pem").read_bytes()) if halves else None
+    # A CA that has expired, or is about to, is replaced as a host's pair is: every chain from it
+    # fails its handshake ("certificate has expired"), however new the certificate it signed.
+    if ca is not None and ca.not_valid_after_utc > now + datetime.timedelta(days=1):
         ca_key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), password=None)
     else:
         ca, ca_key = _new_ca(out, start, end)

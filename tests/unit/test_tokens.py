@@ -141,6 +141,22 @@ def test_certs_are_issued_by_the_ca_for_their_host_and_keys_are_private(tmp_path
     x509.load_pem_x509_certificate((tmp_path / "n0.pem").read_bytes()).verify_directly_issued_by(ca)
 
 
+def test_a_ca_that_has_expired_is_replaced_and_its_hosts_issued_anew(tmp_path: Path) -> None:
+    """compose's certs volume a year on: a pair issued again by the CA that had expired failed
+    every handshake ("certificate has expired"), however new the pair."""
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certs._new_ca(tmp_path, now - datetime.timedelta(days=366), now - datetime.timedelta(hours=1))
+    certs.make(tmp_path, ["n0"])
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
+    assert ca.not_valid_after_utc > now + datetime.timedelta(days=certs.VALID_DAYS - 1)
+    x509.load_pem_x509_certificate((tmp_path / "n0.pem").read_bytes()).verify_directly_issued_by(ca)
+    token = (tmp_path / "token").read_text()
+    assert certs.make(tmp_path, ["n0"]) == [], "a CA that serves is kept, and so are its pairs"
+    assert (tmp_path / "token").read_text() == token
+
+
 @pytest.mark.parametrize("away", ["ca.key", "ca.pem"])
 def test_a_ca_half_without_the_other_is_refused_not_replaced(tmp_path: Path, away: str) -> None:
     """ca.key kept off the machine, as the README advises: adding a host must not make a new CA,
