@@ -79,15 +79,21 @@ class Security:
                                 "--tls-ca), got only " + ", ".join(n for n, g in zip(("cert", "key", "ca"), given) if g))
         for what, path in (("certificate", self.cert), ("key", self.key), ("CA", self.ca),
                            ("token file", self.token_file)):
-            if path and not os.access(path, os.R_OK):
-                raise SecurityError(f"TLS {what} {path}: cannot be read" if what != "token file"
-                                    else f"token file {path}: cannot be read")
+            # A folder too: what a bind mount of a missing file makes, or a secret volume's mount point.
+            if path and (not os.access(path, os.R_OK) or os.path.isdir(path)):
+                why = "is a folder, not a file" if os.path.isdir(path) else "cannot be read"
+                raise SecurityError(f"TLS {what} {path}: {why}" if what != "token file" else f"token file {path}: {why}")
         if self.token_file:
             read_secret(self.token_file)
 
 
 def read_secret(path: str) -> str:
-    text = Path(path).read_text().strip()
+    try:
+        text = Path(path).read_text().strip()
+    except UnicodeDecodeError:
+        text = "\0"   # not text: refused below with what a token file holds
+    except OSError as exc:
+        raise SecurityError(f"token file {path}: cannot be read ({exc.strerror})") from None
     if (len(text) < MIN_SECRET_CHARS or any(c.isspace() for c in text) or not text.isprintable()
             or not text.isascii()):  # gRPC metadata carries ASCII only: every call would fail
         raise SecurityError(f"token file {path}: expected one line of at least {MIN_SECRET_CHARS} "

@@ -92,6 +92,18 @@ def test_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:
     accented.write_text("\xe9" * 20 + "\n")  # printable, but no gRPC metadata can carry it
     with pytest.raises(security.SecurityError, match="printable ASCII"):
         security.Security(token_file=str(accented)).check()
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff" * 20)   # not UTF-8: was a UnicodeDecodeError traceback
+    with pytest.raises(security.SecurityError, match="printable ASCII"):
+        security.Security(token_file=str(binary)).check()
+    # A folder (a bind mount of a missing file, a secret volume's mount point) was an
+    # IsADirectoryError traceback, the token's at check(), TLS files' at use().
+    folder = tmp_path / "secret-volume"
+    folder.mkdir()
+    with pytest.raises(security.SecurityError, match=f"token file {folder}: is a folder, not a file"):
+        security.Security(token_file=str(folder)).check()
+    with pytest.raises(security.SecurityError, match=f"TLS CA {folder}: is a folder, not a file"):
+        security.use(security.Security(cert=str(short), key=str(short), ca=str(folder)), security.STAGE, "s")
 
 
 def test_a_token_file_is_written_for_its_owner_only_and_never_through_a_link(tmp_path: Path) -> None:
