@@ -85,6 +85,30 @@ class Security:
                 raise SecurityError(f"TLS {what} {path}: {why}" if what != "token file" else f"token file {path}: {why}")
         if self.token_file:
             read_secret(self.token_file)
+        if self.tls:
+            self._check_pem()
+
+    def _check_pem(self) -> None:
+        """The TLS files hold what their flags say, the key the certificate's: else the server
+        fails to start saying only "Failed to bind to address", or every handshake fails."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        def load(what: str, path: str, parse: Any) -> Any:
+            try:
+                return parse(Path(path).read_bytes())
+            except (ValueError, TypeError) as exc:   # TypeError: a key behind a password
+                raise SecurityError(f"TLS {what} {path}: cannot be read as PEM ({exc})") from None
+
+        certificate = load("certificate", self.cert, x509.load_pem_x509_certificates)[0]
+        load("CA", self.ca, x509.load_pem_x509_certificates)
+        key = load("key", self.key, lambda data: serialization.load_pem_private_key(data, password=None))
+
+        def public(k: Any) -> bytes:
+            return bytes(k.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo))
+
+        if public(key.public_key()) != public(certificate.public_key()):
+            raise SecurityError(f"TLS key {self.key} is not the key of the certificate {self.cert} (another host's?)")
 
 
 def read_secret(path: str) -> str:

@@ -106,6 +106,25 @@ def test_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:
         security.use(security.Security(cert=str(short), key=str(short), ca=str(folder)), security.STAGE, "s")
 
 
+def test_tls_files_that_hold_something_else_are_refused_naming_them(tmp_path: Path) -> None:
+    """A server given them failed to start with "RuntimeError: Failed to bind to address
+    127.0.0.1:0", naming neither the file nor what is wrong with it."""
+    certs.make(tmp_path, ["n0", "n1"])
+    (tmp_path / "garbage").write_text("not a certificate\n")
+
+    def tls(cert: str, key: str, ca: str = "ca.pem") -> security.Security:
+        return security.Security(cert=str(tmp_path / cert), key=str(tmp_path / key), ca=str(tmp_path / ca))
+
+    tls("n0.pem", "n0.key").check()
+    for settings, message in ((tls("n0.pem", "n1.key"), f"TLS key {tmp_path}/n1.key is not the key of the certificate "
+                                                        f"{tmp_path}/n0.pem"),
+                              (tls("garbage", "n0.key"), f"TLS certificate {tmp_path}/garbage: cannot be read as PEM"),
+                              (tls("n0.pem", "n0.pem"), f"TLS key {tmp_path}/n0.pem: cannot be read as PEM"),
+                              (tls("n0.pem", "n0.key", "n0.key"), f"TLS CA {tmp_path}/n0.key: cannot be read as PEM")):
+        with pytest.raises(security.SecurityError, match=message):
+            security.use(settings, security.STAGE, "s")
+
+
 def test_a_token_file_is_written_for_its_owner_only_and_never_through_a_link(tmp_path: Path) -> None:
     existing = tmp_path / "token"
     existing.write_text("old\n")
