@@ -28,6 +28,9 @@ def why(exc: grpc.RpcError) -> str:
     if handshake_failed(exc) and "hostname verification" in details.lower():
         return ("the TLS handshake failed: its certificate does not name the address dialled (make it with "
                 "that name or IP: `hetpipe certs DIR HOST --san NAME`)")
+    if handshake_failed(exc) and "certificate has expired" in details:
+        return ("the TLS handshake failed: the server's certificate, or its CA, has expired (issue them anew: "
+                "`hetpipe certs DIR HOST`)")
     if handshake_failed(exc):
         return (f"the TLS handshake failed: both ends need certificates from the same CA ({TLS_FLAGS}), "
                 "or neither uses TLS")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import datetime
 import hashlib
 import hmac
 import errno
@@ -101,7 +102,16 @@ class Security:
                 raise SecurityError(f"TLS {what} {path}: cannot be read as PEM ({exc})") from None
 
         certificate = load("certificate", self.cert, x509.load_pem_x509_certificates)[0]
-        load("CA", self.ca, x509.load_pem_x509_certificates)
+        cas = load("CA", self.ca, x509.load_pem_x509_certificates)
+        # Out of its dates, every handshake fails: a server's peers are told "certificate has
+        # expired", and a client finds only a closed socket, which reads as an outage.
+        now = datetime.datetime.now(datetime.timezone.utc)
+        for what, path, dated in (("certificate", self.cert, [certificate]), ("CA", self.ca, cas)):
+            if not any(c.not_valid_before_utc <= now <= c.not_valid_after_utc for c in dated):
+                c = dated[0]
+                raise SecurityError(f"TLS {what} {path}: valid from {c.not_valid_before_utc:%Y-%m-%d %H:%M} to "
+                                    f"{c.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now ({now:%Y-%m-%d %H:%M}): "
+                                    "issue it anew (`hetpipe certs DIR HOST` replaces one that expired)")
         key = load("key", self.key, lambda data: serialization.load_pem_private_key(data, password=None))
 
         def public(k: Any) -> bytes:

@@ -256,3 +256,52 @@ def test_a_service_refuses_to_serve_beyond_loopback_without_a_token(tmp_path: Pa
                           capture_output=True, text=True, timeout=60, cwd=service_process.REPO)
     assert proc.returncode == 2
     assert "--token-file" in proc.stderr and "--insecure" in proc.stderr
+
+
+def test_a_certificate_out_of_its_dates_is_named_so(tmp_path: Path) -> None:
+    """A server whose certificate expired (while it ran) was reported as a CA mismatch ("both ends
+    need certificates from the same CA"); a process started with one served, and as a client met
+    only a closed socket, which reads as an outage (its registration retried for ever)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    certs.make(tmp_path, ["localhost"])
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((tmp_path / "ca.key").read_bytes(), None)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "old")])
+    old = (x509.CertificateBuilder().subject_name(name).issuer_name(ca.subject).public_key(key.public_key())
+           .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=366))
+           .not_valid_after(now - datetime.timedelta(days=1))
+           .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                       x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+           .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+    (tmp_path / "old.pem").write_bytes(old.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "old.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    expired = security.Security(cert=str(tmp_path / "old.pem"), key=str(tmp_path / "old.key"), ca=str(tmp_path / "ca.pem"))
+    with pytest.raises(security.SecurityError, match=f"TLS certificate {tmp_path}/old.pem: valid from .* UTC, not now"):
+        security.use(expired, security.STAGE, "test")
+
+    server = grpc.server(futures.ThreadPoolExecutor(1))   # one that started before its certificate expired
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    credentials = grpc.ssl_server_credentials([(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                                  serialization.NoEncryption()),
+                                                old.public_bytes(serialization.Encoding.PEM))],
+                                              root_certificates=(tmp_path / "ca.pem").read_bytes(), require_client_auth=True)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        good = security.Security(cert=str(tmp_path / "localhost.pem"), key=str(tmp_path / "localhost.key"),
+                                 ca=str(tmp_path / "ca.pem"))
+        with security.using(good, security.COORDINATOR, "test"):
+            err = _health_error(f"127.0.0.1:{port}")
+    finally:
+        server.stop(0)
+    assert reach.handshake_failed(err), err.details()
+    assert reach.why(err).startswith("the TLS handshake failed: the server's certificate, or its CA, has expired")
