@@ -77,9 +77,14 @@ def steady_samples_per_second(stages: Iterable[stage_pb2.StageStatus], batch_siz
 
 
 def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
-    """The final evaluation, the weights (safetensors), and summary.json per DESIGN §8."""
-    final = d.final_evaluation()
-    write_weights(d)
+    """The weights (safetensors), the final evaluation, and summary.json per DESIGN §8."""
+    # The weights first: an evaluation that fails (out of memory on a large held-out set, a stage
+    # lost) must not take a whole run's training with it. It scores the same w_global.
+    written = write_weights(d)
+    try:
+        final = d.final_evaluation()
+    except JobFailed as exc:
+        raise JobFailed(f"{exc} (the trained weights are in {written[0].parent})") from None
     job, plan = d.job, d.plan
     # samples_per_second: this run's minibatches over this run's wall (after --resume, not the checkpoint's).
     per_vw = [job.train.steps] * len(d.last_stages()) + [e["minibatches"] for e in d.evicted]

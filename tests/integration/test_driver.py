@@ -68,6 +68,29 @@ def test_the_driver_runs_a_job_and_collects_the_trained_weights(make_job, stages
         torch.testing.assert_close(weights[key], want[key], rtol=0, atol=1e-9)
 
 
+def test_a_final_evaluation_that_fails_leaves_the_trained_weights_written(make_job, stages: list[rpc.Server]) -> None:
+    """It ran before the weights were written: out of memory on a large held-out set, say, and a
+    whole run's training was gone with it. The failure names where the weights are."""
+    job = make_job({"train": {"dtype": "float64", "steps": 6}, "parallel": {"stages_per_vw": 2, "nm": 1},
+                    "output": {"trace": False}})
+    driver = JobDriver(job, make_plan(job), [s.address for s in stages])
+
+    def fails() -> None:
+        raise JobFailed("stage 1 of vw 0 ran out of memory in the final evaluation")
+
+    try:
+        driver.setup()
+        wall = driver.run(interval=0.01)
+        driver.final_evaluation = fails   # type: ignore[method-assign]
+        with pytest.raises(JobFailed, match=r"out of memory in the final evaluation \(the trained weights are in "):
+            results.write_outputs(driver, wall)
+    finally:
+        driver.close()
+    weights = weight_files.read_weights(Path(driver.out_dir))
+    for key, value in train_reference(job).state_dict().items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=1e-9)
+
+
 def test_each_stage_times_its_minibatches_after_its_first_wave_until_done(make_job, stages: list[rpc.Server]) -> None:
     """StageStatus.steady_*: a stage's window holds the steps - nm minibatches after its first
     wave, and closes at DONE (a status polled later reads the same)."""
