@@ -195,8 +195,10 @@ class Link:
         self._closing.set()  # a send that is retrying gives up now: closing must not wait out give_up_s
         self._queue.put(None)
         self._duplex.close()   # first: wakes a thread waiting for an answer, which then sends nothing again
-        self._thread.join(timeout=5)
+        # Then the channel: it cancels a bundle's own call under way (one of several frames, over
+        # gRPC), whose answer the thread would otherwise wait for past the join.
         self._channel.close()
+        self._thread.join(timeout=5)
         if self.ring is not None:
             self.ring.close()
         if self.gpu_ring is not None:
@@ -227,7 +229,7 @@ class Link:
                     if not self._settle():
                         return
                     continue
-                if (item := self._queue.get()) is None:
+                if (item := self._queue.get()) is None or self._closing.is_set():   # the channel is closed
                     while self._in_flight:   # what is on its way is answered (or given up) first
                         if not self._settle():
                             return

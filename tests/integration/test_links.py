@@ -484,6 +484,27 @@ def test_a_link_closed_while_its_bundle_awaits_an_answer_ends_at_once_and_leaves
         server.stop(grace=0)
 
 
+def test_a_link_closed_while_a_bundle_of_several_frames_awaits_its_answer_over_grpc_ends_at_once() -> None:
+    """A peer on another host: a bundle over 1 MiB goes by a call of its own, which close() cancels
+    (it waited out the thread's 5 s join, the call's answer held back, then cancelled it)."""
+    neighbour = Holding()
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append)
+    try:
+        link.send(Outgoing(wire_pb2.MinibatchTag(vw=0, minibatch=1, stage=0), [("activation", torch.zeros(3 << 20))]))
+        assert neighbour.wait_for(1) == [1] and neighbour.frames == [12]   # taken, its answer held back
+        started = time.monotonic()
+        link.close()
+        assert time.monotonic() - started < 2, "close() waited for the thread"
+        assert not link._thread.is_alive() and not failures
+    finally:
+        neighbour.released.set()
+        link.close()
+        neighbour.close()
+        server.stop(grace=0)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_tensors_are_copied_to_pinned_memory_off_the_compute_stream() -> None:
