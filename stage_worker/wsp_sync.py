@@ -275,9 +275,11 @@ class WspSync:
         self._closed.set()
         self._pushes.put(None)
         self._pulls.put(None)   # a pull under way ends with the channels, below: not joined
-        self._pusher.join(timeout=5)
+        # The channels before the join: they end a push the shard holds back (G4, for a slower
+        # VW), which the pusher would wait on past the join and the launcher's grace.
         for ch in self._channels:
             ch.close()
+        self._pusher.join(timeout=5)
         for ring in self._rings:
             if ring is not None:
                 ring.close()

@@ -386,6 +386,26 @@ def test_a_stopping_stage_ends_its_wait_for_w_global_at_once() -> None:
         sync.close()
 
 
+def test_a_stage_closed_while_the_shard_holds_its_push_back_under_g4_ends_at_once(
+        shard: tuple[str, ShardServicer]) -> None:
+    """Two VWs at D 0: VW 0's push of wave 1 waits at the shard for VW 1's wave 0, which never
+    comes. close() joined the pusher for 5 s before it closed the channels that would end that
+    call: a stopping stage outlived the launcher's 3 s grace and was killed."""
+    failures: list[str] = []
+    sync, _ = _stage(shard[0], 0, 0, True, failures)
+    try:
+        sync.initialise(2, [torch.zeros(4, 3), torch.zeros(4)])
+        _push(sync, 0, [torch.ones(4, 3), torch.ones(4)], failures)
+        sync.after_update(2, [torch.ones(4, 3), torch.ones(4)])
+        sync.on_wave_end(1)
+        time.sleep(0.5)
+        assert sync.acked_waves == 1, "the shard holds wave 1 back"
+    finally:
+        started = time.monotonic()
+        sync.close()
+    assert time.monotonic() - started < 2
+
+
 def test_under_a_quorum_of_fewer_than_all_a_slow_vw_pulls_the_rounds_the_others_closed(
         shard: tuple[str, ShardServicer]) -> None:
     """No G4 bounds it: with rounds closed without it, G2 would ask for no pull until its own
