@@ -253,6 +253,22 @@ def test_set_changes_the_job_file_for_this_command_only(capsys: pytest.CaptureFi
     assert path.read_text() == before
 
 
+@pytest.mark.parametrize(("example", "settings"), [
+    ("own-model/job.yaml", ["eval=null", "data.eval_factory=null"]),
+    ("quickstart.yaml", ["eval=null", "data.eval_fraction=0"]),
+])
+def test_the_readmes_settings_that_turn_evaluation_off_are_taken(capsys: pytest.CaptureFixture[str], example: str,
+                                                                 settings: list[str]) -> None:
+    """The README's way to train without evaluating: eval=null alone is refused where held-out data
+    would go unread, so it names the second setting for each kind of held-out data."""
+    path = Path(__file__).resolve().parents[2] / "examples" / example
+    assert cli.main(["plan", str(path), "--set", settings[0]]) == 2
+    assert f"drop {settings[1].split('=')[0]}" in capsys.readouterr().err
+    assert cli.main(["plan", str(path), *(a for s in settings for a in ("--set", s))]) == 0, capsys.readouterr().err
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert all(f"`--set {s}`" in readme for s in settings), "the README names both settings"
+
+
 @pytest.mark.parametrize(("setting", "names"), [
     ("parallel.stages=3", ["parallel.stages: unknown key", "stages_per_vw"]),
     ("parallel.nm=zero", ["parallel.nm", "'zero'"]),
