@@ -238,8 +238,10 @@ def status(args: argparse.Namespace) -> int:
         try:
             job_status = stub.GetJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S)
             # StopJob answers an ended job as it ended, which cannot tell "stopped now" from "had
-            # ended": only a job that has not ended is asked to stop.
-            already_ended = args.command == "stop" and State.Name(job_status.state) in TERMINAL
+            # ended": only a job that has not ended is asked to stop. A coordinator that has had no
+            # job is not asked either: it would answer STOPPED, as if a job had been stopped.
+            already_ended = args.command == "stop" and (State.Name(job_status.state) in TERMINAL
+                                                        or job_status.state == State.NONE)
             if args.command == "stop" and not already_ended:
                 return _stopped(args, stub, job_ref, stub.StopJob(job_ref, timeout=rpc.CONTROL_DEADLINE_S), out_dir)
             workers = stub.ListWorkers(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
@@ -270,6 +272,9 @@ def status(args: argparse.Namespace) -> int:
                       file=sys.stderr)
             return EXIT_UNAVAILABLE
     if already_ended and not args.json:
+        if job_status.state == State.NONE:
+            print(f"coordinator {address} has had no job; nothing to stop")
+            return 0
         return _nothing_to_stop(job_status.job_id or address, State.Name(job_status.state), job_status.reason)
     if args.json:
         print(json.dumps({"job": job_json(job_status), "workers": [plain(w) for w in workers.workers]}, indent=2))

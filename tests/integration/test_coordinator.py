@@ -241,6 +241,17 @@ def test_stop_of_a_job_that_has_ended_says_so_and_exits_0(coordinator, make_job)
     assert cli.stdout == f"job {job_id} already ended: stopped (stopped by request); nothing to stop\n", cli.stdout
 
 
+def test_stop_of_a_coordinator_that_has_had_no_job_stops_nothing(coordinator) -> None:
+    """`hetpipe stop --coordinator` before any job: it said `job: STOPPED (stopped by request)`, as if
+    it had stopped one, and the coordinator's status said so from then on."""
+    stub, servicer, address = coordinator
+    cli = subprocess.run([sys.executable, "-m", "launch.cli", "stop", "--coordinator", address],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == f"coordinator {address} has had no job; nothing to stop\n", cli.stdout
+    assert stub.GetJob(coordinator_pb2.JobRef(), timeout=5).state == State.NONE
+
+
 def test_stop_of_a_local_run_that_has_ended_says_so_and_exits_0(make_job, tmp_path: Path) -> None:
     """What a `hetpipe run` leaves once it has ended (status.json, no coordinator address): even a
     failed run's stop succeeds, as there is nothing to stop."""
