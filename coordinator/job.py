@@ -155,9 +155,12 @@ class JobRunner:
         with self._lock:
             self._check_id(job_id)
             state, out_dir = self.machine.state, self.out_dir
-            if not state.is_terminal or out_dir is None:
+            if not state.is_terminal:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                                f"the job is {state.name}: its outputs are handed out once it has ended")
+            if out_dir is None:   # refused, failed or stopped before it had an output folder
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"the job ended {state.name} before it was planned: it has no outputs")
             return out_dir
 
     def _view(self) -> JobView:

@@ -235,6 +235,10 @@ def test_stop_of_a_job_that_has_ended_says_so_and_exits_0(coordinator, make_job)
     job_id = stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5).job_id
     stub.StopJob(coordinator_pb2.JobRef(job_id=job_id), timeout=5)  # waiting for workers: it ends STOPPED
     servicer.runner.join(10)
+    with pytest.raises(grpc.RpcError) as err:   # not "handed out once it has ended": it has
+        list(stub.Results(coordinator_pb2.JobRef(job_id=job_id), timeout=5))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details() == "the job ended STOPPED before it was planned: it has no outputs", err.value.details()
     cli = subprocess.run([sys.executable, "-m", "launch.cli", "stop", "--coordinator", address],
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0, cli.stderr
