@@ -3,7 +3,8 @@ memmap, so each process touches only the pages of the windows it reads (no stage
 
 The file is Python's own standard library source, concatenated (real text, no download). It is
 written once, atomically, by whichever process needs it first: beside this module, or where that
-folder cannot be written (a container that mounts the module read-only), in the temporary folder.
+folder cannot be written (a container that mounts the module read-only), in the temporary folder,
+named by its size (stdlib-4mb.npy).
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ HERE = Path(__file__).resolve().parent
 
 
 def _corpus(file: str, megabytes: int) -> Path:
+    # The size in the name: a file once written is never rewritten (a process may be reading it), so
+    # another `megabytes` must be another file, not the first one's corpus under the same name.
+    name = f"{Path(file).stem}-{megabytes}mb{Path(file).suffix}"
     for folder in (HERE, Path(tempfile.gettempdir())):
         try:
-            return _written(folder / file, megabytes)
+            return _written(folder / name, megabytes)
         except PermissionError:   # a read-only folder: the next
             continue
     raise PermissionError(f"{file}: neither {HERE} nor {tempfile.gettempdir()} can be written")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from conftest import example_job
+from conftest import EXAMPLES, example_job
 from hetpipe.config import load_job
 from launch.local import run_local
 
@@ -36,7 +37,7 @@ def test_streaming_learns(tmp_path: Path) -> None:
         "model": {"args": {"layers": 2}}, "train": {"steps": 100}, "eval": {"every": 50, "rows": 256},
         "parallel": {"nm": 1}}))
     summary = run_local(job, quiet=True)
-    assert (tmp_path / "streaming" / "stdlib.npy").exists(), "the corpus was written beside the factory"
+    assert (tmp_path / "streaming" / "stdlib-4mb.npy").exists(), "the corpus was written beside the factory"
     accuracy = [e["accuracy"] for e in evaluations(tmp_path / "out")]
     # One byte in 256; the most common byte (a space) alone gives about 0.15. At Nm 1 a run repeats
     # bit for bit (0.425 at 50, 0.440 at 100); at the example's Nm 2 the timing decided which weights
@@ -44,6 +45,20 @@ def test_streaming_learns(tmp_path: Path) -> None:
     # three of four loaded runs. It must not fall back.
     assert accuracy[-1] >= 0.3 and accuracy[-1] >= accuracy[0] - 0.02, accuracy
     assert summary["eval_accuracy"] == accuracy[-1]
+
+
+def test_the_streaming_corpus_is_as_large_as_its_args_say(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.args.megabytes: a second size read the first one's file, whichever came first."""
+    # Loaded under a name of its own: the runs import the factory module by its name, from their copy.
+    spec = importlib.util.spec_from_file_location("streaming_byte_windows", EXAMPLES / "streaming" / "byte_windows.py")
+    assert spec is not None and spec.loader is not None
+    byte_windows = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(byte_windows)
+    monkeypatch.setattr(byte_windows, "HERE", tmp_path)
+    small, large = byte_windows.train(megabytes=1), byte_windows.train(megabytes=2)
+    assert 1.9 < len(large) / len(small) < 2.1, (len(small), len(large))
+    assert len(byte_windows.train(megabytes=1)) == len(small), "a size already written is read again"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stdlib-1mb.npy", "stdlib-2mb.npy"]
 
 
 def test_paper_cluster_learns(tmp_path: Path) -> None:
