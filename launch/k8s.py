@@ -319,8 +319,9 @@ def _secrets(certs: Path, common: dict[str, str], names: list[str]) -> list[Mani
 
     from launch import certs as issued
 
+    cert, ca = read(TLS_FILES["tls.pem"]), read(TLS_FILES["ca.pem"])   # outside the try: a missing file names itself
     try:
-        missing = issued.unnamed(read(TLS_FILES["tls.pem"]), read(TLS_FILES["ca.pem"]), names)
+        missing = issued.unnamed(cert, ca, names)
     except ValueError as exc:
         raise ConfigError(f"--certs {certs}: {TLS_FILES['tls.pem']}: {exc}") from None
     if missing:

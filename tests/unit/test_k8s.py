@@ -283,6 +283,9 @@ def test_secrets_are_mounted_and_their_flags_passed(certs: Path, tmp_path: Path)
         (partial / name).write_text((certs / name).read_text())
     with pytest.raises(ConfigError, match="cannot read token"):
         k8s.render(load_job(EXAMPLE), make_plan(load_job(EXAMPLE)), job_file=EXAMPLE, certs=partial)
+    (partial / "ca.pem").unlink()   # named once, as itself: not as a fault of cluster.pem
+    with pytest.raises(ConfigError, match=r"^--certs \S+: cannot read ca.pem \(No such file or directory\); expected"):
+        k8s.render(load_job(EXAMPLE), make_plan(load_job(EXAMPLE)), job_file=EXAMPLE, certs=partial)
     # A certificate that would fail the pods' handshakes at run time is refused now: one without a
     # name they dial, one another CA issued.
     from launch import certs as issue
