@@ -159,8 +159,19 @@ def run_group(group: WorkerGroup, *, total_steps: int, samples_per_step: int, qu
     bar = tqdm(total=total_steps * samples_per_step, unit="sample", disable=quiet, file=sys.stderr,
                dynamic_ncols=True, desc=f"{group.mode}{' (emulated GPUs)' if emulated else ''}")
 
+    timed = False
+
     def show(done: list[int]) -> None:
-        bar.n = min(done) * samples_per_step
+        nonlocal timed
+        samples = min(done) * samples_per_step
+        if samples and not timed:
+            # The rate from the ranks' first steps on, the samples so far its start, as summary.json's
+            # samples_per_second counts: the ranks' start-up (interpreters, torch, the rendezvous)
+            # took most of a short run's seconds, and a rate over them read several times too low.
+            timed = True
+            bar.reset()
+            bar.initial = samples
+        bar.n = samples
         bar.refresh()
 
     with group:
