@@ -264,6 +264,11 @@ def status(args: argparse.Namespace) -> int:
                 error(f"the run of {args.job} is not alive, and it left no summary of how it ended: it was killed "
                       f"(kill -9?) with its coordinator {address}; its logs are in {out_dir / 'logs'}")
                 return EXIT_FAILED
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                # Reached, and refused: another cluster's token, or none. A configuration, not an
+                # outage (exit 69 tells a script to try again), as `hetpipe run --coordinator` says too.
+                error(f"coordinator {address} refused the call: {exc.code().name}: {exc.details()}")   # names the token
+                return EXIT_USAGE
             print(f"hetpipe: coordinator {reach.unreachable(address, exc)}", file=sys.stderr)
             if reach.handshake_failed(exc):   # a configuration, as `hetpipe run --coordinator` says too
                 return EXIT_USAGE

@@ -4,6 +4,7 @@ not stop a stage or initialise a shard; paths from the network stay inside the o
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -179,6 +180,24 @@ def test_a_forged_token_is_unauthenticated(cluster: Cluster, tmp_path: Path) -> 
         with pytest.raises(grpc.RpcError) as err:
             rpc.Stub(ch, "Stage").Stop(wire_pb2.Empty(), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_status_and_stop_with_another_token_say_refused_not_unreachable(cluster: Cluster, tmp_path: Path) -> None:
+    """They said 'coordinator ... unreachable' and exited 69, which tells a script to try again: the
+    coordinator answered, and refused the token (or its absence), as `hetpipe run --coordinator` says."""
+    other = tmp_path / "token"
+    security.write_secret(other, security.new_secret())
+    tls = ["--tls-cert", cluster.credentials.cert, "--tls-key", cluster.credentials.key, "--tls-ca", cluster.credentials.ca]
+    address = cluster.addresses["coordinator"]
+    for command, token in (("status", ["--token-file", str(other)]), ("stop", ["--token-file", str(other)]),
+                           ("status", [])):
+        ran = subprocess.run([sys.executable, "-m", "launch.cli", command, "--coordinator", address, *tls, *token],
+                             capture_output=True, text=True, timeout=60, cwd=service_process.REPO,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")})
+        assert ran.returncode == 2, (command, token, ran.stderr)
+        assert ran.stderr.startswith(f"hetpipe: error: coordinator {address} refused the call: UNAUTHENTICATED: "), \
+            ran.stderr
+        assert "unreachable" not in ran.stderr, ran.stderr
 
 
 def test_a_worker_with_a_forged_token_exits_naming_the_refusal(cluster: Cluster, tmp_path: Path) -> None:
