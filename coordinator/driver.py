@@ -303,12 +303,17 @@ class JobDriver:
 
     def _failed(self, h: StageHandle, method: str, exc: grpc.RpcError) -> Any:
         """Raises JobFailed for a call to h that failed: the process's death if it died."""
-        self.check_processes()
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:  # a killed peer's socket closes just before it is reaped
-            time.sleep(0.2)
-            self.check_processes()
+        self.check_dead(exc.code())
         raise StageLost(h.plan.vw, f"{h.name} at {h.at}: {method} failed: {exc.code().name}: "
                                    f"{exc.details()} ({h.progress()})") from None
+
+    def check_dead(self, code: grpc.StatusCode) -> None:
+        """After a call that failed with code: JobFailed naming a process that died (the launcher's
+        report: its pid, how it died, how far it got), rather than gRPC's words for its socket."""
+        self.check_processes()
+        if code == grpc.StatusCode.UNAVAILABLE:  # a killed peer's socket closes just before it is reaped
+            time.sleep(0.2)
+            self.check_processes()
 
     # ---- running ---------------------------------------------------------------------------
 

@@ -39,8 +39,12 @@ def _write_weights(d: JobDriver) -> list[Path]:
             if not keys:
                 continue
             request = ps_pb2.PullRequest(vw=d.lead_vw, keys=keys, min_clock=final_clock)
-            weight_files.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S), f"ps shard {i}",
-                                     tied)
+            try:
+                weight_files.stream_into(writer, lambda: stub.Pull(request, timeout=rpc.DATA_DEADLINE_S),
+                                         f"ps shard {i}", tied)
+            except weight_files.ReadFailed as exc:   # one gone for good is named now, not read again for a minute
+                d.check_dead(exc.code)
+                raise
             owned.update(keys)
             owned.update(alias for k in keys for alias in tied.get(k, ()))
         for h in d.stages:
@@ -53,7 +57,8 @@ def _write_weights(d: JobDriver) -> list[Path]:
                     weight_files.stream_into(writer, lambda: h.stub.GetWeights(weights, timeout=rpc.DATA_DEADLINE_S),
                                              h.name)
                 except weight_files.ReadFailed as exc:   # a stage is not restarted: no reading again
-                    raise JobFailed(str(exc)) from None
+                    d.check_dead(exc.code)
+                    raise JobFailed(f"{exc} (at {h.at})") from None
         try:
             return writer.close()
         except ValueError as exc:

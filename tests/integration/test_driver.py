@@ -423,3 +423,57 @@ def test_a_final_evaluation_fails_the_job_only_once_it_stops_moving(make_job, mo
                 driver.final_evaluation()
     finally:
         driver.close()
+
+
+def test_a_stage_that_dies_while_its_weights_are_read_is_named_as_the_launcher_saw_it(
+        make_job, stages: list[rpc.Server]) -> None:
+    """The final weights of a lone VW come from its stages: one killed meanwhile fails the job with
+    the launcher's report of its death (pid, signal, progress), as at any other time, not gRPC's
+    words for the closed socket alone."""
+    job = make_job({"parallel": {"stages_per_vw": 2, "nm": 1}, "output": {"trace": False}})
+    dead: dict[str, str] = {}
+
+    def check_processes() -> None:
+        for h in driver.stages:
+            if h.address in dead:
+                raise JobFailed(f"{h.name} ({h.address}) {dead[h.address]}; {h.progress()}")
+
+    driver = JobDriver(job, make_plan(job), [s.address for s in stages], check_processes=check_processes)
+    try:
+        driver.setup()
+        driver.run(interval=0.01)
+        stages[1].stop(grace=0)   # killed: its socket closes, then the launcher reports it
+        dead[stages[1].address] = "(pid 4242) was killed by SIGKILL"
+        with pytest.raises(JobFailed) as info:
+            results.write_weights(driver)
+    finally:
+        driver.close()
+    assert "stage 1 of vw 0" in str(info.value) and "(pid 4242) was killed by SIGKILL" in str(info.value), info.value
+
+
+def test_a_shard_dead_for_good_while_the_final_weights_are_read_is_named_at_once(make_job) -> None:
+    """A shard the launcher no longer restarts (its fourth death) fails the final write at once,
+    named as the launcher saw it, instead of being read again for SHARD_RETURN_S."""
+    from hetpipe import models
+
+    driver, _, _ = _two_vws(make_job, cut=0)
+
+    class _Gone:
+        def Pull(self, request: Any, timeout: float) -> Any:
+            raise _Err(grpc.StatusCode.UNAVAILABLE)
+
+    def check_processes() -> None:
+        raise JobFailed(f"ps shard 0 ({driver.ps_addresses[0]}) (pid 4242) was killed by SIGKILL")
+
+    driver.ps_addresses = ["127.0.0.1:9"]
+    driver.shards = [_Gone()]   # type: ignore[list-item]
+    driver.model = models.structure(driver.job.model, driver.job.base_dir, dtype=driver.job.train.dtype)
+    driver.check_processes = check_processes
+    driver.out_dir.mkdir(parents=True)
+    started = time.monotonic()
+    try:
+        with pytest.raises(JobFailed, match=r"ps shard 0 \(127\.0\.0\.1:9\) \(pid 4242\) was killed by SIGKILL"):
+            results.write_weights(driver)
+    finally:
+        driver.close()
+    assert time.monotonic() - started < 5.0
