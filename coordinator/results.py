@@ -23,7 +23,10 @@ def write_weights(d: JobDriver) -> list[Path]:
     last push (the lead VW's stages give what the shards do not hold, such as buffers), or the
     lone VW's weights. Keys as in the model's state_dict. Through a shard's restart: it holds
     every acknowledged push again (O3), so the files are written anew from the start."""
-    return weight_files.through_restarts(lambda: _write_weights(d), "the final weights", closing=d.stopping)
+    try:
+        return weight_files.through_restarts(lambda: _write_weights(d), "the final weights", closing=d.stopping)
+    except OSError as exc:   # a full disk, a folder removed: the job's to name, not a coordinator error
+        raise JobFailed(f"writing the final weights into output.dir {d.out_dir}: {exc.strerror or exc}") from None
 
 
 def _write_weights(d: JobDriver) -> list[Path]:
@@ -136,7 +139,10 @@ def write_outputs(d: JobDriver, wall: float) -> dict[str, Any]:
         fields["max_clock_distance"] = max(st.max_clock_distance for st in statuses)
         fields["pushes_applied"] = sum(st.pushes_applied for st in statuses)
     fields["processes"] = _memory(d, statuses)
-    return outputs.write_summary(d.out_dir, fields)
+    try:
+        return outputs.write_summary(d.out_dir, fields)
+    except OSError as exc:
+        raise JobFailed(f"writing {outputs.SUMMARY_FILE} into output.dir {d.out_dir}: {exc.strerror or exc}") from None
 
 
 def _memory(d: JobDriver, shards: list[ps_pb2.ShardStatus]) -> list[dict[str, Any]]:

@@ -477,3 +477,28 @@ def test_a_shard_dead_for_good_while_the_final_weights_are_read_is_named_at_once
     finally:
         driver.close()
     assert time.monotonic() - started < 5.0
+
+
+def test_a_full_disk_under_the_final_weights_fails_the_job_naming_output_dir(
+        make_job, stages: list[rpc.Server], monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC while the weights are written is the job's failure, named with output.dir, not an
+    OSError out of the job thread (a traceback and "coordinator error: OSError: ...")."""
+    import errno
+    import os
+
+    job = make_job({"parallel": {"stages_per_vw": 2, "nm": 1}, "output": {"trace": False}})
+    driver = JobDriver(job, make_plan(job), [s.address for s in stages])
+
+    def full(self: Any, key: str, offset: int, piece: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    try:
+        driver.setup()
+        driver.run(interval=0.01)
+        monkeypatch.setattr(weight_files.WeightsWriter, "write", full)
+        with pytest.raises(JobFailed) as info:
+            results.write_weights(driver)
+    finally:
+        driver.close()
+    assert str(info.value) == f"writing the final weights into output.dir {driver.out_dir}: No space left on device"
+    assert not list(driver.out_dir.glob(".*partial")), "the partial file is removed"
