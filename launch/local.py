@@ -19,7 +19,7 @@ from tqdm import tqdm
 from hetpipe import data_check, devices, metrics, outputs, rpc, security, threads
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
-from hetpipe.outputs import TARGETS_FILE, TOKEN_FILE, publish_address, unpublish_address, write_status
+from hetpipe.outputs import STATUS_FILE, TARGETS_FILE, TOKEN_FILE, publish_address, unpublish_address, write_status
 from hetpipe.v1 import coordinator_pb2
 from coordinator import checkpoints
 from coordinator.__main__ import build
@@ -273,7 +273,10 @@ def _run_coordinated(job: JobConfig, plan: Plan, out_dir: Path, credentials: sec
             # Before the server goes: `hetpipe status --job` that finds it gone reads how the job
             # ended here (it found neither, and said the coordinator was unreachable).
             view = runner.view()
-            write_status(out_dir, view.state.name, view.reason)
+            try:
+                write_status(out_dir, view.state.name, view.reason)
+            except OSError as exc:   # a full disk: the job's own ending is what to report, and the rest must go
+                warn(f"could not write {out_dir / STATUS_FILE}: {exc.strerror or exc}")
             server.stop()
             if metrics_server is not None:
                 metrics_server.close()

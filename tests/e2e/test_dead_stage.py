@@ -219,3 +219,26 @@ def test_sigterm_and_sighup_end_a_run_as_ctrl_c_does(run: Run, signum: int, caps
     assert status["state"] == "STOPPED" and status["reason"] == f"interrupted ({name})", status
     left = [n for n in ("coordinator.address", "coordinator.job", "coordinator.token") if (out / n).exists()]
     assert not left, left
+
+
+def test_a_status_json_that_cannot_be_written_leaves_the_runs_own_ending_and_cleanup(
+        make_job, monkeypatch: pytest.MonkeyPatch, capfd) -> None:
+    """A disk that filled up during the run (its trace, say) fails status.json's write as the run
+    ends: the run still ends as its job did (here done; a failed job's reason, not an OSError's
+    traceback), with its coordinator's address and job_id removed, and a warning naming the file."""
+    import errno
+
+    from launch import local
+
+    job = make_job({"output": {"trace": False}, "train": {"steps": 8}})
+
+    def full(out_dir: Path, state: str, reason: str) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(local, "write_status", full)
+    summary = local.run_local(job, quiet=True)
+    assert summary["steps"] == 8
+    out = Path(job.resolve(job.output.dir))
+    assert f"could not write {out / 'status.json'}: No space left on device" in capfd.readouterr().err
+    left = [n for n in ("coordinator.address", "coordinator.job", "coordinator.token") if (out / n).exists()]
+    assert not left, left
