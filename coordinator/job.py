@@ -202,7 +202,10 @@ class JobRunner:
             if silent is not None:
                 raise StageLost(silent.plan.vw, f"{worker.label} not responding: no heartbeat for {silence:.1f}s; "
                                                 f"{silent.progress()}")
-        for worker, silence in self.registry.silent(Role.PS_SHARD, SHARD_RESTART_GRACE_S):
+        # A hung shard that the launcher kills and restarts is silent from its freeze until back:
+        # train.stall_timeout_s before the kill, then the restart's grace.
+        grace = SHARD_RESTART_GRACE_S + (driver.job.train.stall_timeout_s if self.kill_hung is not None else 0.0)
+        for worker, silence in self.registry.silent(Role.PS_SHARD, grace):
             raise JobFailed(f"{worker.label} not responding: no heartbeat for {silence:.1f}s")
         if self._stop.is_set():
             raise JobStopped(self._stop_reason)

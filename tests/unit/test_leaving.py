@@ -1,6 +1,7 @@
 """A stage that says it is stopping (HeartbeatRequest.leaving: a signal on its host) fails its job
 naming that, unless the job is stopped within LEAVING_GRACE_S: a Ctrl-C at a local run's
-terminal reaches its stages and its launcher at once, and the launcher's stop is the cause."""
+terminal reaches its stages and its launcher at once, and the launcher's stop is the cause. And how
+long a shard's missed heartbeats are waited out before they fail the job."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 
 from coordinator import job as job_module
 from coordinator.job import JobRunner
-from coordinator.registry import Registry
-from hetpipe.errors import JobStopped, StageLost
+from coordinator.registry import Awake, Registry
+from hetpipe.errors import JobFailed, JobStopped, StageLost
 from hetpipe.v1 import coordinator_pb2
 
 Info = coordinator_pb2.WorkerInfo
@@ -52,4 +53,33 @@ def test_a_stop_that_comes_within_the_grace_is_the_cause(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(runner._stop, "wait", stopped_while_waiting)
     with pytest.raises(JobStopped, match=r"interrupted \(Ctrl-C\)"):
+        runner._check_alive(driver)  # type: ignore[arg-type]
+
+
+def _runner_with_a_shard_silent_for(seconds: float) -> tuple[JobRunner, SimpleNamespace]:
+    registry = Registry(awake=Awake(pause_s=3600.0))   # no pause of this process to count from (a busy suite)
+    wid = registry.register(Info(role=Info.PS_SHARD, address="127.0.0.1:7002", node="local", device="cpu",
+                                 name="pid 43"))
+    registry.claim(Info.PS_SHARD, [("ps shard 0", "", "")], 1)
+    registry._workers[wid].last_heartbeat -= seconds   # frozen (SIGSTOP) that long ago
+    driver = SimpleNamespace(stages=[], ps_addresses=["127.0.0.1:7002"],
+                             job=SimpleNamespace(train=SimpleNamespace(stall_timeout_s=90.0)))
+    return JobRunner(registry), driver
+
+
+def test_a_hung_shard_the_launcher_restarts_is_not_failed_on_heartbeats_before_its_stall_timeout() -> None:
+    """A local launcher kills a shard silent for train.stall_timeout_s (90 s here) and restarts
+    it: its missed heartbeats must not fail the job first (they did, after 65 s)."""
+    runner, driver = _runner_with_a_shard_silent_for(70.0)
+    runner.kill_hung = lambda address, why: None
+    runner._check_alive(driver)  # type: ignore[arg-type]
+    runner, driver = _runner_with_a_shard_silent_for(70.0 + 90.0)   # killed, and still not back
+    runner.kill_hung = lambda address, why: None
+    with pytest.raises(JobFailed, match=r"ps shard 0 \(pid 43 at 127\.0\.0\.1:7002 on local\) not responding"):
+        runner._check_alive(driver)  # type: ignore[arg-type]
+
+
+def test_a_silent_shard_no_one_restarts_fails_the_job_after_the_restart_grace() -> None:
+    runner, driver = _runner_with_a_shard_silent_for(70.0)   # compose, `hetpipe worker`: no kill_hung
+    with pytest.raises(JobFailed, match="no heartbeat for"):
         runner._check_alive(driver)  # type: ignore[arg-type]
