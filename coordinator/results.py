@@ -4,6 +4,7 @@ model), and summary.json."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from hetpipe.errors import JobFailed
 from hetpipe.v1 import ps_pb2, stage_pb2
 from hetpipe.wsp import total_waves
 from coordinator.checkpoints import shard_status
-from coordinator.driver import JobDriver, trained_here
+from coordinator.driver import JobDriver, StageHandle, trained_here
+
+WATCH_S = 0.5   # how often a stage's weights read asks whether a process died or went silent
 
 
 def write_weights(d: JobDriver) -> list[Path]:
@@ -55,17 +58,38 @@ def _write_weights(d: JobDriver) -> list[Path]:
                 continue
             keys = [k for k in models.layer_keys(d.model, h.plan.layer_begin, h.plan.layer_end) if k not in owned]
             if keys:
-                weights = stage_pb2.WeightsRequest(keys=keys)
-                try:
-                    weight_files.stream_into(writer, lambda: h.stub.GetWeights(weights, timeout=rpc.DATA_DEADLINE_S),
-                                             h.name)
-                except weight_files.ReadFailed as exc:   # a stage is not restarted: no reading again
-                    d.check_dead(exc.code)
-                    raise JobFailed(f"{exc} (at {h.at})") from None
+                _read_stage(d, writer, h, keys)
         try:
             return writer.close()
         except ValueError as exc:
             raise JobFailed(f"writing the final weights: {exc}") from None
+
+
+def _read_stage(d: JobDriver, writer: weight_files.WeightsWriter, h: StageHandle, keys: list[str]) -> None:
+    """h's weights of keys into writer. The driver's loop polls no one meanwhile: a stage that dies
+    or stops answering its heartbeats (check_processes) cancels the read within WATCH_S and is
+    named, where a frozen one held it for the whole data deadline (two minutes)."""
+    call = h.stub.GetWeights(stage_pb2.WeightsRequest(keys=keys), timeout=rpc.DATA_DEADLINE_S)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(WATCH_S):
+            try:
+                d.check_processes()
+            except Exception:   # JobFailed, JobStopped: check_dead raises it again once the read ends
+                call.cancel()
+                return
+
+    watcher = threading.Thread(target=watch, name="weights-watch", daemon=True)
+    watcher.start()
+    try:
+        weight_files.stream_into(writer, lambda: call, h.name)
+    except weight_files.ReadFailed as exc:   # a stage is not restarted: no reading again
+        d.check_dead(exc.code)
+        raise JobFailed(f"{exc} (at {h.at})") from None
+    finally:
+        done.set()
+        watcher.join()
 
 
 def steady_samples_per_second(stages: Iterable[stage_pb2.StageStatus], batch_size: int) -> float | None:

@@ -502,3 +502,40 @@ def test_a_full_disk_under_the_final_weights_fails_the_job_naming_output_dir(
         driver.close()
     assert str(info.value) == f"writing the final weights into output.dir {driver.out_dir}: No space left on device"
     assert not list(driver.out_dir.glob(".*partial")), "the partial file is removed"
+
+
+def test_a_stage_frozen_while_its_weights_are_read_is_named_within_seconds(make_job) -> None:
+    """SIGSTOP of a lone VW's stage as the final weights are read: no answer and no heartbeat. The
+    driver's loop polls no one then; the read is cancelled once check_processes finds the stage
+    silent, instead of waiting out its data deadline (two minutes)."""
+    import threading
+
+    job = make_job({"parallel": {"stages_per_vw": 2, "nm": 1}, "output": {"trace": False}})
+    runtimes = [StageRuntime(), StageRuntime()]
+    servers = [_serve(StageServicer(rt, on_stop=lambda: None)) for rt in runtimes]
+    thawed, silent = threading.Event(), threading.Event()
+
+    def check_processes() -> None:
+        if silent.is_set():
+            raise JobFailed("stage 1 of vw 0 (pid 4242) not responding: no heartbeat for 5.1s")
+
+    def frozen(keys: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+        silent.set()
+        thawed.wait(30)
+        return []
+
+    driver = JobDriver(job, make_plan(job), [s.address for s in servers], check_processes=check_processes)
+    try:
+        driver.setup()
+        driver.run(interval=0.01)
+        runtimes[1].weights = frozen   # type: ignore[method-assign]
+        started = time.monotonic()
+        with pytest.raises(JobFailed, match=r"stage 1 of vw 0 \(pid 4242\) not responding: no heartbeat"):
+            results.write_weights(driver)
+        assert time.monotonic() - started < 10.0
+    finally:
+        thawed.set()
+        driver.close()
+        for rt, server in zip(runtimes, servers):
+            rt.stop()
+            server.stop(grace=0)
