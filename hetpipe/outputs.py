@@ -186,6 +186,8 @@ def locked(out_dir: Path) -> Iterator[None]:
 # folder of the user's, even ".".
 CUT = re.compile(r"cut[0-9]{6,}")   # cut_dir pads to 6 digits: wave 1,000,000 has 7
 SHARD_FILE = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")   # weight_files.file_names, transformers' names
+# A weights file being written (weight_files.WeightsWriter): a run killed then leaves it, hidden, as large as the model.
+PARTIAL = re.compile(rf"\.(?:model\.safetensors|{SHARD_FILE.pattern})\.partial")
 WRITTEN = {
     "ps": re.compile(r"shard\d+"),                       # each shard's durable state
     CHECKPOINTS: re.compile(rf"{CUT.pattern}|shared_vw\d+_stage\d+(\.[0-9a-f]+)?|fresh_start\.json"),
@@ -201,6 +203,7 @@ def written(out_dir: Path, *, keep_checkpoints: bool = False, folders: Iterable[
     its entries in `folders` (its checkpoints too unless kept)."""
     found = [out_dir / name for name in STALE] + sorted(p for p in out_dir.glob("model-*-of-*.safetensors")
                                                         if SHARD_FILE.fullmatch(p.name))
+    found += sorted(p for p in out_dir.glob(".model*.partial") if PARTIAL.fullmatch(p.name))
     for folder in folders:
         where = out_dir / folder
         if (folder == CHECKPOINTS and keep_checkpoints) or where.is_symlink() or not where.is_dir():

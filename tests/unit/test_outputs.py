@@ -132,10 +132,10 @@ def test_a_fresh_start_removes_what_runs_write_and_nothing_else(tmp_path: Path) 
     """By name: a run's results, shard state, cuts, logs and traces; the user's files beside them
     stay, and so do the folders that hold them. Folders left empty go."""
     ours = ["model.safetensors", "model-00001-of-00002.safetensors", "summary.json", "eval.jsonl", "trace.json",
-            "ps/shard0/000000000001.log", "checkpoints/cut000004/manifest.json", "checkpoints/shared_vw0_stage1.0a1b",
+            ".model.safetensors.partial", ".model-00002-of-00003.safetensors.partial", "ps/shard0/000000000001.log", "checkpoints/cut000004/manifest.json", "checkpoints/shared_vw0_stage1.0a1b",
             "logs/stage_worker_0.log", "logs/ps_server_1.log", "logs/ddp_rank1.log", "logs/torch-pipeline_rank0.log", "trace/vw0_stage1.jsonl",
             "trace/acked_vw1_stage0.pt", "trace/sync/vw0_stage0.jsonl", "trace/ps/shard0.jsonl"]
-    theirs = ["notes.md", "model.bin", "model.pt", "model-best-of-3.safetensors", "checkpoints/epoch10.pt", "checkpoints/cut_best/w.pt",
+    theirs = ["notes.md", ".notes.md.partial", ".model.bin.partial", "model.bin", "model.pt", "model-best-of-3.safetensors", "checkpoints/epoch10.pt", "checkpoints/cut_best/w.pt",
               "checkpoints/cut4/manifest.json", "logs/train.log", "logs/stage_worker.log", "trace/mine.jsonl",
               "ps/shard0.txt"]
     for name in ours + theirs:
@@ -143,7 +143,7 @@ def test_a_fresh_start_removes_what_runs_write_and_nothing_else(tmp_path: Path) 
         (tmp_path / name).write_text(name)
     assert sorted(str(p.relative_to(tmp_path)) for p in outputs.written(tmp_path)) == sorted(
         ["model.safetensors", "model-00001-of-00002.safetensors", "summary.json", "eval.jsonl", "trace.json",
-         "ps/shard0", "checkpoints/cut000004", "checkpoints/shared_vw0_stage1.0a1b", "logs/stage_worker_0.log", "logs/ps_server_1.log", "logs/ddp_rank1.log",
+         ".model.safetensors.partial", ".model-00002-of-00003.safetensors.partial", "ps/shard0", "checkpoints/cut000004", "checkpoints/shared_vw0_stage1.0a1b", "logs/stage_worker_0.log", "logs/ps_server_1.log", "logs/ddp_rank1.log",
          "logs/torch-pipeline_rank0.log", "trace/vw0_stage1.jsonl",
          "trace/acked_vw1_stage0.pt", "trace/sync/vw0_stage0.jsonl", "trace/ps/shard0.jsonl"])
     outputs.start_fresh(tmp_path, keep_checkpoints=True, folders=outputs.WRITTEN)
@@ -151,7 +151,7 @@ def test_a_fresh_start_removes_what_runs_write_and_nothing_else(tmp_path: Path) 
                                       "checkpoints/shared_vw0_stage1.0a1b", "checkpoints/cut_best/", "checkpoints/cut_best/w.pt", "checkpoints/cut4/",
                                       "checkpoints/cut4/manifest.json", "checkpoints/epoch10.pt", "logs/",
                                       "logs/stage_worker.log", "logs/train.log", "model-best-of-3.safetensors",
-                                      "model.bin", "model.pt", "notes.md", "ps/",
+                                      ".model.bin.partial", ".notes.md.partial", "model.bin", "model.pt", "notes.md", "ps/",
                                       "ps/shard0.txt", "trace/", "trace/mine.jsonl"])
     outputs.start_fresh(tmp_path, keep_checkpoints=False, folders=outputs.WRITTEN)
     assert "checkpoints/cut000004/" not in _tree(tmp_path) and "checkpoints/epoch10.pt" in _tree(tmp_path)
