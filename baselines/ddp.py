@@ -10,7 +10,7 @@ the slowest device paces the allreduce as on real hardware.
 
 Since the gradients are averaged while HetPipe's shards sum the VWs' updates, ddp with learning
 rate N*lr equals HetPipe with N VWs, Nm=1, D=0 and lr (plain SGD); with dropout too, since rank
-r's forward of p draws its masks as VW r's lone stage does (models.forward_draws).
+r's forward of p draws its masks as VW r's lone stage does (hetpipe.draws).
 
 A bf16 job whose ranks reduce over NCCL allreduces its gradients in bf16, through torch DDP's
 `bf16_compress_hook` (`allreduce_hook`), as a torch DDP user of bf16 would register it.
@@ -225,6 +225,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     import torch.distributed as dist
 
     from hetpipe import data, models
+    from hetpipe.draws import forward_draws
     from hetpipe.optim import autocast, compute_dtype, compute_loss, for_loss, make_optimizer, step_at
     from hetpipe.reference import initial_model, minibatch
 
@@ -254,7 +255,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     losses: list[float] = []
     wait = compute = 0.0
     dtype = compute_dtype(job.train.precision)
-    draws = models.forward_draws(job.train.seed, rank, 0, str(device))
+    draws = forward_draws(job.train.seed, rank, 0, str(device))
     dist.barrier()
     start = time.monotonic()
     for p in range(1, job.train.steps + 1):

@@ -28,7 +28,6 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from hetpipe import wire, zoo
-from hetpipe.data import FORWARD_DRAW, entropy
 from hetpipe.factory_writes import FactoryWrites, check_parameters, reset_of
 from hetpipe.config import JobConfig, ModelConfig
 from hetpipe.errors import closest, user_frame
@@ -162,36 +161,6 @@ def describe(cfg: ModelConfig) -> str:
 # (two stages of one process, each loading in the background) would otherwise undo each other's
 # patch or draw each other's numbers: a layer then starts from another layer's values.
 GLOBAL_STATE = threading.RLock()   # also held by data._seeded, which may run inside
-
-
-# What a forward draws from: a context per unit of work ((p,) or (p, micro)).
-Draws = Callable[[tuple[int, ...]], contextlib.AbstractContextManager[None]]
-
-
-def forward_draws(seed: int, vw: int, stage: int, device: str) -> Draws:
-    """What a stage's forward of a unit ((p,), or (p, micro) in a micro-batch schedule) draws
-    from, dropout's masks: torch's generator on its device, seeded for (train.seed, vw, stage,
-    unit). A run then repeats whatever its timing, and a resumed one goes on as the uninterrupted
-    one would have; ddp's rank r draws as VW r's lone stage does. Held under GLOBAL_STATE: a
-    factory's data draws from torch's CPU generator in a reader thread (data._seeded), which would
-    otherwise swap it mid-forward."""
-    where = torch.device(device)
-
-    @contextlib.contextmanager
-    def seeded(unit: tuple[int, ...]) -> Iterator[None]:
-        value = entropy(seed, (FORWARD_DRAW, vw, stage, *unit))
-        with GLOBAL_STATE:
-            torch.default_generator.manual_seed(value)
-            if where.type == "cuda":
-                torch.cuda.default_generators[torch.cuda.current_device() if where.index is None else where.index
-                                              ].manual_seed(value)
-            yield
-
-    return seeded
-
-
-def unseeded(unit: tuple[int, ...]) -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hetpipe import data, faults, model_init, models, outputs, weight_files
+from hetpipe.draws import forward_draws
 from hetpipe.loss_scale import LossScale, Verdicts
 from hetpipe.parallelism import MICRO_SCHEDULES
 from hetpipe.optim import compute_dtype, for_loss, score
@@ -109,7 +110,7 @@ class Loaded:
         self.compute = StageCompute(layers, job.train.optimizer, loss=job.train.loss, device=setup.device.name,
                                     track_updates=setup.synced, stash=not setup.last and job.nm > 1 and not micro,
                                     precision=job.train.precision,
-                                    draws=models.forward_draws(job.train.seed, setup.vw, setup.stage, setup.device.name))
+                                    draws=forward_draws(job.train.seed, setup.vw, setup.stage, setup.device.name))
         if setup.synced and len(setup.key_shards) != len(self.compute.params):
             raise LoadError(f"key_shards: {len(setup.key_shards)} entries for {len(self.compute.params)} parameters")
         # A resumed job goes on after its checkpoint's cut; nothing was in flight there.

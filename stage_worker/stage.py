@@ -14,7 +14,8 @@ from torch import nn
 from torch.func import functional_call
 
 from hetpipe.buffers import raw_bytes
-from hetpipe.models import Draws, evaluating, trainable, unseeded
+from hetpipe.draws import Draws, unseeded
+from hetpipe.models import evaluating, trainable
 from hetpipe.optim import StageOptimizer, autocast, compute_dtype, compute_loss, for_loss, squared_norm, to_compute
 from hetpipe.training import OptimizerConfig
 

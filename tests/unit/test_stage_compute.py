@@ -251,7 +251,7 @@ def test_a_forwards_dropout_is_drawn_for_its_minibatch_whatever_was_drawn_before
     from what the process drew before (a fork server's generator, another stage, a reader's
     draws), so that a run repeats and a resumed one goes on as the uninterrupted one would; the
     micro-batch forwards by (p, micro) likewise."""
-    from hetpipe.models import forward_draws
+    from hetpipe.draws import forward_draws
 
     def compute(seed: int, vw: int = 0, stage: int = 0) -> StageCompute:
         return StageCompute(nn.Sequential(nn.Dropout(0.5)), SGD, loss="mse", device="cpu", track_updates=False,
@@ -276,7 +276,7 @@ def test_nf1b_recomputes_each_micro_batch_with_its_forwards_masks() -> None:
     """nf1b's backward runs p's kept inputs forward again: each micro-batch drawn as its own
     forward drew, so on unchanged weights its gradients are those of the kept graphs (gpipe's),
     and a batch norm's running statistics count each micro-batch once, as gpipe's do."""
-    from hetpipe.models import forward_draws
+    from hetpipe.draws import forward_draws
 
     def compute() -> StageCompute:
         torch.manual_seed(3)
