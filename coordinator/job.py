@@ -304,6 +304,10 @@ class JobRunner:
                 self.machine.try_to(JobState.STOPPED, self._stop_reason)
             else:   # a call that failed because a shard stopped answering: the shard is the cause
                 self.machine.try_to(JobState.FAILED, driver.silent_shard if driver and driver.silent_shard else str(exc))
+        except OSError as exc:  # this host's disk (full, a folder removed): the job's to name, no coordinator bug
+            where = f" on the coordinator host {socket.gethostname()}" if from_remote else ""
+            what = f"{exc.filename}: " if exc.filename else ""
+            self.machine.try_to(JobState.FAILED, f"I/O error{where}: {what}{exc.strerror or exc}")
         except Exception as exc:  # a coordinator bug must still end the job visibly
             if driver is not None and driver.silent_shard:   # a call on the shard's channel, closed
                 self.machine.try_to(JobState.FAILED, driver.silent_shard)

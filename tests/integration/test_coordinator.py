@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -313,6 +314,28 @@ def test_stop_before_any_job_then_a_new_job_starts(coordinator, make_job) -> Non
     job = make_job({"parallel": {"stages_per_vw": 1}, "output": {"trace": False}})
     assert stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5).state in (
         State.PENDING, State.PLANNED)
+
+
+def test_a_full_disk_on_the_coordinator_host_fails_the_job_naming_the_file(coordinator, make_job,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """An OSError out of the job thread (eval.jsonl appended to a full disk, a cut's manifest) read
+    as a coordinator bug: a 'job crashed' traceback and 'coordinator error: OSError: ...'."""
+    import errno
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/out/eval.jsonl")
+
+    stub, servicer, _ = coordinator
+    stub.Register(_worker(), timeout=5)   # what the job waits for before it plans
+    monkeypatch.setattr(servicer.runner.registry, "claim", full)   # the job thread's first step past its plan
+    job = make_job({"parallel": {"stages_per_vw": 1}, "output": {"trace": False}})
+    stub.Submit(coordinator_pb2.SubmitRequest(job_json=job.to_json()), timeout=5)
+    deadline = time.monotonic() + 10
+    while (status := stub.GetJob(coordinator_pb2.JobRef(), timeout=5)).state != State.FAILED:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.05)
+    host = socket.gethostname()   # a submitted job's files are this host's, not its client's
+    assert status.reason == f"I/O error on the coordinator host {host}: /runs/out/eval.jsonl: No space left on device"
 
 
 def test_stop_while_waiting_for_workers_stops_at_once(coordinator, make_job) -> None:
