@@ -137,13 +137,22 @@ class Shard:
         if clashing:
             raise ShardError(ShardError.Kind.CONFLICT, f"shard already initialised with other values for {clashing[:5]}")
         new = {k: v for k, v in named.items() if k not in self.values}
-        if new and (self.pushes_applied or self.exchanges_applied):
+        training = bool(self.pushes_applied or self.exchanges_applied)
+        if new and training:
             raise ShardError(ShardError.Kind.CONFLICT, f"new keys {sorted(new)[:5]} after training began")
+        # Until training begins every key holds the clocks its Init brought, one set for the job
+        # (a checkpoint's, or all 0): an Init at other clocks is not a retry, and its keys beside the
+        # others' would never take a push of both (a key's clock must match).
+        wanted = [int(c) for c in clocks] if clocks else [0] * virtual_workers
+        held = next(iter(self.clocks.values()), wanted)
+        if not training and held != wanted:
+            raise ShardError(ShardError.Kind.CONFLICT, f"shard already initialised at clocks {held[:8]}, "
+                                                       f"not {wanted[:8]}")
         self.virtual_workers = virtual_workers
         self.rule = rule
         for key, value in new.items():
             self.values[key] = value.clone()
-            self.clocks[key] = [int(c) for c in clocks] if clocks else [0] * virtual_workers
+            self.clocks[key] = list(wanted)
             if rule.mode == "quorum":
                 self.rounds[key] = KeyRounds(virtual_workers)
             elif rule.mode == "elastic":

@@ -72,6 +72,28 @@ def test_init_is_idempotent_and_conflicts_on_other_values() -> None:
     assert "after training began" in str(err)
 
 
+def test_an_init_at_other_clocks_than_the_shards_is_refused_and_changes_nothing() -> None:
+    """Before training every key holds the clocks its Init brought: an Init of the same values
+    at other clocks was answered "already initialised" with the clocks left as they were, and new
+    keys took other clocks than the keys beside them (a push of both was then refused for good)."""
+    shard = Shard()
+    assert shard.init(2, [("a", torch.zeros(2))]) is True
+    digest = shard.digest()
+    err = assert_refused(Kind.CONFLICT, shard.init, 2, [("a", torch.zeros(2))], [5, 5])
+    assert "already initialised at clocks [0, 0], not [5, 5]" in str(err)
+    err = assert_refused(Kind.CONFLICT, shard.init, 2, [("b", torch.zeros(3))], [5, 5])
+    assert "already initialised at clocks [0, 0], not [5, 5]" in str(err)
+    assert shard.digest() == digest and sorted(shard.values) == ["a"]
+    assert shard.init(2, [("b", torch.zeros(3))], [0, 0]) is True, "all 0, as an Init without clocks"
+    shard.push(0, 0, [("a", torch.ones(2)), ("b", torch.ones(3))])
+    resumed = Shard()
+    assert resumed.init(2, [("a", torch.zeros(2))], [3, 2]) is True
+    assert resumed.init(2, [("b", torch.zeros(3))], [3, 2]) is True   # the other stage's keys, same checkpoint
+    assert_refused(Kind.CONFLICT, resumed.init, 2, [("c", torch.zeros(1))])
+    resumed.push(1, 2, [("a", torch.ones(2)), ("b", torch.ones(3))])
+    assert resumed.c_global() == 3
+
+
 def test_c_global_is_min_over_keys_and_vws() -> None:
     shard = two_key_shard(3)
     assert shard.c_global() == 0
