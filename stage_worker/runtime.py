@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from pathlib import Path
 import time
 
@@ -479,6 +480,11 @@ class StageRuntime:
 
     def weights(self, keys: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
         """The stage's state_dict entries (these keys; all by default), on the CPU."""
+        # Each copy of a key named again would be sent again: 20000 copies of a 4 KiB weight's
+        # name asked 400 times the request's bytes (of a large model's embedding, terabytes).
+        twice = [k for k, n in Counter(keys or ()).items() if n > 1]
+        if twice:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"keys named more than once: {twice[:5]}")
         with self._cv:
             if self._s is None:
                 raise _refused(self.state, "no weights before the stage has loaded:")

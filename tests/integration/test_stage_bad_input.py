@@ -296,6 +296,21 @@ def test_control_calls_out_of_turn_are_refused(rig: Rig) -> None:
     assert rig.snapshot() == before
 
 
+def test_get_weights_of_a_key_named_twice_is_refused(rig: Rig) -> None:
+    """Each copy of a key was sent again: 20000 copies of a name (200 KB) asked 82 MB of this
+    stage's 4 KiB weight, and a large model's embedding, terabytes."""
+    before = rig.snapshot()
+    names = [m.name for f in rig.stub.GetWeights(stage_pb2.WeightsRequest(), timeout=10) for m in f.tensors]
+    with pytest.raises(grpc.RpcError) as info:
+        list(rig.stub.GetWeights(stage_pb2.WeightsRequest(keys=[names[0], *names, names[0]] * 10_000), timeout=10))
+    assert info.value.code() == Code.INVALID_ARGUMENT, info.value
+    assert info.value.details() == f"keys named more than once: {names}"
+    got = [(m.name, list(m.shape)) for f in rig.stub.GetWeights(stage_pb2.WeightsRequest(keys=names[::-1]), timeout=10)
+           for m in f.tensors]
+    assert [n for n, _ in got] == names[::-1]
+    assert rig.snapshot() == before
+
+
 def test_bytes_that_are_not_a_frame_are_refused(rig: Rig) -> None:
     before = rig.snapshot()
     channel = unlimited_channel(rig.address)
