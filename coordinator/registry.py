@@ -25,6 +25,7 @@ MAX_WORKERS = 4096
 MAX_FIELD_CHARS = 256  # address, node, device, gpu_type, name, host_id; a heartbeat's leaving
 _ADDRESS = re.compile(r"[A-Za-z0-9_.\-\[\]:]+:([0-9]{1,5})")   # fullmatch: "$" would take a final newline
 _DEVICE = re.compile(r"cpu|cuda:[0-9]{1,3}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class Awake:
@@ -87,6 +88,11 @@ def validate(info: coordinator_pb2.WorkerInfo) -> None:
         if len(getattr(info, field)) > MAX_FIELD_CHARS:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{field}: {len(getattr(info, field))} characters, at most {MAX_FIELD_CHARS}")
+        # A node goes into the cluster section of the jobs planned on it, which every stage
+        # refuses with a NUL in a node's name; and a line break in a name forges log lines.
+        if _CONTROL.search(getattr(info, field)):
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{field} {getattr(info, field)!r}: control characters (a NUL, a line break)")
     if info.role not in (Role.STAGE_WORKER, Role.PS_SHARD):
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"role {info.role}: expected STAGE_WORKER or PS_SHARD")
     m = _ADDRESS.fullmatch(info.address)

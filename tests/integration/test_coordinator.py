@@ -56,6 +56,10 @@ def _worker(address: str = "127.0.0.1:6001", node: str = "n0", **kw: object) -> 
     (_worker(address="h:7000\n"), "address 'h:7000\\n'"),
     (_worker(device="cpu\n"), "device 'cpu\\n'"),
     (_worker(node=""), "node"),
+    # A NUL in a node's name went into the cluster section of the jobs planned on it, which every
+    # stage then refused ("cluster.nodes[0].name: expected ... without NUL bytes"); a line break forges log lines.
+    (_worker(node="n\x000", gpu_type="t4"), "node 'n\\x000': control characters"),
+    (_worker(name="pid 1\nERROR forged"), "name 'pid 1\\nERROR forged': control characters"),
     (Info(address="127.0.0.1:1", node="n0", device="cpu"), "role"),
 ])
 def test_bad_registration_is_refused_and_changes_nothing(coordinator, info: Info, needle: str) -> None:
