@@ -187,6 +187,12 @@ def validate(a: stage_pb2.StageAssignment, output_root: Path | None = None) -> S
     if (a.stage > 0) != bool(a.prev_address) or (a.stage < k - 1) != bool(a.next_address):
         raise _invalid(f"stage {a.stage} of {k}: needs prev_address exactly when it is not the first stage "
                        f"and next_address exactly when it is not the last")
+    shards = job.parallel.started_shards
+    if len(a.ps_addresses) != shards:
+        # Without them a VW of several would train alone, its pushes never counted (the others'
+        # pulls wait for them); with too few its keys go to shards that do not own them.
+        raise _invalid(f"ps_addresses: {len(a.ps_addresses)} shard addresses, but the job has {shards} ps shards "
+                       f"(parallel.ps_shards; none for a lone VW or a baseline mode)")
     if a.ps_shm and len(a.ps_shm) != len(a.ps_addresses):
         raise _invalid(f"ps_shm: {len(a.ps_shm)} flags for {len(a.ps_addresses)} shard addresses")
     if any(s >= len(a.ps_addresses) for s in a.key_shards) or (a.key_shards and not a.ps_addresses):

@@ -119,6 +119,11 @@ def test_bad_assignments_are_refused_and_a_good_one_still_works(idle: Any) -> No
         "an output shape of another batch": (variant(output_shape=[batch[0] + 1, 10]), "one minibatch of data"),
         "unknown output dtype": (variant(output_dtype=77), "output_dtype: unknown dtype code 77"),
         "key_shards without shards": (variant(key_shards=[0]), "key_shards: shards \\[0\\] for 0 shard addresses"),
+        # A VW of several without its shards trained alone (the others' pulls waiting for its pushes).
+        "shards for a lone VW": (variant(ps_addresses=["127.0.0.1:9"]),
+                                 r"ps_addresses: 1 shard addresses, but the job has 0 ps shards"),
+        "no shards for a VW of two": (assignment_variant(good, {"parallel": {"virtual_workers": 2, "ps_shards": 2}}),
+                                      r"ps_addresses: 0 shard addresses, but the job has 2 ps shards"),
         "negative link time": (variant(prev_send_seconds=-1.0), r"prev_send_seconds: -1.0: expected a number of seconds"),
         "NaN push time": (variant(push_seconds=float("nan")), "push_seconds: nan: expected a number of seconds"),
         "infinite pull time": (variant(pull_seconds=float("inf")), "pull_seconds: inf: expected a number of seconds"),
@@ -198,7 +203,7 @@ def test_the_planners_assignments_pass_the_minibatch_size_rule(tmp_path: Path, c
     plan = make_plan(job)
     fakes = [Recorder() for _ in plan.stages]
     servers = [serve(f) for f in fakes]
-    shards = ["127.0.0.1:1"] * plan.shards if plan.virtual_workers > 1 else []  # setup never calls them
+    shards = ["127.0.0.1:1"] * job.parallel.started_shards  # setup never calls them
     driver = JobDriver(job, plan, [s.address for s in servers], ps_addresses=shards)
     try:
         driver.setup()
@@ -213,7 +218,8 @@ def test_the_planners_assignments_pass_the_minibatch_size_rule(tmp_path: Path, c
 
 @pytest.mark.parametrize(("change", "match"), [
     ({"layer_end": 99}, r"loading failed: LoadError: layers \[\d+, 99\) but the model has \d+"),
-    ({"key_shards": [0], "ps_addresses": ["127.0.0.1:9"]}, r"key_shards: 1 entries for \d+ parameters"),
+    ({"key_shards": [0], "ps_addresses": ["127.0.0.1:9"], "job_json": {"parallel": {"virtual_workers": 2}}},
+     r"key_shards: 1 entries for \d+ parameters"),
 ])
 def test_an_assignment_the_model_does_not_fit_fails_loading_naming_why(idle: Any, change: dict[str, Any],
                                                                        match: str) -> None:
@@ -225,6 +231,8 @@ def test_an_assignment_the_model_does_not_fit_fails_loading_naming_why(idle: Any
     for key, value in change.items():
         if isinstance(value, list):
             getattr(a, key).extend(value)
+        elif key == "job_json":
+            a.job_json = json.dumps(deep_update(json.loads(a.job_json), value))
         else:
             setattr(a, key, value)
     try:
@@ -255,8 +263,8 @@ def test_a_load_that_fails_once_its_sync_exists_closes_the_sync(idle: Any, tmp_p
     setup = validate(good)
     params = models.parameter_keys(models.structure(setup.job.model, setup.job.base_dir), setup.layer_begin,
                                    setup.layer_end)
-    a = assignment_variant(good, ps_addresses=["127.0.0.1:9"], key_shards=[0] * len(params),
-                           checkpoint_dir=str(tmp_path / "checkpoints"), resume_wave=1)
+    a = assignment_variant(good, {"parallel": {"virtual_workers": 2}}, ps_addresses=["127.0.0.1:9"],
+                           key_shards=[0] * len(params), checkpoint_dir=str(tmp_path / "checkpoints"), resume_wave=1)
     with _stage_given(a) as (_, s):
         assert s.state == State.FAILED and re.search(r"loading failed: LoadError: .*vw0_stage1", s.error), s.error
         assert len(made) == 1, "the load failed before it made its sync: this test tests nothing"
