@@ -161,6 +161,8 @@ class Registry:
         if len(leaving) > MAX_FIELD_CHARS:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                            f"leaving: {len(leaving)} characters, at most {MAX_FIELD_CHARS}")
+        if _CONTROL.search(leaving):   # it becomes the failed job's reason, shown by `hetpipe status`
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"leaving {leaving!r}: control characters (a line break)")
         with self._lock:
             w = self._workers.get(worker_id)
             if w is None:

@@ -128,6 +128,9 @@ def test_a_worker_that_says_it_is_leaving_is_named_once_assigned_and_a_long_reas
     with pytest.raises(Rejected, match="leaving: 300 characters, at most 256") as err:
         r.heartbeat(wid, "x" * 300)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    # It becomes the job's failure reason: a line break in it forged a line of `hetpipe status`.
+    with pytest.raises(Rejected, match=r"leaving 'stopped\\nJOB COMPLETED': control characters"):
+        r.heartbeat(wid, "stopped\nJOB COMPLETED")
     r.claim(Info.STAGE_WORKER, [("stage 0 of vw 0", "", "")], 1)
     assert r.leaving(Info.STAGE_WORKER) == [], "the refused heartbeat recorded nothing"
     assert r.heartbeat(wid, "stopped by SIGINT") and r.heartbeat(wid, "stopped by SIGTERM")
