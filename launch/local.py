@@ -28,7 +28,7 @@ from coordinator.planner import Plan, cache, make_plan
 from coordinator.servicer import PROTO_STATE
 from coordinator.state import JobState
 from launch.interrupts import interrupts_held
-from launch import processes
+from launch import plan_report, processes
 from launch.ending import warn
 from launch.processes import MAX_SHARD_RESTARTS, LocalProcesses
 
@@ -130,6 +130,24 @@ def checked_inputs(job: JobConfig) -> list[str]:
     return notes
 
 
+def check_host_memory(job: JobConfig, plan: Plan) -> list[str]:
+    """Refuses (ConfigError) a run whose stages on this machine's CPU (an emulated cluster's
+    every one) and shards need more memory than the machine has: the planner checks each stage
+    against its emulated GPU's capacity only, and the run would swap or be killed part way.
+    Returns a warning where they need more than is available now."""
+    host = plan_report.host_memory(job, plan)
+    if host.largest is None or host.need_bytes <= host.available_bytes:
+        return []
+    if plan.emulated:
+        hint = ("give model.args a small stand-in's sizes and the full ones as cluster.emulate.model_args (the "
+                "plan, its times and its memory stay the full model's)")
+    else:
+        hint = "use fewer virtual workers or stages, a smaller parallel.nm or a smaller model"
+    if host.need_bytes > host.total_bytes:
+        raise ConfigError(f"this machine's memory: {host.describe()}: {hint}")
+    return [f"this machine's memory: {host.describe()}: the run may swap or be killed; {hint}"]
+
+
 def _check_real_gpus(job: JobConfig) -> None:
     """A cluster without emulate names real GPUs: run here without a CUDA device, its stages would
     compute on the CPU under those GPUs' names, their numbers labelled as not emulated."""
@@ -183,7 +201,7 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
             return run_baseline(job, quiet=quiet)
     processes.warm_up()  # the fork server imports torch while this process plans
     plan = preflight(job)
-    for warning in plan.warnings:
+    for warning in (*plan.warnings, *check_host_memory(job, plan)):
         warn(warning)
     # Every refusal comes before an earlier run's results are cleared: a refused run changes nothing.
     resume_wave = _resume_wave(out_dir, job, plan, resume=resume, fresh=fresh)

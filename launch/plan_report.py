@@ -12,7 +12,10 @@ from hetpipe.config import ConfigError, JobConfig, with_overrides
 from hetpipe.units import format_bytes, format_seconds
 from coordinator.planner import Plan, PlanError, make_plan
 from coordinator.planner import projection
-from coordinator.planner.plan import NM_MEMORY_LIMIT
+from coordinator.planner.cache import default_cache_dir
+from coordinator.planner.memory import optimizer_kind, stage_memory
+from coordinator.planner.plan import NM_MEMORY_LIMIT, StagePlan
+from coordinator.planner.profile import profile_model
 
 
 def planned_su_mp(job: JobConfig, plan: Plan) -> float:
@@ -43,6 +46,56 @@ def measured(job: JobConfig, plan: Plan, summary: dict[str, Any]) -> float | Non
     same = ran == planned and {k: summary.get(k) for k in work} == work
     value = summary.get("samples_per_second")
     return float(value) if same and isinstance(value, (int, float)) else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostMemory:
+    """What a `hetpipe run` of a plan holds of this machine's memory, at least."""
+
+    need_bytes: int             # the CPU stages' and the shards' tensors together
+    stages: int                 # stages that compute on this machine's CPU
+    largest: StagePlan | None   # the one of them that needs the most, and its bytes
+    largest_bytes: int
+    total_bytes: int            # this machine's memory, and what of it is available now
+    available_bytes: int
+
+    def describe(self) -> str:
+        s = self.largest
+        assert s is not None
+        return (f"its {_count(self.stages, 'stage')} computing on this machine's CPU"
+                f"{' (emulated GPUs)' if s.emulated else ''} and its shards hold at least "
+                f"{format_bytes(self.need_bytes)} of memory (the largest, stage {s.stage} of vw {s.vw}, layers "
+                f"[{s.layer_begin}, {s.layer_end}), {format_bytes(self.largest_bytes)}); this machine has "
+                f"{format_bytes(self.total_bytes)}, {format_bytes(self.available_bytes)} of it available")
+
+
+def host_memory(job: JobConfig, plan: Plan) -> HostMemory:
+    """The memory a local run of the plan holds on this machine: every stage that computes on
+    the CPU (an emulated GPU's stage does: its capacity is only accounting, DESIGN §5) needs what
+    the memory model says of the model that really computes (model.args, not
+    cluster.emulate.model_args), and the shards hold the trained weights once more. Each
+    process's own Python and torch are not counted."""
+    import psutil
+
+    from hetpipe import models
+
+    cpu = [s for s in plan.stages if s.device == "cpu"]
+    needs: list[int] = []
+    if cpu and job.emulated_model_args != dict(job.model.args):   # the plan's bytes are the emulated model's
+        profile = profile_model(job, (), args=job.model.args, cache_dir=default_cache_dir())
+        optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
+        needs = [stage_memory(profile, s.layer_begin, s.layer_end, s.stage, len(plan.vw_stages(s.vw)), plan.nm,
+                              optimizer) for s in cpu]
+    else:
+        needs = [s.memory_bytes for s in cpu]
+    weights = 0
+    if cpu and job.parallel.started_shards:
+        model = models.structure(job.model, job.base_dir, dtype=job.train.dtype)
+        weights = sum(p.numel() * p.element_size() for _, p in models.trainable(model))
+    memory = psutil.virtual_memory()
+    top = max(range(len(cpu)), key=needs.__getitem__) if cpu else None
+    return HostMemory(sum(needs) + weights, len(cpu), cpu[top] if top is not None else None,
+                      needs[top] if top is not None else 0, int(memory.total), int(memory.available))
 
 
 def ddp_layout(job: JobConfig) -> tuple[str, dict[str, Any]]:
@@ -131,6 +184,10 @@ def plan_notes(job: JobConfig, plan: Plan) -> list[str]:
         notes.append(f"this machine's {_count(cores, 'CPU core')} run all {processes} processes: each stage's times "
                      "above are its own with the CPU to itself (its memory is its share of the machine's), so a run "
                      "here measures less than predicted")
+    host = host_memory(job, plan) if job.parallel.mode == "hetpipe" else None   # a baseline's is its own
+    if host is not None and host.largest is not None and host.need_bytes > host.available_bytes:
+        refused = ": `hetpipe run` refuses it" if host.need_bytes > host.total_bytes else ""
+        notes.append(f"a `hetpipe run` of this plan here: {host.describe()}{refused}")
     if job.parallel.mode == "torch-pipeline":
         notes.append(f"parallel.mode torch-pipeline runs vw 0's stages above as one torch.distributed.pipelining "
                      f"pipeline ({job.parallel.microbatches} micro-batches; no parameter servers); the prediction is "

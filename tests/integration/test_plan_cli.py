@@ -130,6 +130,40 @@ def test_nm_beyond_the_steps_is_a_warning(capsys: pytest.CaptureFixture[str], tm
     assert "warning: parallel.nm 40 > train.steps 30: at most 30 minibatches are ever in flight" in err
 
 
+@pytest.mark.parametrize("total_kib, available_kib", [(16, 8), (1 << 30, 8)])
+def test_an_emulated_cluster_that_this_machines_memory_cannot_hold_is_named(
+        total_kib: int, available_kib: int, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Emulated stages compute on this CPU: the paper's cluster planned 82 GiB of host memory on a
+    23 GiB machine (each stage fits its emulated GPU) and `hetpipe run` started it without a word.
+    More than the machine has is refused before any process starts; more than is available, a warning."""
+    import collections
+
+    import psutil
+
+    memory = collections.namedtuple("memory", "total available")(total_kib << 10, available_kib << 10)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    code, out, _ = _plan(capsys, tmp_path, EMULATED)
+    assert code == 0
+    said = re.search(r"a `hetpipe run` of this plan here: its 2 stages computing on this machine's CPU \(emulated GPUs\) "
+                     r"and its shards hold at least ([\d.]+ KiB) of memory \(the largest, stage 0 of vw 0, layers "
+                     rf"\[0, \d\), [\d.]+ KiB\); this machine has [\d.]+ [KMGT]iB, 8.0 KiB of it available", out)
+    assert said, out
+    assert ("`hetpipe run` refuses it" in out) == (total_kib == 16)
+    code = cli.main(["run", str(tmp_path / "job.yaml"), "--quiet"]) if total_kib == 16 else None
+    if code is not None:
+        err = capsys.readouterr().err
+        assert code == 2 and f"this machine's memory: its 2 stages computing on this machine's CPU (emulated GPUs) " \
+            f"and its shards hold at least {said.group(1)} of memory" in err and "cluster.emulate.model_args" in err, err
+        assert not (tmp_path / "out" / "status.json").exists(), "a refused run started"
+    else:
+        from launch.local import check_host_memory, preflight
+
+        warned = check_host_memory(parse_job(deep_update(BASE_JOB, EMULATED), base_dir=str(tmp_path)),
+                                   preflight(parse_job(deep_update(BASE_JOB, EMULATED), base_dir=str(tmp_path))))
+        assert len(warned) == 1 and "8.0 KiB of it available: the run may swap or be killed" in warned[0], warned
+
+
 def test_eval_rows_the_held_out_set_cannot_give_is_a_warning(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """digits' 1797 rows, a fifth held out (359), in minibatches of 32: 400 rows cannot be read."""
     held = {"data": {"name": "digits", "batch_size": 32, "eval_fraction": 0.2}, "eval": {"every": 10, "rows": 400}}
