@@ -234,7 +234,9 @@ def make_plan(job: JobConfig, *, cache_dir: str | None = None, cancel: threading
             reasons.append(f"{policy}: parallel.nm {par.nm} does not fit: memory allows vw {vw} at most "
                            f"{min(limits)} minibatches in flight{detail}")
             continue
-        nms = [par.nm] if isinstance(par.nm, int) else list(range(1, min(min(limits), NM_AUTO_LIMIT) + 1))
+        # nm auto stops at train.steps: more are never in flight, and an nm past it is one the
+        # plan would then warn of (its partition differs only by the memory of minibatches never run).
+        nms = [par.nm] if isinstance(par.nm, int) else list(range(1, min(min(limits), NM_AUTO_LIMIT, job.train.steps) + 1))
         if min(limits) == 0:
             worst = limits.index(0)
             try:

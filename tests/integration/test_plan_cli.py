@@ -111,6 +111,16 @@ def test_nm_auto_takes_the_smallest_nm_within_one_percent_of_the_best(monkeypatc
     assert (plan.nm, plan.predicted_samples_per_second) == (2, 100.9)
 
 
+def test_nm_auto_stays_within_the_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/paper-cluster.yaml (4 steps) planned nm 7 for 1.5% more predicted throughput, with
+    its partition for 7 minibatches in flight, then warned 'parallel.nm 7 > train.steps 4'."""
+    from coordinator.planner.costs import StageCosts
+
+    monkeypatch.setattr(StageCosts, "predict", lambda self, parts, nm: (100.0 * nm, 0.0))
+    plan = make_plan(parse_job(deep_update(BASE_JOB, {"train": {"steps": 3}, "parallel": {"nm": "auto"}})))
+    assert plan.nm == 3 and not plan.warnings, plan
+
+
 def test_nm_beyond_memory_is_refused_naming_the_bound() -> None:
     # ResNet-152 at 224 x 224 over two 16 GiB T4s: stage 0 keeps nm minibatches' activations.
     raw = {"model": {"name": "resnet152", "args": {"in_shape": [3, 224, 224]}}, "data": {"batch_size": 32},
