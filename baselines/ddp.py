@@ -162,7 +162,10 @@ def select_devices(job: JobConfig, *, cache_dir: str | None = None) -> DdpDevice
         # A ring over the ranks: its slowest hop is between nodes as soon as it spans two.
         nodes = sorted({r.node for r in ranks})
         link = emulate.network.link(nodes[0], nodes[-1], emulate.time_scale)
-        grad_bytes = sum(layer.param_bytes for layer in profile.layers)
+        # The gradients in train.dtype; a bf16 job's in bf16, as bf16_compress_hook sends them over NCCL.
+        itemsize = getattr(torch, job.train.dtype).itemsize
+        grad_bytes = sum(layer.param_bytes for layer in profile.layers) * (
+            torch.bfloat16.itemsize if job.train.precision == "bf16" else itemsize) // itemsize
         allreduce = ring_allreduce_seconds(grad_bytes, len(ranks), link)
     return DdpDevices(tuple(ranks), left_out, need, layers,
                       emulated=any(r.label.endswith("(emulated)") for r in ranks), allreduce_seconds=allreduce)

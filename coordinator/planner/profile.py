@@ -105,6 +105,8 @@ def profile_model(job: JobConfig, device_types: Sequence[str], *, args: Mapping[
     folder = Path(cache_dir) if cache_dir is not None else None
     path = cache.entry(folder, job.model.name or "factory", key) if model_key else None
     structure = cache.load(path, key) if path else None
+    # Under autocast: what the stage holds in train.dtype, taken before the meta pass casts the model.
+    held = _held_bytes(model, dtype) if job.train.precision != "fp32" else None
     if structure is None:
         meta = model.to(device="meta", dtype=dtype if in_dtype.is_floating_point else None).train()
         x = torch.empty(shape, dtype=dtype if in_dtype.is_floating_point else in_dtype, device="meta")
@@ -119,18 +121,39 @@ def profile_model(job: JobConfig, device_types: Sequence[str], *, args: Mapping[
             index=i,
             forward_flops=float(layer["forward_flops"]),
             backward_flops=float(layer["backward_flops"]),
-            param_bytes=int(layer["param_bytes"]),
+            param_bytes=held[i][0] if held else int(layer["param_bytes"]),
             output_bytes=int(layer["output_bytes"]),
-            saved_bytes=int(layer["saved_bytes"]),
+            saved_bytes=int(layer["saved_bytes"]) + (held[i][2] if held else 0),
             workspace_bytes=int(layer["workspace_bytes"]),
             forward_seconds={t: _roofline(g, layer["forward_ops"], half, overhead[t]) for t, g in rooflines.items()},
             backward_seconds={t: _roofline(g, layer["backward_ops"], half, overhead[t]) for t, g in rooflines.items()},
-            frozen_bytes=int(layer["frozen_bytes"]),
+            frozen_bytes=held[i][1] if held else int(layer["frozen_bytes"]),
         )
         for i, layer in enumerate(structure["layers"])
     )
     return ModelProfile(models.describe(job.model), job.data.batch_size, str(dtype).removeprefix("torch."),
                         int(structure["input_bytes"]), layers)
+
+
+# Modules whose weights autocast casts to the compute dtype for a matrix product or convolution,
+# keeping the copy for the backward.
+_CAST = (torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd, torch.nn.MultiheadAttention,
+         torch.nn.RNNBase)
+
+
+def _held_bytes(model: torch.nn.Sequential, compute: torch.dtype) -> list[tuple[int, int, int]]:
+    """Per layer, as a stage under autocast to `compute` (train.precision bf16, fp16) holds it:
+    (state_dict bytes, frozen parameter bytes) in the model's own dtype, train.dtype, where its
+    weights, their gradients, the optimizer state and the stashed copies stay (the meta pass runs
+    in the compute dtype); and the bytes of the weights autocast casts to the compute dtype, a copy
+    per minibatch in flight, kept for the backward."""
+    out = []
+    for layer in model:
+        cast = sum(p.numel() * compute.itemsize for m in layer.modules() if isinstance(m, _CAST)
+                   for p in m.parameters(recurse=False) if p.is_floating_point() and p.dtype != compute)
+        out.append((sum(t.numel() * t.element_size() for t in layer.state_dict().values()),
+                    sum(p.numel() * p.element_size() for p in layer.parameters() if not p.requires_grad), cast))
+    return out
 
 
 def _roofline(gpu: GpuType, ops: Sequence[Sequence[float]], half: bool, overhead: float) -> float:
