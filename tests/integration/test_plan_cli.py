@@ -157,7 +157,7 @@ def test_an_emulated_cluster_that_this_machines_memory_cannot_hold_is_named(
     assert code == 0
     said = re.search(r"a `hetpipe run` of this plan here: its 2 stages computing on this machine's CPU \(emulated GPUs\) "
                      r"and its shards hold at least ([\d.]+ KiB) of memory \(the largest, stage 0 of vw 0, layers "
-                     rf"\[0, \d\), [\d.]+ KiB\); this machine has [\d.]+ [KMGT]iB, 8.0 KiB of it available", out)
+                     r"\[0, \d\), [\d.]+ KiB\); this machine has [\d.]+ [KMGT]iB, 8.0 KiB of it available", out)
     assert said, out
     assert ("`hetpipe run` refuses it" in out) == (total_kib == 16)
     code = cli.main(["run", str(tmp_path / "job.yaml"), "--quiet"]) if total_kib == 16 else None
