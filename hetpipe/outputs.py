@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 
 from hetpipe.validate import ConfigError
@@ -148,6 +148,28 @@ def check_dir(out_dir: Path) -> None:
     os.unlink(probe)
 
 
+def pid_lock(path: Path) -> tuple[IO[str] | None, str]:
+    """path opened and locked (flock, exclusive) by this process, its pid written in once the lock
+    is held (hold_pid): (the file, ""); or (None, the pid its holder wrote there). The kernel drops
+    the lock with its process, even a killed one."""
+    lock = open(path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        return None, holder
+    return lock, ""
+
+
+def hold_pid(lock: IO[str]) -> None:
+    """Writes this process's pid into a lock it holds, for the next one that is refused to name."""
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+
+
 @contextmanager
 def locked(out_dir: Path) -> Iterator[None]:
     """Holds out_dir (made if missing) for one run: a second run into it is refused, naming the
@@ -156,13 +178,8 @@ def locked(out_dir: Path) -> Iterator[None]:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LOCK_FILE
     while True:
-        lock = open(path, "a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "unknown"
-            lock.close()
+        lock, holder = pid_lock(path)
+        if lock is None:
             raise ConfigError(f"output.dir {out_dir} is in use by another hetpipe run (pid {holder}): wait for it "
                               "to end, or give this job another output.dir") from None
         try:  # still the file at path: its holder did not remove it while we opened it
@@ -172,9 +189,7 @@ def locked(out_dir: Path) -> Iterator[None]:
             pass
         lock.close()
     try:
-        lock.truncate(0)
-        lock.write(f"{os.getpid()}\n")
-        lock.flush()
+        hold_pid(lock)
         yield
     finally:
         path.unlink(missing_ok=True)  # before the lock goes: no one takes a file that is about to go

@@ -13,7 +13,6 @@ from its checkpoint, as under `hetpipe run`."""
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import re
 import shutil
@@ -28,7 +27,7 @@ from typing import IO
 
 import grpc
 
-from hetpipe import catalog, children, reach, rpc, security, threads
+from hetpipe import catalog, children, outputs, reach, rpc, security, threads
 from hetpipe.config import ConfigError
 from hetpipe.errors import JobFailed
 from hetpipe.registration import NO_COORDINATOR, TOKEN_HINT
@@ -309,19 +308,11 @@ def hold_node(root: Path, node: str) -> IO[str]:
     launcher until the returned file is closed; ConfigError naming the pid of another `hetpipe
     worker` that holds it: starting, it would clear that one's live shard checkpoints and share its
     log files. The kernel drops the lock with its process, even a killed one."""
-    path = root / "logs" / node / WORKER_LOCK
-    lock = open(path, "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
-        lock.close()
+    lock, holder = outputs.pid_lock(root / "logs" / node / WORKER_LOCK)
+    if lock is None:
         raise ConfigError(f"--node {node}: another hetpipe worker (pid {holder}) serves this node from --output-root "
-                          f"{root} (its logs and shard checkpoints): give this one another --node or --output-root") from None
-    lock.truncate(0)
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
+                          f"{root} (its logs and shard checkpoints): give this one another --node or --output-root")
+    outputs.hold_pid(lock)
     return lock
 
 
