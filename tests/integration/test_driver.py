@@ -324,6 +324,16 @@ def test_a_stage_whose_continue_was_lost_with_another_vw_gets_it_at_the_next_pol
         driver.close()
 
 
+def _polled_until_stalled(driver: JobDriver) -> None:
+    """Polls the stages as the driver's loop does until its progress check fails the job: within 5 s."""
+    with pytest.raises(JobFailed, match="no progress"):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            driver.poll()
+            driver._check_progress()
+            time.sleep(0.05)
+
+
 def test_a_vw_evicted_while_silent_leaves_the_no_progress_check_on(make_job) -> None:
     """A frozen stage is silent, then lost with its VW: the stages left must still be watched for
     a job that stops moving although they answer."""
@@ -334,12 +344,7 @@ def test_a_vw_evicted_while_silent_leaves_the_no_progress_check_on(make_job) -> 
         time.sleep(1.1)
         driver.poll()   # named, lost: VW 1 leaves
         assert shard.evicted == [1]
-        with pytest.raises(JobFailed, match="no progress"):
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                driver.poll()
-                driver._check_progress()
-                time.sleep(0.05)
+        _polled_until_stalled(driver)
     finally:
         driver.close()
 
@@ -356,12 +361,7 @@ def test_an_evaluation_that_takes_longer_than_the_stall_timeout_is_no_stall(make
             driver.poll()
             driver._check_progress()
             time.sleep(0.05)
-        with pytest.raises(JobFailed, match="no progress"):   # and once they stop, it is one
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                driver.poll()
-                driver._check_progress()
-                time.sleep(0.05)
+        _polled_until_stalled(driver)   # and once they stop, it is one
     finally:
         driver.close()
 
