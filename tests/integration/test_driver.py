@@ -110,10 +110,12 @@ def test_each_stage_times_its_minibatches_after_its_first_wave_until_done(make_j
 
 
 class _Failing:
-    """A stage that accepts setup, then reports that it failed at minibatch 3."""
+    """A stage that accepts setup, then reports that it failed at minibatch 3. Its polls count
+    from Start: before it, it is READY however often the driver asks while the other stages load."""
 
     def __init__(self) -> None:
         self.polls = 0
+        self.started = False
 
     @handler
     def Assign(self, request: Any, context: grpc.ServicerContext) -> wire_pb2.Ack:
@@ -127,6 +129,7 @@ class _Failing:
 
     @handler
     def Start(self, request: Any, context: grpc.ServicerContext) -> wire_pb2.Ack:
+        self.started = True
         return wire_pb2.Ack()
 
     @handler
@@ -142,6 +145,8 @@ class _Failing:
 
     @handler
     def Status(self, request: Any, context: grpc.ServicerContext) -> stage_pb2.StageStatus:
+        if not self.started:
+            return stage_pb2.StageStatus(state=State.READY)
         self.polls += 1
         if self.polls < 3:
             return stage_pb2.StageStatus(state=State.RUNNING, forwards_done=self.polls, backwards_done=self.polls - 1)
@@ -155,6 +160,8 @@ class _Draining(_Failing):
 
     @handler
     def Status(self, request: Any, context: grpc.ServicerContext) -> stage_pb2.StageStatus:
+        if not self.started:
+            return stage_pb2.StageStatus(state=State.READY)
         self.polls += 1
         return stage_pb2.StageStatus(state=State.DONE if self.polls >= 6 else State.RUNNING,
                                      forwards_done=12, backwards_done=12)
