@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import shutil
 import sys
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hetpipe import children, threads
+from hetpipe import children, progress, threads
 from hetpipe.children import Child
 from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed
@@ -87,15 +88,26 @@ class WorkerGroup:
                                    log_path, env=env)
             self.workers.append(_Worker(name, popen, log_path, rank))
 
-    def progress(self) -> list[int]:
-        """Minibatches (steps) each rank has finished, from its progress file."""
-        done = []
+    def _reports(self) -> list[tuple[int, float]]:
+        """Each rank's progress file: the steps it has finished and its last loss (NaN: none)."""
+        reports = []
         for w in self.workers:
             try:
-                done.append(int((self.work / f"rank{w.rank}.progress").read_text().split()[0]))
-            except (OSError, ValueError, IndexError):
-                done.append(0)
-        return done
+                steps, loss = (self.work / f"rank{w.rank}.progress").read_text().split()[:2]
+                reports.append((int(steps), float(loss)))
+            except (OSError, ValueError):
+                reports.append((0, math.nan))
+        return reports
+
+    def progress(self) -> list[int]:
+        """Minibatches (steps) each rank has finished, from its progress file."""
+        return [steps for steps, _ in self._reports()]
+
+    def loss(self) -> float | None:
+        """The ranks' last losses, averaged over those that have one: ddp's global minibatch, a
+        pipeline's last stage (the others compute none); None before the first."""
+        losses = [loss for _, loss in self._reports() if math.isfinite(loss)]
+        return sum(losses) / len(losses) if losses else None
 
     def _failure(self) -> BaselineFailed | None:
         if not any(w.popen.poll() not in (None, 0) for w in self.workers):
@@ -153,34 +165,36 @@ class WorkerGroup:
 
 def run_group(group: WorkerGroup, *, total_steps: int, samples_per_step: int, quiet: bool,
               emulated: bool) -> None:
-    """Starts the group and shows progress until every rank is done; stops all on any exit."""
-    from tqdm import tqdm
+    """Starts the group and shows progress until every rank is done (a bar on a terminal, else a
+    line now and then, as `hetpipe run` shows it); stops all on any exit."""
+    total = total_steps * samples_per_step
+    desc = f"{group.mode}{' (emulated GPUs)' if emulated else ''}"
+    shown: progress.Bar | progress.Lines | None = None
+    first: tuple[int, float] | None = None
 
-    bar = tqdm(total=total_steps * samples_per_step, unit="sample", disable=quiet, file=sys.stderr,
-               dynamic_ncols=True, desc=f"{group.mode}{' (emulated GPUs)' if emulated else ''}")
-
-    timed = False
-
-    def show(done: list[int]) -> None:
-        nonlocal timed
+    def show(done: list[int], last: bool = False) -> None:
+        nonlocal shown, first
         samples = min(done) * samples_per_step
-        if samples and not timed:
+        if quiet or not samples:
+            return
+        now = time.monotonic()
+        if first is None or shown is None:
             # The rate from the ranks' first steps on, the samples so far its start, as summary.json's
             # samples_per_second counts: the ranks' start-up (interpreters, torch, the rendezvous)
             # took most of a short run's seconds, and a rate over them read several times too low.
-            timed = True
-            bar.reset()
-            bar.initial = samples
-        bar.n = samples
-        bar.refresh()
+            first = (samples, now)
+            shown = progress.shown(total, desc, samples)
+        rate = (samples - first[0]) / (now - first[1]) if samples > first[0] else None
+        shown.show(samples, total, group.loss(), rate, last=last)
 
     with group:
         try:
             group.start()
             group.wait(show)
-            show(group.progress())
+            show(group.progress(), last=True)
         finally:
-            bar.close()
+            if shown is not None:
+                shown.close()
 
 
 def prepare_out_dir(job: JobConfig) -> Path:

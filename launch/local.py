@@ -14,9 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from hetpipe import data_check, devices, metrics, outputs, rpc, security, threads
+from hetpipe import data_check, devices, metrics, outputs, progress, rpc, security, threads
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import JobFailed, JobStopped, interrupt_reason
 from hetpipe.outputs import STATUS_FILE, TARGETS_FILE, TOKEN_FILE, publish_address, unpublish_address, write_status
@@ -317,54 +315,6 @@ def naming_logs(reason: str, logs: dict[str, Path]) -> str:
     return reason + (f"; log {', '.join(named)}" if named else "")
 
 
-class _Bar:
-    """Progress on a terminal: a tqdm bar, redrawn in place."""
-
-    def __init__(self, total: int, desc: str, start: int = 0) -> None:
-        # initial: tqdm's rate and ETA count from the samples already there (a resumed run starts at
-        # its cut's), not as if they had all been trained in this bar's first moment.
-        self._bar = tqdm(total=total, initial=start, unit="sample", file=sys.stderr, dynamic_ncols=True, desc=desc)
-
-    def show(self, samples: int, total: int, loss: float | None, samples_per_second: float, *, last: bool) -> None:
-        self._bar.total = total   # less once a VW has left the job (parallel.on_vw_failure: continue)
-        self._bar.n = samples
-        self._bar.set_postfix(**({"loss": f"{loss:.4f}"} if loss is not None else {}),
-                              samples_s=f"{samples_per_second:.0f}", refresh=False)
-        self._bar.refresh()
-
-    def close(self) -> None:
-        self._bar.close()
-
-
-class _Lines:
-    """Progress into a log (stderr is no terminal): a line at each tenth of the run, at least
-    every LINE_S while it moves, and the last; a bar redrawn with carriage returns would fill a
-    log file with thousands of them."""
-
-    LINE_S = 30.0
-
-    def __init__(self, total: int, desc: str, start: int = 0) -> None:
-        self._total, self._desc = total, desc
-        self._tenth, self._at, self._printed, self._text = -1, 0.0, -1, ""
-
-    def show(self, samples: int, total: int, loss: float | None, samples_per_second: float, *, last: bool) -> None:
-        self._total = total   # less once a VW has left the job (parallel.on_vw_failure: continue)
-        tenth = 10 * samples // max(self._total, 1)
-        now = time.monotonic()
-        if not last and tenth <= self._tenth and (now - self._at < self.LINE_S or samples == self._printed):
-            return
-        percent = 100 * samples // max(self._total, 1)
-        text = f"{self._desc}: {percent}% ({samples}/{self._total} samples), {samples_per_second:.0f} samples/s"
-        text += f", loss {loss:.4f}" if loss is not None else ""
-        if text == self._text:   # the final status repeats the last report
-            return
-        self._tenth, self._at, self._printed, self._text = tenth, now, samples, text
-        print(text, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
 def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
            on_status: Callable[[coordinator_pb2.JobStatus], None] = lambda status: None,
            unsaid_wait_s: float = 0.0) -> coordinator_pb2.JobStatus:
@@ -372,7 +322,7 @@ def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
     its final status. on_status sees each status of the job while it is under way (a local
     launcher watches its processes there). unsaid_wait_s: a wait for workers this short goes
     unsaid (a local run's own workers register a moment after they are ready)."""
-    shown: _Bar | _Lines | None = None
+    shown: progress.Bar | progress.Lines | None = None
     running = PROTO_STATE[JobState.RUNNING]
     waiting, told_at, since = "", -math.inf, math.inf
     try:
@@ -393,7 +343,7 @@ def follow(get_status: Callable[[], coordinator_pb2.JobStatus], *, quiet: bool,
             # (a short job may end before this loop sees one: its last line is still shown).
             if (status.state == running or ended) and shown is None and not quiet and status.total_samples:
                 desc = "train (emulated GPUs)" if status.emulated else "train"
-                shown = (_Bar if sys.stderr.isatty() else _Lines)(status.total_samples, desc, status.samples)
+                shown = progress.shown(status.total_samples, desc, status.samples)
             if shown is not None and status.total_samples:  # the last one too: a bar left at 0% reads as a hang
                 # No loss until a minibatch of this run has finished (a resumed one starts at the
                 # cut's samples): the wire's 0.0 stands for none yet.

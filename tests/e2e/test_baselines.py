@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -368,10 +369,15 @@ def test_a_baseline_refuses_resume_and_fresh_which_it_has_no_checkpoints_for(mak
         run_local(job, **{flag: True})
 
 
-def test_the_progress_rate_counts_from_the_ranks_first_steps(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("stderr_kind", ["terminal", "log"])
+def test_the_progress_rate_counts_from_the_ranks_first_steps(stderr_kind: str, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """A second of start-up before 200 samples in 0.2 s: the bar said 250 samples/s (300 over 1.2 s,
-    the start-up counted), where summary.json's rate over the training alone is about 1000."""
+    the start-up counted), where summary.json's rate over the training alone is about 1000. In a
+    log the progress comes as lines, as `hetpipe run` writes it, with the last rank's loss."""
     from baselines.common import run_group
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: stderr_kind == "terminal")   # capsys's stream
 
     class Ranks:
         mode = "ddp"
@@ -398,7 +404,18 @@ def test_the_progress_rate_counts_from_the_ranks_first_steps(capsys: pytest.Capt
         def progress(self) -> list[int]:
             return self.done
 
+        def loss(self) -> float | None:
+            return 0.25 if self.done[0] else None
+
     run_group(Ranks(), total_steps=3, samples_per_step=100, quiet=False, emulated=False)  # type: ignore[arg-type]
-    rate = float(re.findall(r"([\d.]+)sample/s", capsys.readouterr().err)[-1])
+    err = capsys.readouterr().err
+    assert ("\r" in err) == (stderr_kind == "terminal"), "a log gets lines, not a bar redrawn in place"
+    if stderr_kind == "terminal":
+        rate = float(re.findall(r"([\d.]+)sample/s", err)[-1])
+    else:
+        lines = err.splitlines()
+        assert lines[0] == "ddp: 33% (100/300 samples), loss 0.2500", "no rate before a step has been timed"
+        assert lines[-1].startswith("ddp: 100% (300/300 samples), ") and lines[-1].endswith(" samples/s, loss 0.2500")
+        rate = float(re.findall(r"(\d+) samples/s", lines[-1])[0])
     assert 400 < rate < 1100, rate
 
