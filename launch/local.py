@@ -128,17 +128,18 @@ def checked_inputs(job: JobConfig) -> list[str]:
     return notes
 
 
-def check_host_memory(job: JobConfig, plan: Plan) -> list[str]:
-    """Refuses (ConfigError) a run whose stages on this machine's CPU (an emulated cluster's
-    every one) and shards need more memory than the machine has: the planner checks each stage
-    against its emulated GPU's capacity only, and the run would swap or be killed part way.
-    Returns a warning where they need more than is available now."""
-    host = plan_report.host_memory(job, plan)
+def check_host_memory(job: JobConfig, host: plan_report.HostMemory) -> list[str]:
+    """Refuses (ConfigError) a run whose processes on this machine's CPU (an emulated cluster's
+    every stage or rank) need more memory than the machine has: the planner checks each stage,
+    and ddp each rank, against its emulated GPU's capacity only, and the run would swap or be
+    killed part way. Returns a warning where they need more than is available now."""
     if host.largest is None or host.need_bytes <= host.available_bytes:
         return []
-    if plan.emulated:
+    if host.emulated:
         hint = ("give model.args a small stand-in's sizes and the full ones as cluster.emulate.model_args (the "
                 "plan, its times and its memory stay the full model's)")
+    elif job.parallel.mode == "ddp":
+        hint = "use fewer ranks (parallel.virtual_workers) or a smaller model"
     else:
         hint = "use fewer virtual workers or stages, a smaller parallel.nm or a smaller model"
     if host.need_bytes > host.total_bytes:
@@ -194,12 +195,15 @@ def run_local(job: JobConfig, *, quiet: bool = False, heartbeat_interval_s: floa
 
         for warning in checked_inputs(job):   # a baseline has no plan, and its data the same checks
             warn(warning)
+        if job.parallel.mode == "ddp":
+            for warning in check_host_memory(job, plan_report.ddp_host_memory(job)):
+                warn(warning)
 
         with outputs.locked(out_dir):
             return run_baseline(job, quiet=quiet)
     processes.warm_up()  # the fork server imports torch while this process plans
     plan = preflight(job)
-    for warning in (*plan.warnings, *check_host_memory(job, plan)):
+    for warning in (*plan.warnings, *check_host_memory(job, plan_report.host_memory(job, plan))):
         warn(warning)
     # Every refusal comes before an earlier run's results are cleared: a refused run changes nothing.
     resume_wave = _resume_wave(out_dir, job, plan, resume=resume, fresh=fresh)

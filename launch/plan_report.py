@@ -14,7 +14,7 @@ from coordinator.planner import Plan, PlanError, make_plan
 from coordinator.planner import projection
 from coordinator.planner.cache import default_cache_dir
 from coordinator.planner.memory import optimizer_kind, stage_memory
-from coordinator.planner.plan import NM_MEMORY_LIMIT, StagePlan
+from coordinator.planner.plan import NM_MEMORY_LIMIT
 from coordinator.planner.profile import profile_model
 
 
@@ -50,31 +50,36 @@ def measured(job: JobConfig, plan: Plan, summary: dict[str, Any]) -> float | Non
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostMemory:
-    """What a `hetpipe run` of a plan holds of this machine's memory, at least."""
+    """What a local run holds of this machine's memory, at least: its processes that compute on
+    this machine's CPU (HetPipe's stages and shards, or ddp's ranks)."""
 
-    need_bytes: int             # the CPU stages' and the shards' tensors together
-    stages: int                 # stages that compute on this machine's CPU
-    largest: StagePlan | None   # the one of them that needs the most, and its bytes
+    need_bytes: int             # their tensors together
+    holders: str                # who holds them: "its 2 stages computing on this machine's CPU ..."
+    largest: str | None         # the one of them that needs the most (None: nothing computes here)
     largest_bytes: int
+    emulated: bool              # they stand for emulated GPUs
     total_bytes: int            # this machine's memory, and what of it is available now
     available_bytes: int
 
     def describe(self) -> str:
-        s = self.largest
-        assert s is not None
-        return (f"its {_count(self.stages, 'stage')} computing on this machine's CPU"
-                f"{' (emulated GPUs)' if s.emulated else ''} and its shards hold at least "
-                f"{format_bytes(self.need_bytes)} of memory (the largest, stage {s.stage} of vw {s.vw}, layers "
-                f"[{s.layer_begin}, {s.layer_end}), {format_bytes(self.largest_bytes)}); this machine has "
+        return (f"{self.holders} hold at least {format_bytes(self.need_bytes)} of memory (the largest, "
+                f"{self.largest}, {format_bytes(self.largest_bytes)}); this machine has "
                 f"{format_bytes(self.total_bytes)}, {format_bytes(self.available_bytes)} of it available")
+
+
+def _real_model_bytes(job: JobConfig, begin: int, end: int | None, stage: int, stages: int, nm: int) -> int:
+    """What the memory model says layers [begin, end) hold of the model that really computes
+    (model.args, not cluster.emulate.model_args); end None: to the last layer."""
+    profile = profile_model(job, (), args=job.model.args, cache_dir=default_cache_dir())
+    optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
+    return stage_memory(profile, begin, len(profile.layers) if end is None else end, stage, stages, nm, optimizer)
 
 
 def host_memory(job: JobConfig, plan: Plan) -> HostMemory:
     """The memory a local run of the plan holds on this machine: every stage that computes on
     the CPU (an emulated GPU's stage does: its capacity is only accounting, DESIGN §5) needs what
-    the memory model says of the model that really computes (model.args, not
-    cluster.emulate.model_args), and the shards hold the trained weights once more. Each
-    process's own Python and torch are not counted."""
+    the memory model says of the model that really computes, and the shards hold the trained
+    weights once more. Each process's own Python and torch are not counted."""
     import psutil
 
     from hetpipe import models
@@ -82,10 +87,8 @@ def host_memory(job: JobConfig, plan: Plan) -> HostMemory:
     cpu = [s for s in plan.stages if s.device == "cpu"]
     needs: list[int] = []
     if cpu and job.emulated_model_args != dict(job.model.args):   # the plan's bytes are the emulated model's
-        profile = profile_model(job, (), args=job.model.args, cache_dir=default_cache_dir())
-        optimizer = optimizer_kind(job.train.optimizer.name, job.train.optimizer.momentum)
-        needs = [stage_memory(profile, s.layer_begin, s.layer_end, s.stage, len(plan.vw_stages(s.vw)), plan.nm,
-                              optimizer) for s in cpu]
+        needs = [_real_model_bytes(job, s.layer_begin, s.layer_end, s.stage, len(plan.vw_stages(s.vw)), plan.nm)
+                 for s in cpu]
     else:
         needs = [s.memory_bytes for s in cpu]
     weights = 0
@@ -94,8 +97,37 @@ def host_memory(job: JobConfig, plan: Plan) -> HostMemory:
         weights = sum(p.numel() * p.element_size() for _, p in models.trainable(model))
     memory = psutil.virtual_memory()
     top = max(range(len(cpu)), key=needs.__getitem__) if cpu else None
-    return HostMemory(sum(needs) + weights, len(cpu), cpu[top] if top is not None else None,
-                      needs[top] if top is not None else 0, int(memory.total), int(memory.available))
+    emulated = any(s.emulated for s in cpu)
+    holders = f"its {_count(len(cpu), 'stage')} computing on this machine's CPU{' (emulated GPUs)' if emulated else ''} " \
+              "and its shards"
+    largest = None
+    if top is not None:
+        s = cpu[top]
+        largest = f"stage {s.stage} of vw {s.vw}, layers [{s.layer_begin}, {s.layer_end})"
+    return HostMemory(sum(needs) + weights, holders, largest, needs[top] if top is not None else 0, emulated,
+                      int(memory.total), int(memory.available))
+
+
+def ddp_host_memory(job: JobConfig) -> HostMemory:
+    """The memory `parallel.mode: ddp` holds on this machine: the whole model, its gradients and
+    optimizer state on every rank that computes on the CPU (an emulated GPU's rank does)."""
+    import psutil
+
+    from baselines.ddp import select_devices
+
+    devices = select_devices(job)
+    cpu = [r for r in devices.ranks if r.device == "cpu"]
+    need = 0
+    if cpu:
+        # select_devices sizes the emulated model, which the ranks' GPUs are checked against.
+        need = _real_model_bytes(job, 0, None, 0, 1, 1) if job.emulated_model_args != dict(job.model.args) \
+            else devices.model_bytes
+    memory = psutil.virtual_memory()
+    emulated = any(r.label.endswith("(emulated)") for r in cpu)
+    holders = f"its {_count(len(cpu), 'rank')} computing on this machine's CPU{' (emulated GPUs)' if emulated else ''}, " \
+              "each with the whole model,"
+    return HostMemory(need * len(cpu), holders, "rank 0" if cpu else None, need, emulated,
+                      int(memory.total), int(memory.available))
 
 
 def ddp_layout(job: JobConfig) -> tuple[str, dict[str, Any]]:
@@ -110,6 +142,10 @@ def ddp_layout(job: JobConfig) -> tuple[str, dict[str, Any]]:
     lines += [f"  rank {r.rank}  node {r.node}  {r.label}  {r.device}  needs {format_bytes(r.memory_bytes)} of "
               f"{format_bytes(r.capacity_bytes)}" for r in devices.ranks]
     lines += [f"  left out: {why}" for why in devices.left_out]
+    host = ddp_host_memory(job)
+    if host.largest is not None and host.need_bytes > host.available_bytes:
+        refused = ": `hetpipe run` refuses it" if host.need_bytes > host.total_bytes else ""
+        lines.append(f"note: a `hetpipe run` of it here: {host.describe()}{refused}")
     return "\n".join(lines), {"mode": "ddp", "backend": devices.backend, "layers": devices.layers,
                               "model_bytes": devices.model_bytes, "emulated": devices.emulated,
                               "ranks": [dataclasses.asdict(r) for r in devices.ranks], "left_out": list(devices.left_out)}
