@@ -193,6 +193,37 @@ def check_min_clock(rows: list[Row], nm: int, D: int) -> None:
         )
 
 
+def load_shard_trace(trace_dir: Path) -> list[Row]:
+    """Every event of every shard's trace (`trace/ps/shard{i}.jsonl`)."""
+    return [json.loads(line) for path in sorted((Path(trace_dir) / "ps").glob("shard*.jsonl"))
+            for line in path.read_text().splitlines()]
+
+
+def check_min_clock_at_shards(rows: list[Row], shard_rows: list[Row], nm: int, D: int, vws: int) -> None:
+    """G2 from the shards' own record, not the stage's min_clock: the forward of p may start only
+    once every VW's pushes of clock floor(p/nm) - 2 - D were applied at every shard (pushed, then
+    pulled, then merged, all before its fwd_start). A stage that ran ahead while reporting the
+    min_clock it should have had passes check_min_clock, not this."""
+    applied: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for e in shard_rows:
+        if e["event"] == "push" and not e["duplicate"]:
+            # A push's sums are added after its time under the lock where `added` is given.
+            applied[(e["vw"], e["clock"])].append(e.get("added", e["end"]))
+    for r in rows:
+        need = required_min_clock(r["p"], nm, D)
+        if need == 0:
+            continue
+        for v in range(vws):
+            # Every wave's push reaches the same shards from the same stages: as many as wave 0's.
+            times, expected = applied.get((v, need - 1), []), len(applied.get((v, 0), []))
+            assert expected and len(times) == expected, (
+                f"G2 at the shards, {_at(r)}: needs c_global {need}, but the shards applied {len(times)} of "
+                f"vw {v}'s {expected} pushes of clock {need - 1}")
+            assert max(times) <= r["fwd_start"], (
+                f"G2 at the shards, {_at(r)}: its forward started at {r['fwd_start']:.6f}, before vw {v}'s push "
+                f"of clock {need - 1} was applied at {max(times):.6f} (needs c_global {need})")
+
+
 def check_local_rules(rows: list[Row], nm: int) -> None:
     """Every within-VW rule that the trace can show (L1, L2, L3 versions, L4, causality)."""
     check_order(rows)

@@ -17,7 +17,8 @@ import torch
 from conftest import run_beside
 from hetpipe.reference import initial_model
 from launch.local import run_local
-from tests.trace_rules import Row, by_stage, check_conservation, check_complete, check_local_rules, check_min_clock, load_trace
+from tests.trace_rules import (Row, by_stage, check_conservation, check_complete, check_local_rules, check_min_clock,
+                               check_min_clock_at_shards, load_shard_trace, load_trace)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,7 +120,8 @@ def test_o4_staleness_bounds_with_straggler(make_job, inject_faults, tmp_path: P
     check_complete(rows, vws=3, stages=2, steps=steps)
     assert not list((tmp_path / "out" / "trace").glob("acked_*")), "a trace saves no ledger unless output.ledger"
     check_local_rules(rows, nm)      # L1-L4 per VW, incl. L2 versions and stashing
-    check_min_clock(rows, nm, D)     # G2
+    check_min_clock(rows, nm, D)     # G2, as the stages report it
+    check_min_clock_at_shards(rows, load_shard_trace(tmp_path / "out" / "trace"), nm, D, vws=3)   # G2, as the shards saw it
     assert max_clock_distance(rows, nm, steps, 3) <= D + 1   # G4, from the trace
     assert summary["max_clock_distance"] <= D + 1            # G4, as the shards saw it
     if D == 0:
