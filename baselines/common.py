@@ -276,11 +276,11 @@ def recent_mean(losses: Sequence[float]) -> float:
 def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> dict[str, Any]:
     """The held-out evaluation of a whole model (eval.rows rows, as the HetPipe stages read them):
     eval_loss, eval_accuracy and eval_rows for the summary; nothing without an eval section."""
-    from hetpipe import data
+    from hetpipe import data, datasets, draws
     from hetpipe.models import evaluating
     from hetpipe.optim import for_loss, score
 
-    held_out = data.held_out_set(job) if job.eval is not None else None
+    held_out = datasets.held_out_set(job) if job.eval is not None else None
     if held_out is None or job.eval is None:
         return {}
     loss, counted, correct, rows = 0.0, 0, 0, 0
@@ -289,7 +289,7 @@ def evaluate(job: JobConfig, model: torch.nn.Module, device: torch.device) -> di
     # back in its own mode.
     with torch.no_grad(), evaluating(model):
         for i, batch in enumerate(data.eval_batches(job, held_out, job.eval.rows_read), 1):
-            x, y = data.read_rows(job, held_out, batch, (data.EVAL_DRAW, i))   # as the stages draw it
+            x, y = data.read_rows(job, held_out, batch, (draws.EVAL_DRAW, i))   # as the stages draw it
             with autocast(dtype, device.type):
                 out = for_loss(dtype, model(x.to(device)))  # as the stages score it
             scored = score(job.train.loss, out, y.to(device))   # as the stages score it

@@ -227,7 +227,7 @@ def run_ddp(job: JobConfig, *, quiet: bool = False, cache_dir: str | None = None
 def worker(spec: dict[str, Any], rank: int) -> None:
     import torch.distributed as dist
 
-    from hetpipe import data, models
+    from hetpipe import datasets, models
     from hetpipe.draws import forward_draws
     from hetpipe.optim import autocast, compute_dtype, compute_loss, for_loss, make_optimizer, step_at
     from hetpipe.reference import initial_model, minibatch
@@ -240,7 +240,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model = initial_model(job).to(device)
-    dataset = data.training_set(job)
+    dataset = datasets.training_set(job)
     params = [p for _, p in models.trainable(model)]
     buffers = list(model.buffers())
     optimizer = make_optimizer(params, job.train.optimizer)

@@ -171,7 +171,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from hetpipe import data, model_init
+    from hetpipe import datasets, model_init
     from hetpipe.optim import compute_dtype, compute_loss, for_loss, make_optimizer, step_at
     from hetpipe.reference import minibatch
 
@@ -195,7 +195,7 @@ def worker(spec: dict[str, Any], rank: int) -> None:
                    faults.Padder(faults.from_env(), 0, (job.train.seed, "torch-pipeline", rank)),
                    device, None if last or io == device else io, dtype)
     order = with_overrides(job, parallel={"virtual_workers": 1})  # one pipeline reads the whole stream
-    dataset = data.training_set(job) if (first or last) else None
+    dataset = datasets.training_set(job) if (first or last) else None
 
     common.init_process_group(spec, rank)
     stage = PipelineStage(timed, rank, k, io)

@@ -64,7 +64,7 @@ def plain_loop(path: str) -> dict[str, Any]:
     `hetpipe run` without a cluster section uses (cuda:0, else the CPU)."""
     import torch
 
-    from hetpipe import data, models
+    from hetpipe import datasets, models
     from hetpipe.config import load_job
     from hetpipe.optim import autocast, compute_dtype, compute_loss, make_optimizer, step_at
     from hetpipe.reference import initial_model, minibatch
@@ -74,7 +74,7 @@ def plain_loop(path: str) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = initial_model(job).to(device)
     optimizer = make_optimizer([p for _, p in models.trainable(model)], job.train.optimizer)
-    dataset = data.training_set(job)
+    dataset = datasets.training_set(job)
     dtype = compute_dtype(job.train.precision)
     window = job.output.profile   # the stages' window, here: minibatches (after, after + steps]
     profile = None

@@ -182,7 +182,7 @@ def _parse_model(m: Section) -> ModelConfig:
     return ModelConfig(name=name, factory=factory, args=m.mapping("args"), init=init)
 
 
-# What each built-in data set reads from data.args (hetpipe/data.py).
+# What each built-in data set reads from data.args (hetpipe/datasets.py).
 BUILTIN_DATA_ARGS: dict[str, tuple[str, ...]] = {
     "synthetic": ("rows", "seed", "features", "classes", "vocab", "context"), "npz": (), "digits": ()}
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hetpipe import data
+from hetpipe import data, datasets, draws
 from hetpipe.config import ConfigError, JobConfig
 from hetpipe.errors import first_line, meta_hint
 from hetpipe.optim import IGNORED_LABEL
@@ -36,25 +36,25 @@ def check(job: JobConfig, output_shape: Callable[[tuple[tuple[int, ...], torch.d
     loaded anyway; any other dataset, which may stream from disk, by its first item. Returns
     warnings: what the job will do other than it says (eval.rows it cannot read)."""
     default = f"data.factory: {job.data.factory}" if job.data.factory else f"data.name: {job.data.name}"
-    whole = data.whole_set(job)
+    whole = datasets.whole_set(job)
     held_out = 0
     if job.data.eval_fraction > 0:  # a held-out share that leaves no rows to train on
-        held_out = len(data.split_rows(job, len(whole))[1])  # type: ignore[arg-type]
+        held_out = len(datasets.split_rows(job, len(whole))[1])  # type: ignore[arg-type]
     train_rows = len(whole) - held_out  # type: ignore[arg-type]
     if job.data.workers and job.parallel.mode == "hetpipe":   # the baselines read without DataLoader workers
         _check_picklable(job, default, whole)
     sets: list[tuple[str, Dataset[Any]]] = [(default, whole)]
     if job.data.eval_factory is not None:
         sets.append((f"data.eval_factory: {job.data.eval_factory}",
-                     data.from_factory(job, job.data.eval_factory, "data.eval_factory")))
+                     datasets.from_factory(job, job.data.eval_factory, "data.eval_factory")))
         held_out = len(sets[-1][1])  # type: ignore[arg-type]
     for source, dataset in sets:
-        if isinstance(dataset, data.ArrayDataset) and dataset.source:
+        if isinstance(dataset, datasets.ArrayDataset) and dataset.source:
             source = dataset.source
-        with data.drawing(job, (data.CHECK_DRAW,)):
+        with draws.drawing(job, (draws.CHECK_DRAW,)):
             x, y = _rows(dataset)   # a factory's first item: loading it checked it
         for name, array in (("x", x), ("y", y)):
-            if array.dtype.kind not in data.NUMBERS:
+            if array.dtype.kind not in datasets.NUMBERS:
                 raise ConfigError(f"{source}: {name} holds {array.dtype} values, expected numbers")
         try:
             first, _ = data.cast(job, torch.from_numpy(np.ascontiguousarray(x[:1])),
@@ -166,7 +166,7 @@ def _check_rows(job: JobConfig, source: str, x: np.ndarray, y: np.ndarray, outpu
 def _rows(dataset: Dataset[Any]) -> tuple[np.ndarray, np.ndarray]:
     """What to check, with a row dimension: an ArrayDataset's whole arrays when they are in
     memory, else the first item (memory-mapped arrays and other datasets read from disk)."""
-    if isinstance(dataset, data.ArrayDataset) and not isinstance(dataset.x, np.memmap) \
+    if isinstance(dataset, datasets.ArrayDataset) and not isinstance(dataset.x, np.memmap) \
             and not isinstance(dataset.y, np.memmap):
         return np.asarray(dataset.x), np.asarray(dataset.y)
     x, y = dataset[0]

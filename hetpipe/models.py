@@ -160,7 +160,7 @@ def describe(cfg: ModelConfig) -> str:
 # torch's one global generator, which reset_parameters() draws from. Two threads building at once
 # (two stages of one process, each loading in the background) would otherwise undo each other's
 # patch or draw each other's numbers: a layer then starts from another layer's values.
-GLOBAL_STATE = threading.RLock()   # also held by data._seeded, which may run inside
+GLOBAL_STATE = threading.RLock()   # also held by draws.seeded, which may run inside
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from hetpipe import data, model_init, models
+from hetpipe import data, datasets, draws, model_init, models
 from hetpipe.config import JobConfig
 from hetpipe.optim import compute_loss, make_optimizer, score, step_at
 
@@ -23,7 +23,7 @@ def minibatch(job: JobConfig, dataset: torch.utils.data.Dataset, p: int, vw: int
     """Minibatch p of VW vw, in the DESIGN §8 order."""
     rows = data.minibatch_rows(p, vw, virtual_workers=job.parallel.virtual_workers, batch_size=job.data.batch_size,
                                rows=len(dataset), shuffle=job.data.shuffle, seed=job.train.seed)  # type: ignore[arg-type]
-    return data.read_rows(job, dataset, rows.tolist(), (data.TRAIN_DRAW, vw, p))
+    return data.read_rows(job, dataset, rows.tolist(), (draws.TRAIN_DRAW, vw, p))
 
 
 def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu") -> torch.nn.Sequential:
@@ -35,7 +35,7 @@ def train_reference(job: JobConfig, steps: int | None = None, device: str = "cpu
     the sum decays it N times. With N=1 this is ordinary training with any optimizer.
     """
     model = initial_model(job).to(device)
-    dataset = data.training_set(job)
+    dataset = datasets.training_set(job)
     params = [p for _, p in models.trainable(model)]
     n = job.parallel.virtual_workers
     if n > 1 and (job.train.optimizer.name != "sgd" or job.train.optimizer.momentum):
@@ -79,7 +79,7 @@ def accuracy(job: JobConfig, model: torch.nn.Module, dataset: torch.utils.data.D
     correct = total = 0
     n = len(dataset)  # type: ignore[arg-type]
     for i in range(0, n, batch):
-        x, y = data.read_rows(job, dataset, range(i, min(n, i + batch)), (data.CHECK_DRAW, i))
+        x, y = data.read_rows(job, dataset, range(i, min(n, i + batch)), (draws.CHECK_DRAW, i))
         scored = score("cross_entropy", model(x), y)
         correct, total = correct + scored.correct, total + scored.counted
     return correct / total

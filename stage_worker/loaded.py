@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hetpipe import data, faults, model_init, models, outputs, weight_files
+from hetpipe import data, datasets, draws, faults, model_init, models, outputs, weight_files
 from hetpipe.draws import forward_draws
 from hetpipe.loss_scale import LossScale, Verdicts
 from hetpipe.parallelism import MICRO_SCHEDULES
@@ -49,7 +49,7 @@ class Evals:
         self.schedule = Schedule(job.eval.every, job.train.steps)
         # Every stage of VW 0 knows the held-out minibatches, to check what arrives; stage 0 reads
         # their inputs and the last stage their targets.
-        held_out = data.held_out_set(job)
+        held_out = datasets.held_out_set(job)
         assert held_out is not None, "the job parser requires held-out data for eval"
         self.dataset = held_out
         self.batches = data.eval_batches(job, held_out, job.eval.rows_read)
@@ -75,7 +75,7 @@ class Evals:
 
     def read(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.dataset is not None
-        return data.read_rows(self.job, self.dataset, self.batches[i - 1], (data.EVAL_DRAW, i))
+        return data.read_rows(self.job, self.dataset, self.batches[i - 1], (draws.EVAL_DRAW, i))
 
     def score(self, k: int, i: int, out: torch.Tensor, *, trained: int, name: str) -> None:
         """The last stage: evaluation k's minibatch i came out as out; `trained` minibatches of VW 0
@@ -126,7 +126,7 @@ class Loaded:
         progress("opening its data")
         self.inputs = self.targets = None
         if setup.first or setup.last:
-            train = data.training_set(job)
+            train = datasets.training_set(job)
             if setup.first:
                 self.inputs = data.Minibatches(job, train, setup.vw, steps=job.train.steps, pin=pin, start=start)
             if setup.last:

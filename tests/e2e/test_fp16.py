@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetpipe import data, weight_files
+from hetpipe import datasets, weight_files
 from hetpipe.config import JobConfig
 from hetpipe.loss_scale import INITIAL_SCALE, LossScale, Verdicts
 from hetpipe.optim import compute_loss, make_optimizer, step_at
@@ -29,7 +29,7 @@ def fp16_reference(job: JobConfig, overflow: set[int]) -> tuple[dict[str, torch.
     model = initial_model(job)
     params = list(model.parameters())
     optimizer = make_optimizer(params, job.train.optimizer)
-    dataset = data.training_set(job)
+    dataset = datasets.training_set(job)
     scale, verdicts, scales = LossScale(), Verdicts(), {}
     for p in range(1, job.train.steps + 1):
         scales[p] = s = scale.for_minibatch(p, 1, verdicts)  # nm 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetpipe import data, elastic, weight_files
+from hetpipe import data, datasets, elastic, weight_files
 from hetpipe.optim import compute_loss
 from hetpipe.reference import initial_model, train_reference
 from hetpipe.wsp import total_waves
@@ -124,7 +124,7 @@ def test_elastic_learns_and_writes_the_master(make_job, tmp_path: Path) -> None:
     # VWs' exchanges interleave, since elastic VWs never wait for each other: 0.45-0.52 of the
     # loss at the start in runs alone, 0.81 in one run beside other load that starved one VW.
     model = initial_model(job)
-    dataset = data.training_set(job)
+    dataset = datasets.training_set(job)
     x, y = data.read_rows(job, dataset, range(len(dataset)))  # type: ignore[arg-type]
     with torch.no_grad():
         before = float(compute_loss(job.train.loss, model(x), y))

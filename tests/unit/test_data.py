@@ -17,8 +17,9 @@ from conftest import BASE_JOB, deep_update
 from hetpipe.config import ConfigError, JobConfig, parse_job, with_overrides
 from hetpipe import data_check
 from hetpipe.optim import IGNORED_LABEL
-from hetpipe.data import (EVAL_DRAW, ArrayDataset, Minibatches, eval_batches, held_out_set,
-                          minibatch_rows, read_rows, training_set)
+from hetpipe.data import Minibatches, eval_batches, minibatch_rows, read_rows
+from hetpipe.datasets import ArrayDataset, held_out_set, training_set
+from hetpipe.draws import EVAL_DRAW
 from hetpipe.data_check import check
 from hetpipe.reference import minibatch
 

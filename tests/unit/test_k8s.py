@@ -467,12 +467,12 @@ def test_factory_modules_beside_the_job_file_reach_every_container(tmp_path: Pat
     assert len(views) == 4, views
     assert not [root for root in views.values() if list(root.rglob("unused.py"))], "a module no factory imports"
     # A stage reads no job file: the job comes in its assignment, with base_dir JOB_MOUNT's folder.
-    check = ("import dataclasses, sys\nfrom hetpipe import data, models\nfrom hetpipe.config import load_job\n"
+    check = ("import dataclasses, sys\nfrom hetpipe import datasets, models\nfrom hetpipe.config import load_job\n"
              "job = load_job(sys.argv[1] + '/etc/hetpipe/job.yaml')\n"
              "for root in sys.argv[1:]:\n"
              "    job = dataclasses.replace(job, base_dir=root + '/etc/hetpipe')\n"
              "    assert sum(p.numel() for p in models.structure(job.model, job.base_dir).parameters()) > 0\n"
-             "    assert len(data.training_set(job)) > 0 and len(data.held_out_set(job)) > 0\n"
+             "    assert len(datasets.training_set(job)) > 0 and len(datasets.held_out_set(job)) > 0\n"
              "    for name in ('nets', 'nets.digits', 'digits_data', 'widths'):\n"
              "        assert sys.modules[name].__file__.startswith(root), (name, sys.modules[name].__file__)\n"
              "        del sys.modules[name]\n"
