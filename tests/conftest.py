@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from hetpipe import faults, security
-from hetpipe.config import JobConfig, load_job
+from hetpipe.config import JobConfig, load_job, parse_job
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +64,12 @@ def host_wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     with open(tmp_path_factory.getbasetemp().parent / "host-wide.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def npz_job(tmp_path: Path, path: str = "data.npz", **train: Any) -> JobConfig:
+    """A job reading data.name npz from path (under tmp_path), in minibatches of 4."""
+    raw = {"model": {"name": "mlp"}, "data": {"name": "npz", "path": path, "batch_size": 4}, "train": train}
+    return parse_job(raw, base_dir=str(tmp_path))
 
 
 def deep_update(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
