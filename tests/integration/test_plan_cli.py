@@ -140,73 +140,52 @@ def test_nm_beyond_the_steps_is_a_warning(capsys: pytest.CaptureFixture[str], tm
     assert "warning: parallel.nm 40 > train.steps 30: at most 30 minibatches are ever in flight" in err
 
 
+# What a run holds of this machine's memory, by parallel.mode: its job, how `hetpipe plan` says it,
+# who holds it, and what a refused run would have left.
+HOLDERS = {
+    "hetpipe": ({}, "a `hetpipe run` of this plan here: ", "its 2 stages computing on this machine's CPU (emulated GPUs) "
+                "and its shards", r"stage 0 of vw 0, layers \[0, \d\)", "status.json"),
+    "ddp": ({"parallel": {"mode": "ddp", "virtual_workers": 2, "stages_per_vw": 1, "nm": 1}},
+            "note: a `hetpipe run` of it here: ", "its 2 ranks computing on this machine's CPU (emulated GPUs), each "
+            "with the whole model,", "rank 0", "baseline"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(HOLDERS))
 @pytest.mark.parametrize("total_kib, available_kib", [(16, 8), (1 << 30, 8)])
 def test_an_emulated_cluster_that_this_machines_memory_cannot_hold_is_named(
-        total_kib: int, available_kib: int, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        mode: str, total_kib: int, available_kib: int, capsys: pytest.CaptureFixture[str], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Emulated stages compute on this CPU: the paper's cluster planned 82 GiB of host memory on a
-    23 GiB machine (each stage fits its emulated GPU) and `hetpipe run` started it without a word.
-    More than the machine has is refused before any process starts; more than is available, a warning."""
+    """Emulated stages (and ddp's ranks, each with the whole model) compute on this CPU: the paper's
+    cluster planned 82 GiB of host memory on a 23 GiB machine (each stage fits its emulated GPU) and
+    `hetpipe run` started it without a word. More than the machine has is refused before any process
+    starts; more than is available, a warning."""
     import collections
 
     import psutil
 
+    from launch.local import check_host_memory, preflight
+    from launch.plan_report import ddp_host_memory, host_memory
+
+    overrides, said_by_plan, holders, largest, started = HOLDERS[mode]
     memory = collections.namedtuple("memory", "total available")(total_kib << 10, available_kib << 10)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
-    code, out, _ = _plan(capsys, tmp_path, EMULATED)
+    code, out, _ = _plan(capsys, tmp_path, deep_update(EMULATED, overrides))
     assert code == 0
-    said = re.search(r"a `hetpipe run` of this plan here: its 2 stages computing on this machine's CPU \(emulated GPUs\) "
-                     r"and its shards hold at least ([\d.]+ KiB) of memory \(the largest, stage 0 of vw 0, layers "
-                     r"\[0, \d\), [\d.]+ KiB\); this machine has [\d.]+ [KMGT]iB, 8.0 KiB of it available", out)
+    said = re.search(re.escape(said_by_plan + holders) + r" hold at least ([\d.]+ KiB) of memory \(the largest, "
+                     + largest + r", [\d.]+ KiB\); this machine has [\d.]+ [KMGT]iB, 8.0 KiB of it available", out)
     assert said, out
     assert ("`hetpipe run` refuses it" in out) == (total_kib == 16)
-    code = cli.main(["run", str(tmp_path / "job.yaml"), "--quiet"]) if total_kib == 16 else None
-    if code is not None:
+    if total_kib == 16:
+        code = cli.main(["run", str(tmp_path / "job.yaml"), "--quiet"])
         err = capsys.readouterr().err
-        assert code == 2 and f"this machine's memory: its 2 stages computing on this machine's CPU (emulated GPUs) " \
-            f"and its shards hold at least {said.group(1)} of memory" in err and "cluster.emulate.model_args" in err, err
-        assert not (tmp_path / "out" / "status.json").exists(), "a refused run started"
+        assert code == 2 and f"this machine's memory: {holders} hold at least {said.group(1)} of memory" in err \
+            and "cluster.emulate.model_args" in err, err
+        assert not (tmp_path / "out" / started).exists(), "a refused run started"
     else:
-        from launch.local import check_host_memory, preflight
-        from launch.plan_report import host_memory
-
-        job = parse_job(deep_update(BASE_JOB, EMULATED), base_dir=str(tmp_path))
-        warned = check_host_memory(job, host_memory(job, preflight(job)))
-        assert len(warned) == 1 and "8.0 KiB of it available: the run may swap or be killed" in warned[0], warned
-
-
-@pytest.mark.parametrize("total_kib, available_kib", [(16, 8), (1 << 30, 8)])
-def test_a_ddp_job_that_this_machines_memory_cannot_hold_is_named(
-        total_kib: int, available_kib: int, capsys: pytest.CaptureFixture[str], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """ddp's ranks on emulated GPUs each hold the whole model on this CPU: as HetPipe's stages,
-    more than the machine has is refused before any rank starts, more than is available a warning."""
-    import collections
-
-    import psutil
-
-    memory = collections.namedtuple("memory", "total available")(total_kib << 10, available_kib << 10)
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
-    ddp = deep_update(EMULATED, {"parallel": {"mode": "ddp", "virtual_workers": 2, "stages_per_vw": 1, "nm": 1}})
-    code, out, _ = _plan(capsys, tmp_path, ddp)
-    assert code == 0
-    said = re.search(r"note: a `hetpipe run` of it here: its 2 ranks computing on this machine's CPU \(emulated GPUs\), "
-                     r"each with the whole model, hold at least ([\d.]+ KiB) of memory \(the largest, rank 0, "
-                     r"[\d.]+ KiB\); this machine has [\d.]+ [KMGT]iB, 8.0 KiB of it available", out)
-    assert said, out
-    assert ("`hetpipe run` refuses it" in out) == (total_kib == 16)
-    code = cli.main(["run", str(tmp_path / "job.yaml"), "--quiet"]) if total_kib == 16 else None
-    if code is not None:
-        err = capsys.readouterr().err
-        assert code == 2 and f"this machine's memory: its 2 ranks computing on this machine's CPU (emulated GPUs), " \
-            f"each with the whole model, hold at least {said.group(1)} of memory" in err, err
-        assert not (tmp_path / "out" / "baseline").exists(), "a refused run started"
-    else:
-        from launch.local import check_host_memory
-        from launch.plan_report import ddp_host_memory
-
-        job = parse_job(deep_update(BASE_JOB, ddp), base_dir=str(tmp_path))
-        warned = check_host_memory(job, ddp_host_memory(job))
+        job = parse_job(deep_update(BASE_JOB, deep_update(EMULATED, overrides)), base_dir=str(tmp_path))
+        host = ddp_host_memory(job) if mode == "ddp" else host_memory(job, preflight(job))
+        warned = check_host_memory(job, host)
         assert len(warned) == 1 and "8.0 KiB of it available: the run may swap or be killed" in warned[0], warned
 
 
