@@ -66,6 +66,16 @@ def host_wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
 
 
+def with_signals(*, default: tuple[str, ...] = ("INT", "HUP"), ignore: tuple[str, ...] = ()) -> list[str]:
+    """A command prefix (coreutils env) that starts a child with these signals at their default, as
+    from a terminal (a suite started in the background has SIGINT ignored, under nohup SIGHUP too,
+    and an ignored signal stays ignored across exec), or ignored. Not Popen's preexec_fn: it makes
+    Popen fork() where it would vfork(), and since grpcio 1.81 the child of a process that has used
+    gRPC then may abort before its exec (gRPC's fork handler restarts a poller on an epoll fd that
+    close_fds closes: grpc/grpc#43055; 7-9 of 300 such children here)."""
+    return ["env", *(f"--default-signal={s}" for s in default), *(f"--ignore-signal={s}" for s in ignore)]
+
+
 def npz_job(tmp_path: Path, path: str = "data.npz", **train: Any) -> JobConfig:
     """A job reading data.name npz from path (under tmp_path), in minibatches of 4."""
     raw = {"model": {"name": "mlp"}, "data": {"name": "npz", "path": path, "batch_size": 4}, "train": train}

@@ -21,7 +21,7 @@ import pytest
 
 from hetpipe import rpc, shm
 from hetpipe.v1 import stage_pb2, stage_pb2_grpc
-from conftest import run_token
+from conftest import run_token, with_signals
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,14 +37,6 @@ LONG_JOB: dict[str, Any] = {
 HUNG_AFTER_S = 120.0   # a hang's guard for hetpipe's exit, not a speed bound
 
 
-def _default_signals() -> None:
-    """As from a terminal: a suite launched in the background (`cmd &` in a script) has SIGINT
-    ignored, under nohup SIGHUP too, and an ignored signal stays ignored across exec (and, by
-    design, in `hetpipe run`)."""
-    for s in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(s, signal.SIG_DFL)
-
-
 class Run:
     """`hetpipe run job.yaml` as a subprocess in its own session (like a shell job)."""
 
@@ -53,10 +45,12 @@ class Run:
         self.trace = tmp_path / "out" / "trace"
         with open(self.stderr_path, "wb") as err:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "launch.cli", "run", "-q", str(tmp_path / "job.yaml")],
+                # As from a terminal: a suite launched in the background has SIGINT ignored, under
+                # nohup SIGHUP too, and an ignored signal stays ignored across exec (and, by design,
+                # in `hetpipe run`).
+                [*with_signals(), sys.executable, "-m", "launch.cli", "run", "-q", str(tmp_path / "job.yaml")],
                 cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                 start_new_session=True,
-                preexec_fn=_default_signals,
             )
         self.me = psutil.Process(self.popen.pid)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BASE_JOB, deep_update
+from conftest import BASE_JOB, deep_update, with_signals
 from launch import cli, run_marker
 from launch.processes import RunDir
 
@@ -218,11 +218,10 @@ def test_ctrl_c_while_the_command_starts_ends_it_in_one_line(tmp_path: Path, aft
     """Ctrl-C during the imports (about a second: torch) or during the planning: exit 130 and one
     line, as later in a run, never a traceback."""
     hetpipe = Path(sys.executable).parent / "hetpipe"   # the console script a user runs
-    plan = subprocess.Popen([str(hetpipe), "plan", str(_job_file(tmp_path))], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            # As from a terminal: a suite started in the background (`cmd &`) has
-                            # SIGINT ignored, and an ignored signal stays ignored across exec.
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # As from a terminal: a suite started in the background (`cmd &`) has SIGINT ignored, and an
+    # ignored signal stays ignored across exec.
+    plan = subprocess.Popen([*with_signals(default=("INT",)), str(hetpipe), "plan", str(_job_file(tmp_path))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(after_s)
     plan.send_signal(signal.SIGINT)
     out, err = plan.communicate(timeout=60)
@@ -235,9 +234,9 @@ def test_ctrl_c_at_a_terminal_while_the_fork_server_starts_ends_the_run_in_one_l
     import psutil
 
     hetpipe = Path(sys.executable).parent / "hetpipe"
-    run = subprocess.Popen([str(hetpipe), "run", "-q", str(_job_file(tmp_path))], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True,   # a group of its own
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    run = subprocess.Popen([*with_signals(default=("INT",)), str(hetpipe), "run", "-q", str(_job_file(tmp_path))],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)   # a group of its own
     try:
         def importing_torch() -> bool:   # the fork server's preload: torch's library mapped, its modules to come
             for child in psutil.Process(run.pid).children():

@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import BASE_JOB, deep_update
+from conftest import BASE_JOB, deep_update, with_signals
 from hetpipe import outputs, rpc, security, weight_files
 from hetpipe.config import load_job
 from hetpipe.reference import initial_model, train_reference
@@ -52,11 +52,10 @@ class Cluster:
         wrap: a command in front of it."""
         (self.tmp / name).mkdir(exist_ok=True)
         with open(self.tmp / f"{name}.log", "wb") as log:
-            self.procs[name] = subprocess.Popen([*wrap, *HETPIPE, *args], cwd=self.tmp / name, stdin=subprocess.DEVNULL,
-                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                                env={**os.environ, "PYTHONPATH": str(REPO)},
-                                                preexec_fn=lambda: (signal.signal(signal.SIGINT, sigint),
-                                                                   signal.signal(signal.SIGHUP, signal.SIG_DFL)))
+            signals = with_signals(default=("HUP",), ignore=("INT",)) if sigint == signal.SIG_IGN else with_signals()
+            self.procs[name] = subprocess.Popen([*signals, *wrap, *HETPIPE, *args], cwd=self.tmp / name,
+                                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
 
     def start_coordinator(self) -> None:
         self.start("coordinator", "coordinator", "--port", self.address.rsplit(":", 1)[1], "--heartbeat-interval",

@@ -4,12 +4,13 @@ grace, and the launcher exits rather than wait at exit for that process, which w
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import with_signals
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -52,9 +53,8 @@ def test_a_ctrl_c_during_the_stop_neither_spares_a_stuck_process_nor_hangs_the_l
     env = {"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"}
     try:
         # SIGINT as from a terminal: a suite run in the background ignores it, and so would the launcher.
-        out = subprocess.run([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "logs")],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        out = subprocess.run([*with_signals(default=("INT",)), sys.executable, str(tmp_path / "launcher.py"),
+                              str(tmp_path / "logs")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
         pytest.fail("the launcher hung at exit after a Ctrl-C during its stop")
     assert out.returncode == 130, out
