@@ -37,6 +37,9 @@ CHUNK_BYTES = 2 << 20
 MAX_CHUNKS = 32
 
 
+_SETTLE = object()   # in a link's queue: a bundle send() put out itself awaits its answer
+
+
 @dataclass(frozen=True, slots=True)
 class Outgoing:
     tag: wire_pb2.MinibatchTag | wire_pb2.CommitTag   # a commit: fp16 verdicts alone, no tensors
@@ -126,8 +129,13 @@ class Link:
         if shared_memory:
             self._duplex = socket_duplex.SocketDuplex(self._locate, method, rpc.DATA_DEADLINE_S, fallback=self._duplex,
                                                     on_fallback=self._whole_bundles)
-        self._queue: queue.Queue[Outgoing | None] = queue.Queue()
+        self._queue: queue.Queue[Outgoing | object | None] = queue.Queue()
         self._in_flight: deque[tuple[Outgoing, Any]] = deque()   # put on the held stream or socket, unanswered
+        self._current: Outgoing | None = None   # the bundle being sent or answered: a failure names it
+        # Held by whichever thread puts a bundle out or reads an answer: the link's thread, or a
+        # sender putting a bundle out itself (send()).
+        self._io = threading.Lock()
+        self._handed = self._taken = 0       # bundles queued for the link's thread, and put out by it
         self._closing = threading.Event()
         self.bytes_sent = 0
         self._sent = threading.Condition()   # flush() waits on it
@@ -147,10 +155,38 @@ class Link:
         return self._stub.LinkSocket(wire_pb2.Empty(), timeout=rpc.CONTROL_DEADLINE_S)
 
     def send(self, item: Outgoing) -> None:
+        """Sends item after every bundle sent before it: on the caller's thread where it is one
+        frame and the link is quiet (nothing queued, nothing in flight), else on the link's."""
         prepared = self.prepare(item)   # may raise: then nothing is queued, nor counted for flush
+        if self._put_out(prepared):
+            return
         with self._sent:
             self._queued += 1
+            self._handed += 1
         self._queue.put(prepared)
+
+    def _put_out(self, item: Outgoing) -> bool:
+        """item put out now, on this thread, where it is one frame and the link is quiet: the
+        hand-off to the link's thread, its wake-up, cost a pipeline hop 0.1 ms more on two cores
+        (docs/benchmarks.md, forty-first pass). The link's thread reads the answer. False: it is
+        for the link's thread (larger, waiting for its host copy or an emulated network, others
+        queued or unanswered, or the link's thread busy reading an answer)."""
+        if (item.ready is not None or self._hold_s > 0 or self._closing.is_set()
+                or sum(t.numel() * t.element_size() for _, t in item.tensors) > rpc.CHUNK_BYTES):
+            return False   # a bundle up to rpc.CHUNK_BYTES is one frame on every path: no call of its own
+        if not self._io.acquire(blocking=False):
+            return False
+        try:
+            with self._sent:
+                if self._ended or self._in_flight or self._handed != self._taken:
+                    return False
+                self._queued += 1
+            self._current = item
+            self._send(item)   # one frame: a failure shows at its answer
+        finally:
+            self._io.release()
+        self._queue.put(_SETTLE)   # the link's thread reads the answer
+        return True
 
     def flush(self, timeout: float) -> bool:
         """Waits until every bundle sent so far is answered; False if the link ended (failed or
@@ -221,25 +257,32 @@ class Link:
             return self._queued - self._finished
 
     def _run(self) -> None:
-        item: Outgoing | None = None
-        self._current: Outgoing | None = None   # the bundle being sent or answered: a failure names it
         try:
             while True:
-                if self._in_flight and (len(self._in_flight) >= WINDOW or self._queue.empty() or self._duplex.due):
-                    if not self._settle():
-                        return
-                    continue
-                if (item := self._queue.get()) is None or self._closing.is_set():   # the channel is closed
-                    while self._in_flight:   # what is on its way is answered (or given up) first
+                with self._io:
+                    if self._in_flight and (len(self._in_flight) >= WINDOW or self._queue.empty() or self._duplex.due):
                         if not self._settle():
                             return
+                        continue
+                if (item := self._queue.get()) is _SETTLE:   # one put out by send() itself: answered above
+                    continue
+                if item is None or self._closing.is_set():   # the channel is closed
+                    with self._io:
+                        while self._in_flight:   # what is on its way is answered (or given up) first
+                            if not self._settle():
+                                return
                     return
+                assert isinstance(item, Outgoing)
                 self._current = item
                 if item.ready is not None:
                     item.ready.synchronize()
                 if self._hold_s > 0 and self._closing.wait(self._hold_s):
                     return
-                if not self._send(item):
+                with self._io:
+                    sent = self._send(item)
+                    with self._sent:
+                        self._taken += 1
+                if not sent:
                     return
         except Exception as exc:  # a bug or a device error must fail the stage, not end the link quietly
             log.exception("link to %s failed", self.peer)

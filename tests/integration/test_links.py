@@ -193,6 +193,45 @@ def test_a_burst_has_the_next_bundle_on_its_way_before_the_last_is_answered(shar
         server.stop(grace=0)
 
 
+def test_a_quiet_link_puts_a_bundle_out_on_the_senders_thread_and_a_busy_one_queues_it_behind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-frame bundle to a link with nothing queued or unanswered goes out on the caller's
+    thread, without a hand-off to the link's; those sent while one is unanswered go by the link's
+    thread, in order after it."""
+    encoded_on: list[threading.Thread] = []
+    encode = wire.encode
+
+    def recording(*args: Any, **kwargs: Any) -> wire.Frames:
+        encoded_on.append(threading.current_thread())
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(wire, "encode", recording)
+    neighbour = Holding()   # answers only once released: 1 stays unanswered
+    server = _serve(neighbour)
+    failures: list[str] = []
+    link = Link(address=server.address, method="Forward", peer="stage 1 of vw 0", on_failure=failures.append,
+                shared_memory=True)
+    me = threading.current_thread()
+    try:
+        link.send(_message(1))
+        assert encoded_on == [me]
+        neighbour.wait_for(1)
+        link.send(_message(2))
+        link.send(_message(3))
+        neighbour.released.set()
+        assert link.flush(10), "not every bundle was answered"
+        assert neighbour.got == [1, 2, 3] and not failures
+        assert len(encoded_on) == 3 and me not in encoded_on[1:]
+        link.send(_message(4))   # quiet again
+        assert encoded_on[-1] is me
+        assert link.flush(10) and neighbour.got == [1, 2, 3, 4] and link.backlog == 0
+        assert link.bytes_sent == 4 * (4 * 4 + 8) and link.socket_bundles == 4
+    finally:
+        link.close()
+        neighbour.close()
+        server.stop(grace=0)
+
+
 @pytest.mark.parametrize("refusal", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS])
 def test_a_failure_with_bundles_in_flight_sends_them_again_in_order(refusal: grpc.StatusCode) -> None:
     """Bundle 2 is refused while 3 is on its way behind it on the same stream, which the refusal
