@@ -147,7 +147,8 @@ class _Spawn(multiprocessing.context.SpawnContext):
 
 class Minibatches:
     """The minibatches of one VW in order p = 1, 2, ..., read through a DataLoader (with
-    data.workers worker processes and pinned memory for a CUDA device)."""
+    data.workers worker processes and pinned memory for a CUDA device). read_ahead() reads the
+    next one before next() asks for it."""
 
     def __init__(self, job: JobConfig, dataset: Dataset[Any], vw: int, *, steps: int, pin: bool = False,
                  start: int = 1) -> None:
@@ -171,14 +172,43 @@ class Minibatches:
         # semaphore, until it ends (after the iterator is gone), so close waits for them.
         self._feeders = [t for t in threading.enumerate() if t not in started and t.name == "QueueFeederThread"]
         self._closing = threading.Lock()
-        self.reading: float | None = None   # since when (time.monotonic) next() waits for the dataset
+        # (minibatch, since when: time.monotonic) a read has waited for the dataset
+        self.reading: tuple[int, float] | None = None
+        self._p, self._end = start, steps   # the next minibatch read, and the last
+        self._ahead: tuple[torch.Tensor, torch.Tensor] | BaseException | None = None
         _open.add(self)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ahead, self._ahead = self._ahead, None
+        if isinstance(ahead, BaseException):
+            raise ahead
+        return ahead if ahead is not None else self._read()
+
+    @property
+    def unread(self) -> bool:
+        """Whether read_ahead() would read a minibatch: one is left, and none is read ahead."""
+        return self._ahead is None and self._p <= self._end
+
+    def read_ahead(self) -> None:
+        """Reads the next minibatch now, where one is left, for next() to return at once: a stage
+        reads while it would wait for a neighbour anyway, where its forward would read on the
+        pipeline's critical path (stage 0's re-injection of p + Nm waited 0.4-0.5 ms for it on two
+        cores, docs/benchmarks.md). A read that fails raises at that next()."""
+        if not self.unread:
+            return
+        try:
+            self._ahead = self._read()
+        except Exception as exc:   # noqa: BLE001 - the minibatch's own next() raises it
+            # Kept without its traceback, whose frames hold the loader's iterator (and this
+            # reader, a cycle): close() must be able to end the data.workers processes.
+            self._ahead = exc.with_traceback(None)
+
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
         it = self._it
         if it is None:
             raise RuntimeError("minibatches read after close")
-        self.reading = time.monotonic()
+        self.reading = (self._p, time.monotonic())
+        self._p += 1
         try:
             batch = next(it)
         except Exception as exc:

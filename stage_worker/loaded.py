@@ -219,6 +219,18 @@ class Loaded:
             return False
         return self.sync.forward_allowed(p)
 
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether read_ahead() would read anything."""
+        return any(reader is not None and reader.unread for reader in (self.inputs, self.targets))
+
+    def read_ahead(self) -> None:
+        """The next minibatch's inputs and targets, where this stage reads them, read now
+        (data.Minibatches.read_ahead)."""
+        for reader in (self.inputs, self.targets):
+            if reader is not None:
+                reader.read_ahead()
+
     def close(self) -> None:
         for link in (self.next, self.prev):
             if link is not None:

@@ -301,6 +301,17 @@ class StageRuntime:
                     self._to(StageState.DONE)  # stays up for the final evaluation, until stopped
                     if self._steady is not None:
                         self._steady.done(time.monotonic())
+                if self.state == StageState.RUNNING and s.reads_ahead and not waiting:
+                    # Waiting for a neighbour: the next minibatch's data is read now, without the
+                    # lock, rather than at the start of its forward (an input may come meanwhile).
+                    # Not while a forward waits for a pull, whose handling it would slow: 2x1's
+                    # samples/s fell 7% (docs/benchmarks.md, forty-first pass).
+                    self._cv.release()
+                    try:
+                        s.read_ahead()
+                    finally:
+                        self._cv.acquire()
+                    continue
                 self._cv.wait(0.5)
 
     def _loop(self, s: Loaded) -> None:
@@ -459,13 +470,13 @@ class StageRuntime:
     def _doing(self, s: Loaded, now: float) -> str:
         """What the compute thread has been at for over DOING_SHOWN_S (a stall's report names it):
         reading a minibatch from the dataset, or a task. Under the lock."""
+        for reader, what in ((s.inputs, "inputs"), (s.targets, "targets")):
+            reading = reader.reading if reader is not None else None   # in a task, or reading ahead
+            if reading is not None and now - reading[1] > DOING_SHOWN_S:
+                return f"reading minibatch {reading[0]}'s {what} from the dataset for {now - reading[1]:.0f}s"
         if self._at_task is None:
             return ""
         task, since = self._at_task
-        for reader, what in ((s.inputs, "inputs"), (s.targets, "targets")):
-            began = reader.reading if reader is not None else None
-            if began is not None and now - began > DOING_SHOWN_S and task.kind != TaskKind.EVAL:
-                return f"reading minibatch {task.p}'s {what} from the dataset for {now - began:.0f}s"
         if now - since <= DOING_SHOWN_S:
             return ""
         if task.kind == TaskKind.MERGE_FINAL:

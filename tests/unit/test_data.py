@@ -532,6 +532,41 @@ def test_token_ids_outside_the_first_embedding_are_refused_before_the_run(tmp_pa
         check(job, output, ids=12)
 
 
+def test_a_minibatch_read_ahead_is_the_one_next_returns_and_a_failed_read_raises_there(tmp_path: Path) -> None:
+    """A stage reads the next minibatch while it waits for a neighbour: next() returns that one,
+    in order, and a read that failed ahead fails the minibatch's own next(), not the task before."""
+    class Failing(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            if i >= 8:   # minibatch 3's rows (batch_size 4)
+                raise RuntimeError(f"row {i} is on a dead disk")
+            return torch.full((4,), float(i)), 0
+
+    job = factory_job(tmp_path)
+    reader = Minibatches(job, Failing(), 0, steps=4)
+    reader.read_ahead()
+    reader.read_ahead()   # one ahead at most: this reads nothing
+    assert reader.next()[0][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    reader.read_ahead()
+    reader.read_ahead()
+    assert reader.next()[0][:, 0].tolist() == [4.0, 5.0, 6.0, 7.0]
+    reader.read_ahead()   # minibatch 3 fails, here quietly
+    with pytest.raises(RuntimeError, match="row 8 is on a dead disk"):
+        reader.next()
+    reader.close()
+    job = factory_job(tmp_path)
+    reader = Minibatches(job, training_set(job), 0, steps=2)
+    for _ in range(2):
+        reader.read_ahead()
+        reader.next()
+    reader.read_ahead()   # none is left: nothing read, nothing raised
+    with pytest.raises(StopIteration):
+        reader.next()
+    reader.close()
+
+
 def test_a_reader_says_since_when_it_waits_for_the_dataset(tmp_path: Path) -> None:
     """A stall's report names a stage stuck reading its data (a dataset's __getitem__ that hangs)."""
     import threading
@@ -553,8 +588,8 @@ def test_a_reader_says_since_when_it_waits_for_the_dataset(tmp_path: Path) -> No
     deadline = time.monotonic() + 5
     while reader.reading is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    began = reader.reading
-    assert began is not None and began <= time.monotonic()
+    reading = reader.reading
+    assert reading is not None and reading[0] == 1 and reading[1] <= time.monotonic()
     release.set()
     done.join(10)
     assert reader.reading is None
