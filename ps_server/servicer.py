@@ -493,7 +493,7 @@ class ShardServicer:
                 pushes_applied=s.pushes_applied, pushes_duplicate=s.pushes_duplicate,
                 max_clock_distance=s.max_clock_distance, restored_pushes=self.restored_pushes,
                 peak_rss_bytes=devices.peak_rss_bytes(), evicted=sorted(s.evicted),
-                sync=s.rule.mode, exchanges_applied=s.exchanges_applied,
+                sync=s.rule.mode, exchanges_applied=s.exchanges.applied,
             )
             if s.ready:
                 status.c_global = s.c_global()

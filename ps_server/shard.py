@@ -16,6 +16,7 @@ from hetpipe.parallelism import MAX_VIRTUAL_WORKERS
 from hetpipe.training import MAX_STEPS
 from hetpipe.wsp import NARROWED_PUSH, clock_distance
 from ps_server import headroom
+from ps_server.exchanges import Exchanges
 from ps_server.quorum import KeyRounds
 from ps_server.sync_rule import ShardError, SyncRule
 from ps_server.wave_hold import WaveHold
@@ -76,9 +77,7 @@ class Shard:
         self.evicted: set[int] = set()  # VWs that left the job: c_global no longer waits for them
         self.rule = SyncRule()
         self.rounds: dict[str, KeyRounds] = {}                  # quorum: per key
-        self.exchanged: dict[str, list[int]] = {}               # elastic: exchanges per (key, VW)
-        self.last_delta: dict[str, list[torch.Tensor | None]] = {}  # elastic: each VW's latest, for its retry
-        self.exchanges_applied = 0
+        self.exchanges = Exchanges()                            # elastic: each (key, VW)'s, for its retry
         self.hold = WaveHold()                                  # exact: each key's waves not yet complete
         self.headroom = headroom.Headroom()   # how far each key is from overflowing; not state (derived)
         # _add's widening buffers: one per add under way (pushes of other keys add at once), kept
@@ -95,7 +94,7 @@ class Shard:
         """Differs whenever the values may have changed since: only an applied push or exchange
         changes them, or an eviction (a quorum round may close). Init adds keys and leaves the
         values of the others; restore builds a new servicer."""
-        return self.pushes_applied, self.exchanges_applied, len(self.evicted)
+        return self.pushes_applied, self.exchanges.applied, len(self.evicted)
 
     def check_init(self, virtual_workers: int, rule: SyncRule = SyncRule()) -> None:
         if not 1 <= virtual_workers <= MAX_VIRTUAL_WORKERS:
@@ -137,7 +136,7 @@ class Shard:
         if clashing:
             raise ShardError(ShardError.Kind.CONFLICT, f"shard already initialised with other values for {clashing[:5]}")
         new = {k: v for k, v in named.items() if k not in self.values}
-        training = bool(self.pushes_applied or self.exchanges_applied)
+        training = bool(self.pushes_applied or self.exchanges.applied)
         if new and training:
             raise ShardError(ShardError.Kind.CONFLICT, f"new keys {sorted(new)[:5]} after training began")
         # Until training begins every key holds the clocks its Init brought, one set for the job
@@ -156,8 +155,7 @@ class Shard:
             if rule.mode == "quorum":
                 self.rounds[key] = KeyRounds(virtual_workers)
             elif rule.mode == "elastic":
-                self.exchanged[key] = [0] * virtual_workers
-                self.last_delta[key] = [None] * virtual_workers
+                self.exchanges.add_key(key, virtual_workers)
         if new and clocks:   # a resumed job's spread: later pushes only record what they widen
             self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
         return bool(new)
@@ -451,16 +449,9 @@ class Shard:
         self.check_exchange(vw, [(k, t.dtype, tuple(t.shape)) for k, t in replica])
         what = f"exchange of vw {vw} for clock {clock}"
         headroom.magnitudes(what, replica)
-        keys = [k for k, _ in replica]
-        current = {self.exchanged[k][vw] for k in keys}
-        if current == {clock + 1}:
-            stored = [(k, self.last_delta[k][vw]) for k in keys]
-            return ExchangeResult([(k, d.clone()) for k, d in stored if d is not None], applied=False)
-        if current != {clock}:
-            have = sorted(current)
-            direction = "skips ahead" if clock > max(have) else "goes backwards"
-            raise ShardError(ShardError.Kind.CLOCK, f"exchange of vw {vw} for clock {clock} {direction}: "
-                                                    f"its exchanges for these keys are {have}")
+        stored = self.exchanges.retry(vw, clock, [k for k, _ in replica])
+        if stored is not None:
+            return ExchangeResult(stored, applied=False)
         last = elastic.total_exchanges(self.rule.total_waves, self.rule.period)
         if clock >= last:
             raise ShardError(ShardError.Kind.CLOCK, f"exchange of vw {vw} for clock {clock}: the job has {last} "
@@ -475,9 +466,7 @@ class Shard:
         self.headroom.commit(grown)
         for key, delta in computed:
             self.values[key].add_(delta)
-            self.exchanged[key][vw] = clock + 1
-            self.last_delta[key][vw] = delta
-        self.exchanges_applied += 1
+        self.exchanges.record(vw, clock, computed)
         self.max_clock_distance = max(self.max_clock_distance, self.clock_distance())
         return ExchangeResult(deltas, applied=True)
 
@@ -486,7 +475,7 @@ class Shard:
     def _clock(self, key: str, vw: int) -> int:
         """vw's clock for key: its waves pushed, or (elastic) the waves its exchanges followed."""
         if self.rule.mode == "elastic":
-            return elastic.waves_covered(self.exchanged[key][vw], self.rule.period, self.rule.total_waves)
+            return elastic.waves_covered(self.exchanges.count[key][vw], self.rule.period, self.rule.total_waves)
         return self.clocks[key][vw]
 
     def key_clocks(self, vw: int) -> list[int]:
@@ -548,10 +537,7 @@ class Shard:
             h.update(str(self.rule).encode())
             for key in sorted(self.rounds):
                 self.rounds[key].feed(h)
-            for key in sorted(self.exchanged):
-                h.update(f"{key}:{self.exchanged[key]}".encode())
-                for delta in self.last_delta[key]:
-                    h.update(b"-" if delta is None else raw_bytes(delta))
+            self.exchanges.feed(h)
         return h.hexdigest()
 
     # ---- durability ------------------------------------------------------------------------
@@ -570,9 +556,7 @@ class Shard:
                      "D": self.rule.D},
             "held": self.hold.snapshot(),
             "rounds": {k: book.snapshot() for k, book in self.rounds.items()},
-            "exchanged": {k: torch.tensor(c, dtype=torch.int64) for k, c in self.exchanged.items()},
-            "last_delta": {k: [None if d is None else d.clone() for d in ds] for k, ds in self.last_delta.items()},
-            "exchanges_applied": self.exchanges_applied,
+            **self.exchanges.snapshot(),
         }
 
     def restore(self, snap: Mapping[str, object]) -> None:
@@ -588,14 +572,10 @@ class Shard:
         evicted = snap.get("evicted")
         self.evicted = {int(v) for v in evicted.tolist()} if isinstance(evicted, torch.Tensor) else set()
         rule, rounds = snap.get("sync") or {}, snap.get("rounds") or {}
-        exchanged, last_delta = snap.get("exchanged") or {}, snap.get("last_delta") or {}
         assert isinstance(rule, dict) and isinstance(rounds, dict)
-        assert isinstance(exchanged, dict) and isinstance(last_delta, dict)
         self.rule = SyncRule(**rule)
         self.rounds = {k: KeyRounds.restored(book) for k, book in rounds.items()}
-        self.exchanged = {k: [int(c) for c in t.tolist()] for k, t in exchanged.items()}
-        self.last_delta = {k: [None if d is None else d.clone() for d in ds] for k, ds in last_delta.items()}
-        self.exchanges_applied = int(snap.get("exchanges_applied", 0))  # type: ignore[call-overload]
+        self.exchanges = Exchanges.restored(snap)
         if snap.get("at_c_global"):   # an older version's copies of values at c_global: not the held waves
             raise ValueError("a checkpoint of exact pulls from an earlier version of the shard: start the job afresh")
         held = snap.get("held") or {}

@@ -117,7 +117,7 @@ def test_elastic_learns_and_writes_the_master(make_job, tmp_path: Path) -> None:
         assert shard.rule.mode == "elastic" and shard.rule.alpha == 0.25
         for key, value in shard.values.items():
             assert torch.equal(written[key], value), key
-            assert shard.exchanged[key] == [exchanges, exchanges], key
+            assert shard.exchanges.count[key] == [exchanges, exchanges], key
     # ... which is w0 plus every delta the shards acknowledged (each stage's ledger sums its own).
     check_conservation(job, out, ledgers=2 * 2)
     # And it learned: the loss of the whole training set fell. By how much depends on how the two

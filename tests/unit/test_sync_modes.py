@@ -362,9 +362,9 @@ def test_a_retried_exchange_returns_the_stored_delta_and_changes_nothing() -> No
     shard = elastic_shard(2)
     replica = [("w", dyadic(10)), ("b", dyadic(11, (3,)))]
     first = shard.exchange(0, 0, replica)
-    digest, applied = shard.digest(), shard.exchanges_applied
+    digest, applied = shard.digest(), shard.exchanges.applied
     again = shard.exchange(0, 0, [("w", dyadic(99)), ("b", dyadic(98, (3,)))])  # whatever it carries
-    assert not again.applied and shard.digest() == digest and shard.exchanges_applied == applied
+    assert not again.applied and shard.digest() == digest and shard.exchanges.applied == applied
     assert [k for k, _ in again.deltas] == ["w", "b"]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first.deltas, again.deltas))
     part = shard.exchange(0, 0, [("b", dyadic(11, (3,)))])   # part of it: that key's delta
@@ -434,7 +434,7 @@ def test_an_exchange_whose_delta_would_overflow_is_refused_and_changes_nothing()
     far = [("w", torch.tensor([-big, 1.0], dtype=torch.float64))]   # -2**1024: past float64
     message = str(assert_refused(Kind.OVERFLOW, shard.exchange, 0, 0, far))
     assert "exchange of vw 0 for clock 0: adding it could overflow w_global in ['w']" in message
-    assert shard.digest() == digest and shard.exchanges_applied == 0
+    assert shard.digest() == digest and shard.exchanges.applied == 0
     result = shard.exchange(0, 0, [("w", torch.tensor([big / 4, 3.0], dtype=torch.float64))])
     assert result.applied and torch.equal(shard.values["w"], torch.tensor([big / 8 * 5, 2.0], dtype=torch.float64))
 
@@ -457,7 +457,7 @@ def test_elastic_state_survives_snapshot_and_log_replay(tmp_path: Path) -> None:
         done[vw] += 1
     restored = Shard()
     assert Durability(str(tmp_path / "ckpt")).restore(restored) > 0, "some exchanges came back from the log"
-    assert restored.digest() == shard.digest() and restored.exchanges_applied == 12
+    assert restored.digest() == shard.digest() and restored.exchanges.applied == 12
     again = Shard()
     again.restore(shard.snapshot())
     assert again.digest() == shard.digest()
