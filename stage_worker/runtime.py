@@ -304,13 +304,14 @@ class StageRuntime:
                 if self.state == StageState.RUNNING and s.reads_ahead and not waiting:
                     # Waiting for a neighbour: the next minibatch's data is read now, without the
                     # lock, rather than at the start of its forward (an input may come meanwhile).
-                    # Not while a forward waits for a pull, whose handling it would slow: 2x1's
-                    # samples/s fell 7% (docs/benchmarks.md, forty-first pass).
+                    # Not while a forward waits for a pull: the pull's handling is then the
+                    # critical path, and the read would take the interpreter from it.
                     self._cv.release()
                     try:
                         s.read_ahead()
                     finally:
                         self._cv.acquire()
+                    idle_since = time.monotonic()   # reading is no idle time
                     continue
                 self._cv.wait(0.5)
 
