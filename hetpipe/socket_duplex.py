@@ -68,6 +68,11 @@ class SocketDuplex:
     def due(self) -> bool:
         return self._use_fallback and self._fallback.due
 
+    @property
+    def connected(self) -> bool:
+        """Whether a put() goes out without connecting first (a locate over gRPC, a connect)."""
+        return self._use_fallback or self._open is not None
+
     def put(self, request: bytes) -> Any:
         """Sends request; returns what take() needs to read its answer. A failure is take()'s to
         raise, as a gRPC stream's would be."""

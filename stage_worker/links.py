@@ -170,10 +170,12 @@ class Link:
         hand-off to the link's thread, its wake-up, cost a pipeline hop 0.1 ms more on two cores
         (docs/benchmarks.md, forty-first pass). The link's thread reads the answer. False: it is
         for the link's thread (larger, waiting for its host copy or an emulated network, others
-        queued or unanswered, or the link's thread busy reading an answer)."""
+        queued or unanswered, the link's thread busy reading an answer, or no connection open)."""
         if (item.ready is not None or self._hold_s > 0 or self._closing.is_set()
                 or sum(t.numel() * t.element_size() for _, t in item.tensors) > rpc.CHUNK_BYTES):
             return False   # a bundle up to rpc.CHUNK_BYTES is one frame on every path: no call of its own
+        if isinstance(self._duplex, socket_duplex.SocketDuplex) and not self._duplex.connected:
+            return False   # the link's thread connects (a call of up to CONTROL_DEADLINE_S), not the compute thread
         if not self._io.acquire(blocking=False):
             return False
         try:

@@ -195,9 +195,10 @@ def test_a_burst_has_the_next_bundle_on_its_way_before_the_last_is_answered(shar
 
 def test_a_quiet_link_puts_a_bundle_out_on_the_senders_thread_and_a_busy_one_queues_it_behind(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A one-frame bundle to a link with nothing queued or unanswered goes out on the caller's
-    thread, without a hand-off to the link's; those sent while one is unanswered go by the link's
-    thread, in order after it."""
+    """A one-frame bundle to a connected link with nothing queued or unanswered goes out on the
+    caller's thread, without a hand-off to the link's; those sent while one is unanswered go by the
+    link's thread, in order after it. The first connects, on the link's thread: a connect (a locate
+    over gRPC, up to its deadline) never holds the caller."""
     encoded_on: list[threading.Thread] = []
     encode = wire.encode
 
@@ -213,19 +214,25 @@ def test_a_quiet_link_puts_a_bundle_out_on_the_senders_thread_and_a_busy_one_que
                 shared_memory=True)
     me = threading.current_thread()
     try:
-        link.send(_message(1))
-        assert encoded_on == [me]
+        link.send(_message(0))   # connects
         neighbour.wait_for(1)
+        assert encoded_on[0] is not me
+        neighbour.released.set()
+        assert link.flush(10)
+        neighbour.released.clear()
+        link.send(_message(1))
+        assert encoded_on[1] is me
+        neighbour.wait_for(2)
         link.send(_message(2))
         link.send(_message(3))
         neighbour.released.set()
         assert link.flush(10), "not every bundle was answered"
-        assert neighbour.got == [1, 2, 3] and not failures
-        assert len(encoded_on) == 3 and me not in encoded_on[1:]
+        assert neighbour.got == [0, 1, 2, 3] and not failures
+        assert len(encoded_on) == 4 and me not in encoded_on[2:]
         link.send(_message(4))   # quiet again
         assert encoded_on[-1] is me
-        assert link.flush(10) and neighbour.got == [1, 2, 3, 4] and link.backlog == 0
-        assert link.bytes_sent == 4 * (4 * 4 + 8) and link.socket_bundles == 4
+        assert link.flush(10) and neighbour.got == [0, 1, 2, 3, 4] and link.backlog == 0
+        assert link.bytes_sent == 5 * (4 * 4 + 8) and link.socket_bundles == 5
     finally:
         link.close()
         neighbour.close()
