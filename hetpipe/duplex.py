@@ -60,6 +60,11 @@ class Duplex:
         return None
 
     @property
+    def connected(self) -> bool:
+        """A put() never waits to connect: the stream opens without a round trip."""
+        return True
+
+    @property
     def due(self) -> bool:
         """The stream is past half its deadline: the next put() renews it, with nothing outstanding."""
         opened = self._open

@@ -55,6 +55,10 @@ class Outgoing:
         return wire.encode(self.tensors, minibatch=self.tag, ring=ring)
 
     @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+    @property
     def what(self) -> str:
         if isinstance(self.tag, wire_pb2.CommitTag):
             return f"verdicts through minibatch {self.tag.verdicts.through}"
@@ -135,7 +139,7 @@ class Link:
         # Held by whichever thread puts a bundle out or reads an answer: the link's thread, or a
         # sender putting a bundle out itself (send()).
         self._io = threading.Lock()
-        self._handed = self._taken = 0       # bundles queued for the link's thread, and put out by it
+        self._unsent = 0   # bundles queued for the link's thread that it has not put out yet
         self._closing = threading.Event()
         self.bytes_sent = 0
         self._sent = threading.Condition()   # flush() waits on it
@@ -156,13 +160,13 @@ class Link:
 
     def send(self, item: Outgoing) -> None:
         """Sends item after every bundle sent before it: on the caller's thread where it is one
-        frame and the link is quiet (nothing queued, nothing in flight), else on the link's."""
+        frame and the link is quiet (_put_out), else on the link's."""
         prepared = self.prepare(item)   # may raise: then nothing is queued, nor counted for flush
         if self._put_out(prepared):
             return
         with self._sent:
             self._queued += 1
-            self._handed += 1
+            self._unsent += 1
         self._queue.put(prepared)
 
     def _put_out(self, item: Outgoing) -> bool:
@@ -172,15 +176,15 @@ class Link:
         for the link's thread (larger, waiting for its host copy or an emulated network, others
         queued or unanswered, the link's thread busy reading an answer, or no connection open)."""
         if (item.ready is not None or self._hold_s > 0 or self._closing.is_set()
-                or sum(t.numel() * t.element_size() for _, t in item.tensors) > rpc.CHUNK_BYTES):
-            return False   # a bundle up to rpc.CHUNK_BYTES is one frame on every path: no call of its own
-        if isinstance(self._duplex, socket_duplex.SocketDuplex) and not self._duplex.connected:
-            return False   # the link's thread connects (a call of up to CONTROL_DEADLINE_S), not the compute thread
+                or item.nbytes > rpc.CHUNK_BYTES):   # up to rpc.CHUNK_BYTES, one frame on every path
+            return False
+        if not self._duplex.connected:   # the link's thread connects (up to CONTROL_DEADLINE_S), not this one
+            return False
         if not self._io.acquire(blocking=False):
             return False
         try:
             with self._sent:
-                if self._ended or self._in_flight or self._handed != self._taken:
+                if self._ended or self._in_flight or self._unsent:
                     return False
                 self._queued += 1
             self._current = item
@@ -283,7 +287,7 @@ class Link:
                 with self._io:
                     sent = self._send(item)
                     with self._sent:
-                        self._taken += 1
+                        self._unsent -= 1
                 if not sent:
                     return
         except Exception as exc:  # a bug or a device error must fail the stage, not end the link quietly
@@ -411,7 +415,7 @@ class Link:
             ring.close()
 
     def _count(self, item: Outgoing) -> None:
-        nbytes = sum(t.numel() * t.element_size() for _, t in item.tensors)
+        nbytes = item.nbytes
         self.bytes_sent += nbytes
         if item.staged is not None:
             self.cuda_ipc_bytes += nbytes
