@@ -4,7 +4,6 @@ rounds, elastic averaging's master), no I/O."""
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -16,13 +15,11 @@ from hetpipe.parallelism import MAX_VIRTUAL_WORKERS
 from hetpipe.training import MAX_STEPS
 from hetpipe.wsp import NARROWED_PUSH, clock_distance
 from ps_server import headroom
+from ps_server.adds import Adder
 from ps_server.exchanges import Exchanges
 from ps_server.quorum import KeyRounds
 from ps_server.sync_rule import ShardError, SyncRule
 from ps_server.wave_hold import WaveHold
-
-
-ADD_CHUNK = 1 << 20   # elements a narrower push is widened by at a time (4 MiB of float32: stays in cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +77,7 @@ class Shard:
         self.exchanges = Exchanges()                            # elastic: each (key, VW)'s, for its retry
         self.hold = WaveHold()                                  # exact: each key's waves not yet complete
         self.headroom = headroom.Headroom()   # how far each key is from overflowing; not state (derived)
-        # _add's widening buffers: one per add under way (pushes of other keys add at once), kept
-        # for the next; as many as adds ever ran at once (a few: one per stage pushing).
-        self._scratch: list[torch.Tensor] = []
-        self._scratch_lock = threading.Lock()
+        self._adder = Adder()   # a bf16 push's adds, widened a chunk at a time
 
     @property
     def ready(self) -> bool:
@@ -255,7 +249,7 @@ class Shard:
         quorum = self.rule.mode == "quorum"
         if quorum:
             # A bf16 push is widened whole for the sums that quorum rounds keep in the key's
-            # dtype. Otherwise it stays bf16 until it is added, a chunk at a time (_add): its
+            # dtype. Otherwise it stays bf16 until it is added, a chunk at a time (ps_server.adds): its
             # magnitudes below are those of its widened values, widening being exact.
             deltas = [(k, d if d.dtype == self.values[k].dtype else d.to(self.values[k].dtype)) for k, d in deltas]
         what = headroom.push_what(vw, clock)
@@ -338,29 +332,7 @@ class Shard:
     def add(self, sums: Sums) -> None:
         """Adds an accepted push's sums to w_global (what accept() left to do)."""
         for value, delta in sums.adds:
-            self._add(value, delta)
-
-    def _add(self, value: torch.Tensor, delta: torch.Tensor) -> None:
-        """value += delta; a narrower delta (a bf16 push) widened a chunk at a time into a small
-        buffer. Widening it whole into new memory, then adding, took 2.5 times as long for 29.5M
-        elements (70 ms against 26 on one thread here: the new pages' faults), and torch's mixed
-        in-place add longer still (171 ms). The sums are the same, bit for bit."""
-        if delta.dtype == value.dtype:
-            value.add_(delta)
-            return
-        flat, narrow = value.view(-1), delta.reshape(-1)
-        with self._scratch_lock:
-            scratch = self._scratch.pop() if self._scratch else None
-        if scratch is None or scratch.dtype != value.dtype or scratch.numel() < ADD_CHUNK:
-            scratch = torch.empty(ADD_CHUNK, dtype=value.dtype)
-        try:
-            for start in range(0, flat.numel(), ADD_CHUNK):
-                part = narrow[start:start + ADD_CHUNK]
-                widened = scratch[:part.numel()].copy_(part)
-                flat[start:start + ADD_CHUNK].add_(widened)
-        finally:
-            with self._scratch_lock:
-                self._scratch.append(scratch)
+            self._adder.add(value, delta)
 
     def _key_c_global(self, key: str) -> int:
         return min(self.clocks[key][v] for v in self._live())

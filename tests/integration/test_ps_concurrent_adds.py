@@ -18,6 +18,7 @@ from hetpipe import rpc, shm, wire
 from hetpipe.v1 import ps_pb2, ps_pb2_grpc, wire_pb2
 from ps_rig import CALL_S, Client, Code, InProcess, delta, in_process_shard, refused
 from ps_server import servicer as servicer_module
+from ps_server.adds import Adder
 from ps_server.durability import Durability
 from ps_server.pull_slots import Claim, PullSlots
 from ps_server.servicer import ShardServicer
@@ -57,15 +58,15 @@ class Call(threading.Thread):
 def hold_adds_to(monkeypatch: pytest.MonkeyPatch, value: torch.Tensor) -> tuple[threading.Event, threading.Event]:
     """Adds to `value` (one key's w_global) wait, once begun, until `release` is set."""
     entered, release = threading.Event(), threading.Event()
-    add = Shard._add
+    add = Adder.add
 
-    def held(shard: Shard, target: torch.Tensor, update: torch.Tensor) -> None:
+    def held(adder: Adder, target: torch.Tensor, update: torch.Tensor) -> None:
         if target is value and not release.is_set():
             entered.set()
             release.wait(HOLD_S)
-        add(shard, target, update)
+        add(adder, target, update)
 
-    monkeypatch.setattr(Shard, "_add", held)
+    monkeypatch.setattr(Adder, "add", held)
     return entered, release
 
 
@@ -296,14 +297,14 @@ def test_an_add_that_fails_ends_the_shard_and_its_restart_replays_the_push_once(
     exits: list[int] = []
     monkeypatch.setattr(servicer_module, "exit_now", exits.append)
 
-    def no_memory(shard: Shard, target: torch.Tensor, update: torch.Tensor) -> None:
+    def no_memory(adder: Adder, target: torch.Tensor, update: torch.Tensor) -> None:
         raise RuntimeError("out of memory")
 
-    add = Shard._add
-    monkeypatch.setattr(Shard, "_add", no_memory)
+    add = Adder.add
+    monkeypatch.setattr(Adder, "add", no_memory)
     refused(lambda: c.push(1, 1, delta(1, 1, ["l0.bias"])), Code.INTERNAL, r"internal error \(RuntimeError")
     assert exits == [70]
-    monkeypatch.setattr(Shard, "_add", add)   # the restarted shard's
+    monkeypatch.setattr(Adder, "add", add)   # the restarted shard's
     restored = Shard()
     Durability(str(tmp_path / "ckpt")).restore(restored)
     assert restored.key_clocks(1) == [1, 2]   # l0.weight, l0.bias

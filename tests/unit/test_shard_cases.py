@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ps_server import headroom
+from ps_server import adds, headroom
 from ps_server import shard as shard_module
 from ps_server.durability import Durability
 from ps_server.shard import Shard
@@ -407,10 +407,10 @@ def test_a_float32_key_takes_bf16_pushes_widened_and_logs_and_replays_them(tmp_p
 @pytest.mark.parametrize("chunk", [3, 4, 1 << 20])
 def test_a_bf16_push_is_added_a_chunk_at_a_time_bit_for_bit(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
     """Under plain WSP a bf16 push stays bf16 until it is added, widened a chunk at a time
-    (Shard._add): the sum is the whole widened push's, every element, whatever the chunks (a
+    (ps_server.adds): the sum is the whole widened push's, every element, whatever the chunks (a
     last one shorter, or one chunk for all), and the overflow bound grows by float32's rounding,
     the key's, not bfloat16's."""
-    monkeypatch.setattr(shard_module, "ADD_CHUNK", chunk)
+    monkeypatch.setattr(adds, "CHUNK", chunk)
     g = torch.Generator().manual_seed(chunk)
     w0 = torch.randn(2, 5, generator=g)
     shard = Shard()
@@ -448,7 +448,7 @@ def test_bf16_sums_of_two_keys_added_at_once_each_widen_in_a_buffer_of_their_own
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The servicer adds the sums of pushes of other keys at once, on two threads: each add
     widens its bf16 chunks in a buffer no other add writes meanwhile."""
-    monkeypatch.setattr(shard_module, "ADD_CHUNK", 4)
+    monkeypatch.setattr(adds, "CHUNK", 4)
     g = torch.Generator().manual_seed(11)
     w0 = {key: torch.randn(4000, generator=g) for key in ("a", "b")}
     shard = Shard()
