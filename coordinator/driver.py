@@ -16,16 +16,17 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2_grpc
 
-from hetpipe import data, models, outputs, rpc, shm, weight_files, wire
-from hetpipe.config import ConfigError, JobConfig
+from hetpipe import data, models, outputs, rpc, weight_files
+from hetpipe.config import JobConfig
 from hetpipe.errors import JobFailed, StageLost
 from hetpipe.optim import compute_dtype
 from hetpipe.training import learning_rate
 from hetpipe.v1 import ps_pb2, stage_pb2, wire_pb2
 from hetpipe.wsp import shard_bound, total_waves
 from coordinator.planner import Plan, StagePlan, cache, resolved_job
-from coordinator.planner.shapes import TensorShape, boundaries
+from coordinator.planner.shapes import boundaries
 from coordinator import checkpoints
+from coordinator.assignment import Assigner, check_eval_cuts
 from coordinator.shard_watch import ShardWatch, shard_name
 from coordinator.stall import StallWatch
 
@@ -160,49 +161,6 @@ class JobDriver:
 
     # ---- setup ---------------------------------------------------------------------------
 
-    def _shared(self, h: StageHandle, host_id: str, other: str) -> bool:
-        """Whether h sends to `other` (a stage or a shard, at host_id) through shared memory."""
-        try:
-            return shm.shared(self.job.parallel.transport, h.host_id, host_id)
-        except ValueError as exc:
-            raise JobFailed(f"parallel.transport is shm, but {h.name} at {h.at} and {other} cannot use it: {exc} "
-                            f"(transport auto uses shared memory where it can, gRPC elsewhere)") from None
-
-    def _assignment(self, h: StageHandle, flows: list[TensorShape]) -> stage_pb2.StageAssignment:
-        sp, k = h.plan, self.plan.stages_per_vw
-        (x_shape, x_dtype), (y_shape, y_dtype) = self.batch
-        (act_shape, act_dtype), (out_shape, out_dtype) = flows[sp.layer_begin], flows[sp.layer_end]
-        vw_handles = [s for s in self.stages if s.plan.vw == sp.vw]
-        keys = models.parameter_keys(self.model, sp.layer_begin, sp.layer_end)
-        trace = str(self.trace_dir / f"vw{sp.vw}_stage{sp.stage}.jsonl") if self.job.output.trace else ""
-        profile = str(self.trace_dir / f"profile_vw{sp.vw}_stage{sp.stage}.json") if self.job.output.profile else ""
-        prev, next_ = (vw_handles[sp.stage + d] if 0 <= sp.stage + d < k else None for d in (-1, 1))
-        return stage_pb2.StageAssignment(
-            vw=sp.vw, stage=sp.stage, num_stages=k, layer_begin=sp.layer_begin, layer_end=sp.layer_end,
-            job_json=self.job.to_json(),
-            prev_address=vw_handles[sp.stage - 1].address if sp.stage > 0 else "",
-            next_address=vw_handles[sp.stage + 1].address if sp.stage < k - 1 else "",
-            ps_addresses=self.ps_addresses, trace_path=trace, profile_path=profile,
-            key_shards=[self.plan.key_shard[key] for key in keys] if self.ps_addresses else [],
-            forward_seconds=sp.forward_seconds, backward_seconds=sp.backward_seconds,
-            device=sp.device, device_label=sp.label,
-            input_shape=list(x_shape), input_dtype=wire.wire_dtype(x_dtype),
-            target_shape=list(y_shape), target_dtype=wire.wire_dtype(y_dtype),
-            memory_bytes=sp.memory_bytes, capacity_bytes=sp.capacity_bytes, gpu_type=sp.gpu, emulated=sp.emulated,
-            next_send_seconds=sp.next_send_seconds, prev_send_seconds=sp.prev_send_seconds,
-            push_seconds=sp.push_seconds, pull_seconds=sp.pull_seconds,
-            activation_shape=list(act_shape), activation_dtype=wire.wire_dtype(act_dtype),
-            output_shape=list(out_shape), output_dtype=wire.wire_dtype(out_dtype),
-            checkpoint_dir=str(self.checkpoint_dir or ""), resume_wave=self.resume_wave,
-            checkpoint_mark=self.checkpoints.mark if self.checkpoints is not None else "",
-            prev_shm=prev is not None and self._shared(h, prev.host_id, prev.name),
-            next_shm=next_ is not None and self._shared(h, next_.host_id, next_.name),
-            # Shared memory between two GPU stages is CUDA IPC (Setup keeps it only with *_shm).
-            prev_cuda_ipc=prev is not None and _on_gpus(h, prev), next_cuda_ipc=next_ is not None and _on_gpus(h, next_),
-            ps_shm=[self._shared(h, host, f"ps shard {i} at {address}")
-                    for i, (host, address) in enumerate(zip(self.ps_host_ids, self.ps_addresses))],
-        )
-
     def setup(self) -> None:
         """Assigns every stage (each loads its own layers, and VW 0's give the shards w0), waits
         until all have loaded, and starts them."""
@@ -214,7 +172,7 @@ class JobDriver:
         model_key = cache.model_key(self.job.model, self.job.base_dir, self.job.model.args, self.model)
         flows = boundaries(self.model, self.batch[0], compute_dtype(self.job.train.precision),
                            cache_dir=cache.default_cache_dir(), model_key=model_key)
-        self._check_eval_cuts(flows, model_key)
+        check_eval_cuts(self.job, self.plan, self.model, self.batch, flows, model_key)
         if self.checkpoint_dir is not None:
             self.checkpoints = checkpoints.Checkpoints(
                 self.checkpoint_dir, self.shards, self.plan.key_shard,
@@ -225,8 +183,11 @@ class JobDriver:
         self._shard_watch.start()
         if self.checkpoints is not None:
             self.checkpoints.prepare()
+        assigner = Assigner(self.job, self.plan, self.model, self.batch, flows, self.ps_addresses, self.ps_host_ids,
+                            self.trace_dir, self.checkpoint_dir,
+                            self.checkpoints.mark if self.checkpoints is not None else "", self.resume_wave)
         for h in self.stages:  # each answers at once and loads in the background
-            self.call(h, "Assign", self._assignment(h, flows))
+            self.call(h, "Assign", assigner.assignment(h, self.stages))
         if self.checkpoints is not None and self.resume_wave:  # VW 0's stages give w0 only on a fresh start
             self.seconds_before = self.checkpoints.restore_shards(self.resume_wave)
         self._wait_loaded()
@@ -236,24 +197,6 @@ class JobDriver:
         self.started = time.time()
         for h in self.stages:
             self.call(h, "Start", wire_pb2.Empty())
-
-    def _check_eval_cuts(self, flows: list[TensorShape], model_key: dict[str, Any] | None) -> None:
-        """ConfigError where data.eval_factory's rows would cross a cut of the plan in another shape
-        than the training rows, for which the stages are planned: the run trained to the end and
-        failed at its first evaluation. Rows of another shape that are the same at every cut (a
-        sequence pooled before the first) evaluate as planned."""
-        held_out = data.eval_batch_shapes(self.job)
-        if held_out is None or held_out[0][0] == self.batch[0][0]:
-            return
-        evals = boundaries(self.model, held_out[0], compute_dtype(self.job.train.precision),
-                           cache_dir=cache.default_cache_dir(), model_key=model_key)
-        for cut in sorted({sp.layer_begin for sp in self.plan.stages if sp.stage > 0}):
-            if evals[cut][0] != flows[cut][0]:
-                raise ConfigError(
-                    f"data.eval_factory: {self.job.data.eval_factory}: minibatches of x {list(held_out[0][0])} reach "
-                    f"the planned cut before layer {cut} as {list(evals[cut][0])}, where the training data's "
-                    f"{list(self.batch[0][0])} reach it as {list(flows[cut][0])}: the stages are planned for the "
-                    "training rows; give the held-out rows their shape")
 
     def _check_shared(self, cuts: checkpoints.Checkpoints) -> None:
         """JobFailed naming the stages whose hosts do not share the checkpoints folder: found at
@@ -555,6 +498,3 @@ class JobDriver:
             self.poll()
         return next(e for e in self.evals.values() if e.final)
 
-
-def _on_gpus(*stages: StageHandle) -> bool:
-    return all(s.plan.device.startswith("cuda") for s in stages)
