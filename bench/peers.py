@@ -6,6 +6,7 @@ the ratios each is judged by: HetPipe 2x1 / ddp, HetPipe 1x2 / torch-pipeline, e
     python bench/peers.py                          # the issue's CPU job (below), 120 steps
     python bench/peers.py --job JOB.yaml --steps 50 --json peers.json
     python bench/peers.py --per-step               # also CPU and wall per step of 2x1 and ddp
+    python bench/peers.py --pairs 5                # then each pair of peers 5 times more, alternating
 
 The built-in job: an MLP 64 -> 4 x 1024 -> 10 on scikit-learn's digits, batch 128, plain SGD.
 --job takes any job file; each layout replaces its whole parallel section (its eval section and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -116,6 +118,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per run (default 1200)")
     ap.add_argument("--per-step", action="store_true",
                     help="also run HetPipe 2x1 and ddp at 3x the steps: CPU and wall seconds per step, start-up excluded")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="then run each pair of peers N times more, which goes first alternating: each run's "
+                         "ratio and the median of all, the figure a box whose load swings from one minute to the "
+                         "next leaves standing")
     ap.add_argument("--keep", action="store_true", help="keep each run's outputs and logs (kept anyway on a failure)")
     args = ap.parse_args()
     with work_folder("hetpipe-peers-", args.keep) as work:
@@ -183,9 +189,11 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
           "per step; start-to-exit is the whole process, interpreter and every worker included; CPU s is "
           "the user + system time of every process of the run")
     per_step = per_step_costs(runs, results, folder, steps, args.timeout) if args.per_step else {}
+    repeated = pairs(runs, table, folder, args.pairs, args.timeout) if args.pairs > 0 else {}
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "job": raw, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-                                         "runs": results, "ratios": table, "per_step": per_step}, indent=2))
+                                         "runs": results, "ratios": table, "per_step": per_step, "pairs": repeated},
+                                        indent=2))
     failed = [r["name"] for r in results.values() if "error" in r]
     if failed:  # the rows above say why; a script that runs this must not read success
         sys.exit(f"bench/peers.py: {len(failed)} of {len(results)} runs failed: {', '.join(failed)}")
@@ -215,6 +223,40 @@ def per_step_costs(runs: list[tuple[Layout, dict[str, Any]]], results: dict[str,
         cpu = (long["cpu_seconds"] - short["cpu_seconds"]) / (2 * steps)
         out[layout.tag] = {"wall_seconds": wall, "cpu_seconds": cpu}
         print(f"    {layout.name:<32}{wall * 1e3:>9.1f}{cpu * 1e3:>9.1f}{cpu / wall:>12.2f}")
+    return out
+
+
+def pairs(runs: list[tuple[Layout, dict[str, Any]]], table: dict[str, float | None], folder: Path, n: int,
+          timeout: float) -> dict[str, list[float]]:
+    """Each pair of peers n times more, the second of the pair first every other time (a drift of
+    load then favours neither); per pair, every ratio (the table's first) and their median."""
+    spec = {layout.tag: (layout, s) for layout, s in runs}
+    out: dict[str, list[float]] = {}
+    print(f"each pair of peers {n} times more (the first ratio: the table's):")
+    for label, a, b in PEER_RATIOS:
+        first = table[label]
+        if first is None:
+            print(f"    {label:<32} n/a (a run failed above)")
+            continue
+        got = [first]
+        for i in range(n):
+            rate: dict[str, float] = {}
+            for tag in ((b, a) if i % 2 == 0 else (a, b)):   # the table ran a, then b
+                layout, base = spec[tag]
+                again = {**base, "output": {**base["output"], "dir": f"{base['output']['dir']}_{i + 1}"}}
+                try:
+                    r = run(layout.name, again, folder, timeout=timeout)
+                finally:
+                    (folder / f"{layout.name}.yaml").unlink(missing_ok=True)
+                if "error" in r:
+                    print(f"    {layout.name} FAILED: {' | '.join(r['error'])}")
+                    break
+                rate[tag] = r["samples_per_second"]
+            if len(rate) == 2:
+                got.append(rate[a] / rate[b])
+        out[label] = got
+        print(f"    {label:<32} median {statistics.median(got):.2f} of {len(got)}: "
+              + " ".join(f"{x:.2f}" for x in got), flush=True)
     return out
 
 
