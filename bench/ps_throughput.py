@@ -258,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="stages per VW: K client processes per VW, each pushing and pulling its own block "
                              "of the keys at once (default 1)")
     parser.add_argument("--no-durable", action="store_true", help="skip the N=1 S=1 row with durability on")
+    parser.add_argument("--repeat", type=int, default=1, metavar="R",
+                        help="every configuration R times, the configurations in turn, each run with fresh "
+                             "shards: each run's agg/TCP and their median (this box's load swings from one "
+                             "minute to the next)")
     parser.add_argument("--transports", nargs="+", choices=["grpc", "shm"],
                         help="gRPC frames, or shared memory (the shards and VWs share this host); default both, "
                              "--netns grpc")
@@ -289,6 +293,7 @@ def _measure(args: argparse.Namespace, far: Far | None) -> int:
     configs = [(n, s, False, t == "shm") for t in args.transports for s in args.shards for n in args.vws]
     if not args.no_durable:
         configs += [(1, 1, True, t == "shm") for t in args.transports]
+    configs *= max(1, args.repeat)
 
     began = time.perf_counter()
     load_start = os.getloadavg()
@@ -335,6 +340,11 @@ def _measure(args: argparse.Namespace, far: Far | None) -> int:
             shards.close()
         shutil.rmtree(workdir, ignore_errors=True)
     print_report(rows, costs, model_mib, rounds)
+    if args.repeat > 1:
+        print(f"\nagg/TCP of each configuration's {args.repeat} runs, and their median:")
+        for label in dict.fromkeys(r.label for r in rows):
+            ratios = [r.rate / r.tcp_rate for r in rows if r.label == label]
+            print(f"  {label:<20} median {statistics.median(ratios):.3f}: " + " ".join(f"{x:.3f}" for x in ratios))
     load = os.getloadavg()
     print(f"\nload average at start {load_start[0]:.1f}, at end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on "
           f"{os.cpu_count()} CPUs; total {time.perf_counter() - began:.0f}s (of which process start {started:.0f}s)")
