@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hetpipe.buffers import raw_bytes
-from ps_server.sync_rule import ShardError
+from ps_server.sync_rule import is_retry
 
 
 class Exchanges:
@@ -29,16 +29,11 @@ class Exchanges:
         """The deltas of vw's exchange `clock` of these keys, copied, where it was its latest (a
         retry); None where it is the next. ShardError for any other clock: one that goes
         backwards or skips ahead."""
-        current = {self.count[k][vw] for k in keys}
-        if current == {clock + 1}:
-            stored = [(k, self.last_delta[k][vw]) for k in keys]
-            return [(k, d.clone()) for k, d in stored if d is not None]
-        if current != {clock}:
-            have = sorted(current)
-            direction = "skips ahead" if clock > max(have) else "goes backwards"
-            raise ShardError(ShardError.Kind.CLOCK, f"exchange of vw {vw} for clock {clock} {direction}: "
-                                                    f"its exchanges for these keys are {have}")
-        return None
+        if not is_retry({self.count[k][vw] for k in keys}, clock, f"exchange of vw {vw} for clock {clock}",
+                        "its exchanges for these keys are"):
+            return None
+        stored = [(k, self.last_delta[k][vw]) for k in keys]
+        return [(k, d.clone()) for k, d in stored if d is not None]
 
     def record(self, vw: int, clock: int, deltas: Iterable[tuple[str, torch.Tensor]]) -> None:
         """vw's exchange `clock` applied, with these deltas (kept, not copied)."""

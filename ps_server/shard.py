@@ -18,7 +18,7 @@ from ps_server import headroom
 from ps_server.adds import Adder
 from ps_server.exchanges import Exchanges
 from ps_server.quorum import KeyRounds
-from ps_server.sync_rule import ShardError, SyncRule
+from ps_server.sync_rule import ShardError, SyncRule, is_retry
 from ps_server.wave_hold import WaveHold
 
 
@@ -256,17 +256,9 @@ class Shard:
         if sizes is None:
             sizes = headroom.push_sizes(vw, clock, deltas)
         keys = [k for k, _ in deltas]
-        current = {self.clocks[k][vw] for k in keys}
-        if current == {clock + 1}:
+        if is_retry({self.clocks[k][vw] for k in keys}, clock, what, "its clock for these keys is"):
             self.pushes_duplicate += 1
             return None
-        if current != {clock}:
-            have = sorted(current)
-            direction = "skips ahead" if clock > max(have) else "goes backwards"
-            raise ShardError(
-                ShardError.Kind.CLOCK,
-                f"push of vw {vw} for clock {clock} {direction}: its clock for these keys is {have}",
-            )
         if quorum and clock >= self.rule.total_waves:
             raise ShardError(ShardError.Kind.CLOCK, f"push of vw {vw} for clock {clock}: the job has "
                                                     f"{self.rule.total_waves} waves per virtual worker")

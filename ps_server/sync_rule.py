@@ -28,6 +28,20 @@ class ShardError(Exception):
         self.kind = kind
 
 
+def is_retry(current: set[int], clock: int, what: str, counted: str) -> bool:
+    """The clock rule of an update for `clock` (a push, an exchange), whose keys' clocks are
+    `current`: True for a retry of the latest (every key at clock + 1), False for the next (every
+    key at clock); anything else goes backwards or skips ahead, refused naming `what` and, after
+    `counted`, the clocks it found."""
+    if current == {clock + 1}:
+        return True
+    if current != {clock}:
+        have = sorted(current)
+        direction = "skips ahead" if clock > max(have) else "goes backwards"
+        raise ShardError(ShardError.Kind.CLOCK, f"{what} {direction}: {counted} {have}")
+    return False
+
+
 SYNC_MODES = ("wsp", "quorum", "elastic")
 
 
