@@ -124,6 +124,8 @@ def main() -> None:
                          "next leaves standing")
     ap.add_argument("--keep", action="store_true", help="keep each run's outputs and logs (kept anyway on a failure)")
     args = ap.parse_args()
+    if args.pairs < 0:
+        ap.error(f"--pairs must be 0 or more, got {args.pairs}")
     with work_folder("hetpipe-peers-", args.keep) as work:
         _bench(args, work)
 
@@ -199,6 +201,15 @@ def _bench(args: argparse.Namespace, work: Path) -> None:
         sys.exit(f"bench/peers.py: {len(failed)} of {len(results)} runs failed: {', '.join(failed)}")
 
 
+def run_again(layout: Layout, spec: dict[str, Any], folder: Path, timeout: float) -> dict[str, Any]:
+    """One more run of a layout (another spec: its steps, its output folder), its derived job
+    file removed after it."""
+    try:
+        return run(layout.name, spec, folder, timeout=timeout)
+    finally:
+        (folder / f"{layout.name}.yaml").unlink(missing_ok=True)
+
+
 def per_step_costs(runs: list[tuple[Layout, dict[str, Any]]], results: dict[str, dict[str, Any]], folder: Path,
                    steps: int, timeout: float) -> dict[str, dict[str, float]]:
     """HetPipe 2x1 and ddp again at 3x the steps: the differences, per step, are the CPU seconds
@@ -211,10 +222,7 @@ def per_step_costs(runs: list[tuple[Layout, dict[str, Any]]], results: dict[str,
             continue
         longer = {**spec, "train": {**spec["train"], "steps": 3 * steps},
                   "output": {**spec["output"], "dir": spec["output"]["dir"] + "_long"}}
-        try:
-            long = run(layout.name, longer, folder, timeout=3 * timeout)
-        finally:
-            (folder / f"{layout.name}.yaml").unlink(missing_ok=True)
+        long = run_again(layout, longer, folder, 3 * timeout)
         if "error" in long:
             print(f"    {layout.name:<32} FAILED: {' | '.join(long['error'])}")
             continue
@@ -244,10 +252,7 @@ def pairs(runs: list[tuple[Layout, dict[str, Any]]], table: dict[str, float | No
             for tag in ((b, a) if i % 2 == 0 else (a, b)):   # the table ran a, then b
                 layout, base = spec[tag]
                 again = {**base, "output": {**base["output"], "dir": f"{base['output']['dir']}_{i + 1}"}}
-                try:
-                    r = run(layout.name, again, folder, timeout=timeout)
-                finally:
-                    (folder / f"{layout.name}.yaml").unlink(missing_ok=True)
+                r = run_again(layout, again, folder, timeout)
                 if "error" in r:
                     print(f"    {layout.name} FAILED: {' | '.join(r['error'])}")
                     break

@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="each shard's intra-op threads (default 1, as beside CPU stages; the launchers "
                              "give shards beside GPU stages the cores those leave: threads.thread_split)")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be 1 or more, got {args.repeat}")
     # Before the forkserver starts: its children take its environment.
     os.environ[PS_THREADS_ENV] = str(max(1, args.shard_threads))
     args.transports = args.transports or (["grpc"] if args.netns else ["grpc", "shm"])
@@ -293,7 +295,7 @@ def _measure(args: argparse.Namespace, far: Far | None) -> int:
     configs = [(n, s, False, t == "shm") for t in args.transports for s in args.shards for n in args.vws]
     if not args.no_durable:
         configs += [(1, 1, True, t == "shm") for t in args.transports]
-    configs *= max(1, args.repeat)
+    configs *= args.repeat
 
     began = time.perf_counter()
     load_start = os.getloadavg()
