@@ -21,9 +21,12 @@ demo: $(STAMP)
 
 # Two pytest-xdist workers: most e2e tests wait on their processes, so two at once finish the
 # suite in about three quarters of the time on 2 cores. TEST_WORKERS=0 runs it in one process.
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): each of
+# the suite's pytest processes would otherwise rewrite every test module's asserts (10 s of CPU)
+# and each service process it starts compile the project's modules again.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist worksteal tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist worksteal tests
 
 # The compose cluster and the `hetpipe k8s` manifests brought up for real with podman, trained and
 # torn down (tests/containers/bringup.py; minutes, so not part of `make test`). Prints "SKIPPED: ..."
