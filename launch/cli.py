@@ -22,6 +22,7 @@ from hetpipe.config import ConfigError, JobConfig, check_coordinated, load_job
 from hetpipe.errors import Interrupted, JobFailed, JobStopped, interrupt_reason
 from launch import compose
 from launch import k8s
+from launch import processes
 from launch import run_marker
 from launch import worker
 from launch.ending import EXIT_BROKEN_PIPE, EXIT_FAILED, EXIT_UNAVAILABLE, EXIT_USAGE, error as _error, warn
@@ -95,6 +96,10 @@ def _run_job(args: argparse.Namespace) -> int:
 
 
 def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
+    if not args.coordinator and job.parallel.mode == "hetpipe":
+        # The workers' fork server imports torch while this process does (seconds each): one after
+        # the other, a local run's start took their sum.
+        processes.warm_up()
     with interrupts_held():
         from coordinator.planner import PlanError
         from launch import remote

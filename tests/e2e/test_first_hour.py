@@ -270,6 +270,17 @@ def test_commands_that_neither_plan_nor_run_start_without_torch() -> None:
     assert found.returncode == 0 and found.stdout.strip() == "[]", (found.stdout, found.stderr)
 
 
+def test_a_local_run_starts_its_fork_server_before_it_imports_torch(tmp_path: Path) -> None:
+    """The fork server imports torch for the workers (seconds on a small host) while the launcher
+    imports it to plan, not after: one after the other, a run's start took the sum. The run stops
+    where the fork server would start."""
+    code = ("import sys; from launch import cli, processes\n"
+            "def started(): print('torch' in sys.modules); raise SystemExit(0)\n"
+            f"processes.warm_up = started; cli.main(['run', '-q', {str(_job_file(tmp_path))!r}])")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert found.returncode == 0 and found.stdout == "False\n", (found.stdout, found.stderr)
+
+
 def test_a_bare_status_with_no_coordinator_says_how_to_find_a_local_run(monkeypatch: pytest.MonkeyPatch,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv("HETPIPE_COORDINATOR", raising=False)
