@@ -115,7 +115,10 @@ def test_the_host_copies_bench_runs_without_a_gpu(tmp_path: Path) -> None:
 
 
 def test_the_spy_step_without_py_spy_says_what_to_carry(tmp_path: Path) -> None:
-    done = kit("run", tmp_path / "out", "spy", site=tmp_path / "site")
+    # The kit takes a py-spy on PATH first: one this machine has is left out of the kit's PATH.
+    folders = [str(Path(sys.executable).parent), *os.environ["PATH"].split(os.pathsep)]
+    done = kit("run", tmp_path / "out", "spy", site=tmp_path / "site",
+               PATH=os.pathsep.join(f for f in folders if not (Path(f) / "py-spy").exists()))
     assert done.returncode == 1 and "failed: spy" in done.stdout
     assert "no py-spy: carry its wheel" in (tmp_path / "out" / "spy.txt").read_text() + done.stderr
 
