@@ -92,14 +92,14 @@ def _run_job(args: argparse.Namespace) -> int:
     # baseline (ddp, torch-pipeline): it publishes no coordinator to stop it through.
     local = not args.coordinator and job.parallel.mode == "hetpipe"
     with run_marker.marked(Path(job.resolve(job.output.dir))) if local else nullcontext():
+        if local:
+            # The workers' fork server imports torch while this process does (seconds each): one
+            # after the other, a local run's start took their sum.
+            processes.warm_up()
         return _run_loaded(args, job)
 
 
 def _run_loaded(args: argparse.Namespace, job: JobConfig) -> int:
-    if not args.coordinator and job.parallel.mode == "hetpipe":
-        # The workers' fork server imports torch while this process does (seconds each): one after
-        # the other, a local run's start took their sum.
-        processes.warm_up()
     with interrupts_held():
         from coordinator.planner import PlanError
         from launch import remote
