@@ -72,6 +72,13 @@ def options() -> list[tuple[str, Any]]:
     ]
 
 
+# Each channel its own connections: gRPC otherwise shares them among a process's channels to one
+# address, and a channel kept to a dead peer's port (backing off between attempts) failed every
+# new one at once with its last "Connection refused", though a new process served there by then
+# (a restarted shard, a worker given a port an earlier one had; tests/integration/test_channels.py).
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -268,8 +275,9 @@ def channel(address: str) -> grpc.Channel:
     """A channel to address with this process's security: TLS when it has certificates, and its
     token on every call."""
     credentials = security.channel_credentials()
-    raw = (grpc.secure_channel(address, credentials, options=options()) if credentials is not None
-           else grpc.insecure_channel(address, options=options()))
+    settings = options() + CHANNEL_OPTIONS
+    raw = (grpc.secure_channel(address, credentials, options=settings) if credentials is not None
+           else grpc.insecure_channel(address, options=settings))
     return grpc.intercept_channel(raw, security.BEARER) if security.has_token() else raw
 
 
