@@ -56,6 +56,22 @@ def _no_orphans() -> Iterator[None]:
     assert not leftover, f"test left processes behind: {[c.cmdline() for c in leftover]}"
 
 
+# What a failed test's report shows of each worker log under its tmp_path: CI keeps its output,
+# not its files, and a failure that names a log ("...; log .../stage_worker_1.log") is read there.
+LOG_TAIL_LINES, LOGS_SHOWN = 25, 8
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report: pytest.TestReport = yield
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and call.when == "call" and tmp is not None:
+        for log in sorted(Path(tmp).rglob("logs/*.log"))[:LOGS_SHOWN]:
+            lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            report.sections.append((f"worker log {log.relative_to(tmp)} (its last lines)", "\n".join(lines)))
+    return report
+
+
 @pytest.fixture
 def host_wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Held by tests that make, or count, what every process on the host sees (POSIX semaphores
