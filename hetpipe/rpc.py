@@ -76,7 +76,13 @@ def options() -> list[tuple[str, Any]]:
 # address, and a channel kept to a dead peer's port (backing off between attempts) failed every
 # new one at once with its last "Connection refused", though a new process served there by then
 # (a restarted shard, a worker given a port an earlier one had; tests/integration/test_channels.py).
-CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+# Reconnects at most a second apart: gRPC's default backoff grows to 120 s, and a stage found its
+# shard, restarted after 20 s down, seconds after it served again (bench/reconnect.py). An attempt
+# is one SYN; the peers are a job's few processes.
+RECONNECT_BACKOFF_MS = (100, 1000)   # the first, the most
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1),
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]
 
 
 F = TypeVar("F", bound=Callable[..., Any])
